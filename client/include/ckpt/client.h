@@ -1,0 +1,148 @@
+// ckpt::Client — the trainer side of ckptd (C++).
+//
+// One Client per trainer rank. Typical use:
+//
+//   ckpt::ClientOptions opts;                       // socket, deadlines
+//   auto client = ckpt::Client::Connect(opts).value();
+//   size_t r = client->AllocateRegion(bytes).value();   // tensors live here
+//   float* w = static_cast<float*>(client->RegionData(r));
+//   ckpt::RankSpec spec{...layers with tensors at (region, offset)...};
+//   client->Register(spec);                          // hands the memfds over
+//   for (t = 1..) {
+//     if (t > 1) client->WaitSnapshot(t - 1);        // fence before mutating
+//     optimizer_step();                              // mutate the buffers
+//     client->StepDone(t, lr, aux);                  // returns at once
+//   }
+//   client->WaitDurable(last);
+//
+// After a crash, a new process registers the same spec and calls Restore(),
+// which writes the composite checkpoint into the registered buffers.
+//
+// Every call carries a deadline (ClientOptions). When the daemon is gone
+// (UNAVAILABLE), the client re-registers automatically once it is back; with
+// OnDaemonLoss::kContinueUnprotected the calls succeed as no-ops meanwhile and
+// unprotected() reports it, so a dead daemon never stops training.
+//
+// Thread-safety: a Client is used by one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ckpt/v1/ckpt.pb.h"
+
+namespace ckpt {
+
+enum class OnDaemonLoss {
+  kError,                // calls fail with UNAVAILABLE while the daemon is gone
+  kContinueUnprotected,  // calls succeed as no-ops; training continues unprotected
+};
+
+struct ClientOptions {
+  std::string socket_path = "/run/ckptd/ckptd.sock";
+  std::string handover_socket_path;  // empty: socket_path + ".fds"
+  absl::Duration call_timeout = absl::Seconds(10);   // unary calls
+  absl::Duration wait_timeout = absl::Seconds(120);  // WaitSnapshot / WaitDurable
+  absl::Duration restore_timeout = absl::Minutes(30);
+  absl::Duration reconnect_interval = absl::Seconds(2);  // between re-registration attempts
+  OnDaemonLoss on_daemon_loss = OnDaemonLoss::kError;
+};
+
+struct TensorDesc {
+  std::string name;
+  v1::DType dtype = v1::DTYPE_F32;
+  std::vector<uint64_t> shape;
+  v1::TensorRole role = v1::ROLE_PARAM;
+  uint32_t group = 0;
+  uint32_t region = 0;  // from AllocateRegion
+  uint64_t offset = 0;  // bytes into the region
+};
+
+struct LayerDesc {
+  std::string name;
+  v1::LayerKind kind = v1::LAYER_BLOCK;
+  std::vector<TensorDesc> tensors;
+};
+
+struct RankSpec {
+  std::string job_id;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  uint32_t local_rank = 0;
+  std::vector<LayerDesc> layers;  // layer i gets id i
+  v1::PolicySpec policy;          // default: all
+};
+
+struct SnapshotInfo {
+  std::vector<uint32_t> layers;  // copied at this step
+  uint32_t skipped = 0;          // selected but skipped (pool full)
+  bool lost = false;             // the daemon restarted; nothing was taken
+};
+
+// Bytes of one element of `dtype` (0 if unknown).
+uint64_t DTypeBytes(v1::DType dtype);
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // A zero-filled shared-memory region of at least `bytes`; returns its index.
+  // REQUIRES: before Register.
+  absl::StatusOr<size_t> AllocateRegion(uint64_t bytes);
+  void* RegionData(size_t region) const;
+  uint64_t RegionSize(size_t region) const;
+
+  // Hands the regions over and registers the rank. INVALID_ARGUMENT (from the
+  // daemon) names a bad tensor; the spec is kept for automatic re-registration.
+  absl::Status Register(const RankSpec& spec);
+
+  // Reports that the optimizer step `step` finished. Returns at once.
+  // `layers` is the layer list for POLICY_EXPLICIT.
+  absl::Status StepDone(uint64_t step, double lr, const std::string& aux = "",
+                        const std::vector<uint32_t>& layers = {},
+                        const std::vector<v1::GroupStep>& group_steps = {});
+  // The fence: returns when the snapshot of `step` is in staging.
+  absl::StatusOr<SnapshotInfo> WaitSnapshot(uint64_t step);
+  // Returns the durable step (>= step) once every layer's newest version
+  // selected at or before `step` is durable.
+  absl::StatusOr<uint64_t> WaitDurable(uint64_t step);
+  // The composite plan for `target_step` (0 = latest durable).
+  absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
+  // Restores the composite checkpoint into the registered buffers.
+  absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0);
+  absl::Status Unregister(bool drain = true);
+
+  uint64_t generation() const { return generation_; }
+  uint64_t latest_durable_step_at_register() const { return latest_durable_at_register_; }
+  bool unprotected() const { return unprotected_; }
+  const std::string& io_backend() const { return io_backend_; }
+
+ private:
+  struct Impl;
+  explicit Client(const ClientOptions& options);
+  absl::Status DoRegister();
+  // Handles a failed call: UNAVAILABLE / stale registration -> try to
+  // re-register (rate-limited). Returns the status the caller should see.
+  absl::Status OnCallError(const absl::Status& s, bool* reregistered);
+
+  ClientOptions options_;
+  std::unique_ptr<Impl> impl_;
+  RankSpec spec_;
+  bool registered_ = false;
+  uint64_t generation_ = 0;
+  uint64_t latest_durable_at_register_ = 0;
+  uint64_t registered_after_step_ = 0;  // steps <= this were before the last (re)registration
+  uint64_t last_step_ = 0;
+  bool unprotected_ = false;
+  absl::Time next_reconnect_ = absl::InfinitePast();
+  std::string io_backend_;
+};
+
+}  // namespace ckpt

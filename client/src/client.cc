@@ -1,0 +1,297 @@
+#include "ckpt/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status.h"
+#include "daemon/shm/handover_wire.h"
+#include "daemon/shm/region.h"
+
+namespace ckpt {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+bool DaemonLost(const absl::Status& s) {
+  // UNAVAILABLE: the socket is gone. NOT_FOUND / FAILED_PRECONDITION with a
+  // stale generation: the daemon restarted and no longer knows this rank.
+  return absl::IsUnavailable(s) ||
+         (absl::IsNotFound(s) && s.message().find("is not registered") != absl::string_view::npos) ||
+         (absl::IsFailedPrecondition(s) && s.message().find("is stale") != absl::string_view::npos);
+}
+
+}  // namespace
+
+uint64_t DTypeBytes(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+    case v1::DTYPE_I32:
+      return 4;
+    case v1::DTYPE_F16:
+    case v1::DTYPE_BF16:
+      return 2;
+    case v1::DTYPE_F64:
+    case v1::DTYPE_I64:
+      return 8;
+    case v1::DTYPE_U8:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+struct Client::Impl {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Trainer::Stub> stub;
+  std::vector<MemfdRegion> regions;
+};
+
+Client::Client(const ClientOptions& options) : options_(options), impl_(new Impl) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::unique_ptr<Client> c(new Client(options));
+  if (c->options_.handover_socket_path.empty()) {
+    c->options_.handover_socket_path = c->options_.socket_path + ".fds";
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  c->impl_->channel = grpc::CreateCustomChannel("unix:" + c->options_.socket_path,
+                                                grpc::InsecureChannelCredentials(), args);
+  c->impl_->stub = v1::Trainer::NewStub(c->impl_->channel);
+  return c;
+}
+
+absl::StatusOr<size_t> Client::AllocateRegion(uint64_t bytes) {
+  if (registered_) return absl::FailedPreconditionError("allocate regions before Register");
+  CKPT_ASSIGN_OR_RETURN(MemfdRegion r,
+                        MemfdRegion::Create(absl::StrCat("ckpt-region-", impl_->regions.size()), bytes));
+  impl_->regions.push_back(std::move(r));
+  return impl_->regions.size() - 1;
+}
+
+void* Client::RegionData(size_t region) const { return impl_->regions.at(region).data(); }
+uint64_t Client::RegionSize(size_t region) const { return impl_->regions.at(region).size(); }
+
+absl::Status Client::Register(const RankSpec& spec) {
+  if (impl_->regions.empty()) return absl::FailedPreconditionError("no regions allocated");
+  spec_ = spec;
+  return DoRegister();
+}
+
+absl::Status Client::DoRegister() {
+  std::vector<int> fds;
+  for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
+  CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
+                                                       options_.call_timeout));
+  v1::RegisterRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_world_size(spec_.world_size);
+  req.set_local_rank(spec_.local_rank);
+  req.set_handover_token(token);
+  *req.mutable_policy() = spec_.policy;
+  for (size_t i = 0; i < spec_.layers.size(); ++i) {
+    const LayerDesc& l = spec_.layers[i];
+    v1::LayerSpec* ls = req.add_layers();
+    ls->set_id(static_cast<uint32_t>(i));
+    ls->set_name(l.name);
+    ls->set_kind(l.kind);
+    for (const TensorDesc& t : l.tensors) {
+      v1::TensorSpec* ts = ls->add_tensors();
+      ts->set_name(t.name);
+      ts->set_dtype(t.dtype);
+      uint64_t elems = 1;
+      for (uint64_t d : t.shape) {
+        ts->add_shape(d);
+        elems *= d;
+      }
+      ts->set_nbytes(elems * DTypeBytes(t.dtype));
+      ts->set_role(t.role);
+      ts->set_group(t.group);
+      ts->set_region(t.region);
+      ts->set_offset(t.offset);
+    }
+  }
+  grpc::ClientContext ctx;
+  // Registration may wait for a previous registration of the rank to drain.
+  SetDeadline(&ctx, options_.call_timeout + absl::Seconds(60));
+  v1::RegisterReply reply;
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &reply)));
+  registered_ = true;
+  generation_ = reply.generation();
+  latest_durable_at_register_ = reply.latest_durable_step();
+  registered_after_step_ = last_step_;
+  io_backend_ = reply.io_backend();
+  if (unprotected_) {
+    CKPT_LOG(WARNING) << "ckptd is back: job " << spec_.job_id << " rank " << spec_.rank
+                      << " re-registered (generation " << generation_ << "); protected again";
+  }
+  unprotected_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status Client::OnCallError(const absl::Status& s, bool* reregistered) {
+  *reregistered = false;
+  if (!DaemonLost(s)) return s;
+  if (!unprotected_) {
+    CKPT_LOG(WARNING) << "ckptd unreachable or restarted (" << s << "); "
+                      << (options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected
+                              ? "training continues UNPROTECTED until it is back"
+                              : "calls fail until it is back");
+  }
+  unprotected_ = true;
+  if (absl::Now() >= next_reconnect_) {
+    next_reconnect_ = absl::Now() + options_.reconnect_interval;
+    absl::Status r = DoRegister();
+    if (r.ok()) {
+      *reregistered = true;
+      return absl::OkStatus();
+    }
+    if (!absl::IsUnavailable(r)) return r;  // e.g. the spec is refused: report it
+  }
+  if (options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));
+}
+
+absl::Status Client::StepDone(uint64_t step, double lr, const std::string& aux,
+                              const std::vector<uint32_t>& layers,
+                              const std::vector<v1::GroupStep>& group_steps) {
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  last_step_ = step;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::StepDoneRequest req;
+    req.set_job_id(spec_.job_id);
+    req.set_rank(spec_.rank);
+    req.set_generation(generation_);
+    req.set_step(step);
+    req.set_lr(lr);
+    req.set_aux(aux);
+    for (uint32_t l : layers) req.add_layers(l);
+    for (const v1::GroupStep& g : group_steps) *req.add_group_steps() = g;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, options_.call_timeout);
+    v1::StepDoneReply reply;
+    absl::Status s = FromGrpc(impl_->stub->StepDone(&ctx, req, &reply));
+    if (s.ok()) return s;
+    bool rereg = false;
+    absl::Status handled = OnCallError(s, &rereg);
+    if (!rereg) return handled;
+    registered_after_step_ = step - 1;  // this step goes to the new registration
+  }
+  return absl::UnavailableError("ckptd kept failing");
+}
+
+absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
+  SnapshotInfo info;
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  if (step <= registered_after_step_) {  // reported before a daemon restart
+    info.lost = true;
+    return info;
+  }
+  v1::WaitRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_step(step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.wait_timeout);
+  v1::WaitSnapshotReply reply;
+  absl::Status s = FromGrpc(impl_->stub->WaitSnapshot(&ctx, req, &reply));
+  if (!s.ok()) {
+    bool rereg = false;
+    absl::Status handled = OnCallError(s, &rereg);
+    if (rereg || handled.ok()) {
+      // The fence has nothing to wait for: the daemon holds no snapshot.
+      info.lost = true;
+      return info;
+    }
+    return handled;
+  }
+  info.layers.assign(reply.layers().begin(), reply.layers().end());
+  info.skipped = reply.skipped();
+  return info;
+}
+
+absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  if (step <= registered_after_step_) {
+    return absl::AbortedError(
+        absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
+  }
+  v1::WaitRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_step(step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.wait_timeout);
+  v1::WaitDurableReply reply;
+  absl::Status s = FromGrpc(impl_->stub->WaitDurable(&ctx, req, &reply));
+  if (!s.ok()) {
+    bool rereg = false;
+    absl::Status handled = OnCallError(s, &rereg);
+    if (DaemonLost(s)) {
+      return absl::AbortedError(absl::StrCat("ckptd was lost before step ", step, " became durable"));
+    }
+    return handled;
+  }
+  return reply.durable_step();
+}
+
+absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step) {
+  v1::PlanRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_target_step(target_step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.call_timeout);
+  v1::Plan plan;
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Plan(&ctx, req, &plan)));
+  return plan;
+}
+
+absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step) {
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  v1::RestoreRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_target_step(target_step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.restore_timeout);
+  v1::RestoreReply reply;
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Restore(&ctx, req, &reply)));
+  last_step_ = reply.plan().target_step();
+  registered_after_step_ = last_step_;
+  return reply;
+}
+
+absl::Status Client::Unregister(bool drain) {
+  if (!registered_) return absl::OkStatus();
+  v1::UnregisterRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_drain(drain);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.wait_timeout);
+  v1::UnregisterReply reply;
+  absl::Status s = FromGrpc(impl_->stub->Unregister(&ctx, req, &reply));
+  registered_ = false;
+  return s;
+}
+
+}  // namespace ckpt

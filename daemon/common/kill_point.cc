@@ -1,0 +1,81 @@
+#include "daemon/common/kill_point.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+
+namespace ckpt {
+namespace {
+
+struct KillConfig {
+  std::string at;
+  long at_count = 1;
+  long odds = 0;
+  std::string log_path;
+  std::mt19937_64 rng;
+  long hits = 0;
+};
+
+std::once_flag g_once;
+std::atomic<bool> g_armed{false};
+std::mutex g_mu;
+KillConfig* g_config = nullptr;
+
+void Load() {
+  auto* c = new KillConfig();
+  if (const char* at = std::getenv("CKPT_KILL_AT")) {
+    std::string s = at;
+    auto colon = s.find(':');
+    c->at = s.substr(0, colon);
+    if (colon != std::string::npos) c->at_count = std::atol(s.c_str() + colon + 1);
+  }
+  if (const char* odds = std::getenv("CKPT_KILL_ODDS")) c->odds = std::atol(odds);
+  if (const char* log = std::getenv("CKPT_KILL_LOG")) c->log_path = log;
+  const char* seed = std::getenv("CKPT_KILL_SEED");
+  c->rng.seed(seed ? std::strtoull(seed, nullptr, 10) : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
+  g_config = c;
+  g_armed.store(!c->at.empty() || c->odds > 0, std::memory_order_relaxed);
+}
+
+void Die(const char* name) {
+  if (!g_config->log_path.empty()) {
+    int fd = ::open(g_config->log_path.c_str(), O_WRONLY | O_APPEND | O_CREAT, 0644);
+    if (fd >= 0) {
+      std::string line = std::string(name) + "\n";
+      ssize_t unused = ::write(fd, line.data(), line.size());
+      (void)unused;
+      ::fsync(fd);
+      ::close(fd);
+    }
+  }
+  ::kill(::getpid(), SIGKILL);
+  ::pause();
+}
+
+}  // namespace
+
+void InitKillPoints() { std::call_once(g_once, Load); }
+
+bool KillPointsArmed() {
+  InitKillPoints();
+  return g_armed.load(std::memory_order_relaxed);
+}
+
+void KillPointHit(const char* name) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_config->at.empty() && g_config->at == name && ++g_config->hits >= g_config->at_count) {
+    Die(name);
+  }
+  if (g_config->odds > 0 && g_config->rng() % static_cast<uint64_t>(g_config->odds) == 0) {
+    Die(name);
+  }
+}
+
+}  // namespace ckpt

@@ -1,0 +1,47 @@
+// Status helpers shared by every ckptd subsystem.
+//
+// Errors are values (absl::Status / absl::StatusOr). Debian's Abseil
+// (20220623) has no status macros, so they are defined once here. An error is
+// swallowed only through IgnoreError(), which names the reason.
+#pragma once
+
+#include <cerrno>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#define CKPT_STATUS_CONCAT_INNER_(a, b) a##b
+#define CKPT_STATUS_CONCAT_(a, b) CKPT_STATUS_CONCAT_INNER_(a, b)
+
+// Returns from the current function when `expr` (an absl::Status) is not OK.
+#define CKPT_RETURN_IF_ERROR(expr)                  \
+  do {                                              \
+    ::absl::Status ckpt_status_ = (expr);           \
+    if (!ckpt_status_.ok()) return ckpt_status_;    \
+  } while (0)
+
+// `lhs = value of expr` (an absl::StatusOr<T>), or returns its error.
+#define CKPT_ASSIGN_OR_RETURN(lhs, expr) \
+  CKPT_ASSIGN_OR_RETURN_IMPL_(CKPT_STATUS_CONCAT_(ckpt_statusor_, __LINE__), lhs, expr)
+#define CKPT_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                \
+  if (!tmp.ok()) return tmp.status();               \
+  lhs = std::move(tmp).value()
+
+namespace ckpt {
+
+// Maps an errno value to the status code a caller should act on:
+// ENOSPC/EDQUOT -> RESOURCE_EXHAUSTED, ENOENT -> NOT_FOUND,
+// EEXIST -> ALREADY_EXISTS, EINVAL -> INVALID_ARGUMENT, EACCES/EPERM ->
+// PERMISSION_DENIED, EAGAIN/EINTR -> UNAVAILABLE, EIO and the rest -> INTERNAL.
+absl::Status ErrnoStatus(int err, absl::string_view what);
+
+// Drops `status` on purpose; `why` documents the reason at the call site.
+inline void IgnoreError(const absl::Status& status, const char* why) {
+  (void)status;
+  (void)why;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,28 @@
+// Unix-socket helpers: listening sockets with safe permissions, and the
+// identity of the peer (SO_PEERCRED). Identity always comes from the kernel,
+// never from request fields.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/common/unique_fd.h"
+
+namespace ckpt {
+
+struct PeerCred {
+  pid_t pid = 0;
+  uid_t uid = static_cast<uid_t>(-1);
+  gid_t gid = static_cast<gid_t>(-1);
+};
+
+absl::StatusOr<PeerCred> GetPeerCred(int sock_fd);
+
+// Binds and listens on a Unix stream socket at `path` with `mode` (the socket
+// never exists with looser permissions). A stale socket file is replaced;
+// anything else at the path (a file, a symlink) is FAILED_PRECONDITION.
+absl::StatusOr<UniqueFd> ListenUnixSocket(const std::string& path, mode_t mode);
+
+}  // namespace ckpt

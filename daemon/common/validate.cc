@@ -1,0 +1,29 @@
+#include "daemon/common/validate.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace ckpt {
+
+absl::Status ValidateJobId(absl::string_view job_id) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job id is empty");
+  if (job_id.size() > kMaxJobIdLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job id is ", job_id.size(), " bytes; the limit is ", kMaxJobIdLength));
+  }
+  if (job_id == "." || job_id == "..") {
+    return absl::InvalidArgumentError("job id may not be '.' or '..'");
+  }
+  for (size_t i = 0; i < job_id.size(); ++i) {
+    unsigned char c = static_cast<unsigned char>(job_id[i]);
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "job id has byte 0x%02x at position %d; allowed: [A-Za-z0-9._-]", c, i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

@@ -1,0 +1,765 @@
+#include "daemon/engine/engine.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status.h"
+#include "daemon/common/validate.h"
+#include "daemon/policy/selection.h"
+#include "daemon/recovery/plan.h"
+#include "daemon/shm/region.h"
+
+namespace ckpt {
+
+// One layer's copy recipe: the file header template and where its tensors live.
+struct LayerTemplate {
+  store::LayerFileHeader header;  // tensors with offsets; checksums filled at commit
+  VersionLayout layout;
+  std::vector<char*> src;         // per tensor, inside the rank's mapped regions
+};
+
+struct PendingStep {
+  uint64_t step = 0;
+  uint32_t remaining = 0;  // versions still being written
+  store::EventRecord event;
+};
+
+struct Engine::SnapTask {
+  uint64_t step = 0;
+  std::vector<uint32_t> layers;  // selected at StepDone time
+  store::EventRecord event;      // aux, lr
+  std::vector<v1::GroupStep> group_steps;
+};
+
+struct Engine::WriteTask {
+  std::shared_ptr<Rank> rank;
+  StagedVersion version;
+};
+
+struct Engine::Rank {
+  // Immutable after registration.
+  std::string job;
+  uint32_t rank = 0;
+  uint64_t generation = 0;
+  uid_t uid = 0;
+  store::RankRecord table;
+  PolicyConfig policy;
+  std::vector<MappedRegion> regions;
+  std::vector<LayerTemplate> layers;
+
+  // Guarded by Engine::mu_.
+  bool active = true;
+  bool restoring = false;
+  uint64_t last_step_seen = 0;
+  uint64_t snapshot_step = 0;
+  uint64_t durable_step = 0;
+  std::deque<SnapTask> snap_queue;
+  bool snap_busy = false;
+  std::map<uint64_t, v1::WaitSnapshotReply> snap_results;  // the most recent steps
+  std::deque<PendingStep> pending;
+  std::vector<bool> never_persisted;
+  std::vector<bool> retry;
+  std::vector<uint64_t> failed_since;  // per layer: oldest failed, unrepaired step (0 = none)
+  absl::Status fatal;
+
+  // Serializes event writes of this rank (held without Engine::mu_).
+  absl::Mutex event_mu;
+};
+
+namespace {
+
+constexpr size_t kSnapResultsKept = 64;
+
+bool IsRoot(const Caller& c) { return c.uid == 0; }
+
+}  // namespace
+
+Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool)
+    : options_(std::move(options)), index_(index), store_(store), pool_(pool) {}
+
+Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
+
+absl::Status Engine::Start() {
+  std::vector<std::unique_ptr<IoBackend>> backends;
+  for (unsigned i = 0; i < std::max(1u, options_.writer_threads); ++i) {
+    CKPT_ASSIGN_OR_RETURN(auto io, MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+    backends.push_back(std::move(io));
+  }
+  io_backend_name_ = backends[0]->Name();
+  if (options_.io_backend == IoBackendKind::kAuto && io_backend_name_ != "io_uring") {
+    CKPT_LOG(WARNING) << "io_uring is unavailable (kernel or seccomp); writing with pwrite";
+  }
+  for (auto& io : backends) {
+    writer_threads_.emplace_back([this, b = io.release()] { WriterLoop(std::unique_ptr<IoBackend>(b)); });
+  }
+  for (unsigned i = 0; i < std::max(1u, options_.snapshot_threads); ++i) {
+    snapshot_threads_.emplace_back([this] { SnapshotLoop(); });
+  }
+  return absl::OkStatus();
+}
+
+void Engine::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && stop_writers_) return;
+    stopping_ = true;
+  }
+  for (auto& t : snapshot_threads_) t.join();
+  snapshot_threads_.clear();
+  {
+    // Let the writers finish what is staged, within the grace period.
+    absl::MutexLock lock(&mu_);
+    auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return write_queue_.empty() && writers_busy_ == 0;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&drained), grace)) {
+      CKPT_LOG(WARNING) << "shutdown: discarding " << write_queue_.size()
+                        << " staged layer versions that were not written in time";
+    }
+    stop_writers_ = true;
+  }
+  for (auto& t : writer_threads_) t.join();
+  writer_threads_.clear();
+  absl::MutexLock lock(&mu_);
+  write_queue_.clear();
+  for (auto& [key, r] : ranks_) r->active = false;
+  ranks_.clear();
+}
+
+absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
+  if (!rec.has_value()) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
+  if (rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::string& job,
+                                                                 uint32_t rank,
+                                                                 uint64_t generation,
+                                                                 const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  auto it = ranks_.find(RankKey(job, rank));
+  if (it == ranks_.end()) {
+    return absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered"));
+  }
+  const std::shared_ptr<Rank>& r = it->second;
+  if (r->uid != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
+  if (r->generation != generation) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "generation ", generation, " of job ", job, " rank ", rank, " is stale (current ",
+        r->generation, "); register again"));
+  }
+  return r;
+}
+
+absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline) {
+  auto idle = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->snap_queue.empty() && !r->snap_busy && r->pending.empty();
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::UnavailableError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                               " is still writing earlier steps; retry"));
+  }
+  return absl::OkStatus();
+}
+
+// ---- Register ----
+
+absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
+                                                   std::vector<UniqueFd> fds,
+                                                   const Caller& caller) {
+  // 1. Validate everything against the regions' real sizes before mapping.
+  std::vector<uint64_t> sizes;
+  for (const UniqueFd& fd : fds) {
+    struct stat st;
+    if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return absl::InvalidArgumentError("a handed-over descriptor is not a memory region");
+    }
+    sizes.push_back(static_cast<uint64_t>(st.st_size));
+  }
+  RegistrationLimits limits = options_.limits;
+  limits.max_layer_file_bytes = pool_->budget_bytes();
+  CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
+  CKPT_ASSIGN_OR_RETURN(PolicyConfig policy, PolicyFromProto(req.policy()));
+
+  // 2. Ownership.
+  CKPT_ASSIGN_OR_RETURN(auto job_rec, index_->GetJob(req.job_id()));
+  if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", req.job_id(), " belongs to another user"));
+  }
+
+  // 3. Map.
+  auto r = std::make_shared<Rank>();
+  r->job = req.job_id();
+  r->rank = req.rank();
+  r->uid = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
+  r->policy = policy;
+  for (UniqueFd& fd : fds) {
+    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
+    r->regions.push_back(std::move(region));
+  }
+  for (const v1::LayerSpec& spec : req.layers()) {
+    LayerTemplate lt;
+    lt.header.set_job_id(req.job_id());
+    lt.header.set_rank(req.rank());
+    lt.header.set_layer(spec.id());
+    lt.header.set_layer_name(spec.name());
+    for (const v1::TensorSpec& t : spec.tensors()) {
+      store::TensorEntry* e = lt.header.add_tensors();
+      e->set_name(t.name());
+      e->set_dtype(t.dtype());
+      *e->mutable_shape() = t.shape();
+      e->set_role(t.role());
+      e->set_group(t.group());
+      e->set_nbytes(t.nbytes());
+      lt.src.push_back(r->regions[t.region()].data() + t.offset());
+    }
+    CKPT_ASSIGN_OR_RETURN(lt.layout, PlanLayout(&lt.header));
+    r->layers.push_back(std::move(lt));
+  }
+  *r->table.mutable_layers() = req.layers();
+  r->table.set_world_size(req.world_size());
+  const size_t n = r->layers.size();
+  r->never_persisted.assign(n, true);
+  // The first step after any registration persists every layer: whatever the
+  // trainer did since the last durable step is unknown to this daemon (it may
+  // have restarted and lost earlier selections). A successful Restore clears
+  // this, since the buffers then equal the durable state.
+  r->retry.assign(n, true);
+  r->failed_since.assign(n, 0);
+
+  // 4. Replace a live registration of the same rank once its pipeline drained.
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("ckptd is shutting down");
+    auto it = ranks_.find(RankKey(r->job, r->rank));
+    if (it != ranks_.end()) {
+      std::shared_ptr<Rank> old = it->second;
+      if (old->uid != caller.uid && !IsRoot(caller)) {
+        return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
+      }
+      old->active = false;
+      CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
+      ranks_.erase(RankKey(r->job, r->rank));
+    }
+  }
+
+  // 5. Persist the job and the rank's table; take a fresh generation.
+  if (!job_rec.has_value()) {
+    store::JobRecord jr;
+    jr.set_owner_uid(caller.uid);
+    jr.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+    CKPT_RETURN_IF_ERROR(index_->PutJob(r->job, jr));
+  }
+  CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
+  r->table.set_generation(r->generation);
+  CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
+  CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
+  const uint64_t durable = last_event.has_value() ? last_event->first : 0;
+  r->last_step_seen = durable;
+  r->snapshot_step = durable;
+  r->durable_step = durable;
+  for (uint32_t l = 0; l < n; ++l) {
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, ~uint64_t{0}));
+    r->never_persisted[l] = !v.has_value();
+  }
+
+  v1::RegisterReply reply;
+  reply.set_generation(r->generation);
+  reply.set_latest_durable_step(durable);
+  reply.set_io_backend(io_backend_name_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("ckptd is shutting down");
+    if (ranks_.count(RankKey(r->job, r->rank)) != 0) {
+      return absl::AbortedError("a concurrent registration of the same rank won; retry");
+    }
+    ranks_[RankKey(r->job, r->rank)] = r;
+  }
+  CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
+                 << r->generation << ": " << n << " layers, policy " << PolicyName(policy.kind)
+                 << ", latest durable step " << durable << ", uid " << caller.uid;
+  return reply;
+}
+
+// ---- StepDone and the snapshot workers ----
+
+absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& caller) {
+  if (req.aux().size() > options_.max_aux_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux().size(),
+                                                   " bytes exceeds ", options_.max_aux_bytes));
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("ckptd is shutting down");
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
+  if (req.step() <= r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", req.step(), " is not above the last step ", r->last_step_seen, " of job ", r->job,
+        " rank ", r->rank, " (restore the job, or use a new job id to start over)"));
+  }
+  SnapTask task;
+  task.step = req.step();
+  // Validate the layer list now so that the caller sees the error.
+  CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step(),
+                                                  static_cast<uint32_t>(r->layers.size()),
+                                                  req.layers(), r->never_persisted, r->retry));
+  task.event.set_aux(req.aux());
+  task.event.set_lr(req.lr());
+  task.group_steps.assign(req.group_steps().begin(), req.group_steps().end());
+  r->last_step_seen = req.step();
+  r->snap_queue.push_back(std::move(task));
+  if (!r->snap_busy) {
+    r->snap_busy = true;
+    snapshot_ready_.push_back(r);
+  }
+  return absl::OkStatus();
+}
+
+void Engine::SnapshotLoop() {
+  for (;;) {
+    std::shared_ptr<Rank> r;
+    SnapTask task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !snapshot_ready_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) {
+        for (auto& q : snapshot_ready_) q->snap_busy = false;
+        snapshot_ready_.clear();
+        return;
+      }
+      r = std::move(snapshot_ready_.front());
+      snapshot_ready_.pop_front();
+      task = std::move(r->snap_queue.front());
+      r->snap_queue.pop_front();
+    }
+    Snapshot(r, task);
+    absl::MutexLock lock(&mu_);
+    if (!r->snap_queue.empty() && !stopping_) {
+      snapshot_ready_.push_back(r);
+    } else {
+      r->snap_busy = false;
+    }
+  }
+}
+
+void Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
+  // Layers selected at StepDone time may since have become retry candidates;
+  // the retry set is folded in at the next StepDone, not here.
+  std::vector<StagedVersion> staged;
+  std::vector<uint32_t> skipped;
+  for (uint32_t l : task.layers) {
+    const LayerTemplate& lt = r->layers[l];
+    absl::StatusOr<StagingLease> lease =
+        pool_->Acquire(lt.layout.file_bytes, absl::Now() + options_.admission_timeout);
+    if (!lease.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
+    StagedVersion v;
+    v.key = VersionKey{r->job, r->rank, l, task.step};
+    v.generation = r->generation;
+    v.header = lt.header;
+    v.header.set_step(task.step);
+    v.header.set_generation(r->generation);
+    for (const v1::GroupStep& g : task.group_steps) {
+      for (const store::TensorEntry& t : lt.header.tensors()) {
+        if (t.group() == g.group()) {
+          *v.header.add_group_steps() = g;
+          break;
+        }
+      }
+    }
+    v.layout = lt.layout;
+    v.lease = std::move(*lease);
+    for (int i = 0; i < lt.header.tensors_size(); ++i) {
+      const store::TensorEntry& t = lt.header.tensors(i);
+      v.lease.CopyIn(lt.layout.header_bytes + t.offset(), lt.src[static_cast<size_t>(i)], t.nbytes());
+    }
+    staged.push_back(std::move(v));
+  }
+  CKPT_KILL_POINT("snapshot.copied");
+  {
+    absl::MutexLock lock(&mu_);
+    v1::WaitSnapshotReply result;
+    for (const StagedVersion& v : staged) {
+      result.add_layers(v.key.layer);
+      r->never_persisted[v.key.layer] = false;
+      r->retry[v.key.layer] = false;
+    }
+    for (uint32_t l : skipped) {
+      r->retry[l] = true;
+      if (r->failed_since[l] == 0) r->failed_since[l] = task.step;
+    }
+    result.set_skipped(static_cast<uint32_t>(skipped.size()));
+    if (!skipped.empty()) {
+      snapshots_skipped_.fetch_add(skipped.size(), std::memory_order_relaxed);
+      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step << ": "
+                        << skipped.size() << " layer versions skipped, staging pool full";
+    }
+    r->snap_results[task.step] = std::move(result);
+    while (r->snap_results.size() > kSnapResultsKept) r->snap_results.erase(r->snap_results.begin());
+    r->snapshot_step = task.step;
+    PendingStep p;
+    p.step = task.step;
+    p.remaining = static_cast<uint32_t>(staged.size());
+    p.event = std::move(task.event);
+    p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
+    r->pending.push_back(std::move(p));
+    for (StagedVersion& v : staged) {
+      auto w = std::make_unique<WriteTask>();
+      w->rank = r;
+      w->version = std::move(v);
+      write_queue_.push_back(std::move(w));
+    }
+  }
+  if (staged.empty()) AdvanceEvents(r);
+}
+
+// ---- Writers and events ----
+
+void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
+  for (;;) {
+    std::unique_ptr<WriteTask> task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_writers_ || !write_queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_writers_) return;
+      task = std::move(write_queue_.front());
+      write_queue_.pop_front();
+      ++writers_busy_;
+    }
+    const uint64_t bytes = task->version.layout.payload_bytes;
+    absl::StatusOr<store::VersionRecord> rec = store_->Commit(&task->version, io.get());
+    const uint64_t step = task->version.key.step;
+    const uint32_t layer = task->version.key.layer;
+    std::shared_ptr<Rank> r = std::move(task->rank);
+    task.reset();  // returns the staging chunks
+    FinishVersion(r, step, layer, rec, bytes);
+    AdvanceEvents(r);
+    absl::MutexLock lock(&mu_);
+    --writers_busy_;
+  }
+}
+
+void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+                           const absl::StatusOr<store::VersionRecord>& rec, uint64_t bytes) {
+  if (rec.ok()) {
+    versions_committed_.fetch_add(1, std::memory_order_relaxed);
+    bytes_committed_.fetch_add(bytes, std::memory_order_relaxed);
+  } else {
+    write_errors_.fetch_add(1, std::memory_order_relaxed);
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " layer " << layer << " step "
+                    << step << ": version failed, previous version stays: " << rec.status();
+  }
+  absl::MutexLock lock(&mu_);
+  for (PendingStep& p : r->pending) {
+    if (p.step != step) continue;
+    if (rec.ok()) {
+      p.event.add_layers(layer);
+      p.event.set_bytes(p.event.bytes() + bytes);
+      if (r->failed_since[layer] != 0 && r->failed_since[layer] <= step) r->failed_since[layer] = 0;
+    } else {
+      p.event.set_failed(p.event.failed() + 1);
+      r->retry[layer] = true;
+      if (r->failed_since[layer] == 0) r->failed_since[layer] = step;
+    }
+    --p.remaining;
+    return;
+  }
+}
+
+void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
+  absl::MutexLock order(&r->event_mu);
+  std::vector<std::pair<uint64_t, store::EventRecord>> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const PendingStep& p : r->pending) {
+      if (p.remaining != 0) break;
+      store::EventRecord e = p.event;
+      std::sort(e.mutable_layers()->begin(), e.mutable_layers()->end());
+      e.set_unix_ms(absl::ToUnixMillis(absl::Now()));
+      batch.emplace_back(p.step, std::move(e));
+    }
+  }
+  if (batch.empty()) return;
+  CKPT_KILL_POINT("event.before_put");
+  absl::Status s = index_->PutEvents(r->job, r->rank, batch);
+  CKPT_KILL_POINT("event.after_put");
+  absl::MutexLock lock(&mu_);
+  if (!s.ok()) {
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank
+                    << ": recording checkpoint events failed; durability stops here: " << s;
+    r->fatal = s;
+  }
+  for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
+  if (s.ok()) r->durable_step = batch.back().first;
+}
+
+// ---- Waits ----
+
+absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest& req,
+                                                           const Caller& caller,
+                                                           absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto taken = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->snapshot_step >= req.step() || !r->active || stopping_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&taken), deadline);
+  if (r->snapshot_step < req.step()) {
+    if (!r->active || stopping_) return absl::AbortedError("the registration ended before the snapshot");
+    return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
+  }
+  auto it = r->snap_results.find(req.step());
+  if (it == r->snap_results.end()) return v1::WaitSnapshotReply();  // an old step: taken long ago
+  return it->second;
+}
+
+absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& req,
+                                                         const Caller& caller,
+                                                         absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto durable = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->durable_step >= req.step() || !r->fatal.ok() || !r->active || stopping_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&durable), deadline);
+  if (!r->fatal.ok()) return r->fatal;
+  if (r->durable_step < req.step()) {
+    if (!r->active || stopping_) return absl::AbortedError("the registration ended before step became durable");
+    return absl::DeadlineExceededError(absl::StrCat("step ", req.step(), " not durable in time"));
+  }
+  std::vector<uint32_t> failed;
+  for (uint32_t l = 0; l < r->failed_since.size(); ++l) {
+    if (r->failed_since[l] != 0 && r->failed_since[l] <= req.step()) failed.push_back(l);
+  }
+  if (!failed.empty()) {
+    return absl::AbortedError(absl::StrCat("layer versions of layers [", absl::StrJoin(failed, ","),
+                                           "] at or before step ", req.step(),
+                                           " failed or were skipped; they are retried next step"));
+  }
+  v1::WaitDurableReply reply;
+  reply.set_durable_step(r->durable_step);
+  return reply;
+}
+
+absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& caller,
+                                absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (req.drain()) CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
+  r->active = false;
+  ranks_.erase(RankKey(r->job, r->rank));
+  CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
+                 << r->generation;
+  return absl::OkStatus();
+}
+
+// ---- Plans and restore ----
+
+absl::StatusOr<v1::Plan> Engine::Plan(const v1::PlanRequest& req, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  return BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table);
+}
+
+absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
+                                                 const Caller& caller) {
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
+      return absl::FailedPreconditionError(
+          "steps are still being snapshotted; restore before reporting steps");
+    }
+    r->restoring = true;
+  }
+  auto done = [&] {
+    absl::MutexLock lock(&mu_);
+    r->restoring = false;
+  };
+  absl::StatusOr<v1::Plan> plan = BuildPlan(index_, r->job, r->rank, req.target_step(), r->table);
+  if (!plan.ok()) {
+    done();
+    return plan.status();
+  }
+  absl::StatusOr<std::unique_ptr<IoBackend>> io =
+      MakeIoBackend(options_.io_backend, options_.io_queue_depth);
+  if (!io.ok()) {
+    done();
+    return io.status();
+  }
+  TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
+    return r->layers[layer].src[tensor];
+  };
+  absl::StatusOr<RestoreStats> stats =
+      RestoreInto(*plan, r->table, dest, index_, store_, io->get(), pool_, options_.restore_timeout);
+  {
+    absl::MutexLock lock(&mu_);
+    r->restoring = false;
+    if (stats.ok()) r->retry.assign(r->retry.size(), false);
+  }
+  if (!stats.ok()) {
+    CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank << " failed: "
+                    << stats.status();
+    return stats.status();
+  }
+  CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
+                 << plan->target_step() << ": " << stats->bytes << " bytes in " << stats->seconds
+                 << " s, max staleness " << plan->max_staleness();
+  v1::RestoreReply reply;
+  *reply.mutable_plan() = std::move(*plan);
+  reply.set_bytes_restored(stats->bytes);
+  reply.set_seconds(stats->seconds);
+  return reply;
+}
+
+// ---- Admin ----
+
+v1::StatusReply Engine::GetStatus() {
+  v1::StatusReply s;
+  s.set_io_backend(io_backend_name_);
+  s.set_pool_bytes(pool_->budget_bytes());
+  s.set_pool_bytes_in_use(pool_->bytes_in_use());
+  s.set_versions_committed(versions_committed_.load(std::memory_order_relaxed));
+  s.set_bytes_committed(bytes_committed_.load(std::memory_order_relaxed));
+  s.set_snapshots_skipped(snapshots_skipped_.load(std::memory_order_relaxed));
+  s.set_write_errors(write_errors_.load(std::memory_order_relaxed));
+  s.set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  s.set_orphan_files_removed(reconcile_.orphan_files_removed);
+  s.set_dangling_records_removed(reconcile_.dangling_records_removed);
+  s.set_temp_files_removed(reconcile_.temp_files_removed);
+  absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
+  if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
+  absl::MutexLock lock(&mu_);
+  s.set_registered_ranks(static_cast<uint32_t>(ranks_.size()));
+  return s;
+}
+
+absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
+  v1::JobsReply reply;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
+    if (!rec.has_value() || (rec->owner_uid() != caller.uid && !IsRoot(caller))) continue;
+    v1::JobInfo* info = reply.add_jobs();
+    info->set_job_id(job);
+    info->set_owner_uid(rec->owner_uid());
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
+    for (uint32_t rank : ranks) {
+      v1::RankInfo* ri = info->add_ranks();
+      ri->set_rank(rank);
+      CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
+      if (table.has_value()) ri->set_layers(static_cast<uint32_t>(table->layers_size()));
+      CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+      if (ev.has_value()) ri->set_latest_durable_step(ev->first);
+      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+          job, rank, -1, [info](const VersionKey&, const store::VersionRecord& v) {
+            info->set_versions(info->versions() + 1);
+            info->set_bytes(info->bytes() + v.file_bytes());
+            return true;
+          }));
+      absl::MutexLock lock(&mu_);
+      auto it = ranks_.find(RankKey(job, rank));
+      if (it != ranks_.end()) {
+        ri->set_registered(true);
+        ri->set_generation(it->second->generation);
+        ri->set_last_step_seen(it->second->last_step_seen);
+      }
+    }
+  }
+  return reply;
+}
+
+absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  v1::LayersReply reply;
+  reply.set_job_id(req.job_id());
+  reply.set_rank(req.rank());
+  CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(req.job_id(), req.rank(), ~uint64_t{0}));
+  const uint64_t latest = ev.has_value() ? ev->first : 0;
+  reply.set_latest_durable_step(latest);
+  for (const v1::LayerSpec& spec : table->layers()) {
+    v1::LayerInfo* li = reply.add_layers();
+    li->set_layer(spec.id());
+    li->set_name(spec.name());
+    li->set_kind(spec.kind());
+    for (const v1::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
+  }
+  CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+      req.job_id(), req.rank(), -1, [&](const VersionKey& k, const store::VersionRecord&) {
+        if (k.layer < static_cast<uint32_t>(reply.layers_size()) && k.step <= latest) {
+          v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(k.layer));
+          li->set_versions(li->versions() + 1);
+          li->set_last_step(std::max(li->last_step(), k.step));
+        }
+        return true;
+      }));
+  for (v1::LayerInfo& li : *reply.mutable_layers()) {
+    li.set_staleness(li.last_step() > 0 ? latest - li.last_step() : 0);
+  }
+  return reply;
+}
+
+absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
+                                                 const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  v1::HistoryReply reply;
+  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
+      req.job_id(), req.rank(), /*newest_first=*/true,
+      [&](uint64_t step, const store::EventRecord& e) {
+        if (req.layer() >= 0 &&
+            std::find(e.layers().begin(), e.layers().end(), static_cast<uint32_t>(req.layer())) ==
+                e.layers().end()) {
+          return true;
+        }
+        v1::HistoryEvent* h = reply.add_events();
+        h->set_step(step);
+        *h->mutable_layers() = e.layers();
+        h->set_bytes(e.bytes());
+        h->set_failed(e.failed());
+        h->set_skipped(e.skipped());
+        return req.limit() == 0 || static_cast<uint32_t>(reply.events_size()) < req.limit();
+      }));
+  return reply;
+}
+
+}  // namespace ckpt

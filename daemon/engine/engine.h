@@ -1,0 +1,151 @@
+// Engine: registered ranks and the per-step pipeline (SPEC §3, §5).
+//
+//   StepDone(t) --queue--> snapshot worker: select layers, copy them from the
+//   rank's mapped buffers into staging, mark snapshot t taken (WaitSnapshot
+//   returns) --queue--> writer threads: commit each layer version
+//   (LayerStore::Commit) --> when every version of step t and every earlier
+//   step is finished, the step's EventRecord is written (one sync batch) and t
+//   becomes durable (WaitDurable returns).
+//
+// Ordering: snapshots of one rank run in step order (one worker at a time per
+// rank); events of one rank are written in step order. A version that fails
+// to write (or a layer skipped because the pool was full) is counted, does not
+// block later steps, and its layer is re-selected at the next step.
+//
+// Identity: each call carries the caller's uid from SO_PEERCRED. A job belongs
+// to the uid that created it; other uids (except root) get PERMISSION_DENIED.
+//
+// Thread-safety: all public methods are thread-safe. Every wait is bounded by
+// a deadline.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "ckpt/v1/ckpt.pb.h"
+#include "daemon/common/unique_fd.h"
+#include "daemon/engine/registration.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/staging/staging_pool.h"
+#include "daemon/store/index.h"
+#include "daemon/store/layer_store.h"
+
+namespace ckpt {
+
+struct EngineOptions {
+  unsigned writer_threads = 2;        // layer versions written concurrently
+  unsigned snapshot_threads = 1;      // ranks snapshotted concurrently
+  IoBackendKind io_backend = IoBackendKind::kAuto;
+  unsigned io_queue_depth = 16;       // chunk writes in flight per writer
+  absl::Duration admission_timeout = absl::Seconds(2);  // wait for staging, then skip
+  absl::Duration drain_timeout = absl::Seconds(60);     // re-register waits this long
+  absl::Duration restore_timeout = absl::Minutes(30);
+  uint64_t max_aux_bytes = 1 << 20;
+  RegistrationLimits limits;
+};
+
+struct Caller {
+  uid_t uid = 0;
+  pid_t pid = 0;
+};
+
+class Engine {
+ public:
+  Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Starts the snapshot and writer threads. UNAVAILABLE when the requested
+  // io backend cannot be created.
+  absl::Status Start();
+  // Refuses new steps, lets writers finish queued versions for up to `grace`,
+  // discards what is left (nothing half-visible) and releases every mapping.
+  void Shutdown(absl::Duration grace);
+
+  // Validates (registration.h), claims nothing itself: `fds` are the regions
+  // the caller handed over. Maps them, records the job (owner = caller) and
+  // the rank's table, and returns a new generation. A live registration of the
+  // same rank is drained (bounded) and replaced.
+  absl::StatusOr<v1::RegisterReply> Register(const v1::RegisterRequest& req,
+                                             std::vector<UniqueFd> fds, const Caller& caller);
+  // Queues step `step` and returns. FAILED_PRECONDITION for a stale
+  // generation or a step not above the last one; INVALID_ARGUMENT for an
+  // oversized aux blob or a bad layer list.
+  absl::Status StepDone(const v1::StepDoneRequest& req, const Caller& caller);
+  absl::StatusOr<v1::WaitSnapshotReply> WaitSnapshot(const v1::WaitRequest& req,
+                                                     const Caller& caller, absl::Time deadline);
+  // OK once every layer's newest version selected at or before `step` is
+  // durable. ABORTED when some of them failed (they are retried next step).
+  absl::StatusOr<v1::WaitDurableReply> WaitDurable(const v1::WaitRequest& req,
+                                                   const Caller& caller, absl::Time deadline);
+  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& req, const Caller& caller);
+  absl::StatusOr<v1::RestoreReply> Restore(const v1::RestoreRequest& req, const Caller& caller);
+  absl::Status Unregister(const v1::UnregisterRequest& req, const Caller& caller,
+                          absl::Time deadline);
+
+  v1::StatusReply GetStatus();
+  absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
+  absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
+  absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);
+
+  void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
+  const char* io_backend_name() const { return io_backend_name_.c_str(); }
+
+ private:
+  struct Rank;
+  struct SnapTask;
+  struct WriteTask;
+  using RankKey = std::pair<std::string, uint32_t>;
+
+  absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const std::string& job, uint32_t rank,
+                                                   uint64_t generation, const Caller& caller)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckOwner(const std::string& job, const Caller& caller);
+  absl::Status DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  void SnapshotLoop();
+  void Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task);
+  void WriterLoop(std::unique_ptr<IoBackend> io);
+  void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+                     const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
+  void AdvanceEvents(const std::shared_ptr<Rank>& r);
+
+  const EngineOptions options_;
+  Index* const index_;
+  LayerStore* const store_;
+  StagingPool* const pool_;
+  std::string io_backend_name_;
+  const absl::Time started_ = absl::Now();
+  ReconcileReport reconcile_;
+
+  std::vector<std::thread> snapshot_threads_;
+  std::vector<std::thread> writer_threads_;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
+  bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;   // writers exit, queue discarded
+  std::map<RankKey, std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
+  unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Counters (relaxed; read by GetStatus and the metrics).
+  std::atomic<uint64_t> versions_committed_{0};
+  std::atomic<uint64_t> bytes_committed_{0};
+  std::atomic<uint64_t> snapshots_skipped_{0};
+  std::atomic<uint64_t> write_errors_{0};
+};
+
+}  // namespace ckpt

@@ -1,0 +1,126 @@
+#include "daemon/engine/registration.h"
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+#include "daemon/common/validate.h"
+#include "daemon/shm/region.h"
+#include "daemon/store/format.h"
+
+namespace ckpt {
+
+uint64_t DTypeSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_F32:
+    case v1::DTYPE_I32:
+      return 4;
+    case v1::DTYPE_F16:
+    case v1::DTYPE_BF16:
+      return 2;
+    case v1::DTYPE_F64:
+    case v1::DTYPE_I64:
+      return 8;
+    case v1::DTYPE_U8:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+absl::Status ValidateRegistration(const v1::RegisterRequest& req,
+                                  const std::vector<uint64_t>& region_sizes,
+                                  const RegistrationLimits& limits) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(req.job_id()));
+  if (req.world_size() == 0 || req.world_size() > limits.max_world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size ", req.world_size(), " out of range"));
+  }
+  if (req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", req.rank(), " is not below world_size ", req.world_size()));
+  }
+  if (req.layers_size() == 0 || static_cast<uint32_t>(req.layers_size()) > limits.max_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(req.layers_size(), " layers; expected 1..", limits.max_layers));
+  }
+  // (region, offset, end, name) of every tensor, for the overlap check.
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, std::string>> spans;
+  std::set<std::string> layer_names;
+  for (int li = 0; li < req.layers_size(); ++li) {
+    const v1::LayerSpec& layer = req.layers(li);
+    const std::string where = absl::StrCat("layer ", li, " ('", layer.name(), "')");
+    if (layer.id() != static_cast<uint32_t>(li)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " has id ", layer.id(), "; layers must be numbered 0..N-1 in order"));
+    }
+    if (layer.name().empty() || !layer_names.insert(layer.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": empty or duplicate layer name"));
+    }
+    if (layer.tensors_size() == 0 ||
+        static_cast<uint32_t>(layer.tensors_size()) > limits.max_tensors_per_layer) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " has ", layer.tensors_size(),
+                                                     " tensors; expected 1..",
+                                                     limits.max_tensors_per_layer));
+    }
+    std::set<std::string> tensor_names;
+    store::LayerFileHeader sizing;
+    for (const v1::TensorSpec& t : layer.tensors()) {
+      const std::string tw = absl::StrCat(where, " tensor '", t.name(), "'");
+      if (t.name().empty() || t.name().size() > 1024 || !tensor_names.insert(t.name()).second) {
+        return absl::InvalidArgumentError(absl::StrCat(tw, ": empty, overlong or duplicate name"));
+      }
+      const uint64_t esize = DTypeSize(t.dtype());
+      if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(tw, ": unknown dtype"));
+      if (t.nbytes() == 0 || t.nbytes() > kMaxRegionBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(tw, ": size ", t.nbytes(), " out of range"));
+      }
+      unsigned __int128 elems = 1;
+      for (uint64_t d : t.shape()) {
+        elems *= d;
+        if (elems > kMaxRegionBytes) break;
+      }
+      if (t.shape_size() > 16 || elems * esize != t.nbytes()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(tw, ": nbytes ", t.nbytes(), " does not equal prod(shape) * ", esize));
+      }
+      if (t.region() >= region_sizes.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(tw, ": region ", t.region(), " but only ",
+                                                       region_sizes.size(), " were handed over"));
+      }
+      const uint64_t rsize = region_sizes[t.region()];
+      if (t.offset() > rsize || t.nbytes() > rsize - t.offset()) {
+        return absl::InvalidArgumentError(absl::StrCat(tw, ": [", t.offset(), ", ",
+                                                       t.offset() + t.nbytes(), ") lies outside region ",
+                                                       t.region(), " of ", rsize, " bytes"));
+      }
+      spans.emplace_back(t.region(), t.offset(), t.offset() + t.nbytes(), tw);
+      store::TensorEntry* e = sizing.add_tensors();
+      e->set_name(t.name());
+      e->set_nbytes(t.nbytes());
+      for (uint64_t d : t.shape()) e->add_shape(d);
+    }
+    sizing.set_job_id(req.job_id());
+    sizing.set_layer_name(layer.name());
+    absl::StatusOr<VersionLayout> layout = PlanLayout(&sizing);
+    if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", layout.status().message()));
+    if (limits.max_layer_file_bytes > 0 && layout->file_bytes > limits.max_layer_file_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
+          limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));
+    }
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const auto& a = spans[i - 1];
+    const auto& b = spans[i];
+    if (std::get<0>(a) == std::get<0>(b) && std::get<1>(b) < std::get<2>(a)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(std::get<3>(a), " and ", std::get<3>(b), " overlap"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

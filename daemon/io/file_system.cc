@@ -1,0 +1,191 @@
+#include "daemon/io/file_system.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+
+namespace ckpt {
+namespace {
+
+// openat2 confined beneath dir_fd; falls back to openat+O_NOFOLLOW on kernels
+// without openat2 (names are single components we built, so that is safe).
+int OpenBeneath(int dir_fd, const std::string& name, int flags, mode_t mode) {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+    errno = EINVAL;
+    return -1;
+  }
+  struct open_how how;
+  std::memset(&how, 0, sizeof(how));
+  how.flags = static_cast<uint64_t>(flags | O_CLOEXEC);
+  how.mode = (flags & O_CREAT) ? mode : 0;
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+  int fd;
+  do {
+    fd = static_cast<int>(::syscall(SYS_openat2, dir_fd, name.c_str(), &how, sizeof(how)));
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && errno == ENOSYS) {
+    fd = ::openat(dir_fd, name.c_str(), flags | O_CLOEXEC | O_NOFOLLOW, mode);
+  }
+  return fd;
+}
+
+}  // namespace
+
+absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("empty directory path");
+  std::string cur;
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    cur = path.substr(0, pos);
+    if (cur.empty()) continue;
+    if (::mkdir(cur.c_str(), 0750) != 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("mkdir ", cur));
+    }
+  }
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open dir ", path));
+  return UniqueFd(fd);
+}
+
+absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& name, bool create) {
+  if (create && ::mkdirat(dir_fd, name.c_str(), 0750) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
+  }
+  int fd = OpenBeneath(dir_fd, name, O_RDONLY | O_DIRECTORY, 0);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open dir ", name));
+  return UniqueFd(fd);
+}
+
+absl::StatusOr<UniqueFd> FileSystem::CreateExclusive(int dir_fd, const std::string& name,
+                                                     bool direct, bool* direct_used) {
+  int flags = O_WRONLY | O_CREAT | O_EXCL;
+  int fd = OpenBeneath(dir_fd, name, flags | (direct ? O_DIRECT : 0), 0640);
+  bool used = direct;
+  if (fd < 0 && direct && errno == EINVAL) {
+    fd = OpenBeneath(dir_fd, name, flags, 0640);
+    used = false;
+  }
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("create ", name));
+  if (direct_used) *direct_used = used;
+  return UniqueFd(fd);
+}
+
+absl::StatusOr<UniqueFd> FileSystem::OpenForRead(int dir_fd, const std::string& name, bool direct,
+                                                 bool* direct_used) {
+  int fd = OpenBeneath(dir_fd, name, O_RDONLY | (direct ? O_DIRECT : 0), 0);
+  bool used = direct;
+  if (fd < 0 && direct && errno == EINVAL) {
+    fd = OpenBeneath(dir_fd, name, O_RDONLY, 0);
+    used = false;
+  }
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open ", name));
+  if (direct_used) *direct_used = used;
+  return UniqueFd(fd);
+}
+
+absl::Status FileSystem::Allocate(int fd, uint64_t len) {
+  if (len == 0) return absl::OkStatus();
+  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(len));
+  if (rc == EOPNOTSUPP || rc == EINVAL) return absl::OkStatus();  // fs without fallocate
+  if (rc != 0) return ErrnoStatus(rc, "fallocate");
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::DataSync(int fd) {
+  if (::fdatasync(fd) != 0) return ErrnoStatus(errno, "fdatasync");
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::RenameNoReplace(int dir_fd, const std::string& from,
+                                         const std::string& to) {
+  if (::renameat2(dir_fd, from.c_str(), dir_fd, to.c_str(), RENAME_NOREPLACE) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("rename ", from, " -> ", to));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::SyncDir(int dir_fd) {
+  if (::fsync(dir_fd) != 0) return ErrnoStatus(errno, "fsync dir");
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::Unlink(int dir_fd, const std::string& name) {
+  if (::unlinkat(dir_fd, name.c_str(), 0) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("unlink ", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::RemoveDir(int dir_fd, const std::string& name) {
+  if (::unlinkat(dir_fd, name.c_str(), AT_REMOVEDIR) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("rmdir ", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> FileSystem::List(int dir_fd, std::vector<bool>* is_dir) {
+  int fd = ::dup(dir_fd);
+  if (fd < 0) return ErrnoStatus(errno, "dup");
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    ::close(fd);
+    return ErrnoStatus(errno, "fdopendir");
+  }
+  ::rewinddir(d);
+  std::vector<std::string> names;
+  if (is_dir) is_dir->clear();
+  while (struct dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    names.emplace_back(e->d_name);
+    if (is_dir) {
+      bool dir = e->d_type == DT_DIR;
+      if (e->d_type == DT_UNKNOWN) {
+        struct stat st;
+        dir = ::fstatat(dir_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+      }
+      is_dir->push_back(dir);
+    }
+  }
+  ::closedir(d);
+  return names;
+}
+
+absl::StatusOr<uint64_t> FileSystem::FileSize(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat");
+  return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<uint64_t> FileSystem::FileSizeAt(int dir_fd, const std::string& name) {
+  struct stat st;
+  if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("stat ", name));
+  }
+  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(name + " is not a regular file");
+  return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<uint64_t> FileSystem::FreeBytes(int fd) {
+  struct statvfs sv;
+  if (::fstatvfs(fd, &sv) != 0) return ErrnoStatus(errno, "fstatvfs");
+  return static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize;
+}
+
+FileSystem* DefaultFileSystem() {
+  static FileSystem* fs = new FileSystem();
+  return fs;
+}
+
+}  // namespace ckpt

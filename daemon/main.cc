@@ -1,0 +1,162 @@
+// ckptd: the node-local checkpoint daemon. Flags, config and wiring only.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/common/logging.h"
+#include "daemon/config/config.h"
+#include "daemon/engine/engine.h"
+#include "daemon/io/file_system.h"
+#include "daemon/rpc/server.h"
+#include "daemon/shm/handover.h"
+#include "daemon/staging/staging_pool.h"
+#include "daemon/store/index.h"
+#include "daemon/store/layer_store.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: ckptd [--config=FILE] [--key=value ...]\n"
+    "       ckptd --dump-default-config\n\n"
+    "Node-local checkpoint daemon. Options (file keys and flags alike):\n";
+
+int Fail(const std::string& what, const absl::Status& s) {
+  CKPT_LOG(ERROR) << what << ": " << s;
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace ckpt;
+  InitKillPoints();
+  DaemonConfig config;
+  std::string config_path;
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("%s%s", kUsage, ConfigHelp().c_str());
+      return 0;
+    }
+    if (a == "--dump-default-config") {
+      std::printf("%s", DumpConfig(DaemonConfig()).c_str());
+      return 0;
+    }
+    if (!absl::StartsWith(a, "--")) {
+      std::fprintf(stderr, "ckptd: unexpected argument '%s'\n%s", a.c_str(), kUsage);
+      return 2;
+    }
+    a = a.substr(2);
+    std::string key = a, value;
+    auto eq = a.find('=');
+    if (eq != std::string::npos) {
+      key = a.substr(0, eq);
+      value = a.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    }
+    if (key == "config") {
+      config_path = value;
+    } else {
+      flags.emplace_back(key, value);
+    }
+  }
+  if (!config_path.empty()) {
+    if (absl::Status s = LoadConfigFile(config_path, &config); !s.ok()) {
+      std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  for (const auto& [k, v] : flags) {
+    if (absl::Status s = SetConfigOption(k, v, &config); !s.ok()) {
+      std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  if (absl::Status s = config.Validate(); !s.ok()) {
+    std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+
+  // SIGTERM/SIGINT are taken synchronously by the main thread (sigwait).
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  CKPT_LOG(INFO) << "ckptd starting: data_dir " << config.data_dir << ", socket " << config.socket;
+  FileSystem* fs = DefaultFileSystem();
+  absl::StatusOr<UniqueFd> data_dir = fs->MakeDirs(config.data_dir);
+  if (!data_dir.ok()) return Fail("data directory", data_dir.status());
+  absl::StatusOr<std::unique_ptr<Index>> index = Index::Open(config.data_dir + "/index");
+  if (!index.ok()) return Fail("index", index.status());
+  LayerStore store(config.data_dir, fs, index->get(), config.direct_io);
+  if (absl::Status s = store.Init(); !s.ok()) return Fail("store", s);
+  absl::StatusOr<ReconcileReport> report = store.Reconcile();
+  if (!report.ok()) return Fail("start-up reconciliation", report.status());
+  CKPT_LOG(INFO) << "reconciled: " << report->temp_files_removed << " temp files, "
+                 << report->orphan_files_removed << " orphan files, "
+                 << report->uncommitted_versions_removed << " unacknowledged versions and "
+                 << report->dangling_records_removed << " dangling records removed";
+
+  StagingPoolOptions pool_options;
+  pool_options.budget_bytes = config.staging_pool_bytes;
+  pool_options.chunk_bytes = config.staging_chunk_bytes;
+  pool_options.lock_memory = config.lock_staging_memory;
+  const absl::Time pool_start = absl::Now();
+  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(pool_options);
+  if (!pool.ok()) return Fail("staging pool", pool.status());
+  CKPT_LOG(INFO) << "staging pool: " << (*pool)->budget_bytes() << " bytes in "
+                 << (*pool)->chunk_bytes() << "-byte chunks, pre-faulted in "
+                 << absl::ToDoubleSeconds(absl::Now() - pool_start) << " s, "
+                 << ((*pool)->locked() ? "locked" : "NOT locked");
+
+  EngineOptions eo;
+  eo.writer_threads = config.writer_threads;
+  eo.snapshot_threads = config.snapshot_threads;
+  eo.io_backend = *ParseIoBackendKind(config.io_backend);
+  eo.io_queue_depth = config.io_queue_depth;
+  eo.admission_timeout = absl::Milliseconds(config.admission_timeout_ms);
+  eo.drain_timeout = absl::Milliseconds(config.drain_timeout_ms);
+  eo.max_aux_bytes = config.max_aux_bytes;
+  Engine engine(eo, index->get(), &store, pool->get());
+  engine.RecordReconcile(*report);
+  if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
+  CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
+
+  HandoverOptions ho;
+  ho.socket_path = config.HandoverSocketPath();
+  ho.token_ttl = absl::Seconds(config.handover_token_ttl_s);
+  HandoverServer handover(ho);
+  if (absl::Status s = handover.Start(); !s.ok()) return Fail("handover socket", s);
+
+  RpcServerOptions ro;
+  ro.socket_path = config.socket;
+  ro.max_message_bytes = static_cast<int>(config.max_message_bytes);
+  RpcServer rpc(ro, &engine, &handover);
+  if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
+  CKPT_LOG(INFO) << "ckptd ready on " << config.socket << " (handover " << ho.socket_path << ")";
+
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  CKPT_LOG(INFO) << "signal " << sig << ": shutting down";
+  const absl::Duration grace = absl::Milliseconds(config.shutdown_grace_ms);
+  // The engine first: it refuses new steps, wakes every waiter and lets the
+  // writers finish staged versions; then the RPC server can stop quickly.
+  engine.Shutdown(grace);
+  rpc.Shutdown(absl::Seconds(1));
+  handover.Stop();
+  ::unlink(config.socket.c_str());
+  ::unlink(ho.socket_path.c_str());
+  CKPT_LOG(INFO) << "ckptd stopped";
+  return 0;
+}

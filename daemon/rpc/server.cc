@@ -1,0 +1,204 @@
+#include "daemon/rpc/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server_posix.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status.h"
+#include "daemon/io/file_system.h"
+#include "daemon/rpc/status_convert.h"
+
+namespace ckpt {
+namespace {
+
+absl::Time DeadlineOf(const grpc::ServerContext& ctx, absl::Duration fallback) {
+  absl::Time d = absl::FromChrono(ctx.deadline());
+  absl::Time cap = absl::Now() + fallback;
+  return d < cap ? d : cap;
+}
+
+// Runs `fn(caller)` with the caller's identity, converting errors.
+template <typename Fn>
+grpc::Status WithCaller(const RpcServer* server, grpc::ServerContext* ctx, Fn&& fn) {
+  absl::StatusOr<Caller> caller = server->CallerOf(*ctx);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  return ToGrpcStatus(fn(*caller));
+}
+
+template <typename T>
+absl::Status Assign(absl::StatusOr<T> v, T* out) {
+  if (!v.ok()) return v.status();
+  *out = std::move(*v);
+  return absl::OkStatus();
+}
+
+class TrainerService final : public v1::Trainer::Service {
+ public:
+  explicit TrainerService(RpcServer* server) : s_(server) {}
+
+  grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
+                        v1::RegisterReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
+                            s_->handover()->Claim(req->handover_token(), c.uid));
+      return Assign(s_->engine()->Register(*req, std::move(fds), c), reply);
+    });
+  }
+  grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
+                        v1::StepDoneReply*) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return s_->engine()->StepDone(*req, c); });
+  }
+  grpc::Status WaitSnapshot(grpc::ServerContext* ctx, const v1::WaitRequest* req,
+                            v1::WaitSnapshotReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return Assign(s_->engine()->WaitSnapshot(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
+                    reply);
+    });
+  }
+  grpc::Status WaitDurable(grpc::ServerContext* ctx, const v1::WaitRequest* req,
+                           v1::WaitDurableReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return Assign(s_->engine()->WaitDurable(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
+                    reply);
+    });
+  }
+  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
+  }
+  grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
+                       v1::RestoreReply* reply) override {
+    return WithCaller(s_, ctx,
+                      [&](const Caller& c) { return Assign(s_->engine()->Restore(*req, c), reply); });
+  }
+  grpc::Status Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
+                          v1::UnregisterReply*) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return s_->engine()->Unregister(*req, c, DeadlineOf(*ctx, s_->options().default_wait));
+    });
+  }
+
+ private:
+  RpcServer* const s_;
+};
+
+class AdminService final : public v1::Admin::Service {
+ public:
+  explicit AdminService(RpcServer* server) : s_(server) {}
+
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
+                      v1::StatusReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller&) {
+      *reply = s_->engine()->GetStatus();
+      return absl::OkStatus();
+    });
+  }
+  grpc::Status Jobs(grpc::ServerContext* ctx, const v1::JobsRequest*, v1::JobsReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Jobs(c), reply); });
+  }
+  grpc::Status Layers(grpc::ServerContext* ctx, const v1::LayersRequest* req,
+                      v1::LayersReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Layers(*req, c), reply); });
+  }
+  grpc::Status History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
+                       v1::HistoryReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->History(*req, c), reply); });
+  }
+  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
+  }
+
+ private:
+  RpcServer* const s_;
+};
+
+}  // namespace
+
+RpcServer::RpcServer(RpcServerOptions options, Engine* engine, HandoverServer* handover)
+    : options_(std::move(options)), engine_(engine), handover_(handover) {}
+
+RpcServer::~RpcServer() { Shutdown(absl::ZeroDuration()); }
+
+absl::Status RpcServer::Start() {
+  const std::string& path = options_.socket_path;
+  auto slash = path.rfind('/');
+  if (slash != std::string::npos && slash > 0) {
+    CKPT_ASSIGN_OR_RETURN(UniqueFd dir, DefaultFileSystem()->MakeDirs(path.substr(0, slash)));
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  trainer_service_ = std::make_unique<TrainerService>(this);
+  admin_service_ = std::make_unique<AdminService>(this);
+  grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  builder.RegisterService(trainer_service_.get());
+  builder.RegisterService(admin_service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) return absl::InternalError("gRPC server failed to start");
+  CKPT_ASSIGN_OR_RETURN(listen_fd_, ListenUnixSocket(path, 0660));
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  return absl::OkStatus();
+}
+
+void RpcServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  IgnoreError(listen_fd_.Close(), "shutdown");
+  if (server_ != nullptr) {
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    server_->Wait();
+  }
+}
+
+void RpcServer::AcceptLoop() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+    }
+    struct pollfd pfd = {listen_fd_.get(), POLLIN, 0};
+    if (::poll(&pfd, 1, 200) <= 0) continue;
+    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) continue;
+    absl::StatusOr<PeerCred> cred = GetPeerCred(fd);
+    if (!cred.ok()) {
+      ::close(fd);
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      peers_[fd] = *cred;
+    }
+    // gRPC owns the fd from here on and closes it with the connection.
+    grpc::AddInsecureChannelFromFd(server_.get(), fd);
+  }
+}
+
+absl::StatusOr<Caller> RpcServer::CallerOf(const grpc::ServerContext& ctx) const {
+  const std::string peer = ctx.peer();
+  int fd = -1;
+  if (!absl::StartsWith(peer, "fd:") || !absl::SimpleAtoi(absl::string_view(peer).substr(3), &fd)) {
+    return absl::UnauthenticatedError("connection identity unknown");
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = peers_.find(fd);
+  if (it == peers_.end()) return absl::UnauthenticatedError("connection identity unknown");
+  Caller c;
+  c.uid = it->second.uid;
+  c.pid = it->second.pid;
+  return c;
+}
+
+}  // namespace ckpt

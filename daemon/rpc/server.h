@@ -1,0 +1,80 @@
+// RpcServer: the gRPC front of ckptd on a Unix socket.
+//
+// ckptd accepts connections itself, reads each peer's uid/gid/pid with
+// SO_PEERCRED and only then hands the connection to gRPC
+// (grpc::AddInsecureChannelFromFd). Handlers find the caller's identity from
+// the connection ("fd:N" peer string), never from request fields. The socket
+// is created 0660; its directory is created 0750 when missing.
+//
+// Handlers are thin: validate, convert, call the Engine, convert the Status
+// back (status_convert.h). Messages above max_message_bytes are refused by
+// gRPC itself. Also served: the standard health service and reflection.
+//
+// Thread-safety: Start/Shutdown from one thread; handlers run on gRPC threads.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/common/unique_fd.h"
+#include "daemon/common/unix_socket.h"
+#include "daemon/engine/engine.h"
+#include "daemon/shm/handover.h"
+
+namespace grpc {
+class Server;
+class ServerContext;
+class Service;
+}  // namespace grpc
+
+namespace ckpt {
+
+struct RpcServerOptions {
+  std::string socket_path = "/run/ckptd/ckptd.sock";
+  int max_message_bytes = 64 << 20;
+  absl::Duration default_wait = absl::Seconds(30);  // waits without a client deadline
+};
+
+class RpcServer {
+ public:
+  RpcServer(RpcServerOptions options, Engine* engine, HandoverServer* handover);
+  ~RpcServer();
+  RpcServer(const RpcServer&) = delete;
+  RpcServer& operator=(const RpcServer&) = delete;
+
+  absl::Status Start();
+  // Stops accepting, cancels calls still running after `grace`.
+  void Shutdown(absl::Duration grace);
+
+  // The identity of the connection a call arrived on. UNAUTHENTICATED when
+  // the connection is unknown (it did not come through our accept loop).
+  absl::StatusOr<Caller> CallerOf(const grpc::ServerContext& ctx) const;
+  Engine* engine() const { return engine_; }
+  HandoverServer* handover() const { return handover_; }
+  const RpcServerOptions& options() const { return options_; }
+
+ private:
+  void AcceptLoop();
+
+  const RpcServerOptions options_;
+  Engine* const engine_;
+  HandoverServer* const handover_;
+  std::unique_ptr<grpc::Service> trainer_service_;
+  std::unique_ptr<grpc::Service> admin_service_;
+  std::unique_ptr<grpc::Server> server_;
+  UniqueFd listen_fd_;
+  std::thread accept_thread_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<int, PeerCred> peers_ ABSL_GUARDED_BY(mu_);  // by connection fd
+};
+
+}  // namespace ckpt

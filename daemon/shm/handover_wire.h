@@ -1,0 +1,59 @@
+// The handover socket's wire format, shared by the client library and ckptd.
+//
+// gRPC cannot carry file descriptors, so a trainer passes its memfd regions
+// over a second Unix socket (default /run/ckptd/ckptd.sock.fds):
+//
+//   client -> daemon   HandoverHeader{magic, nfds} with SCM_RIGHTS carrying
+//                      exactly nfds descriptors (1..kMaxHandoverFds)
+//   daemon -> client   HandoverReply{magic, code, token[16], message[200]}
+//
+// code is an absl::StatusCode. The token is random, single-use, bound to the
+// sender's uid (SO_PEERCRED) and expires after a configured time unless a
+// Register call from the same uid claims it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "daemon/common/unique_fd.h"
+
+namespace ckpt {
+
+inline constexpr uint32_t kHandoverMagic = 0x31484B43;  // "CKH1"
+inline constexpr size_t kMaxHandoverFds = 250;          // below SCM_MAX_FD
+inline constexpr size_t kHandoverTokenBytes = 16;
+
+struct HandoverHeader {
+  uint32_t magic;
+  uint32_t nfds;
+};
+
+struct HandoverReply {
+  uint32_t magic;
+  uint32_t code;
+  uint8_t token[kHandoverTokenBytes];
+  char message[200];
+};
+
+// Sends `len` bytes of `data` with `fds` attached in one sendmsg.
+absl::Status SendWithFds(int sock, const void* data, size_t len, absl::Span<const int> fds);
+
+// Receives exactly `len` bytes into `data` and up to `max_fds` descriptors
+// (which are closed again when the message carried more than max_fds or was
+// truncated: INVALID_ARGUMENT).
+absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>* fds,
+                         size_t max_fds);
+
+// Client side: connects to `socket_path`, hands over `fds`, returns the token.
+// Every step is bounded by `timeout`; a missing daemon is UNAVAILABLE.
+absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
+                                        absl::Span<const int> fds, absl::Duration timeout);
+
+// Sets SO_RCVTIMEO and SO_SNDTIMEO.
+absl::Status SetSocketTimeout(int sock, absl::Duration timeout);
+
+}  // namespace ckpt

@@ -1,0 +1,91 @@
+#include "daemon/shm/region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status.h"
+
+namespace ckpt {
+
+absl::StatusOr<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t bytes) {
+  if (bytes == 0 || bytes > kMaxRegionBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("region size ", bytes, " out of range"));
+  }
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  bytes = (bytes + page - 1) / page * page;
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoStatus(errno, "memfd_create");
+  MemfdRegion r;
+  r.fd_ = UniqueFd(fd);
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return ErrnoStatus(errno, "ftruncate");
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return ErrnoStatus(errno, "F_ADD_SEALS");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
+  r.data_ = p;
+  r.size_ = bytes;
+  return r;
+}
+
+MemfdRegion::~MemfdRegion() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+MemfdRegion::MemfdRegion(MemfdRegion&& o) noexcept
+    : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+MemfdRegion& MemfdRegion::operator=(MemfdRegion&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    fd_ = std::move(o.fd_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat region");
+  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError("region fd is not a regular file");
+  int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError("region fd is not a memfd sealed with F_SEAL_SHRINK");
+  }
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0 || size > kMaxRegionBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("region size ", size, " out of range"));
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap region");
+  MappedRegion r;
+  r.fd_ = std::move(fd);
+  r.data_ = p;
+  r.size_ = size;
+  return r;
+}
+
+MappedRegion::~MappedRegion() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+MappedRegion::MappedRegion(MappedRegion&& o) noexcept
+    : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+MappedRegion& MappedRegion::operator=(MappedRegion&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) ::munmap(data_, size_);
+    fd_ = std::move(o.fd_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+}  // namespace ckpt

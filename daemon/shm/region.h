@@ -1,0 +1,71 @@
+// Shared-memory regions: the host-memory handover between a trainer and ckptd.
+//
+// A trainer's tensors live in memfd regions (MemfdRegion, created by the
+// client library). The fds travel to the daemon over the handover socket
+// (handover.h), where each is mapped once per registration (MappedRegion).
+//
+// Regions are sealed against shrinking (F_SEAL_SHRINK) before they are handed
+// over, and the daemon refuses an fd without that seal: otherwise a trainer
+// could truncate the file and make the daemon's next copy fault with SIGBUS.
+//
+// Both classes are move-only RAII owners of the fd and the mapping.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/common/unique_fd.h"
+
+namespace ckpt {
+
+// The largest region either side accepts (1 TiB): a sanity bound, not a budget.
+inline constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 40;
+
+class MemfdRegion {
+ public:
+  // Creates a memfd of `bytes` (rounded up to the page size), maps it
+  // read-write and seals it against shrinking and growing.
+  static absl::StatusOr<MemfdRegion> Create(const std::string& name, uint64_t bytes);
+
+  MemfdRegion() = default;
+  ~MemfdRegion();
+  MemfdRegion(MemfdRegion&& o) noexcept;
+  MemfdRegion& operator=(MemfdRegion&& o) noexcept;
+  MemfdRegion(const MemfdRegion&) = delete;
+  MemfdRegion& operator=(const MemfdRegion&) = delete;
+
+  void* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  int fd() const { return fd_.get(); }
+
+ private:
+  UniqueFd fd_;
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+class MappedRegion {
+ public:
+  // Maps a received fd shared read-write. INVALID_ARGUMENT when the fd is not
+  // a sealed memfd-like regular file or its size is 0 or above kMaxRegionBytes.
+  static absl::StatusOr<MappedRegion> Map(UniqueFd fd);
+
+  MappedRegion() = default;
+  ~MappedRegion();
+  MappedRegion(MappedRegion&& o) noexcept;
+  MappedRegion& operator=(MappedRegion&& o) noexcept;
+  MappedRegion(const MappedRegion&) = delete;
+  MappedRegion& operator=(const MappedRegion&) = delete;
+
+  char* data() const { return static_cast<char*>(data_); }
+  uint64_t size() const { return size_; }
+
+ private:
+  UniqueFd fd_;
+  void* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+}  // namespace ckpt

@@ -1,0 +1,141 @@
+#include "daemon/store/format.h"
+
+#include <cstring>
+#include <string>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/io/io_backend.h"
+
+namespace ckpt {
+namespace {
+
+void PutU32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
+void PutU64(char* p, uint64_t v) { std::memcpy(p, &v, 8); }
+uint32_t GetU32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+uint64_t GetU64(const char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+uint64_t HeaderBytesFor(uint64_t body_len) {
+  return AlignUp(kPrefixBytes + body_len, kDirectAlignment);
+}
+
+}  // namespace
+
+uint64_t HashBytes(const void* data, uint64_t len) { return XXH3_64bits(data, len); }
+
+uint64_t HashImage(const StagingLease& lease, uint64_t offset, uint64_t len) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  lease.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { XXH3_64bits_update(&state, p, n); });
+  return XXH3_64bits_digest(&state);
+}
+
+absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {
+  uint64_t off = 0;
+  for (store::TensorEntry& t : *header->mutable_tensors()) {
+    off = AlignUp(off, kTensorAlignment);
+    t.set_offset(off);
+    off += t.nbytes();
+  }
+  VersionLayout layout;
+  layout.payload_bytes = off;
+  // Checksums are fixed-width fields, so the body's size does not depend on
+  // their values: size it with them set to a full-width placeholder.
+  store::LayerFileHeader sizing = *header;
+  for (store::TensorEntry& t : *sizing.mutable_tensors()) t.set_xxh3(~uint64_t{0});
+  uint64_t body = sizing.ByteSizeLong();
+  layout.header_bytes = HeaderBytesFor(body);
+  if (layout.header_bytes > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer header of ", body, " bytes exceeds ", kMaxHeaderBytes));
+  }
+  layout.file_bytes = layout.header_bytes + AlignUp(layout.payload_bytes, kDirectAlignment);
+  return layout;
+}
+
+absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
+                                      const VersionLayout& layout, StagingLease* lease) {
+  std::string body;
+  if (!header.SerializeToString(&body)) return absl::InternalError("header serialization failed");
+  if (kPrefixBytes + body.size() > layout.header_bytes) {
+    return absl::InternalError("header body outgrew its planned size");
+  }
+  char prefix[kPrefixBytes];
+  std::memset(prefix, 0, sizeof(prefix));
+  std::memcpy(prefix, kFormatMagic, 8);
+  PutU32(prefix + 8, kFormatVersion);
+  PutU32(prefix + 12, static_cast<uint32_t>(layout.header_bytes));
+  PutU32(prefix + 16, static_cast<uint32_t>(body.size()));
+  PutU64(prefix + 24, layout.payload_bytes);
+  const uint64_t body_hash = HashBytes(body.data(), body.size());
+  PutU64(prefix + 32, body_hash);
+  PutU64(prefix + 40, HashBytes(prefix, 40));
+  lease->CopyIn(0, prefix, kPrefixBytes);
+  lease->CopyIn(kPrefixBytes, body.data(), body.size());
+  lease->Zero(kPrefixBytes + body.size(), layout.header_bytes - kPrefixBytes - body.size());
+  // Alignment gaps between tensors and the tail up to the 4096 boundary.
+  uint64_t prev_end = 0;
+  for (const store::TensorEntry& t : header.tensors()) {
+    if (t.offset() > prev_end) lease->Zero(layout.header_bytes + prev_end, t.offset() - prev_end);
+    prev_end = t.offset() + t.nbytes();
+  }
+  lease->Zero(layout.header_bytes + prev_end, layout.file_bytes - layout.header_bytes - prev_end);
+  return body_hash;
+}
+
+absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t file_bytes) {
+  if (file_bytes < kDirectAlignment || lease.capacity() < file_bytes) {
+    return absl::DataLossError(absl::StrCat("file of ", file_bytes, " bytes is too short"));
+  }
+  char prefix[kPrefixBytes];
+  lease.CopyOut(0, prefix, kPrefixBytes);
+  if (std::memcmp(prefix, kFormatMagic, 8) != 0) return absl::DataLossError("bad file magic");
+  if (HashBytes(prefix, 40) != GetU64(prefix + 40)) return absl::DataLossError("file prefix checksum mismatch");
+  if (GetU32(prefix + 8) != kFormatVersion) {
+    return absl::DataLossError(absl::StrCat("unsupported format version ", GetU32(prefix + 8)));
+  }
+  DecodedHeader d;
+  d.layout.header_bytes = GetU32(prefix + 12);
+  const uint64_t body_len = GetU32(prefix + 16);
+  d.layout.payload_bytes = GetU64(prefix + 24);
+  d.layout.file_bytes = d.layout.header_bytes + AlignUp(d.layout.payload_bytes, kDirectAlignment);
+  if (d.layout.header_bytes % kDirectAlignment != 0 || kPrefixBytes + body_len > d.layout.header_bytes ||
+      d.layout.file_bytes != file_bytes) {
+    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ", d.layout.file_bytes,
+                                            ", file has ", file_bytes));
+  }
+  std::string body(body_len, '\0');
+  lease.CopyOut(kPrefixBytes, body.data(), body_len);
+  d.body_xxh3 = HashBytes(body.data(), body.size());
+  if (d.body_xxh3 != GetU64(prefix + 32)) return absl::DataLossError("file header checksum mismatch");
+  if (!d.header.ParseFromString(body)) return absl::DataLossError("file header does not parse");
+  for (const store::TensorEntry& t : d.header.tensors()) {
+    if (t.offset() > d.layout.payload_bytes || t.nbytes() > d.layout.payload_bytes - t.offset()) {
+      return absl::DataLossError(absl::StrCat("tensor ", t.name(), " lies outside the payload"));
+    }
+  }
+  return d;
+}
+
+absl::Status VerifyPayload(const DecodedHeader& d, const StagingLease& lease) {
+  for (const store::TensorEntry& t : d.header.tensors()) {
+    uint64_t h = HashImage(lease, d.layout.header_bytes + t.offset(), t.nbytes());
+    if (h != t.xxh3()) {
+      return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(), "' of layer ",
+                                              d.header.layer(), " step ", d.header.step()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

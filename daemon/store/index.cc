@@ -1,0 +1,266 @@
+#include "daemon/store/index.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/common/status.h"
+
+namespace ckpt {
+namespace {
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  std::string msg = absl::StrCat("rocksdb ", what, ": ", s.ToString());
+  if (s.IsCorruption()) return absl::DataLossError(msg);
+  if (s.IsNotFound()) return absl::NotFoundError(msg);
+  if (s.IsIOError() && s.ToString().find("lock") != std::string::npos) {
+    return absl::FailedPreconditionError(msg);
+  }
+  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+std::string RankPrefix(char kind, const std::string& job, uint32_t rank) {
+  return absl::StrFormat("%c/%s/%08x/", kind, job, rank);
+}
+std::string VersionKeyString(const VersionKey& k) {
+  return absl::StrFormat("v/%s/%08x/%08x/%016x", k.job, k.rank, k.layer, k.step);
+}
+std::string EventKey(const std::string& job, uint32_t rank, uint64_t step) {
+  return absl::StrFormat("e/%s/%08x/%016x", job, rank, step);
+}
+
+bool ParseHex32(absl::string_view s, uint32_t* out) {
+  if (s.size() != 8) return false;
+  return absl::SimpleHexAtoi(s, out);
+}
+bool ParseHex64(absl::string_view s, uint64_t* out) {
+  if (s.size() != 16) return false;
+  return absl::SimpleHexAtoi(s, out);
+}
+
+template <typename Msg>
+absl::StatusOr<Msg> ParseRecord(const rocksdb::Slice& v, absl::string_view key) {
+  Msg m;
+  if (!m.ParseFromArray(v.data(), static_cast<int>(v.size()))) {
+    return absl::DataLossError(absl::StrCat("index record ", key, " does not parse"));
+  }
+  return m;
+}
+
+absl::Mutex g_generation_mu;
+
+}  // namespace
+
+Index::Index(std::unique_ptr<rocksdb::DB> db) : db_(std::move(db)) {}
+Index::~Index() = default;
+
+absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  options.paranoid_checks = true;
+  options.max_background_jobs = 2;
+  options.keep_log_file_num = 4;
+  options.max_log_file_size = 8 << 20;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
+  CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("open ", path)));
+  return std::unique_ptr<Index>(new Index(std::unique_ptr<rocksdb::DB>(raw)));
+}
+
+absl::Status Index::Put(const std::string& key, const std::string& value) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocks(db_->Put(wo, key, value), absl::StrCat("put ", key));
+}
+
+absl::Status Index::Delete(const std::string& key) {
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocks(db_->Delete(wo, key), absl::StrCat("delete ", key));
+}
+
+absl::StatusOr<std::optional<std::string>> Index::Get(const std::string& key) {
+  std::string v;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), key, &v);
+  if (s.IsNotFound()) return std::optional<std::string>();
+  CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("get ", key)));
+  return std::optional<std::string>(std::move(v));
+}
+
+absl::StatusOr<uint64_t> Index::NextGeneration() {
+  absl::MutexLock lock(&g_generation_mu);
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get("m/generation"));
+  uint64_t next = 1;
+  if (v.has_value() && !absl::SimpleAtoi(*v, &next)) {
+    return absl::DataLossError("index generation counter is corrupt");
+  }
+  CKPT_RETURN_IF_ERROR(Put("m/generation", absl::StrCat(next + 1)));
+  return next;
+}
+
+absl::Status Index::PutJob(const std::string& job, const store::JobRecord& rec) {
+  return Put(absl::StrCat("j/", job), rec.SerializeAsString());
+}
+
+absl::StatusOr<std::optional<store::JobRecord>> Index::GetJob(const std::string& job) {
+  const std::string key = absl::StrCat("j/", job);
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(key));
+  if (!v.has_value()) return std::optional<store::JobRecord>();
+  CKPT_ASSIGN_OR_RETURN(store::JobRecord rec, ParseRecord<store::JobRecord>(*v, key));
+  return std::optional<store::JobRecord>(std::move(rec));
+}
+
+absl::StatusOr<std::vector<std::string>> Index::ListJobs() {
+  std::vector<std::string> jobs;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("j/"); it->Valid() && it->key().starts_with("j/"); it->Next()) {
+    jobs.push_back(it->key().ToString().substr(2));
+  }
+  CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "list jobs"));
+  return jobs;
+}
+
+absl::Status Index::PutRank(const std::string& job, uint32_t rank, const store::RankRecord& rec) {
+  return Put(absl::StrFormat("r/%s/%08x", job, rank), rec.SerializeAsString());
+}
+
+absl::StatusOr<std::optional<store::RankRecord>> Index::GetRank(const std::string& job,
+                                                               uint32_t rank) {
+  const std::string key = absl::StrFormat("r/%s/%08x", job, rank);
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(key));
+  if (!v.has_value()) return std::optional<store::RankRecord>();
+  CKPT_ASSIGN_OR_RETURN(store::RankRecord rec, ParseRecord<store::RankRecord>(*v, key));
+  return std::optional<store::RankRecord>(std::move(rec));
+}
+
+absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
+  std::vector<uint32_t> ranks;
+  const std::string prefix = absl::StrCat("r/", job, "/");
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    uint32_t r;
+    if (ParseHex32(absl::string_view(it->key().data() + prefix.size(), it->key().size() - prefix.size()), &r)) {
+      ranks.push_back(r);
+    }
+  }
+  CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "list ranks"));
+  return ranks;
+}
+
+absl::Status Index::PutVersion(const VersionKey& key, const store::VersionRecord& rec) {
+  return Put(VersionKeyString(key), rec.SerializeAsString());
+}
+
+absl::Status Index::DeleteVersion(const VersionKey& key) { return Delete(VersionKeyString(key)); }
+
+absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::VersionAtOrBefore(
+    const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step) {
+  using Result = std::optional<std::pair<uint64_t, store::VersionRecord>>;
+  const std::string prefix = absl::StrFormat("v/%s/%08x/%08x/", job, rank, layer);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  it->SeekForPrev(absl::StrFormat("%s%016x", prefix, max_step));
+  if (!it->Valid() || !it->key().starts_with(prefix)) {
+    CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek version"));
+    return Result();
+  }
+  uint64_t step;
+  absl::string_view k(it->key().data(), it->key().size());
+  if (!ParseHex64(k.substr(prefix.size()), &step)) {
+    return absl::DataLossError(absl::StrCat("bad index key ", k));
+  }
+  CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec, ParseRecord<store::VersionRecord>(it->value(), k));
+  return Result(std::make_pair(step, std::move(rec)));
+}
+
+absl::Status Index::ForEachVersion(
+    const std::string& job, uint32_t rank, int64_t layer,
+    const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn) {
+  const std::string prefix = layer < 0 ? absl::StrFormat("v/%s/%08x/", job, rank)
+                                       : absl::StrFormat("v/%s/%08x/%08x/", job, rank,
+                                                         static_cast<uint32_t>(layer));
+  const size_t rank_prefix = absl::StrFormat("v/%s/%08x/", job, rank).size();
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    absl::string_view k(it->key().data(), it->key().size());
+    VersionKey vk{job, rank, 0, 0};
+    absl::string_view rest = k.substr(rank_prefix);  // <layer:8>/<step:16>
+    if (rest.size() != 25 || !ParseHex32(rest.substr(0, 8), &vk.layer) ||
+        !ParseHex64(rest.substr(9), &vk.step)) {
+      return absl::DataLossError(absl::StrCat("bad index key ", k));
+    }
+    CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
+                          ParseRecord<store::VersionRecord>(it->value(), k));
+    if (!fn(vk, rec)) break;
+  }
+  return FromRocks(it->status(), "scan versions");
+}
+
+absl::Status Index::PutEvent(const std::string& job, uint32_t rank, uint64_t step,
+                             const store::EventRecord& rec) {
+  return Put(EventKey(job, rank, step), rec.SerializeAsString());
+}
+
+absl::Status Index::PutEvents(const std::string& job, uint32_t rank,
+                              const std::vector<std::pair<uint64_t, store::EventRecord>>& events) {
+  rocksdb::WriteBatch batch;
+  for (const auto& [step, rec] : events) batch.Put(EventKey(job, rank, step), rec.SerializeAsString());
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocks(db_->Write(wo, &batch), "put events");
+}
+
+absl::Status Index::DeleteEvent(const std::string& job, uint32_t rank, uint64_t step) {
+  return Delete(EventKey(job, rank, step));
+}
+
+absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::EventAtOrBefore(
+    const std::string& job, uint32_t rank, uint64_t max_step) {
+  using Result = std::optional<std::pair<uint64_t, store::EventRecord>>;
+  const std::string prefix = RankPrefix('e', job, rank);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  it->SeekForPrev(EventKey(job, rank, max_step));
+  if (!it->Valid() || !it->key().starts_with(prefix)) {
+    CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek event"));
+    return Result();
+  }
+  absl::string_view k(it->key().data(), it->key().size());
+  uint64_t step;
+  if (!ParseHex64(k.substr(prefix.size()), &step)) {
+    return absl::DataLossError(absl::StrCat("bad index key ", k));
+  }
+  CKPT_ASSIGN_OR_RETURN(store::EventRecord rec, ParseRecord<store::EventRecord>(it->value(), k));
+  return Result(std::make_pair(step, std::move(rec)));
+}
+
+absl::Status Index::ForEachEvent(const std::string& job, uint32_t rank, bool newest_first,
+                                 const std::function<bool(uint64_t, const store::EventRecord&)>& fn) {
+  const std::string prefix = RankPrefix('e', job, rank);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  if (newest_first) {
+    it->SeekForPrev(EventKey(job, rank, ~uint64_t{0}));
+  } else {
+    it->Seek(prefix);
+  }
+  for (; it->Valid() && it->key().starts_with(prefix); newest_first ? it->Prev() : it->Next()) {
+    absl::string_view k(it->key().data(), it->key().size());
+    uint64_t step;
+    if (!ParseHex64(k.substr(prefix.size()), &step)) {
+      return absl::DataLossError(absl::StrCat("bad index key ", k));
+    }
+    CKPT_ASSIGN_OR_RETURN(store::EventRecord rec, ParseRecord<store::EventRecord>(it->value(), k));
+    if (!fn(step, rec)) break;
+  }
+  return FromRocks(it->status(), "scan events");
+}
+
+}  // namespace ckpt

@@ -1,0 +1,96 @@
+// Index: the RocksDB history of every durable layer version and checkpoint event.
+//
+// Keys (numbers are fixed-width lowercase hex so that byte order = numeric order;
+// job ids never contain '/'):
+//   m/generation                         next registration generation (u64)
+//   j/<job>                              JobRecord
+//   r/<job>/<rank:8>                     RankRecord
+//   v/<job>/<rank:8>/<layer:8>/<step:16> VersionRecord
+//   e/<job>/<rank:8>/<step:16>           EventRecord
+//
+// Every mutation is a synchronous write (WriteOptions::sync): a record that
+// exists has reached the WAL on disk. A version record is the commit point of
+// the protocol in commit.h; an event record is written only after every
+// version of that step. The database is opened with paranoid checks; a
+// RocksDB error on a write is returned to the caller and never swallowed.
+//
+// Thread-safety: all methods are thread-safe (RocksDB is).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/store/store.pb.h"
+
+namespace rocksdb {
+class DB;
+}
+
+namespace ckpt {
+
+struct VersionKey {
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t layer = 0;
+  uint64_t step = 0;
+};
+
+class Index {
+ public:
+  // Opens or creates the database at `path`. FAILED_PRECONDITION when another
+  // process holds it (RocksDB's LOCK file); DATA_LOSS on corruption.
+  static absl::StatusOr<std::unique_ptr<Index>> Open(const std::string& path);
+  ~Index();
+  Index(const Index&) = delete;
+  Index& operator=(const Index&) = delete;
+
+  // Returns a generation never handed out before (persisted counter).
+  absl::StatusOr<uint64_t> NextGeneration();
+
+  absl::Status PutJob(const std::string& job, const store::JobRecord& rec);
+  absl::StatusOr<std::optional<store::JobRecord>> GetJob(const std::string& job);
+  absl::StatusOr<std::vector<std::string>> ListJobs();
+
+  absl::Status PutRank(const std::string& job, uint32_t rank, const store::RankRecord& rec);
+  absl::StatusOr<std::optional<store::RankRecord>> GetRank(const std::string& job, uint32_t rank);
+  absl::StatusOr<std::vector<uint32_t>> ListRanks(const std::string& job);
+
+  // The commit point of one layer version.
+  absl::Status PutVersion(const VersionKey& key, const store::VersionRecord& rec);
+  absl::Status DeleteVersion(const VersionKey& key);
+  // Newest version of (job, rank, layer) with step <= max_step.
+  absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> VersionAtOrBefore(
+      const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step);
+  // Versions of one layer in step order; all layers when layer < 0.
+  absl::Status ForEachVersion(
+      const std::string& job, uint32_t rank, int64_t layer,
+      const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn);
+
+  absl::Status PutEvent(const std::string& job, uint32_t rank, uint64_t step,
+                        const store::EventRecord& rec);
+  // Several events of one rank in one synchronous write batch.
+  absl::Status PutEvents(const std::string& job, uint32_t rank,
+                         const std::vector<std::pair<uint64_t, store::EventRecord>>& events);
+  // Newest event with step <= max_step (UINT64_MAX: the latest).
+  absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> EventAtOrBefore(
+      const std::string& job, uint32_t rank, uint64_t max_step);
+  // Events in step order (newest first when `newest_first`), at most `limit` (0 = all).
+  absl::Status ForEachEvent(const std::string& job, uint32_t rank, bool newest_first,
+                            const std::function<bool(uint64_t, const store::EventRecord&)>& fn);
+  absl::Status DeleteEvent(const std::string& job, uint32_t rank, uint64_t step);
+
+ private:
+  explicit Index(std::unique_ptr<rocksdb::DB> db);
+  absl::Status Put(const std::string& key, const std::string& value);
+  absl::Status Delete(const std::string& key);
+  absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
+
+  std::unique_ptr<rocksdb::DB> db_;
+};
+
+}  // namespace ckpt

@@ -1,0 +1,259 @@
+#include "daemon/store/layer_store.h"
+
+#include <sys/random.h>
+
+#include <set>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/common/logging.h"
+#include "daemon/common/status.h"
+#include "daemon/common/validate.h"
+
+namespace ckpt {
+namespace {
+
+std::string RankDirName(uint32_t rank) { return absl::StrFormat("rank-%08x", rank); }
+
+bool ParseRankDirName(const std::string& name, uint32_t* rank) {
+  return name.size() == 13 && absl::StartsWith(name, "rank-") &&
+         absl::SimpleHexAtoi(absl::string_view(name).substr(5), rank);
+}
+
+// L<layer:8>-S<step:16>-G<gen:16>.ckv
+bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step) {
+  if (name.size() != 1 + 8 + 2 + 16 + 2 + 16 + 4 || name[0] != 'L' || name.substr(9, 2) != "-S" ||
+      name.substr(27, 2) != "-G" || !absl::EndsWith(name, ".ckv")) {
+    return false;
+  }
+  absl::string_view n(name);
+  return absl::SimpleHexAtoi(n.substr(1, 8), layer) && absl::SimpleHexAtoi(n.substr(11, 16), step);
+}
+
+}  // namespace
+
+LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool use_direct_io)
+    : data_dir_(std::move(data_dir)), fs_(fs), index_(index), use_direct_io_(use_direct_io) {}
+
+absl::Status LayerStore::Init() {
+  CKPT_ASSIGN_OR_RETURN(jobs_dir_, fs_->MakeDirs(data_dir_ + "/jobs"));
+  return absl::OkStatus();
+}
+
+std::string LayerStore::FileName(const VersionKey& key, uint64_t generation) {
+  return absl::StrFormat("L%08x-S%016x-G%016x.ckv", key.layer, key.step, generation);
+}
+
+absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, bool create) {
+  absl::MutexLock lock(&mu_);
+  auto key = std::make_pair(job, rank);
+  auto it = rank_dirs_.find(key);
+  if (it != rank_dirs_.end()) return it->second.get();
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd job_dir, fs_->OpenSubdir(jobs_dir_.get(), job, create));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd rank_dir, fs_->OpenSubdir(job_dir.get(), RankDirName(rank), create));
+  if (create) {
+    // Make the new entries themselves durable before any file inside them.
+    CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir.get()));
+    CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
+  }
+  int fd = rank_dir.get();
+  rank_dirs_.emplace(key, std::move(rank_dir));
+  return fd;
+}
+
+absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io) {
+  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(v->key.job, v->key.rank, /*create=*/true));
+
+  // Checksums come from the staged bytes: exactly what is written.
+  for (store::TensorEntry& t : *v->header.mutable_tensors()) {
+    t.set_xxh3(HashImage(v->lease, v->layout.header_bytes + t.offset(), t.nbytes()));
+  }
+  v->header.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  CKPT_ASSIGN_OR_RETURN(uint64_t body_hash, EncodeHeader(v->header, v->layout, &v->lease));
+
+  uint64_t nonce = 0;
+  if (::getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = absl::ToUnixNanos(absl::Now());
+  const std::string final_name = FileName(v->key, v->generation);
+  const std::string tmp_name = absl::StrFormat("tmp.%s.%016x", final_name, nonce);
+
+  bool direct_used = false;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateExclusive(dir, tmp_name, use_direct_io_, &direct_used));
+  auto fail = [&](absl::Status s) {
+    IgnoreError(fd.Close(), "the version already failed");
+    IgnoreError(fs_->Unlink(dir, tmp_name), "a leftover temp file is removed at the next start");
+    return s;
+  };
+  if (absl::Status s = fs_->Allocate(fd.get(), v->layout.file_bytes); !s.ok()) return fail(s);
+  CKPT_KILL_POINT("commit.before_write");
+
+  std::vector<IoSegment> segments;
+  for (uint64_t off = 0; off < v->layout.file_bytes; off += v->lease.chunk_bytes()) {
+    size_t i = off / v->lease.chunk_bytes();
+    segments.push_back(IoSegment{v->lease.chunk(i),
+                                 std::min(v->lease.chunk_bytes(), v->layout.file_bytes - off), off});
+  }
+  if (absl::Status s = io->WriteAll(fd.get(), segments); !s.ok()) return fail(s);
+  CKPT_KILL_POINT("commit.after_write");
+  // A failed fdatasync is final for this data: fail the version, never retry.
+  if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s);
+  CKPT_KILL_POINT("commit.after_datasync");
+  if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
+  if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, final_name); !s.ok()) return fail(s);
+  CKPT_KILL_POINT("commit.after_rename");
+  auto fail_renamed = [&](absl::Status s) {
+    IgnoreError(fs_->Unlink(dir, final_name), "an orphan file is removed at the next start");
+    return s;
+  };
+  if (absl::Status s = fs_->SyncDir(dir); !s.ok()) return fail_renamed(s);
+  CKPT_KILL_POINT("commit.after_dirsync");
+
+  store::VersionRecord rec;
+  rec.set_file(final_name);
+  rec.set_file_bytes(v->layout.file_bytes);
+  rec.set_payload_bytes(v->layout.payload_bytes);
+  rec.set_header_xxh3(body_hash);
+  rec.set_generation(v->generation);
+  *rec.mutable_group_steps() = v->header.group_steps();
+  rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
+  if (absl::Status s = index_->PutVersion(v->key, rec); !s.ok()) return fail_renamed(s);
+  CKPT_KILL_POINT("commit.after_index");
+  return rec;
+}
+
+absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
+                                               const store::VersionRecord& rec, IoBackend* io,
+                                               StagingPool* pool, absl::Time deadline) {
+  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
+  bool direct_used = false;
+  absl::StatusOr<UniqueFd> fd = fs_->OpenForRead(dir, rec.file(), use_direct_io_, &direct_used);
+  if (!fd.ok()) {
+    if (absl::IsNotFound(fd.status())) {
+      return absl::DataLossError(absl::StrCat("file ", rec.file(), " of a committed version is missing"));
+    }
+    return fd.status();
+  }
+  CKPT_ASSIGN_OR_RETURN(uint64_t size, fs_->FileSize(fd->get()));
+  if (size != rec.file_bytes()) {
+    return absl::DataLossError(absl::StrCat("file ", rec.file(), " has ", size, " bytes; the index says ",
+                                            rec.file_bytes()));
+  }
+  LoadedVersion out;
+  CKPT_ASSIGN_OR_RETURN(out.lease, pool->Acquire(size, deadline));
+  std::vector<IoSegment> segments;
+  for (uint64_t off = 0; off < size; off += out.lease.chunk_bytes()) {
+    segments.push_back(IoSegment{out.lease.chunk(off / out.lease.chunk_bytes()),
+                                 std::min(out.lease.chunk_bytes(), size - off), off});
+  }
+  CKPT_RETURN_IF_ERROR(io->ReadAll(fd->get(), segments));
+  CKPT_ASSIGN_OR_RETURN(out.decoded, DecodeHeader(out.lease, size));
+  const store::LayerFileHeader& h = out.decoded.header;
+  if (out.decoded.body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
+      h.layer() != key.layer || h.step() != key.step) {
+    return absl::DataLossError(absl::StrCat("file ", rec.file(), " does not match its index record"));
+  }
+  CKPT_RETURN_IF_ERROR(VerifyPayload(out.decoded, out.lease));
+  return out;
+}
+
+absl::Status LayerStore::Remove(const VersionKey& key, const store::VersionRecord& rec) {
+  CKPT_RETURN_IF_ERROR(index_->DeleteVersion(key));
+  absl::StatusOr<int> dir = RankDir(key.job, key.rank, /*create=*/false);
+  if (!dir.ok()) return absl::IsNotFound(dir.status()) ? absl::OkStatus() : dir.status();
+  absl::Status s = fs_->Unlink(*dir, rec.file());
+  if (!s.ok() && !absl::IsNotFound(s)) return s;
+  return fs_->SyncDir(*dir);
+}
+
+absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
+  ReconcileReport report;
+  // Ranks known to the index or present on disk.
+  std::set<std::pair<std::string, uint32_t>> ranks;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> rs, index_->ListRanks(job));
+    for (uint32_t r : rs) ranks.emplace(job, r);
+  }
+  std::vector<bool> is_dir;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> job_dirs, fs_->List(jobs_dir_.get(), &is_dir));
+  for (size_t i = 0; i < job_dirs.size(); ++i) {
+    if (!is_dir[i] || !ValidateJobId(job_dirs[i]).ok()) {
+      CKPT_LOG(WARNING) << "reconcile: ignoring unexpected entry jobs/" << job_dirs[i];
+      continue;
+    }
+    CKPT_ASSIGN_OR_RETURN(UniqueFd jd, fs_->OpenSubdir(jobs_dir_.get(), job_dirs[i], false));
+    std::vector<bool> rank_is_dir;
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> rank_dirs, fs_->List(jd.get(), &rank_is_dir));
+    for (size_t j = 0; j < rank_dirs.size(); ++j) {
+      uint32_t r;
+      if (rank_is_dir[j] && ParseRankDirName(rank_dirs[j], &r)) ranks.emplace(job_dirs[i], r);
+    }
+  }
+  for (const auto& [job, rank] : ranks) {
+    absl::StatusOr<int> dir = RankDir(job, rank, /*create=*/true);
+    if (!dir.ok()) return dir.status();
+    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, *dir, &report));
+  }
+  return report;
+}
+
+absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, int dir,
+                                       ReconcileReport* report) {
+  CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+  const uint64_t last_step = last_event.has_value() ? last_event->first : 0;
+
+  // 1. Index side: versions after the last event were never acknowledged;
+  //    records whose file is missing or short are bug alarms.
+  std::vector<std::pair<VersionKey, store::VersionRecord>> drop_uncommitted, drop_dangling;
+  std::set<std::string> named;
+  CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+      job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
+        if (k.step > last_step) {
+          drop_uncommitted.emplace_back(k, rec);
+          return true;
+        }
+        absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
+        if (!size.ok() || *size != rec.file_bytes()) {
+          drop_dangling.emplace_back(k, rec);
+        } else {
+          named.insert(rec.file());
+        }
+        return true;
+      }));
+  for (auto& [k, rec] : drop_uncommitted) {
+    CKPT_RETURN_IF_ERROR(Remove(k, rec));
+    ++report->uncommitted_versions_removed;
+  }
+  for (auto& [k, rec] : drop_dangling) {
+    CKPT_LOG(ERROR) << "reconcile: BUG ALARM: index names " << rec.file() << " (job " << job
+                    << " rank " << rank << " layer " << k.layer << " step " << k.step
+                    << ") but the file is missing or has the wrong size; dropping the record so "
+                       "plans fall back to the previous version";
+    CKPT_RETURN_IF_ERROR(Remove(k, rec));
+    ++report->dangling_records_removed;
+  }
+  // 2. File side: temp files and files no record names.
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->List(dir));
+  bool changed = false;
+  for (const std::string& name : names) {
+    uint32_t layer;
+    uint64_t step;
+    if (absl::StartsWith(name, "tmp.")) {
+      CKPT_RETURN_IF_ERROR(fs_->Unlink(dir, name));
+      ++report->temp_files_removed;
+      changed = true;
+    } else if (ParseFileName(name, &layer, &step) && named.count(name) == 0) {
+      CKPT_RETURN_IF_ERROR(fs_->Unlink(dir, name));
+      ++report->orphan_files_removed;
+      changed = true;
+    }
+  }
+  if (changed) CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir));
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

@@ -1,0 +1,107 @@
+// LayerStore: layer-version files under the data directory and the commit
+// protocol that makes them durable and visible.
+//
+// Directory layout (owned here):
+//   <data_dir>/index/                         RocksDB (index.h)
+//   <data_dir>/jobs/<job>/rank-<rank:8>/      one directory per rank
+//       L<layer:8>-S<step:16>-G<gen:16>.ckv   committed layer versions (format.h)
+//       tmp.<...>                             in-flight writes; removed at start
+//
+// Commit protocol for one layer version (SPEC §5, RELIABILITY §6.0):
+//   create tmp (O_EXCL, O_DIRECT) -> fallocate -> write every chunk and reap
+//   every completion -> fdatasync -> renameat2(NOREPLACE) -> fsync(rank dir)
+//   -> RocksDB sync put of the VersionRecord -> visible.
+// A failure at any step fails that version: the temp file is removed, nothing
+// becomes visible, the previous version stays, and a failed fdatasync is never
+// retried. Kill points mark each step for the crash tests.
+//
+// Thread-safety: thread-safe; Commit may run concurrently for different
+// versions (each caller brings its own IoBackend).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/io/file_system.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/staging/staging_pool.h"
+#include "daemon/store/format.h"
+#include "daemon/store/index.h"
+
+namespace ckpt {
+
+// One layer version in staging, ready to commit. `header` has every tensor's
+// metadata and layout offsets (PlanLayout); its checksums are filled in by
+// Commit from the staged bytes.
+struct StagedVersion {
+  VersionKey key;
+  uint64_t generation = 0;
+  store::LayerFileHeader header;
+  VersionLayout layout;
+  StagingLease lease;
+};
+
+// A committed version read back and verified.
+struct LoadedVersion {
+  DecodedHeader decoded;
+  StagingLease lease;
+};
+
+struct ReconcileReport {
+  uint64_t temp_files_removed = 0;
+  uint64_t orphan_files_removed = 0;      // files without a record
+  uint64_t dangling_records_removed = 0;  // records without a (whole) file
+  uint64_t uncommitted_versions_removed = 0;  // versions after the last event
+};
+
+class LayerStore {
+ public:
+  LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool use_direct_io);
+  LayerStore(const LayerStore&) = delete;
+  LayerStore& operator=(const LayerStore&) = delete;
+
+  // Creates <data_dir>/jobs when missing.
+  absl::Status Init();
+
+  // The commit protocol above. On success returns the record now in the index.
+  absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io);
+
+  // Reads the file of `rec`, checks it belongs to `key` and `rec`, verifies
+  // every tensor checksum. DATA_LOSS on any mismatch or short file; the lease
+  // comes from `pool` (waiting until `deadline`).
+  absl::StatusOr<LoadedVersion> Read(const VersionKey& key, const store::VersionRecord& rec,
+                                     IoBackend* io, StagingPool* pool, absl::Time deadline);
+
+  // Removes a committed version: index record first (sync), then the file,
+  // then fsync of the directory.
+  absl::Status Remove(const VersionKey& key, const store::VersionRecord& rec);
+
+  // Start-up recovery: removes temp files, versions newer than their rank's
+  // last event (never acknowledged), files no record names, and records whose
+  // file is missing or of the wrong size (logged as a bug alarm).
+  absl::StatusOr<ReconcileReport> Reconcile();
+
+  static std::string FileName(const VersionKey& key, uint64_t generation);
+  bool direct_io() const { return use_direct_io_; }
+
+ private:
+  absl::StatusOr<int> RankDir(const std::string& job, uint32_t rank, bool create);
+  absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
+                             ReconcileReport* report);
+
+  const std::string data_dir_;
+  FileSystem* const fs_;
+  Index* const index_;
+  const bool use_direct_io_;
+  UniqueFd jobs_dir_;
+
+  absl::Mutex mu_;
+  std::map<std::pair<std::string, uint32_t>, UniqueFd> rank_dirs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ckpt
