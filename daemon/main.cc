@@ -12,6 +12,7 @@
 #include "daemon/common/logging.h"
 #include "daemon/config/config.h"
 #include "daemon/engine/engine.h"
+#include "daemon/gpu/cuda_host.h"
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/server.h"
 #include "daemon/shm/handover.h"
@@ -120,7 +121,11 @@ int main(int argc, char** argv) {
                  << absl::ToDoubleSeconds(absl::Now() - pool_start) << " s, "
                  << ((*pool)->locked() ? "locked" : "NOT locked");
 
+  HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes());
+  CKPT_LOG(INFO) << "gpu: " << CudaSupport() << "; " << cuda_pin.reason();
+
   EngineOptions eo;
+  eo.data_dir = config.data_dir;
   eo.writer_threads = config.writer_threads;
   eo.snapshot_threads = config.snapshot_threads;
   eo.io_backend = *ParseIoBackendKind(config.io_backend);
@@ -132,6 +137,15 @@ int main(int argc, char** argv) {
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
   CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
+
+  // Socket directories: created 0750 when missing (systemd's RuntimeDirectory
+  // does this in production).
+  for (const std::string& sock : {config.socket, config.HandoverSocketPath()}) {
+    auto slash = sock.rfind('/');
+    if (slash == std::string::npos || slash == 0) continue;
+    absl::StatusOr<UniqueFd> dir = fs->MakeDirs(sock.substr(0, slash));
+    if (!dir.ok()) return Fail("socket directory", dir.status());
+  }
 
   HandoverOptions ho;
   ho.socket_path = config.HandoverSocketPath();

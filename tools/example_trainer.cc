@@ -49,6 +49,7 @@ struct Args {
   bool continue_unprotected = false;
   uint64_t seed = 1;
   bool quiet = false;
+  uint64_t reconnect_ms = 300;
 };
 
 uint64_t ParseBytes(const std::string& s) {
@@ -89,12 +90,14 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     else if (k == "--on-daemon-loss") a->continue_unprotected = (v == "continue");
     else if (k == "--seed") a->seed = std::stoull(v);
     else if (k == "--quiet") a->quiet = true;
+    else if (k == "--reconnect-ms") a->reconnect_ms = std::stoull(v);
     else {
       std::fprintf(stderr,
                    "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
                    "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
                    "  [--restore] [--verify-log=FILE] [--log=FILE] [--ack-log=FILE]\n"
-                   "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n");
+                   "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
+                   "  [--reconnect-ms=MS] [--quiet]\n");
       return false;
     }
   }
@@ -121,7 +124,7 @@ int main(int argc, char** argv) {
   co.socket_path = a.socket;
   co.on_daemon_loss = a.continue_unprotected ? ckpt::OnDaemonLoss::kContinueUnprotected
                                              : ckpt::OnDaemonLoss::kError;
-  co.reconnect_interval = absl::Milliseconds(300);
+  co.reconnect_interval = absl::Milliseconds(static_cast<int64_t>(a.reconnect_ms));
   auto client_or = ckpt::Client::Connect(co);
   if (!client_or.ok()) {
     std::fprintf(stderr, "connect: %s\n", client_or.status().ToString().c_str());

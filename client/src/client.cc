@@ -54,6 +54,22 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Trainer::Stub> stub;
   std::vector<MemfdRegion> regions;
+
+  // A fresh channel connects at once; a channel that saw the daemon die may
+  // sit in reconnect backoff and fail calls fast for a while.
+  void Reconnect(const std::string& socket_path) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+    // Own subchannels: the global pool would hand a new channel the old,
+    // broken connection to a daemon that has since restarted.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(),
+                                        args);
+    stub = v1::Trainer::NewStub(channel);
+  }
 };
 
 Client::Client(const ClientOptions& options) : options_(options), impl_(new Impl) {}
@@ -64,13 +80,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (c->options_.handover_socket_path.empty()) {
     c->options_.handover_socket_path = c->options_.socket_path + ".fds";
   }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  c->impl_->channel = grpc::CreateCustomChannel("unix:" + c->options_.socket_path,
-                                                grpc::InsecureChannelCredentials(), args);
-  c->impl_->stub = v1::Trainer::NewStub(c->impl_->channel);
+  c->impl_->Reconnect(c->options_.socket_path);
   return c;
 }
 
@@ -88,10 +98,10 @@ uint64_t Client::RegionSize(size_t region) const { return impl_->regions.at(regi
 absl::Status Client::Register(const RankSpec& spec) {
   if (impl_->regions.empty()) return absl::FailedPreconditionError("no regions allocated");
   spec_ = spec;
-  return DoRegister();
+  return DoRegister(options_.call_timeout);
 }
 
-absl::Status Client::DoRegister() {
+absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   std::vector<int> fds;
   for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
   CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
@@ -125,8 +135,14 @@ absl::Status Client::DoRegister() {
       ts->set_offset(t.offset);
     }
   }
+  // The handover just reached the daemon; give the gRPC channel the same
+  // chance to connect instead of failing fast from reconnect backoff.
+  if (!impl_->channel->WaitForConnected(absl::ToChronoTime(absl::Now() + wait_for_daemon))) {
+    return absl::UnavailableError("ckptd accepted the handover but its gRPC socket did not connect");
+  }
   grpc::ClientContext ctx;
-  // Registration may wait for a previous registration of the rank to drain.
+  // Registration may wait (bounded, server side) for a previous registration
+  // of the rank to drain.
   SetDeadline(&ctx, options_.call_timeout + absl::Seconds(60));
   v1::RegisterReply reply;
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &reply)));
@@ -155,7 +171,8 @@ absl::Status Client::OnCallError(const absl::Status& s, bool* reregistered) {
   unprotected_ = true;
   if (absl::Now() >= next_reconnect_) {
     next_reconnect_ = absl::Now() + options_.reconnect_interval;
-    absl::Status r = DoRegister();
+    impl_->Reconnect(options_.socket_path);
+    absl::Status r = DoRegister(options_.reconnect_interval);
     if (r.ok()) {
       *reregistered = true;
       return absl::OkStatus();

@@ -21,6 +21,8 @@ struct KillConfig {
   std::string log_path;
   std::mt19937_64 rng;
   long hits = 0;
+  std::string delay_at;
+  long delay_ms = 0;
 };
 
 std::once_flag g_once;
@@ -37,11 +39,17 @@ void Load() {
     if (colon != std::string::npos) c->at_count = std::atol(s.c_str() + colon + 1);
   }
   if (const char* odds = std::getenv("CKPT_KILL_ODDS")) c->odds = std::atol(odds);
+  if (const char* delay = std::getenv("CKPT_DELAY_AT")) {
+    std::string s = delay;
+    auto colon = s.find(':');
+    c->delay_at = s.substr(0, colon);
+    c->delay_ms = colon == std::string::npos ? 100 : std::atol(s.c_str() + colon + 1);
+  }
   if (const char* log = std::getenv("CKPT_KILL_LOG")) c->log_path = log;
   const char* seed = std::getenv("CKPT_KILL_SEED");
   c->rng.seed(seed ? std::strtoull(seed, nullptr, 10) : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
   g_config = c;
-  g_armed.store(!c->at.empty() || c->odds > 0, std::memory_order_relaxed);
+  g_armed.store(!c->at.empty() || c->odds > 0 || !c->delay_at.empty(), std::memory_order_relaxed);
 }
 
 void Die(const char* name) {
@@ -75,6 +83,12 @@ void KillPointHit(const char* name) {
   }
   if (g_config->odds > 0 && g_config->rng() % static_cast<uint64_t>(g_config->odds) == 0) {
     Die(name);
+  }
+}
+
+void DelayPointHit(const char* name) {
+  if (g_config->delay_at == name && g_config->delay_ms > 0) {
+    ::usleep(static_cast<useconds_t>(g_config->delay_ms) * 1000);
   }
 }
 

@@ -20,7 +20,6 @@ namespace ckpt {
 // One layer's copy recipe: the file header template and where its tensors live.
 struct LayerTemplate {
   store::LayerFileHeader header;  // tensors with offsets; checksums filled at commit
-  VersionLayout layout;
   std::vector<char*> src;         // per tensor, inside the rank's mapped regions
 };
 
@@ -225,7 +224,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       e->set_nbytes(t.nbytes());
       lt.src.push_back(r->regions[t.region()].data() + t.offset());
     }
-    CKPT_ASSIGN_OR_RETURN(lt.layout, PlanLayout(&lt.header));
+    CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
   }
   *r->table.mutable_layers() = req.layers();
@@ -365,12 +364,6 @@ void Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
   std::vector<uint32_t> skipped;
   for (uint32_t l : task.layers) {
     const LayerTemplate& lt = r->layers[l];
-    absl::StatusOr<StagingLease> lease =
-        pool_->Acquire(lt.layout.file_bytes, absl::Now() + options_.admission_timeout);
-    if (!lease.ok()) {
-      skipped.push_back(l);
-      continue;
-    }
     StagedVersion v;
     v.key = VersionKey{r->job, r->rank, l, task.step};
     v.generation = r->generation;
@@ -385,11 +378,21 @@ void Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
         }
       }
     }
-    v.layout = lt.layout;
+    // Step, generation and group counters change the header's size, so each
+    // version gets its own layout.
+    absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
+    absl::StatusOr<StagingLease> lease =
+        layout.ok() ? pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout)
+                    : absl::StatusOr<StagingLease>(layout.status());
+    if (!lease.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
+    v.layout = *layout;
     v.lease = std::move(*lease);
     for (int i = 0; i < lt.header.tensors_size(); ++i) {
       const store::TensorEntry& t = lt.header.tensors(i);
-      v.lease.CopyIn(lt.layout.header_bytes + t.offset(), lt.src[static_cast<size_t>(i)], t.nbytes());
+      v.lease.CopyIn(v.layout.header_bytes + t.offset(), lt.src[static_cast<size_t>(i)], t.nbytes());
     }
     staged.push_back(std::move(v));
   }
@@ -447,6 +450,7 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
       write_queue_.pop_front();
       ++writers_busy_;
     }
+    CKPT_DELAY_POINT("writer.before_commit");
     const uint64_t bytes = task->version.layout.payload_bytes;
     absl::StatusOr<store::VersionRecord> rec = store_->Commit(&task->version, io.get());
     const uint64_t step = task->version.key.step;
@@ -652,6 +656,8 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
 
 v1::StatusReply Engine::GetStatus() {
   v1::StatusReply s;
+  s.set_version(CKPT_VERSION);
+  s.set_data_dir(options_.data_dir);
   s.set_io_backend(io_backend_name_);
   s.set_pool_bytes(pool_->budget_bytes());
   s.set_pool_bytes_in_use(pool_->bytes_in_use());
@@ -759,6 +765,51 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
         h->set_skipped(e.skipped());
         return req.limit() == 0 || static_cast<uint32_t>(reply.events_size()) < req.limit();
       }));
+  return reply;
+}
+
+absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
+                                               const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  std::vector<uint32_t> ranks;
+  if (req.rank() < 0) {
+    CKPT_ASSIGN_OR_RETURN(ranks, index_->ListRanks(req.job_id()));
+  } else {
+    ranks.push_back(static_cast<uint32_t>(req.rank()));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+  const absl::Time start = absl::Now();
+  v1::VerifyReply reply;
+  for (uint32_t rank : ranks) {
+    std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
+    CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+        req.job_id(), rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
+          versions.emplace_back(k, rec);
+          return true;
+        }));
+    for (const auto& [key, rec] : versions) {
+      absl::StatusOr<LoadedVersion> v =
+          store_->Read(key, rec, io.get(), pool_, absl::Now() + options_.restore_timeout);
+      reply.set_versions_checked(reply.versions_checked() + 1);
+      if (v.ok()) {
+        reply.set_bytes_checked(reply.bytes_checked() + rec.payload_bytes());
+        continue;
+      }
+      if (absl::IsNotFound(v.status()) || absl::IsDeadlineExceeded(v.status())) {
+        // Removed concurrently or no staging memory: not a verdict on the data.
+        if (absl::IsDeadlineExceeded(v.status())) return v.status();
+        reply.set_versions_checked(reply.versions_checked() - 1);
+        continue;
+      }
+      v1::VerifyFailure* f = reply.add_failures();
+      f->set_rank(rank);
+      f->set_layer(key.layer);
+      f->set_step(key.step);
+      f->set_error(v.status().ToString());
+    }
+  }
+  reply.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return reply;
 }
 

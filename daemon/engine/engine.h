@@ -43,6 +43,7 @@
 namespace ckpt {
 
 struct EngineOptions {
+  std::string data_dir;               // reported by Status
   unsigned writer_threads = 2;        // layer versions written concurrently
   unsigned snapshot_threads = 1;      // ranks snapshotted concurrently
   IoBackendKind io_backend = IoBackendKind::kAuto;
@@ -98,6 +99,9 @@ class Engine {
   absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
   absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
   absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);
+  // Reads back every committed version of the job (or one rank) and checks
+  // every checksum; failures are listed in the reply, not returned as errors.
+  absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);
 
   void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
   const char* io_backend_name() const { return io_backend_name_.c_str(); }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status.h"
 #include "daemon/common/validate.h"
+#include "daemon/io/io_backend.h"
 #include "daemon/shm/region.h"
 #include "daemon/store/format.h"
 
@@ -105,7 +106,10 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     sizing.set_layer_name(layer.name());
     absl::StatusOr<VersionLayout> layout = PlanLayout(&sizing);
     if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", layout.status().message()));
-    if (limits.max_layer_file_bytes > 0 && layout->file_bytes > limits.max_layer_file_bytes) {
+    // One page of slack: the step and group counters set per version can grow
+    // the header by up to a page.
+    if (limits.max_layer_file_bytes > 0 &&
+        layout->file_bytes + kDirectAlignment > limits.max_layer_file_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
           limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));

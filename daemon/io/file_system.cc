@@ -18,10 +18,16 @@
 namespace ckpt {
 namespace {
 
+// A single path component that cannot climb out of its directory.
+bool IsPlainName(const std::string& name) {
+  return !name.empty() && name.find('/') == std::string::npos && name.find('\0') == std::string::npos &&
+         name != "." && name != "..";
+}
+
 // openat2 confined beneath dir_fd; falls back to openat+O_NOFOLLOW on kernels
 // without openat2 (names are single components we built, so that is safe).
 int OpenBeneath(int dir_fd, const std::string& name, int flags, mode_t mode) {
-  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+  if (!IsPlainName(name)) {
     errno = EINVAL;
     return -1;
   }
@@ -60,6 +66,7 @@ absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
 }
 
 absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& name, bool create) {
+  if (!IsPlainName(name)) return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
   if (create && ::mkdirat(dir_fd, name.c_str(), 0750) != 0 && errno != EEXIST) {
     return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
   }

@@ -13,7 +13,6 @@
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status.h"
-#include "daemon/io/file_system.h"
 #include "daemon/rpc/status_convert.h"
 
 namespace ckpt {
@@ -114,6 +113,10 @@ class AdminService final : public v1::Admin::Service {
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
   }
+  grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req,
+                      v1::VerifyReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); });
+  }
 
  private:
   RpcServer* const s_;
@@ -128,10 +131,6 @@ RpcServer::~RpcServer() { Shutdown(absl::ZeroDuration()); }
 
 absl::Status RpcServer::Start() {
   const std::string& path = options_.socket_path;
-  auto slash = path.rfind('/');
-  if (slash != std::string::npos && slash > 0) {
-    CKPT_ASSIGN_OR_RETURN(UniqueFd dir, DefaultFileSystem()->MakeDirs(path.substr(0, slash)));
-  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   trainer_service_ = std::make_unique<TrainerService>(this);

@@ -4,7 +4,7 @@
 // SO_PEERCRED and only then hands the connection to gRPC
 // (grpc::AddInsecureChannelFromFd). Handlers find the caller's identity from
 // the connection ("fd:N" peer string), never from request fields. The socket
-// is created 0660; its directory is created 0750 when missing.
+// is created 0660 (main.cc creates its directory 0750).
 //
 // Handlers are thin: validate, convert, call the Engine, convert the Status
 // back (status_convert.h). Messages above max_message_bytes are refused by

@@ -93,8 +93,10 @@ StagingPool::~StagingPool() {
 }
 
 absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time deadline) {
-  size_t need = static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_);
-  if (need == 0) need = 1;
+  // Compare before rounding up: bytes near UINT64_MAX would wrap around.
+  const size_t need = bytes > budget_bytes()
+                          ? total_chunks_ + 1
+                          : std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
   if (need > total_chunks_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "a version of ", bytes, " bytes does not fit the staging pool of ", budget_bytes(),

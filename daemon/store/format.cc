@@ -1,6 +1,8 @@
 #include "daemon/store/format.h"
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #define XXH_INLINE_ALL
@@ -49,10 +51,11 @@ absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {
   }
   VersionLayout layout;
   layout.payload_bytes = off;
-  // Checksums are fixed-width fields, so the body's size does not depend on
-  // their values: size it with them set to a full-width placeholder.
+  // Checksums and the creation time are filled in at commit: size the body
+  // with full-width placeholders so the real values always fit.
   store::LayerFileHeader sizing = *header;
   for (store::TensorEntry& t : *sizing.mutable_tensors()) t.set_xxh3(~uint64_t{0});
+  sizing.set_created_unix_ms(std::numeric_limits<int64_t>::max());
   uint64_t body = sizing.ByteSizeLong();
   layout.header_bytes = HeaderBytesFor(body);
   if (layout.header_bytes > kMaxHeaderBytes) {
@@ -101,6 +104,9 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t f
   lease.CopyOut(0, prefix, kPrefixBytes);
   if (std::memcmp(prefix, kFormatMagic, 8) != 0) return absl::DataLossError("bad file magic");
   if (HashBytes(prefix, 40) != GetU64(prefix + 40)) return absl::DataLossError("file prefix checksum mismatch");
+  if (GetU32(prefix + 20) != 0 || std::any_of(prefix + 48, prefix + 64, [](char c) { return c != 0; })) {
+    return absl::DataLossError("file prefix reserved bytes are not zero");
+  }
   if (GetU32(prefix + 8) != kFormatVersion) {
     return absl::DataLossError(absl::StrCat("unsupported format version ", GetU32(prefix + 8)));
   }

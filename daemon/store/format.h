@@ -8,11 +8,11 @@
 //   8       4     format version (kFormatVersion)
 //   12      4     header_bytes: where the payload starts; a multiple of 4096
 //   16      4     body_len: length of the serialized LayerFileHeader
-//   20      4     reserved, 0
+//   20      4     reserved, must be 0
 //   24      8     payload_bytes
 //   32      8     XXH3-64 of the body
 //   40      8     XXH3-64 of bytes [0, 40)
-//   48      16    reserved, 0
+//   48      16    reserved, must be 0 (checked on read)
 //   64      body_len  LayerFileHeader (store.proto), then zeros to header_bytes
 //   header_bytes  payload: each tensor at its entry's offset (64-byte aligned),
 //                 then zeros up to the next multiple of 4096 (O_DIRECT).
@@ -45,7 +45,9 @@ struct VersionLayout {
 };
 
 // Assigns each tensor's payload offset (64-byte aligned, in order) and
-// returns the layout. `header` must have every tensor's nbytes set.
+// returns the layout. `header` must have every field set except the tensor
+// checksums and created_unix_ms, which Commit fills in (the layout leaves room
+// for their largest encodings).
 // INVALID_ARGUMENT when the header would exceed kMaxHeaderBytes.
 absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header);
 

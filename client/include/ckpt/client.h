@@ -127,7 +127,7 @@ class Client {
  private:
   struct Impl;
   explicit Client(const ClientOptions& options);
-  absl::Status DoRegister();
+  absl::Status DoRegister(absl::Duration wait_for_daemon);
   // Handles a failed call: UNAVAILABLE / stale registration -> try to
   // re-register (rate-limited). Returns the status the caller should see.
   absl::Status OnCallError(const absl::Status& s, bool* reregistered);

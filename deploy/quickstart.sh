@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# ckptd quickstart on a fresh Debian 12 machine:
+#   installs what is missing, builds, starts ckptd on ./data/quickstart, runs
+#   the example trainer, kills it with SIGKILL mid-run, restores the composite
+#   checkpoint in a new trainer process, and prints the restore summary.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
+cd "$top"
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ckpt-ccache}
+"$top/deploy/install_deps.sh"
+"$top/deploy/build.sh" "$top/build"
+
+bin=$top/build
+dir=$top/data/quickstart
+rm -rf "$dir"
+mkdir -p "$dir"
+sock=$dir/ckptd.sock
+job=quickstart
+
+echo "== starting ckptd (data in $dir)"
+"$bin/daemon/ckptd" --socket="$sock" --data_dir="$dir/store" --staging_pool_bytes=$((256 << 20)) \
+  >"$dir/ckptd.log" 2>&1 &
+daemon=$!
+trap 'kill $daemon 2>/dev/null || true' EXIT
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+[ -S "$sock" ] || { cat "$dir/ckptd.log"; exit 1; }
+
+trainer=("$bin/tools/ckpt_example_trainer" --socket="$sock" --job=$job --layers=12
+         --layer-bytes=1M,4M,2M --policy=explicit)
+echo "== training (12 layers, explicit per-layer schedule); SIGKILL after ~150 steps"
+"${trainer[@]}" --steps=100000 --compute-ms=5 --log="$dir/steps.jsonl" >/dev/null 2>&1 &
+pid=$!
+while [ "$(wc -l <"$dir/steps.jsonl" 2>/dev/null || echo 0)" -lt 150 ]; do sleep 0.1; done
+kill -9 $pid
+wait $pid 2>/dev/null || true
+echo "   trainer killed at step $(tail -n1 "$dir/steps.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/')"
+
+echo "== what ckptd holds"
+"$bin/tools/ckptctl" --socket="$sock" layers $job
+
+echo "== new trainer process: composite restore, verified against the killed run's log"
+"${trainer[@]}" --steps=0 --restore --verify-log="$dir/steps.jsonl"
+
+kill -TERM $daemon
+wait $daemon || true
+trap - EXIT
+echo "== done (ckptd log: $dir/ckptd.log)"

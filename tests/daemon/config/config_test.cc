@@ -1,0 +1,176 @@
+// Tests of daemon/config: parsing, dumping and validation of DaemonConfig.
+#include <string>
+
+#include "daemon/config/config.h"
+#include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using ::ckpt::testing::TempDir;
+using ::ckpt::testing::WriteFile;
+
+bool Contains(absl::string_view haystack, absl::string_view needle) {
+  return haystack.find(needle) != absl::string_view::npos;
+}
+
+TEST(ConfigTest, DefaultsDumpAndParseBack) {
+  const DaemonConfig defaults;
+  const std::string text = DumpConfig(defaults);
+  DaemonConfig parsed;
+  CKPT_ASSERT_OK(ParseConfigText(text, &parsed));
+  EXPECT_EQ(DumpConfig(parsed), text);
+  CKPT_EXPECT_OK(defaults.Validate());
+}
+
+TEST(ConfigTest, EveryOptionRoundTrips) {
+  DaemonConfig c;
+  c.socket = "/tmp/x/ckptd.sock";
+  c.handover_socket = "/tmp/x/fds.sock";
+  c.data_dir = "/data/ckpt";
+  c.staging_pool_bytes = uint64_t{5} << 33;  // above 32 bits
+  c.staging_chunk_bytes = 8192;
+  c.lock_staging_memory = false;
+  c.writer_threads = 7;
+  c.snapshot_threads = 3;
+  c.io_backend = "pwrite";
+  c.io_queue_depth = 64;
+  c.direct_io = false;
+  c.admission_timeout_ms = 11;
+  c.drain_timeout_ms = 12;
+  c.shutdown_grace_ms = 13;
+  c.max_message_bytes = 1 << 22;
+  c.max_aux_bytes = 14;
+  c.handover_token_ttl_s = 15;
+  const std::string text = DumpConfig(c);
+  EXPECT_NE(text, DumpConfig(DaemonConfig()));
+  DaemonConfig parsed;
+  CKPT_ASSERT_OK(ParseConfigText(text, &parsed));
+  EXPECT_EQ(DumpConfig(parsed), text);
+  EXPECT_EQ(parsed.staging_pool_bytes, uint64_t{5} << 33);
+  EXPECT_EQ(parsed.writer_threads, 7u);
+  EXPECT_FALSE(parsed.direct_io);
+  EXPECT_EQ(parsed.io_backend, "pwrite");
+  EXPECT_EQ(parsed.HandoverSocketPath(), "/tmp/x/fds.sock");
+}
+
+TEST(ConfigTest, DumpDocumentsEveryOption) {
+  const std::string text = DumpConfig(DaemonConfig());
+  for (const char* key : {"socket", "handover_socket", "data_dir", "staging_pool_bytes",
+                          "staging_chunk_bytes", "lock_staging_memory", "writer_threads",
+                          "snapshot_threads", "io_backend", "io_queue_depth", "direct_io",
+                          "admission_timeout_ms", "drain_timeout_ms", "shutdown_grace_ms",
+                          "max_message_bytes", "max_aux_bytes", "handover_token_ttl_s"}) {
+    EXPECT_TRUE(Contains(text, std::string("\n") + key + " = ")) << key;
+    EXPECT_TRUE(Contains(ConfigHelp(), std::string("--") + key + "=")) << key;
+  }
+}
+
+TEST(ConfigTest, CommentsWhitespaceAndBlankLines) {
+  DaemonConfig c;
+  CKPT_ASSERT_OK(ParseConfigText(
+      "# a comment\n"
+      "\n"
+      "   writer_threads   =   9   # trailing comment\n"
+      "\tdirect_io=no\r\n"
+      "data_dir = /srv/ckpt\n",
+      &c));
+  EXPECT_EQ(c.writer_threads, 9u);
+  EXPECT_FALSE(c.direct_io);
+  EXPECT_EQ(c.data_dir, "/srv/ckpt");
+}
+
+TEST(ConfigTest, UnknownKeyNamesTheLine) {
+  DaemonConfig c;
+  absl::Status s = ParseConfigText("writer_threads = 2\n# x\nno_such_option = 1\n", &c);
+  CKPT_ASSERT_CODE(s, kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "line 3")) << s;
+  EXPECT_TRUE(Contains(s.message(), "no_such_option")) << s;
+}
+
+TEST(ConfigTest, BadNumbers) {
+  for (const char* line :
+       {"writer_threads = abc", "writer_threads = -1", "writer_threads = 4294967296",
+        "writer_threads = 1.5", "writer_threads =", "staging_pool_bytes = 18446744073709551616",
+        "io_queue_depth = 0x10"}) {
+    DaemonConfig c;
+    absl::Status s = ParseConfigText(std::string("\n") + line + "\n", &c);
+    CKPT_EXPECT_CODE(s, kInvalidArgument) << line;
+    EXPECT_TRUE(Contains(s.message(), "line 2")) << s;
+  }
+  DaemonConfig c;
+  CKPT_ASSERT_OK(ParseConfigText("writer_threads = 4294967295", &c));
+  EXPECT_EQ(c.writer_threads, 4294967295u);
+}
+
+TEST(ConfigTest, BadBoolAndMissingEquals) {
+  DaemonConfig c;
+  CKPT_EXPECT_CODE(ParseConfigText("direct_io = maybe", &c), kInvalidArgument);
+  absl::Status s = ParseConfigText("socket = /a\njust words\n", &c);
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "line 2")) << s;
+  for (const char* v : {"true", "1", "yes"}) {
+    c.direct_io = false;
+    CKPT_ASSERT_OK(SetConfigOption("direct_io", v, &c));
+    EXPECT_TRUE(c.direct_io) << v;
+  }
+}
+
+TEST(ConfigTest, SetConfigOptionUnknownKey) {
+  DaemonConfig c;
+  CKPT_EXPECT_CODE(SetConfigOption("nope", "1", &c), kInvalidArgument);
+  CKPT_EXPECT_CODE(SetConfigOption("", "1", &c), kInvalidArgument);
+}
+
+TEST(ConfigTest, ValidateRejectsBadValues) {
+  DaemonConfig c;
+  c.staging_chunk_bytes = 4097;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c.staging_chunk_bytes = 0;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c.staging_chunk_bytes = 6144;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c = DaemonConfig();
+  c.io_backend = "foo";
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c.io_backend = "";
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  for (const char* ok : {"auto", "io_uring", "pwrite"}) {
+    c.io_backend = ok;
+    CKPT_EXPECT_OK(c.Validate()) << ok;
+  }
+  c = DaemonConfig();
+  c.staging_pool_bytes = c.staging_chunk_bytes - 1;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c = DaemonConfig();
+  c.writer_threads = 0;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c = DaemonConfig();
+  c.io_queue_depth = 0;
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c = DaemonConfig();
+  c.data_dir = "";
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+}
+
+TEST(ConfigTest, HandoverSocketDefaultsNextToTheSocket) {
+  DaemonConfig c;
+  c.socket = "/run/x.sock";
+  EXPECT_EQ(c.HandoverSocketPath(), "/run/x.sock.fds");
+  c.handover_socket = "/run/h.sock";
+  EXPECT_EQ(c.HandoverSocketPath(), "/run/h.sock");
+}
+
+TEST(ConfigTest, LoadConfigFile) {
+  TempDir tmp;
+  DaemonConfig c;
+  CKPT_EXPECT_CODE(LoadConfigFile(tmp.Join("missing.conf"), &c), kNotFound);
+  WriteFile(tmp.Join("ckptd.conf"), "io_queue_depth = 33\nsocket = /s\n");
+  CKPT_ASSERT_OK(LoadConfigFile(tmp.Join("ckptd.conf"), &c));
+  EXPECT_EQ(c.io_queue_depth, 33u);
+  EXPECT_EQ(c.socket, "/s");
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,268 @@
+// Tests of daemon/engine/registration: Register request validation.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "daemon/engine/registration.h"
+#include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+constexpr uint64_t kRegion = 1 << 16;
+
+// Two layers of two F32 [4, 8] tensors (128 bytes) packed into region 0.
+v1::RegisterRequest ValidRequest() {
+  v1::RegisterRequest req;
+  req.set_job_id("job-1");
+  req.set_rank(1);
+  req.set_world_size(4);
+  uint64_t offset = 0;
+  for (uint32_t l = 0; l < 2; ++l) {
+    v1::LayerSpec* layer = req.add_layers();
+    layer->set_id(l);
+    layer->set_name("layer" + std::to_string(l));
+    for (int t = 0; t < 2; ++t) {
+      v1::TensorSpec* ts = layer->add_tensors();
+      ts->set_name(t == 0 ? "weight" : "bias");
+      ts->set_dtype(v1::DTYPE_F32);
+      ts->add_shape(4);
+      ts->add_shape(8);
+      ts->set_nbytes(128);
+      ts->set_region(0);
+      ts->set_offset(offset);
+      offset += 128;
+    }
+  }
+  return req;
+}
+
+RegistrationLimits Limits() {
+  RegistrationLimits limits;
+  limits.max_layer_file_bytes = 1 << 20;
+  return limits;
+}
+
+absl::Status Validate(const v1::RegisterRequest& req,
+                      const std::vector<uint64_t>& regions = {kRegion},
+                      const RegistrationLimits& limits = Limits()) {
+  return ValidateRegistration(req, regions, limits);
+}
+
+// Applies `mutate` to a valid request and expects INVALID_ARGUMENT.
+void ExpectInvalid(const std::function<void(v1::RegisterRequest*)>& mutate,
+                   const std::vector<uint64_t>& regions = {kRegion}) {
+  v1::RegisterRequest req = ValidRequest();
+  mutate(&req);
+  CKPT_EXPECT_CODE(Validate(req, regions), kInvalidArgument);
+}
+
+v1::TensorSpec* Tensor(v1::RegisterRequest* req, int layer, int tensor) {
+  return req->mutable_layers(layer)->mutable_tensors(tensor);
+}
+
+TEST(DTypeSizeTest, Sizes) {
+  EXPECT_EQ(DTypeSize(v1::DTYPE_F32), 4u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_I32), 4u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_F16), 2u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_BF16), 2u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_F64), 8u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_I64), 8u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_U8), 1u);
+  EXPECT_EQ(DTypeSize(v1::DTYPE_UNSPECIFIED), 0u);
+  EXPECT_EQ(DTypeSize(static_cast<v1::DType>(99)), 0u);
+}
+
+TEST(ValidateRegistrationTest, ValidRequestPasses) {
+  CKPT_EXPECT_OK(Validate(ValidRequest()));
+  // Without a pool limit too.
+  CKPT_EXPECT_OK(Validate(ValidRequest(), {kRegion}, RegistrationLimits()));
+}
+
+TEST(ValidateRegistrationTest, BadJobId) {
+  for (const char* id : {"", "..", "a/b", "a b"}) {
+    ExpectInvalid([id](v1::RegisterRequest* r) { r->set_job_id(id); });
+  }
+}
+
+TEST(ValidateRegistrationTest, RankAndWorldSize) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->set_rank(4); });
+  ExpectInvalid([](v1::RegisterRequest* r) { r->set_rank(5); });
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    r->set_rank(0);
+    r->set_world_size(0);
+  });
+  v1::RegisterRequest req = ValidRequest();
+  req.set_rank(3);
+  CKPT_EXPECT_OK(Validate(req));
+}
+
+TEST(ValidateRegistrationTest, ZeroLayers) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->clear_layers(); });
+}
+
+TEST(ValidateRegistrationTest, LayerIdsMustBeDense) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(1)->set_id(2); });
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(0)->set_id(1); });
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    r->mutable_layers(0)->set_id(1);
+    r->mutable_layers(1)->set_id(0);
+  });
+}
+
+TEST(ValidateRegistrationTest, LayerNames) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(1)->set_name("layer0"); });
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(0)->set_name(""); });
+}
+
+TEST(ValidateRegistrationTest, TensorNames) {
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 1)->set_name("weight"); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 1)->set_name(""); });
+  // The same name in different layers is fine.
+  v1::RegisterRequest req = ValidRequest();
+  CKPT_EXPECT_OK(Validate(req));
+  EXPECT_EQ(req.layers(0).tensors(0).name(), req.layers(1).tensors(0).name());
+}
+
+TEST(ValidateRegistrationTest, LayerWithoutTensors) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(1)->clear_tensors(); });
+}
+
+TEST(ValidateRegistrationTest, ZeroSizeTensor) {
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    Tensor(r, 0, 0)->clear_shape();
+    Tensor(r, 0, 0)->add_shape(0);
+    Tensor(r, 0, 0)->set_nbytes(0);
+  });
+}
+
+TEST(ValidateRegistrationTest, NbytesMustMatchShapeAndDtype) {
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_nbytes(127); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_nbytes(64); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_dtype(v1::DTYPE_F16); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->add_shape(2); });
+  // Product overflow must not wrap around to a matching size.
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    v1::TensorSpec* t = Tensor(r, 0, 0);
+    t->clear_shape();
+    t->add_shape(uint64_t{1} << 32);
+    t->add_shape(uint64_t{1} << 32);
+    t->add_shape(32);
+    t->set_dtype(v1::DTYPE_U8);
+    t->set_nbytes(128);
+  });
+  // The same bytes as F16 [8, 8] or U8 [128] are fine.
+  v1::RegisterRequest req = ValidRequest();
+  v1::TensorSpec* t = Tensor(&req, 0, 0);
+  t->set_dtype(v1::DTYPE_F16);
+  t->clear_shape();
+  t->add_shape(8);
+  t->add_shape(8);
+  CKPT_EXPECT_OK(Validate(req));
+  t->set_dtype(v1::DTYPE_U8);
+  t->clear_shape();
+  t->add_shape(128);
+  CKPT_EXPECT_OK(Validate(req));
+  // A scalar: no dimensions, one element.
+  t->set_dtype(v1::DTYPE_F64);
+  t->clear_shape();
+  t->set_nbytes(8);
+  CKPT_EXPECT_OK(Validate(req));
+}
+
+TEST(ValidateRegistrationTest, UnknownDtype) {
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_dtype(v1::DTYPE_UNSPECIFIED); });
+  ExpectInvalid(
+      [](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_dtype(static_cast<v1::DType>(99)); });
+}
+
+TEST(ValidateRegistrationTest, RegionIndexOutOfRange) {
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 0)->set_region(1); });
+  ExpectInvalid([](v1::RegisterRequest* r) {}, {});
+}
+
+TEST(ValidateRegistrationTest, TensorMustLieInsideItsRegion) {
+  // Ending exactly at the region's end is fine.
+  v1::RegisterRequest req = ValidRequest();
+  Tensor(&req, 1, 1)->set_offset(kRegion - 128);
+  CKPT_EXPECT_OK(Validate(req));
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(kRegion - 127); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(kRegion); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(kRegion + 4096); });
+  // offset + nbytes overflows uint64.
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(UINT64_MAX - 10); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(UINT64_MAX - 127); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 1)->set_offset(UINT64_MAX); });
+  // The region is smaller than the tensors.
+  ExpectInvalid([](v1::RegisterRequest* r) {}, {256});
+}
+
+TEST(ValidateRegistrationTest, OverlapInTheSameRegion) {
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 1)->set_offset(64); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 1)->set_offset(0); });
+  // Across layers.
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 1, 0)->set_offset(200); });
+  // One tensor inside a later, larger one.
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    v1::TensorSpec* big = Tensor(r, 1, 1);
+    big->set_dtype(v1::DTYPE_U8);
+    big->clear_shape();
+    big->add_shape(4096);
+    big->set_nbytes(4096);
+    big->set_offset(0);
+    for (int l = 0; l < 2; ++l) {
+      for (int t = 0; t < 2; ++t) {
+        if (l == 1 && t == 1) continue;
+        Tensor(r, l, t)->set_offset(8192 + 128 * (2 * l + t));
+      }
+    }
+    Tensor(r, 0, 1)->set_offset(1024);  // inside big
+  });
+}
+
+TEST(ValidateRegistrationTest, SameOffsetsInDifferentRegionsAreFine) {
+  v1::RegisterRequest req = ValidRequest();
+  for (int l = 0; l < 2; ++l) {
+    for (int t = 0; t < 2; ++t) {
+      Tensor(&req, l, t)->set_region(static_cast<uint32_t>(2 * l + t));
+      Tensor(&req, l, t)->set_offset(0);
+    }
+  }
+  CKPT_EXPECT_OK(Validate(req, {128, 128, 128, 128}));
+  // Adjacent tensors in one region do not overlap either.
+  CKPT_EXPECT_OK(Validate(ValidRequest(), {512}));
+}
+
+TEST(ValidateRegistrationTest, LayerLargerThanThePool) {
+  RegistrationLimits limits = Limits();
+  // Header 4096 + payload 4096 + one page of slack for per-version header growth.
+  limits.max_layer_file_bytes = 8192;
+  CKPT_EXPECT_CODE(Validate(ValidRequest(), {kRegion}, limits), kInvalidArgument);
+  limits.max_layer_file_bytes = 12288;
+  CKPT_EXPECT_OK(Validate(ValidRequest(), {kRegion}, limits));
+  // A big tensor pushes its layer over the limit.
+  v1::RegisterRequest req = ValidRequest();
+  v1::TensorSpec* t = Tensor(&req, 1, 1);
+  t->set_dtype(v1::DTYPE_U8);
+  t->clear_shape();
+  t->add_shape(8192);
+  t->set_nbytes(8192);
+  CKPT_EXPECT_CODE(Validate(req, {kRegion}, limits), kInvalidArgument);
+}
+
+TEST(ValidateRegistrationTest, CountLimits) {
+  RegistrationLimits limits = Limits();
+  limits.max_layers = 1;
+  CKPT_EXPECT_CODE(Validate(ValidRequest(), {kRegion}, limits), kInvalidArgument);
+  limits = Limits();
+  limits.max_tensors_per_layer = 1;
+  CKPT_EXPECT_CODE(Validate(ValidRequest(), {kRegion}, limits), kInvalidArgument);
+  limits = Limits();
+  limits.max_world_size = 3;
+  CKPT_EXPECT_CODE(Validate(ValidRequest(), {kRegion}, limits), kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ckpt

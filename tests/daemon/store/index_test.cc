@@ -1,0 +1,316 @@
+// Tests of daemon/store/index against a real RocksDB in a temp directory.
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/store/index.h"
+#include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using ::ckpt::testing::TempDir;
+
+class IndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Reopen(); }
+
+  void Reopen() {
+    index_.reset();
+    absl::StatusOr<std::unique_ptr<Index>> index = Index::Open(tmp_.Join("index"));
+    ASSERT_TRUE(::ckpt::testing::IsOk(index));
+    index_ = std::move(index).value();
+  }
+
+  static store::VersionRecord Rec(const std::string& file) {
+    store::VersionRecord r;
+    r.set_file(file);
+    r.set_file_bytes(8192);
+    r.set_payload_bytes(100);
+    r.set_generation(3);
+    return r;
+  }
+
+  static std::string FileFor(const VersionKey& k) {
+    return absl::StrCat(k.job, "|", k.rank, "|", k.layer, "|", k.step);
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<Index> index_;
+};
+
+TEST_F(IndexTest, JobsRoundTrip) {
+  CKPT_ASSERT_OK_AND_ASSIGN(std::optional<store::JobRecord> missing, index_->GetJob("job"));
+  EXPECT_FALSE(missing.has_value());
+  store::JobRecord rec;
+  rec.set_owner_uid(1234);
+  rec.set_created_unix_ms(99);
+  CKPT_ASSERT_OK(index_->PutJob("job", rec));
+  CKPT_ASSERT_OK(index_->PutJob("job2", store::JobRecord()));
+  CKPT_ASSERT_OK(index_->PutJob("a.b", store::JobRecord()));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::optional<store::JobRecord> got, index_->GetJob("job"));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->owner_uid(), 1234u);
+  EXPECT_EQ(got->created_unix_ms(), 99);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<std::string> jobs, index_->ListJobs());
+  std::sort(jobs.begin(), jobs.end());
+  EXPECT_EQ(jobs, (std::vector<std::string>{"a.b", "job", "job2"}));
+}
+
+TEST_F(IndexTest, RanksRoundTripAndDoNotLeakAcrossJobs) {
+  store::RankRecord rec;
+  rec.set_world_size(8);
+  rec.set_generation(5);
+  rec.add_layers()->set_name("emb");
+  CKPT_ASSERT_OK(index_->PutRank("job", 3, rec));
+  CKPT_ASSERT_OK(index_->PutRank("job", 0, store::RankRecord()));
+  CKPT_ASSERT_OK(index_->PutRank("job2", 1, store::RankRecord()));
+  CKPT_ASSERT_OK(index_->PutRank("a", 7, store::RankRecord()));
+  CKPT_ASSERT_OK(index_->PutRank("a.b", 9, store::RankRecord()));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::optional<store::RankRecord> got, index_->GetRank("job", 3));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->world_size(), 8u);
+  EXPECT_EQ(got->generation(), 5u);
+  ASSERT_EQ(got->layers_size(), 1);
+  EXPECT_EQ(got->layers(0).name(), "emb");
+  CKPT_ASSERT_OK_AND_ASSIGN(std::optional<store::RankRecord> none, index_->GetRank("job", 4));
+  EXPECT_FALSE(none.has_value());
+  CKPT_ASSERT_OK_AND_ASSIGN(none, index_->GetRank("job2", 3));
+  EXPECT_FALSE(none.has_value());
+
+  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<uint32_t> ranks, index_->ListRanks("job"));
+  EXPECT_EQ(ranks, (std::vector<uint32_t>{0, 3}));
+  CKPT_ASSERT_OK_AND_ASSIGN(ranks, index_->ListRanks("job2"));
+  EXPECT_EQ(ranks, (std::vector<uint32_t>{1}));
+  CKPT_ASSERT_OK_AND_ASSIGN(ranks, index_->ListRanks("a"));
+  EXPECT_EQ(ranks, (std::vector<uint32_t>{7}));
+  CKPT_ASSERT_OK_AND_ASSIGN(ranks, index_->ListRanks("a.b"));
+  EXPECT_EQ(ranks, (std::vector<uint32_t>{9}));
+  CKPT_ASSERT_OK_AND_ASSIGN(ranks, index_->ListRanks("jo"));
+  EXPECT_TRUE(ranks.empty());
+}
+
+// Versions and events of prefix-similar jobs, checked against a brute-force model.
+TEST_F(IndexTest, AtOrBeforeQueriesMatchAModel) {
+  const std::vector<std::string> jobs = {"job", "job2", "a", "a.b", "a-b", "jo"};
+  std::mt19937_64 rng(0x1dec5);
+  // model[(job, rank, layer)] = steps
+  std::map<std::tuple<std::string, uint32_t, uint32_t>, std::vector<uint64_t>> versions;
+  std::map<std::pair<std::string, uint32_t>, std::vector<uint64_t>> events;
+  const std::vector<uint64_t> special = {0, 1, 255, 256, 0xFFFFFFFFull, ~uint64_t{0} - 1,
+                                         ~uint64_t{0}};
+  for (int i = 0; i < 300; ++i) {
+    VersionKey k{jobs[rng() % jobs.size()], static_cast<uint32_t>(rng() % 3),
+                 static_cast<uint32_t>(rng() % 4), rng() % 60};
+    if (i % 37 == 0) k.step = special[rng() % special.size()];
+    CKPT_ASSERT_OK(index_->PutVersion(k, Rec(FileFor(k))));
+    versions[{k.job, k.rank, k.layer}].push_back(k.step);
+  }
+  for (int i = 0; i < 60; ++i) {
+    const std::string job = jobs[rng() % jobs.size()];
+    const uint32_t rank = static_cast<uint32_t>(rng() % 3);
+    const uint64_t step = i % 13 == 0 ? special[rng() % special.size()] : rng() % 60;
+    store::EventRecord e;
+    e.set_bytes(step * 7 + rank);
+    e.set_aux(absl::StrCat(job, "/", rank, "/", step));
+    CKPT_ASSERT_OK(index_->PutEvent(job, rank, step, e));
+    events[{job, rank}].push_back(step);
+  }
+
+  std::vector<uint64_t> queries = special;
+  for (uint64_t s = 0; s <= 61; ++s) queries.push_back(s);
+  for (const std::string& job : jobs) {
+    for (uint32_t rank = 0; rank < 4; ++rank) {
+      for (uint64_t q : queries) {
+        for (uint32_t layer = 0; layer < 5; ++layer) {
+          std::optional<uint64_t> want;
+          for (uint64_t s : versions[{job, rank, layer}]) {
+            if (s <= q && (!want.has_value() || s > *want)) want = s;
+          }
+          CKPT_ASSERT_OK_AND_ASSIGN(auto got, index_->VersionAtOrBefore(job, rank, layer, q));
+          ASSERT_EQ(got.has_value(), want.has_value())
+              << job << " r" << rank << " l" << layer << " q" << q;
+          if (want.has_value()) {
+            EXPECT_EQ(got->first, *want) << job << " r" << rank << " l" << layer << " q" << q;
+            EXPECT_EQ(got->second.file(), FileFor(VersionKey{job, rank, layer, *want}));
+          }
+        }
+        std::optional<uint64_t> want_event;
+        for (uint64_t s : events[{job, rank}]) {
+          if (s <= q && (!want_event.has_value() || s > *want_event)) want_event = s;
+        }
+        CKPT_ASSERT_OK_AND_ASSIGN(auto ev, index_->EventAtOrBefore(job, rank, q));
+        ASSERT_EQ(ev.has_value(), want_event.has_value()) << job << " r" << rank << " q" << q;
+        if (want_event.has_value()) {
+          EXPECT_EQ(ev->first, *want_event) << job << " r" << rank << " q" << q;
+          EXPECT_EQ(ev->second.aux(), absl::StrCat(job, "/", rank, "/", *want_event));
+        }
+      }
+    }
+  }
+}
+
+TEST_F(IndexTest, VersionsOfSimilarJobIdsStaySeparate) {
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 0, 0, 10}, Rec("job")));
+  CKPT_ASSERT_OK(index_->PutVersion({"job2", 0, 0, 5}, Rec("job2")));
+  CKPT_ASSERT_OK(index_->PutVersion({"a", 0, 0, 7}, Rec("a")));
+  CKPT_ASSERT_OK(index_->PutVersion({"a.b", 0, 0, 3}, Rec("a.b")));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("job", 0, 0, 9));
+  EXPECT_FALSE(v.has_value());
+  CKPT_ASSERT_OK_AND_ASSIGN(v, index_->VersionAtOrBefore("job2", 0, 0, 100));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->second.file(), "job2");
+  CKPT_ASSERT_OK_AND_ASSIGN(v, index_->VersionAtOrBefore("a", 0, 0, 5));
+  EXPECT_FALSE(v.has_value()) << "must not return a.b's step 3";
+  CKPT_ASSERT_OK_AND_ASSIGN(v, index_->VersionAtOrBefore("a.b", 0, 0, ~uint64_t{0}));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->first, 3u);
+  EXPECT_EQ(v->second.file(), "a.b");
+  int seen = 0;
+  CKPT_ASSERT_OK(index_->ForEachVersion("a", 0, -1, [&](const VersionKey& k,
+                                                         const store::VersionRecord& r) {
+    EXPECT_EQ(k.job, "a");
+    EXPECT_EQ(r.file(), "a");
+    ++seen;
+    return true;
+  }));
+  EXPECT_EQ(seen, 1);
+}
+
+TEST_F(IndexTest, ForEachVersionOrderFilterAndEarlyStop) {
+  std::vector<VersionKey> keys;
+  for (uint32_t layer : {2u, 0u, 1u}) {
+    for (uint64_t step : {30u, 5u, 300u, 17u}) keys.push_back({"job", 1, layer, step});
+  }
+  keys.push_back({"job", 0, 0, 1});    // another rank
+  keys.push_back({"job", 2, 0, 1});    // another rank
+  keys.push_back({"job2", 1, 0, 1});   // another job
+  for (const VersionKey& k : keys) CKPT_ASSERT_OK(index_->PutVersion(k, Rec(FileFor(k))));
+
+  std::vector<std::pair<uint32_t, uint64_t>> all;
+  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, -1, [&](const VersionKey& k,
+                                                           const store::VersionRecord& r) {
+    EXPECT_EQ(k.job, "job");
+    EXPECT_EQ(k.rank, 1u);
+    EXPECT_EQ(r.file(), FileFor(k));
+    all.emplace_back(k.layer, k.step);
+    return true;
+  }));
+  std::vector<std::pair<uint32_t, uint64_t>> want;
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    for (uint64_t step : {5u, 17u, 30u, 300u}) want.emplace_back(layer, step);
+  }
+  EXPECT_EQ(all, want);
+
+  std::vector<uint64_t> steps;
+  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, 1, [&](const VersionKey& k,
+                                                          const store::VersionRecord&) {
+    EXPECT_EQ(k.layer, 1u);
+    steps.push_back(k.step);
+    return true;
+  }));
+  EXPECT_EQ(steps, (std::vector<uint64_t>{5, 17, 30, 300}));
+
+  int calls = 0;
+  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, -1, [&](const VersionKey&,
+                                                           const store::VersionRecord&) {
+    return ++calls < 2;
+  }));
+  EXPECT_EQ(calls, 2);
+
+  CKPT_ASSERT_OK(index_->DeleteVersion({"job", 1, 1, 17}));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("job", 1, 1, 29));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->first, 5u);
+}
+
+TEST_F(IndexTest, EventsBatchOrderAndDelete) {
+  std::vector<std::pair<uint64_t, store::EventRecord>> batch;
+  for (uint64_t step : {40u, 10u, 20u}) {
+    store::EventRecord e;
+    e.add_layers(static_cast<uint32_t>(step));
+    e.set_bytes(step * 100);
+    e.set_lr(0.5);
+    batch.emplace_back(step, e);
+  }
+  CKPT_ASSERT_OK(index_->PutEvents("job", 2, batch));
+  CKPT_ASSERT_OK(index_->PutEvent("job", 3, 15, store::EventRecord()));
+  CKPT_ASSERT_OK(index_->PutEvent("job2", 2, 25, store::EventRecord()));
+
+  std::vector<uint64_t> oldest_first, newest_first;
+  CKPT_ASSERT_OK(index_->ForEachEvent("job", 2, false, [&](uint64_t s,
+                                                            const store::EventRecord& e) {
+    EXPECT_EQ(e.bytes(), s * 100);
+    EXPECT_DOUBLE_EQ(e.lr(), 0.5);
+    oldest_first.push_back(s);
+    return true;
+  }));
+  CKPT_ASSERT_OK(index_->ForEachEvent("job", 2, true, [&](uint64_t s, const store::EventRecord&) {
+    newest_first.push_back(s);
+    return true;
+  }));
+  EXPECT_EQ(oldest_first, (std::vector<uint64_t>{10, 20, 40}));
+  EXPECT_EQ(newest_first, (std::vector<uint64_t>{40, 20, 10}));
+
+  int calls = 0;
+  CKPT_ASSERT_OK(index_->ForEachEvent("job", 2, true, [&](uint64_t s, const store::EventRecord&) {
+    EXPECT_EQ(s, 40u);
+    ++calls;
+    return false;
+  }));
+  EXPECT_EQ(calls, 1);
+
+  CKPT_ASSERT_OK_AND_ASSIGN(auto e, index_->EventAtOrBefore("job", 2, 39));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->first, 20u);
+  EXPECT_EQ(e->second.layers(0), 20u);
+  CKPT_ASSERT_OK_AND_ASSIGN(e, index_->EventAtOrBefore("job", 2, ~uint64_t{0}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->first, 40u);
+  CKPT_ASSERT_OK_AND_ASSIGN(e, index_->EventAtOrBefore("job", 2, 9));
+  EXPECT_FALSE(e.has_value());
+  CKPT_ASSERT_OK_AND_ASSIGN(e, index_->EventAtOrBefore("job", 4, ~uint64_t{0}));
+  EXPECT_FALSE(e.has_value());
+
+  CKPT_ASSERT_OK(index_->DeleteEvent("job", 2, 40));
+  CKPT_ASSERT_OK_AND_ASSIGN(e, index_->EventAtOrBefore("job", 2, ~uint64_t{0}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->first, 20u);
+}
+
+TEST_F(IndexTest, NextGenerationIncreasesAndSurvivesReopen) {
+  uint64_t last = 0;
+  for (int i = 0; i < 5; ++i) {
+    CKPT_ASSERT_OK_AND_ASSIGN(uint64_t g, index_->NextGeneration());
+    EXPECT_GT(g, last);
+    last = g;
+  }
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t g, index_->NextGeneration());
+  EXPECT_GT(g, last);
+}
+
+TEST_F(IndexTest, RecordsSurviveReopen) {
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 0, 1, 9}, Rec("kept")));
+  CKPT_ASSERT_OK(index_->PutEvent("job", 0, 9, store::EventRecord()));
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("job", 0, 1, 9));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->second.file(), "kept");
+  CKPT_ASSERT_OK_AND_ASSIGN(auto e, index_->EventAtOrBefore("job", 0, 9));
+  EXPECT_TRUE(e.has_value());
+}
+
+TEST_F(IndexTest, SecondOpenOfTheSameDatabaseIsRefused) {
+  CKPT_EXPECT_CODE(Index::Open(tmp_.Join("index")), kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,363 @@
+// Tests of daemon/store/layer_store: the commit protocol, verified reads and
+// start-up reconciliation, over both io backends.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "daemon/io/file_system.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/store/layer_store.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/store/store_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+
+// Lets gtest print backend parameters by name.
+void PrintTo(IoBackendKind kind, std::ostream* os) {
+  *os << (kind == IoBackendKind::kUring ? "io_uring" : "pwrite");
+}
+
+namespace {
+
+using ::ckpt::testing::PathExists;
+using ::ckpt::testing::TempDir;
+using ::ckpt::testing::WriteFile;
+using store_test::ImageBytes;
+using store_test::MakePool;
+using store_test::Staged;
+using store_test::StageVersion;
+
+std::string KindName(const ::testing::TestParamInfo<IoBackendKind>& info) {
+  return info.param == IoBackendKind::kUring ? "io_uring" : "pwrite";
+}
+
+std::vector<std::string> ListDir(const std::string& path) {
+  std::vector<std::string> names;
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd.valid()) return names;
+  absl::StatusOr<std::vector<std::string>> got = DefaultFileSystem()->List(fd.get());
+  if (got.ok()) names = *got;
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Flips one byte of `path` at `offset` in place.
+void FlipByte(const std::string& path, uint64_t offset) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  ASSERT_TRUE(fd.valid());
+  char c;
+  ASSERT_EQ(::pread(fd.get(), &c, 1, static_cast<off_t>(offset)), 1);
+  c = static_cast<char>(c ^ 0x20);
+  ASSERT_EQ(::pwrite(fd.get(), &c, 1, static_cast<off_t>(offset)), 1);
+  ASSERT_EQ(::fsync(fd.get()), 0);
+}
+
+class LayerStoreTest : public ::testing::TestWithParam<IoBackendKind> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<IoBackend>> io = MakeIoBackend(GetParam(), 8);
+    if (GetParam() == IoBackendKind::kUring && absl::IsUnavailable(io.status())) {
+      GTEST_SKIP() << "io_uring unavailable here: " << io.status();
+    }
+    CKPT_ASSERT_OK(io);
+    io_ = std::move(io).value();
+    pool_ = MakePool(8192, 64);
+    ASSERT_NE(pool_, nullptr);
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    ASSERT_NO_FATAL_FAILURE(NewStore());
+  }
+
+  // A fresh LayerStore over the same directory and index (a daemon restart).
+  void NewStore() {
+    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(),
+                                          /*use_direct_io=*/true);
+    CKPT_ASSERT_OK(store_->Init());
+  }
+
+  std::string RankDir(const std::string& job, uint32_t rank) const {
+    return absl::StrFormat("%s/jobs/%s/rank-%08x", tmp_.path(), job, rank);
+  }
+  std::string FilePath(const VersionKey& key, const store::VersionRecord& rec) const {
+    return RankDir(key.job, key.rank) + "/" + rec.file();
+  }
+
+  // Stages and commits one version; the staged bytes stay in `out`.
+  void Commit(const VersionKey& key, uint64_t generation, const std::vector<uint64_t>& sizes,
+              uint64_t seed, Staged* out, store::VersionRecord* rec) {
+    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), key, generation, sizes, seed, out));
+    CKPT_ASSERT_OK_AND_ASSIGN(*rec, store_->Commit(&out->version, io_.get()));
+  }
+
+  absl::StatusOr<LoadedVersion> Read(const VersionKey& key, const store::VersionRecord& rec) {
+    return store_->Read(key, rec, io_.get(), pool_.get(), absl::Now() + absl::Seconds(30));
+  }
+
+  void ExpectNoTempFiles(const std::string& dir) {
+    for (const std::string& name : ListDir(dir)) {
+      EXPECT_FALSE(absl::StartsWith(name, "tmp.")) << name << " left in " << dir;
+    }
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<IoBackend> io_;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<LayerStore> store_;
+};
+
+TEST_P(LayerStoreTest, CommitThenReadReturnsTheSameBytes) {
+  const VersionKey key{"job-a", 0, 2, 100};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 7, {5000, 1, 70000, 4096}, 11, &s, &rec));
+  const VersionLayout layout = s.version.layout;
+
+  EXPECT_EQ(rec.file(), LayerStore::FileName(key, 7));
+  EXPECT_EQ(rec.file_bytes(), layout.file_bytes);
+  EXPECT_EQ(rec.payload_bytes(), layout.payload_bytes);
+  EXPECT_EQ(rec.generation(), 7u);
+  EXPECT_TRUE(store_->direct_io());
+
+  // The file is in place, whole, and no temp file remains.
+  const std::string dir = RankDir(key.job, key.rank);
+  struct stat st;
+  ASSERT_EQ(::stat(FilePath(key, rec).c_str(), &st), 0) << FilePath(key, rec);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), layout.file_bytes);
+  EXPECT_EQ(ListDir(dir), std::vector<std::string>{rec.file()});
+  ExpectNoTempFiles(dir);
+
+  // The index names it.
+  CKPT_ASSERT_OK_AND_ASSIGN(auto indexed, index_->VersionAtOrBefore(key.job, 0, 2, 100));
+  ASSERT_TRUE(indexed.has_value());
+  EXPECT_EQ(indexed->first, 100u);
+  EXPECT_EQ(indexed->second.SerializeAsString(), rec.SerializeAsString());
+
+  // Read verifies and returns the staged bytes.
+  s.version.lease = StagingLease();  // return the staging chunks first
+  CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(key, rec));
+  const store::LayerFileHeader& h = loaded.decoded.header;
+  EXPECT_EQ(h.job_id(), key.job);
+  EXPECT_EQ(h.rank(), key.rank);
+  EXPECT_EQ(h.layer(), key.layer);
+  EXPECT_EQ(h.step(), key.step);
+  EXPECT_EQ(h.generation(), 7u);
+  EXPECT_GT(h.created_unix_ms(), 0);
+  ASSERT_EQ(h.tensors_size(), 4);
+  for (int i = 0; i < h.tensors_size(); ++i) {
+    const store::TensorEntry& t = h.tensors(i);
+    EXPECT_TRUE(ImageBytes(loaded.lease, loaded.decoded.layout.header_bytes + t.offset(),
+                           t.nbytes()) == s.data[static_cast<size_t>(i)])
+        << t.name();
+  }
+}
+
+TEST_P(LayerStoreTest, CorruptPayloadByteIsDataLoss) {
+  const VersionKey key{"job-a", 1, 0, 5};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 1, {3000, 9000}, 12, &s, &rec));
+  const store::TensorEntry t = s.version.header.tensors(1);
+  ASSERT_NO_FATAL_FAILURE(
+      FlipByte(FilePath(key, rec), s.version.layout.header_bytes + t.offset() + 1234));
+  absl::StatusOr<LoadedVersion> loaded = Read(key, rec);
+  CKPT_EXPECT_CODE(loaded, kDataLoss);
+  EXPECT_NE(loaded.status().message().find(t.name()), absl::string_view::npos)
+      << loaded.status();
+}
+
+TEST_P(LayerStoreTest, CorruptHeaderByteIsDataLoss) {
+  const VersionKey key{"job-a", 1, 0, 5};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 1, {3000}, 13, &s, &rec));
+  for (uint64_t off : {uint64_t{3}, uint64_t{30}, kPrefixBytes + 5}) {
+    ASSERT_NO_FATAL_FAILURE(FlipByte(FilePath(key, rec), off));
+    CKPT_EXPECT_CODE(Read(key, rec), kDataLoss) << "byte " << off;
+    ASSERT_NO_FATAL_FAILURE(FlipByte(FilePath(key, rec), off));
+  }
+  CKPT_EXPECT_OK(Read(key, rec));
+}
+
+TEST_P(LayerStoreTest, TruncatedOrMissingFileIsDataLoss) {
+  const VersionKey key{"job-a", 0, 3, 9};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 1, {20000}, 14, &s, &rec));
+  const std::string path = FilePath(key, rec);
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(rec.file_bytes() - 4096)), 0);
+  CKPT_EXPECT_CODE(Read(key, rec), kDataLoss);
+  ASSERT_EQ(::truncate(path.c_str(), 0), 0);
+  CKPT_EXPECT_CODE(Read(key, rec), kDataLoss);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  CKPT_EXPECT_CODE(Read(key, rec), kDataLoss);
+}
+
+TEST_P(LayerStoreTest, FileMustMatchItsRecord) {
+  const VersionKey k1{"job-a", 0, 0, 1};
+  const VersionKey k2{"job-a", 0, 0, 2};
+  Staged s1, s2;
+  store::VersionRecord r1, r2;
+  ASSERT_NO_FATAL_FAILURE(Commit(k1, 1, {4000}, 15, &s1, &r1));
+  ASSERT_NO_FATAL_FAILURE(Commit(k2, 1, {4000}, 16, &s2, &r2));
+  ASSERT_EQ(r1.file_bytes(), r2.file_bytes());
+  CKPT_EXPECT_CODE(Read(k2, r1), kDataLoss);  // step 1's file under step 2's key
+  store::VersionRecord other = r2;
+  other.set_header_xxh3(r1.header_xxh3());
+  CKPT_EXPECT_CODE(Read(k2, other), kDataLoss);
+  CKPT_EXPECT_OK(Read(k1, r1));
+  CKPT_EXPECT_OK(Read(k2, r2));
+}
+
+TEST_P(LayerStoreTest, FailedCommitLeavesNoTraceAndKeepsThePreviousVersion) {
+  const VersionKey key{"job-a", 0, 0, 1};
+  Staged s1, s2;
+  store::VersionRecord r1;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 4, {4000}, 17, &s1, &r1));
+  // Same key and generation: the final name exists, the rename must fail.
+  ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), key, 4, {4000}, 18, &s2));
+  CKPT_EXPECT_CODE(store_->Commit(&s2.version, io_.get()), kAlreadyExists);
+  EXPECT_EQ(ListDir(RankDir(key.job, key.rank)), std::vector<std::string>{r1.file()});
+  CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(key, r1));
+  const store::TensorEntry& t = loaded.decoded.header.tensors(0);
+  EXPECT_TRUE(ImageBytes(loaded.lease, loaded.decoded.layout.header_bytes + t.offset(),
+                         t.nbytes()) == s1.data[0]);
+}
+
+TEST_P(LayerStoreTest, CommitRefusesBadJobIds) {
+  for (const std::string& job : {std::string("../evil"), std::string(".."), std::string("a/b")}) {
+    Staged s;
+    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), VersionKey{job, 0, 0, 1}, 1, {100}, 19, &s));
+    CKPT_EXPECT_CODE(store_->Commit(&s.version, io_.get()), kInvalidArgument) << job;
+  }
+  EXPECT_FALSE(PathExists(tmp_.Join("evil")));
+  EXPECT_EQ(ListDir(tmp_.Join("jobs")), std::vector<std::string>{});
+}
+
+TEST_P(LayerStoreTest, RemoveDeletesRecordThenFile) {
+  const VersionKey key{"job-a", 0, 0, 1};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 1, {100}, 20, &s, &rec));
+  CKPT_ASSERT_OK(store_->Remove(key, rec));
+  EXPECT_FALSE(PathExists(FilePath(key, rec)));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(key.job, 0, 0, 1));
+  EXPECT_FALSE(v.has_value());
+  CKPT_EXPECT_OK(store_->Remove(key, rec));  // already gone: fine
+}
+
+// Regression: a header body ending right at a 4096 boundary once the commit
+// filled in checksums and the creation time used to outgrow its planned size.
+TEST_P(LayerStoreTest, HeaderThatFillsItsPlannedSizeCommits) {
+  const VersionKey key{"job-a", 0, 0, 77};
+  // Find the layer-name length at which the planned header grows past 4096.
+  size_t edge = 0;
+  for (size_t len = 1; len < 4096 && edge == 0; ++len) {
+    store::LayerFileHeader h = store_test::MakeHeader(key, 3, {256});
+    h.set_layer_name(std::string(len, 'n'));
+    CKPT_ASSERT_OK_AND_ASSIGN(VersionLayout layout, PlanLayout(&h));
+    if (layout.header_bytes > 4096) edge = len;
+  }
+  ASSERT_GT(edge, 16u);
+  for (size_t len = edge - 16; len <= edge + 16; ++len) {
+    Staged s;
+    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), key, 3, {256}, 21, &s, std::string(len, 'n')));
+    absl::StatusOr<store::VersionRecord> rec = store_->Commit(&s.version, io_.get());
+    CKPT_ASSERT_OK(rec) << "layer name of " << len << " bytes";
+    CKPT_EXPECT_OK(Read(key, *rec));
+    CKPT_ASSERT_OK(store_->Remove(key, *rec));
+  }
+}
+
+TEST_P(LayerStoreTest, ReconcileCleansUpAndKeepsCommittedVersions) {
+  const std::string job = "job-r";
+  Staged good_s, late_s, gone_s, short_s, noevent_s;
+  store::VersionRecord good, late, gone, short_rec, noevent;
+  // Rank 0: a committed version covered by an event, one after the last event,
+  // one whose file was deleted.
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 0, 0, 1}, 1, {5000}, 30, &good_s, &good));
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 0, 0, 5}, 1, {5000}, 31, &late_s, &late));
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 0, 1, 1}, 1, {5000}, 32, &gone_s, &gone));
+  CKPT_ASSERT_OK(index_->PutEvent(job, 0, 1, store::EventRecord()));
+  ASSERT_EQ(::unlink(FilePath({job, 0, 1, 1}, gone).c_str()), 0);
+  // Rank 1: a covered version whose file lost its tail.
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 1, 0, 2}, 1, {5000}, 33, &short_s, &short_rec));
+  CKPT_ASSERT_OK(index_->PutEvent(job, 1, 2, store::EventRecord()));
+  ASSERT_EQ(::truncate(FilePath({job, 1, 0, 2}, short_rec).c_str(), 4096), 0);
+  // Rank 2: a version but no event at all.
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 2, 0, 3}, 1, {5000}, 34, &noevent_s, &noevent));
+
+  const std::string dir0 = RankDir(job, 0);
+  WriteFile(dir0 + "/tmp." + LayerStore::FileName({job, 0, 0, 9}, 1) + ".00000000deadbeef",
+            "half");
+  const std::string orphan = LayerStore::FileName({job, 0, 2, 1}, 9);
+  WriteFile(dir0 + "/" + orphan, std::string(8192, 'o'));
+  WriteFile(dir0 + "/notes.txt", "not ours");
+
+  ASSERT_NO_FATAL_FAILURE(NewStore());  // as after a restart
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
+  EXPECT_EQ(report.temp_files_removed, 1u);
+  EXPECT_EQ(report.orphan_files_removed, 1u);
+  EXPECT_EQ(report.dangling_records_removed, 2u);
+  EXPECT_EQ(report.uncommitted_versions_removed, 2u);
+
+  EXPECT_EQ(ListDir(dir0), (std::vector<std::string>{good.file(), "notes.txt"}));
+  EXPECT_EQ(ListDir(RankDir(job, 1)), std::vector<std::string>{});
+  EXPECT_EQ(ListDir(RankDir(job, 2)), std::vector<std::string>{});
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(job, 0, 0, ~uint64_t{0}));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->first, 1u);
+  for (auto [rank, layer] : std::vector<std::pair<uint32_t, uint32_t>>{{0, 1}, {1, 0}, {2, 0}}) {
+    CKPT_ASSERT_OK_AND_ASSIGN(v, index_->VersionAtOrBefore(job, rank, layer, ~uint64_t{0}));
+    EXPECT_FALSE(v.has_value()) << "rank " << rank << " layer " << layer;
+  }
+  good_s.version.lease = StagingLease();
+  CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read({job, 0, 0, 1}, good));
+  const store::TensorEntry& t = loaded.decoded.header.tensors(0);
+  EXPECT_TRUE(ImageBytes(loaded.lease, loaded.decoded.layout.header_bytes + t.offset(),
+                         t.nbytes()) == good_s.data[0]);
+
+  // A second pass finds nothing to do.
+  CKPT_ASSERT_OK_AND_ASSIGN(report, store_->Reconcile());
+  EXPECT_EQ(report.temp_files_removed, 0u);
+  EXPECT_EQ(report.orphan_files_removed, 0u);
+  EXPECT_EQ(report.dangling_records_removed, 0u);
+  EXPECT_EQ(report.uncommitted_versions_removed, 0u);
+}
+
+TEST_P(LayerStoreTest, ReconcileOfACleanStoreChangesNothing) {
+  const VersionKey key{"job-c", 0, 0, 4};
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit(key, 2, {1000, 2000}, 40, &s, &rec));
+  CKPT_ASSERT_OK(index_->PutEvent(key.job, 0, 4, store::EventRecord()));
+  CKPT_ASSERT_OK(index_->PutJob(key.job, store::JobRecord()));
+  CKPT_ASSERT_OK(index_->PutRank(key.job, 0, store::RankRecord()));
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
+  EXPECT_EQ(report.temp_files_removed + report.orphan_files_removed +
+                report.dangling_records_removed + report.uncommitted_versions_removed,
+            0u);
+  CKPT_EXPECT_OK(Read(key, rec));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LayerStoreTest,
+                         ::testing::Values(IoBackendKind::kUring, IoBackendKind::kPwrite),
+                         KindName);
+
+TEST(LayerStoreFileNameTest, FixedWidthHex) {
+  EXPECT_EQ(LayerStore::FileName({"j", 0, 0x1a, 0xff}, 0x10),
+            "L0000001a-S00000000000000ff-G0000000000000010.ckv");
+}
+
+}  // namespace
+}  // namespace ckpt

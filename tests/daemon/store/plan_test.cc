@@ -1,0 +1,253 @@
+// Tests of daemon/recovery/plan: composite plans and restore.
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "daemon/io/file_system.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/recovery/plan.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/store/store_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using ::ckpt::testing::TempDir;
+using store_test::MakePool;
+using store_test::Staged;
+using store_test::StageVersion;
+using store_test::TensorName;
+
+const char kJob[] = "job-plan";
+
+// Layer l has tensors of these sizes.
+const std::vector<std::vector<uint64_t>> kLayerSizes = {{1000, 24}, {5000}, {300, 300, 7}};
+
+class PlanTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io_ = MakePwriteBackend();
+    pool_ = MakePool(8192, 64);
+    ASSERT_NE(pool_, nullptr);
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
+    CKPT_ASSERT_OK(store_->Init());
+    for (size_t l = 0; l < kLayerSizes.size(); ++l) {
+      v1::LayerSpec* spec = table_.add_layers();
+      spec->set_id(static_cast<uint32_t>(l));
+      spec->set_name(absl::StrCat("layer", l));
+      for (size_t i = 0; i < kLayerSizes[l].size(); ++i) {
+        v1::TensorSpec* t = spec->add_tensors();
+        t->set_name(TensorName(i));
+        t->set_dtype(v1::DTYPE_U8);
+        t->add_shape(kLayerSizes[l][i]);
+        t->set_nbytes(kLayerSizes[l][i]);
+      }
+    }
+    table_.set_world_size(1);
+  }
+
+  // Commits layer `layer` at `step`; remembers its bytes and payload size.
+  void CommitVersion(uint32_t layer, uint64_t step) {
+    Staged s;
+    const VersionKey key{kJob, 0, layer, step};
+    ASSERT_NO_FATAL_FAILURE(
+        StageVersion(pool_.get(), key, 1, kLayerSizes[layer], layer * 1000 + step, &s));
+    CKPT_ASSERT_OK_AND_ASSIGN(store::VersionRecord rec, store_->Commit(&s.version, io_.get()));
+    data_[{layer, step}] = s.data;
+    payload_[{layer, step}] = rec.payload_bytes();
+    files_[{layer, step}] = rec.file();
+  }
+
+  void PutEvent(uint64_t step) {
+    store::EventRecord e;
+    e.set_aux(absl::StrCat("aux", step));
+    CKPT_ASSERT_OK(index_->PutEvent(kJob, 0, step, e));
+  }
+
+  // Versions: layer 0 at 10, 20, 30; layer 1 at 10, 25; layer 2 at 30 only.
+  void CommitHistory() {
+    for (auto [layer, step] : std::vector<std::pair<uint32_t, uint64_t>>{
+             {0, 10}, {1, 10}, {0, 20}, {1, 25}, {0, 30}, {2, 30}}) {
+      ASSERT_NO_FATAL_FAILURE(CommitVersion(layer, step));
+    }
+    for (uint64_t step : {10u, 20u, 25u, 30u}) ASSERT_NO_FATAL_FAILURE(PutEvent(step));
+  }
+
+  absl::StatusOr<RestoreStats> Restore(const v1::Plan& plan, const store::RankRecord& table,
+                                       std::map<std::pair<uint32_t, uint32_t>, std::string>* out) {
+    for (const v1::LayerSpec& l : table.layers()) {
+      for (int i = 0; i < l.tensors_size(); ++i) {
+        (*out)[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
+      }
+    }
+    TensorDestination dest = [out](uint32_t layer, uint32_t tensor) {
+      return (*out)[{layer, tensor}].data();
+    };
+    return RestoreInto(plan, table, dest, index_.get(), store_.get(), io_.get(), pool_.get(),
+                       absl::Seconds(30));
+  }
+
+  TempDir tmp_;
+  std::unique_ptr<IoBackend> io_;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<LayerStore> store_;
+  store::RankRecord table_;
+  std::map<std::pair<uint32_t, uint64_t>, std::vector<std::string>> data_;
+  std::map<std::pair<uint32_t, uint64_t>, uint64_t> payload_;
+  std::map<std::pair<uint32_t, uint64_t>, std::string> files_;
+};
+
+TEST_F(PlanTest, NoEventsIsNotFound) {
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), kJob, 0, 0, table_), kNotFound);
+  ASSERT_NO_FATAL_FAILURE(CommitVersion(0, 10));
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), kJob, 0, 0, table_), kNotFound);
+  ASSERT_NO_FATAL_FAILURE(PutEvent(10));
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), kJob, 0, 9, table_), kNotFound);
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), kJob, 1, 0, table_), kNotFound);
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), "job-plan2", 0, 0, table_), kNotFound);
+}
+
+TEST_F(PlanTest, LatestPlanPicksNewestVersionPerLayer) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  EXPECT_EQ(plan.job_id(), kJob);
+  EXPECT_EQ(plan.rank(), 0u);
+  EXPECT_EQ(plan.target_step(), 30u);
+  EXPECT_EQ(plan.aux(), "aux30");
+  EXPECT_TRUE(plan.complete());
+  ASSERT_EQ(plan.layers_size(), 3);
+  const std::vector<uint64_t> want_step = {30, 25, 30};
+  double weighted = 0, total = 0;
+  uint64_t total_bytes = 0;
+  for (int l = 0; l < 3; ++l) {
+    const v1::LayerPlan& lp = plan.layers(l);
+    EXPECT_EQ(lp.layer(), static_cast<uint32_t>(l));
+    EXPECT_EQ(lp.name(), absl::StrCat("layer", l));
+    EXPECT_TRUE(lp.has_version());
+    EXPECT_EQ(lp.step(), want_step[l]) << l;
+    EXPECT_EQ(lp.staleness(), 30 - want_step[l]) << l;
+    const uint64_t bytes = payload_[{static_cast<uint32_t>(l), want_step[l]}];
+    EXPECT_EQ(lp.bytes(), bytes);
+    EXPECT_EQ(lp.file(), (files_[{static_cast<uint32_t>(l), want_step[l]}]));
+    weighted += static_cast<double>(bytes) * static_cast<double>(30 - want_step[l]);
+    total += static_cast<double>(bytes);
+    total_bytes += bytes;
+  }
+  EXPECT_EQ(plan.total_bytes(), total_bytes);
+  EXPECT_EQ(plan.max_staleness(), 5u);
+  EXPECT_GT(plan.size_weighted_staleness(), 0.0);
+  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness(), weighted / total);
+}
+
+TEST_F(PlanTest, OlderTargetIsIncompleteWhenALayerHasNoVersion) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
+  EXPECT_EQ(plan.target_step(), 20u);
+  EXPECT_EQ(plan.aux(), "aux20");
+  EXPECT_FALSE(plan.complete());
+  ASSERT_EQ(plan.layers_size(), 3);
+  EXPECT_EQ(plan.layers(0).step(), 20u);
+  EXPECT_EQ(plan.layers(0).staleness(), 0u);
+  EXPECT_EQ(plan.layers(1).step(), 10u);
+  EXPECT_EQ(plan.layers(1).staleness(), 10u);
+  EXPECT_FALSE(plan.layers(2).has_version());
+  EXPECT_EQ(plan.max_staleness(), 10u);
+  const double b0 = static_cast<double>(payload_[{0, 20}]);
+  const double b1 = static_cast<double>(payload_[{1, 10}]);
+  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness(), (b1 * 10) / (b0 + b1));
+  EXPECT_EQ(plan.total_bytes(), (payload_[{0, 20}] + payload_[{1, 10}]));
+}
+
+TEST_F(PlanTest, TargetBetweenEvents) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 27, table_));
+  EXPECT_EQ(plan.target_step(), 27u);
+  EXPECT_EQ(plan.aux(), "aux25");
+  EXPECT_EQ(plan.layers(0).step(), 20u);
+  EXPECT_EQ(plan.layers(0).staleness(), 7u);
+  EXPECT_EQ(plan.layers(1).step(), 25u);
+  EXPECT_EQ(plan.layers(1).staleness(), 2u);
+  EXPECT_FALSE(plan.complete());
+}
+
+TEST_F(PlanTest, RestoreCopiesThePlannedBytes) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, Restore(plan, table_, &out));
+  uint64_t bytes = 0;
+  for (const v1::LayerPlan& lp : plan.layers()) {
+    const std::vector<std::string>& want = data_[{lp.layer(), lp.step()}];
+    ASSERT_EQ(want.size(), kLayerSizes[lp.layer()].size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_TRUE((out[{lp.layer(), static_cast<uint32_t>(i)}]) == want[i])
+          << "layer " << lp.layer() << " tensor " << i;
+      bytes += want[i].size();
+    }
+  }
+  EXPECT_EQ(stats.bytes, bytes);
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+}
+
+TEST_F(PlanTest, RestoreRefusesIncompletePlan) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  CKPT_EXPECT_CODE(Restore(plan, table_, &out), kFailedPrecondition);
+}
+
+TEST_F(PlanTest, RestoreRefusesMismatchedDestinationTable) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+
+  store::RankRecord bigger = table_;
+  bigger.mutable_layers(1)->mutable_tensors(0)->set_nbytes(5001);
+  CKPT_EXPECT_CODE(Restore(plan, bigger, &out), kFailedPrecondition);
+
+  store::RankRecord smaller = table_;
+  smaller.mutable_layers(2)->mutable_tensors(2)->set_nbytes(6);
+  CKPT_EXPECT_CODE(Restore(plan, smaller, &out), kFailedPrecondition);
+
+  store::RankRecord dtype = table_;
+  dtype.mutable_layers(0)->mutable_tensors(1)->set_dtype(v1::DTYPE_F32);
+  CKPT_EXPECT_CODE(Restore(plan, dtype, &out), kFailedPrecondition);
+
+  store::RankRecord renamed = table_;
+  renamed.mutable_layers(0)->mutable_tensors(0)->set_name("other");
+  CKPT_EXPECT_CODE(Restore(plan, renamed, &out), kFailedPrecondition);
+
+  store::RankRecord extra = table_;
+  v1::TensorSpec* t = extra.mutable_layers(1)->add_tensors();
+  t->set_name("extra");
+  t->set_dtype(v1::DTYPE_U8);
+  t->set_nbytes(4);
+  CKPT_EXPECT_CODE(Restore(plan, extra, &out), kFailedPrecondition);
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+}
+
+TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  // Corrupt the last byte of layer 1's (step 25) payload.
+  const std::string path = absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/",
+                                        files_[{1, 25}]);
+  std::string file = ::ckpt::testing::ReadFile(path);
+  ASSERT_GT(file.size(), 4096u + 5000u);
+  file[4096 + 4999] = static_cast<char>(file[4096 + 4999] ^ 1);
+  ::ckpt::testing::WriteFile(path, file);
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  absl::StatusOr<RestoreStats> stats = Restore(plan, table_, &out);
+  CKPT_EXPECT_CODE(stats, kDataLoss);
+  EXPECT_NE(stats.status().message().find("layer 1"), absl::string_view::npos) << stats.status();
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,170 @@
+"""Crash test: SIGKILL ckptd at random moments while a trainer runs.
+
+The trainer keeps training through every daemon death (it continues
+unprotected and re-registers when the daemon is back) and appends each durable
+acknowledgement to an ack log outside the data directory (the oracle): for
+every layer, the newest step staged at or before the acknowledged step. After
+each restart the checker requires, for every layer, plan(latest).step >= the
+acknowledged step (lost = 0), and at the end every visible version must verify
+(torn = 0). Seeds are printed; --seed and --kills reproduce a run.
+
+Usage: crash_daemon.py [--kills=N] [--seed=S] [--policy=explicit|all]
+       [--min-delay=S] [--max-delay=S] [--kill-points]
+With --kill-points the daemon is also armed to die at random commit-protocol
+kill points (CKPT_KILL_ODDS), and the points hit are reported.
+"""
+
+import argparse
+import collections
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+import harness
+
+
+def check(daemon, job, ack_rows, layers):
+    """Returns the number of layers whose latest durable version is older than acked."""
+    if not ack_rows:
+        return 0, None
+    acked = ack_rows[-1]
+    plan = None
+    for _ in range(20):
+        plan = daemon.ctl("plan", job, check=False)
+        if plan is not None:
+            break
+        if daemon.proc.poll() is not None:  # died at an armed kill point meanwhile
+            daemon.start()
+        else:
+            time.sleep(0.05)
+    if plan is None:
+        raise AssertionError("no plan after an acknowledged step %d" % acked["durable"])
+    lost = 0
+    for lp in plan["layers"]:
+        want = acked["layers"][lp["layer"]]
+        if want > 0 and (not lp["has_version"] or lp["step"] < want):
+            print("LOST: layer %d acked at step %d, latest durable %s" %
+                  (lp["layer"], want, lp.get("step")))
+            lost += 1
+    if plan["target_step"] < acked["durable"]:
+        print("LOST: latest durable step %d < acknowledged %d" % (plan["target_step"], acked["durable"]))
+        lost += 1
+    return lost, plan
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--policy", default="explicit")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--min-delay", type=float, default=0.1)
+    ap.add_argument("--max-delay", type=float, default=1.0)
+    ap.add_argument("--kill-points", action="store_true")
+    ap.add_argument("--kill-odds", type=int, default=1500)
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else int(time.time() * 1000) % 1000000007
+    print("crash_daemon seed=%d kills=%d policy=%s" % (seed, args.kills, args.policy), flush=True)
+    rng = random.Random(seed)
+
+    root = harness.tempdir("ckpt-crash-")
+    oracle_dir = harness.tempdir("ckpt-oracle-")  # outside the daemon's data directory
+    ack_log = os.path.join(oracle_dir, "acks.jsonl")
+    kill_log = os.path.join(oracle_dir, "killpoints.log")
+    job = "crash"
+    env = {}
+    if args.kill_points:
+        env = {"CKPT_KILL_ODDS": str(args.kill_odds), "CKPT_KILL_LOG": kill_log,
+               "CKPT_KILL_SEED": str(seed)}
+    daemon = harness.Daemon(root, pool_bytes=64 << 20, env=env)
+    trainer = None
+    lost_total = 0
+    checks = 0
+    restarts = 0
+    point_deaths = 0
+    try:
+        daemon.start()
+        trainer = subprocess.Popen(
+            harness.trainer_cmd(daemon, job, "--layers=%d" % args.layers,
+                                "--layer-bytes=64K,256K,512K", "--steps=100000000",
+                                "--policy=" + args.policy, "--durable-every=1",
+                                "--ack-log=" + ack_log, "--on-daemon-loss=continue", "--reconnect-ms=30",
+                                "--compute-ms=2", "--quiet" if not os.environ.get("CKPT_KEEP_TMP") else "--compute-ms=2", "--seed=%d" % (seed % 1000)),
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(oracle_dir, "trainer.err"), "w"),
+            text=True)
+        for i in range(args.kills):
+            delay = rng.uniform(args.min_delay, args.max_delay)
+            deadline = time.time() + delay
+            while time.time() < deadline and daemon.proc.poll() is None:
+                time.sleep(0.005)
+            if daemon.proc.poll() is not None:
+                point_deaths += 1  # died at an armed kill point
+            else:
+                daemon.kill()
+            if trainer.poll() is not None:
+                raise AssertionError("trainer died; see %s/trainer.err" % oracle_dir)
+            acks = harness.read_jsonl(ack_log)
+            daemon.start()
+            restarts += 1
+            lost, plan = check(daemon, job, acks, args.layers)
+            lost_total += lost
+            checks += 1
+            if (i + 1) % 10 == 0:
+                print("  %d kills, %d acks so far, latest durable %s, lost %d" %
+                      (i + 1, len(acks), plan["target_step"] if plan else None, lost_total),
+                      flush=True)
+        # Let the trainer make progress on a healthy daemon, then stop it.
+        time.sleep(1.0)
+        trainer.kill()
+        trainer.wait()
+        trainer = None
+        # The final check runs on a daemon without armed kill points.
+        daemon.kill()
+        daemon.env = None
+        daemon.start()
+        acks = harness.read_jsonl(ack_log)
+        lost, _ = check(daemon, job, acks, args.layers)
+        lost_total += lost
+        verify = daemon.ctl("verify", job)
+        torn = len(verify["failures"])
+        for f in verify["failures"]:
+            print("TORN: %s" % f)
+        log = daemon.log()
+        recon = collections.Counter()
+        for line in log.splitlines():
+            if "reconciled:" in line:
+                parts = line.split("reconciled:")[1].replace(" and ", ", ").split(",")
+                for p in parts:
+                    words = p.split()
+                    if words and words[0].isdigit():
+                        recon[" ".join(words[1:3])] += int(words[0])
+        print("kills=%d restarts=%d checks=%d acked_steps=%d versions_verified=%d "
+              "lost=%d torn=%d" % (args.kills, restarts, checks, len(acks),
+                                   verify["versions_checked"], lost_total, torn))
+        print("start-up cleanup totals: %s" % dict(recon))
+        if args.kill_points and os.path.exists(kill_log):
+            with open(kill_log) as f:
+                hits = collections.Counter(l.strip() for l in f if l.strip())
+            print("deaths at kill points: %d %s" % (point_deaths, dict(hits)))
+        if len(acks) == 0:
+            raise AssertionError("no step was ever acknowledged; the test proved nothing")
+        if lost_total or torn:
+            print("FAILED (seed=%d)" % seed)
+            return 1
+        return 0
+    finally:
+        if trainer is not None:
+            trainer.kill()
+        daemon.kill()
+        if os.environ.get("CKPT_KEEP_TMP"):
+            print("kept %s and %s" % (root, oracle_dir))
+            return
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(oracle_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+// The Trainer API against a real ckptd process: bad input gets a clear error,
+// nothing is lost, the daemon survives and other jobs are undisturbed.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "ckpt/client.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
+#include "tests/integration/daemon_process.h"
+
+namespace ckpt {
+namespace {
+
+using testing::DaemonProcess;
+using testing::MakeTempDir;
+
+// A client with one region holding `layers` f32 layers of `floats` each.
+struct TestRank {
+  std::unique_ptr<Client> client;
+  RankSpec spec;
+  float* data = nullptr;
+};
+
+TestRank MakeRank(const std::string& socket, const std::string& job, int layers, uint64_t floats,
+                  v1::PolicyKind policy = v1::POLICY_ALL,
+                  OnDaemonLoss loss = OnDaemonLoss::kError) {
+  TestRank r;
+  ClientOptions o;
+  o.socket_path = socket;
+  o.on_daemon_loss = loss;
+  o.reconnect_interval = absl::Milliseconds(50);
+  o.call_timeout = absl::Seconds(5);
+  o.wait_timeout = absl::Seconds(20);
+  r.client = std::move(Client::Connect(o).value());
+  size_t region = r.client->AllocateRegion(layers * floats * 4).value();
+  r.data = static_cast<float*>(r.client->RegionData(region));
+  r.spec.job_id = job;
+  r.spec.policy.set_kind(policy);
+  for (int l = 0; l < layers; ++l) {
+    LayerDesc ld;
+    ld.name = absl::StrCat("layer", l);
+    TensorDesc t;
+    t.name = absl::StrCat("layer", l, ".w");
+    t.shape = {floats};
+    t.region = static_cast<uint32_t>(region);
+    t.offset = l * floats * 4;
+    ld.tensors.push_back(t);
+    r.spec.layers.push_back(ld);
+  }
+  return r;
+}
+
+class DaemonApiTest : public ::testing::Test {
+ protected:
+  void StartDaemon(std::vector<std::string> flags = {}, std::vector<std::string> env = {}) {
+    root_ = MakeTempDir("ckpt-api-");
+    ASSERT_FALSE(root_.empty());
+    daemon_ = std::make_unique<DaemonProcess>(root_, std::move(flags), std::move(env));
+    ASSERT_TRUE(daemon_->Start());
+  }
+  void TearDown() override {
+    daemon_.reset();
+    if (!root_.empty()) std::system(("rm -rf " + root_).c_str());
+  }
+  std::unique_ptr<v1::Trainer::Stub> RawStub() {
+    return v1::Trainer::NewStub(
+        grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
+  }
+  std::unique_ptr<v1::Admin::Stub> AdminStub() {
+    return v1::Admin::NewStub(
+        grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials()));
+  }
+  // Admin.Status works: the daemon is alive and serving.
+  void ExpectAlive() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StatusReply reply;
+    ASSERT_TRUE(AdminStub()->Status(&ctx, v1::StatusRequest(), &reply).ok());
+    ASSERT_TRUE(daemon_->alive());
+  }
+  std::string root_;
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(DaemonApiTest, InvalidJobIdsAreRejected) {
+  StartDaemon();
+  const std::vector<std::string> bad = {"",       "..",          ".",
+                                       "a/b",    "../etc",      std::string(129, 'x'),
+                                       "sp ace", "j\xc3\xb6" "b", std::string("nul\0x", 5)};
+  for (const std::string& job : bad) {
+    TestRank r = MakeRank(daemon_->socket(), job, 2, 256);
+    absl::Status s = r.client->Register(r.spec);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << "job of " << job.size() << " bytes: " << s.code();
+  }
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, BadTensorTablesAreRejectedNamingTheTensor) {
+  StartDaemon();
+  struct Case {
+    const char* what;
+    std::function<void(RankSpec*)> mutate;
+  };
+  std::vector<Case> cases = {
+      {"outside region", [](RankSpec* s) { s->layers[1].tensors[0].offset = 1 << 30; }},
+      {"overlap", [](RankSpec* s) { s->layers[1].tensors[0].offset = 512; }},
+      {"zero size", [](RankSpec* s) { s->layers[0].tensors[0].shape = {0}; }},
+      {"absurd size", [](RankSpec* s) { s->layers[0].tensors[0].shape = {uint64_t{1} << 50}; }},
+      {"bad region", [](RankSpec* s) { s->layers[0].tensors[0].region = 7; }},
+      {"no layers", [](RankSpec* s) { s->layers.clear(); }},
+      {"rank >= world", [](RankSpec* s) { s->rank = 3; }},
+  };
+  for (const Case& c : cases) {
+    TestRank r = MakeRank(daemon_->socket(), "tables", 2, 1024);
+    c.mutate(&r.spec);
+    absl::Status s = r.client->Register(r.spec);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << c.what << ": " << s;
+    if (std::string(c.what) == "outside region" || std::string(c.what) == "overlap") {
+      EXPECT_NE(s.message().find("layer1.w"), absl::string_view::npos) << s;
+    }
+  }
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, UnknownJobsAndEmptyHistoriesAreNotFound) {
+  StartDaemon();
+  TestRank r = MakeRank(daemon_->socket(), "fresh", 2, 256);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  EXPECT_TRUE(absl::IsNotFound(r.client->Restore().status()));
+  EXPECT_TRUE(absl::IsNotFound(r.client->Plan().status()));
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::StepDoneRequest req;
+  req.set_job_id("nosuchjob");
+  req.set_step(1);
+  v1::StepDoneReply reply;
+  EXPECT_EQ(RawStub()->StepDone(&ctx, req, &reply).error_code(), grpc::StatusCode::NOT_FOUND);
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, StaleGenerationIsFailedPrecondition) {
+  StartDaemon();
+  TestRank a = MakeRank(daemon_->socket(), "gen", 2, 256);
+  ASSERT_TRUE(a.client->Register(a.spec).ok());
+  const uint64_t old_gen = a.client->generation();
+  TestRank b = MakeRank(daemon_->socket(), "gen", 2, 256);
+  ASSERT_TRUE(b.client->Register(b.spec).ok());
+  EXPECT_GT(b.client->generation(), old_gen);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::StepDoneRequest req;
+  req.set_job_id("gen");
+  req.set_generation(old_gen);
+  req.set_step(1);
+  v1::StepDoneReply reply;
+  EXPECT_EQ(RawStub()->StepDone(&ctx, req, &reply).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  // The new registration is unaffected.
+  ASSERT_TRUE(b.client->StepDone(1, 0.1).ok());
+  EXPECT_EQ(b.client->WaitDurable(1).value(), 1u);
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, OversizedMessagesAndAuxAreRejected) {
+  StartDaemon({"--max_message_bytes=1048576", "--max_aux_bytes=65536"});
+  TestRank r = MakeRank(daemon_->socket(), "big", 1, 256);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  absl::Status s = r.client->StepDone(1, 0.1, std::string(2 << 20, 'x'));
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  s = r.client->StepDone(1, 0.1, std::string(100000, 'x'));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  ASSERT_TRUE(r.client->StepDone(1, 0.1, std::string(1000, 'x')).ok());
+  EXPECT_EQ(r.client->WaitDurable(1).value(), 1u);
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, StepsMustIncrease) {
+  StartDaemon();
+  TestRank r = MakeRank(daemon_->socket(), "order", 1, 256);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  ASSERT_TRUE(r.client->StepDone(5, 0.1).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.client->StepDone(5, 0.1)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.client->StepDone(3, 0.1)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(r.client->WaitSnapshot(9).status()));
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, LayerLargerThanPoolIsRejected) {
+  StartDaemon({"--staging_pool_bytes=2097152"});
+  TestRank r = MakeRank(daemon_->socket(), "huge", 1, 1 << 20);  // 4 MiB layer, 2 MiB pool
+  absl::Status s = r.client->Register(r.spec);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("staging"), absl::string_view::npos) << s;
+  ExpectAlive();
+}
+
+// With writers held back, a 2-chunk pool fills: the snapshot waits (bounded)
+// and then skips the rest, counted, and the skipped layers are retried.
+TEST_F(DaemonApiTest, FullPoolSkipsAndCountsThenRetries) {
+  StartDaemon({"--staging_pool_bytes=2097152", "--admission_timeout_ms=100", "--writer_threads=1"},
+              {"CKPT_DELAY_AT=writer.before_commit:400"});
+  // 512 KiB layers (1 chunk each); the explicit policy selects layers only at
+  // step 1, so later steps carry just the retries of skipped layers.
+  TestRank r = MakeRank(daemon_->socket(), "full", 4, 128 << 10, v1::POLICY_EXPLICIT);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  ASSERT_TRUE(r.client->StepDone(1, 0.1, "", {0, 1, 2, 3}).ok());
+  absl::StatusOr<SnapshotInfo> snap = r.client->WaitSnapshot(1);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_EQ(snap->layers.size() + snap->skipped, 4u);
+  EXPECT_GE(snap->skipped, 1u);
+  // Not every selected layer became durable at step 1.
+  EXPECT_TRUE(absl::IsAborted(r.client->WaitDurable(1).status()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::StatusReply status;
+  ASSERT_TRUE(AdminStub()->Status(&ctx, v1::StatusRequest(), &status).ok());
+  EXPECT_EQ(status.snapshots_skipped(), snap->skipped);
+  EXPECT_LE(status.pool_bytes_in_use(), status.pool_bytes());
+  // Skipped layers are retried until every layer is durable again.
+  bool repaired = false;
+  for (uint64_t t = 2; t <= 12 && !repaired; ++t) {
+    ASSERT_TRUE(r.client->WaitSnapshot(t - 1).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ASSERT_TRUE(r.client->StepDone(t, 0.1).ok());
+    repaired = r.client->WaitDurable(t).ok();
+  }
+  EXPECT_TRUE(repaired);
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, BadCallsDoNotDisturbAnotherJob) {
+  StartDaemon();
+  TestRank good = MakeRank(daemon_->socket(), "good", 3, 4096);
+  ASSERT_TRUE(good.client->Register(good.spec).ok());
+  std::thread noise([&] {
+    for (int i = 0; i < 20; ++i) {
+      TestRank bad = MakeRank(daemon_->socket(), i % 2 ? "../bad" : "bad", 2, 256);
+      bad.spec.layers[1].tensors[0].offset = 100;  // overlaps layer 0
+      EXPECT_FALSE(bad.client->Register(bad.spec).ok());
+    }
+  });
+  for (uint64_t t = 1; t <= 30; ++t) {
+    if (t > 1) ASSERT_TRUE(good.client->WaitSnapshot(t - 1).ok());
+    for (int i = 0; i < 3 * 4096; ++i) good.data[i] += 1.0f;
+    ASSERT_TRUE(good.client->StepDone(t, 0.1).ok());
+  }
+  noise.join();
+  EXPECT_EQ(good.client->WaitDurable(30).value(), 30u);
+  ExpectAlive();
+}
+
+TEST_F(DaemonApiTest, DaemonLossIsAnErrorOrUnprotectedAndRecovers) {
+  StartDaemon();
+  TestRank strict = MakeRank(daemon_->socket(), "strict", 1, 256);
+  TestRank lenient = MakeRank(daemon_->socket(), "lenient", 1, 256, v1::POLICY_ALL,
+                              OnDaemonLoss::kContinueUnprotected);
+  ASSERT_TRUE(strict.client->Register(strict.spec).ok());
+  ASSERT_TRUE(lenient.client->Register(lenient.spec).ok());
+  ASSERT_TRUE(strict.client->StepDone(1, 0.1).ok());
+  ASSERT_TRUE(lenient.client->StepDone(1, 0.1).ok());
+  ASSERT_EQ(lenient.client->WaitDurable(1).value(), 1u);
+  ASSERT_EQ(strict.client->WaitDurable(1).value(), 1u);
+
+  daemon_->Kill();
+  EXPECT_TRUE(absl::IsUnavailable(strict.client->StepDone(2, 0.1)));
+  EXPECT_TRUE(lenient.client->StepDone(2, 0.1).ok());
+  EXPECT_TRUE(lenient.client->unprotected());
+
+  ASSERT_TRUE(daemon_->Start());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Both re-register by themselves and are protected again.
+  ASSERT_TRUE(lenient.client->StepDone(3, 0.1).ok());
+  EXPECT_FALSE(lenient.client->unprotected());
+  EXPECT_EQ(lenient.client->WaitDurable(3).value(), 3u);
+  ASSERT_TRUE(strict.client->StepDone(3, 0.1).ok());
+  EXPECT_EQ(strict.client->WaitDurable(3).value(), 3u);
+}
+
+TEST_F(DaemonApiTest, SigtermStopsCleanly) {
+  StartDaemon();
+  TestRank r = MakeRank(daemon_->socket(), "term", 4, 64 << 10);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  for (uint64_t t = 1; t <= 20; ++t) {
+    if (t > 1) ASSERT_TRUE(r.client->WaitSnapshot(t - 1).ok());
+    ASSERT_TRUE(r.client->StepDone(t, 0.1).ok());
+  }
+  EXPECT_EQ(daemon_->Stop(), 0);
+  ASSERT_TRUE(daemon_->Start());
+  TestRank again = MakeRank(daemon_->socket(), "term", 4, 64 << 10);
+  absl::Status reg = again.client->Register(again.spec);
+  ASSERT_TRUE(reg.ok()) << reg;
+  absl::StatusOr<v1::RestoreReply> restored = again.client->Restore();
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_GE(restored->plan().target_step(), 1u);
+  EXPECT_TRUE(restored->plan().complete());
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,116 @@
+#include "tests/lib/test_util.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace ckpt {
+namespace testing {
+namespace {
+
+int RemoveEntry(const char* path, const struct stat* st, int type, struct FTW* ftw) {
+  (void)st;
+  (void)ftw;
+  if (type == FTW_DP) {
+    ::rmdir(path);
+  } else {
+    ::unlink(path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+TempDir::TempDir() {
+  char tmpl[] = "/tmp/ckpt_test.XXXXXX";
+  char* p = ::mkdtemp(tmpl);
+  if (p == nullptr) {
+    ADD_FAILURE() << "mkdtemp: " << std::strerror(errno);
+    return;
+  }
+  path_ = p;
+}
+
+TempDir::~TempDir() {
+  if (!path_.empty()) RemoveTree(path_);
+}
+
+void RemoveTree(const std::string& path) {
+  ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+std::string RandomBytes(uint64_t seed, size_t n) {
+  std::mt19937_64 rng(seed);
+  std::string out(n, '\0');
+  FillRandom(&rng, out.data(), n);
+  return out;
+}
+
+void FillRandom(std::mt19937_64* rng, void* buf, size_t n) {
+  char* p = static_cast<char*>(buf);
+  while (n >= 8) {
+    uint64_t v = (*rng)();
+    std::memcpy(p, &v, 8);
+    p += 8;
+    n -= 8;
+  }
+  if (n > 0) {
+    uint64_t v = (*rng)();
+    std::memcpy(p, &v, n);
+  }
+}
+
+size_t CountOpenFds() {
+  size_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (d == nullptr) {
+    ADD_FAILURE() << "opendir /proc/self/fd: " << std::strerror(errno);
+    return 0;
+  }
+  while (struct dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) ++n;
+  }
+  ::closedir(d);
+  return n;
+}
+
+void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(data.data(), static_cast<std::streamsize>(data.size()));
+  out.close();
+  if (!out) ADD_FAILURE() << "cannot write " << path;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "<missing>";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
+void FreeDeleter::operator()(void* p) const { ::free(p); }
+
+AlignedPtr AllocAligned(size_t bytes, size_t alignment) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, alignment, bytes == 0 ? alignment : bytes) != 0) {
+    ADD_FAILURE() << "posix_memalign of " << bytes << " bytes failed";
+    return AlignedPtr(nullptr);
+  }
+  return AlignedPtr(static_cast<char*>(p));
+}
+
+}  // namespace testing
+}  // namespace ckpt

@@ -1,0 +1,93 @@
+// Shared helpers for ckptd unit tests: status assertions, temporary
+// directories, seeded random bytes, aligned buffers and fd counting.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "gtest/gtest.h"
+
+namespace ckpt {
+namespace testing {
+
+inline ::testing::AssertionResult IsOk(const absl::Status& s) {
+  if (s.ok()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "status is " << s;
+}
+template <typename T>
+::testing::AssertionResult IsOk(const absl::StatusOr<T>& s) {
+  return IsOk(s.status());
+}
+
+inline ::testing::AssertionResult HasCode(const absl::Status& s, absl::StatusCode code) {
+  if (s.code() == code) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "expected code " << code << ", got " << s;
+}
+template <typename T>
+::testing::AssertionResult HasCode(const absl::StatusOr<T>& s, absl::StatusCode code) {
+  return HasCode(s.status(), code);
+}
+
+// A directory from mkdtemp under /tmp, removed recursively on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string Join(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Removes `path` and everything below it; missing paths are fine.
+void RemoveTree(const std::string& path);
+
+// `n` bytes from a generator seeded with `seed`.
+std::string RandomBytes(uint64_t seed, size_t n);
+void FillRandom(std::mt19937_64* rng, void* buf, size_t n);
+
+// Entries of /proc/self/fd (including the one used to list it).
+size_t CountOpenFds();
+
+// Writes `data` to `path` (created or truncated); fails the test on error.
+void WriteFile(const std::string& path, const std::string& data);
+// The contents of `path`, or "<missing>" when it cannot be read.
+std::string ReadFile(const std::string& path);
+bool PathExists(const std::string& path);
+
+// 4096-aligned memory from posix_memalign.
+struct FreeDeleter {
+  void operator()(void* p) const;
+};
+using AlignedPtr = std::unique_ptr<char, FreeDeleter>;
+AlignedPtr AllocAligned(size_t bytes, size_t alignment = 4096);
+
+}  // namespace testing
+}  // namespace ckpt
+
+#define CKPT_EXPECT_OK(expr) EXPECT_TRUE(::ckpt::testing::IsOk((expr)))
+#define CKPT_ASSERT_OK(expr) ASSERT_TRUE(::ckpt::testing::IsOk((expr)))
+#define CKPT_EXPECT_CODE(expr, code) \
+  EXPECT_TRUE(::ckpt::testing::HasCode((expr), ::absl::StatusCode::code))
+#define CKPT_ASSERT_CODE(expr, code) \
+  ASSERT_TRUE(::ckpt::testing::HasCode((expr), ::absl::StatusCode::code))
+
+#define CKPT_TEST_CONCAT_INNER_(a, b) a##b
+#define CKPT_TEST_CONCAT_(a, b) CKPT_TEST_CONCAT_INNER_(a, b)
+// `lhs = value of expr` (an absl::StatusOr), or fails the test (fatal).
+#define CKPT_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(CKPT_TEST_CONCAT_(ckpt_test_or_, __LINE__), lhs, expr)
+#define CKPT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                    \
+  ASSERT_TRUE(::ckpt::testing::IsOk(tmp));              \
+  lhs = std::move(tmp).value()

@@ -1,0 +1,712 @@
+// ckptctl: the operator CLI of ckptd. Talks to the daemon's ckpt.v1.Admin
+// service over its Unix socket and prints human tables or, with --json, one
+// JSON document built field by field (stable names, numbers as numbers).
+// Run `ckptctl --help` for commands, flags and exit codes.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+namespace v1 = ::ckpt::v1;
+using Json = nlohmann::ordered_json;  // keeps the proto's field order
+
+constexpr char kDefaultSocket[] = "/run/ckptd/ckptd.sock";
+constexpr double kDefaultTimeoutSeconds = 10;
+
+// Exit codes (also in the usage text).
+constexpr int kExitOk = 0;
+constexpr int kExitDaemonError = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitUnreachable = 3;
+constexpr int kExitCorrupt = 4;
+
+constexpr char kUsage[] = R"(usage: ckptctl [FLAGS] COMMAND [ARGS] [FLAGS]
+
+Inspects a running ckptd through its Admin API. Flags may appear before or
+after the command; values are given as --flag=VALUE or --flag VALUE.
+
+Commands:
+  status                  daemon status: version, data directory, I/O backend,
+                          staging pool use, commit and error counters, uptime
+  jobs                    every job the caller may see, with its ranks
+  layers JOB [--rank=R]   per-layer table of one rank: size, newest durable
+                          version, staleness against the rank's latest durable
+                          step, number of stored versions
+  history JOB [--rank=R] [--layer=L] [--limit=N]
+                          checkpoint events of one rank, newest first as the
+                          daemon returns them; --layer keeps the events that
+                          persisted layer L, --limit caps the count (0 = all)
+  plan JOB [--rank=R] [--step=N]
+                          the composite restore plan at step N (0 or absent =
+                          latest durable step): which version of each layer
+                          would be restored and how stale it is
+  verify JOB [--rank=R]   re-read every committed version of the job (or of
+                          one rank) and check every checksum; lists failures
+                          and exits 4 when any version does not verify
+  help [COMMAND]          this text
+
+Global flags:
+  --socket=PATH           daemon socket (default $CKPT_SOCKET, else
+                          /run/ckptd/ckptd.sock)
+  --timeout=SECONDS       deadline of the call (default 10; fractions allowed)
+  --json                  print one JSON document on stdout instead of tables
+                          (sizes as raw byte counts, field names as in the
+                          ckpt.v1 proto, snake_case)
+  -h, --help              this text
+
+Command flags (decimal integers):
+  --rank=R                rank of the job (default 0)
+  --layer=L               layer id (history only)
+  --limit=N               most events to print (history only; default 0 = all)
+  --step=N                target step (plan only; default 0 = latest)
+
+Exit codes:
+  0  success
+  1  the daemon returned an error (printed as "ckptctl: CODE: message")
+  2  usage error (unknown command or flag, bad number, missing argument)
+  3  daemon unreachable (UNAVAILABLE, or DEADLINE_EXCEEDED before a
+     connection was made)
+  4  verify found versions that do not verify (checksum, size, missing file)
+)";
+
+// ---- argument parsing ----
+
+struct Options {
+  std::string socket;
+  double timeout_seconds = kDefaultTimeoutSeconds;
+  bool json = false;
+  bool help = false;
+  std::string command;
+  std::vector<std::string> positional;  // after the command
+  std::optional<uint32_t> rank;
+  std::optional<int64_t> layer;
+  std::optional<uint32_t> limit;
+  std::optional<uint64_t> step;
+};
+
+// Prints a usage error and returns kExitUsage.
+int UsageError(absl::string_view msg) {
+  std::fprintf(stderr, "ckptctl: %s\nRun 'ckptctl --help' for usage.\n", std::string(msg).c_str());
+  return kExitUsage;
+}
+
+// Strict unsigned decimal: digits only, no sign, no spaces, no overflow.
+template <typename T>
+bool ParseUnsigned(absl::string_view s, T max, T* out) {
+  if (s.empty() || s.size() > 20) return false;
+  for (char c : s) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(s, &v) || v > static_cast<uint64_t>(max)) return false;
+  *out = static_cast<T>(v);
+  return true;
+}
+
+// Seconds: decimal digits with an optional fraction, > 0 and at most a day.
+bool ParseSeconds(absl::string_view s, double* out) {
+  if (s.empty()) return false;
+  int dots = 0;
+  for (char c : s) {
+    if (c == '.') {
+      ++dots;
+    } else if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) {
+      return false;
+    }
+  }
+  double v = 0;
+  if (dots > 1 || s == "." || !absl::SimpleAtod(s, &v)) return false;
+  if (!std::isfinite(v) || v <= 0 || v > 86400) return false;
+  *out = v;
+  return true;
+}
+
+// Fills `o` from argv. Returns kExitOk or the exit code of a usage error.
+int ParseArgs(int argc, char** argv, Options* o) {
+  const char* env = std::getenv("CKPT_SOCKET");
+  o->socket = (env != nullptr && env[0] != '\0') ? env : kDefaultSocket;
+  bool flags_done = false;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (flags_done || !absl::StartsWith(arg, "-") || arg == "-") {
+      if (o->command.empty()) {
+        o->command = std::string(arg);
+      } else {
+        o->positional.emplace_back(arg);
+      }
+      continue;
+    }
+    if (arg == "--") {
+      flags_done = true;
+      continue;
+    }
+    if (arg == "-h" || arg == "--help") {
+      o->help = true;
+      continue;
+    }
+    if (arg == "--json") {
+      o->json = true;
+      continue;
+    }
+    if (absl::StartsWith(arg, "--json=")) return UsageError("--json takes no value");
+    if (!absl::StartsWith(arg, "--")) return UsageError(absl::StrCat("unknown flag '", arg, "'"));
+    std::string name, value;
+    size_t eq = arg.find('=');
+    if (eq != absl::string_view::npos) {
+      name = std::string(arg.substr(0, eq));
+      value = std::string(arg.substr(eq + 1));
+    } else {
+      name = std::string(arg);
+      if (name != "--socket" && name != "--timeout" && name != "--rank" && name != "--layer" &&
+          name != "--limit" && name != "--step") {
+        return UsageError(absl::StrCat("unknown flag '", name, "'"));
+      }
+      if (i + 1 >= argc) return UsageError(absl::StrCat(name, " needs a value"));
+      value = argv[++i];
+    }
+    auto bad = [&](absl::string_view what) {
+      return UsageError(absl::StrCat("bad value '", value, "' for ", name, ": expected ", what));
+    };
+    if (name == "--socket") {
+      if (value.empty()) return bad("a path");
+      o->socket = value;
+    } else if (name == "--timeout") {
+      if (!ParseSeconds(value, &o->timeout_seconds)) return bad("seconds in (0, 86400]");
+    } else if (name == "--rank") {
+      uint32_t v;
+      if (!ParseUnsigned<uint32_t>(value, UINT32_MAX, &v)) return bad("a rank (0..4294967295)");
+      o->rank = v;
+    } else if (name == "--layer") {
+      uint32_t v;
+      if (!ParseUnsigned<uint32_t>(value, UINT32_MAX, &v)) return bad("a layer id (0..4294967295)");
+      o->layer = v;
+    } else if (name == "--limit") {
+      uint32_t v;
+      if (!ParseUnsigned<uint32_t>(value, UINT32_MAX, &v)) return bad("a count (0..4294967295)");
+      o->limit = v;
+    } else if (name == "--step") {
+      uint64_t v;
+      if (!ParseUnsigned<uint64_t>(value, UINT64_MAX, &v)) return bad("a step number");
+      o->step = v;
+    } else {
+      return UsageError(absl::StrCat("unknown flag '", name, "'"));
+    }
+  }
+  return kExitOk;
+}
+
+// Checks that the command got exactly the arguments and flags it takes.
+int ValidateCommand(const Options& o) {
+  const std::string& c = o.command;
+  size_t want_args = 0;
+  bool rank_ok = false, layer_ok = false, limit_ok = false, step_ok = false;
+  if (c == "status" || c == "jobs") {
+  } else if (c == "layers") {
+    want_args = 1;
+    rank_ok = true;
+  } else if (c == "history") {
+    want_args = 1;
+    rank_ok = layer_ok = limit_ok = true;
+  } else if (c == "plan") {
+    want_args = 1;
+    rank_ok = step_ok = true;
+  } else if (c == "verify") {
+    want_args = 1;
+    rank_ok = true;
+  } else {
+    return UsageError(absl::StrCat("unknown command '", c, "'"));
+  }
+  if (o.positional.size() < want_args) return UsageError(absl::StrCat(c, ": missing JOB"));
+  if (o.positional.size() > want_args) {
+    return UsageError(absl::StrCat(c, ": unexpected argument '", o.positional[want_args], "'"));
+  }
+  if (want_args == 1 && o.positional[0].empty()) return UsageError(absl::StrCat(c, ": empty JOB"));
+  auto reject = [&](bool given, bool ok, const char* flag) {
+    return given && !ok ? UsageError(absl::StrCat(flag, " is not valid for '", c, "'")) : kExitOk;
+  };
+  for (int rc : {reject(o.rank.has_value(), rank_ok, "--rank"),
+                 reject(o.layer.has_value(), layer_ok, "--layer"),
+                 reject(o.limit.has_value(), limit_ok, "--limit"),
+                 reject(o.step.has_value(), step_ok, "--step")}) {
+    if (rc != kExitOk) return rc;
+  }
+  return kExitOk;
+}
+
+// ---- formatting helpers ----
+
+std::string HumanBytes(uint64_t b) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (b < 1024) return absl::StrCat(b, " B");
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", v, kUnits[u]);
+}
+
+std::string OrDash(const std::string& s) { return s.empty() ? "-" : s; }
+
+std::string StepOrDash(uint64_t step) { return step == 0 ? "-" : absl::StrCat(step); }
+
+const char* KindName(v1::LayerKind k) {
+  switch (k) {
+    case v1::LAYER_EMBEDDING:
+      return "embedding";
+    case v1::LAYER_BLOCK:
+      return "block";
+    case v1::LAYER_NORM:
+      return "norm";
+    case v1::LAYER_HEAD:
+      return "head";
+    default:
+      return "other";
+  }
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+// Layer ids as ranges ("0-3,5,7-9"); cut at an element boundary with a count
+// of the rest when longer than `max_chars`.
+std::string LayerList(const google::protobuf::RepeatedField<uint32_t>& layers, size_t max_chars) {
+  std::vector<std::string> parts;
+  for (int i = 0; i < layers.size();) {
+    int j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    parts.push_back(j == i ? absl::StrCat(layers[i]) : absl::StrCat(layers[i], "-", layers[j]));
+    i = j + 1;
+  }
+  if (parts.empty()) return "-";
+  std::string out;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    std::string next = out.empty() ? parts[k] : absl::StrCat(out, ",", parts[k]);
+    if (next.size() > max_chars && k > 0) {
+      return absl::StrCat(out, ",... (", layers.size(), " layers)");
+    }
+    out = std::move(next);
+  }
+  return out;
+}
+
+// A plain text table: columns separated by two spaces; numeric columns
+// right-aligned.
+class Table {
+ public:
+  Table(std::vector<std::string> headers, std::vector<bool> right)
+      : headers_(std::move(headers)), right_(std::move(right)) {}
+  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void Print() const {
+    std::vector<size_t> w(headers_.size());
+    for (size_t c = 0; c < w.size(); ++c) {
+      w[c] = headers_[c].size();
+      for (const auto& r : rows_) w[c] = std::max(w[c], r[c].size());
+    }
+    auto line = [&](const std::vector<std::string>& r) {
+      std::string s;
+      for (size_t c = 0; c < w.size(); ++c) {
+        if (c > 0) s += "  ";
+        std::string pad(w[c] - r[c].size(), ' ');
+        bool last = c + 1 == w.size();
+        s += right_[c] ? pad + r[c] : (last ? r[c] : r[c] + pad);
+      }
+      std::printf("%s\n", s.c_str());
+    };
+    line(headers_);
+    for (const auto& r : rows_) line(r);
+  }
+
+ private:
+  std::vector<std::string> headers_;
+  std::vector<bool> right_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+void PrintKv(const std::vector<std::pair<std::string, std::string>>& kv) {
+  size_t w = 0;
+  for (const auto& [k, v] : kv) w = std::max(w, k.size());
+  for (const auto& [k, v] : kv) {
+    std::printf("%s:%s %s\n", k.c_str(), std::string(w - k.size(), ' ').c_str(), v.c_str());
+  }
+}
+
+void PrintJson(const Json& j) { std::printf("%s\n", j.dump(2).c_str()); }
+
+std::string BytesWithRaw(uint64_t b) {
+  return b < 1024 ? HumanBytes(b) : absl::StrCat(HumanBytes(b), " (", b, ")");
+}
+
+// ---- commands ----
+
+class Ctl {
+ public:
+  explicit Ctl(const Options& o)
+      : o_(o),
+        channel_(grpc::CreateChannel("unix:" + o.socket, grpc::InsecureChannelCredentials())),
+        stub_(v1::Admin::NewStub(channel_)) {}
+
+  int Run() {
+    const std::string& c = o_.command;
+    if (c == "status") return Status();
+    if (c == "jobs") return Jobs();
+    if (c == "layers") return Layers();
+    if (c == "history") return History();
+    if (c == "plan") return Plan();
+    if (c == "verify") return Verify();
+    return UsageError(absl::StrCat("unknown command '", c, "'"));
+  }
+
+ private:
+  // Runs one unary Admin call with the deadline; returns the exit code.
+  template <typename Req, typename Reply, typename Fn>
+  int Call(Fn fn, const Req& req, Reply* reply) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(o_.timeout_seconds * 1e6)));
+    grpc::Status s = (stub_.get()->*fn)(&ctx, req, reply);
+    if (s.ok()) return kExitOk;
+    const bool unreachable =
+        s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+         channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY);
+    if (unreachable) {
+      std::fprintf(stderr, "ckptctl: cannot reach ckptd at %s: %s: %s\n", o_.socket.c_str(),
+                   CodeName(s.error_code()), s.error_message().c_str());
+      return kExitUnreachable;
+    }
+    std::fprintf(stderr, "ckptctl: %s: %s\n", CodeName(s.error_code()), s.error_message().c_str());
+    return kExitDaemonError;
+  }
+
+  int Status() {
+    v1::StatusReply r;
+    if (int rc = Call(&v1::Admin::Stub::Status, v1::StatusRequest(), &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      PrintJson(Json{{"version", r.version()},
+                     {"data_dir", r.data_dir()},
+                     {"io_backend", r.io_backend()},
+                     {"pool_bytes", r.pool_bytes()},
+                     {"pool_bytes_in_use", r.pool_bytes_in_use()},
+                     {"registered_ranks", r.registered_ranks()},
+                     {"jobs", r.jobs()},
+                     {"versions_committed", r.versions_committed()},
+                     {"bytes_committed", r.bytes_committed()},
+                     {"snapshots_skipped", r.snapshots_skipped()},
+                     {"write_errors", r.write_errors()},
+                     {"uptime_seconds", r.uptime_seconds()},
+                     {"orphan_files_removed", r.orphan_files_removed()},
+                     {"dangling_records_removed", r.dangling_records_removed()},
+                     {"temp_files_removed", r.temp_files_removed()}});
+      return kExitOk;
+    }
+    std::string in_use = BytesWithRaw(r.pool_bytes_in_use());
+    if (r.pool_bytes() > 0) {
+      absl::StrAppendFormat(&in_use, ", %.1f%%", 100.0 * r.pool_bytes_in_use() / r.pool_bytes());
+    }
+    PrintKv({
+        {"version", OrDash(r.version())},
+        {"data_dir", OrDash(r.data_dir())},
+        {"io_backend", OrDash(r.io_backend())},
+        {"pool_bytes", BytesWithRaw(r.pool_bytes())},
+        {"pool_bytes_in_use", in_use},
+        {"registered_ranks", absl::StrCat(r.registered_ranks())},
+        {"jobs", absl::StrCat(r.jobs())},
+        {"versions_committed", absl::StrCat(r.versions_committed())},
+        {"bytes_committed", BytesWithRaw(r.bytes_committed())},
+        {"snapshots_skipped", absl::StrCat(r.snapshots_skipped())},
+        {"write_errors", absl::StrCat(r.write_errors())},
+        {"uptime_seconds",
+         absl::StrFormat("%.1f (%s)", r.uptime_seconds(),
+                         absl::FormatDuration(absl::Seconds(std::floor(r.uptime_seconds()))))},
+        {"orphan_files_removed", absl::StrCat(r.orphan_files_removed())},
+        {"dangling_records_removed", absl::StrCat(r.dangling_records_removed())},
+        {"temp_files_removed", absl::StrCat(r.temp_files_removed())},
+    });
+    return kExitOk;
+  }
+
+  int Jobs() {
+    v1::JobsReply r;
+    if (int rc = Call(&v1::Admin::Stub::Jobs, v1::JobsRequest(), &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json jobs = Json::array();
+      for (const v1::JobInfo& j : r.jobs()) {
+        Json ranks = Json::array();
+        for (const v1::RankInfo& k : j.ranks()) {
+          ranks.push_back(Json{{"rank", k.rank()},
+                               {"registered", k.registered()},
+                               {"generation", k.generation()},
+                               {"latest_durable_step", k.latest_durable_step()},
+                               {"last_step_seen", k.last_step_seen()},
+                               {"layers", k.layers()}});
+        }
+        jobs.push_back(Json{{"job_id", j.job_id()},
+                            {"owner_uid", j.owner_uid()},
+                            {"versions", j.versions()},
+                            {"bytes", j.bytes()},
+                            {"ranks", std::move(ranks)}});
+      }
+      PrintJson(Json{{"jobs", std::move(jobs)}});
+      return kExitOk;
+    }
+    if (r.jobs().empty()) {
+      std::printf("no jobs\n");
+      return kExitOk;
+    }
+    Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "LATEST STEP", "VERSIONS", "BYTES"},
+            {false, true, true, true, true, true, true});
+    for (const v1::JobInfo& j : r.jobs()) {
+      // The job-wide latest step: the range over its ranks when they differ.
+      uint64_t lo = UINT64_MAX, hi = 0;
+      int registered = 0;
+      for (const v1::RankInfo& k : j.ranks()) {
+        lo = std::min(lo, k.latest_durable_step());
+        hi = std::max(hi, k.latest_durable_step());
+        registered += k.registered() ? 1 : 0;
+      }
+      std::string latest = j.ranks().empty() ? "-"
+                           : lo == hi        ? StepOrDash(lo)
+                                             : absl::StrCat(StepOrDash(lo), "..", hi);
+      t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
+             absl::StrCat(registered), latest, absl::StrCat(j.versions()), HumanBytes(j.bytes())});
+    }
+    t.Print();
+    return kExitOk;
+  }
+
+  int Layers() {
+    v1::LayersRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_rank(o_.rank.value_or(0));
+    v1::LayersReply r;
+    if (int rc = Call(&v1::Admin::Stub::Layers, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json layers = Json::array();
+      for (const v1::LayerInfo& l : r.layers()) {
+        layers.push_back(Json{{"layer", l.layer()},
+                              {"name", l.name()},
+                              {"kind", KindName(l.kind())},
+                              {"bytes", l.bytes()},
+                              {"last_step", l.last_step()},
+                              {"staleness", l.staleness()},
+                              {"versions", l.versions()}});
+      }
+      PrintJson(Json{{"job_id", r.job_id()},
+                     {"rank", r.rank()},
+                     {"latest_durable_step", r.latest_durable_step()},
+                     {"layers", std::move(layers)}});
+      return kExitOk;
+    }
+    std::printf("job %s rank %u: latest durable step %s\n", r.job_id().c_str(), r.rank(),
+                r.latest_durable_step() == 0 ? "- (no history)"
+                                             : absl::StrCat(r.latest_durable_step()).c_str());
+    Table t({"LAYER", "NAME", "KIND", "BYTES", "LAST STEP", "STALENESS", "VERSIONS"},
+            {true, false, false, true, true, true, true});
+    for (const v1::LayerInfo& l : r.layers()) {
+      bool never = l.last_step() == 0;
+      t.Add({absl::StrCat(l.layer()), OrDash(l.name()), KindName(l.kind()),
+             HumanBytes(l.bytes()), StepOrDash(l.last_step()),
+             never ? "-" : absl::StrCat(l.staleness()), absl::StrCat(l.versions())});
+    }
+    t.Print();
+    return kExitOk;
+  }
+
+  int History() {
+    v1::HistoryRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_rank(o_.rank.value_or(0));
+    req.set_layer(o_.layer.value_or(-1));
+    req.set_limit(o_.limit.value_or(0));
+    v1::HistoryReply r;
+    if (int rc = Call(&v1::Admin::Stub::History, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json events = Json::array();
+      for (const v1::HistoryEvent& e : r.events()) {
+        std::vector<uint32_t> layers(e.layers().begin(), e.layers().end());
+        events.push_back(Json{{"step", e.step()},
+                              {"layers", std::move(layers)},
+                              {"bytes", e.bytes()},
+                              {"failed", e.failed()},
+                              {"skipped", e.skipped()}});
+      }
+      PrintJson(Json{{"events", std::move(events)}});
+      return kExitOk;
+    }
+    if (r.events().empty()) {
+      std::printf("no events\n");
+      return kExitOk;
+    }
+    Table t({"STEP", "LAYERS", "BYTES", "FAILED", "SKIPPED"}, {true, false, true, true, true});
+    for (const v1::HistoryEvent& e : r.events()) {
+      t.Add({absl::StrCat(e.step()), LayerList(e.layers(), 40), HumanBytes(e.bytes()),
+             absl::StrCat(e.failed()), absl::StrCat(e.skipped())});
+    }
+    t.Print();
+    return kExitOk;
+  }
+
+  int Plan() {
+    v1::PlanRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_rank(o_.rank.value_or(0));
+    req.set_target_step(o_.step.value_or(0));
+    v1::Plan r;
+    if (int rc = Call(&v1::Admin::Stub::Plan, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json layers = Json::array();
+      for (const v1::LayerPlan& l : r.layers()) {
+        layers.push_back(Json{{"layer", l.layer()},
+                              {"name", l.name()},
+                              {"has_version", l.has_version()},
+                              {"step", l.step()},
+                              {"staleness", l.staleness()},
+                              {"bytes", l.bytes()},
+                              {"file", l.file()}});
+      }
+      PrintJson(Json{{"job_id", r.job_id()},
+                     {"rank", r.rank()},
+                     {"target_step", r.target_step()},
+                     {"complete", r.complete()},
+                     {"total_bytes", r.total_bytes()},
+                     {"max_staleness", r.max_staleness()},
+                     {"size_weighted_staleness", r.size_weighted_staleness()},
+                     {"layers", std::move(layers)}});
+      return kExitOk;
+    }
+    std::printf("job %s rank %u\n", r.job_id().c_str(), r.rank());
+    PrintKv({
+        {"target step", absl::StrCat(r.target_step())},
+        {"complete", r.complete() ? "yes" : "no (some layers have no version)"},
+        {"total bytes", BytesWithRaw(r.total_bytes())},
+        {"max staleness", absl::StrCat(r.max_staleness())},
+        {"size-weighted staleness", absl::StrFormat("%.2f", r.size_weighted_staleness())},
+    });
+    std::printf("\n");
+    Table t({"LAYER", "NAME", "STEP", "STALENESS", "BYTES"}, {true, false, true, true, true});
+    for (const v1::LayerPlan& l : r.layers()) {
+      t.Add({absl::StrCat(l.layer()), OrDash(l.name()),
+             l.has_version() ? absl::StrCat(l.step()) : "-",
+             l.has_version() ? absl::StrCat(l.staleness()) : "-",
+             l.has_version() ? HumanBytes(l.bytes()) : "-"});
+    }
+    t.Print();
+    return kExitOk;
+  }
+
+  int Verify() {
+    v1::VerifyRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_rank(o_.rank.has_value() ? static_cast<int64_t>(*o_.rank) : -1);
+    v1::VerifyReply r;
+    if (int rc = Call(&v1::Admin::Stub::Verify, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json failures = Json::array();
+      for (const v1::VerifyFailure& f : r.failures()) {
+        failures.push_back(
+            Json{{"rank", f.rank()}, {"layer", f.layer()}, {"step", f.step()}, {"error", f.error()}});
+      }
+      PrintJson(Json{{"versions_checked", r.versions_checked()},
+                     {"bytes_checked", r.bytes_checked()},
+                     {"seconds", r.seconds()},
+                     {"failures", std::move(failures)}});
+    } else {
+      PrintKv({
+          {"versions checked", absl::StrCat(r.versions_checked())},
+          {"bytes checked", BytesWithRaw(r.bytes_checked())},
+          {"seconds", absl::StrFormat("%.3f", r.seconds())},
+          {"failures", absl::StrCat(r.failures_size())},
+      });
+      if (r.failures_size() > 0) {
+        std::printf("\n");
+        Table t({"RANK", "LAYER", "STEP", "ERROR"}, {true, true, true, false});
+        for (const v1::VerifyFailure& f : r.failures()) {
+          t.Add({absl::StrCat(f.rank()), absl::StrCat(f.layer()), absl::StrCat(f.step()), f.error()});
+        }
+        t.Print();
+      }
+    }
+    return r.failures_size() > 0 ? kExitCorrupt : kExitOk;
+  }
+
+  const Options& o_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Admin::Stub> stub_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (int rc = ParseArgs(argc, argv, &o); rc != kExitOk) return rc;
+  if (o.help || o.command == "help") {
+    std::fputs(kUsage, stdout);
+    return kExitOk;
+  }
+  if (o.command.empty()) {
+    std::fputs(kUsage, stderr);
+    return kExitUsage;
+  }
+  if (int rc = ValidateCommand(o); rc != kExitOk) return rc;
+  return Ctl(o).Run();
+}
