@@ -177,7 +177,12 @@ absl::Status Client::OnCallError(const absl::Status& s, bool* reregistered) {
       *reregistered = true;
       return absl::OkStatus();
     }
-    if (!absl::IsUnavailable(r)) return r;  // e.g. the spec is refused: report it
+    // A refusal of the spec is reported; anything else (the daemon died
+    // again mid-registration, timed out) means it is still not back.
+    if (absl::IsInvalidArgument(r) || absl::IsPermissionDenied(r) ||
+        absl::IsFailedPrecondition(r) || absl::IsResourceExhausted(r)) {
+      return r;
+    }
   }
   if (options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));

@@ -109,7 +109,10 @@ absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
         absl::StrCat("ckptd handover socket ", socket_path, ": ", std::strerror(errno)));
   }
   HandoverHeader h{kHandoverMagic, static_cast<uint32_t>(fds.size())};
-  CKPT_RETURN_IF_ERROR(SendWithFds(sock.get(), &h, sizeof(h), fds));
+  if (absl::Status s = SendWithFds(sock.get(), &h, sizeof(h), fds); !s.ok()) {
+    // The daemon went away mid-handover (EPIPE, ECONNRESET) or stalled.
+    return absl::UnavailableError(absl::StrCat("handover to ckptd: ", s.message()));
+  }
   HandoverReply reply;
   absl::Status s = RecvWithFds(sock.get(), &reply, sizeof(reply), nullptr, 0);
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handover reply: ", s.message()));

@@ -105,7 +105,8 @@ def main():
             else:
                 daemon.kill()
             if trainer.poll() is not None:
-                raise AssertionError("trainer died; see %s/trainer.err" % oracle_dir)
+                with open(os.path.join(oracle_dir, "trainer.err")) as f:
+                    raise AssertionError("trainer died (%s):\n%s" % (trainer.returncode, f.read()[-3000:]))
             acks = harness.read_jsonl(ack_log)
             daemon.start()
             restarts += 1
