@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
   eo.admission_timeout = absl::Milliseconds(config.admission_timeout_ms);
   eo.drain_timeout = absl::Milliseconds(config.drain_timeout_ms);
   eo.max_aux_bytes = config.max_aux_bytes;
+  eo.drift_threads = static_cast<int>(config.drift_threads);
   Engine engine(eo, index->get(), &store, pool->get());
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);

@@ -540,33 +540,60 @@ class Ctl {
     req.set_rank(o_.rank.value_or(0));
     v1::LayersReply r;
     if (int rc = Call(&v1::Admin::Stub::Layers, req, &r); rc != kExitOk) return rc;
+    const bool live_drift = r.s_max() > 0;  // a live layercheck registration
     if (o_.json) {
       Json layers = Json::array();
       for (const v1::LayerInfo& l : r.layers()) {
-        layers.push_back(Json{{"layer", l.layer()},
-                              {"name", l.name()},
-                              {"kind", KindName(l.kind())},
-                              {"bytes", l.bytes()},
-                              {"last_step", l.last_step()},
-                              {"staleness", l.staleness()},
-                              {"versions", l.versions()}});
+        Json j{{"layer", l.layer()},         {"name", l.name()},
+               {"kind", KindName(l.kind())}, {"bytes", l.bytes()},
+               {"last_step", l.last_step()}, {"staleness", l.staleness()},
+               {"versions", l.versions()}};
+        if (l.live()) {
+          j["accumulated_drift"] = l.accumulated_drift();
+          j["threshold"] = l.threshold();
+          j["last_drift"] = l.last_drift();
+        }
+        layers.push_back(std::move(j));
       }
-      PrintJson(Json{{"job_id", r.job_id()},
-                     {"rank", r.rank()},
-                     {"latest_durable_step", r.latest_durable_step()},
-                     {"layers", std::move(layers)}});
+      Json out{{"job_id", r.job_id()},
+               {"rank", r.rank()},
+               {"latest_durable_step", r.latest_durable_step()},
+               {"policy", r.policy()},
+               {"layers", std::move(layers)}};
+      if (live_drift) out["s_max"] = r.s_max();
+      PrintJson(out);
       return kExitOk;
     }
-    std::printf("job %s rank %u: latest durable step %s\n", r.job_id().c_str(), r.rank(),
+    std::printf("job %s rank %u: latest durable step %s%s\n", r.job_id().c_str(), r.rank(),
                 r.latest_durable_step() == 0 ? "- (no history)"
-                                             : absl::StrCat(r.latest_durable_step()).c_str());
-    Table t({"LAYER", "NAME", "KIND", "BYTES", "LAST STEP", "STALENESS", "VERSIONS"},
-            {true, false, false, true, true, true, true});
+                                             : absl::StrCat(r.latest_durable_step()).c_str(),
+                r.policy().empty() ? ", not registered"
+                                   : absl::StrCat(", policy ", r.policy(),
+                                                  live_drift ? absl::StrCat(", S_max ", r.s_max())
+                                                             : std::string())
+                                         .c_str());
+    std::vector<std::string> head = {"LAYER", "NAME", "KIND", "BYTES", "LAST STEP", "STALENESS",
+                                     "VERSIONS"};
+    std::vector<bool> right = {true, false, false, true, true, true, true};
+    if (live_drift) {
+      for (const char* h : {"DRIFT", "ACC DRIFT", "THRESHOLD"}) {
+        head.push_back(h);
+        right.push_back(true);
+      }
+    }
+    Table t(head, right);
     for (const v1::LayerInfo& l : r.layers()) {
       bool never = l.last_step() == 0;
-      t.Add({absl::StrCat(l.layer()), OrDash(l.name()), KindName(l.kind()),
-             HumanBytes(l.bytes()), StepOrDash(l.last_step()),
-             never ? "-" : absl::StrCat(l.staleness()), absl::StrCat(l.versions())});
+      std::vector<std::string> row = {absl::StrCat(l.layer()), OrDash(l.name()), KindName(l.kind()),
+                                      HumanBytes(l.bytes()), StepOrDash(l.last_step()),
+                                      never ? "-" : absl::StrCat(l.staleness()),
+                                      absl::StrCat(l.versions())};
+      if (live_drift) {
+        row.push_back(absl::StrFormat("%.2e", l.last_drift()));
+        row.push_back(absl::StrFormat("%.2e", l.accumulated_drift()));
+        row.push_back(absl::StrFormat("%.2e", l.threshold()));
+      }
+      t.Add(row);
     }
     t.Print();
     return kExitOk;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -50,6 +51,13 @@ struct Args {
   uint64_t seed = 1;
   bool quiet = false;
   uint64_t reconnect_ms = 300;
+  bool adamw = false;  // --optimizer=adamw: real AdamW steps on w, exp_avg, exp_avg_sq
+  double lr = 1e-4;
+  double k0 = 0;       // layercheck overrides (0 = daemon default)
+  uint64_t s_max = 0;
+  int64_t warmup = -1;
+  uint64_t warmup_interval = 0;
+  bool record_trace = false;
 };
 
 uint64_t ParseBytes(const std::string& s) {
@@ -91,13 +99,21 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     else if (k == "--seed") a->seed = std::stoull(v);
     else if (k == "--quiet") a->quiet = true;
     else if (k == "--reconnect-ms") a->reconnect_ms = std::stoull(v);
+    else if (k == "--optimizer") a->adamw = (v == "adamw");
+    else if (k == "--lr") a->lr = std::stod(v);
+    else if (k == "--k0") a->k0 = std::stod(v);
+    else if (k == "--s-max") a->s_max = std::stoull(v);
+    else if (k == "--warmup") a->warmup = std::stoll(v);
+    else if (k == "--warmup-interval") a->warmup_interval = std::stoull(v);
+    else if (k == "--record-trace") a->record_trace = true;
     else {
       std::fprintf(stderr,
                    "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
                    "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
                    "  [--restore] [--verify-log=FILE] [--log=FILE] [--ack-log=FILE]\n"
                    "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
-                   "  [--reconnect-ms=MS] [--quiet]\n");
+                   "  [--reconnect-ms=MS] [--quiet] [--optimizer=none|adamw] [--lr=LR]\n"
+                   "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] [--record-trace]\n");
       return false;
     }
   }
@@ -110,6 +126,29 @@ uint64_t Mix(uint64_t x) {
   x ^= x >> 33;
   x *= 0xc4ceb9fe1a85ec53ULL;
   return x ^ (x >> 33);
+}
+
+// Uniform in [-1, 1) from a hash.
+float Uniform(uint64_t x) { return static_cast<float>(Mix(x) >> 40) / static_cast<float>(1 << 23) - 1.0f; }
+
+// One AdamW step (PyTorch's order: decay, moments, bias-corrected update) on a
+// layer whose gradient is a layer-specific mix of a fixed direction and noise,
+// so layers drift at different paces.
+void AdamWStep(float* w, float* m, float* v, uint64_t n, uint32_t layer, uint64_t t, double lr) {
+  const float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, wd = 0.01f;
+  const float consistency = 0.15f * static_cast<float>(layer % 7);  // 0 .. 0.9
+  const float bc1 = 1.0f - std::pow(beta1, static_cast<float>(t));
+  const float bc2 = 1.0f - std::pow(beta2, static_cast<float>(t));
+  const float step_size = static_cast<float>(lr) / bc1;
+  const float bc2_sqrt = std::sqrt(bc2);
+  for (uint64_t i = 0; i < n; ++i) {
+    const float g = consistency * Uniform(layer * 0x9e37ULL + i) +
+                    (1.0f - consistency) * Uniform((t << 32) ^ (layer * 0x85ebULL + i));
+    w[i] *= 1.0f - static_cast<float>(lr) * wd;
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
+    w[i] -= step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
+  }
 }
 
 // The explicit policy's schedule: layer l is persisted every (l % 5) + 2 steps.
@@ -132,12 +171,15 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<ckpt::Client> client = std::move(*client_or);
 
-  // One region holds every layer; each layer is one f32 "weight" tensor.
-  std::vector<uint64_t> bytes(a.layers);
+  // One region holds every layer. A layer is one f32 "weight" tensor, or with
+  // --optimizer=adamw the weight followed by its exp_avg and exp_avg_sq.
+  const uint64_t tensors_per_layer = a.adamw ? 3 : 1;
+  std::vector<uint64_t> bytes(a.layers);  // of the layer's whole span
   uint64_t total = 0;
   for (uint32_t l = 0; l < a.layers; ++l) {
     bytes[l] = a.layer_bytes[l % a.layer_bytes.size()] / 64 * 64;
     if (bytes[l] == 0) bytes[l] = 64;
+    bytes[l] *= tensors_per_layer;
     total += bytes[l];
   }
   auto region = client->AllocateRegion(total);
@@ -156,16 +198,30 @@ int main(int argc, char** argv) {
     ckpt::LayerDesc ld;
     ld.name = l == 0 ? "embed_tokens" : absl::StrCat("layers.", l - 1);
     ld.kind = l == 0 ? ckpt::v1::LAYER_EMBEDDING : ckpt::v1::LAYER_BLOCK;
-    ckpt::TensorDesc td;
-    td.name = absl::StrCat(ld.name, ".weight");
-    td.dtype = ckpt::v1::DTYPE_F32;
-    td.shape = {bytes[l] / 4};
-    td.region = static_cast<uint32_t>(*region);
-    td.offset = off;
-    ld.tensors.push_back(td);
+    const uint64_t tensor_bytes = bytes[l] / tensors_per_layer;
+    const char* suffixes[] = {".weight", ".exp_avg", ".exp_avg_sq"};
+    const ckpt::v1::TensorRole roles[] = {ckpt::v1::ROLE_PARAM, ckpt::v1::ROLE_EXP_AVG,
+                                          ckpt::v1::ROLE_EXP_AVG_SQ};
+    for (uint64_t k = 0; k < tensors_per_layer; ++k) {
+      ckpt::TensorDesc td;
+      td.name = absl::StrCat(ld.name, suffixes[k]);
+      td.dtype = ckpt::v1::DTYPE_F32;
+      td.shape = {tensor_bytes / 4};
+      td.role = roles[k];
+      td.region = static_cast<uint32_t>(*region);
+      td.offset = off + k * tensor_bytes;
+      if (k > 0) td.param = absl::StrCat(ld.name, ".weight");
+      if (k == 0) td.weight_decay = 0.01;
+      ld.tensors.push_back(td);
+    }
     spec.layers.push_back(ld);
     words[l] = reinterpret_cast<uint64_t*>(base + off);
-    for (uint64_t i = 0; i < bytes[l] / 8; ++i) words[l][i] = Mix(a.seed * 1000003 + l * 7919 + i);
+    if (a.adamw) {
+      float* w = reinterpret_cast<float*>(base + off);
+      for (uint64_t i = 0; i < tensor_bytes / 4; ++i) w[i] = Uniform(a.seed * 1000003 + l * 7919 + i);
+    } else {
+      for (uint64_t i = 0; i < bytes[l] / 8; ++i) words[l][i] = Mix(a.seed * 1000003 + l * 7919 + i);
+    }
     off += bytes[l];
   }
   if (a.policy == "all") {
@@ -174,6 +230,17 @@ int main(int argc, char** argv) {
     spec.policy.set_kind(ckpt::v1::POLICY_EXPLICIT);
   } else if (a.policy == "none") {
     spec.policy.set_kind(ckpt::v1::POLICY_NONE);
+  } else if (a.policy == "layercheck") {
+    spec.policy.set_kind(ckpt::v1::POLICY_LAYERCHECK);
+    // With real AdamW state the daemon reconstructs ΔW itself; otherwise the
+    // trainer reports a synthetic per-layer drift (optimizer "client").
+    spec.policy.set_optimizer(a.adamw ? ckpt::v1::OPTIMIZER_ADAMW : ckpt::v1::OPTIMIZER_CLIENT);
+    ckpt::v1::LayerCheckSpec* lc = spec.policy.mutable_layercheck();
+    if (a.k0 > 0) lc->set_k0(a.k0);
+    if (a.s_max > 0) lc->set_s_max(a.s_max);
+    if (a.warmup >= 0) lc->set_warmup(static_cast<uint64_t>(a.warmup));
+    if (a.warmup_interval > 0) lc->set_warmup_interval(a.warmup_interval);
+    spec.policy.set_record_trace(a.record_trace);
   } else if (a.policy.rfind("every_n:", 0) == 0) {
     spec.policy.set_kind(ckpt::v1::POLICY_EVERY_N);
     spec.policy.set_every_n(std::stoull(a.policy.substr(8)));
@@ -252,6 +319,12 @@ int main(int argc, char** argv) {
     }
     // The "optimizer step": every layer changes.
     for (uint32_t l = 0; l < a.layers; ++l) {
+      if (a.adamw) {
+        float* w = reinterpret_cast<float*>(words[l]);
+        const uint64_t n = bytes[l] / 12;
+        AdamWStep(w, w + n, w + 2 * n, n, l, t, a.lr);
+        continue;
+      }
       uint64_t* w = words[l];
       const uint64_t salt = Mix(t * 0x9e3779b97f4a7c15ULL + l);
       for (uint64_t i = 0; i < bytes[l] / 8; ++i) w[i] = w[i] * 6364136223846793005ULL + (salt ^ i);
@@ -272,7 +345,19 @@ int main(int argc, char** argv) {
       }
     }
     auto s0 = std::chrono::steady_clock::now();
-    absl::Status s = client->StepDone(t, 1e-3, absl::StrCat("{\"step\":", t, "}"), layers);
+    ckpt::Client::StepInfo info;
+    info.step = t;
+    info.lr = a.lr;
+    info.aux = absl::StrCat("{\"step\":", t, "}");
+    info.layers = layers;
+    if (a.policy == "layercheck" && !a.adamw) {
+      // Synthetic drift: layer l moves by 2e-4 * (1 + l % 4) of its norm per step.
+      for (uint32_t l = 0; l < a.layers; ++l) {
+        const double d = 2e-4 * (1 + l % 4);
+        info.client_drift.push_back(ckpt::LayerSums{d * d, 1.0});
+      }
+    }
+    absl::Status s = client->StepDone(info);
     stepdone_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     if (!s.ok()) {
       std::fprintf(stderr, "step done %" PRIu64 ": %s\n", t, s.ToString().c_str());

@@ -133,6 +133,12 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
       ts->set_group(t.group);
       ts->set_region(t.region);
       ts->set_offset(t.offset);
+      ts->set_param(t.param);
+      ts->set_lr_scale(t.lr_scale);
+      ts->set_beta1(t.beta1);
+      ts->set_beta2(t.beta2);
+      ts->set_eps(t.eps);
+      ts->set_weight_decay(t.weight_decay);
     }
   }
   // The handover just reached the daemon; give the gRPC channel the same
@@ -191,18 +197,33 @@ absl::Status Client::OnCallError(const absl::Status& s, bool* reregistered) {
 absl::Status Client::StepDone(uint64_t step, double lr, const std::string& aux,
                               const std::vector<uint32_t>& layers,
                               const std::vector<v1::GroupStep>& group_steps) {
+  StepInfo info;
+  info.step = step;
+  info.lr = lr;
+  info.aux = aux;
+  info.layers = layers;
+  info.group_steps = group_steps;
+  return StepDone(info);
+}
+
+absl::Status Client::StepDone(const StepInfo& info) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
-  last_step_ = step;
+  last_step_ = info.step;
   for (int attempt = 0; attempt < 2; ++attempt) {
     v1::StepDoneRequest req;
     req.set_job_id(spec_.job_id);
     req.set_rank(spec_.rank);
     req.set_generation(generation_);
-    req.set_step(step);
-    req.set_lr(lr);
-    req.set_aux(aux);
-    for (uint32_t l : layers) req.add_layers(l);
-    for (const v1::GroupStep& g : group_steps) *req.add_group_steps() = g;
+    req.set_step(info.step);
+    req.set_lr(info.lr);
+    req.set_aux(info.aux);
+    for (uint32_t l : info.layers) req.add_layers(l);
+    for (const v1::GroupStep& g : info.group_steps) *req.add_group_steps() = g;
+    for (const LayerSums& d : info.client_drift) {
+      v1::LayerDrift* ld = req.add_client_drift();
+      ld->set_dw2(d.dw2);
+      ld->set_w2(d.w2);
+    }
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.call_timeout);
     v1::StepDoneReply reply;
@@ -211,9 +232,60 @@ absl::Status Client::StepDone(uint64_t step, double lr, const std::string& aux,
     bool rereg = false;
     absl::Status handled = OnCallError(s, &rereg);
     if (!rereg) return handled;
-    registered_after_step_ = step - 1;  // this step goes to the new registration
+    registered_after_step_ = info.step - 1;  // this step goes to the new registration
   }
   return absl::UnavailableError("ckptd kept failing");
+}
+
+absl::StatusOr<std::vector<LayerSums>> Client::DriftPartials(uint64_t step) {
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  v1::WaitRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_step(step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.wait_timeout);
+  v1::DriftReply reply;
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->DriftPartials(&ctx, req, &reply)));
+  std::vector<LayerSums> out;
+  for (const v1::LayerDrift& d : reply.layers()) out.push_back(LayerSums{d.dw2(), d.w2()});
+  return out;
+}
+
+absl::Status Client::SetGlobalDrift(uint64_t step, const std::vector<LayerSums>& global) {
+  if (!registered_) return absl::FailedPreconditionError("Register first");
+  v1::GlobalDriftRequest req;
+  req.set_job_id(spec_.job_id);
+  req.set_rank(spec_.rank);
+  req.set_generation(generation_);
+  req.set_step(step);
+  for (const LayerSums& d : global) {
+    v1::LayerDrift* ld = req.add_layers();
+    ld->set_dw2(d.dw2);
+    ld->set_w2(d.w2);
+  }
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.call_timeout);
+  v1::GlobalDriftReply reply;
+  return FromGrpc(impl_->stub->SetGlobalDrift(&ctx, req, &reply));
+}
+
+absl::Status Client::ExchangeDrift(
+    uint64_t step, const std::function<absl::Status(std::vector<double>*)>& allreduce_sum) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<LayerSums> partial, DriftPartials(step));
+  std::vector<double> flat;
+  for (const LayerSums& s : partial) {
+    flat.push_back(s.dw2);
+    flat.push_back(s.w2);
+  }
+  CKPT_RETURN_IF_ERROR(allreduce_sum(&flat));
+  if (flat.size() != 2 * partial.size()) {
+    return absl::InvalidArgumentError("the all-reduce changed the vector's length");
+  }
+  std::vector<LayerSums> global(partial.size());
+  for (size_t i = 0; i < global.size(); ++i) global[i] = LayerSums{flat[2 * i], flat[2 * i + 1]};
+  return SetGlobalDrift(step, global);
 }
 
 absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {

@@ -92,6 +92,8 @@ const std::vector<Option>& Options() {
           &DaemonConfig::max_aux_bytes),
       Num("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
           &DaemonConfig::handover_token_ttl_s),
+      Num("drift_threads", "CPU threads of the LayerCheck drift kernel per snapshot",
+          &DaemonConfig::drift_threads),
   };
   return *options;
 }
@@ -108,6 +110,9 @@ absl::Status DaemonConfig::Validate() const {
   }
   if (writer_threads == 0 || writer_threads > 64 || snapshot_threads == 0 || snapshot_threads > 64) {
     return absl::InvalidArgumentError("writer_threads and snapshot_threads must be 1..64");
+  }
+  if (drift_threads == 0 || drift_threads > 256) {
+    return absl::InvalidArgumentError("drift_threads must be 1..256");
   }
   if (io_queue_depth == 0 || io_queue_depth > 4096) {
     return absl::InvalidArgumentError("io_queue_depth must be 1..4096");

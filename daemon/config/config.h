@@ -32,6 +32,7 @@ struct DaemonConfig {
   uint32_t max_message_bytes = 64 << 20;
   uint32_t max_aux_bytes = 1 << 20;
   uint32_t handover_token_ttl_s = 120;
+  uint32_t drift_threads = 2;
 
   absl::Status Validate() const;
   std::string HandoverSocketPath() const {

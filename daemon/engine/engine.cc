@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <fstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -14,6 +15,7 @@
 #include "daemon/policy/selection.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/shm/region.h"
+#include "nlohmann/json.hpp"
 
 namespace ckpt {
 
@@ -30,10 +32,16 @@ struct PendingStep {
 };
 
 struct Engine::SnapTask {
+  enum class Stage { kNew, kAwaitingGlobal, kReady };
   uint64_t step = 0;
-  std::vector<uint32_t> layers;  // selected at StepDone time
+  double lr = 0;
+  std::vector<uint32_t> layers;  // selected at StepDone time (not for layercheck)
   store::EventRecord event;      // aux, lr
   std::vector<v1::GroupStep> group_steps;
+  // LayerCheck only.
+  Stage stage = Stage::kNew;
+  std::vector<drift::LayerSums> client_drift;  // OPTIMIZER_CLIENT
+  std::vector<drift::LayerSums> global;        // the vector the decision uses
 };
 
 struct Engine::WriteTask {
@@ -51,6 +59,14 @@ struct Engine::Rank {
   PolicyConfig policy;
   std::vector<MappedRegion> regions;
   std::vector<LayerTemplate> layers;
+  uint32_t world_size = 1;
+  // LayerCheck (null for the other policies).
+  std::unique_ptr<LayerCheckPolicy> layercheck;  // guarded by Engine::mu_
+  v1::OptimizerKind optimizer = v1::OPTIMIZER_UNSPECIFIED;
+  std::vector<drift::TensorTask> drift_tasks;    // pointers into `regions`
+  std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
+  std::vector<double> drift_task_lr_scale;
+  std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
 
   // Guarded by Engine::mu_.
   bool active = true;
@@ -66,6 +82,9 @@ struct Engine::Rank {
   std::vector<bool> retry;
   std::vector<uint64_t> failed_since;  // per layer: oldest failed, unrepaired step (0 = none)
   absl::Status fatal;
+  std::map<uint64_t, std::vector<drift::LayerSums>> partials;  // recent steps (layercheck)
+  std::vector<LayerDecision> last_decisions;
+  bool deferred = false;  // the front task waits for SetGlobalDrift; no worker holds it
 
   // Serializes event writes of this rank (held without Engine::mu_).
   absl::Mutex event_mu;
@@ -80,7 +99,11 @@ bool IsRoot(const Caller& c) { return c.uid == 0; }
 }  // namespace
 
 Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool)
-    : options_(std::move(options)), index_(index), store_(store), pool_(pool) {}
+    : options_(std::move(options)),
+      index_(index),
+      store_(store),
+      pool_(pool),
+      drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)) {}
 
 Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
 
@@ -229,6 +252,8 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   }
   *r->table.mutable_layers() = req.layers();
   r->table.set_world_size(req.world_size());
+  r->world_size = req.world_size();
+  if (policy.kind == v1::POLICY_LAYERCHECK) CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, r.get()));
   const size_t n = r->layers.size();
   r->never_persisted.assign(n, true);
   // The first step after any registration persists every layer: whatever the
@@ -249,6 +274,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
         return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
       }
       old->active = false;
+      ReleaseDeferredLocked(old.get());
       CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
       ranks_.erase(RankKey(r->job, r->rank));
     }
@@ -311,10 +337,31 @@ absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& call
   }
   SnapTask task;
   task.step = req.step();
-  // Validate the layer list now so that the caller sees the error.
-  CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step(),
-                                                  static_cast<uint32_t>(r->layers.size()),
-                                                  req.layers(), r->never_persisted, r->retry));
+  task.lr = req.lr();
+  if (r->layercheck != nullptr) {
+    if (!req.layers().empty()) {
+      return absl::InvalidArgumentError("a layer list was given but the rank's policy is layercheck");
+    }
+    const bool client = r->optimizer == v1::OPTIMIZER_CLIENT;
+    if (client != (req.client_drift_size() > 0) ||
+        (client && static_cast<size_t>(req.client_drift_size()) != r->layers.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          client ? "optimizer client needs client_drift with one entry per layer ("
+                 : "client_drift is only for optimizer client (",
+          r->layers.size(), " layers)"));
+    }
+    for (const v1::LayerDrift& d : req.client_drift()) {
+      if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+        return absl::InvalidArgumentError("client_drift sums must be finite and >= 0");
+      }
+      task.client_drift.push_back(drift::LayerSums{d.dw2(), d.w2()});
+    }
+  } else {
+    // Validate the layer list now so that the caller sees the error.
+    CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step(),
+                                                    static_cast<uint32_t>(r->layers.size()),
+                                                    req.layers(), r->never_persisted, r->retry));
+  }
   task.event.set_aux(req.aux());
   task.event.set_lr(req.lr());
   task.group_steps.assign(req.group_steps().begin(), req.group_steps().end());
@@ -347,8 +394,18 @@ void Engine::SnapshotLoop() {
       task = std::move(r->snap_queue.front());
       r->snap_queue.pop_front();
     }
-    Snapshot(r, task);
+    const bool done = Snapshot(r, task);
     absl::MutexLock lock(&mu_);
+    if (!done) {
+      // Parked until SetGlobalDrift (or dropped if the registration ends).
+      if (r->active) {
+        r->snap_queue.push_front(std::move(task));
+        r->deferred = true;
+      } else {
+        r->snap_busy = false;
+      }
+      continue;
+    }
     if (!r->snap_queue.empty() && !stopping_) {
       snapshot_ready_.push_back(r);
     } else {
@@ -357,9 +414,11 @@ void Engine::SnapshotLoop() {
   }
 }
 
-void Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
+bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
   // Layers selected at StepDone time may since have become retry candidates;
-  // the retry set is folded in at the next StepDone, not here.
+  // the retry set is folded in at the next StepDone, not here (LayerCheck
+  // decides here, with the current retry set).
+  if (r->layercheck != nullptr && !DecideLayerCheck(r, task)) return false;
   std::vector<StagedVersion> staged;
   std::vector<uint32_t> skipped;
   for (uint32_t l : task.layers) {
@@ -432,6 +491,244 @@ void Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     }
   }
   if (staged.empty()) AdvanceEvents(r);
+  return true;
+}
+
+absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
+  const v1::PolicySpec& spec = req.policy();
+  LayerCheckConfig config = LayerCheckFromProto(spec.layercheck());
+  CKPT_RETURN_IF_ERROR(config.Validate());
+  r->optimizer = spec.optimizer();
+  if (r->optimizer == v1::OPTIMIZER_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        "policy layercheck needs an optimizer: adamw, adam, sgd or client");
+  }
+  auto dtype = [](v1::DType t, drift::DType* out) {
+    switch (t) {
+      case v1::DTYPE_F32: *out = drift::DType::kF32; return true;
+      case v1::DTYPE_BF16: *out = drift::DType::kBF16; return true;
+      case v1::DTYPE_F16: *out = drift::DType::kF16; return true;
+      default: return false;
+    }
+  };
+  std::vector<v1::LayerKind> kinds;
+  for (size_t l = 0; l < r->layers.size(); ++l) {
+    const v1::LayerSpec& layer = req.layers(static_cast<int>(l));
+    kinds.push_back(layer.kind());
+    if (r->optimizer == v1::OPTIMIZER_CLIENT) continue;
+    bool has_master = false;
+    for (const v1::TensorSpec& t : layer.tensors()) has_master |= t.role() == v1::ROLE_MASTER;
+    const v1::TensorRole weight_role = has_master ? v1::ROLE_MASTER : v1::ROLE_PARAM;
+    for (int i = 0; i < layer.tensors_size(); ++i) {
+      const v1::TensorSpec& w = layer.tensors(i);
+      if (w.role() != weight_role) continue;
+      const std::string where = absl::StrCat("layer ", l, " tensor '", w.name(), "'");
+      drift::TensorTask task;
+      task.layer = static_cast<uint32_t>(l);
+      task.n = w.nbytes() / DTypeSize(w.dtype());
+      task.w = r->layers[l].src[static_cast<size_t>(i)];
+      if (!dtype(w.dtype(), &task.w_dtype)) {
+        return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
+      }
+      task.beta1 = w.beta1() > 0 ? w.beta1() : 0.9;
+      task.beta2 = w.beta2() > 0 ? w.beta2() : 0.999;
+      task.eps = w.eps() > 0 ? w.eps() : 1e-8;
+      task.weight_decay = w.weight_decay();
+      // The optimizer state that names this weight.
+      for (int j = 0; j < layer.tensors_size(); ++j) {
+        const v1::TensorSpec& st = layer.tensors(j);
+        if (st.param() != w.name()) continue;
+        const void* p = r->layers[l].src[static_cast<size_t>(j)];
+        const bool m_role = st.role() == v1::ROLE_EXP_AVG || st.role() == v1::ROLE_MOMENTUM;
+        if (!m_role && st.role() != v1::ROLE_EXP_AVG_SQ) continue;
+        if (st.nbytes() / DTypeSize(st.dtype()) != task.n) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": state '", st.name(), "' has a different element count"));
+        }
+        drift::DType dt;
+        if (!dtype(st.dtype(), &dt)) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name(),
+                                                         "' must be f32, bf16 or f16"));
+        }
+        if (m_role) {
+          task.m = p;
+          task.m_dtype = dt;
+        } else {
+          task.v = p;
+          task.v_dtype = dt;
+        }
+      }
+      switch (r->optimizer) {
+        case v1::OPTIMIZER_ADAMW:
+        case v1::OPTIMIZER_ADAM:
+          if (task.m == nullptr || task.v == nullptr) {
+            return absl::InvalidArgumentError(
+                where + ": adam(w) drift needs exp_avg and exp_avg_sq tensors naming it in 'param'");
+          }
+          task.optimizer = r->optimizer == v1::OPTIMIZER_ADAMW ? drift::Optimizer::kAdamW
+                                                               : drift::Optimizer::kAdam;
+          break;
+        case v1::OPTIMIZER_SGD:
+          if (task.m == nullptr) {
+            return absl::InvalidArgumentError(
+                where + ": sgd drift needs a momentum tensor naming it in 'param'");
+          }
+          task.optimizer = drift::Optimizer::kSgd;
+          break;
+        default:
+          return absl::InvalidArgumentError("unknown optimizer");
+      }
+      r->drift_tasks.push_back(task);
+      r->drift_task_groups.push_back(w.group());
+      r->drift_task_lr_scale.push_back(w.lr_scale() > 0 ? w.lr_scale() : 1.0);
+    }
+    if (r->drift_tasks.empty() || r->drift_tasks.back().layer != l) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", l, " has no ", has_master ? "master" : "param", " tensor for drift accounting"));
+    }
+  }
+  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
+  if (spec.record_trace()) {
+    CKPT_ASSIGN_OR_RETURN(std::string dir, store_->RankDirPath(r->job, r->rank));
+    r->trace = std::make_unique<std::ofstream>(dir + "/drift.jsonl", std::ios::app);
+    nlohmann::json header;
+    header["job"] = r->job;
+    header["rank"] = r->rank;
+    nlohmann::json layers = nlohmann::json::array();
+    for (const v1::LayerSpec& layer : req.layers()) {
+      uint64_t bytes = 0;
+      for (const v1::TensorSpec& t : layer.tensors()) bytes += t.nbytes();
+      layers.push_back({{"name", layer.name()}, {"kind", static_cast<int>(layer.kind())},
+                        {"bytes", bytes}});
+    }
+    header["layers"] = layers;
+    header["config"] = {{"k0", config.k0}, {"k0_embedding", config.k0_embedding},
+                        {"k_floor", config.k_floor}, {"s_max", config.s_max},
+                        {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
+                        {"full_every", config.full_every}};
+    *r->trace << header.dump() << "\n";
+    r->trace->flush();
+  }
+  return absl::OkStatus();
+}
+
+bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
+  if (task.stage == SnapTask::Stage::kNew) {
+    std::vector<drift::LayerSums> sums(r->layers.size());
+    if (r->optimizer == v1::OPTIMIZER_CLIENT) {
+      sums = task.client_drift;
+    } else {
+      std::vector<drift::TensorTask> tasks = r->drift_tasks;
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        tasks[i].lr = task.lr * r->drift_task_lr_scale[i];
+        tasks[i].step = task.step;
+        for (const v1::GroupStep& g : task.group_steps) {
+          if (g.group() == r->drift_task_groups[i]) tasks[i].step = g.step();
+        }
+      }
+      std::string error;
+      if (!drift_kernel_->Compute(tasks, &sums, &error)) {
+        CKPT_LOG(ERROR) << "drift kernel failed (" << error << "); persisting every layer";
+        for (drift::LayerSums& s : sums) s = drift::LayerSums{1, 1};
+      }
+    }
+    CKPT_KILL_POINT("snapshot.drift");
+    absl::MutexLock lock(&mu_);
+    r->partials[task.step] = sums;
+    while (r->partials.size() > kSnapResultsKept) r->partials.erase(r->partials.begin());
+    if (r->world_size > 1) {
+      task.stage = SnapTask::Stage::kAwaitingGlobal;
+      return false;
+    }
+    task.global = std::move(sums);
+    task.stage = SnapTask::Stage::kReady;
+  }
+  absl::MutexLock lock(&mu_);
+  std::vector<LayerDecision> decisions =
+      r->layercheck->Decide(task.step, task.lr, task.global, r->retry);
+  task.layers.clear();
+  for (uint32_t l = 0; l < decisions.size(); ++l) {
+    if (decisions[l].reason != PersistReason::kNone) task.layers.push_back(l);
+  }
+  if (r->trace != nullptr) {
+    nlohmann::json line;
+    line["step"] = task.step;
+    line["lr"] = task.lr;
+    std::vector<double> d;
+    for (const LayerDecision& dec : decisions) d.push_back(dec.d);
+    line["d"] = d;
+    line["persist"] = task.layers;
+    *r->trace << line.dump() << "\n";
+  }
+  r->last_decisions = std::move(decisions);
+  return true;
+}
+
+void Engine::ReleaseDeferredLocked(Rank* r) {
+  if (!r->deferred) return;
+  // The trainer that would have sent the global vector is gone: the parked
+  // steps cannot be decided; drop them.
+  r->snap_queue.clear();
+  r->deferred = false;
+  r->snap_busy = false;
+}
+
+absl::StatusOr<v1::DriftReply> Engine::DriftPartials(const v1::WaitRequest& req,
+                                                     const Caller& caller, absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto ready = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->partials.count(req.step()) > 0 || r->snapshot_step >= req.step() || !r->active ||
+           stopping_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  auto it = r->partials.find(req.step());
+  if (it == r->partials.end()) {
+    if (r->snapshot_step >= req.step()) return absl::NotFoundError("step is too old");
+    if (!r->active || stopping_) return absl::AbortedError("the registration ended");
+    return absl::DeadlineExceededError(absl::StrCat("drift of step ", req.step(), " not ready in time"));
+  }
+  v1::DriftReply reply;
+  reply.set_step(req.step());
+  for (const drift::LayerSums& s : it->second) {
+    v1::LayerDrift* d = reply.add_layers();
+    d->set_dw2(s.dw2);
+    d->set_w2(s.w2);
+  }
+  return reply;
+}
+
+absl::Status Engine::SetGlobalDrift(const v1::GlobalDriftRequest& req, const Caller& caller) {
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (static_cast<size_t>(req.layers_size()) != r->layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("global drift has ", req.layers_size(),
+                                                   " layers; the rank has ", r->layers.size()));
+  }
+  if (!r->deferred || r->snap_queue.empty() || r->snap_queue.front().step != req.step()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", req.step(), " is not waiting for its global drift (call DriftPartials first)"));
+  }
+  SnapTask& task = r->snap_queue.front();
+  task.global.clear();
+  for (const v1::LayerDrift& d : req.layers()) {
+    if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+      return absl::InvalidArgumentError("global drift sums must be finite and >= 0");
+    }
+    task.global.push_back(drift::LayerSums{d.dw2(), d.w2()});
+  }
+  task.stage = SnapTask::Stage::kReady;
+  r->deferred = false;
+  snapshot_ready_.push_back(r);
+  return absl::OkStatus();
 }
 
 // ---- Writers and events ----
@@ -581,6 +878,7 @@ absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& 
   absl::MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (!req.drain()) ReleaseDeferredLocked(r.get());
   if (req.drain()) CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
   r->active = false;
   ranks_.erase(RankKey(r->job, r->rank));
@@ -741,6 +1039,22 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
       }));
   for (v1::LayerInfo& li : *reply.mutable_layers()) {
     li.set_staleness(li.last_step() > 0 ? latest - li.last_step() : 0);
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
+  if (it != ranks_.end()) {
+    const Rank& r = *it->second;
+    reply.set_policy(PolicyName(r.policy.kind));
+    if (r.layercheck != nullptr) {
+      reply.set_s_max(r.layercheck->config().s_max);
+      for (size_t l = 0; l < r.layercheck->layers() && l < static_cast<size_t>(reply.layers_size()); ++l) {
+        v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(l));
+        li->set_live(true);
+        li->set_accumulated_drift(r.layercheck->accumulated(l));
+        li->set_threshold(r.layercheck->threshold(l));
+        if (l < r.last_decisions.size()) li->set_last_drift(r.last_decisions[l].d);
+      }
+    }
   }
   return reply;
 }

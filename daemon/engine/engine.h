@@ -36,6 +36,8 @@
 #include "daemon/common/unique_fd.h"
 #include "daemon/engine/registration.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/policy/layercheck.h"
+#include "kernels/drift.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
@@ -52,6 +54,7 @@ struct EngineOptions {
   absl::Duration drain_timeout = absl::Seconds(60);     // re-register waits this long
   absl::Duration restore_timeout = absl::Minutes(30);
   uint64_t max_aux_bytes = 1 << 20;
+  int drift_threads = 2;              // CPU drift kernel workers per snapshot
   RegistrationLimits limits;
 };
 
@@ -94,6 +97,11 @@ class Engine {
   absl::StatusOr<v1::RestoreReply> Restore(const v1::RestoreRequest& req, const Caller& caller);
   absl::Status Unregister(const v1::UnregisterRequest& req, const Caller& caller,
                           absl::Time deadline);
+  // Multi-rank LayerCheck: the rank's partial per-layer sums of `step` (waits
+  // until computed), and the all-reduced vector that lets the step proceed.
+  absl::StatusOr<v1::DriftReply> DriftPartials(const v1::WaitRequest& req, const Caller& caller,
+                                               absl::Time deadline);
+  absl::Status SetGlobalDrift(const v1::GlobalDriftRequest& req, const Caller& caller);
 
   v1::StatusReply GetStatus();
   absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
@@ -120,7 +128,12 @@ class Engine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void SnapshotLoop();
-  void Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task);
+  // Returns false when the task now waits for SetGlobalDrift.
+  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task);
+  // LayerCheck: fills task.layers from the drift of this step.
+  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task);
+  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
+  void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriterLoop(std::unique_ptr<IoBackend> io);
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
@@ -133,6 +146,7 @@ class Engine {
   std::string io_backend_name_;
   const absl::Time started_ = absl::Now();
   ReconcileReport reconcile_;
+  std::unique_ptr<drift::DriftKernel> drift_kernel_;
 
   std::vector<std::thread> snapshot_threads_;
   std::vector<std::thread> writer_threads_;

@@ -20,6 +20,7 @@ absl::StatusOr<PolicyConfig> PolicyFromProto(const v1::PolicySpec& spec) {
       return c;
     case v1::POLICY_EXPLICIT:
     case v1::POLICY_NONE:
+    case v1::POLICY_LAYERCHECK:
       c.kind = spec.kind();
       return c;
     default:
@@ -37,6 +38,8 @@ const char* PolicyName(v1::PolicyKind kind) {
       return "explicit";
     case v1::POLICY_NONE:
       return "none";
+    case v1::POLICY_LAYERCHECK:
+      return "layercheck";
     default:
       return "unknown";
   }

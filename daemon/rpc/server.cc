@@ -69,6 +69,17 @@ class TrainerService final : public v1::Trainer::Service {
                     reply);
     });
   }
+  grpc::Status DriftPartials(grpc::ServerContext* ctx, const v1::WaitRequest* req,
+                             v1::DriftReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return Assign(s_->engine()->DriftPartials(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
+                    reply);
+    });
+  }
+  grpc::Status SetGlobalDrift(grpc::ServerContext* ctx, const v1::GlobalDriftRequest* req,
+                              v1::GlobalDriftReply*) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return s_->engine()->SetGlobalDrift(*req, c); });
+  }
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
   }

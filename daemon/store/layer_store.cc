@@ -48,6 +48,11 @@ std::string LayerStore::FileName(const VersionKey& key, uint64_t generation) {
   return absl::StrFormat("L%08x-S%016x-G%016x.ckv", key.layer, key.step, generation);
 }
 
+absl::StatusOr<std::string> LayerStore::RankDirPath(const std::string& job, uint32_t rank) {
+  CKPT_RETURN_IF_ERROR(RankDir(job, rank, /*create=*/true).status());
+  return absl::StrCat(data_dir_, "/jobs/", job, "/", RankDirName(rank));
+}
+
 absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, bool create) {
   absl::MutexLock lock(&mu_);
   auto key = std::make_pair(job, rank);

@@ -87,6 +87,9 @@ class LayerStore {
   absl::StatusOr<ReconcileReport> Reconcile();
 
   static std::string FileName(const VersionKey& key, uint64_t generation);
+  // The rank's directory (created when missing), for side files such as the
+  // drift trace.
+  absl::StatusOr<std::string> RankDirPath(const std::string& job, uint32_t rank);
   bool direct_io() const { return use_direct_io_; }
 
  private:

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,15 @@ struct TensorDesc {
   uint32_t group = 0;
   uint32_t region = 0;  // from AllocateRegion
   uint64_t offset = 0;  // bytes into the region
+  // LayerCheck drift accounting: a state tensor names its weight tensor in
+  // `param`; a weight tensor carries its optimizer's hyper-parameters
+  // (0 = the optimizer's default; lr_scale 0 = 1).
+  std::string param;
+  double lr_scale = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double eps = 0;
+  double weight_decay = 0;
 };
 
 struct LayerDesc {
@@ -75,6 +85,11 @@ struct RankSpec {
   uint32_t local_rank = 0;
   std::vector<LayerDesc> layers;  // layer i gets id i
   v1::PolicySpec policy;          // default: all
+};
+
+struct LayerSums {
+  double dw2 = 0;  // Σ‖ΔW‖²
+  double w2 = 0;   // Σ‖W‖²
 };
 
 struct SnapshotInfo {
@@ -108,6 +123,25 @@ class Client {
   absl::Status StepDone(uint64_t step, double lr, const std::string& aux = "",
                         const std::vector<uint32_t>& layers = {},
                         const std::vector<v1::GroupStep>& group_steps = {});
+  // The same with every field, including OPTIMIZER_CLIENT's per-layer drift.
+  struct StepInfo {
+    uint64_t step = 0;
+    double lr = 0;
+    std::string aux;
+    std::vector<uint32_t> layers;
+    std::vector<v1::GroupStep> group_steps;
+    std::vector<LayerSums> client_drift;  // one per layer (Σ‖ΔW‖², Σ‖W‖²)
+  };
+  absl::Status StepDone(const StepInfo& info);
+
+  // Multi-rank LayerCheck (world_size > 1): after StepDone(t) and before
+  // WaitSnapshot(t), hand the daemon the all-reduced per-layer drift so every
+  // rank decides alike. `allreduce_sum` sums the vector in place over the
+  // trainer's process group (2 doubles per layer).
+  absl::Status ExchangeDrift(uint64_t step,
+                             const std::function<absl::Status(std::vector<double>*)>& allreduce_sum);
+  absl::StatusOr<std::vector<LayerSums>> DriftPartials(uint64_t step);
+  absl::Status SetGlobalDrift(uint64_t step, const std::vector<LayerSums>& global);
   // The fence: returns when the snapshot of `step` is in staging.
   absl::StatusOr<SnapshotInfo> WaitSnapshot(uint64_t step);
   // Returns the durable step (>= step) once every layer's newest version

@@ -1,0 +1,285 @@
+// CPU reference implementation of the drift kernels (drift.h).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "kernels/drift.h"
+
+namespace ckpt::drift {
+namespace {
+
+constexpr uint64_t kBlock = 2048;       // elements converted and reduced at a time
+constexpr uint64_t kChunk = 1 << 16;    // elements per unit of parallel work
+
+float LoadOne(const void* p, DType t, uint64_t i) {
+  switch (t) {
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return Bf16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0;
+}
+
+// Returns a pointer to `n` f32 values starting at element `i`: the input
+// itself for f32, else `scratch` filled by conversion.
+const float* LoadBlock(const void* p, DType t, uint64_t i, uint64_t n, float* scratch) {
+  if (t == DType::kF32) return static_cast<const float*>(p) + i;
+  const uint16_t* h = static_cast<const uint16_t*>(p) + i;
+  if (t == DType::kBF16) {
+    for (uint64_t k = 0; k < n; ++k) scratch[k] = Bf16ToF32(h[k]);
+  } else {
+    for (uint64_t k = 0; k < n; ++k) scratch[k] = F16ToF32(h[k]);
+  }
+  return scratch;
+}
+
+struct Coeffs {
+  double lr, eps, wd, inv_bc1, inv_bc2, adamw_scale;
+};
+
+Coeffs MakeCoeffs(const TensorTask& t) {
+  Coeffs c;
+  c.lr = t.lr;
+  c.eps = t.eps;
+  c.wd = t.weight_decay;
+  const double step = static_cast<double>(std::max<uint64_t>(1, t.step));
+  c.inv_bc1 = 1.0 / (1.0 - std::pow(t.beta1, step));
+  c.inv_bc2 = 1.0 / (1.0 - std::pow(t.beta2, step));
+  c.adamw_scale = -t.lr / (1.0 - t.lr * t.weight_decay);
+  return c;
+}
+
+// The hot loops, one per optimizer, compiled for AVX2 and a baseline.
+__attribute__((target_clones("avx2", "default"))) void AdamBlock(
+    const float* w, const float* m, const float* v, uint64_t n, const Coeffs& c, bool decoupled,
+    double* dw2, double* w2) {
+  double a = 0, b = 0;
+  for (uint64_t k = 0; k < n; ++k) {
+    const double wk = w[k];
+    const double u = (m[k] * c.inv_bc1) / (std::sqrt(v[k] * c.inv_bc2) + c.eps);
+    const double d = decoupled ? c.adamw_scale * (c.wd * wk + u) : -c.lr * u;
+    a += d * d;
+    b += wk * wk;
+  }
+  *dw2 += a;
+  *w2 += b;
+}
+
+__attribute__((target_clones("avx2", "default"))) void SgdBlock(const float* w, const float* buf,
+                                                                uint64_t n, double lr, double* dw2,
+                                                                double* w2) {
+  double a = 0, b = 0;
+  for (uint64_t k = 0; k < n; ++k) {
+    const double wk = w[k];
+    const double d = -lr * buf[k];
+    a += d * d;
+    b += wk * wk;
+  }
+  *dw2 += a;
+  *w2 += b;
+}
+
+__attribute__((target_clones("avx2", "default"))) void NormBlock(const float* w, uint64_t n,
+                                                                 double* w2) {
+  double b = 0;
+  for (uint64_t k = 0; k < n; ++k) b += static_cast<double>(w[k]) * w[k];
+  *w2 += b;
+}
+
+// Sums over elements [begin, end) of one tensor.
+LayerSums ReduceRange(const TensorTask& t, uint64_t begin, uint64_t end) {
+  LayerSums s;
+  const Coeffs c = MakeCoeffs(t);
+  float sw[kBlock], sm[kBlock], sv[kBlock];
+  for (uint64_t i = begin; i < end; i += kBlock) {
+    const uint64_t n = std::min(kBlock, end - i);
+    const float* w = LoadBlock(t.w, t.w_dtype, i, n, sw);
+    switch (t.optimizer) {
+      case Optimizer::kAdamW:
+      case Optimizer::kAdam:
+        AdamBlock(w, LoadBlock(t.m, t.m_dtype, i, n, sm), LoadBlock(t.v, t.v_dtype, i, n, sv), n,
+                  c, t.optimizer == Optimizer::kAdamW, &s.dw2, &s.w2);
+        break;
+      case Optimizer::kSgd:
+        SgdBlock(w, LoadBlock(t.m, t.m_dtype, i, n, sm), n, t.lr, &s.dw2, &s.w2);
+        break;
+      case Optimizer::kNone:
+        NormBlock(w, n, &s.w2);
+        break;
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+double NormalizedDrift(const LayerSums& s) {
+  return std::sqrt(std::max(0.0, s.dw2)) / (std::sqrt(std::max(0.0, s.w2)) + 1e-12);
+}
+
+float Bf16ToF32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t F32ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float F16ToF32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      mant &= 0x3ff;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t F32ToF16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const uint32_t abs = bits & 0x7fffffff;
+  if (abs > 0x7f800000) return sign | 0x7e00;             // NaN
+  if (abs >= 0x477ff000) return sign | 0x7c00;            // overflow -> inf
+  if (abs < 0x33000000) return sign;                      // underflow -> 0
+  int exp = static_cast<int>(abs >> 23) - 127 + 15;
+  uint32_t mant = (abs & 0x7fffff) | 0x800000;
+  if (exp <= 0) {  // subnormal half
+    const int shift = 14 - exp;
+    uint32_t r = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) ++r;
+    return sign | static_cast<uint16_t>(r);
+  }
+  uint32_t r = (static_cast<uint32_t>(exp) << 10) | ((mant >> 13) & 0x3ff);
+  const uint32_t rem = mant & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) ++r;  // may carry into the exponent: correct
+  return sign | static_cast<uint16_t>(r);
+}
+
+void ComputeDriftScalar(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out) {
+  for (LayerSums& s : *out) s = LayerSums();
+  for (const TensorTask& t : tasks) {
+    const Coeffs c = MakeCoeffs(t);
+    LayerSums& s = (*out)[t.layer];
+    for (uint64_t i = 0; i < t.n; ++i) {
+      const double w = LoadOne(t.w, t.w_dtype, i);
+      double d = 0;
+      if (t.optimizer == Optimizer::kAdamW || t.optimizer == Optimizer::kAdam) {
+        const double m = LoadOne(t.m, t.m_dtype, i), v = LoadOne(t.v, t.v_dtype, i);
+        const double u = (m * c.inv_bc1) / (std::sqrt(v * c.inv_bc2) + c.eps);
+        d = t.optimizer == Optimizer::kAdamW ? c.adamw_scale * (c.wd * w + u) : -c.lr * u;
+      } else if (t.optimizer == Optimizer::kSgd) {
+        d = -c.lr * LoadOne(t.m, t.m_dtype, i);
+      }
+      s.dw2 += d * d;
+      s.w2 += w * w;
+    }
+  }
+}
+
+void ComputeDriftCpu(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out,
+                     int threads) {
+  // Work units are 64K-element ranges; worker i takes units i, i+n, i+2n...
+  // in order and accumulates per layer, and the workers' sums are added in
+  // worker order: the result depends only on the inputs and `threads`, and
+  // the extra memory is O(threads x layers), never O(model).
+  struct Unit {
+    size_t task;
+    uint64_t begin, end;
+  };
+  std::vector<Unit> units;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    for (uint64_t b = 0; b < tasks[i].n; b += kChunk) {
+      units.push_back(Unit{i, b, std::min(tasks[i].n, b + kChunk)});
+    }
+  }
+  const size_t layers = out->size();
+  const size_t n = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(1, threads)),
+                                                         units.size()));
+  std::vector<std::vector<LayerSums>> per_worker(n, std::vector<LayerSums>(layers));
+  auto work = [&](size_t worker) {
+    std::vector<LayerSums>& acc = per_worker[worker];
+    for (size_t u = worker; u < units.size(); u += n) {
+      const TensorTask& t = tasks[units[u].task];
+      LayerSums s = ReduceRange(t, units[u].begin, units[u].end);
+      acc[t.layer].dw2 += s.dw2;
+      acc[t.layer].w2 += s.w2;
+    }
+  };
+  if (n == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (size_t i = 1; i < n; ++i) pool.emplace_back(work, i);
+    work(0);
+    for (std::thread& t : pool) t.join();
+  }
+  for (LayerSums& s : *out) s = LayerSums();
+  for (const std::vector<LayerSums>& acc : per_worker) {
+    for (size_t l = 0; l < layers; ++l) {
+      (*out)[l].dw2 += acc[l].dw2;
+      (*out)[l].w2 += acc[l].w2;
+    }
+  }
+}
+
+namespace {
+
+class CpuKernel final : public DriftKernel {
+ public:
+  explicit CpuKernel(int threads) : threads_(threads) {}
+  const char* name() const override { return "cpu"; }
+  bool Compute(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out,
+               std::string*) override {
+    ComputeDriftCpu(tasks, out, threads_);
+    return true;
+  }
+
+ private:
+  int threads_;
+};
+
+}  // namespace
+
+std::unique_ptr<DriftKernel> MakeCpuDriftKernel(int threads) {
+  return std::make_unique<CpuKernel>(threads);
+}
+
+#ifndef CKPT_HAVE_CUDA
+std::unique_ptr<DriftKernel> MakeCudaDriftKernel(std::string* why) {
+  if (why) *why = "built without CUDA";
+  return nullptr;
+}
+#endif
+
+}  // namespace ckpt::drift
