@@ -87,8 +87,8 @@ __device__ void FlushBlock(double a, double b, double* sums, uint32_t layer) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    DriftReduceKernel(const DevTask* __restrict__ tasks, uint32_t num_tasks,
-                      uint64_t total_chunks, double* __restrict__ sums) {
+    DriftReduceKernel(const DevTask* __restrict__ tasks, uint32_t num_tasks, uint64_t total_chunks,
+                      double* __restrict__ sums) {
   double a = 0.0, b = 0.0;
   uint32_t layer = kNoLayer;
   for (uint64_t c = blockIdx.x; c < total_chunks; c += gridDim.x) {
@@ -180,6 +180,12 @@ class CudaKernel final : public DriftKernel {
     if (e != cudaSuccess) return Fail(why, CudaError("cudaGetDevice", e));
     e = cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device_);
     if (e != cudaSuccess) return Fail(why, CudaError("cudaDeviceGetAttribute", e));
+    int per_sm = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, DriftReduceKernel, kThreads, 0);
+    if (e != cudaSuccess)
+      return Fail(why, CudaError("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e));
+    max_grid_ =
+        static_cast<uint64_t>(std::max(1, sms_)) * static_cast<uint64_t>(std::max(1, per_sm));
     e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
     if (e != cudaSuccess) return Fail(why, CudaError("cudaStreamCreateWithFlags", e));
     std::string err;
@@ -234,14 +240,13 @@ class CudaKernel final : public DriftKernel {
     DeviceGuard guard(device_);
     if (!guard.ok()) return Fail(error, "cudaSetDevice failed");
     if (!Reserve(host_tasks_.size(), 2 * layers, error)) return false;
-    cudaError_t e = cudaMemcpyAsync(d_tasks_, host_tasks_.data(),
-                                    host_tasks_.size() * sizeof(DevTask),
-                                    cudaMemcpyHostToDevice, stream_);
+    cudaError_t e =
+        cudaMemcpyAsync(d_tasks_, host_tasks_.data(), host_tasks_.size() * sizeof(DevTask),
+                        cudaMemcpyHostToDevice, stream_);
     if (e != cudaSuccess) return Fail(error, CudaError("cudaMemcpyAsync (tasks)", e));
     e = cudaMemsetAsync(d_sums_, 0, 2 * layers * sizeof(double), stream_);
     if (e != cudaSuccess) return Fail(error, CudaError("cudaMemsetAsync", e));
-    const uint64_t max_grid = static_cast<uint64_t>(std::max(1, sms_)) * 8;
-    const unsigned grid = static_cast<unsigned>(std::min(chunks, max_grid));
+    const unsigned grid = static_cast<unsigned>(std::min(chunks, max_grid_));
     DriftReduceKernel<<<grid, kThreads, 0, stream_>>>(
         d_tasks_, static_cast<uint32_t>(host_tasks_.size()), chunks, d_sums_);
     e = cudaGetLastError();
@@ -292,6 +297,7 @@ class CudaKernel final : public DriftKernel {
 
   int device_ = 0;
   int sms_ = 1;
+  uint64_t max_grid_ = 1;  // resident blocks on the whole device
   cudaStream_t stream_ = nullptr;
   DevTask* d_tasks_ = nullptr;
   size_t task_cap_ = 0;

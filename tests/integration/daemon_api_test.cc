@@ -6,11 +6,15 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "ckpt/client.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "daemon/policy/layercheck.h"
 #include "tests/integration/daemon_process.h"
 
 namespace ckpt {
@@ -300,6 +304,124 @@ TEST_F(DaemonApiTest, SigtermStopsCleanly) {
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_GE(restored->plan().target_step(), 1u);
   EXPECT_TRUE(restored->plan().complete());
+}
+
+// ---- LayerCheck through the daemon ----
+
+TEST_F(DaemonApiTest, LayerCheckRegistrationNeedsAnOptimizerAndItsState) {
+  StartDaemon();
+  TestRank r = MakeRank(daemon_->socket(), "lc-bad", 2, 256, v1::POLICY_LAYERCHECK);
+  absl::Status s = r.client->Register(r.spec);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  r.spec.policy.set_optimizer(v1::OPTIMIZER_ADAMW);  // but no exp_avg / exp_avg_sq tensors
+  s = r.client->Register(r.spec);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("layer0.w"), absl::string_view::npos) << s;
+  r.spec.policy.set_optimizer(v1::OPTIMIZER_CLIENT);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  // Client mode needs one drift entry per layer.
+  Client::StepInfo info;
+  info.step = 1;
+  info.client_drift = {LayerSums{1, 1}};
+  EXPECT_TRUE(absl::IsInvalidArgument(r.client->StepDone(info)));
+  ExpectAlive();
+}
+
+// Two ranks whose local drift differs decide the same layers at every step,
+// because each hands the daemon the all-reduced vector.
+TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
+  StartDaemon();
+  constexpr int kLayers = 4;
+  constexpr uint64_t kSteps = 40;
+  TestRank ranks[2] = {MakeRank(daemon_->socket(), "mr", kLayers, 256, v1::POLICY_LAYERCHECK),
+                       MakeRank(daemon_->socket(), "mr", kLayers, 256, v1::POLICY_LAYERCHECK)};
+  for (uint32_t i = 0; i < 2; ++i) {
+    ranks[i].spec.rank = i;
+    ranks[i].spec.world_size = 2;
+    ranks[i].spec.policy.set_optimizer(v1::OPTIMIZER_CLIENT);
+    ranks[i].spec.policy.mutable_layercheck()->set_warmup(0);
+    ranks[i].spec.policy.mutable_layercheck()->set_s_max(10);
+    ASSERT_TRUE(ranks[i].client->Register(ranks[i].spec).ok());
+  }
+  // In-process all-reduce: both ranks add their vectors, then both read the sum.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<double> sum;
+  int arrived = 0, generation = 0;
+  auto allreduce = [&](std::vector<double>* v) {
+    std::unique_lock<std::mutex> lock(mu);
+    const int gen = generation;
+    if (arrived == 0) sum.assign(v->size(), 0.0);
+    for (size_t i = 0; i < v->size(); ++i) sum[i] += (*v)[i];
+    if (++arrived == 2) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return generation != gen; });
+    }
+    *v = sum;
+    return absl::OkStatus();
+  };
+  std::vector<std::vector<uint32_t>> chosen[2];
+  auto run = [&](int i) {
+    for (uint64_t t = 1; t <= kSteps; ++t) {
+      Client::StepInfo info;
+      info.step = t;
+      info.lr = 1e-3;
+      for (int l = 0; l < kLayers; ++l) {
+        // Rank 0 sees layer 1 move, rank 1 sees layer 2 move; alone neither
+        // crosses K0 = 1e-3 every step, together (dw2 adds up) they do.
+        const double d = (l == 1 + i) ? 8e-4 : 1e-5;
+        info.client_drift.push_back(LayerSums{d * d, 0.5});
+      }
+      ASSERT_TRUE(ranks[i].client->StepDone(info).ok());
+      ASSERT_TRUE(ranks[i].client->ExchangeDrift(t, allreduce).ok());
+      absl::StatusOr<SnapshotInfo> snap = ranks[i].client->WaitSnapshot(t);
+      ASSERT_TRUE(snap.ok()) << snap.status();
+      chosen[i].push_back(snap->layers);
+    }
+  };
+  std::thread a(run, 0), b(run, 1);
+  a.join();
+  b.join();
+  ASSERT_EQ(chosen[0].size(), kSteps);
+  EXPECT_EQ(chosen[0], chosen[1]);
+  // The daemon's decisions are the policy's pure function of the global
+  // vector, and differ from what rank 0's local vector alone would give.
+  LayerCheckConfig config;
+  config.warmup = 0;
+  config.s_max = 10;
+  std::vector<v1::LayerKind> kinds(kLayers, v1::LAYER_BLOCK);
+  LayerCheckPolicy global(config, kinds), local(config, kinds);
+  bool differs = false;
+  for (uint64_t t = 1; t <= kSteps; ++t) {
+    std::vector<drift::LayerSums> g(kLayers), l0(kLayers);
+    for (int l = 0; l < kLayers; ++l) {
+      for (int i = 0; i < 2; ++i) {
+        const double d = (l == 1 + i) ? 8e-4 : 1e-5;
+        g[l].dw2 += d * d;
+        g[l].w2 += 0.5;
+        if (i == 0) l0[l] = drift::LayerSums{d * d, 0.5};
+      }
+    }
+    std::vector<uint32_t> want, want_local;
+    std::vector<LayerDecision> dg = global.Decide(t, 1e-3, g, {});
+    std::vector<LayerDecision> dl = local.Decide(t, 1e-3, l0, {});
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      if (dg[l].reason != PersistReason::kNone) want.push_back(l);
+      if (dl[l].reason != PersistReason::kNone) want_local.push_back(l);
+    }
+    EXPECT_EQ(chosen[0][t - 1], want) << "step " << t;
+    differs |= want != want_local;
+  }
+  EXPECT_TRUE(differs) << "the test's drift should make local and global decisions differ";
+
+  // SetGlobalDrift out of turn is refused.
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      ranks[0].client->SetGlobalDrift(kSteps, std::vector<LayerSums>(kLayers))));
+  EXPECT_TRUE(absl::IsInvalidArgument(ranks[0].client->SetGlobalDrift(kSteps, {})));
+  ExpectAlive();
 }
 
 }  // namespace

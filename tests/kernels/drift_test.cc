@@ -2,6 +2,8 @@
 // threaded reference against the scalar f64 reference, the ΔW formulas
 // against a literal replay of the PyTorch update rules, and the element
 // conversions.
+#include "kernels/drift.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/drift.h"
 #include "tests/kernels/drift_test_util.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -43,8 +44,11 @@ uint32_t F32ToBits(float f) {
 // ---- ComputeDriftCpu vs ComputeDriftScalar ----
 
 // Both accumulate in f64 from the same f32-converted inputs; only the order
-// of the additions differs. Measured max relative error over all layers
-// (sizes 1..1048577, all dtypes/optimizers, 1 and 2 threads): 1.6e-15 for dw2, 1.4e-15 for w2.
+// of the additions differs. Measured max relative difference (sizes 1 to
+// 1048577, all dtypes/optimizers, 7 layers, 1 and 2 threads): 4.9e-12 for dw2,
+// 1.6e-13 for w2. Against a long-double sum the blocked kernel is within
+// 1.4e-15 and the scalar reference (one accumulator over ~2M elements) within
+// 4.9e-12: the difference is the scalar reference's own rounding.
 TEST(DriftCpuTest, MatchesScalarReference) {
   const RandomSet set = MakeRandomSet(42, {1, 3, 4095, 4097, 1048577}, 7);
   std::vector<LayerSums> want(set.layers);
@@ -86,18 +90,29 @@ TEST(DriftCpuTest, EachCombinationMatchesScalar) {
   }
 }
 
-// The blocks are summed in a fixed order: the thread count does not change a bit.
-TEST(DriftCpuTest, DeterministicAcrossThreadCounts) {
+// Units are taken in a fixed round-robin order and the workers' sums added in
+// order: for a given thread count the result does not change a bit from run
+// to run; different thread counts agree to rounding.
+TEST(DriftCpuTest, DeterministicForAThreadCount) {
   const RandomSet set = MakeRandomSet(9, {1, 200001, 3 * 65536 + 5}, 3);
-  std::vector<LayerSums> one(set.layers), two(set.layers), three(set.layers);
+  for (int threads : {1, 2, 3}) {
+    std::vector<LayerSums> first(set.layers);
+    ComputeDriftCpu(set.tasks, &first, threads);
+    for (int rep = 0; rep < 3; ++rep) {
+      std::vector<LayerSums> again(set.layers);
+      ComputeDriftCpu(set.tasks, &again, threads);
+      for (uint32_t l = 0; l < set.layers; ++l) {
+        EXPECT_EQ(first[l].dw2, again[l].dw2) << "threads=" << threads << " layer=" << l;
+        EXPECT_EQ(first[l].w2, again[l].w2) << "threads=" << threads << " layer=" << l;
+      }
+    }
+  }
+  std::vector<LayerSums> one(set.layers), three(set.layers);
   ComputeDriftCpu(set.tasks, &one, 1);
-  ComputeDriftCpu(set.tasks, &two, 2);
   ComputeDriftCpu(set.tasks, &three, 3);
   for (uint32_t l = 0; l < set.layers; ++l) {
-    EXPECT_EQ(one[l].dw2, two[l].dw2);
-    EXPECT_EQ(one[l].w2, two[l].w2);
-    EXPECT_EQ(one[l].dw2, three[l].dw2);
-    EXPECT_EQ(one[l].w2, three[l].w2);
+    EXPECT_LE(RelErr(one[l].dw2, three[l].dw2), 1e-12);
+    EXPECT_LE(RelErr(one[l].w2, three[l].w2), 1e-12);
   }
 }
 
@@ -387,10 +402,10 @@ TEST(ConversionTest, F16KnownValues) {
   EXPECT_EQ(F16ToF32(0x8001), -tiny);
   EXPECT_EQ(F16ToF32(0x03ff), std::ldexp(1023.0f, -24));  // largest subnormal
   EXPECT_EQ(F16ToF32(0x0400), std::ldexp(1.0f, -14));     // smallest normal
-  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);      // tie between 0 and tiny: 0
-  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -25)), 0x0001);      // above the tie
-  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -24)), 0x0002);      // tie between 1 and 2: 2
-  EXPECT_EQ(F32ToF16(std::ldexp(2.5f, -24)), 0x0002);      // tie between 2 and 3: 2
+  EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -25)), 0x0000);     // tie between 0 and tiny: 0
+  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -25)), 0x0001);     // above the tie
+  EXPECT_EQ(F32ToF16(std::ldexp(1.5f, -24)), 0x0002);     // tie between 1 and 2: 2
+  EXPECT_EQ(F32ToF16(std::ldexp(2.5f, -24)), 0x0002);     // tie between 2 and 3: 2
   EXPECT_EQ(F32ToF16(std::ldexp(1.0f, -30)), 0x0000);
   const float inf = std::numeric_limits<float>::infinity();
   EXPECT_EQ(F32ToF16(inf), 0x7c00);

@@ -110,8 +110,7 @@ struct RandomSet {
   uint32_t layers = 0;
 };
 
-inline RandomSet MakeRandomSet(uint64_t seed, const std::vector<uint64_t>& sizes,
-                               uint32_t layers) {
+inline RandomSet MakeRandomSet(uint64_t seed, const std::vector<uint64_t>& sizes, uint32_t layers) {
   constexpr DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
   constexpr Optimizer kOpts[] = {Optimizer::kAdamW, Optimizer::kAdam, Optimizer::kSgd,
                                  Optimizer::kNone};

@@ -1,0 +1,191 @@
+// Property tests of the LayerCheck policy over random drift sequences.
+#include "daemon/policy/layercheck.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+namespace ckpt {
+namespace {
+
+struct Trace {
+  std::vector<double> lr;                        // per step (index = step - 1)
+  std::vector<std::vector<drift::LayerSums>> sums;
+};
+
+// Random per-layer drift: each layer has its own scale, some steps spike, some
+// layers are nearly frozen; the LR follows a warm-up + decay schedule.
+Trace RandomTrace(uint64_t seed, size_t layers, uint64_t steps) {
+  std::mt19937_64 rng(seed);
+  std::lognormal_distribution<double> scale(std::log(3e-4), 1.5);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<double> layer_scale(layers);
+  for (double& s : layer_scale) s = scale(rng);
+  Trace t;
+  for (uint64_t s = 1; s <= steps; ++s) {
+    const double lr = 1e-3 * std::min(1.0, s / 50.0) * (1.0 - 0.9 * s / static_cast<double>(steps));
+    t.lr.push_back(lr);
+    std::vector<drift::LayerSums> v(layers);
+    for (size_t l = 0; l < layers; ++l) {
+      double d = layer_scale[l] * (u(rng) < 0.02 ? 20.0 : u(rng));
+      const double w2 = 1.0 + 100.0 * u(rng);
+      v[l] = drift::LayerSums{d * d * w2, w2};
+    }
+    t.sums.push_back(std::move(v));
+  }
+  return t;
+}
+
+std::vector<v1::LayerKind> Kinds(size_t n) {
+  std::vector<v1::LayerKind> k(n, v1::LAYER_BLOCK);
+  k[0] = v1::LAYER_EMBEDDING;
+  k[n - 1] = v1::LAYER_HEAD;
+  return k;
+}
+
+class LayerCheckProperties : public ::testing::TestWithParam<uint64_t> {};
+
+// After the base checkpoint, no layer's newest selected version is S_max or
+// more steps old; a layer is persisted at t iff its rule holds; D resets.
+TEST_P(LayerCheckProperties, RulesHoldAtEveryStep) {
+  const uint64_t seed = GetParam();
+  std::mt19937_64 rng(seed);
+  LayerCheckConfig c;
+  c.s_max = 5 + rng() % 60;
+  c.warmup = rng() % 40;
+  c.warmup_interval = 1 + rng() % 15;
+  c.k0 = std::pow(10.0, -4.0 + (rng() % 300) / 100.0);
+  c.full_every = rng() % 3 == 0 ? 25 + rng() % 50 : 0;
+  const size_t layers = 3 + rng() % 10;
+  const uint64_t steps = 400;
+  Trace t = RandomTrace(seed, layers, steps);
+  LayerCheckPolicy p(c, Kinds(layers));
+
+  std::vector<uint64_t> last(layers, 0);
+  std::vector<double> acc(layers, 0.0);
+  double lr0 = t.lr[0];
+  for (uint64_t s = 1; s <= steps; ++s) {
+    std::vector<LayerDecision> dec = p.Decide(s, t.lr[s - 1], t.sums[s - 1], {});
+    ASSERT_EQ(dec.size(), layers);
+    const bool in_warmup = s <= c.warmup;
+    const bool warm_full = in_warmup && (s == 1 || s % c.warmup_interval == 0 || s == c.warmup);
+    const bool full = !in_warmup && c.full_every > 0 && (s - c.warmup) % c.full_every == 0;
+    for (size_t l = 0; l < layers; ++l) {
+      const double d = drift::NormalizedDrift(t.sums[s - 1][l]);
+      acc[l] += d;
+      const double k0 = l == 0 ? c.k0_embedding : c.k0;
+      const double k = std::max(k0 * t.lr[s - 1] / lr0, c.k_floor);
+      EXPECT_NEAR(dec[l].threshold, k, 1e-15 + 1e-12 * k);
+      EXPECT_NEAR(dec[l].accumulated, acc[l], 1e-12);
+      bool expect;
+      if (last[l] == 0) {
+        expect = true;
+      } else if (in_warmup) {
+        expect = warm_full;
+      } else {
+        expect = full || s - last[l] >= c.s_max || acc[l] >= k;
+      }
+      const bool persisted = dec[l].reason != PersistReason::kNone;
+      ASSERT_EQ(persisted, expect) << "seed " << seed << " step " << s << " layer " << l
+                                   << " reason " << PersistReasonName(dec[l].reason);
+      if (persisted) {
+        last[l] = s;
+        acc[l] = 0;
+      }
+      EXPECT_EQ(p.last_persisted(l), last[l]);
+      // The staleness invariant, from the base checkpoint on.
+      if (s >= std::max<uint64_t>(c.warmup, 1)) {
+        ASSERT_LT(s - p.last_persisted(l), c.s_max) << "seed " << seed << " step " << s;
+      }
+    }
+    if (s == c.warmup || s == 1) {  // the base checkpoint / the first step: everything
+      for (size_t l = 0; l < layers; ++l) ASSERT_EQ(p.last_persisted(l), s);
+    }
+  }
+}
+
+// Two engines fed the same vectors decide the same, whatever else happens.
+TEST_P(LayerCheckProperties, IdenticalInputsGiveIdenticalDecisions) {
+  const uint64_t seed = GetParam();
+  LayerCheckConfig c;
+  c.warmup = 20;
+  c.warmup_interval = 7;
+  c.s_max = 30;
+  Trace t = RandomTrace(seed * 7 + 1, 9, 300);
+  LayerCheckPolicy a(c, Kinds(9)), b(c, Kinds(9));
+  for (uint64_t s = 1; s <= 300; ++s) {
+    std::vector<LayerDecision> da = a.Decide(s, t.lr[s - 1], t.sums[s - 1], {});
+    std::vector<LayerDecision> db = b.Decide(s, t.lr[s - 1], t.sums[s - 1], {});
+    for (size_t l = 0; l < 9; ++l) {
+      ASSERT_EQ(da[l].reason, db[l].reason);
+      ASSERT_EQ(da[l].accumulated, db[l].accumulated);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, LayerCheckProperties, ::testing::Range<uint64_t>(1, 41));
+
+TEST(LayerCheck, WarmupPersistsEverythingOnScheduleAndTakesABase) {
+  LayerCheckConfig c;
+  c.warmup = 10;
+  c.warmup_interval = 4;
+  LayerCheckPolicy p(c, Kinds(3));
+  std::vector<drift::LayerSums> zero(3);
+  std::vector<uint64_t> full_steps;
+  for (uint64_t s = 1; s <= 30; ++s) {
+    std::vector<LayerDecision> d = p.Decide(s, 1e-3, zero, {});
+    int n = 0;
+    for (const LayerDecision& x : d) n += x.reason != PersistReason::kNone;
+    if (n == 3) full_steps.push_back(s);
+    else EXPECT_EQ(n, 0) << "step " << s;
+  }
+  EXPECT_EQ(full_steps, (std::vector<uint64_t>{1, 4, 8, 10}));  // zero drift: nothing after
+}
+
+TEST(LayerCheck, ForcedLayersAndEmbeddingThreshold) {
+  LayerCheckConfig c;
+  c.warmup = 0;
+  LayerCheckPolicy p(c, Kinds(3));
+  std::vector<drift::LayerSums> d(3, drift::LayerSums{(2e-3) * (2e-3), 1.0});  // d = 2e-3
+  p.Decide(1, 1e-3, d, {});  // first step: all (never persisted)
+  std::vector<LayerDecision> dec = p.Decide(2, 1e-3, d, {});
+  EXPECT_EQ(dec[0].reason, PersistReason::kNone);   // embedding: K0 = 1e-2
+  EXPECT_EQ(dec[1].reason, PersistReason::kDrift);  // block: K0 = 1e-3
+  std::vector<bool> forced = {true, false, false};
+  std::vector<drift::LayerSums> zero(3);
+  dec = p.Decide(3, 1e-3, zero, forced);
+  EXPECT_EQ(dec[0].reason, PersistReason::kForced);
+  EXPECT_EQ(dec[1].reason, PersistReason::kNone);
+}
+
+TEST(LayerCheck, LowerLearningRateLowersTheThresholdDownToTheFloor) {
+  LayerCheckConfig c;
+  c.warmup = 0;
+  LayerCheckPolicy p(c, Kinds(2));
+  std::vector<drift::LayerSums> zero(2);
+  p.Decide(1, 1e-3, zero, {});
+  EXPECT_DOUBLE_EQ(p.Decide(2, 5e-4, zero, {})[1].threshold, 5e-4);
+  EXPECT_DOUBLE_EQ(p.Decide(3, 1e-9, zero, {})[1].threshold, c.k_floor);
+}
+
+TEST(LayerCheck, ConfigValidation) {
+  LayerCheckConfig c;
+  EXPECT_TRUE(c.Validate().ok());
+  c.s_max = 0;
+  EXPECT_FALSE(c.Validate().ok());
+  c = LayerCheckConfig();
+  c.k0 = -1;
+  EXPECT_FALSE(c.Validate().ok());
+  v1::LayerCheckSpec spec;
+  spec.set_warmup(0);
+  spec.set_k0(5e-4);
+  LayerCheckConfig from = LayerCheckFromProto(spec);
+  EXPECT_EQ(from.warmup, 0u);  // explicitly 0, not the default
+  EXPECT_EQ(from.k0, 5e-4);
+  EXPECT_EQ(from.s_max, 200u);
+  EXPECT_EQ(LayerCheckFromProto(v1::LayerCheckSpec()).warmup, 200u);
+}
+
+}  // namespace
+}  // namespace ckpt
