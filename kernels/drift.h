@@ -63,8 +63,10 @@ double NormalizedDrift(const LayerSums& s);
 // The reference: `threads` workers split every tensor into 64K-element units
 // taken in a fixed round-robin order; each accumulates per layer in f64 and
 // the workers' sums are added in order, so the result depends only on the
-// inputs and `threads`. Extra memory: O(threads x layers). `out` must have one
-// entry per layer referenced by `tasks`; it is overwritten.
+// inputs and `threads`. Extra memory: O(threads x layers). `out` has one entry
+// per layer and is overwritten; tasks whose layer is >= out->size() are ignored.
+// On x86-64 with AVX2 the inner loops run 4 f64 lanes wide (bit-identical to
+// the portable path).
 void ComputeDriftCpu(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out,
                      int threads);
 

@@ -1,4 +1,6 @@
 // CPU reference implementation of the drift kernels (drift.h).
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -53,65 +55,148 @@ Coeffs MakeCoeffs(const TensorTask& t) {
   return c;
 }
 
-// The hot loops, one per optimizer, compiled for AVX2 and a baseline.
-__attribute__((target_clones("avx2", "default"))) void AdamBlock(
-    const float* w, const float* m, const float* v, uint64_t n, const Coeffs& c, bool decoupled,
-    double* dw2, double* w2) {
-  double a = 0, b = 0;
-  for (uint64_t k = 0; k < n; ++k) {
-    const double wk = w[k];
-    const double u = (m[k] * c.inv_bc1) / (std::sqrt(v[k] * c.inv_bc2) + c.eps);
-    const double d = decoupled ? c.adamw_scale * (c.wd * wk + u) : -c.lr * u;
-    a += d * d;
-    b += wk * wk;
+// The hot loops. Each keeps four f64 lane accumulators (element k goes to
+// lane k % 4; lanes are added as (0+1)+(2+3)), so the AVX2 version and the
+// portable one give bit-identical sums: sqrt and division are exact IEEE
+// operations and the file is compiled without FMA contraction.
+struct Lanes {
+  double d[4] = {0, 0, 0, 0};
+  double w[4] = {0, 0, 0, 0};
+  void AddTo(double* dw2, double* w2) const {
+    *dw2 += (d[0] + d[1]) + (d[2] + d[3]);
+    *w2 += (w[0] + w[1]) + (w[2] + w[3]);
   }
-  *dw2 += a;
-  *w2 += b;
+};
+
+// d = scale * (wd * w + u) covers both Adam (wd = 0, scale = -lr) and AdamW.
+inline double AdamDelta(double w, double m, double v, const Coeffs& c, double scale, double wd) {
+  const double u = (m * c.inv_bc1) / (std::sqrt(v * c.inv_bc2) + c.eps);
+  return scale * (wd * w + u);
 }
 
-__attribute__((target_clones("avx2", "default"))) void SgdBlock(const float* w, const float* buf,
-                                                                uint64_t n, double lr, double* dw2,
-                                                                double* w2) {
-  double a = 0, b = 0;
-  for (uint64_t k = 0; k < n; ++k) {
+void AdamTail(const float* w, const float* m, const float* v, uint64_t k, uint64_t n,
+              const Coeffs& c, double scale, double wd, Lanes* l) {
+  for (; k < n; ++k) {
+    const double wk = w[k];
+    const double d = AdamDelta(wk, m[k], v[k], c, scale, wd);
+    l->d[k % 4] += d * d;
+    l->w[k % 4] += wk * wk;
+  }
+}
+
+__attribute__((target("avx2"))) void AdamBlockAvx2(const float* w, const float* m, const float* v,
+                                                   uint64_t n, const Coeffs& c, double scale,
+                                                   double wd, Lanes* l) {
+  __m256d acc_d = _mm256_loadu_pd(l->d), acc_w = _mm256_loadu_pd(l->w);
+  const __m256d ibc1 = _mm256_set1_pd(c.inv_bc1), ibc2 = _mm256_set1_pd(c.inv_bc2);
+  const __m256d eps = _mm256_set1_pd(c.eps), vs = _mm256_set1_pd(scale), vwd = _mm256_set1_pd(wd);
+  uint64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d wk = _mm256_cvtps_pd(_mm_loadu_ps(w + k));
+    const __m256d mk = _mm256_cvtps_pd(_mm_loadu_ps(m + k));
+    const __m256d vk = _mm256_cvtps_pd(_mm_loadu_ps(v + k));
+    const __m256d u = _mm256_div_pd(_mm256_mul_pd(mk, ibc1),
+                                    _mm256_add_pd(_mm256_sqrt_pd(_mm256_mul_pd(vk, ibc2)), eps));
+    const __m256d d = _mm256_mul_pd(vs, _mm256_add_pd(_mm256_mul_pd(vwd, wk), u));
+    acc_d = _mm256_add_pd(acc_d, _mm256_mul_pd(d, d));
+    acc_w = _mm256_add_pd(acc_w, _mm256_mul_pd(wk, wk));
+  }
+  _mm256_storeu_pd(l->d, acc_d);
+  _mm256_storeu_pd(l->w, acc_w);
+  AdamTail(w, m, v, k, n, c, scale, wd, l);
+}
+
+void AdamBlockPortable(const float* w, const float* m, const float* v, uint64_t n, const Coeffs& c,
+                       double scale, double wd, Lanes* l) {
+  AdamTail(w, m, v, 0, n, c, scale, wd, l);
+}
+
+void SgdTail(const float* w, const float* buf, uint64_t k, uint64_t n, double lr, Lanes* l) {
+  for (; k < n; ++k) {
     const double wk = w[k];
     const double d = -lr * buf[k];
-    a += d * d;
-    b += wk * wk;
+    l->d[k % 4] += d * d;
+    l->w[k % 4] += wk * wk;
   }
-  *dw2 += a;
-  *w2 += b;
 }
 
-__attribute__((target_clones("avx2", "default"))) void NormBlock(const float* w, uint64_t n,
-                                                                 double* w2) {
-  double b = 0;
-  for (uint64_t k = 0; k < n; ++k) b += static_cast<double>(w[k]) * w[k];
-  *w2 += b;
+__attribute__((target("avx2"))) void SgdBlockAvx2(const float* w, const float* buf, uint64_t n,
+                                                  double lr, Lanes* l) {
+  __m256d acc_d = _mm256_loadu_pd(l->d), acc_w = _mm256_loadu_pd(l->w);
+  const __m256d nlr = _mm256_set1_pd(-lr);
+  uint64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d wk = _mm256_cvtps_pd(_mm_loadu_ps(w + k));
+    const __m256d d = _mm256_mul_pd(nlr, _mm256_cvtps_pd(_mm_loadu_ps(buf + k)));
+    acc_d = _mm256_add_pd(acc_d, _mm256_mul_pd(d, d));
+    acc_w = _mm256_add_pd(acc_w, _mm256_mul_pd(wk, wk));
+  }
+  _mm256_storeu_pd(l->d, acc_d);
+  _mm256_storeu_pd(l->w, acc_w);
+  SgdTail(w, buf, k, n, lr, l);
 }
 
-// Sums over elements [begin, end) of one tensor.
+void NormTail(const float* w, uint64_t k, uint64_t n, Lanes* l) {
+  for (; k < n; ++k) l->w[k % 4] += static_cast<double>(w[k]) * w[k];
+}
+
+__attribute__((target("avx2"))) void NormBlockAvx2(const float* w, uint64_t n, Lanes* l) {
+  __m256d acc_w = _mm256_loadu_pd(l->w);
+  uint64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const __m256d wk = _mm256_cvtps_pd(_mm_loadu_ps(w + k));
+    acc_w = _mm256_add_pd(acc_w, _mm256_mul_pd(wk, wk));
+  }
+  _mm256_storeu_pd(l->w, acc_w);
+  NormTail(w, k, n, l);
+}
+
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+
+// Sums over elements [begin, end) of one tensor. Blocks are multiples of 4
+// elements long, so each element's lane is the same whatever the blocking.
 LayerSums ReduceRange(const TensorTask& t, uint64_t begin, uint64_t end) {
-  LayerSums s;
   const Coeffs c = MakeCoeffs(t);
+  const bool adamw = t.optimizer == Optimizer::kAdamW;
+  const double scale = adamw ? c.adamw_scale : -c.lr;
+  const double wd = adamw ? c.wd : 0.0;
+  Lanes lanes;
   float sw[kBlock], sm[kBlock], sv[kBlock];
   for (uint64_t i = begin; i < end; i += kBlock) {
     const uint64_t n = std::min(kBlock, end - i);
     const float* w = LoadBlock(t.w, t.w_dtype, i, n, sw);
     switch (t.optimizer) {
       case Optimizer::kAdamW:
-      case Optimizer::kAdam:
-        AdamBlock(w, LoadBlock(t.m, t.m_dtype, i, n, sm), LoadBlock(t.v, t.v_dtype, i, n, sv), n,
-                  c, t.optimizer == Optimizer::kAdamW, &s.dw2, &s.w2);
+      case Optimizer::kAdam: {
+        const float* m = LoadBlock(t.m, t.m_dtype, i, n, sm);
+        const float* v = LoadBlock(t.v, t.v_dtype, i, n, sv);
+        if (kHaveAvx2) {
+          AdamBlockAvx2(w, m, v, n, c, scale, wd, &lanes);
+        } else {
+          AdamBlockPortable(w, m, v, n, c, scale, wd, &lanes);
+        }
         break;
-      case Optimizer::kSgd:
-        SgdBlock(w, LoadBlock(t.m, t.m_dtype, i, n, sm), n, t.lr, &s.dw2, &s.w2);
+      }
+      case Optimizer::kSgd: {
+        const float* buf = LoadBlock(t.m, t.m_dtype, i, n, sm);
+        if (kHaveAvx2) {
+          SgdBlockAvx2(w, buf, n, t.lr, &lanes);
+        } else {
+          SgdTail(w, buf, 0, n, t.lr, &lanes);
+        }
         break;
+      }
       case Optimizer::kNone:
-        NormBlock(w, n, &s.w2);
+        if (kHaveAvx2) {
+          NormBlockAvx2(w, n, &lanes);
+        } else {
+          NormTail(w, 0, n, &lanes);
+        }
         break;
     }
   }
+  LayerSums s;
+  lanes.AddTo(&s.dw2, &s.w2);
   return s;
 }
 
@@ -189,6 +274,7 @@ uint16_t F32ToF16(float f) {
 void ComputeDriftScalar(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out) {
   for (LayerSums& s : *out) s = LayerSums();
   for (const TensorTask& t : tasks) {
+    if (t.layer >= out->size()) continue;
     const Coeffs c = MakeCoeffs(t);
     LayerSums& s = (*out)[t.layer];
     for (uint64_t i = 0; i < t.n; ++i) {
@@ -231,6 +317,7 @@ void ComputeDriftCpu(const std::vector<TensorTask>& tasks, std::vector<LayerSums
     std::vector<LayerSums>& acc = per_worker[worker];
     for (size_t u = worker; u < units.size(); u += n) {
       const TensorTask& t = tasks[units[u].task];
+      if (t.layer >= layers) continue;  // outside `out`: ignored (documented)
       LayerSums s = ReduceRange(t, units[u].begin, units[u].end);
       acc[t.layer].dw2 += s.dw2;
       acc[t.layer].w2 += s.w2;
