@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/kill_point.h"
 #include "daemon/common/logging.h"
+#include "daemon/common/systemd_notify.h"
 #include "daemon/config/config.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/cuda_host.h"
@@ -134,6 +135,10 @@ int main(int argc, char** argv) {
   eo.drain_timeout = absl::Milliseconds(config.drain_timeout_ms);
   eo.max_aux_bytes = config.max_aux_bytes;
   eo.drift_threads = static_cast<int>(config.drift_threads);
+  eo.retention.keep_last_events = config.keep_last_events;
+  eo.retention.keep_every_steps = config.keep_every_steps;
+  eo.retention.keep_hours = config.keep_hours;
+  eo.gc_interval = absl::Seconds(config.gc_interval_s);
   Engine engine(eo, index->get(), &store, pool->get());
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
@@ -157,13 +162,23 @@ int main(int argc, char** argv) {
   RpcServerOptions ro;
   ro.socket_path = config.socket;
   ro.max_message_bytes = static_cast<int>(config.max_message_bytes);
+  ro.config_text = DumpConfig(config);
   RpcServer rpc(ro, &engine, &handover);
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
   CKPT_LOG(INFO) << "ckptd ready on " << config.socket << " (handover " << ho.socket_path << ")";
+  NotifyReady("serving on " + config.socket);
+  // Under systemd's WatchdogSec=: the probe takes the engine's lock and reads
+  // the index, so a wedged engine stops the pings and systemd restarts ckptd.
+  WatchdogPinger watchdog(WatchdogInterval(), [&engine] {
+    engine.GetStatus();
+    return true;
+  });
 
   int sig = 0;
   sigwait(&sigs, &sig);
   CKPT_LOG(INFO) << "signal " << sig << ": shutting down";
+  NotifyStopping();
+  watchdog.Stop();  // systemd disarms the watchdog once the unit is stopping
   const absl::Duration grace = absl::Milliseconds(config.shutdown_grace_ms);
   // The engine first: it refuses new steps, wakes every waiter and lets the
   // writers finish staged versions; then the RPC server can stop quickly.

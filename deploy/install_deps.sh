@@ -7,7 +7,10 @@ PACKAGES=(
   build-essential cmake ninja-build pkgconf ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   liburing-dev librocksdb-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev nlohmann-json3-dev python3 fio
+  libxxhash-dev nlohmann-json3-dev libsystemd-dev python3 fio
+  # tests: PyTorch generates the optimizer golden data (OpenBLAS keeps it fast),
+  # promtool checks metrics and alert rules, systemd-analyze lints the unit
+  python3-torch python3-numpy libopenblas0-openmp prometheus systemd
 )
 
 missing=()

@@ -6,6 +6,7 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ckpt-ccache}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 "$top/deploy/install_deps.sh"
 
 echo "== build (CUDA auto-detected)"

@@ -4,6 +4,8 @@
 // Run `ckptctl --help` for commands, flags and exit codes.
 #include <grpcpp/grpcpp.h>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,10 +22,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "nlohmann/json.hpp"
+#include "tools/export_writer.h"
 
 namespace {
 
@@ -60,6 +64,19 @@ Commands:
                           the composite restore plan at step N (0 or absent =
                           latest durable step): which version of each layer
                           would be restored and how stale it is
+  gc JOB [--dry-run]      apply the retention policy to the job: delete the
+                          versions and events no retained target needs (a
+                          layer's newest version and everything the newest
+                          plans use are always kept); --dry-run only reports
+  export JOB --out=DIR [--step=N] [--rank=R]
+                          write the composite checkpoint of every rank (or one)
+                          as DIR/rank-NNNNN.safetensors plus DIR/manifest.json
+                          with each rank's plan; readable without ckptd
+  restore JOB --out=DIR [--rank=R] [--step=N]
+                          the same for one rank (default 0): for restoring a
+                          rank that is not running (a running rank restores
+                          through its client into its own buffers)
+  config                  the daemon's effective configuration
   verify JOB [--rank=R]   re-read every committed version of the job (or of
                           one rank) and check every checksum; lists failures
                           and exits 4 when any version does not verify
@@ -78,7 +95,9 @@ Command flags (decimal integers):
   --rank=R                rank of the job (default 0)
   --layer=L               layer id (history only)
   --limit=N               most events to print (history only; default 0 = all)
-  --step=N                target step (plan only; default 0 = latest)
+  --step=N                target step (plan, export, restore; default 0 = latest)
+  --out=DIR               output directory (export, restore; created if missing)
+  --dry-run               report only (gc)
 
 Exit codes:
   0  success
@@ -102,6 +121,8 @@ struct Options {
   std::optional<int64_t> layer;
   std::optional<uint32_t> limit;
   std::optional<uint64_t> step;
+  std::string out;
+  bool dry_run = false;
 };
 
 // Prints a usage error and returns kExitUsage.
@@ -169,6 +190,10 @@ int ParseArgs(int argc, char** argv, Options* o) {
       continue;
     }
     if (absl::StartsWith(arg, "--json=")) return UsageError("--json takes no value");
+    if (arg == "--dry-run") {
+      o->dry_run = true;
+      continue;
+    }
     if (!absl::StartsWith(arg, "--")) return UsageError(absl::StrCat("unknown flag '", arg, "'"));
     std::string name, value;
     size_t eq = arg.find('=');
@@ -178,7 +203,7 @@ int ParseArgs(int argc, char** argv, Options* o) {
     } else {
       name = std::string(arg);
       if (name != "--socket" && name != "--timeout" && name != "--rank" && name != "--layer" &&
-          name != "--limit" && name != "--step") {
+          name != "--limit" && name != "--step" && name != "--out") {
         return UsageError(absl::StrCat("unknown flag '", name, "'"));
       }
       if (i + 1 >= argc) return UsageError(absl::StrCat(name, " needs a value"));
@@ -204,6 +229,9 @@ int ParseArgs(int argc, char** argv, Options* o) {
       uint32_t v;
       if (!ParseUnsigned<uint32_t>(value, UINT32_MAX, &v)) return bad("a count (0..4294967295)");
       o->limit = v;
+    } else if (name == "--out") {
+      if (value.empty()) return bad("a directory");
+      o->out = value;
     } else if (name == "--step") {
       uint64_t v;
       if (!ParseUnsigned<uint64_t>(value, UINT64_MAX, &v)) return bad("a step number");
@@ -230,6 +258,13 @@ int ValidateCommand(const Options& o) {
   } else if (c == "plan") {
     want_args = 1;
     rank_ok = step_ok = true;
+  } else if (c == "gc") {
+    want_args = 1;
+  } else if (c == "export" || c == "restore") {
+    want_args = 1;
+    rank_ok = step_ok = true;
+    if (o.out.empty()) return UsageError(absl::StrCat(c, ": --out=DIR is required"));
+  } else if (c == "config") {
   } else if (c == "verify") {
     want_args = 1;
     rank_ok = true;
@@ -413,6 +448,9 @@ class Ctl {
     if (c == "history") return History();
     if (c == "plan") return Plan();
     if (c == "verify") return Verify();
+    if (c == "gc") return Gc();
+    if (c == "export" || c == "restore") return Export(c == "restore");
+    if (c == "config") return Config();
     return UsageError(absl::StrCat("unknown command '", c, "'"));
   }
 
@@ -423,7 +461,11 @@ class Ctl {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::microseconds(static_cast<int64_t>(o_.timeout_seconds * 1e6)));
-    grpc::Status s = (stub_.get()->*fn)(&ctx, req, reply);
+    return Report((stub_.get()->*fn)(&ctx, req, reply));
+  }
+
+  // Prints a failed call's status; returns the exit code for it.
+  int Report(const grpc::Status& s) {
     if (s.ok()) return kExitOk;
     const bool unreachable =
         s.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -678,6 +720,123 @@ class Ctl {
              l.has_version() ? HumanBytes(l.bytes()) : "-"});
     }
     t.Print();
+    return kExitOk;
+  }
+
+  int Gc() {
+    v1::GcRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_dry_run(o_.dry_run);
+    v1::GcReply r;
+    if (int rc = Call(&v1::Admin::Stub::Gc, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      PrintJson(Json{{"dry_run", o_.dry_run},
+                     {"versions_deleted", r.versions_deleted()},
+                     {"bytes_deleted", r.bytes_deleted()},
+                     {"events_deleted", r.events_deleted()},
+                     {"versions_kept", r.versions_kept()},
+                     {"bytes_kept", r.bytes_kept()},
+                     {"retained_targets", r.retained_targets()},
+                     {"ranks_busy", r.ranks_busy()}});
+      return kExitOk;
+    }
+    const char* verb = o_.dry_run ? "would delete" : "deleted";
+    PrintKv({
+        {verb, absl::StrCat(r.versions_deleted(), " versions, ", BytesWithRaw(r.bytes_deleted()),
+                            ", ", r.events_deleted(), " events")},
+        {"kept", absl::StrCat(r.versions_kept(), " versions, ", BytesWithRaw(r.bytes_kept()))},
+        {"restorable steps", absl::StrCat(r.retained_targets())},
+        {"ranks busy (skipped)", absl::StrCat(r.ranks_busy())},
+    });
+    return kExitOk;
+  }
+
+  int Config() {
+    v1::ConfigReply r;
+    if (int rc = Call(&v1::Admin::Stub::Config, v1::ConfigRequest(), &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      Json j = Json::object();
+      for (absl::string_view line : absl::StrSplit(r.text(), '\n')) {
+        line = absl::StripAsciiWhitespace(line);
+        if (line.empty() || line[0] == '#') continue;
+        auto eq = line.find('=');
+        if (eq == absl::string_view::npos) continue;
+        j[std::string(absl::StripAsciiWhitespace(line.substr(0, eq)))] =
+            std::string(absl::StripAsciiWhitespace(line.substr(eq + 1)));
+      }
+      PrintJson(j);
+    } else {
+      std::fputs(r.text().c_str(), stdout);
+    }
+    return kExitOk;
+  }
+
+  // export: every rank of the job (or --rank); restore: one rank (default 0).
+  int Export(bool one_rank) {
+    const std::string& job = o_.positional[0];
+    std::vector<uint32_t> ranks;
+    if (one_rank || o_.rank.has_value()) {
+      ranks.push_back(o_.rank.value_or(0));
+    } else {
+      v1::JobsReply jobs;
+      if (int rc = Call(&v1::Admin::Stub::Jobs, v1::JobsRequest(), &jobs); rc != kExitOk) return rc;
+      for (const v1::JobInfo& j : jobs.jobs()) {
+        if (j.job_id() != job) continue;
+        for (const v1::RankInfo& ri : j.ranks()) ranks.push_back(ri.rank());
+      }
+      if (ranks.empty()) {
+        std::fprintf(stderr, "ckptctl: NOT_FOUND: job %s does not exist\n", job.c_str());
+        return kExitDaemonError;
+      }
+    }
+    if (std::system(absl::StrCat("mkdir -p '", o_.out, "'").c_str()) != 0) {
+      return UsageError(absl::StrCat("cannot create ", o_.out));
+    }
+    Json manifest{{"format", "ckptd-export-v1"}, {"job_id", job}, {"ranks", Json::array()}};
+    const bool bar = !o_.json && ::isatty(2);
+    for (uint32_t rank : ranks) {
+      v1::ExportRequest req;
+      req.set_job_id(job);
+      req.set_rank(rank);
+      req.set_target_step(o_.step.value_or(0));
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(
+                           std::max(o_.timeout_seconds, 3600.0) * 1e6)));
+      std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->Export(&ctx, req);
+      const std::string file = absl::StrFormat("rank-%05u.safetensors", rank);
+      auto progress = [&](uint64_t done, uint64_t total) {
+        if (!bar) return;
+        const int w = 40, filled = total ? static_cast<int>(w * done / total) : w;
+        std::fprintf(stderr, "\r%s [%s%s] %3d%%", file.c_str(), std::string(filled, '#').c_str(),
+                     std::string(w - filled, ' ').c_str(),
+                     total ? static_cast<int>(100 * done / total) : 100);
+      };
+      absl::StatusOr<Json> entry = ckpt::WriteSafetensors(
+          [&](v1::ExportChunk* c) { return reader->Read(c); }, o_.out + "/" + file, progress);
+      if (bar) std::fprintf(stderr, "\n");
+      grpc::Status s = reader->Finish();
+      if (!s.ok()) return Report(s);
+      if (!entry.ok()) {
+        std::fprintf(stderr, "ckptctl: %s\n", entry.status().ToString().c_str());
+        return kExitDaemonError;
+      }
+      (*entry)["file"] = file;
+      manifest["ranks"].push_back(*entry);
+      if (!o_.json) {
+        std::printf("rank %u: step %lu, %s -> %s/%s\n", rank,
+                    static_cast<unsigned long>((*entry)["target_step"].get<uint64_t>()),
+                    HumanBytes((*entry)["bytes"].get<uint64_t>()).c_str(), o_.out.c_str(),
+                    file.c_str());
+      }
+    }
+    const std::string mpath = o_.out + "/manifest.json";
+    FILE* f = std::fopen(mpath.c_str(), "w");
+    if (f == nullptr || std::fputs((manifest.dump(2) + "\n").c_str(), f) < 0 || std::fclose(f) != 0) {
+      std::fprintf(stderr, "ckptctl: cannot write %s\n", mpath.c_str());
+      return kExitDaemonError;
+    }
+    if (o_.json) PrintJson(manifest);
     return kExitOk;
   }
 

@@ -44,7 +44,7 @@ struct Args {
   uint64_t steps = 200;
   std::string policy = "all";
   bool restore = false;
-  std::string log, ack_log, verify_log;
+  std::string log, ack_log, verify_log, dump;
   uint64_t durable_every = 0;
   uint64_t compute_ms = 0;
   bool continue_unprotected = false;
@@ -93,6 +93,7 @@ bool ParseArgs(int argc, char** argv, Args* a) {
     else if (k == "--log") a->log = v;
     else if (k == "--ack-log") a->ack_log = v;
     else if (k == "--verify-log") a->verify_log = v;
+    else if (k == "--dump") a->dump = v;
     else if (k == "--durable-every") a->durable_every = std::stoull(v);
     else if (k == "--compute-ms") a->compute_ms = std::stoull(v);
     else if (k == "--on-daemon-loss") a->continue_unprotected = (v == "continue");
@@ -110,7 +111,7 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       std::fprintf(stderr,
                    "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
                    "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
-                   "  [--restore] [--verify-log=FILE] [--log=FILE] [--ack-log=FILE]\n"
+                   "  [--restore] [--verify-log=FILE] [--dump=FILE] [--log=FILE] [--ack-log=FILE]\n"
                    "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
                    "  [--reconnect-ms=MS] [--quiet] [--optimizer=none|adamw] [--lr=LR]\n"
                    "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] [--record-trace]\n");
@@ -293,6 +294,11 @@ int main(int argc, char** argv) {
       std::printf("verify: %d of %d layers match the bytes logged at their planned step\n",
                   plan.layers_size() - mismatches, plan.layers_size());
       if (mismatches > 0) return 3;
+    }
+    if (!a.dump.empty()) {  // the restored bytes, layer after layer
+      FILE* f = std::fopen(a.dump.c_str(), "wb");
+      for (uint32_t l = 0; f != nullptr && l < a.layers; ++l) std::fwrite(words[l], 1, bytes[l], f);
+      if (f == nullptr || std::fclose(f) != 0) return 1;
     }
     start_step = plan.target_step() + 1;
   }

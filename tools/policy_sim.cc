@@ -1,7 +1,7 @@
 // ckpt_policy_sim: replays a recorded LayerCheck drift trace under other
 // parameters, so K0 / S_max / warm-up can be tuned without re-training.
 //
-//   ckpt_policy_sim --trace=<data_dir>/jobs/<job>/rank-00000000/drift.jsonl \
+//   ckpt_policy_sim --trace=<data_dir>/jobs/<job>/rank-00000000/drift.jsonl
 //       [--k0=1e-4,1e-3,1e-2] [--s-max=100,200] [--warmup=200] [--warmup-interval=50]
 //       [--k0-embedding=X] [--full-every=N] [--json]
 //

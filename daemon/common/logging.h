@@ -29,12 +29,19 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Turns the stream expression into void so both arms of ?: match.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace ckpt
 
 #define CKPT_LOG_LEVEL_INFO ::ckpt::LogLevel::kInfo
 #define CKPT_LOG_LEVEL_WARNING ::ckpt::LogLevel::kWarning
 #define CKPT_LOG_LEVEL_ERROR ::ckpt::LogLevel::kError
-#define CKPT_LOG(level)                                        \
-  if (CKPT_LOG_LEVEL_##level < ::ckpt::MinLogLevel()) {        \
-  } else                                                       \
-    ::ckpt::LogMessage(CKPT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
+// An expression (not an if/else), so it is safe inside an unbraced if.
+#define CKPT_LOG(level)                                                  \
+  (CKPT_LOG_LEVEL_##level < ::ckpt::MinLogLevel())                       \
+      ? (void)0                                                          \
+      : ::ckpt::LogVoidify() &                                           \
+            ::ckpt::LogMessage(CKPT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()

@@ -51,8 +51,7 @@ void Notify(absl::string_view state) {
   static std::atomic<bool> logged{false};
   absl::Status s = SendServiceNotification(state);
   if (!s.ok() && !logged.exchange(true)) {
-    CKPT_LOG(WARNING) << "service manager notification failed (further failures not logged): "
-                      << s;
+    CKPT_LOG(WARNING) << "service manager notification failed (further failures not logged): " << s;
   }
 }
 
@@ -77,9 +76,7 @@ absl::Status SendServiceNotification(absl::string_view state) {
   return absl::OkStatus();
 }
 
-void NotifyReady(const std::string& status) {
-  Notify(absl::StrCat("READY=1\nSTATUS=", status));
-}
+void NotifyReady(const std::string& status) { Notify(absl::StrCat("READY=1\nSTATUS=", status)); }
 
 void NotifyStopping() { Notify("STOPPING=1\nSTATUS=shutting down"); }
 

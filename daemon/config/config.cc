@@ -94,6 +94,16 @@ const std::vector<Option>& Options() {
           &DaemonConfig::handover_token_ttl_s),
       Num("drift_threads", "CPU threads of the LayerCheck drift kernel per snapshot",
           &DaemonConfig::drift_threads),
+      Num("keep_last_events",
+          "retention: the composite plans of the newest N checkpoint events stay restorable",
+          &DaemonConfig::keep_last_events),
+      Num("keep_every_steps",
+          "retention: plans at steps that are multiples of M stay restorable (0 = off)",
+          &DaemonConfig::keep_every_steps),
+      Num("keep_hours", "retention: plans of events younger than T hours stay restorable (0 = off)",
+          &DaemonConfig::keep_hours),
+      Num("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc`)",
+          &DaemonConfig::gc_interval_s),
   };
   return *options;
 }

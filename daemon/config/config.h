@@ -33,6 +33,10 @@ struct DaemonConfig {
   uint32_t max_aux_bytes = 1 << 20;
   uint32_t handover_token_ttl_s = 120;
   uint32_t drift_threads = 2;
+  uint64_t keep_last_events = 50;
+  uint64_t keep_every_steps = 1000;
+  uint64_t keep_hours = 0;
+  uint32_t gc_interval_s = 300;
 
   absl::Status Validate() const;
   std::string HandoverSocketPath() const {

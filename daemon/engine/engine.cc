@@ -123,6 +123,7 @@ absl::Status Engine::Start() {
   for (unsigned i = 0; i < std::max(1u, options_.snapshot_threads); ++i) {
     snapshot_threads_.emplace_back([this] { SnapshotLoop(); });
   }
+  if (options_.gc_interval > absl::ZeroDuration()) gc_thread_ = std::thread([this] { GcLoop(); });
   return absl::OkStatus();
 }
 
@@ -134,6 +135,7 @@ void Engine::Shutdown(absl::Duration grace) {
   }
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
+  if (gc_thread_.joinable()) gc_thread_.join();
   {
     // Let the writers finish what is staged, within the grace period.
     absl::MutexLock lock(&mu_);
@@ -910,7 +912,14 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     }
     r->restoring = true;
   }
+  const RankKey key(r->job, r->rank);
+  if (absl::Status s = AcquireLease(key, absl::Now() + absl::Seconds(30)); !s.ok()) {
+    absl::MutexLock lock(&mu_);
+    r->restoring = false;
+    return s;
+  }
   auto done = [&] {
+    ReleaseLease(key);
     absl::MutexLock lock(&mu_);
     r->restoring = false;
   };
@@ -930,6 +939,7 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   };
   absl::StatusOr<RestoreStats> stats =
       RestoreInto(*plan, r->table, dest, index_, store_, io->get(), pool_, options_.restore_timeout);
+  ReleaseLease(key);
   {
     absl::MutexLock lock(&mu_);
     r->restoring = false;
@@ -1125,6 +1135,195 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
   }
   reply.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return reply;
+}
+
+// ---- Leases, retention and export ----
+
+absl::Status Engine::AcquireLease(const RankKey& key, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto free = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return gc_active_.count(key) == 0;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&free), deadline)) {
+    return absl::UnavailableError("garbage collection of this rank is running; retry");
+  }
+  ++leases_[key];
+  return absl::OkStatus();
+}
+
+void Engine::ReleaseLease(const RankKey& key) {
+  absl::MutexLock lock(&mu_);
+  if (--leases_[key] <= 0) leases_.erase(key);
+}
+
+absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
+                            v1::GcReply* reply) {
+  const RankKey key(job, rank);
+  {
+    absl::MutexLock lock(&mu_);
+    if (leases_.count(key) > 0 || gc_active_.count(key) > 0) {
+      reply->set_ranks_busy(reply->ranks_busy() + 1);
+      return absl::OkStatus();
+    }
+    gc_active_.insert(key);
+  }
+  auto release = [&] {
+    absl::MutexLock lock(&mu_);
+    gc_active_.erase(key);
+  };
+  RetentionInput in;
+  in.now_unix_ms = absl::ToUnixMillis(absl::Now());
+  std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> records;
+  absl::Status s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
+                                        [&](uint64_t step, const store::EventRecord& e) {
+                                          in.events.emplace_back(step, e.unix_ms());
+                                          return true;
+                                        });
+  if (s.ok()) {
+    s = index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
+      in.versions[k.layer].push_back(k.step);
+      records[{k.layer, k.step}] = v;
+      return true;
+    });
+  }
+  if (!s.ok()) {
+    release();
+    return s;
+  }
+  RetentionPlan plan = PlanRetention(options_.retention, in);
+  reply->set_retained_targets(reply->retained_targets() + plan.retained_targets.size());
+  reply->set_versions_kept(reply->versions_kept() + plan.versions_kept);
+  for (const auto& [lk, rec] : records) {
+    if (std::find(plan.delete_versions.begin(), plan.delete_versions.end(), lk) ==
+        plan.delete_versions.end()) {
+      reply->set_bytes_kept(reply->bytes_kept() + rec.file_bytes());
+    }
+  }
+  // Events first, so no plan can target a step whose versions are going away.
+  for (uint64_t step : plan.delete_events) {
+    if (!dry_run) s = index_->DeleteEvent(job, rank, step);
+    if (!s.ok()) break;
+    reply->set_events_deleted(reply->events_deleted() + 1);
+  }
+  for (const auto& [layer, step] : plan.delete_versions) {
+    if (!s.ok()) break;
+    const store::VersionRecord& rec = records[{layer, step}];
+    if (!dry_run) {
+      CKPT_KILL_POINT("gc.before_remove");
+      s = store_->Remove(VersionKey{job, rank, layer, step}, rec);
+    }
+    if (s.ok()) {
+      reply->set_versions_deleted(reply->versions_deleted() + 1);
+      reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
+    }
+  }
+  release();
+  return s;
+}
+
+absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(req.job_id()));
+  v1::GcReply reply;
+  for (uint32_t rank : ranks) CKPT_RETURN_IF_ERROR(GcRank(req.job_id(), rank, req.dry_run(), &reply));
+  if (!req.dry_run() && reply.versions_deleted() > 0) {
+    CKPT_LOG(INFO) << "gc of job " << req.job_id() << ": deleted " << reply.versions_deleted()
+                   << " versions (" << reply.bytes_deleted() << " bytes) and "
+                   << reply.events_deleted() << " events; kept " << reply.versions_kept();
+  }
+  return reply;
+}
+
+void Engine::GcLoop() {
+  Caller root;  // the daemon itself
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), options_.gc_interval)) return;
+    }
+    absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
+    if (!jobs.ok()) continue;
+    for (const std::string& job : *jobs) {
+      v1::GcRequest req;
+      req.set_job_id(job);
+      absl::StatusOr<v1::GcReply> r = Gc(req, root);
+      if (!r.ok()) CKPT_LOG(WARNING) << "periodic gc of job " << job << ": " << r.status();
+    }
+  }
+}
+
+absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
+                            const std::function<bool(const v1::ExportChunk&)>& sink) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  const RankKey key(req.job_id(), req.rank());
+  CKPT_RETURN_IF_ERROR(AcquireLease(key, absl::Now() + absl::Seconds(30)));
+  struct Release {
+    Engine* e;
+    RankKey k;
+    ~Release() { e->ReleaseLease(k); }
+  } release{this, key};
+  CKPT_ASSIGN_OR_RETURN(v1::Plan plan, BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
+  if (!plan.complete()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the plan for step ", plan.target_step(), " is incomplete"));
+  }
+  v1::ExportChunk head;
+  v1::ExportHeader* h = head.mutable_header();
+  *h->mutable_plan() = plan;
+  for (const v1::LayerPlan& lp : plan.layers()) {
+    const v1::LayerSpec& spec = table->layers(static_cast<int>(lp.layer()));
+    for (const v1::TensorSpec& t : spec.tensors()) {
+      v1::ExportTensor* et = h->add_tensors();
+      et->set_layer(lp.layer());
+      et->set_layer_name(spec.name());
+      et->set_name(t.name());
+      et->set_dtype(t.dtype());
+      *et->mutable_shape() = t.shape();
+      et->set_nbytes(t.nbytes());
+      et->set_role(t.role());
+      et->set_group(t.group());
+      et->set_step(lp.step());
+      h->set_total_bytes(h->total_bytes() + t.nbytes());
+    }
+  }
+  if (!sink(head)) return absl::CancelledError("the reader went away");
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+  constexpr uint64_t kPiece = 4 << 20;
+  for (const v1::LayerPlan& lp : plan.layers()) {
+    const VersionKey vk{req.job_id(), req.rank(), lp.layer(), lp.step()};
+    CKPT_ASSIGN_OR_RETURN(auto rec, index_->VersionAtOrBefore(vk.job, vk.rank, vk.layer, vk.step));
+    if (!rec.has_value() || rec->first != lp.step()) return absl::AbortedError("a planned version vanished");
+    absl::StatusOr<LoadedVersion> v =
+        store_->Read(vk, rec->second, io.get(), pool_, absl::Now() + options_.restore_timeout);
+    if (!v.ok()) {
+      return absl::Status(v.status().code(), absl::StrCat("layer ", lp.layer(), " step ", lp.step(),
+                                                          ": ", v.status().message()));
+    }
+    std::map<std::string, const store::TensorEntry*> stored;
+    for (const store::TensorEntry& t : v->decoded.header.tensors()) stored[t.name()] = &t;
+    for (const v1::TensorSpec& t : table->layers(static_cast<int>(lp.layer())).tensors()) {
+      auto it = stored.find(t.name());
+      if (it == stored.end() || it->second->nbytes() != t.nbytes()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tensor '", t.name(), "' differs between the checkpoint and the table"));
+      }
+      const uint64_t base = v->decoded.layout.header_bytes + it->second->offset();
+      for (uint64_t off = 0; off < t.nbytes(); off += kPiece) {
+        v1::ExportChunk chunk;
+        std::string* data = chunk.mutable_data();
+        data->resize(std::min(kPiece, t.nbytes() - off));
+        v->lease.CopyOut(base + off, data->data(), data->size());
+        if (!sink(chunk)) return absl::CancelledError("the reader went away");
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt

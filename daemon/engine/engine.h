@@ -23,6 +23,8 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
+#include <set>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,6 +43,7 @@
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
+#include "daemon/store/retention.h"
 
 namespace ckpt {
 
@@ -55,6 +58,8 @@ struct EngineOptions {
   absl::Duration restore_timeout = absl::Minutes(30);
   uint64_t max_aux_bytes = 1 << 20;
   int drift_threads = 2;              // CPU drift kernel workers per snapshot
+  RetentionPolicy retention;
+  absl::Duration gc_interval = absl::ZeroDuration();  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
 };
 
@@ -107,6 +112,13 @@ class Engine {
   absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
   absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
   absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);
+  // Applies the retention policy to every rank of the job (retention.h).
+  // Ranks a restore or export is reading are skipped and counted as busy.
+  absl::StatusOr<v1::GcReply> Gc(const v1::GcRequest& req, const Caller& caller);
+  // Streams a rank's composite checkpoint: the header, then every tensor's
+  // verified bytes. `sink` returns false when the reader went away (CANCELLED).
+  absl::Status Export(const v1::ExportRequest& req, const Caller& caller,
+                      const std::function<bool(const v1::ExportChunk&)>& sink);
   // Reads back every committed version of the job (or one rank) and checks
   // every checksum; failures are listed in the reply, not returned as errors.
   absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);
@@ -138,6 +150,12 @@ class Engine {
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
+  // Restore/export hold a lease on a rank's history; GC skips leased ranks and
+  // leases wait (bounded) while GC runs on the rank.
+  absl::Status AcquireLease(const RankKey& key, absl::Time deadline);
+  void ReleaseLease(const RankKey& key);
+  absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
+  void GcLoop();
 
   const EngineOptions options_;
   Index* const index_;
@@ -150,6 +168,7 @@ class Engine {
 
   std::vector<std::thread> snapshot_threads_;
   std::vector<std::thread> writer_threads_;
+  std::thread gc_thread_;
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
@@ -158,6 +177,8 @@ class Engine {
   std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<RankKey, int> leases_ ABSL_GUARDED_BY(mu_);
+  std::set<RankKey> gc_active_ ABSL_GUARDED_BY(mu_);
 
   // Counters (relaxed; read by GetStatus and the metrics).
   std::atomic<uint64_t> versions_committed_{0};

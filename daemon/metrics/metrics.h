@@ -27,7 +27,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -68,20 +67,20 @@ enum class Counter {
 
 // Point-in-time values. kCount is not a metric.
 enum class Gauge {
-  kStagingPoolBytes,         // ckpt_staging_pool_bytes
-  kStagingPoolInUseBytes,    // ckpt_staging_pool_in_use_bytes
-  kWriteQueueDepth,          // ckpt_write_queue_depth
-  kDurabilityLagBytes,       // ckpt_durability_lag_bytes
-  kDurabilityLagSeconds,     // ckpt_durability_lag_seconds
-  kRegisteredRanks,          // ckpt_registered_ranks
-  kOpenGpuMappings,          // ckpt_open_gpu_mappings
-  kOpenGpuMappingBytes,      // ckpt_open_gpu_mapping_bytes
-  kDiskUsedBytes,            // ckpt_disk_used_bytes
-  kDiskLimitBytes,           // ckpt_disk_limit_bytes
-  kIoBackendInfo,            // ckpt_io_backend_info{backend}
-  kLayerStalenessSteps,      // ckpt_layer_staleness_steps{job,rank,layer}: SetLayer() only
-  kLayerAccumulatedDrift,    // ckpt_layer_accumulated_drift{job,rank,layer}: SetLayer() only
-  kUptimeSeconds,            // ckpt_uptime_seconds: refreshed at every scrape
+  kStagingPoolBytes,       // ckpt_staging_pool_bytes
+  kStagingPoolInUseBytes,  // ckpt_staging_pool_in_use_bytes
+  kWriteQueueDepth,        // ckpt_write_queue_depth
+  kDurabilityLagBytes,     // ckpt_durability_lag_bytes
+  kDurabilityLagSeconds,   // ckpt_durability_lag_seconds
+  kRegisteredRanks,        // ckpt_registered_ranks
+  kOpenGpuMappings,        // ckpt_open_gpu_mappings
+  kOpenGpuMappingBytes,    // ckpt_open_gpu_mapping_bytes
+  kDiskUsedBytes,          // ckpt_disk_used_bytes
+  kDiskLimitBytes,         // ckpt_disk_limit_bytes
+  kIoBackendInfo,          // ckpt_io_backend_info{backend}
+  kLayerStalenessSteps,    // ckpt_layer_staleness_steps{job,rank,layer}: SetLayer() only
+  kLayerAccumulatedDrift,  // ckpt_layer_accumulated_drift{job,rank,layer}: SetLayer() only
+  kUptimeSeconds,          // ckpt_uptime_seconds: refreshed at every scrape
   kCount
 };
 

@@ -18,7 +18,13 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
                                    : absl::StrCat("job ", job, " rank ", rank,
                                                   " has no durable step at or before ", target_step));
   }
-  const uint64_t tau = target_step == 0 ? event->first : target_step;
+  if (target_step != 0 && event->first != target_step) {
+    return absl::NotFoundError(absl::StrCat(
+        "step ", target_step, " of job ", job, " rank ", rank,
+        " is not restorable (never durable, or removed by retention); the nearest earlier is ",
+        event->first));
+  }
+  const uint64_t tau = event->first;
   v1::Plan plan;
   plan.set_job_id(job);
   plan.set_rank(rank);

@@ -28,7 +28,8 @@
 
 namespace ckpt {
 
-// NOT_FOUND when the rank has no durable step (or none at or before target).
+// NOT_FOUND when the rank has no durable step, or `target_step` is not one
+// (a step is restorable while its checkpoint event exists).
 absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
                                    uint64_t target_step, const store::RankRecord& table);
 

@@ -128,6 +128,24 @@ class AdminService final : public v1::Admin::Service {
                       v1::VerifyReply* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); });
   }
+  grpc::Status Gc(grpc::ServerContext* ctx, const v1::GcRequest* req, v1::GcReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Gc(*req, c), reply); });
+  }
+  grpc::Status Export(grpc::ServerContext* ctx, const v1::ExportRequest* req,
+                      grpc::ServerWriter<v1::ExportChunk>* writer) override {
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return s_->engine()->Export(*req, c, [&](const v1::ExportChunk& chunk) {
+        return !ctx->IsCancelled() && writer->Write(chunk);
+      });
+    });
+  }
+  grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest*,
+                      v1::ConfigReply* reply) override {
+    return WithCaller(s_, ctx, [&](const Caller&) {
+      reply->set_text(s_->options().config_text);
+      return absl::OkStatus();
+    });
+  }
 
  private:
   RpcServer* const s_;

@@ -40,6 +40,7 @@ struct RpcServerOptions {
   std::string socket_path = "/run/ckptd/ckptd.sock";
   int max_message_bytes = 64 << 20;
   absl::Duration default_wait = absl::Seconds(30);  // waits without a client deadline
+  std::string config_text;  // the effective config, served by Admin.Config
 };
 
 class RpcServer {

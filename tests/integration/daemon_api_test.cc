@@ -251,7 +251,9 @@ TEST_F(DaemonApiTest, BadCallsDoNotDisturbAnotherJob) {
     }
   });
   for (uint64_t t = 1; t <= 30; ++t) {
-    if (t > 1) ASSERT_TRUE(good.client->WaitSnapshot(t - 1).ok());
+    if (t > 1) {
+      ASSERT_TRUE(good.client->WaitSnapshot(t - 1).ok());
+    }
     for (int i = 0; i < 3 * 4096; ++i) good.data[i] += 1.0f;
     ASSERT_TRUE(good.client->StepDone(t, 0.1).ok());
   }
@@ -292,7 +294,9 @@ TEST_F(DaemonApiTest, SigtermStopsCleanly) {
   TestRank r = MakeRank(daemon_->socket(), "term", 4, 64 << 10);
   ASSERT_TRUE(r.client->Register(r.spec).ok());
   for (uint64_t t = 1; t <= 20; ++t) {
-    if (t > 1) ASSERT_TRUE(r.client->WaitSnapshot(t - 1).ok());
+    if (t > 1) {
+      ASSERT_TRUE(r.client->WaitSnapshot(t - 1).ok());
+    }
     ASSERT_TRUE(r.client->StepDone(t, 0.1).ok());
   }
   EXPECT_EQ(daemon_->Stop(), 0);

@@ -1,0 +1,495 @@
+#include "daemon/metrics/metrics.h"
+
+#include <chrono>
+#include <exception>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+
+namespace ckpt {
+namespace {
+
+// ---- the table: one row per enumerator, in enum order ----
+
+constexpr MetricInfo kCounterTable[] = {
+    {"ckpt_versions_staged_total", "counter",
+     "Layer versions copied from a rank's buffers into the staging pool.", "", ""},
+    {"ckpt_staged_bytes_total", "counter", "Bytes copied into the staging pool.", "", ""},
+    {"ckpt_versions_committed_total", "counter",
+     "Layer versions made durable (data written, fsynced and recorded in the index).", "", ""},
+    {"ckpt_committed_bytes_total", "counter", "Bytes of layer versions made durable.", "", ""},
+    {"ckpt_versions_failed_total", "counter",
+     "Layer versions that were staged but failed to become durable.", "", ""},
+    {"ckpt_snapshots_skipped_total", "counter",
+     "Layer snapshots not taken, by reason (pool_full: no staging memory within the "
+     "admission timeout); the layer is re-selected at the next step.",
+     "reason", "pool_full"},
+    {"ckpt_errors_total", "counter",
+     "I/O and integrity errors by kind: write, fsync, index (RocksDB), read, checksum.", "kind",
+     "write,fsync,index,read,checksum"},
+    {"ckpt_restores_total", "counter", "Composite restores served.", "", ""},
+    {"ckpt_restored_bytes_total", "counter", "Bytes restored into rank buffers.", "", ""},
+    {"ckpt_gc_versions_deleted_total", "counter",
+     "Superseded layer versions deleted by garbage collection.", "", ""},
+    {"ckpt_gc_deleted_bytes_total", "counter",
+     "Bytes of superseded layer versions deleted by garbage collection.", "", ""},
+    {"ckpt_metric_series_dropped_total", "counter",
+     "Metric updates dropped because a labelled family reached its series cap.", "", ""},
+    {"ckpt_registrations_total", "counter", "Successful rank registrations.", "", ""},
+    {"ckpt_staleness_invariant_violations_total", "counter",
+     "Times a layer's staleness exceeded the configured bound S_max.", "", ""},
+};
+
+constexpr MetricInfo kGaugeTable[] = {
+    {"ckpt_staging_pool_bytes", "gauge", "Size of the pinned staging pool.", "", ""},
+    {"ckpt_staging_pool_in_use_bytes", "gauge",
+     "Staging pool bytes holding versions not yet durable.", "", ""},
+    {"ckpt_write_queue_depth", "gauge", "Layer versions waiting for a writer thread.", "", ""},
+    {"ckpt_durability_lag_bytes", "gauge", "Bytes staged but not yet durable.", "", ""},
+    {"ckpt_durability_lag_seconds", "gauge",
+     "Age of the oldest staged version that is not yet durable; 0 when none.", "", ""},
+    {"ckpt_registered_ranks", "gauge", "Ranks registered now.", "", ""},
+    {"ckpt_open_gpu_mappings", "gauge", "GPU buffers mapped from ranks now.", "", ""},
+    {"ckpt_open_gpu_mapping_bytes", "gauge", "Bytes of the GPU buffers mapped now.", "", ""},
+    {"ckpt_disk_used_bytes", "gauge", "Bytes of layer versions on disk in the data directory.", "",
+     ""},
+    {"ckpt_disk_limit_bytes", "gauge",
+     "Disk budget of the data directory (configured limit or file system size).", "", ""},
+    {"ckpt_io_backend_info", "gauge", "1 for the I/O backend in use (io_uring or pwrite).",
+     "backend", ""},
+    {"ckpt_layer_staleness_steps", "gauge",
+     "Steps since the layer's newest durable version (bounded series count).", "job,rank,layer",
+     ""},
+    {"ckpt_layer_accumulated_drift", "gauge",
+     "Drift accumulated by the layer since its newest durable version (bounded series "
+     "count).",
+     "job,rank,layer", ""},
+    {"ckpt_uptime_seconds", "gauge", "Seconds since the daemon started.", "", ""},
+};
+
+constexpr MetricInfo kHistogramTable[] = {
+    {"ckpt_write_seconds", "histogram", "Time to write one layer version's data.", "", ""},
+    {"ckpt_fsync_seconds", "histogram", "Time of one fsync of a layer version file.", "", ""},
+    {"ckpt_commit_seconds", "histogram",
+     "Time from creating a version's temporary file to recording it in the index.", "", ""},
+    {"ckpt_fence_wait_seconds", "histogram",
+     "Time a rank's WaitSnapshot waited for its snapshot to be taken.", "", ""},
+    {"ckpt_snapshot_copy_seconds", "histogram",
+     "Time to copy one step's selected layers into staging.", "", ""},
+    {"ckpt_drift_seconds", "histogram", "Time to compute one step's layer drift.", "", ""},
+    {"ckpt_restore_seconds", "histogram", "Time of one composite restore.", "", ""},
+};
+
+static_assert(std::size(kCounterTable) == kNumCounters, "one row per Counter");
+static_assert(std::size(kGaugeTable) == kNumGauges, "one row per Gauge");
+static_assert(std::size(kHistogramTable) == kNumHistograms, "one row per Histogram");
+
+// ---- compile-time checks of the table ----
+
+constexpr size_t Len(const char* s) {
+  size_t n = 0;
+  while (s[n] != '\0') ++n;
+  return n;
+}
+
+constexpr bool Equal(const char* a, const char* b) {
+  size_t i = 0;
+  for (; a[i] != '\0' && b[i] != '\0'; ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return a[i] == b[i];
+}
+
+constexpr bool StartsWith(const char* s, const char* prefix) {
+  for (size_t i = 0; prefix[i] != '\0'; ++i) {
+    if (s[i] != prefix[i]) return false;
+  }
+  return true;
+}
+
+constexpr bool EndsWith(const char* s, const char* suffix) {
+  const size_t n = Len(s);
+  const size_t m = Len(suffix);
+  return n >= m && Equal(s + n - m, suffix);
+}
+
+constexpr bool IsLowerSnake(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+}
+
+// [a-z_][a-z0-9_]*
+constexpr bool ValidName(const char* s) {
+  if (s[0] == '\0' || (s[0] >= '0' && s[0] <= '9')) return false;
+  for (size_t i = 0; s[i] != '\0'; ++i) {
+    if (!IsLowerSnake(s[i])) return false;
+  }
+  return true;
+}
+
+// "" or comma-separated valid names.
+constexpr bool ValidLabelList(const char* s) {
+  bool at_start = true;
+  for (size_t i = 0; s[i] != '\0'; ++i) {
+    if (s[i] == ',') {
+      if (at_start) return false;
+      at_start = true;
+      continue;
+    }
+    if (!IsLowerSnake(s[i]) || (at_start && s[i] >= '0' && s[i] <= '9')) return false;
+    at_start = false;
+  }
+  return s[0] == '\0' || !at_start;
+}
+
+constexpr bool HasComma(const char* s) {
+  for (size_t i = 0; s[i] != '\0'; ++i) {
+    if (s[i] == ',') return true;
+  }
+  return false;
+}
+
+template <size_t N>
+constexpr bool RowsValid(const MetricInfo (&rows)[N], const char* type) {
+  for (const MetricInfo& r : rows) {
+    if (!ValidName(r.name) || !StartsWith(r.name, "ckpt_")) return false;
+    if (!Equal(r.type, type) || Len(r.help) == 0 || !ValidLabelList(r.labels)) return false;
+    const bool total = EndsWith(r.name, "_total");
+    if (Equal(type, "counter") != total) return false;
+    if (Len(r.preset_values) > 0 && Len(r.labels) == 0) return false;
+  }
+  return true;
+}
+
+template <size_t N, size_t M>
+constexpr bool Disjoint(const MetricInfo (&a)[N], const MetricInfo (&b)[M], bool same) {
+  for (size_t i = 0; i < N; ++i) {
+    for (size_t j = same ? i + 1 : 0; j < M; ++j) {
+      if (Equal(a[i].name, b[j].name)) return false;
+    }
+  }
+  return true;
+}
+
+static_assert(RowsValid(kCounterTable, "counter"), "bad counter row");
+static_assert(RowsValid(kGaugeTable, "gauge"), "bad gauge row");
+static_assert(RowsValid(kHistogramTable, "histogram"), "bad histogram row");
+static_assert(Disjoint(kCounterTable, kCounterTable, true) &&
+                  Disjoint(kGaugeTable, kGaugeTable, true) &&
+                  Disjoint(kHistogramTable, kHistogramTable, true) &&
+                  Disjoint(kCounterTable, kGaugeTable, false) &&
+                  Disjoint(kCounterTable, kHistogramTable, false) &&
+                  Disjoint(kGaugeTable, kHistogramTable, false),
+              "metric names must be unique");
+
+constexpr bool IsLayerGauge(size_t i) {
+  return i == static_cast<size_t>(Gauge::kLayerStalenessSteps) ||
+         i == static_cast<size_t>(Gauge::kLayerAccumulatedDrift);
+}
+
+// Generic labelled families carry exactly one label; only the per-layer
+// gauges carry several.
+template <size_t N>
+constexpr bool SingleLabel(const MetricInfo (&rows)[N], bool gauges) {
+  for (size_t i = 0; i < N; ++i) {
+    if (gauges && IsLayerGauge(i)) {
+      if (!Equal(rows[i].labels, "job,rank,layer")) return false;
+    } else if (HasComma(rows[i].labels)) {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(SingleLabel(kCounterTable, false) && SingleLabel(kGaugeTable, true),
+              "only the per-layer gauges have several labels");
+
+template <size_t N>
+constexpr bool Unlabelled(const MetricInfo (&rows)[N]) {
+  for (const MetricInfo& r : rows) {
+    if (Len(r.labels) != 0) return false;
+  }
+  return true;
+}
+static_assert(Unlabelled(kHistogramTable), "histograms are unlabelled");
+
+int64_t SteadyNowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string MarkdownCell(absl::string_view s) { return absl::StrReplaceAll(s, {{"|", "\\|"}}); }
+
+}  // namespace
+
+// Delegates to the registry after refreshing the scrape-time gauges. Owned by
+// Metrics; the exposer holds a weak_ptr and is destroyed first.
+class Metrics::ScrapeSource : public prometheus::Collectable {
+ public:
+  explicit ScrapeSource(Metrics* metrics) : metrics_(metrics) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    metrics_->BeforeScrape();
+    return metrics_->registry_->Collect();
+  }
+
+ private:
+  Metrics* const metrics_;
+};
+
+const std::vector<double>& HistogramBucketsSeconds() {
+  static const std::vector<double>* const kBuckets =
+      new std::vector<double>{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                              0.1,    0.25,    0.5,    1,     2.5,    5,     10,   30};
+  return *kBuckets;
+}
+
+Metrics::Metrics(size_t max_layer_series)
+    : max_layer_series_(max_layer_series),
+      started_ns_(SteadyNowNanos()),
+      registry_(std::make_shared<prometheus::Registry>()),
+      scrape_source_(std::make_shared<ScrapeSource>(this)) {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < kNumCounters; ++i) {
+    const MetricInfo& info = kCounterTable[i];
+    auto& family = prometheus::BuildCounter().Name(info.name).Help(info.help).Register(*registry_);
+    counter_families_[i] = &family;
+    if (Len(info.labels) == 0) {
+      counters_[i] = &family.Add({});
+      continue;
+    }
+    for (absl::string_view v : absl::StrSplit(info.preset_values, ',', absl::SkipEmpty())) {
+      LabelledCounter(i, std::string(v));
+    }
+  }
+  for (size_t i = 0; i < kNumGauges; ++i) {
+    const MetricInfo& info = kGaugeTable[i];
+    auto& family = prometheus::BuildGauge().Name(info.name).Help(info.help).Register(*registry_);
+    gauge_families_[i] = &family;
+    if (Len(info.labels) == 0) {
+      gauges_[i] = &family.Add({});
+      continue;
+    }
+    if (IsLayerGauge(i)) continue;
+    for (absl::string_view v : absl::StrSplit(info.preset_values, ',', absl::SkipEmpty())) {
+      LabelledGauge(i, std::string(v));
+    }
+  }
+  for (size_t i = 0; i < kNumHistograms; ++i) {
+    const MetricInfo& info = kHistogramTable[i];
+    auto& family =
+        prometheus::BuildHistogram().Name(info.name).Help(info.help).Register(*registry_);
+    histograms_[i] = &family.Add({}, HistogramBucketsSeconds());
+  }
+}
+
+Metrics::~Metrics() {
+  // Stop serving before the registry and the families go away.
+  absl::MutexLock lock(&exposer_mu_);
+  exposer_.reset();
+}
+
+const std::vector<MetricInfo>& Metrics::AllMetrics() {
+  static const std::vector<MetricInfo>* const kAll = [] {
+    auto* all = new std::vector<MetricInfo>();
+    all->insert(all->end(), std::begin(kCounterTable), std::end(kCounterTable));
+    all->insert(all->end(), std::begin(kGaugeTable), std::end(kGaugeTable));
+    all->insert(all->end(), std::begin(kHistogramTable), std::end(kHistogramTable));
+    return all;
+  }();
+  return *kAll;
+}
+
+const MetricInfo& Metrics::Info(Counter c) { return kCounterTable[static_cast<size_t>(c)]; }
+const MetricInfo& Metrics::Info(Gauge g) { return kGaugeTable[static_cast<size_t>(g)]; }
+const MetricInfo& Metrics::Info(Histogram h) { return kHistogramTable[static_cast<size_t>(h)]; }
+
+std::string Metrics::MarkdownTable() {
+  std::string out = "| name | type | labels | meaning |\n|---|---|---|---|\n";
+  for (const MetricInfo& m : AllMetrics()) {
+    std::string labels;
+    for (absl::string_view l : absl::StrSplit(m.labels, ',', absl::SkipEmpty())) {
+      absl::StrAppend(&labels, labels.empty() ? "" : ", ", "`", l, "`");
+    }
+    if (Len(m.preset_values) > 0) {
+      absl::StrAppend(&labels, ": ", absl::StrReplaceAll(m.preset_values, {{",", ", "}}));
+    }
+    absl::StrAppend(&out, "| `", m.name, "` | ", m.type, " | ", MarkdownCell(labels), " | ",
+                    MarkdownCell(m.help), " |\n");
+  }
+  return out;
+}
+
+void Metrics::CountDropped() {
+  counters_[static_cast<size_t>(Counter::kMetricSeriesDropped)]->Increment();
+}
+
+prometheus::Counter* Metrics::LabelledCounter(size_t index, const std::string& label_value) {
+  auto& series = labelled_counters_[index];
+  auto it = series.find(label_value);
+  if (it != series.end()) return it->second;
+  if (series.size() >= kMaxSeriesPerLabelledFamily) return nullptr;
+  prometheus::Counter* c =
+      &counter_families_[index]->Add({{kCounterTable[index].labels, label_value}});
+  series.emplace(label_value, c);
+  return c;
+}
+
+prometheus::Gauge* Metrics::LabelledGauge(size_t index, const std::string& label_value) {
+  auto& series = labelled_gauges_[index];
+  auto it = series.find(label_value);
+  if (it != series.end()) return it->second;
+  if (series.size() >= kMaxSeriesPerLabelledFamily) return nullptr;
+  prometheus::Gauge* g = &gauge_families_[index]->Add({{kGaugeTable[index].labels, label_value}});
+  series.emplace(label_value, g);
+  return g;
+}
+
+void Metrics::Inc(Counter c, double v) {
+  prometheus::Counter* counter = counters_[static_cast<size_t>(c)];
+  if (counter == nullptr) {
+    CountDropped();
+    return;
+  }
+  counter->Increment(v);
+}
+
+void Metrics::Inc(Counter c, const std::string& label_value, double v) {
+  const size_t i = static_cast<size_t>(c);
+  if (counters_[i] != nullptr) {
+    counters_[i]->Increment(v);
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  prometheus::Counter* counter = LabelledCounter(i, label_value);
+  if (counter == nullptr) {
+    CountDropped();
+    return;
+  }
+  counter->Increment(v);
+}
+
+void Metrics::Set(Gauge g, double v) {
+  prometheus::Gauge* gauge = gauges_[static_cast<size_t>(g)];
+  if (gauge == nullptr) {
+    CountDropped();
+    return;
+  }
+  gauge->Set(v);
+}
+
+void Metrics::Set(Gauge g, const std::string& label_value, double v) {
+  const size_t i = static_cast<size_t>(g);
+  if (gauges_[i] != nullptr) {
+    gauges_[i]->Set(v);
+    return;
+  }
+  if (IsLayerGauge(i)) {
+    CountDropped();
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  prometheus::Gauge* gauge = LabelledGauge(i, label_value);
+  if (gauge == nullptr) {
+    CountDropped();
+    return;
+  }
+  gauge->Set(v);
+}
+
+void Metrics::Observe(Histogram h, double seconds) {
+  histograms_[static_cast<size_t>(h)]->Observe(seconds);
+}
+
+void Metrics::SetLayer(const std::string& job, uint32_t rank, uint32_t layer, double staleness,
+                       double accumulated_drift) {
+  absl::MutexLock lock(&mu_);
+  auto& rank_layers = layers_[LayerKey(job, rank)];
+  auto it = rank_layers.find(layer);
+  if (it == rank_layers.end()) {
+    if (layer_series_ >= max_layer_series_) {
+      if (rank_layers.empty()) layers_.erase(LayerKey(job, rank));
+      CountDropped();
+      return;
+    }
+    const prometheus::Labels labels = {
+        {"job", job}, {"rank", absl::StrCat(rank)}, {"layer", absl::StrCat(layer)}};
+    LayerSeries s;
+    s.staleness = &gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)]->Add(labels);
+    s.drift = &gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)]->Add(labels);
+    it = rank_layers.emplace(layer, s).first;
+    ++layer_series_;
+  }
+  it->second.staleness->Set(staleness);
+  it->second.drift->Set(accumulated_drift);
+}
+
+void Metrics::RemoveRank(const std::string& job, uint32_t rank) {
+  absl::MutexLock lock(&mu_);
+  auto it = layers_.find(LayerKey(job, rank));
+  if (it == layers_.end()) return;
+  auto* staleness = gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)];
+  auto* drift = gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)];
+  for (const auto& [layer, s] : it->second) {
+    staleness->Remove(s.staleness);
+    drift->Remove(s.drift);
+  }
+  layer_series_ -= it->second.size();
+  layers_.erase(it);
+}
+
+size_t Metrics::layer_series() const {
+  absl::MutexLock lock(&mu_);
+  return layer_series_;
+}
+
+void Metrics::SetCollectHook(std::function<void()> hook) {
+  absl::MutexLock lock(&hook_mu_);
+  hook_ = std::move(hook);
+}
+
+void Metrics::BeforeScrape() {
+  absl::MutexLock lock(&hook_mu_);
+  gauges_[static_cast<size_t>(Gauge::kUptimeSeconds)]->Set(
+      static_cast<double>(SteadyNowNanos() - started_ns_) / 1e9);
+  if (hook_) hook_();
+}
+
+absl::Status Metrics::StartExposer(const std::string& address) {
+  if (address.empty()) return absl::OkStatus();
+  absl::MutexLock lock(&exposer_mu_);
+  if (exposer_ != nullptr) {
+    return absl::FailedPreconditionError("metrics endpoint already started");
+  }
+  // civetweb takes "port" for every interface; accept ":port" as well.
+  const std::string bind = address[0] == ':' ? address.substr(1) : address;
+  // prometheus-cpp reports a failed bind only by throwing from the Exposer
+  // constructor (civetweb); this is the one place ckptd catches an exception,
+  // turning it into a status at the library boundary.
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(bind, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics endpoint: cannot listen on '", address, "': ", e.what()));
+  }
+  exposer_->RegisterCollectable(scrape_source_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  port_.store(ports.empty() ? 0 : ports[0], std::memory_order_release);
+  return absl::OkStatus();
+}
+
+std::string Metrics::Scrape() {
+  const ScrapeSource& source = *scrape_source_;
+  return prometheus::TextSerializer().Serialize(source.Collect());
+}
+
+}  // namespace ckpt

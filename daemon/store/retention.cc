@@ -1,0 +1,43 @@
+#include "daemon/store/retention.h"
+
+#include <algorithm>
+#include <set>
+
+namespace ckpt {
+
+RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput& in) {
+  RetentionPlan plan;
+  if (in.events.empty()) return plan;  // nothing is durable as a step: touch nothing
+  const size_t n = in.events.size();
+  const uint64_t latest = in.events.back().first;
+  const int64_t horizon_ms =
+      policy.keep_hours > 0 ? in.now_unix_ms - static_cast<int64_t>(policy.keep_hours) * 3600000
+                            : INT64_MAX;
+  std::vector<bool> keep(n, false);
+  for (size_t i = 0; i < n; ++i) {
+    const auto& [step, ms] = in.events[i];
+    keep[i] = i + 1 == n || (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
+              (policy.keep_every_steps > 0 && step % policy.keep_every_steps == 0) ||
+              ms >= horizon_ms;
+    (keep[i] ? plan.retained_targets : plan.delete_events).push_back(step);
+  }
+  for (const auto& [layer, steps] : in.versions) {
+    // Two pointers: for each retained target, the newest version <= it.
+    std::set<uint64_t> needed;
+    size_t v = 0;
+    for (uint64_t target : plan.retained_targets) {
+      while (v + 1 < steps.size() && steps[v + 1] <= target) ++v;
+      if (!steps.empty() && steps[v] <= target) needed.insert(steps[v]);
+    }
+    for (uint64_t s : steps) {
+      if (s > latest || needed.count(s) > 0) {
+        ++plan.versions_kept;
+      } else {
+        plan.delete_versions.emplace_back(layer, s);
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace ckpt

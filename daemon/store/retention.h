@@ -1,0 +1,44 @@
+// Retention: which layer versions and checkpoint events GC may delete.
+//
+// A retained target is a step whose composite plan must stay valid. Retained:
+// the latest event always; the last `keep_last_events` events; events at
+// steps that are multiples of `keep_every_steps`; events younger than
+// `keep_hours`. A version is needed when it is, for some retained target τ,
+// its layer's newest version with step <= τ. GC deletes every other version
+// at or below the latest event and every event that is not retained.
+// Versions above the latest event (being committed, not yet durable as a
+// step) are never touched, so a layer's previous version is never deleted
+// before its new one is durable.
+//
+// PlanRetention is a pure function; the engine applies the plan.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace ckpt {
+
+struct RetentionPolicy {
+  uint64_t keep_last_events = 50;
+  uint64_t keep_every_steps = 1000;  // 0 = off
+  uint64_t keep_hours = 0;           // 0 = off
+};
+
+struct RetentionInput {
+  std::vector<std::pair<uint64_t, int64_t>> events;   // (step, unix_ms), ascending steps
+  std::map<uint32_t, std::vector<uint64_t>> versions;  // layer -> ascending steps
+  int64_t now_unix_ms = 0;
+};
+
+struct RetentionPlan {
+  std::vector<uint64_t> retained_targets;                    // ascending
+  std::vector<uint64_t> delete_events;                       // ascending
+  std::vector<std::pair<uint32_t, uint64_t>> delete_versions;  // (layer, step)
+  uint64_t versions_kept = 0;
+};
+
+RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput& input);
+
+}  // namespace ckpt
