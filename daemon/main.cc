@@ -14,6 +14,7 @@
 #include "daemon/config/config.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/cuda_host.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/server.h"
 #include "daemon/shm/handover.h"
@@ -45,6 +46,10 @@ int main(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::printf("%s%s", kUsage, ConfigHelp().c_str());
+      return 0;
+    }
+    if (a == "--dump-metrics-table") {
+      std::printf("%s", Metrics::MarkdownTable().c_str());
       return 0;
     }
     if (a == "--dump-default-config") {
@@ -125,8 +130,26 @@ int main(int argc, char** argv) {
   HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes());
   CKPT_LOG(INFO) << "gpu: " << CudaSupport() << "; " << cuda_pin.reason();
 
+  Metrics metrics(config.max_layer_series);
+  std::string metrics_address;
+  if (!config.metrics_address.empty()) {
+    if (absl::Status s = metrics.StartExposer(config.metrics_address); s.ok()) {
+      auto colon = config.metrics_address.rfind(':');
+      metrics_address = absl::StrCat(
+          colon == std::string::npos ? std::string("0.0.0.0") : config.metrics_address.substr(0, colon),
+          ":", metrics.port());
+      CKPT_LOG(INFO) << "metrics on http://" << metrics_address << "/metrics";
+    } else {
+      CKPT_LOG(WARNING) << "metrics endpoint " << config.metrics_address
+                        << " unavailable, continuing without it: " << s;
+    }
+  }
+
   EngineOptions eo;
   eo.data_dir = config.data_dir;
+  eo.metrics = &metrics;
+  eo.max_disk_bytes = config.max_disk_bytes;
+  eo.metrics_address = metrics_address;
   eo.writer_threads = config.writer_threads;
   eo.snapshot_threads = config.snapshot_threads;
   eo.io_backend = *ParseIoBackendKind(config.io_backend);
@@ -142,6 +165,7 @@ int main(int argc, char** argv) {
   Engine engine(eo, index->get(), &store, pool->get());
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
+  metrics.SetCollectHook([&engine] { engine.CollectMetrics(); });
   CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
 
   // Socket directories: created 0750 when missing (systemd's RuntimeDirectory
@@ -183,6 +207,7 @@ int main(int argc, char** argv) {
   // The engine first: it refuses new steps, wakes every waiter and lets the
   // writers finish staged versions; then the RPC server can stop quickly.
   engine.Shutdown(grace);
+  metrics.SetCollectHook(nullptr);
   rpc.Shutdown(absl::Seconds(1));
   handover.Stop();
   ::unlink(config.socket.c_str());

@@ -19,6 +19,7 @@ job=quickstart
 
 echo "== starting ckptd (data in $dir)"
 "$bin/daemon/ckptd" --socket="$sock" --data_dir="$dir/store" --staging_pool_bytes=$((256 << 20)) \
+  --metrics_address=127.0.0.1:0 \
   >"$dir/ckptd.log" 2>&1 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null || true' EXIT

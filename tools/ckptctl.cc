@@ -77,8 +77,10 @@ Commands:
                           rank that is not running (a running rank restores
                           through its client into its own buffers)
   config                  the daemon's effective configuration
-  verify JOB [--rank=R]   re-read every committed version of the job (or of
-                          one rank) and check every checksum; lists failures
+  verify JOB [--rank=R] [--deep]
+                          check every committed version of the job (or of one
+                          rank): that its file exists whole, and with --deep
+                          re-read it and check every checksum; lists failures
                           and exits 4 when any version does not verify
   help [COMMAND]          this text
 
@@ -98,6 +100,7 @@ Command flags (decimal integers):
   --step=N                target step (plan, export, restore; default 0 = latest)
   --out=DIR               output directory (export, restore; created if missing)
   --dry-run               report only (gc)
+  --deep                  read every byte and check checksums (verify)
 
 Exit codes:
   0  success
@@ -123,6 +126,7 @@ struct Options {
   std::optional<uint64_t> step;
   std::string out;
   bool dry_run = false;
+  bool deep = false;
 };
 
 // Prints a usage error and returns kExitUsage.
@@ -192,6 +196,10 @@ int ParseArgs(int argc, char** argv, Options* o) {
     if (absl::StartsWith(arg, "--json=")) return UsageError("--json takes no value");
     if (arg == "--dry-run") {
       o->dry_run = true;
+      continue;
+    }
+    if (arg == "--deep") {
+      o->deep = true;
       continue;
     }
     if (!absl::StartsWith(arg, "--")) return UsageError(absl::StrCat("unknown flag '", arg, "'"));
@@ -498,7 +506,10 @@ class Ctl {
                      {"uptime_seconds", r.uptime_seconds()},
                      {"orphan_files_removed", r.orphan_files_removed()},
                      {"dangling_records_removed", r.dangling_records_removed()},
-                     {"temp_files_removed", r.temp_files_removed()}});
+                     {"temp_files_removed", r.temp_files_removed()},
+                     {"metrics_address", r.metrics_address()},
+                     {"disk_bytes_used", r.disk_bytes_used()},
+                     {"disk_bytes_limit", r.disk_bytes_limit()}});
       return kExitOk;
     }
     std::string in_use = BytesWithRaw(r.pool_bytes_in_use());
@@ -523,6 +534,10 @@ class Ctl {
         {"orphan_files_removed", absl::StrCat(r.orphan_files_removed())},
         {"dangling_records_removed", absl::StrCat(r.dangling_records_removed())},
         {"temp_files_removed", absl::StrCat(r.temp_files_removed())},
+        {"metrics_address", r.metrics_address().empty() ? "- (off)" : r.metrics_address()},
+        {"disk_bytes_used", BytesWithRaw(r.disk_bytes_used())},
+        {"disk_bytes_limit", r.disk_bytes_limit() == 0 ? "- (no bound)"
+                                                       : BytesWithRaw(r.disk_bytes_limit())},
     });
     return kExitOk;
   }
@@ -844,6 +859,7 @@ class Ctl {
     v1::VerifyRequest req;
     req.set_job_id(o_.positional[0]);
     req.set_rank(o_.rank.has_value() ? static_cast<int64_t>(*o_.rank) : -1);
+    req.set_deep(o_.deep);
     v1::VerifyReply r;
     if (int rc = Call(&v1::Admin::Stub::Verify, req, &r); rc != kExitOk) return rc;
     if (o_.json) {

@@ -104,6 +104,14 @@ const std::vector<Option>& Options() {
           &DaemonConfig::keep_hours),
       Num("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc`)",
           &DaemonConfig::gc_interval_s),
+      Num("max_disk_bytes",
+          "bound on committed version bytes; past it new versions fail, counted (0 = none)",
+          &DaemonConfig::max_disk_bytes),
+      Str("metrics_address",
+          "Prometheus endpoint host:port (empty = off; a bind failure is a warning)",
+          &DaemonConfig::metrics_address),
+      Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
+          &DaemonConfig::max_layer_series),
   };
   return *options;
 }

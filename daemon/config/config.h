@@ -37,6 +37,9 @@ struct DaemonConfig {
   uint64_t keep_every_steps = 1000;
   uint64_t keep_hours = 0;
   uint32_t gc_interval_s = 300;
+  uint64_t max_disk_bytes = 0;
+  std::string metrics_address = "0.0.0.0:9464";
+  uint32_t max_layer_series = 4096;
 
   absl::Status Validate() const;
   std::string HandoverSocketPath() const {

@@ -29,6 +29,8 @@ struct PendingStep {
   uint64_t step = 0;
   uint32_t remaining = 0;  // versions still being written
   store::EventRecord event;
+  absl::Time staged_at;    // for the durability lag
+  uint64_t staged_bytes = 0;
 };
 
 struct Engine::SnapTask {
@@ -81,6 +83,7 @@ struct Engine::Rank {
   std::vector<bool> never_persisted;
   std::vector<bool> retry;
   std::vector<uint64_t> failed_since;  // per layer: oldest failed, unrepaired step (0 = none)
+  std::vector<uint64_t> last_committed;  // per layer: newest committed step (0 = none)
   absl::Status fatal;
   std::map<uint64_t, std::vector<drift::LayerSums>> partials;  // recent steps (layercheck)
   std::vector<LayerDecision> last_decisions;
@@ -114,6 +117,21 @@ absl::Status Engine::Start() {
     backends.push_back(std::move(io));
   }
   io_backend_name_ = backends[0]->Name();
+  if (options_.metrics != nullptr) options_.metrics->Set(Gauge::kIoBackendInfo, io_backend_name_, 1);
+  // Disk usage of committed versions, kept current by commits and GC.
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
+  uint64_t used = 0;
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
+    for (uint32_t rank : ranks) {
+      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+          job, rank, -1, [&used](const VersionKey&, const store::VersionRecord& rec) {
+            used += rec.file_bytes();
+            return true;
+          }));
+    }
+  }
+  disk_used_.store(used, std::memory_order_relaxed);
   if (options_.io_backend == IoBackendKind::kAuto && io_backend_name_ != "io_uring") {
     CKPT_LOG(WARNING) << "io_uring is unavailable (kernel or seccomp); writing with pwrite";
   }
@@ -277,6 +295,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       }
       old->active = false;
       ReleaseDeferredLocked(old.get());
+      if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
       CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
       ranks_.erase(RankKey(r->job, r->rank));
     }
@@ -297,10 +316,13 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   r->last_step_seen = durable;
   r->snapshot_step = durable;
   r->durable_step = durable;
+  r->last_committed.assign(n, 0);
   for (uint32_t l = 0; l < n; ++l) {
-    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, ~uint64_t{0}));
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, durable));
     r->never_persisted[l] = !v.has_value();
+    if (v.has_value()) r->last_committed[l] = v->first;
   }
+  if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
   v1::RegisterReply reply;
   reply.set_generation(r->generation);
@@ -421,6 +443,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
   // the retry set is folded in at the next StepDone, not here (LayerCheck
   // decides here, with the current retry set).
   if (r->layercheck != nullptr && !DecideLayerCheck(r, task)) return false;
+  const absl::Time copy_start = absl::Now();
   std::vector<StagedVersion> staged;
   std::vector<uint32_t> skipped;
   for (uint32_t l : task.layers) {
@@ -458,6 +481,14 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     staged.push_back(std::move(v));
   }
   CKPT_KILL_POINT("snapshot.copied");
+  uint64_t staged_bytes = 0;
+  for (const StagedVersion& v : staged) staged_bytes += v.layout.payload_bytes;
+  if (Metrics* m = options_.metrics) {
+    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
+    m->Inc(Counter::kVersionsStaged, static_cast<double>(staged.size()));
+    m->Inc(Counter::kStagedBytes, static_cast<double>(staged_bytes));
+    if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
+  }
   {
     absl::MutexLock lock(&mu_);
     v1::WaitSnapshotReply result;
@@ -484,6 +515,8 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     p.remaining = static_cast<uint32_t>(staged.size());
     p.event = std::move(task.event);
     p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
+    p.staged_at = absl::Now();
+    p.staged_bytes = staged_bytes;
     r->pending.push_back(std::move(p));
     for (StagedVersion& v : staged) {
       auto w = std::make_unique<WriteTask>();
@@ -629,7 +662,13 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
         }
       }
       std::string error;
-      if (!drift_kernel_->Compute(tasks, &sums, &error)) {
+      const absl::Time drift_start = absl::Now();
+      const bool ok = drift_kernel_->Compute(tasks, &sums, &error);
+      if (options_.metrics != nullptr) {
+        options_.metrics->Observe(Histogram::kDriftSeconds,
+                                  absl::ToDoubleSeconds(absl::Now() - drift_start));
+      }
+      if (!ok) {
         CKPT_LOG(ERROR) << "drift kernel failed (" << error << "); persisting every layer";
         for (drift::LayerSums& s : sums) s = drift::LayerSums{1, 1};
       }
@@ -649,8 +688,15 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
   std::vector<LayerDecision> decisions =
       r->layercheck->Decide(task.step, task.lr, task.global, r->retry);
   task.layers.clear();
+  const LayerCheckConfig& lc = r->layercheck->config();
   for (uint32_t l = 0; l < decisions.size(); ++l) {
     if (decisions[l].reason != PersistReason::kNone) task.layers.push_back(l);
+    // The invariant (SPEC §4): after the base checkpoint no layer's newest
+    // selected version is S_max or more steps old. Checked, never expected.
+    if (task.step >= lc.warmup && task.step - r->layercheck->last_persisted(l) >= lc.s_max) {
+      CKPT_LOG(ERROR) << "staleness invariant broken: job " << r->job << " layer " << l;
+      if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kStalenessInvariantViolations);
+    }
   }
   if (r->trace != nullptr) {
     nlohmann::json line;
@@ -751,7 +797,25 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
     }
     CKPT_DELAY_POINT("writer.before_commit");
     const uint64_t bytes = task->version.layout.payload_bytes;
-    absl::StatusOr<store::VersionRecord> rec = store_->Commit(&task->version, io.get());
+    const uint64_t file_bytes = task->version.layout.file_bytes;
+    absl::StatusOr<store::VersionRecord> rec;
+    CommitTimings timings;
+    if (options_.max_disk_bytes > 0 &&
+        disk_used_.load(std::memory_order_relaxed) + file_bytes > options_.max_disk_bytes) {
+      rec = absl::ResourceExhaustedError(absl::StrCat(
+          "disk bound of ", options_.max_disk_bytes, " bytes reached (", disk_used_.load(),
+          " used); run `ckptctl gc` or raise max_disk_bytes"));
+    } else {
+      rec = store_->Commit(&task->version, io.get(), &timings);
+    }
+    if (rec.ok()) {
+      disk_used_.fetch_add(rec->file_bytes(), std::memory_order_relaxed);
+      if (Metrics* m = options_.metrics) {
+        m->Observe(Histogram::kWriteSeconds, timings.write_seconds);
+        m->Observe(Histogram::kFsyncSeconds, timings.sync_seconds);
+        m->Observe(Histogram::kCommitSeconds, timings.total_seconds);
+      }
+    }
     const uint64_t step = task->version.key.step;
     const uint32_t layer = task->version.key.layer;
     std::shared_ptr<Rank> r = std::move(task->rank);
@@ -768,8 +832,21 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
   if (rec.ok()) {
     versions_committed_.fetch_add(1, std::memory_order_relaxed);
     bytes_committed_.fetch_add(bytes, std::memory_order_relaxed);
+    if (Metrics* m = options_.metrics) {
+      m->Inc(Counter::kVersionsCommitted);
+      m->Inc(Counter::kCommittedBytes, static_cast<double>(bytes));
+    }
   } else {
     write_errors_.fetch_add(1, std::memory_order_relaxed);
+    if (Metrics* m = options_.metrics) {
+      const absl::string_view msg = rec.status().message();
+      const char* kind = absl::IsResourceExhausted(rec.status()) ? "disk_full"
+                         : msg.find("fdatasync") != absl::string_view::npos ? "fsync"
+                         : msg.find("rocksdb") != absl::string_view::npos   ? "index"
+                                                                            : "write";
+      m->Inc(Counter::kVersionsFailed);
+      m->Inc(Counter::kErrors, kind, 1);
+    }
     CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " layer " << layer << " step "
                     << step << ": version failed, previous version stays: " << rec.status();
   }
@@ -779,6 +856,7 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
     if (rec.ok()) {
       p.event.add_layers(layer);
       p.event.set_bytes(p.event.bytes() + bytes);
+      r->last_committed[layer] = std::max(r->last_committed[layer], step);
       if (r->failed_since[layer] != 0 && r->failed_since[layer] <= step) r->failed_since[layer] = 0;
     } else {
       p.event.set_failed(p.event.failed() + 1);
@@ -812,6 +890,7 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
     CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank
                     << ": recording checkpoint events failed; durability stops here: " << s;
     r->fatal = s;
+    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, "index", 1);
   }
   for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
   if (s.ok()) r->durable_step = batch.back().first;
@@ -832,7 +911,12 @@ absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest
   auto taken = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return r->snapshot_step >= req.step() || !r->active || stopping_;
   };
+  const absl::Time wait_start = absl::Now();
   mu_.AwaitWithDeadline(absl::Condition(&taken), deadline);
+  if (options_.metrics != nullptr) {
+    options_.metrics->Observe(Histogram::kFenceWaitSeconds,
+                              absl::ToDoubleSeconds(absl::Now() - wait_start));
+  }
   if (r->snapshot_step < req.step()) {
     if (!r->active || stopping_) return absl::AbortedError("the registration ended before the snapshot");
     return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
@@ -884,6 +968,7 @@ absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& 
   if (req.drain()) CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
   r->active = false;
   ranks_.erase(RankKey(r->job, r->rank));
+  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
                  << r->generation;
   return absl::OkStatus();
@@ -945,6 +1030,15 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     r->restoring = false;
     if (stats.ok()) r->retry.assign(r->retry.size(), false);
   }
+  if (Metrics* m = options_.metrics) {
+    if (stats.ok()) {
+      m->Inc(Counter::kRestores);
+      m->Inc(Counter::kRestoredBytes, static_cast<double>(stats->bytes));
+      m->Observe(Histogram::kRestoreSeconds, stats->seconds);
+    } else if (absl::IsDataLoss(stats.status())) {
+      m->Inc(Counter::kErrors, "checksum", 1);
+    }
+  }
   if (!stats.ok()) {
     CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank << " failed: "
                     << stats.status();
@@ -966,6 +1060,9 @@ v1::StatusReply Engine::GetStatus() {
   v1::StatusReply s;
   s.set_version(CKPT_VERSION);
   s.set_data_dir(options_.data_dir);
+  s.set_metrics_address(options_.metrics_address);
+  s.set_disk_bytes_used(disk_used_.load(std::memory_order_relaxed));
+  s.set_disk_bytes_limit(options_.max_disk_bytes);
   s.set_io_backend(io_backend_name_);
   s.set_pool_bytes(pool_->budget_bytes());
   s.set_pool_bytes_in_use(pool_->bytes_in_use());
@@ -1113,16 +1210,18 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
           return true;
         }));
     for (const auto& [key, rec] : versions) {
-      absl::StatusOr<LoadedVersion> v =
-          store_->Read(key, rec, io.get(), pool_, absl::Now() + options_.restore_timeout);
+      absl::Status v = req.deep() ? store_->Read(key, rec, io.get(), pool_,
+                                                 absl::Now() + options_.restore_timeout)
+                                        .status()
+                                  : store_->CheckFile(key, rec);
       reply.set_versions_checked(reply.versions_checked() + 1);
       if (v.ok()) {
         reply.set_bytes_checked(reply.bytes_checked() + rec.payload_bytes());
         continue;
       }
-      if (absl::IsNotFound(v.status()) || absl::IsDeadlineExceeded(v.status())) {
+      if (absl::IsNotFound(v) || absl::IsDeadlineExceeded(v)) {
         // Removed concurrently or no staging memory: not a verdict on the data.
-        if (absl::IsDeadlineExceeded(v.status())) return v.status();
+        if (absl::IsDeadlineExceeded(v)) return v;
         reply.set_versions_checked(reply.versions_checked() - 1);
         continue;
       }
@@ -1130,7 +1229,7 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
       f->set_rank(rank);
       f->set_layer(key.layer);
       f->set_step(key.step);
-      f->set_error(v.status().ToString());
+      f->set_error(v.ToString());
     }
   }
   reply.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
@@ -1215,6 +1314,13 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     if (s.ok()) {
       reply->set_versions_deleted(reply->versions_deleted() + 1);
       reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
+      if (!dry_run) {
+        disk_used_.fetch_sub(rec.file_bytes(), std::memory_order_relaxed);
+        if (Metrics* m = options_.metrics) {
+          m->Inc(Counter::kGcVersionsDeleted);
+          m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));
+        }
+      }
     }
   }
   release();
@@ -1324,6 +1430,36 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
     }
   }
   return absl::OkStatus();
+}
+
+void Engine::CollectMetrics() {
+  Metrics* m = options_.metrics;
+  if (m == nullptr) return;
+  m->Set(Gauge::kStagingPoolBytes, static_cast<double>(pool_->budget_bytes()));
+  m->Set(Gauge::kStagingPoolInUseBytes, static_cast<double>(pool_->bytes_in_use()));
+  m->Set(Gauge::kDiskUsedBytes, static_cast<double>(disk_used_.load(std::memory_order_relaxed)));
+  m->Set(Gauge::kDiskLimitBytes, static_cast<double>(options_.max_disk_bytes));
+  absl::MutexLock lock(&mu_);
+  m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
+  m->Set(Gauge::kRegisteredRanks, static_cast<double>(ranks_.size()));
+  // Durability lag: staged but not yet durable, over every live rank.
+  const absl::Time now = absl::Now();
+  double lag_bytes = 0, lag_seconds = 0;
+  for (const auto& [key, r] : ranks_) {
+    for (const PendingStep& p : r->pending) {
+      lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
+      lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
+    }
+    for (uint32_t l = 0; l < r->last_committed.size(); ++l) {
+      const double staleness = r->last_committed[l] > 0 && r->durable_step >= r->last_committed[l]
+                                   ? static_cast<double>(r->durable_step - r->last_committed[l])
+                                   : 0.0;
+      const double drift = r->layercheck != nullptr ? r->layercheck->accumulated(l) : 0.0;
+      m->SetLayer(r->job, r->rank, l, staleness, drift);
+    }
+  }
+  m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
+  m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
 }
 
 }  // namespace ckpt

@@ -38,6 +38,7 @@
 #include "daemon/common/unique_fd.h"
 #include "daemon/engine/registration.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
 #include "kernels/drift.h"
 #include "daemon/staging/staging_pool.h"
@@ -49,6 +50,7 @@ namespace ckpt {
 
 struct EngineOptions {
   std::string data_dir;               // reported by Status
+  std::string metrics_address;        // reported by Status ("" = off)
   unsigned writer_threads = 2;        // layer versions written concurrently
   unsigned snapshot_threads = 1;      // ranks snapshotted concurrently
   IoBackendKind io_backend = IoBackendKind::kAuto;
@@ -59,6 +61,8 @@ struct EngineOptions {
   uint64_t max_aux_bytes = 1 << 20;
   int drift_threads = 2;              // CPU drift kernel workers per snapshot
   RetentionPolicy retention;
+  uint64_t max_disk_bytes = 0;        // bound on committed version bytes; 0 = none
+  Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::ZeroDuration();  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
 };
@@ -124,6 +128,10 @@ class Engine {
   absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);
 
   void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
+  // Refreshes the gauges that are read at scrape time (pool, queue,
+  // durability lag, disk, per-layer staleness and drift).
+  void CollectMetrics();
+  uint64_t disk_bytes_used() const { return disk_used_.load(std::memory_order_relaxed); }
   const char* io_backend_name() const { return io_backend_name_.c_str(); }
 
  private:
@@ -185,6 +193,7 @@ class Engine {
   std::atomic<uint64_t> bytes_committed_{0};
   std::atomic<uint64_t> snapshots_skipped_{0};
   std::atomic<uint64_t> write_errors_{0};
+  std::atomic<uint64_t> disk_used_{0};  // bytes of committed version files
 };
 
 }  // namespace ckpt

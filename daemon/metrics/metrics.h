@@ -11,9 +11,10 @@
 // Cardinality is bounded. Labelled families other than the per-layer ones hold
 // at most kMaxSeriesPerLabelledFamily label values; the per-layer family
 // (ckpt_layer_staleness_steps, ckpt_layer_accumulated_drift, labels job, rank,
-// layer) holds at most `max_layer_series` (job, rank, layer) triples. An update
-// that would create a series beyond a cap is dropped and counted in
-// ckpt_metric_series_dropped_total. RemoveRank() frees a rank's triples.
+// layer) holds at most `max_layer_series` (job, rank, layer) triples. Each
+// update that would create a series beyond a cap is dropped and counted in
+// ckpt_metric_series_dropped_total (so the counter keeps rising while the cap
+// is hit). RemoveRank() frees a rank's triples.
 //
 // Thread-safety: all public methods are thread-safe. Inc/Set/Observe on
 // unlabelled metrics are lock-free (prometheus-cpp atomics); labelled updates
@@ -123,6 +124,8 @@ class Metrics {
   // Creates a registry holding every family of the table; unlabelled metrics
   // and preset label values start at 0.
   explicit Metrics(size_t max_layer_series = kDefaultMaxLayerSeries);
+  // Stops the HTTP endpoint first; that can take up to ~2 s (civetweb polls
+  // its listening socket with a 2 s timeout).
   ~Metrics();
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;

@@ -71,7 +71,11 @@ absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, b
   return fd;
 }
 
-absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io) {
+absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io,
+                                                        CommitTimings* timings) {
+  CommitTimings local;
+  if (timings == nullptr) timings = &local;
+  const absl::Time start = absl::Now();
   CKPT_ASSIGN_OR_RETURN(int dir, RankDir(v->key.job, v->key.rank, /*create=*/true));
 
   // Checksums come from the staged bytes: exactly what is written.
@@ -102,10 +106,14 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
     segments.push_back(IoSegment{v->lease.chunk(i),
                                  std::min(v->lease.chunk_bytes(), v->layout.file_bytes - off), off});
   }
+  const absl::Time write_start = absl::Now();
   if (absl::Status s = io->WriteAll(fd.get(), segments); !s.ok()) return fail(s);
+  const absl::Time sync_start = absl::Now();
+  timings->write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
   CKPT_KILL_POINT("commit.after_write");
   // A failed fdatasync is final for this data: fail the version, never retry.
   if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s);
+  timings->sync_seconds = absl::ToDoubleSeconds(absl::Now() - sync_start);
   CKPT_KILL_POINT("commit.after_datasync");
   if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
   if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, final_name); !s.ok()) return fail(s);
@@ -127,6 +135,7 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
   if (absl::Status s = index_->PutVersion(v->key, rec); !s.ok()) return fail_renamed(s);
   CKPT_KILL_POINT("commit.after_index");
+  timings->total_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return rec;
 }
 
@@ -163,6 +172,19 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
   }
   CKPT_RETURN_IF_ERROR(VerifyPayload(out.decoded, out.lease));
   return out;
+}
+
+absl::Status LayerStore::CheckFile(const VersionKey& key, const store::VersionRecord& rec) {
+  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
+  absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
+  if (!size.ok()) {
+    return absl::DataLossError(absl::StrCat("file ", rec.file(), ": ", size.status().message()));
+  }
+  if (*size != rec.file_bytes()) {
+    return absl::DataLossError(absl::StrCat("file ", rec.file(), " has ", *size,
+                                            " bytes; the index says ", rec.file_bytes()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LayerStore::Remove(const VersionKey& key, const store::VersionRecord& rec) {

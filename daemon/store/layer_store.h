@@ -52,6 +52,13 @@ struct LoadedVersion {
   StagingLease lease;
 };
 
+// Where a commit spent its time (for the latency histograms).
+struct CommitTimings {
+  double write_seconds = 0;  // data written and every completion reaped
+  double sync_seconds = 0;   // fdatasync of the data
+  double total_seconds = 0;  // temp file created .. index record written
+};
+
 struct ReconcileReport {
   uint64_t temp_files_removed = 0;
   uint64_t orphan_files_removed = 0;      // files without a record
@@ -69,13 +76,18 @@ class LayerStore {
   absl::Status Init();
 
   // The commit protocol above. On success returns the record now in the index.
-  absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io);
+  absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io,
+                                              CommitTimings* timings = nullptr);
 
   // Reads the file of `rec`, checks it belongs to `key` and `rec`, verifies
   // every tensor checksum. DATA_LOSS on any mismatch or short file; the lease
   // comes from `pool` (waiting until `deadline`).
   absl::StatusOr<LoadedVersion> Read(const VersionKey& key, const store::VersionRecord& rec,
                                      IoBackend* io, StagingPool* pool, absl::Time deadline);
+
+  // Cheap check: the file of `rec` exists with the recorded size (DATA_LOSS
+  // otherwise). Read() is the deep check.
+  absl::Status CheckFile(const VersionKey& key, const store::VersionRecord& rec);
 
   // Removes a committed version: index record first (sync), then the file,
   // then fsync of the directory.

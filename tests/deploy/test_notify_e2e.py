@@ -54,7 +54,8 @@ def main():
         mgr.bind(notify_path)
         grpc_socket = os.path.join(root, "run", "ckptd.sock")
         args = [ckptd, "--socket=" + grpc_socket, "--data_dir=" + os.path.join(root, "data"),
-                "--staging_pool_bytes=67108864", "--shutdown_grace_ms=5000"]
+                "--staging_pool_bytes=67108864", "--shutdown_grace_ms=5000",
+                "--metrics_address=127.0.0.1:0"]
         env = dict(os.environ)
         env["NOTIFY_SOCKET"] = notify_path
         env["WATCHDOG_USEC"] = str(WATCHDOG_USEC)

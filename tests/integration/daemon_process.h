@@ -41,7 +41,8 @@ class DaemonProcess {
     std::vector<std::string> args = {BuildDir() + "/daemon/ckptd", "--socket=" + socket_,
                                      "--data_dir=" + root_ + "/data",
                                      "--staging_pool_bytes=67108864",
-                                     "--staging_chunk_bytes=1048576"};
+                                     "--staging_chunk_bytes=1048576",
+                                     "--metrics_address=127.0.0.1:0"};
     args.insert(args.end(), flags_.begin(), flags_.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

@@ -26,7 +26,7 @@ class Daemon:
         self.log_path = os.path.join(root, "ckptd.log")
         self.args = [CKPTD, "--socket=" + self.socket, "--data_dir=" + self.data,
                      "--staging_pool_bytes=%d" % pool_bytes, "--staging_chunk_bytes=1048576",
-                     "--shutdown_grace_ms=5000"] + list(extra)
+                     "--shutdown_grace_ms=5000", "--metrics_address=127.0.0.1:0"] + list(extra)
         self.env = env
         self.proc = None
 

@@ -78,7 +78,7 @@ def main():
         assert d.ctl("plan", job, "--step=100") == plan_100
         gone = ctl_raw(d, "plan", job, "--step=60")
         assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr, gone.stderr
-        verify = d.ctl("verify", job)
+        verify = d.ctl("verify", job, "--deep")
         assert verify["failures"] == [] and verify["versions_checked"] == after["versions"]
         print("gc: deleted %d of %d versions (%d bytes), %d events; 7 restorable steps unchanged"
               % (gc["versions_deleted"], before["versions"], gc["bytes_deleted"],
