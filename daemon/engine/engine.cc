@@ -800,16 +800,24 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
     const uint64_t file_bytes = task->version.layout.file_bytes;
     absl::StatusOr<store::VersionRecord> rec;
     CommitTimings timings;
-    if (options_.max_disk_bytes > 0 &&
-        disk_used_.load(std::memory_order_relaxed) + file_bytes > options_.max_disk_bytes) {
+    // Reserve the bytes under the disk bound before writing (writers race).
+    bool reserved = true;
+    uint64_t used = disk_used_.load(std::memory_order_relaxed);
+    do {
+      if (options_.max_disk_bytes > 0 && used + file_bytes > options_.max_disk_bytes) {
+        reserved = false;
+        break;
+      }
+    } while (!disk_used_.compare_exchange_weak(used, used + file_bytes, std::memory_order_relaxed));
+    if (!reserved) {
       rec = absl::ResourceExhaustedError(absl::StrCat(
-          "disk bound of ", options_.max_disk_bytes, " bytes reached (", disk_used_.load(),
+          "disk bound of ", options_.max_disk_bytes, " bytes reached (", used,
           " used); run `ckptctl gc` or raise max_disk_bytes"));
     } else {
       rec = store_->Commit(&task->version, io.get(), &timings);
+      if (!rec.ok()) disk_used_.fetch_sub(file_bytes, std::memory_order_relaxed);
     }
     if (rec.ok()) {
-      disk_used_.fetch_add(rec->file_bytes(), std::memory_order_relaxed);
       if (Metrics* m = options_.metrics) {
         m->Observe(Histogram::kWriteSeconds, timings.write_seconds);
         m->Observe(Histogram::kFsyncSeconds, timings.sync_seconds);

@@ -31,6 +31,7 @@ class Daemon:
         self.proc = None
 
     def start(self, timeout=30.0):
+        os.makedirs(self.root, exist_ok=True)
         log = open(self.log_path, "a")
         env = dict(os.environ)
         if self.env:
