@@ -1,5 +1,6 @@
 // The Trainer API against a real ckptd process: bad input gets a clear error,
 // nothing is lost, the daemon survives and other jobs are undisturbed.
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -425,6 +426,69 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
   EXPECT_TRUE(absl::IsFailedPrecondition(
       ranks[0].client->SetGlobalDrift(kSteps, std::vector<LayerSums>(kLayers))));
   EXPECT_TRUE(absl::IsInvalidArgument(ranks[0].client->SetGlobalDrift(kSteps, {})));
+  ExpectAlive();
+}
+
+// The standard health service answers SERVING, and reflection lists our
+// services (both driven with raw bytes through a generic stub).
+TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
+  StartDaemon();
+  auto channel = grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::ByteBuffer request, response;  // HealthCheckRequest{service: ""} is empty
+    grpc::Slice empty("");
+    request = grpc::ByteBuffer(&empty, 1);
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+    call->StartCall();
+    grpc::Status status;
+    call->Finish(&response, &status, reinterpret_cast<void*>(1));
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(response.Dump(&slices).ok());
+    std::string bytes;
+    for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
+  }
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::CompletionQueue cq;
+    auto step = [&cq] {
+      void* tag;
+      bool ok = false;
+      return cq.Next(&tag, &ok) && ok;
+    };
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw = stub.PrepareCall(
+        &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+    rw->StartCall(reinterpret_cast<void*>(1));
+    ASSERT_TRUE(step());
+    grpc::Slice list("\x3a\x01*", 3);  // ServerReflectionRequest{list_services: "*"}
+    grpc::ByteBuffer request(&list, 1);
+    rw->Write(request, reinterpret_cast<void*>(2));
+    ASSERT_TRUE(step());
+    grpc::ByteBuffer response;
+    rw->Read(&response, reinterpret_cast<void*>(3));
+    ASSERT_TRUE(step());
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(response.Dump(&slices).ok());
+    std::string bytes;
+    for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    EXPECT_NE(bytes.find("ckpt.v1.Trainer"), std::string::npos);
+    EXPECT_NE(bytes.find("ckpt.v1.Admin"), std::string::npos);
+    rw->WritesDone(reinterpret_cast<void*>(4));
+    step();
+    grpc::Status status;
+    rw->Finish(&status, reinterpret_cast<void*>(5));
+    step();
+  }
   ExpectAlive();
 }
 
