@@ -31,7 +31,11 @@ trainer=("$bin/tools/ckpt_example_trainer" --socket="$sock" --job=$job --layers=
 echo "== training (12 layers, explicit per-layer schedule); SIGKILL after ~150 steps"
 "${trainer[@]}" --steps=100000 --compute-ms=5 --log="$dir/steps.jsonl" >/dev/null 2>&1 &
 pid=$!
-while [ "$(wc -l <"$dir/steps.jsonl" 2>/dev/null || echo 0)" -lt 150 ]; do sleep 0.1; done
+steps_logged() { if [ -f "$dir/steps.jsonl" ]; then wc -l <"$dir/steps.jsonl"; else echo 0; fi; }
+while [ "$(steps_logged)" -lt 150 ]; do
+  kill -0 $pid 2>/dev/null || { echo "trainer exited early"; exit 1; }
+  sleep 0.1
+done
 kill -9 $pid
 wait $pid 2>/dev/null || true
 echo "   trainer killed at step $(tail -n1 "$dir/steps.jsonl" | sed 's/.*"step":\([0-9]*\).*/\1/')"

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "ckpt/v1/dtype.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/status.h"
 #include "daemon/shm/handover_wire.h"
@@ -30,25 +31,15 @@ bool DaemonLost(const absl::Status& s) {
          (absl::IsFailedPrecondition(s) && s.message().find("is stale") != absl::string_view::npos);
 }
 
-}  // namespace
-
-uint64_t DTypeBytes(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32:
-    case v1::DTYPE_I32:
-      return 4;
-    case v1::DTYPE_F16:
-    case v1::DTYPE_BF16:
-      return 2;
-    case v1::DTYPE_F64:
-    case v1::DTYPE_I64:
-      return 8;
-    case v1::DTYPE_U8:
-      return 1;
-    default:
-      return 0;
-  }
+// Every per-registration request names the job, the rank and the generation.
+template <typename Request>
+void Identify(const RankSpec& spec, uint64_t generation, Request* req) {
+  req->set_job_id(spec.job_id);
+  req->set_rank(spec.rank);
+  req->set_generation(generation);
 }
+
+}  // namespace
 
 struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
@@ -211,9 +202,7 @@ absl::Status Client::StepDone(const StepInfo& info) {
   last_step_ = info.step;
   for (int attempt = 0; attempt < 2; ++attempt) {
     v1::StepDoneRequest req;
-    req.set_job_id(spec_.job_id);
-    req.set_rank(spec_.rank);
-    req.set_generation(generation_);
+    Identify(spec_, generation_, &req);
     req.set_step(info.step);
     req.set_lr(info.lr);
     req.set_aux(info.aux);
@@ -240,9 +229,7 @@ absl::Status Client::StepDone(const StepInfo& info) {
 absl::StatusOr<std::vector<LayerSums>> Client::DriftPartials(uint64_t step) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   v1::WaitRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_step(step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
@@ -256,9 +243,7 @@ absl::StatusOr<std::vector<LayerSums>> Client::DriftPartials(uint64_t step) {
 absl::Status Client::SetGlobalDrift(uint64_t step, const std::vector<LayerSums>& global) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   v1::GlobalDriftRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_step(step);
   for (const LayerSums& d : global) {
     v1::LayerDrift* ld = req.add_layers();
@@ -296,9 +281,7 @@ absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
     return info;
   }
   v1::WaitRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_step(step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
@@ -326,9 +309,7 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
         absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
   }
   v1::WaitRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_step(step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
@@ -360,9 +341,7 @@ absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step) {
 absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   v1::RestoreRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_target_step(target_step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.restore_timeout);
@@ -376,9 +355,7 @@ absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step) {
 absl::Status Client::Unregister(bool drain) {
   if (!registered_) return absl::OkStatus();
   v1::UnregisterRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
-  req.set_generation(generation_);
+  Identify(spec_, generation_, &req);
   req.set_drain(drain);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);

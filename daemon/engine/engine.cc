@@ -560,7 +560,7 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
       const std::string where = absl::StrCat("layer ", l, " tensor '", w.name(), "'");
       drift::TensorTask task;
       task.layer = static_cast<uint32_t>(l);
-      task.n = w.nbytes() / DTypeSize(w.dtype());
+      task.n = w.nbytes() / DTypeBytes(w.dtype());
       task.w = r->layers[l].src[static_cast<size_t>(i)];
       if (!dtype(w.dtype(), &task.w_dtype)) {
         return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
@@ -576,7 +576,7 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
         const void* p = r->layers[l].src[static_cast<size_t>(j)];
         const bool m_role = st.role() == v1::ROLE_EXP_AVG || st.role() == v1::ROLE_MOMENTUM;
         if (!m_role && st.role() != v1::ROLE_EXP_AVG_SQ) continue;
-        if (st.nbytes() / DTypeSize(st.dtype()) != task.n) {
+        if (st.nbytes() / DTypeBytes(st.dtype()) != task.n) {
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": state '", st.name(), "' has a different element count"));
         }

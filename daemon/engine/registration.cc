@@ -13,24 +13,6 @@
 
 namespace ckpt {
 
-uint64_t DTypeSize(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32:
-    case v1::DTYPE_I32:
-      return 4;
-    case v1::DTYPE_F16:
-    case v1::DTYPE_BF16:
-      return 2;
-    case v1::DTYPE_F64:
-    case v1::DTYPE_I64:
-      return 8;
-    case v1::DTYPE_U8:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
 absl::Status ValidateRegistration(const v1::RegisterRequest& req,
                                   const std::vector<uint64_t>& region_sizes,
                                   const RegistrationLimits& limits) {
@@ -72,7 +54,7 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
       if (t.name().empty() || t.name().size() > 1024 || !tensor_names.insert(t.name()).second) {
         return absl::InvalidArgumentError(absl::StrCat(tw, ": empty, overlong or duplicate name"));
       }
-      const uint64_t esize = DTypeSize(t.dtype());
+      const uint64_t esize = DTypeBytes(t.dtype());
       if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(tw, ": unknown dtype"));
       if (t.nbytes() == 0 || t.nbytes() > kMaxRegionBytes) {
         return absl::InvalidArgumentError(absl::StrCat(tw, ": size ", t.nbytes(), " out of range"));

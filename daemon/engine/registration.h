@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "ckpt/v1/ckpt.pb.h"
+#include "ckpt/v1/dtype.h"
 
 namespace ckpt {
 
@@ -23,9 +24,6 @@ struct RegistrationLimits {
   uint32_t max_world_size = 1 << 20;
   uint64_t max_layer_file_bytes = 0;  // the staging pool budget
 };
-
-// Bytes per element; 0 for an unknown dtype.
-uint64_t DTypeSize(v1::DType dtype);
 
 absl::Status ValidateRegistration(const v1::RegisterRequest& req,
                                   const std::vector<uint64_t>& region_sizes,

@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
+#include "ckpt/v1/dtype.h"  // DTypeBytes
 
 namespace ckpt {
 
@@ -97,9 +98,6 @@ struct SnapshotInfo {
   uint32_t skipped = 0;          // selected but skipped (pool full)
   bool lost = false;             // the daemon restarted; nothing was taken
 };
-
-// Bytes of one element of `dtype` (0 if unknown).
-uint64_t DTypeBytes(v1::DType dtype);
 
 class Client {
  public:

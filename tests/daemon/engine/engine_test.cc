@@ -63,16 +63,16 @@ v1::TensorSpec* Tensor(v1::RegisterRequest* req, int layer, int tensor) {
   return req->mutable_layers(layer)->mutable_tensors(tensor);
 }
 
-TEST(DTypeSizeTest, Sizes) {
-  EXPECT_EQ(DTypeSize(v1::DTYPE_F32), 4u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_I32), 4u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_F16), 2u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_BF16), 2u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_F64), 8u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_I64), 8u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_U8), 1u);
-  EXPECT_EQ(DTypeSize(v1::DTYPE_UNSPECIFIED), 0u);
-  EXPECT_EQ(DTypeSize(static_cast<v1::DType>(99)), 0u);
+TEST(DTypeBytesTest, Sizes) {
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_F32), 4u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_I32), 4u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_F16), 2u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_BF16), 2u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_F64), 8u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_I64), 8u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_U8), 1u);
+  EXPECT_EQ(DTypeBytes(v1::DTYPE_UNSPECIFIED), 0u);
+  EXPECT_EQ(DTypeBytes(static_cast<v1::DType>(99)), 0u);
 }
 
 TEST(ValidateRegistrationTest, ValidRequestPasses) {
