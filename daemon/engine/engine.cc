@@ -1211,6 +1211,10 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
   const absl::Time start = absl::Now();
   v1::VerifyReply reply;
   for (uint32_t rank : ranks) {
+    // Hold off GC on this rank while its versions are checked.
+    const RankKey key(req.job_id(), rank);
+    CKPT_RETURN_IF_ERROR(AcquireLease(key, absl::Now() + absl::Seconds(30)));
+    LeaseGuard release(this, key);
     std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
     CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
         req.job_id(), rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
@@ -1376,11 +1380,7 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   }
   const RankKey key(req.job_id(), req.rank());
   CKPT_RETURN_IF_ERROR(AcquireLease(key, absl::Now() + absl::Seconds(30)));
-  struct Release {
-    Engine* e;
-    RankKey k;
-    ~Release() { e->ReleaseLease(k); }
-  } release{this, key};
+  LeaseGuard release(this, key);
   CKPT_ASSIGN_OR_RETURN(v1::Plan plan, BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
   if (!plan.complete()) {
     return absl::FailedPreconditionError(

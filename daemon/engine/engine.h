@@ -162,6 +162,18 @@ class Engine {
   // leases wait (bounded) while GC runs on the rank.
   absl::Status AcquireLease(const RankKey& key, absl::Time deadline);
   void ReleaseLease(const RankKey& key);
+  // Releases a lease taken with AcquireLease when it goes out of scope.
+  class LeaseGuard {
+   public:
+    LeaseGuard(Engine* engine, RankKey key) : engine_(engine), key_(std::move(key)) {}
+    ~LeaseGuard() { engine_->ReleaseLease(key_); }
+    LeaseGuard(const LeaseGuard&) = delete;
+    LeaseGuard& operator=(const LeaseGuard&) = delete;
+
+   private:
+    Engine* engine_;
+    RankKey key_;
+  };
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
   void GcLoop();
 

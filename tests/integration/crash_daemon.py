@@ -129,7 +129,7 @@ def main():
         acks = harness.read_jsonl(ack_log)
         lost, _ = check(daemon, job, acks, args.layers)
         lost_total += lost
-        verify = daemon.ctl("verify", job, "--deep")
+        verify = daemon.ctl("verify", job, "--deep", timeout=1800)
         torn = len(verify["failures"])
         for f in verify["failures"]:
             print("TORN: %s" % f)

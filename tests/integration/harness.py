@@ -68,10 +68,11 @@ class Daemon:
         with open(self.log_path) as f:
             return f.read()
 
-    def ctl(self, *args, check=True):
+    def ctl(self, *args, check=True, timeout=120):
         """Runs ckptctl --json and returns the parsed JSON."""
-        out = subprocess.run([CKPTCTL, "--socket=" + self.socket, "--json"] + list(args),
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run([CKPTCTL, "--socket=" + self.socket, "--json",
+                              "--timeout=%d" % timeout] + list(args),
+                             capture_output=True, text=True, timeout=timeout + 30)
         if check and out.returncode != 0:
             raise RuntimeError("ckptctl %s failed (%d): %s" % (args, out.returncode, out.stderr))
         return json.loads(out.stdout) if out.stdout.strip() else None
