@@ -96,7 +96,7 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   std::vector<int> fds;
   for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
   CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
-                                                       options_.call_timeout));
+                                                       wait_for_daemon));
   v1::RegisterRequest req;
   req.set_job_id(spec_.job_id);
   req.set_rank(spec_.rank);
@@ -138,9 +138,10 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
     return absl::UnavailableError("ckptd accepted the handover but its gRPC socket did not connect");
   }
   grpc::ClientContext ctx;
-  // Registration may wait (bounded, server side) for a previous registration
-  // of the rank to drain.
-  SetDeadline(&ctx, options_.call_timeout + absl::Seconds(60));
+  // A first registration may wait (bounded, server side) for a previous
+  // registration of the rank to drain; a re-registration from inside a
+  // training step is bounded by the call timeout.
+  SetDeadline(&ctx, registered_ ? options_.call_timeout : options_.call_timeout + absl::Seconds(60));
   v1::RegisterReply reply;
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &reply)));
   registered_ = true;
@@ -167,9 +168,11 @@ absl::Status Client::OnCallError(const absl::Status& s, bool* reregistered) {
   }
   unprotected_ = true;
   if (absl::Now() >= next_reconnect_) {
-    next_reconnect_ = absl::Now() + options_.reconnect_interval;
     impl_->Reconnect(options_.socket_path);
-    absl::Status r = DoRegister(options_.reconnect_interval);
+    absl::Status r = DoRegister(std::min(options_.call_timeout, absl::Seconds(2)));
+    // The next attempt is counted from the end of this one, so a hung daemon
+    // costs a training step at most one bounded attempt per interval.
+    next_reconnect_ = absl::Now() + options_.reconnect_interval;
     if (r.ok()) {
       *reregistered = true;
       return absl::OkStatus();

@@ -82,7 +82,10 @@ struct Engine::Rank {
   std::deque<PendingStep> pending;
   std::vector<bool> never_persisted;
   std::vector<bool> retry;
-  std::vector<uint64_t> failed_since;  // per layer: oldest failed, unrepaired step (0 = none)
+  // Per layer, the outcome (durable or not) of its recent selected versions by
+  // step: WaitDurable(t) checks the newest one at or before t.
+  std::vector<std::map<uint64_t, bool>> outcomes;
+  uint64_t fence_broken_step = 0;  // a WaitSnapshot gave up on this step (or later)
   std::vector<uint64_t> last_committed;  // per layer: newest committed step (0 = none)
   absl::Status fatal;
   std::map<uint64_t, std::vector<drift::LayerSums>> partials;  // recent steps (layercheck)
@@ -96,6 +99,7 @@ struct Engine::Rank {
 namespace {
 
 constexpr size_t kSnapResultsKept = 64;
+constexpr size_t kOutcomesKept = 64;  // per layer
 
 bool IsRoot(const Caller& c) { return c.uid == 0; }
 
@@ -194,6 +198,9 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::stri
     return absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered"));
   }
   const std::shared_ptr<Rank>& r = it->second;
+  if (!r->active) {
+    return absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered"));
+  }
   if (r->uid != caller.uid && !IsRoot(caller)) {
     return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
   }
@@ -206,13 +213,14 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::stri
 }
 
 absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline) {
-  auto idle = [&r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return r->snap_queue.empty() && !r->snap_busy && r->pending.empty();
+  auto idle = [&r, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (r->snap_queue.empty() && !r->snap_busy && r->pending.empty()) || stopping_;
   };
   if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
     return absl::UnavailableError(absl::StrCat("job ", r->job, " rank ", r->rank,
                                                " is still writing earlier steps; retry"));
   }
+  if (stopping_) return absl::UnavailableError("ckptd is shutting down");
   return absl::OkStatus();
 }
 
@@ -221,36 +229,64 @@ absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time dead
 absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
                                                    std::vector<UniqueFd> fds,
                                                    const Caller& caller) {
-  // 1. Validate everything against the regions' real sizes before mapping.
+  // 1. Map the regions (each must already be sealed against shrinking, so
+  //    its size cannot change under us), then validate every tensor against
+  //    the real mapped sizes before any pointer into them is formed.
+  std::vector<MappedRegion> regions;
   std::vector<uint64_t> sizes;
-  for (const UniqueFd& fd : fds) {
-    struct stat st;
-    if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-      return absl::InvalidArgumentError("a handed-over descriptor is not a memory region");
-    }
-    sizes.push_back(static_cast<uint64_t>(st.st_size));
+  for (UniqueFd& fd : fds) {
+    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
+    sizes.push_back(region.size());
+    regions.push_back(std::move(region));
   }
   RegistrationLimits limits = options_.limits;
   limits.max_layer_file_bytes = pool_->budget_bytes();
   CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
   CKPT_ASSIGN_OR_RETURN(PolicyConfig policy, PolicyFromProto(req.policy()));
 
-  // 2. Ownership.
-  CKPT_ASSIGN_OR_RETURN(auto job_rec, index_->GetJob(req.job_id()));
-  if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", req.job_id(), " belongs to another user"));
+  // 2. Ownership: the first registration creates the job for its uid; the
+  //    check and the creation are one step (two uids racing for a new id).
+  std::optional<store::JobRecord> job_rec;
+  {
+    absl::MutexLock jobs_lock(&job_mu_);
+    CKPT_ASSIGN_OR_RETURN(job_rec, index_->GetJob(req.job_id()));
+    if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("job ", req.job_id(), " belongs to another user"));
+    }
+    if (!job_rec.has_value()) {
+      store::JobRecord jr;
+      jr.set_owner_uid(caller.uid);
+      jr.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+      CKPT_RETURN_IF_ERROR(index_->PutJob(req.job_id(), jr));
+      job_rec = jr;
+    }
   }
+  // One registration of a rank at a time, so its table and generation are
+  // written by a single caller.
+  const RankKey key(req.job_id(), req.rank());
+  {
+    absl::MutexLock lock(&mu_);
+    if (!registering_.insert(key).second) {
+      return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
+    }
+  }
+  struct Unclaim {
+    Engine* e;
+    RankKey k;
+    ~Unclaim() {
+      absl::MutexLock lock(&e->mu_);
+      e->registering_.erase(k);
+    }
+  } unclaim{this, key};
 
-  // 3. Map.
+  // 3. The rank's state.
   auto r = std::make_shared<Rank>();
   r->job = req.job_id();
   r->rank = req.rank();
-  r->uid = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
+  r->uid = job_rec->owner_uid();
   r->policy = policy;
-  for (UniqueFd& fd : fds) {
-    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
-    r->regions.push_back(std::move(region));
-  }
+  r->regions = std::move(regions);
   for (const v1::LayerSpec& spec : req.layers()) {
     LayerTemplate lt;
     lt.header.set_job_id(req.job_id());
@@ -281,7 +317,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   // have restarted and lost earlier selections). A successful Restore clears
   // this, since the buffers then equal the durable state.
   r->retry.assign(n, true);
-  r->failed_since.assign(n, 0);
+  r->outcomes.assign(n, {});
 
   // 4. Replace a live registration of the same rank once its pipeline drained.
   {
@@ -301,13 +337,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     }
   }
 
-  // 5. Persist the job and the rank's table; take a fresh generation.
-  if (!job_rec.has_value()) {
-    store::JobRecord jr;
-    jr.set_owner_uid(caller.uid);
-    jr.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
-    CKPT_RETURN_IF_ERROR(index_->PutJob(r->job, jr));
-  }
+  // 5. Persist the rank's table; take a fresh generation.
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
@@ -421,11 +451,16 @@ void Engine::SnapshotLoop() {
     const bool done = Snapshot(r, task);
     absl::MutexLock lock(&mu_);
     if (!done) {
-      // Parked until SetGlobalDrift (or dropped if the registration ends).
-      if (r->active) {
+      // Parked until SetGlobalDrift. Publishing the partial sums and parking
+      // happen under one lock, so a SetGlobalDrift that follows the partials
+      // always finds the step waiting.
+      if (r->active && !stopping_) {
+        r->partials[task.step] = task.global;
+        while (r->partials.size() > kSnapResultsKept) r->partials.erase(r->partials.begin());
         r->snap_queue.push_front(std::move(task));
         r->deferred = true;
       } else {
+        r->snap_queue.clear();  // nobody will send the global vectors
         r->snap_busy = false;
       }
       continue;
@@ -481,6 +516,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     staged.push_back(std::move(v));
   }
   CKPT_KILL_POINT("snapshot.copied");
+  CKPT_DELAY_POINT("snapshot.before_publish");
   uint64_t staged_bytes = 0;
   for (const StagedVersion& v : staged) staged_bytes += v.layout.payload_bytes;
   if (Metrics* m = options_.metrics) {
@@ -491,6 +527,19 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
   }
   {
     absl::MutexLock lock(&mu_);
+    if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
+      // Nobody waited for this copy to finish: the trainer may have changed
+      // the buffers meanwhile, so the staged bytes cannot be trusted. Drop
+      // them (the layers are retried) rather than make them durable.
+      for (const StagedVersion& v : staged) {
+        skipped.push_back(v.key.layer);
+        r->retry[v.key.layer] = true;
+        RecordOutcome(r.get(), v.key.layer, task.step, false);
+      }
+      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                        << ": snapshot finished after its fence was abandoned; discarded";
+      staged.clear();
+    }
     v1::WaitSnapshotReply result;
     for (const StagedVersion& v : staged) {
       result.add_layers(v.key.layer);
@@ -499,7 +548,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     }
     for (uint32_t l : skipped) {
       r->retry[l] = true;
-      if (r->failed_since[l] == 0) r->failed_since[l] = task.step;
+      RecordOutcome(r.get(), l, task.step, false);
     }
     result.set_skipped(static_cast<uint32_t>(skipped.size()));
     if (!skipped.empty()) {
@@ -674,14 +723,11 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
       }
     }
     CKPT_KILL_POINT("snapshot.drift");
-    absl::MutexLock lock(&mu_);
-    r->partials[task.step] = sums;
-    while (r->partials.size() > kSnapResultsKept) r->partials.erase(r->partials.begin());
+    task.global = std::move(sums);  // this rank's partial sums until SetGlobalDrift
     if (r->world_size > 1) {
       task.stage = SnapTask::Stage::kAwaitingGlobal;
-      return false;
+      return false;  // SnapshotLoop publishes them and parks the task
     }
-    task.global = std::move(sums);
     task.stage = SnapTask::Stage::kReady;
   }
   absl::MutexLock lock(&mu_);
@@ -865,11 +911,11 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
       p.event.add_layers(layer);
       p.event.set_bytes(p.event.bytes() + bytes);
       r->last_committed[layer] = std::max(r->last_committed[layer], step);
-      if (r->failed_since[layer] != 0 && r->failed_since[layer] <= step) r->failed_since[layer] = 0;
+      RecordOutcome(r.get(), layer, step, true);
     } else {
       p.event.set_failed(p.event.failed() + 1);
       r->retry[layer] = true;
-      if (r->failed_since[layer] == 0) r->failed_since[layer] = step;
+      RecordOutcome(r.get(), layer, step, false);
     }
     --p.remaining;
     return;
@@ -926,6 +972,9 @@ absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest
                               absl::ToDoubleSeconds(absl::Now() - wait_start));
   }
   if (r->snapshot_step < req.step()) {
+    // The caller will go on without the fence: a copy still running for this
+    // step (or an earlier one) must not become durable.
+    r->fence_broken_step = std::max(r->fence_broken_step, req.step());
     if (!r->active || stopping_) return absl::AbortedError("the registration ended before the snapshot");
     return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
   }
@@ -954,8 +1003,10 @@ absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& 
     return absl::DeadlineExceededError(absl::StrCat("step ", req.step(), " not durable in time"));
   }
   std::vector<uint32_t> failed;
-  for (uint32_t l = 0; l < r->failed_since.size(); ++l) {
-    if (r->failed_since[l] != 0 && r->failed_since[l] <= req.step()) failed.push_back(l);
+  for (uint32_t l = 0; l < r->outcomes.size(); ++l) {
+    const std::map<uint64_t, bool>& o = r->outcomes[l];
+    auto it = o.upper_bound(req.step());  // the newest selection at or before the step
+    if (it != o.begin() && !std::prev(it)->second) failed.push_back(l);
   }
   if (!failed.empty()) {
     return absl::AbortedError(absl::StrCat("layer versions of layers [", absl::StrJoin(failed, ","),
@@ -972,10 +1023,14 @@ absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& 
   absl::MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
-  if (!req.drain()) ReleaseDeferredLocked(r.get());
-  if (req.drain()) CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
   r->active = false;
-  ranks_.erase(RankKey(r->job, r->rank));
+  ReleaseDeferredLocked(r.get());
+  if (req.drain()) {
+    CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
+    ranks_.erase(RankKey(r->job, r->rank));
+  }
+  // Without drain the rank stays (inactive) until its staged versions are
+  // written: the next Register of it drains it first.
   if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
                  << r->generation;
@@ -1085,7 +1140,8 @@ v1::StatusReply Engine::GetStatus() {
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
   if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
   absl::MutexLock lock(&mu_);
-  s.set_registered_ranks(static_cast<uint32_t>(ranks_.size()));
+  s.set_registered_ranks(static_cast<uint32_t>(std::count_if(
+      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
   return s;
 }
 
@@ -1114,7 +1170,7 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
           }));
       absl::MutexLock lock(&mu_);
       auto it = ranks_.find(RankKey(job, rank));
-      if (it != ranks_.end()) {
+      if (it != ranks_.end() && it->second->active) {
         ri->set_registered(true);
         ri->set_generation(it->second->generation);
         ri->set_last_step_seen(it->second->last_step_seen);
@@ -1157,7 +1213,7 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
   }
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
-  if (it != ranks_.end()) {
+  if (it != ranks_.end() && it->second->active) {
     const Rank& r = *it->second;
     reply.set_policy(PolicyName(r.policy.kind));
     if (r.layercheck != nullptr) {
@@ -1419,22 +1475,27 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
       return absl::Status(v.status().code(), absl::StrCat("layer ", lp.layer(), " step ", lp.step(),
                                                           ": ", v.status().message()));
     }
+    // Copy the verified layer out of staging before streaming it, so a slow
+    // reader never holds pinned staging memory that snapshots need.
     std::map<std::string, const store::TensorEntry*> stored;
     for (const store::TensorEntry& t : v->decoded.header.tensors()) stored[t.name()] = &t;
+    std::string layer_bytes;
     for (const v1::TensorSpec& t : table->layers(static_cast<int>(lp.layer())).tensors()) {
       auto it = stored.find(t.name());
       if (it == stored.end() || it->second->nbytes() != t.nbytes()) {
         return absl::FailedPreconditionError(
             absl::StrCat("tensor '", t.name(), "' differs between the checkpoint and the table"));
       }
-      const uint64_t base = v->decoded.layout.header_bytes + it->second->offset();
-      for (uint64_t off = 0; off < t.nbytes(); off += kPiece) {
-        v1::ExportChunk chunk;
-        std::string* data = chunk.mutable_data();
-        data->resize(std::min(kPiece, t.nbytes() - off));
-        v->lease.CopyOut(base + off, data->data(), data->size());
-        if (!sink(chunk)) return absl::CancelledError("the reader went away");
-      }
+      const size_t at = layer_bytes.size();
+      layer_bytes.resize(at + t.nbytes());
+      v->lease.CopyOut(v->decoded.layout.header_bytes + it->second->offset(), &layer_bytes[at],
+                       t.nbytes());
+    }
+    v = absl::StatusOr<LoadedVersion>(absl::CancelledError("released"));  // frees the lease
+    for (uint64_t off = 0; off < layer_bytes.size(); off += kPiece) {
+      v1::ExportChunk chunk;
+      chunk.set_data(layer_bytes.substr(off, kPiece));
+      if (!sink(chunk)) return absl::CancelledError("the reader went away");
     }
   }
   return absl::OkStatus();
@@ -1449,7 +1510,8 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDiskLimitBytes, static_cast<double>(options_.max_disk_bytes));
   absl::MutexLock lock(&mu_);
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
-  m->Set(Gauge::kRegisteredRanks, static_cast<double>(ranks_.size()));
+  m->Set(Gauge::kRegisteredRanks, static_cast<double>(std::count_if(
+      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
   // Durability lag: staged but not yet durable, over every live rank.
   const absl::Time now = absl::Now();
   double lag_bytes = 0, lag_seconds = 0;
@@ -1458,7 +1520,7 @@ void Engine::CollectMetrics() {
       lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
       lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
     }
-    for (uint32_t l = 0; l < r->last_committed.size(); ++l) {
+    for (uint32_t l = 0; r->active && l < r->last_committed.size(); ++l) {
       const double staleness = r->last_committed[l] > 0 && r->durable_step >= r->last_committed[l]
                                    ? static_cast<double>(r->durable_step - r->last_committed[l])
                                    : 0.0;
@@ -1468,6 +1530,12 @@ void Engine::CollectMetrics() {
   }
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
+}
+
+void Engine::RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable) {
+  std::map<uint64_t, bool>& o = r->outcomes[layer];
+  o[step] = durable;
+  while (o.size() > kOutcomesKept) o.erase(o.begin());
 }
 
 }  // namespace ckpt

@@ -27,6 +27,7 @@
 #include <set>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -154,6 +155,8 @@ class Engine {
   bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task);
   absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
   void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriterLoop(std::unique_ptr<IoBackend> io);
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
@@ -198,6 +201,8 @@ class Engine {
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<RankKey, int> leases_ ABSL_GUARDED_BY(mu_);
+  std::set<RankKey> registering_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex job_mu_;  // job ownership: check-and-create is one step
   std::set<RankKey> gc_active_ ABSL_GUARDED_BY(mu_);
 
   // Counters (relaxed; read by GetStatus and the metrics).

@@ -4,10 +4,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/logging.h"
 #include "daemon/common/status.h"
 
 namespace ckpt {
@@ -146,7 +149,12 @@ class UringBackend final : public IoBackend {
       struct io_uring_cqe* cqe = nullptr;
       int rc = ::io_uring_wait_cqe(&ring_, &cqe);
       if (rc == -EINTR) continue;
-      if (rc < 0) return ErrnoStatus(-rc, "io_uring_wait_cqe");
+      if (rc < 0) {
+        // Operations still in flight own their buffers: reap them before the
+        // caller can reuse the memory.
+        broken_ = true;
+        return DrainAfterFailure(in_flight, ErrnoStatus(-rc, "io_uring_wait_cqe"));
+      }
       unsigned slot = static_cast<unsigned>(::io_uring_cqe_get_data64(cqe));
       int res = cqe->res;
       ::io_uring_cqe_seen(&ring_, cqe);
@@ -178,7 +186,13 @@ class UringBackend final : public IoBackend {
       struct io_uring_cqe* cqe = nullptr;
       int rc = ::io_uring_wait_cqe(&ring_, &cqe);
       if (rc == -EINTR) continue;
-      if (rc < 0) break;
+      if (rc < 0) {
+        // The kernel may still write into buffers we cannot reclaim: returning
+        // would let the caller hand them out again. Fail-stop instead.
+        CKPT_LOG(ERROR) << "io_uring: cannot reap " << in_flight
+                        << " operations in flight (" << std::strerror(-rc) << "); aborting";
+        std::abort();
+      }
       ::io_uring_cqe_seen(&ring_, cqe);
       --in_flight;
     }

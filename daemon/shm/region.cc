@@ -51,13 +51,15 @@ MemfdRegion& MemfdRegion::operator=(MemfdRegion&& o) noexcept {
 }
 
 absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat region");
-  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError("region fd is not a regular file");
+  // The seal first: once F_SEAL_SHRINK is on, the size read next cannot
+  // shrink before (or after) the mapping, so no access can fault.
   int seals = ::fcntl(fd.get(), F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     return absl::InvalidArgumentError("region fd is not a memfd sealed with F_SEAL_SHRINK");
   }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat region");
+  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError("region fd is not a regular file");
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0 || size > kMaxRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("region size ", size, " out of range"));

@@ -237,6 +237,7 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
   //    records whose file is missing or short are bug alarms.
   std::vector<std::pair<VersionKey, store::VersionRecord>> drop_uncommitted, drop_dangling;
   std::set<std::string> named;
+  absl::Status stat_error;
   CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
       job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
         if (k.step > last_step) {
@@ -244,13 +245,20 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
           return true;
         }
         absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
-        if (!size.ok() || *size != rec.file_bytes()) {
+        if ((!size.ok() && absl::IsNotFound(size.status())) ||
+            (size.ok() && *size != rec.file_bytes())) {
           drop_dangling.emplace_back(k, rec);
+        } else if (!size.ok()) {
+          // Anything but "missing" (EIO, ENOMEM...) is not a verdict on the
+          // file: stop rather than delete acknowledged data.
+          stat_error = size.status();
+          return false;
         } else {
           named.insert(rec.file());
         }
         return true;
       }));
+  CKPT_RETURN_IF_ERROR(stat_error);
   for (auto& [k, rec] : drop_uncommitted) {
     CKPT_RETURN_IF_ERROR(Remove(k, rec));
     ++report->uncommitted_versions_removed;

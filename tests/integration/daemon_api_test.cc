@@ -492,5 +492,61 @@ TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
   ExpectAlive();
 }
 
+// Regression: a snapshot still being copied when its WaitSnapshot gave up
+// used to be committed anyway, although the trainer had moved on and could
+// have changed the buffers mid-copy. It must be discarded and retried.
+TEST_F(DaemonApiTest, SnapshotFinishingAfterItsFenceWasAbandonedIsDiscarded) {
+  StartDaemon({}, {"CKPT_DELAY_AT=snapshot.before_publish:1500"});
+  TestRank r = MakeRank(daemon_->socket(), "late", 2, 1024);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  ASSERT_TRUE(r.client->StepDone(1, 0.1).ok());
+  v1::WaitRequest req;
+  req.set_job_id("late");
+  req.set_generation(r.client->generation());
+  req.set_step(1);
+  req.set_timeout_ms(100);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::WaitSnapshotReply reply;
+  EXPECT_EQ(RawStub()->WaitSnapshot(&ctx, req, &reply).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  // The trainer goes on without the fence; step 1's copy must not count.
+  EXPECT_TRUE(absl::IsAborted(r.client->WaitDurable(1).status()));
+  absl::StatusOr<v1::Plan> plan = r.client->Plan(1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->complete());  // nothing of step 1 became durable
+  ASSERT_TRUE(r.client->StepDone(2, 0.1).ok());
+  ASSERT_TRUE(r.client->WaitSnapshot(2).ok());
+  EXPECT_EQ(r.client->WaitDurable(2).value(), 2u);  // the layers were retried
+  plan = r.client->Plan(2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->complete());
+  for (const v1::LayerPlan& lp : plan->layers()) EXPECT_EQ(lp.step(), 2u);
+}
+
+// Regression: Unregister without drain used to forget the rank while its
+// staged versions were still being written, so a new registration did not
+// wait for them and both wrote the same keys.
+TEST_F(DaemonApiTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration) {
+  StartDaemon({"--writer_threads=1"}, {"CKPT_DELAY_AT=writer.before_commit:150"});
+  TestRank a = MakeRank(daemon_->socket(), "undrained", 2, 1024);
+  ASSERT_TRUE(a.client->Register(a.spec).ok());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    if (t > 1) {
+      ASSERT_TRUE(a.client->WaitSnapshot(t - 1).ok());
+    }
+    ASSERT_TRUE(a.client->StepDone(t, 0.1).ok());
+  }
+  ASSERT_TRUE(a.client->WaitSnapshot(3).ok());
+  ASSERT_TRUE(a.client->Unregister(/*drain=*/false).ok());
+  TestRank b = MakeRank(daemon_->socket(), "undrained", 2, 1024);
+  ASSERT_TRUE(b.client->Register(b.spec).ok());
+  // Every staged step of the old registration was durable before the new one
+  // started (6 versions at 150 ms each).
+  EXPECT_EQ(b.client->latest_durable_step_at_register(), 3u);
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.client->StepDone(3, 0.1)));
+  EXPECT_TRUE(b.client->StepDone(4, 0.1).ok());
+}
+
 }  // namespace
 }  // namespace ckpt
