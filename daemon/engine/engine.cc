@@ -154,6 +154,7 @@ void Engine::Shutdown(absl::Duration grace) {
     absl::MutexLock lock(&mu_);
     if (stopping_ && stop_writers_) return;
     stopping_ = true;
+    shutting_down_.store(true, std::memory_order_relaxed);
   }
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
@@ -1086,7 +1087,8 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     return r->layers[layer].src[tensor];
   };
   absl::StatusOr<RestoreStats> stats =
-      RestoreInto(*plan, r->table, dest, index_, store_, io->get(), pool_, options_.restore_timeout);
+      RestoreInto(*plan, r->table, dest, index_, store_, io->get(), pool_, options_.restore_timeout,
+                  [this] { return shutting_down_.load(std::memory_order_relaxed); });
   ReleaseLease(key);
   {
     absl::MutexLock lock(&mu_);

@@ -211,6 +211,7 @@ class Engine {
   std::atomic<uint64_t> snapshots_skipped_{0};
   std::atomic<uint64_t> write_errors_{0};
   std::atomic<uint64_t> disk_used_{0};  // bytes of committed version files
+  std::atomic<bool> shutting_down_{false};  // mirrors stopping_ for lock-free checks
 };
 
 }  // namespace ckpt

@@ -59,7 +59,8 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
 
 absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
-                                         IoBackend* io, StagingPool* pool, absl::Duration timeout) {
+                                         IoBackend* io, StagingPool* pool, absl::Duration timeout,
+                                         const std::function<bool()>& cancelled) {
   if (!plan.complete()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step(), " is incomplete: some layers have no version"));
@@ -68,6 +69,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::Rank
   const absl::Time deadline = start + timeout;
   RestoreStats stats;
   for (const v1::LayerPlan& lp : plan.layers()) {
+    if (cancelled && cancelled()) return absl::CancelledError("the restore was cancelled");
     if (lp.layer() >= static_cast<uint32_t>(table.layers_size())) {
       return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer()));
     }

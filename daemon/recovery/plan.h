@@ -9,7 +9,8 @@
 // verified before a byte is copied out) and writes it into the destination
 // tensors. It fails closed: DATA_LOSS names the first layer that does not
 // verify; FAILED_PRECONDITION when the plan is incomplete or the destination
-// table does not match the stored tensors (name, dtype, size).
+// table does not match the stored tensors (name, dtype, size); CANCELLED
+// between layers once `cancelled` returns true (daemon shutdown).
 //
 // Thread-safety: free functions; safe to call concurrently.
 #pragma once
@@ -44,6 +45,7 @@ struct RestoreStats {
 
 absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
-                                         IoBackend* io, StagingPool* pool, absl::Duration timeout);
+                                         IoBackend* io, StagingPool* pool, absl::Duration timeout,
+                                         const std::function<bool()>& cancelled = nullptr);
 
 }  // namespace ckpt

@@ -182,6 +182,20 @@ TEST_F(PlanTest, TargetBetweenEventsIsNotRestorable) {
   EXPECT_FALSE(at25.complete());
 }
 
+TEST_F(PlanTest, RestoreStopsWhenCancelled) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  TensorDestination dest = [&out](uint32_t layer, uint32_t tensor) {
+    return out[{layer, tensor}].data();
+  };
+  plan.set_complete(true);  // reach the per-layer loop
+  absl::StatusOr<RestoreStats> stats =
+      RestoreInto(plan, table_, dest, index_.get(), store_.get(), io_.get(), pool_.get(),
+                  absl::Seconds(30), [] { return true; });
+  EXPECT_TRUE(absl::IsCancelled(stats.status())) << stats.status();
+}
+
 TEST_F(PlanTest, RestoreCopiesThePlannedBytes) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
   CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
