@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -804,8 +805,10 @@ class Ctl {
         return kExitDaemonError;
       }
     }
-    if (std::system(absl::StrCat("mkdir -p '", o_.out, "'").c_str()) != 0) {
-      return UsageError(absl::StrCat("cannot create ", o_.out));
+    std::error_code mkdir_error;
+    std::filesystem::create_directories(o_.out, mkdir_error);
+    if (mkdir_error) {
+      return UsageError(absl::StrCat("cannot create ", o_.out, ": ", mkdir_error.message()));
     }
     Json manifest{{"format", "ckptd-export-v1"}, {"job_id", job}, {"ranks", Json::array()}};
     const bool bar = !o_.json && ::isatty(2);

@@ -39,6 +39,13 @@ void Identify(const RankSpec& spec, uint64_t generation, Request* req) {
   req->set_generation(generation);
 }
 
+v1::WaitRequest WaitFor(const RankSpec& spec, uint64_t generation, uint64_t step) {
+  v1::WaitRequest req;
+  Identify(spec, generation, &req);
+  req.set_step(step);
+  return req;
+}
+
 }  // namespace
 
 struct Client::Impl {
@@ -231,9 +238,7 @@ absl::Status Client::StepDone(const StepInfo& info) {
 
 absl::StatusOr<std::vector<LayerSums>> Client::DriftPartials(uint64_t step) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
-  v1::WaitRequest req;
-  Identify(spec_, generation_, &req);
-  req.set_step(step);
+  const v1::WaitRequest req = WaitFor(spec_, generation_, step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::DriftReply reply;
@@ -283,9 +288,7 @@ absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
     info.lost = true;
     return info;
   }
-  v1::WaitRequest req;
-  Identify(spec_, generation_, &req);
-  req.set_step(step);
+  const v1::WaitRequest req = WaitFor(spec_, generation_, step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::WaitSnapshotReply reply;
@@ -311,9 +314,7 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
     return absl::AbortedError(
         absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
   }
-  v1::WaitRequest req;
-  Identify(spec_, generation_, &req);
-  req.set_step(step);
+  const v1::WaitRequest req = WaitFor(spec_, generation_, step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::WaitDurableReply reply;

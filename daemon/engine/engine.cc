@@ -1061,61 +1061,52 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     }
     r->restoring = true;
   }
-  const RankKey key(r->job, r->rank);
-  if (absl::Status s = AcquireLease(key, absl::Now() + absl::Seconds(30)); !s.ok()) {
-    absl::MutexLock lock(&mu_);
-    r->restoring = false;
-    return s;
-  }
-  auto done = [&] {
-    ReleaseLease(key);
-    absl::MutexLock lock(&mu_);
-    r->restoring = false;
+  // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
+  // StepDone off it until the buffers are written.
+  auto restore = [&]() -> absl::StatusOr<v1::RestoreReply> {
+    const RankKey key(r->job, r->rank);
+    CKPT_RETURN_IF_ERROR(AcquireLease(key, absl::Now() + absl::Seconds(30)));
+    LeaseGuard lease(this, key);
+    v1::RestoreReply reply;
+    CKPT_ASSIGN_OR_RETURN(*reply.mutable_plan(),
+                          BuildPlan(index_, r->job, r->rank, req.target_step(), r->table));
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+    TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
+      return r->layers[layer].src[tensor];
+    };
+    CKPT_ASSIGN_OR_RETURN(
+        RestoreStats stats,
+        RestoreInto(reply.plan(), r->table, dest, index_, store_, io.get(), pool_,
+                    options_.restore_timeout,
+                    [this] { return shutting_down_.load(std::memory_order_relaxed); }));
+    reply.set_bytes_restored(stats.bytes);
+    reply.set_seconds(stats.seconds);
+    return reply;
   };
-  absl::StatusOr<v1::Plan> plan = BuildPlan(index_, r->job, r->rank, req.target_step(), r->table);
-  if (!plan.ok()) {
-    done();
-    return plan.status();
-  }
-  absl::StatusOr<std::unique_ptr<IoBackend>> io =
-      MakeIoBackend(options_.io_backend, options_.io_queue_depth);
-  if (!io.ok()) {
-    done();
-    return io.status();
-  }
-  TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
-    return r->layers[layer].src[tensor];
-  };
-  absl::StatusOr<RestoreStats> stats =
-      RestoreInto(*plan, r->table, dest, index_, store_, io->get(), pool_, options_.restore_timeout,
-                  [this] { return shutting_down_.load(std::memory_order_relaxed); });
-  ReleaseLease(key);
+  absl::StatusOr<v1::RestoreReply> reply = restore();
   {
     absl::MutexLock lock(&mu_);
     r->restoring = false;
-    if (stats.ok()) r->retry.assign(r->retry.size(), false);
+    if (reply.ok()) r->retry.assign(r->retry.size(), false);
   }
   if (Metrics* m = options_.metrics) {
-    if (stats.ok()) {
+    if (reply.ok()) {
       m->Inc(Counter::kRestores);
-      m->Inc(Counter::kRestoredBytes, static_cast<double>(stats->bytes));
-      m->Observe(Histogram::kRestoreSeconds, stats->seconds);
-    } else if (absl::IsDataLoss(stats.status())) {
+      m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes_restored()));
+      m->Observe(Histogram::kRestoreSeconds, reply->seconds());
+    } else if (absl::IsDataLoss(reply.status())) {
       m->Inc(Counter::kErrors, "checksum", 1);
     }
   }
-  if (!stats.ok()) {
+  if (!reply.ok()) {
     CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank << " failed: "
-                    << stats.status();
-    return stats.status();
+                    << reply.status();
+    return reply.status();
   }
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
-                 << plan->target_step() << ": " << stats->bytes << " bytes in " << stats->seconds
-                 << " s, max staleness " << plan->max_staleness();
-  v1::RestoreReply reply;
-  *reply.mutable_plan() = std::move(*plan);
-  reply.set_bytes_restored(stats->bytes);
-  reply.set_seconds(stats->seconds);
+                 << reply->plan().target_step() << ": " << reply->bytes_restored() << " bytes in "
+                 << reply->seconds() << " s, max staleness " << reply->plan().max_staleness();
   return reply;
 }
 

@@ -214,6 +214,18 @@ absl::StatusOr<IoBackendKind> ParseIoBackendKind(const std::string& s) {
       absl::StrCat("unknown io backend '", s, "'; expected auto, io_uring or pwrite"));
 }
 
+const char* IoBackendKindName(IoBackendKind kind) {
+  switch (kind) {
+    case IoBackendKind::kAuto:
+      return "auto";
+    case IoBackendKind::kUring:
+      return "io_uring";
+    case IoBackendKind::kPwrite:
+      return "pwrite";
+  }
+  return "unknown";
+}
+
 std::unique_ptr<IoBackend> MakePwriteBackend() { return std::make_unique<PwriteBackend>(); }
 
 absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(unsigned queue_depth) {

@@ -40,8 +40,9 @@ class IoBackend {
 
 enum class IoBackendKind { kAuto, kUring, kPwrite };
 
-// Parses "auto" | "io_uring" | "pwrite".
+// Parses "auto" | "io_uring" | "pwrite"; IoBackendKindName is the inverse.
 absl::StatusOr<IoBackendKind> ParseIoBackendKind(const std::string& s);
+const char* IoBackendKindName(IoBackendKind kind);
 
 // kUring fails with UNAVAILABLE where the kernel or seccomp refuses io_uring;
 // kAuto then falls back to pwrite (the caller logs the choice once).

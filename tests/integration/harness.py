@@ -68,6 +68,11 @@ class Daemon:
         with open(self.log_path) as f:
             return f.read()
 
+    def ctl_raw(self, *args, socket=None, timeout=120):
+        """Runs ckptctl as given and returns the CompletedProcess (human output)."""
+        return subprocess.run([CKPTCTL, "--socket=" + (socket or self.socket)] + list(args),
+                              capture_output=True, text=True, timeout=timeout)
+
     def ctl(self, *args, check=True, timeout=120):
         """Runs ckptctl --json and returns the parsed JSON."""
         out = subprocess.run([CKPTCTL, "--socket=" + self.socket, "--json",

@@ -6,15 +6,9 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import harness
-
-
-def run(d, *args, socket=None):
-    return subprocess.run([harness.CKPTCTL, "--socket=" + (socket or d.socket)] + list(args),
-                          capture_output=True, text=True, timeout=120)
 
 
 def table(text):
@@ -36,7 +30,7 @@ def main():
         # status
         st = d.ctl("status")
         assert st["jobs"] == 1 and st["versions_committed"] > 0 and st["io_backend"]
-        human = run(d, "status")
+        human = d.ctl_raw("status")
         assert human.returncode == 0
         kv = dict(l.split(":", 1) for l in human.stdout.splitlines() if ":" in l)
         assert kv["versions_committed"].strip() == str(st["versions_committed"])
@@ -44,13 +38,13 @@ def main():
         # jobs
         jobs = d.ctl("jobs")["jobs"]
         assert [j["job_id"] for j in jobs] == [job] and jobs[0]["ranks"][0]["latest_durable_step"] == 30
-        rows = table(run(d, "jobs").stdout)
+        rows = table(d.ctl_raw("jobs").stdout)
         assert rows[0][0] == job and rows[0][4] == "30", rows
 
         # layers
         layers = d.ctl("layers", job)
         assert len(layers["layers"]) == 4 and layers["latest_durable_step"] == 30
-        rows = table(run(d, "layers", job).stdout)
+        rows = table(d.ctl_raw("layers", job).stdout)
         assert [int(r[0]) for r in rows] == [0, 1, 2, 3]
         for r, l in zip(rows, layers["layers"]):
             assert r[1] == l["name"] and int(r[-1]) == l["versions"], (r, l)
@@ -59,13 +53,13 @@ def main():
         hist = d.ctl("history", job, "--layer=1", "--limit=3")["events"]
         assert len(hist) == 3 and all(1 in e["layers"] for e in hist)
         assert [e["step"] for e in hist] == sorted([e["step"] for e in hist], reverse=True)
-        rows = table(run(d, "history", job, "--layer=1", "--limit=3").stdout)
+        rows = table(d.ctl_raw("history", job, "--layer=1", "--limit=3").stdout)
         assert [int(r[0]) for r in rows] == [e["step"] for e in hist]
 
         # plan
         plan = d.ctl("plan", job)
         assert plan["complete"] and plan["target_step"] == 30
-        rows = table(run(d, "plan", job).stdout)
+        rows = table(d.ctl_raw("plan", job).stdout)
         assert [int(r[2]) for r in rows] == [l["step"] for l in plan["layers"]]
         at = d.ctl("plan", job, "--step=20")
         assert at["target_step"] == 20 and max(l["step"] for l in at["layers"]) <= 20
@@ -73,38 +67,38 @@ def main():
         # config
         cfg = d.ctl("config")
         assert cfg["keep_last_events"] == "3" and cfg["socket"] == d.socket
-        assert "keep_last_events = 3" in run(d, "config").stdout
+        assert "keep_last_events = 3" in d.ctl_raw("config").stdout
 
         # verify (cheap and deep)
         v = d.ctl("verify", job)
         assert v["failures"] == [] and v["versions_checked"] == jobs[0]["versions"]
-        assert run(d, "verify", job, "--deep").returncode == 0
+        assert d.ctl_raw("verify", job, "--deep").returncode == 0
 
         # export and restore to a directory
         m = d.ctl("export", job, "--out=" + os.path.join(root, "exp"))
         assert os.path.exists(os.path.join(root, "exp", m["ranks"][0]["file"]))
-        human = run(d, "restore", job, "--out=" + os.path.join(root, "res"))
+        human = d.ctl_raw("restore", job, "--out=" + os.path.join(root, "res"))
         assert human.returncode == 0 and "rank 0: step 30" in human.stdout, human.stdout
 
         # gc: dry run, then for real
         dry = d.ctl("gc", job, "--dry-run")
         assert dry["versions_deleted"] > 0 and d.ctl("jobs")["jobs"][0]["versions"] == jobs[0]["versions"]
-        human = run(d, "gc", job)
+        human = d.ctl_raw("gc", job)
         assert human.returncode == 0 and "deleted" in human.stdout
         assert d.ctl("jobs")["jobs"][0]["versions"] == jobs[0]["versions"] - dry["versions_deleted"]
         assert d.ctl("plan", job) == plan
 
         # Exit codes.
-        r = run(d, "plan", "nosuchjob")
+        r = d.ctl_raw("plan", "nosuchjob")
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r
-        assert run(d, "plan", "../x").returncode == 1
-        assert run(d, "bogus").returncode == 2
-        assert run(d, "plan").returncode == 2                     # missing JOB
-        assert run(d, "plan", job, "--step=x").returncode == 2
-        assert run(d, "export", job).returncode == 2              # --out required
-        r = run(d, "status", socket=os.path.join(root, "nothing.sock"))
+        assert d.ctl_raw("plan", "../x").returncode == 1
+        assert d.ctl_raw("bogus").returncode == 2
+        assert d.ctl_raw("plan").returncode == 2                     # missing JOB
+        assert d.ctl_raw("plan", job, "--step=x").returncode == 2
+        assert d.ctl_raw("export", job).returncode == 2              # --out required
+        r = d.ctl_raw("status", socket=os.path.join(root, "nothing.sock"))
         assert r.returncode == 3, r
-        assert run(d, "--help").returncode == 0
+        assert d.ctl_raw("--help").returncode == 0
 
         # verify finds a flipped byte: exit 4 and the failure names the layer.
         rank_dir = os.path.join(d.data, "jobs", job, "rank-00000000")
@@ -115,10 +109,10 @@ def main():
             b = f.read(1)
             f.seek(8192 + 100)
             f.write(bytes([b[0] ^ 0x40]))
-        assert run(d, "verify", job).returncode == 0          # sizes still fine
-        r = run(d, "verify", job, "--deep")
+        assert d.ctl_raw("verify", job).returncode == 0          # sizes still fine
+        r = d.ctl_raw("verify", job, "--deep")
         assert r.returncode == 4 and "checksum" in r.stdout, r.stdout
-        bad = json.loads(run(d, "--json", "verify", job, "--deep").stdout)["failures"]
+        bad = json.loads(d.ctl_raw("--json", "verify", job, "--deep").stdout)["failures"]
         assert len(bad) == 1 and bad[0]["layer"] == layer, bad
         print("ckptctl: every command checked in both forms; exit codes 0/1/2/3/4 as documented")
         d.stop()

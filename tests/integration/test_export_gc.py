@@ -10,7 +10,6 @@ restore writes into a trainer's buffers."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import harness
@@ -39,11 +38,6 @@ def read_safetensors(path):
         arr = np.frombuffer(body[begin:end], dtype=DTYPES[meta["dtype"]])
         tensors[name] = arr.reshape(meta["shape"])
     return header, body, tensors
-
-
-def ctl_raw(d, *args):
-    return subprocess.run([harness.CKPTCTL, "--socket=" + d.socket] + list(args),
-                          capture_output=True, text=True, timeout=120)
 
 
 def main():
@@ -76,7 +70,7 @@ def main():
         assert gc["retained_targets"] == 7, gc
         assert d.ctl("plan", job) == plan_latest
         assert d.ctl("plan", job, "--step=100") == plan_100
-        gone = ctl_raw(d, "plan", job, "--step=60")
+        gone = d.ctl_raw("plan", job, "--step=60")
         assert gone.returncode == 1 and "NOT_FOUND" in gone.stderr, gone.stderr
         verify = d.ctl("verify", job, "--deep")
         assert verify["failures"] == [] and verify["versions_checked"] == after["versions"]

@@ -16,16 +16,14 @@
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {
 
-// Lets gtest print backend parameters by name.
-void PrintTo(IoBackendKind kind, std::ostream* os) {
-  *os << (kind == IoBackendKind::kUring ? "io_uring" : "pwrite");
-}
-
 namespace {
+
+using ::ckpt::testing::BackendParamName;
 
 using ::ckpt::testing::AlignedPtr;
 using ::ckpt::testing::AllocAligned;
@@ -36,10 +34,6 @@ using ::ckpt::testing::TempDir;
 using ::ckpt::testing::WriteFile;
 
 constexpr unsigned kQueueDepth = 4;
-
-std::string KindName(const ::testing::TestParamInfo<IoBackendKind>& info) {
-  return info.param == IoBackendKind::kUring ? "io_uring" : "pwrite";
-}
 
 // A segment together with the aligned memory it points at.
 struct OwnedSegment {
@@ -293,7 +287,7 @@ TEST_P(IoBackendTest, BufferedUnalignedSegments) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, IoBackendTest,
                          ::testing::Values(IoBackendKind::kUring, IoBackendKind::kPwrite),
-                         KindName);
+                         BackendParamName);
 
 TEST(IoBackendFactoryTest, ParseKinds) {
   CKPT_ASSERT_OK_AND_ASSIGN(IoBackendKind k, ParseIoBackendKind("auto"));

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "daemon/staging/staging_pool.h"
 #include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {
@@ -23,13 +24,7 @@ constexpr uint64_t kChunk = 8192;
 constexpr size_t kChunks = 8;
 
 std::unique_ptr<StagingPool> MakePool(uint64_t chunk = kChunk, size_t chunks = kChunks) {
-  StagingPoolOptions o;
-  o.chunk_bytes = chunk;
-  o.budget_bytes = chunk * chunks;
-  o.lock_memory = false;
-  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(o);
-  EXPECT_TRUE(::ckpt::testing::IsOk(pool));
-  return pool.ok() ? std::move(pool).value() : nullptr;
+  return ::ckpt::testing::MakeTestPool(chunk, chunks);
 }
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(30); }

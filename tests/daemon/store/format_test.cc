@@ -14,7 +14,7 @@ namespace {
 
 using store_test::ImageBytes;
 using store_test::MakeHeader;
-using store_test::MakePool;
+using store_test::MakeTestPool;
 using store_test::SealImage;
 using store_test::Staged;
 using store_test::StageVersion;
@@ -66,7 +66,7 @@ TEST(PlanLayoutTest, RejectsOversizedHeader) {
 class FormatTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    pool_ = MakePool(4096, 64);
+    pool_ = MakeTestPool(4096, 64);
     ASSERT_NE(pool_, nullptr);
     ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), kKey, 42, {5000, 1, 333, 4096}, 1, &s_));
     // Garbage everywhere except the tensors, to see that Encode zeroes the padding.
@@ -216,7 +216,7 @@ TEST_F(FormatTest, VerifyPayloadNamesTheCorruptTensor) {
 }
 
 TEST(FormatHashTest, HashImageMatchesHashBytesAcrossChunks) {
-  std::unique_ptr<StagingPool> pool = MakePool(4096, 4);
+  std::unique_ptr<StagingPool> pool = MakeTestPool(4096, 4);
   ASSERT_NE(pool, nullptr);
   CKPT_ASSERT_OK_AND_ASSIGN(StagingLease lease, pool->Acquire(4 * 4096, absl::InfiniteFuture()));
   const std::string data = ::ckpt::testing::RandomBytes(5, 4 * 4096);

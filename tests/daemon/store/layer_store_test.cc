@@ -18,28 +18,22 @@
 #include "daemon/store/layer_store.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
+#include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {
 
-// Lets gtest print backend parameters by name.
-void PrintTo(IoBackendKind kind, std::ostream* os) {
-  *os << (kind == IoBackendKind::kUring ? "io_uring" : "pwrite");
-}
-
 namespace {
+
+using ::ckpt::testing::BackendParamName;
 
 using ::ckpt::testing::PathExists;
 using ::ckpt::testing::TempDir;
 using ::ckpt::testing::WriteFile;
 using store_test::ImageBytes;
-using store_test::MakePool;
+using store_test::MakeTestPool;
 using store_test::Staged;
 using store_test::StageVersion;
-
-std::string KindName(const ::testing::TestParamInfo<IoBackendKind>& info) {
-  return info.param == IoBackendKind::kUring ? "io_uring" : "pwrite";
-}
 
 std::vector<std::string> ListDir(const std::string& path) {
   std::vector<std::string> names;
@@ -71,7 +65,7 @@ class LayerStoreTest : public ::testing::TestWithParam<IoBackendKind> {
     }
     CKPT_ASSERT_OK(io);
     io_ = std::move(io).value();
-    pool_ = MakePool(8192, 64);
+    pool_ = MakeTestPool(8192, 64);
     ASSERT_NE(pool_, nullptr);
     CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
     ASSERT_NO_FATAL_FAILURE(NewStore());
@@ -352,7 +346,7 @@ TEST_P(LayerStoreTest, ReconcileOfACleanStoreChangesNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, LayerStoreTest,
                          ::testing::Values(IoBackendKind::kUring, IoBackendKind::kPwrite),
-                         KindName);
+                         BackendParamName);
 
 TEST(LayerStoreFileNameTest, FixedWidthHex) {
   EXPECT_EQ(LayerStore::FileName({"j", 0, 0x1a, 0xff}, 0x10),

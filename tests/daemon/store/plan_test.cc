@@ -18,7 +18,7 @@ namespace ckpt {
 namespace {
 
 using ::ckpt::testing::TempDir;
-using store_test::MakePool;
+using store_test::MakeTestPool;
 using store_test::Staged;
 using store_test::StageVersion;
 using store_test::TensorName;
@@ -32,7 +32,7 @@ class PlanTest : public ::testing::Test {
  protected:
   void SetUp() override {
     io_ = MakePwriteBackend();
-    pool_ = MakePool(8192, 64);
+    pool_ = MakeTestPool(8192, 64);
     ASSERT_NE(pool_, nullptr);
     CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
     store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);

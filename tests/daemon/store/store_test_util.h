@@ -13,20 +13,13 @@
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 #include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {
 namespace store_test {
 
-inline std::unique_ptr<StagingPool> MakePool(uint64_t chunk, size_t chunks) {
-  StagingPoolOptions o;
-  o.chunk_bytes = chunk;
-  o.budget_bytes = chunk * chunks;
-  o.lock_memory = false;
-  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(o);
-  EXPECT_TRUE(::ckpt::testing::IsOk(pool));
-  return pool.ok() ? std::move(pool).value() : nullptr;
-}
+using ::ckpt::testing::MakeTestPool;
 
 inline std::string TensorName(size_t i) { return "tensor" + std::to_string(i); }
 
