@@ -46,6 +46,15 @@ v1::WaitRequest WaitFor(const RankSpec& spec, uint64_t generation, uint64_t step
   return req;
 }
 
+void AddDrift(const std::vector<LayerSums>& sums,
+              google::protobuf::RepeatedPtrField<v1::LayerDrift>* out) {
+  for (const LayerSums& d : sums) {
+    v1::LayerDrift* ld = out->Add();
+    ld->set_dw2(d.dw2);
+    ld->set_w2(d.w2);
+  }
+}
+
 }  // namespace
 
 struct Client::Impl {
@@ -218,11 +227,7 @@ absl::Status Client::StepDone(const StepInfo& info) {
     req.set_aux(info.aux);
     for (uint32_t l : info.layers) req.add_layers(l);
     for (const v1::GroupStep& g : info.group_steps) *req.add_group_steps() = g;
-    for (const LayerSums& d : info.client_drift) {
-      v1::LayerDrift* ld = req.add_client_drift();
-      ld->set_dw2(d.dw2);
-      ld->set_w2(d.w2);
-    }
+    AddDrift(info.client_drift, req.mutable_client_drift());
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.call_timeout);
     v1::StepDoneReply reply;
@@ -253,11 +258,7 @@ absl::Status Client::SetGlobalDrift(uint64_t step, const std::vector<LayerSums>&
   v1::GlobalDriftRequest req;
   Identify(spec_, generation_, &req);
   req.set_step(step);
-  for (const LayerSums& d : global) {
-    v1::LayerDrift* ld = req.add_layers();
-    ld->set_dw2(d.dw2);
-    ld->set_w2(d.w2);
-  }
+  AddDrift(global, req.mutable_layers());
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.call_timeout);
   v1::GlobalDriftReply reply;

@@ -234,6 +234,25 @@ ReplayInputs MakeReplayInputs(uint64_t seed, size_t n, size_t steps) {
 
 // The kernel's dw2 (from W_t, m, v rounded to f32) against Σ(W_t - W_{t-1})²
 // of the replay in f64. f32 rounding of m and v (~6e-8 relative) bounds the
+// An f32 Adam/AdamW task over (w, m, v).
+TensorTask AdamTask(Optimizer opt, const std::vector<float>& w, const std::vector<float>& m,
+                    const std::vector<float>& v, double lr, double b1, double b2, double eps,
+                    double wd, uint64_t step) {
+  TensorTask t;
+  t.n = w.size();
+  t.w = w.data();
+  t.m = m.data();
+  t.v = v.data();
+  t.optimizer = opt;
+  t.lr = lr;
+  t.beta1 = b1;
+  t.beta2 = b2;
+  t.eps = eps;
+  t.weight_decay = wd;
+  t.step = step;
+  return t;
+}
+
 // difference; measured ~1e-8.
 TEST(DriftFormulaTest, AdamWMatchesLiteralUpdate) {
   const double lr = 1e-3, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
@@ -241,18 +260,7 @@ TEST(DriftFormulaTest, AdamWMatchesLiteralUpdate) {
     const ReplayInputs in = MakeReplayInputs(100 + steps, 17, steps);
     const Replay r = ReplayAdam(true, in.w0, in.grads, lr, b1, b2, eps, wd);
     const std::vector<float> w = ToF32(r.w), m = ToF32(r.m), v = ToF32(r.v);
-    TensorTask t;
-    t.n = w.size();
-    t.w = w.data();
-    t.m = m.data();
-    t.v = v.data();
-    t.optimizer = Optimizer::kAdamW;
-    t.lr = lr;
-    t.beta1 = b1;
-    t.beta2 = b2;
-    t.eps = eps;
-    t.weight_decay = wd;
-    t.step = steps;
+    TensorTask t = AdamTask(Optimizer::kAdamW, w, m, v, lr, b1, b2, eps, wd, steps);
     std::vector<LayerSums> out(1);
     ComputeDriftCpu({t}, &out, 1);
     const double truth = TrueDw2(r);
@@ -273,18 +281,7 @@ TEST(DriftFormulaTest, AdamMatchesLiteralUpdate) {
   const ReplayInputs in = MakeReplayInputs(7, 33, 4);
   const Replay r = ReplayAdam(false, in.w0, in.grads, lr, b1, b2, eps, wd);
   const std::vector<float> w = ToF32(r.w), m = ToF32(r.m), v = ToF32(r.v);
-  TensorTask t;
-  t.n = w.size();
-  t.w = w.data();
-  t.m = m.data();
-  t.v = v.data();
-  t.optimizer = Optimizer::kAdam;
-  t.lr = lr;
-  t.beta1 = b1;
-  t.beta2 = b2;
-  t.eps = eps;
-  t.weight_decay = wd;
-  t.step = 4;
+  const TensorTask t = AdamTask(Optimizer::kAdam, w, m, v, lr, b1, b2, eps, wd, 4);
   std::vector<LayerSums> out(1);
   ComputeDriftCpu({t}, &out, 1);
   EXPECT_LE(RelErr(out[0].dw2, TrueDw2(r)), 1e-6);
