@@ -10,6 +10,7 @@
 #include "daemon/common/status.h"
 #include "daemon/shm/handover_wire.h"
 #include "daemon/shm/region.h"
+#include "gpu_export.h"
 
 namespace ckpt {
 namespace {
@@ -61,6 +62,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Trainer::Stub> stub;
   std::vector<MemfdRegion> regions;
+  std::unique_ptr<internal::GpuExport> gpu;  // GPU tensors, instead of regions
 
   // A fresh channel connects at once; a channel that saw the daemon die may
   // sit in reconnect backoff and fail calls fast for a while.
@@ -93,6 +95,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
 absl::StatusOr<size_t> Client::AllocateRegion(uint64_t bytes) {
   if (registered_) return absl::FailedPreconditionError("allocate regions before Register");
+  if (impl_->gpu != nullptr) {
+    return absl::FailedPreconditionError("this rank already has GPU tensors; a rank registers "
+                                         "host regions or GPU tensors, not both");
+  }
   CKPT_ASSIGN_OR_RETURN(MemfdRegion r,
                         MemfdRegion::Create(absl::StrCat("ckpt-region-", impl_->regions.size()), bytes));
   impl_->regions.push_back(std::move(r));
@@ -102,23 +108,43 @@ absl::StatusOr<size_t> Client::AllocateRegion(uint64_t bytes) {
 void* Client::RegionData(size_t region) const { return impl_->regions.at(region).data(); }
 uint64_t Client::RegionSize(size_t region) const { return impl_->regions.at(region).size(); }
 
+absl::StatusOr<Client::GpuPlace> Client::AddGpuTensor(const void* ptr, uint64_t bytes,
+                                                      const std::string& name) {
+  if (registered_) return absl::FailedPreconditionError("add GPU tensors before Register");
+  if (!impl_->regions.empty()) {
+    return absl::FailedPreconditionError("this rank already has host regions; a rank registers "
+                                         "host regions or GPU tensors, not both");
+  }
+  if (impl_->gpu == nullptr) {
+    CKPT_ASSIGN_OR_RETURN(impl_->gpu, internal::GpuExport::Create());
+  }
+  CKPT_ASSIGN_OR_RETURN(auto place, impl_->gpu->Add(ptr, bytes, name));
+  return GpuPlace{place.first, place.second};
+}
+
 absl::Status Client::Register(const RankSpec& spec) {
-  if (impl_->regions.empty()) return absl::FailedPreconditionError("no regions allocated");
+  if (impl_->regions.empty() && (impl_->gpu == nullptr || impl_->gpu->empty())) {
+    return absl::FailedPreconditionError("no regions allocated and no GPU tensors added");
+  }
   spec_ = spec;
   return DoRegister(options_.call_timeout);
 }
 
 absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
-  std::vector<int> fds;
-  for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
-  CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
-                                                       wait_for_daemon));
   v1::RegisterRequest req;
+  if (impl_->gpu != nullptr) {
+    CKPT_ASSIGN_OR_RETURN(*req.mutable_gpu(), impl_->gpu->Handover());
+  } else {
+    std::vector<int> fds;
+    for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
+    CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
+                                                         wait_for_daemon));
+    req.set_handover_token(token);
+  }
   req.set_job_id(spec_.job_id);
   req.set_rank(spec_.rank);
   req.set_world_size(spec_.world_size);
   req.set_local_rank(spec_.local_rank);
-  req.set_handover_token(token);
   *req.mutable_policy() = spec_.policy;
   for (size_t i = 0; i < spec_.layers.size(); ++i) {
     const LayerDesc& l = spec_.layers[i];
@@ -219,6 +245,8 @@ absl::Status Client::StepDone(uint64_t step, double lr, const std::string& aux,
 absl::Status Client::StepDone(const StepInfo& info) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   last_step_ = info.step;
+  // The daemon's copies wait for this event on the GPU, not for the host.
+  if (impl_->gpu != nullptr) CKPT_RETURN_IF_ERROR(impl_->gpu->RecordStep(cuda_stream_));
   for (int attempt = 0; attempt < 2; ++attempt) {
     v1::StepDoneRequest req;
     Identify(spec_, generation_, &req);

@@ -1,6 +1,9 @@
 #include "daemon/engine/engine.h"
 
+#include <poll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
@@ -13,7 +16,10 @@
 #include "daemon/common/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/policy/selection.h"
+#include "daemon/gpu/cuda_host.h"
+#include "daemon/gpu/ipc_memory.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/shm/rank_memory.h"
 #include "daemon/shm/region.h"
 #include "nlohmann/json.hpp"
 
@@ -22,7 +28,7 @@ namespace ckpt {
 // One layer's copy recipe: the file header template and where its tensors live.
 struct LayerTemplate {
   store::LayerFileHeader header;  // tensors with offsets; checksums filled at commit
-  std::vector<char*> src;         // per tensor, inside the rank's mapped regions
+  std::vector<char*> src;         // per tensor, inside the rank's memory (RankMemory::base)
 };
 
 struct PendingStep {
@@ -59,13 +65,17 @@ struct Engine::Rank {
   uid_t uid = 0;
   store::RankRecord table;
   PolicyConfig policy;
-  std::vector<MappedRegion> regions;
+  // The handed-over memory; null once released (trainer exit). A snapshot
+  // or restore holds its own reference while it copies.
+  std::shared_ptr<RankMemory> memory;           // guarded by Engine::mu_
+  std::string memory_released;                  // why memory is null
+  UniqueFd trainer_pidfd;                       // GPU ranks: the registering process
   std::vector<LayerTemplate> layers;
   uint32_t world_size = 1;
   // LayerCheck (null for the other policies).
   std::unique_ptr<LayerCheckPolicy> layercheck;  // guarded by Engine::mu_
   v1::OptimizerKind optimizer = v1::OPTIMIZER_UNSPECIFIED;
-  std::vector<drift::TensorTask> drift_tasks;    // pointers into `regions`
+  std::vector<drift::TensorTask> drift_tasks;    // pointers into `memory`
   std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
   std::vector<double> drift_task_lr_scale;
   std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
@@ -110,7 +120,13 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       index_(index),
       store_(store),
       pool_(pool),
-      drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)) {}
+      drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)),
+      cuda_ipc_(options_.cuda_ipc) {
+  if (cuda_ipc_ == nullptr) {
+    own_cuda_ipc_ = MakeCudaIpc();
+    cuda_ipc_ = own_cuda_ipc_.get();
+  }
+}
 
 Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
 
@@ -146,6 +162,7 @@ absl::Status Engine::Start() {
     snapshot_threads_.emplace_back([this] { SnapshotLoop(); });
   }
   if (options_.gc_interval > absl::ZeroDuration()) gc_thread_ = std::thread([this] { GcLoop(); });
+  watch_thread_ = std::thread([this] { WatchTrainersLoop(); });
   return absl::OkStatus();
 }
 
@@ -159,6 +176,7 @@ void Engine::Shutdown(absl::Duration grace) {
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
   if (gc_thread_.joinable()) gc_thread_.join();
+  if (watch_thread_.joinable()) watch_thread_.join();
   {
     // Let the writers finish what is staged, within the grace period.
     absl::MutexLock lock(&mu_);
@@ -175,8 +193,53 @@ void Engine::Shutdown(absl::Duration grace) {
   writer_threads_.clear();
   absl::MutexLock lock(&mu_);
   write_queue_.clear();
-  for (auto& [key, r] : ranks_) r->active = false;
+  for (auto& [key, r] : ranks_) {
+    r->active = false;
+    ReleaseMemoryLocked(r.get(), "ckptd is shutting down");
+  }
   ranks_.clear();
+}
+
+void Engine::ReleaseMemoryLocked(Rank* r, const std::string& why) {
+  if (r->memory == nullptr) return;
+  if (std::string(r->memory->kind()) == "cuda") {
+    CKPT_LOG(INFO) << "job " << r->job << " rank " << r->rank << ": closing GPU mappings (" << why
+                   << ")";
+  }
+  r->memory.reset();
+  r->memory_released = why;
+  r->trainer_pidfd = UniqueFd();
+}
+
+void Engine::WatchTrainersLoop() {
+  for (;;) {
+    std::vector<std::shared_ptr<Rank>> watched;
+    std::vector<struct pollfd> fds;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      for (auto& [key, r] : ranks_) {
+        if (r->memory != nullptr && r->trainer_pidfd.valid()) {
+          watched.push_back(r);
+          fds.push_back({r->trainer_pidfd.get(), POLLIN, 0});
+        }
+      }
+    }
+    // A pidfd becomes readable when its process exits.
+    const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.trainer_watch_interval));
+    if (fds.empty()) {
+      absl::SleepFor(options_.trainer_watch_interval);
+      continue;
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) continue;
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      Rank* r = watched[i].get();
+      if (r->trainer_pidfd.get() != fds[i].fd) continue;  // released meanwhile
+      ReleaseMemoryLocked(r, "its trainer process exited");
+    }
+  }
 }
 
 absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
@@ -230,11 +293,21 @@ absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time dead
 absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
                                                    std::vector<UniqueFd> fds,
                                                    const Caller& caller) {
-  // 1. Map the regions (each must already be sealed against shrinking, so
-  //    its size cannot change under us), then validate every tensor against
-  //    the real mapped sizes before any pointer into them is formed.
+  // 1. Host regions are mapped first (each must already be sealed against
+  //    shrinking, so its size cannot change under us); GPU regions are only
+  //    checked against the sizes their trainer declared, and opened below
+  //    once the caller is known to own the job. Every tensor is validated
+  //    against these sizes before any pointer into them is formed.
+  const bool gpu = req.has_gpu();
   std::vector<MappedRegion> regions;
   std::vector<uint64_t> sizes;
+  if (gpu) {
+    if (!fds.empty() || !req.handover_token().empty()) {
+      return absl::InvalidArgumentError(
+          "a registration hands over host regions or GPU regions, not both");
+    }
+    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(req.gpu()));
+  }
   for (UniqueFd& fd : fds) {
     CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
     sizes.push_back(region.size());
@@ -281,13 +354,32 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     }
   } unclaim{this, key};
 
-  // 3. The rank's state.
+  // 3. The rank's state, starting with its memory. An IPC handle that is
+  //    still open in the registration this one replaces is opened again
+  //    (the driver counts references), so the old one keeps working until it
+  //    is drained.
   auto r = std::make_shared<Rank>();
   r->job = req.job_id();
   r->rank = req.rank();
   r->uid = job_rec->owner_uid();
   r->policy = policy;
-  r->regions = std::move(regions);
+  if (gpu) {
+    CKPT_ASSIGN_OR_RETURN(r->memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
+    if (caller.pid > 0) {
+      const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0));
+      if (pidfd >= 0) {
+        r->trainer_pidfd = UniqueFd(pidfd);
+      } else if (errno == ESRCH) {
+        return absl::UnavailableError("the registering process exited");
+      } else {
+        CKPT_LOG(WARNING) << "pidfd_open: " << std::strerror(errno)
+                          << "; GPU mappings of job " << r->job << " rank " << r->rank
+                          << " are closed only on unregister, re-register or shutdown";
+      }
+    }
+  } else {
+    r->memory = std::make_shared<HostMemory>(std::move(regions), drift_kernel_.get());
+  }
   for (const v1::LayerSpec& spec : req.layers()) {
     LayerTemplate lt;
     lt.header.set_job_id(req.job_id());
@@ -302,7 +394,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       e->set_role(t.role());
       e->set_group(t.group());
       e->set_nbytes(t.nbytes());
-      lt.src.push_back(r->regions[t.region()].data() + t.offset());
+      lt.src.push_back(r->memory->base(t.region()) + t.offset());
     }
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
@@ -332,6 +424,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       }
       old->active = false;
       ReleaseDeferredLocked(old.get());
+      ReleaseMemoryLocked(old.get(), "the rank registered again");
       if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
       CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
       ranks_.erase(RankKey(r->job, r->rank));
@@ -385,6 +478,11 @@ absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& call
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
   if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
+  if (r->memory == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                                      ": memory released (", r->memory_released,
+                                                      "); register again"));
+  }
   if (req.step() <= r->last_step_seen) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", req.step(), " is not above the last step ", r->last_step_seen, " of job ", r->job,
@@ -433,6 +531,7 @@ void Engine::SnapshotLoop() {
   for (;;) {
     std::shared_ptr<Rank> r;
     SnapTask task;
+    std::shared_ptr<RankMemory> memory;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -448,8 +547,10 @@ void Engine::SnapshotLoop() {
       snapshot_ready_.pop_front();
       task = std::move(r->snap_queue.front());
       r->snap_queue.pop_front();
+      memory = r->memory;
     }
-    const bool done = Snapshot(r, task);
+    const bool done = Snapshot(r, task, memory.get());
+    memory.reset();  // the last reference of a released rank closes its mappings here
     absl::MutexLock lock(&mu_);
     if (!done) {
       // Parked until SetGlobalDrift. Publishing the partial sums and parking
@@ -474,15 +575,27 @@ void Engine::SnapshotLoop() {
   }
 }
 
-bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
+bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory) {
+  // Wait (on ckptd's side) for the reported step to be complete in the
+  // trainer's memory. Without memory, or when that fails, nothing is copied
+  // and every selected layer is retried.
+  absl::Status copy_status =
+      memory == nullptr ? absl::FailedPreconditionError("the rank's memory was released")
+                        : memory->BeginSnapshot();
   // Layers selected at StepDone time may since have become retry candidates;
   // the retry set is folded in at the next StepDone, not here (LayerCheck
   // decides here, with the current retry set).
-  if (r->layercheck != nullptr && !DecideLayerCheck(r, task)) return false;
+  if (copy_status.ok() && r->layercheck != nullptr && !DecideLayerCheck(r, task, memory)) {
+    return false;
+  }
   const absl::Time copy_start = absl::Now();
   std::vector<StagedVersion> staged;
   std::vector<uint32_t> skipped;
   for (uint32_t l : task.layers) {
+    if (!copy_status.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
     const LayerTemplate& lt = r->layers[l];
     StagedVersion v;
     v.key = VersionKey{r->job, r->rank, l, task.step};
@@ -510,11 +623,25 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task) {
     }
     v.layout = *layout;
     v.lease = std::move(*lease);
-    for (int i = 0; i < lt.header.tensors_size(); ++i) {
+    for (int i = 0; i < lt.header.tensors_size() && copy_status.ok(); ++i) {
       const store::TensorEntry& t = lt.header.tensors(i);
-      v.lease.CopyIn(v.layout.header_bytes + t.offset(), lt.src[static_cast<size_t>(i)], t.nbytes());
+      const char* src = lt.src[static_cast<size_t>(i)];
+      v.lease.ForEachPiece(v.layout.header_bytes + t.offset(), t.nbytes(),
+                           [&](char* piece, uint64_t n) {
+                             if (copy_status.ok()) copy_status = memory->CopyOut(piece, src, n);
+                             src += n;
+                           });
     }
     staged.push_back(std::move(v));
+  }
+  if (copy_status.ok() && memory != nullptr) copy_status = memory->FinishSnapshot();
+  if (!copy_status.ok()) {
+    // No partial step: whatever was staged is dropped and retried.
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                    << ": snapshot copy failed: " << copy_status;
+    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, "snapshot_copy", 1);
+    for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
+    staged.clear();
   }
   CKPT_KILL_POINT("snapshot.copied");
   CKPT_DELAY_POINT("snapshot.before_publish");
@@ -697,7 +824,8 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
   return absl::OkStatus();
 }
 
-bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
+bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
+                              RankMemory* memory) {
   if (task.stage == SnapTask::Stage::kNew) {
     std::vector<drift::LayerSums> sums(r->layers.size());
     if (r->optimizer == v1::OPTIMIZER_CLIENT) {
@@ -713,7 +841,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task) {
       }
       std::string error;
       const absl::Time drift_start = absl::Now();
-      const bool ok = drift_kernel_->Compute(tasks, &sums, &error);
+      const bool ok = memory->drift_kernel()->Compute(tasks, &sums, &error);
       if (options_.metrics != nullptr) {
         options_.metrics->Observe(Histogram::kDriftSeconds,
                                   absl::ToDoubleSeconds(absl::Now() - drift_start));
@@ -1026,6 +1154,7 @@ absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& 
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
   r->active = false;
   ReleaseDeferredLocked(r.get());
+  ReleaseMemoryLocked(r.get(), "unregistered");
   if (req.drain()) {
     CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
     ranks_.erase(RankKey(r->job, r->rank));
@@ -1052,6 +1181,7 @@ absl::StatusOr<v1::Plan> Engine::Plan(const v1::PlanRequest& req, const Caller& 
 absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
                                                  const Caller& caller) {
   std::shared_ptr<Rank> r;
+  std::shared_ptr<RankMemory> memory;
   {
     absl::MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
@@ -1059,6 +1189,12 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
       return absl::FailedPreconditionError(
           "steps are still being snapshotted; restore before reporting steps");
     }
+    if (r->memory == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                                        ": memory released (", r->memory_released,
+                                                        "); register again"));
+    }
+    memory = r->memory;
     r->restoring = true;
   }
   // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
@@ -1079,7 +1215,10 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
         RestoreStats stats,
         RestoreInto(reply.plan(), r->table, dest, index_, store_, io.get(), pool_,
                     options_.restore_timeout,
-                    [this] { return shutting_down_.load(std::memory_order_relaxed); }));
+                    [this] { return shutting_down_.load(std::memory_order_relaxed); },
+                    [&memory](char* dst, const char* src, uint64_t n) {
+                      return memory->CopyIn(dst, src, n);
+                    }));
     reply.set_bytes_restored(stats.bytes);
     reply.set_seconds(stats.seconds);
     return reply;
@@ -1130,6 +1269,10 @@ v1::StatusReply Engine::GetStatus() {
   s.set_orphan_files_removed(reconcile_.orphan_files_removed);
   s.set_dangling_records_removed(reconcile_.dangling_records_removed);
   s.set_temp_files_removed(reconcile_.temp_files_removed);
+  s.set_gpu(CudaSupport());
+  const GpuMappingStats gpu = OpenGpuMappings();
+  s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
+  s.set_open_gpu_mapping_bytes(gpu.bytes);
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
   if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
   absl::MutexLock lock(&mu_);
@@ -1501,6 +1644,9 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kStagingPoolInUseBytes, static_cast<double>(pool_->bytes_in_use()));
   m->Set(Gauge::kDiskUsedBytes, static_cast<double>(disk_used_.load(std::memory_order_relaxed)));
   m->Set(Gauge::kDiskLimitBytes, static_cast<double>(options_.max_disk_bytes));
+  const GpuMappingStats gpu = OpenGpuMappings();
+  m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
+  m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));
   absl::MutexLock lock(&mu_);
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
   m->Set(Gauge::kRegisteredRanks, static_cast<double>(std::count_if(

@@ -38,6 +38,8 @@
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/common/unique_fd.h"
 #include "daemon/engine/registration.h"
+#include "daemon/gpu/cuda_ipc.h"
+#include "daemon/shm/rank_memory.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
@@ -66,6 +68,11 @@ struct EngineOptions {
   Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::ZeroDuration();  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
+  // The CUDA calls behind GPU registrations; null = the CUDA runtime's (or,
+  // without CUDA, a twin that refuses GPU registrations). Not owned.
+  CudaIpc* cuda_ipc = nullptr;
+  // How often the exit of trainers holding GPU mappings is checked.
+  absl::Duration trainer_watch_interval = absl::Milliseconds(200);
 };
 
 struct Caller {
@@ -87,10 +94,13 @@ class Engine {
   // discards what is left (nothing half-visible) and releases every mapping.
   void Shutdown(absl::Duration grace);
 
-  // Validates (registration.h), claims nothing itself: `fds` are the regions
-  // the caller handed over. Maps them, records the job (owner = caller) and
-  // the rank's table, and returns a new generation. A live registration of the
-  // same rank is drained (bounded) and replaced.
+  // Validates (registration.h), claims nothing itself: `fds` are the host
+  // regions the caller handed over, or req.gpu names GPU allocations (opened
+  // only after the checks and the ownership test passed, so a refused call
+  // maps nothing). Records the job (owner = caller) and the rank's table, and
+  // returns a new generation. A live registration of the same rank is
+  // drained (bounded) and replaced. GPU mappings are closed again when the
+  // calling process (caller.pid) exits.
   absl::StatusOr<v1::RegisterReply> Register(const v1::RegisterRequest& req,
                                              std::vector<UniqueFd> fds, const Caller& caller);
   // Queues step `step` and returns. FAILED_PRECONDITION for a stale
@@ -150,9 +160,10 @@ class Engine {
 
   void SnapshotLoop();
   // Returns false when the task now waits for SetGlobalDrift.
-  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task);
-  // LayerCheck: fills task.layers from the drift of this step.
-  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task);
+  // `memory` is the rank's memory (null once released).
+  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+  // LayerCheck: fills task.layers from the drift of this step, read from `memory`.
+  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
   absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
   void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
@@ -179,6 +190,12 @@ class Engine {
   };
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
   void GcLoop();
+  // Closes the GPU mappings of ranks whose trainer process exited.
+  void WatchTrainersLoop();
+  // Drops a rank's memory (closing GPU mappings once an in-flight snapshot
+  // let go of it); later steps and restores of the rank fail until it
+  // registers again.
+  void ReleaseMemoryLocked(Rank* r, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;
   Index* const index_;
@@ -188,10 +205,13 @@ class Engine {
   const absl::Time started_ = absl::Now();
   ReconcileReport reconcile_;
   std::unique_ptr<drift::DriftKernel> drift_kernel_;
+  std::unique_ptr<CudaIpc> own_cuda_ipc_;  // when options_.cuda_ipc is null
+  CudaIpc* cuda_ipc_;
 
   std::vector<std::thread> snapshot_threads_;
   std::vector<std::thread> writer_threads_;
   std::thread gc_thread_;
+  std::thread watch_thread_;
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit

@@ -60,7 +60,8 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
 absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
-                                         const std::function<bool()>& cancelled) {
+                                         const std::function<bool()>& cancelled,
+                                         const CopyToDestination& copy) {
   if (!plan.complete()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step(), " is incomplete: some layers have no version"));
@@ -106,8 +107,18 @@ absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::Rank
     }
     for (int i = 0; i < spec.tensors_size(); ++i) {
       const store::TensorEntry* t = stored[spec.tensors(i).name()];
-      loaded->lease.CopyOut(loaded->decoded.layout.header_bytes + t->offset(),
-                            dest(lp.layer(), static_cast<uint32_t>(i)), t->nbytes());
+      char* out = dest(lp.layer(), static_cast<uint32_t>(i));
+      if (copy == nullptr) {
+        loaded->lease.CopyOut(loaded->decoded.layout.header_bytes + t->offset(), out, t->nbytes());
+      } else {
+        absl::Status s;
+        loaded->lease.ForEachPiece(loaded->decoded.layout.header_bytes + t->offset(), t->nbytes(),
+                                   [&](const char* piece, uint64_t n) {
+                                     if (s.ok()) s = copy(out, piece, n);
+                                     out += n;
+                                   });
+        CKPT_RETURN_IF_ERROR(s);
+      }
       stats.bytes += t->nbytes();
     }
   }

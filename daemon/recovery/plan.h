@@ -37,6 +37,9 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
 // Where restored bytes go: the destination of tensor `tensor` of `layer`
 // (REQUIRES: it is nbytes long, as registered).
 using TensorDestination = std::function<char*(uint32_t layer, uint32_t tensor)>;
+// Copies n verified host bytes to a destination address (GPU memory, for
+// example); null = memcpy.
+using CopyToDestination = std::function<absl::Status(char* dst, const char* src, uint64_t n)>;
 
 struct RestoreStats {
   uint64_t bytes = 0;
@@ -46,6 +49,7 @@ struct RestoreStats {
 absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
-                                         const std::function<bool()>& cancelled = nullptr);
+                                         const std::function<bool()>& cancelled = nullptr,
+                                         const CopyToDestination& copy = nullptr);
 
 }  // namespace ckpt

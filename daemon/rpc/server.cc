@@ -46,8 +46,11 @@ class TrainerService final : public v1::Trainer::Service {
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterReply* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
-                            s_->handover()->Claim(req->handover_token(), c.uid));
+      // GPU registrations carry their IPC handles in the request itself.
+      std::vector<UniqueFd> fds;
+      if (!req->has_gpu() || !req->handover_token().empty()) {
+        CKPT_ASSIGN_OR_RETURN(fds, s_->handover()->Claim(req->handover_token(), c.uid));
+      }
       return Assign(s_->engine()->Register(*req, std::move(fds), c), reply);
     });
   }

@@ -112,6 +112,26 @@ class Client {
   void* RegionData(size_t region) const;
   uint64_t RegionSize(size_t region) const;
 
+  // GPU memory (CUDA builds; UNIMPLEMENTED otherwise). Adds the CUDA
+  // allocation that holds [ptr, ptr + bytes) as a region (one IPC handle per
+  // distinct allocation, shared by every tensor inside it) and returns where
+  // the tensor lies, for TensorDesc.region / offset. `name` is used in errors.
+  // INVALID_ARGUMENT, naming the tensor, when ptr is not device memory, the
+  // range leaves its allocation, the allocation is on another device than the
+  // earlier ones, or it cannot be exported with legacy CUDA IPC (for example
+  // PyTorch's expandable segments). A rank registers host regions or GPU
+  // regions, not both. REQUIRES: before Register.
+  struct GpuPlace {
+    uint32_t region = 0;
+    uint64_t offset = 0;
+  };
+  absl::StatusOr<GpuPlace> AddGpuTensor(const void* ptr, uint64_t bytes, const std::string& name);
+  // The CUDA stream (a cudaStream_t; nullptr = the legacy default stream) the
+  // optimizer step runs on. With GPU regions, every StepDone first records the
+  // rank's interprocess step event on it, so the daemon's copies wait for the
+  // step on the GPU, not on the host.
+  void SetCudaStream(void* stream) { cuda_stream_ = stream; }
+
   // Hands the regions over and registers the rank. INVALID_ARGUMENT (from the
   // daemon) names a bad tensor; the spec is kept for automatic re-registration.
   absl::Status Register(const RankSpec& spec);
@@ -175,6 +195,7 @@ class Client {
   bool unprotected_ = false;
   absl::Time next_reconnect_ = absl::InfinitePast();
   std::string io_backend_;
+  void* cuda_stream_ = nullptr;
 };
 
 }  // namespace ckpt

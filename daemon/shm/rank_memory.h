@@ -1,0 +1,75 @@
+// RankMemory: the memory a registered rank handed over, as the engine sees it.
+//
+// Two twins implement it: HostMemory (memfd regions mapped into ckptd,
+// below) and GpuMemory (CUDA IPC allocations, daemon/gpu/ipc_memory.h). The
+// policy, staging, writers and recovery only ever see this interface, so one
+// protocol serves both: the bytes of a layer are read with CopyOut between
+// BeginSnapshot and FinishSnapshot, written back with CopyIn on restore, and
+// the drift kernel reads the same addresses.
+//
+// Addresses (base(), and pointers derived from it) are only meaningful to
+// this object and to its drift kernel: host pointers for HostMemory, device
+// pointers in ckptd's CUDA context for GpuMemory.
+//
+// Thread-safety: one snapshot or restore at a time per object (the engine
+// runs one snapshot per rank at a time and refuses a restore while one runs).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/shm/region.h"
+#include "kernels/drift.h"
+
+namespace ckpt {
+
+class RankMemory {
+ public:
+  virtual ~RankMemory() = default;
+
+  virtual const char* kind() const = 0;  // "host" or "cuda"
+  virtual size_t region_count() const = 0;
+  virtual uint64_t region_size(size_t region) const = 0;
+  virtual char* base(size_t region) const = 0;
+
+  // Waits, on ckptd's side, until the trainer's step that was just reported
+  // has finished writing the buffers (GPU: the trainer's step event).
+  virtual absl::Status BeginSnapshot() = 0;
+  // Copies n bytes at `src` (inside this memory) to host memory `dst`; may
+  // complete asynchronously until FinishSnapshot.
+  virtual absl::Status CopyOut(void* dst, const char* src, uint64_t n) = 0;
+  // Returns when every CopyOut since BeginSnapshot has completed.
+  virtual absl::Status FinishSnapshot() = 0;
+  // Copies n host bytes into this memory at `dst`; complete on return.
+  virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
+
+  // The drift kernel that can read this memory (owned by this object or by
+  // the engine; valid while this object lives).
+  virtual drift::DriftKernel* drift_kernel() = 0;
+};
+
+// Host memfd regions, mapped by ckptd. Copies are memcpy; drift runs on the
+// CPU kernel it is given.
+class HostMemory final : public RankMemory {
+ public:
+  HostMemory(std::vector<MappedRegion> regions, drift::DriftKernel* cpu_kernel)
+      : regions_(std::move(regions)), kernel_(cpu_kernel) {}
+
+  const char* kind() const override { return "host"; }
+  size_t region_count() const override { return regions_.size(); }
+  uint64_t region_size(size_t region) const override { return regions_[region].size(); }
+  char* base(size_t region) const override { return regions_[region].data(); }
+  absl::Status BeginSnapshot() override { return absl::OkStatus(); }
+  absl::Status CopyOut(void* dst, const char* src, uint64_t n) override;
+  absl::Status FinishSnapshot() override { return absl::OkStatus(); }
+  absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
+  drift::DriftKernel* drift_kernel() override { return kernel_; }
+
+ private:
+  std::vector<MappedRegion> regions_;
+  drift::DriftKernel* kernel_;
+};
+
+}  // namespace ckpt

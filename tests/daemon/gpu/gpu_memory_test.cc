@@ -1,0 +1,455 @@
+// The GPU handover without a GPU: GpuMemory and the engine's GPU path run on
+// a fake CudaIpc whose "device memory" is host memory. Checks that bad
+// handovers (forged handles, sizes and offsets past the allocation, another
+// uid's job, a stale generation) fail with clear errors and leave nothing
+// mapped, that snapshots read exactly the reported step after waiting on the
+// trainer's event, that restore writes back through the GPU copy path, and
+// that mappings are closed on unregister, re-register, trainer exit and
+// shutdown.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/engine/engine.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "daemon/io/file_system.h"
+#include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using ::ckpt::testing::MakeTestPool;
+using ::ckpt::testing::TempDir;
+
+constexpr char kUuid[] = "GPU-4f4ef90c-85c2-c43d-503a-f1f29e80b23c";
+
+std::string Handle(uint64_t id) {
+  std::string h(kCudaIpcHandleBytes, '\0');
+  std::memcpy(h.data(), &id, sizeof(id));
+  return h;
+}
+
+// Allocations are host buffers named by the id in their handle's first
+// bytes; every call is counted.
+class FakeCudaIpc final : public CudaIpc {
+ public:
+  // Adds an allocation of `bytes` (the driver's view) under handle id `id`.
+  char* Allocate(uint64_t id, uint64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    auto& buf = allocations_[id];
+    buf.assign(bytes, '\0');
+    return buf.data();
+  }
+  int open_mappings() {
+    absl::MutexLock lock(&mu_);
+    return opens_ - closes_;
+  }
+  int opens() {
+    absl::MutexLock lock(&mu_);
+    return opens_;
+  }
+  int event_waits() {
+    absl::MutexLock lock(&mu_);
+    return event_waits_;
+  }
+  int open_events() {
+    absl::MutexLock lock(&mu_);
+    return events_open_;
+  }
+
+  absl::StatusOr<int> FindDevice(const std::string& uuid) override {
+    if (uuid != kUuid) return absl::FailedPreconditionError("device not visible");
+    return 0;
+  }
+  absl::StatusOr<char*> OpenMemHandle(int, const std::string& handle) override {
+    uint64_t id = 0;
+    std::memcpy(&id, handle.data(), sizeof(id));
+    absl::MutexLock lock(&mu_);
+    auto it = allocations_.find(id);
+    if (it == allocations_.end()) return absl::InternalError("invalid resource handle");
+    ++opens_;
+    return it->second.data();
+  }
+  absl::StatusOr<uint64_t> AllocationSize(int, const char* base) override {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, buf] : allocations_) {
+      if (buf.data() == base) return buf.size();
+    }
+    return absl::InternalError("not an allocation");
+  }
+  void CloseMemHandle(int, char*) override {
+    absl::MutexLock lock(&mu_);
+    ++closes_;
+  }
+  absl::StatusOr<void*> OpenEventHandle(int, const std::string& handle) override {
+    if (handle != Handle(kEventId)) return absl::InternalError("invalid event handle");
+    absl::MutexLock lock(&mu_);
+    ++events_open_;
+    return reinterpret_cast<void*>(0x1);
+  }
+  void DestroyEvent(int, void*) override {
+    absl::MutexLock lock(&mu_);
+    --events_open_;
+  }
+  absl::StatusOr<void*> CreateStream(int) override { return reinterpret_cast<void*>(0x2); }
+  void DestroyStream(int, void*) override {}
+  absl::Status StreamWaitEvent(int, void*, void*) override {
+    absl::MutexLock lock(&mu_);
+    ++event_waits_;
+    return absl::OkStatus();
+  }
+  absl::Status CopyToHostAsync(int, void*, void* dst, const char* src, uint64_t n) override {
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status CopyToDevice(int, void*, char* dst, const void* src, uint64_t n) override {
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize(int, void*) override { return absl::OkStatus(); }
+  absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
+    return drift::MakeCpuDriftKernel(1);
+  }
+
+  static constexpr uint64_t kEventId = 999;
+
+ private:
+  absl::Mutex mu_;
+  std::map<uint64_t, std::vector<char>> allocations_ ABSL_GUARDED_BY(mu_);
+  int opens_ ABSL_GUARDED_BY(mu_) = 0;
+  int closes_ ABSL_GUARDED_BY(mu_) = 0;
+  int event_waits_ ABSL_GUARDED_BY(mu_) = 0;
+  int events_open_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// ---- CheckGpuHandover and GpuMemory::Open ----
+
+v1::GpuHandover TwoRegions(uint64_t bytes0 = 4096, uint64_t bytes1 = 8192) {
+  v1::GpuHandover h;
+  h.set_device_uuid(kUuid);
+  v1::GpuRegion* r = h.add_regions();
+  r->set_ipc_handle(Handle(1));
+  r->set_bytes(bytes0);
+  r = h.add_regions();
+  r->set_ipc_handle(Handle(2));
+  r->set_bytes(bytes1);
+  h.set_step_event(Handle(FakeCudaIpc::kEventId));
+  return h;
+}
+
+TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
+  CKPT_EXPECT_OK(CheckGpuHandover(TwoRegions()).status());
+  std::vector<std::pair<const char*, std::function<void(v1::GpuHandover*)>>> cases = {
+      {"short handle", [](v1::GpuHandover* h) { h->mutable_regions(0)->set_ipc_handle("abc"); }},
+      {"long handle",
+       [](v1::GpuHandover* h) { h->mutable_regions(1)->set_ipc_handle(std::string(65, 'x')); }},
+      {"no event", [](v1::GpuHandover* h) { h->clear_step_event(); }},
+      {"zero size", [](v1::GpuHandover* h) { h->mutable_regions(0)->set_bytes(0); }},
+      {"absurd size",
+       [](v1::GpuHandover* h) { h->mutable_regions(0)->set_bytes(uint64_t{1} << 50); }},
+      {"no regions", [](v1::GpuHandover* h) { h->clear_regions(); }},
+      {"same handle twice",
+       [](v1::GpuHandover* h) { h->mutable_regions(1)->set_ipc_handle(Handle(1)); }},
+      {"bad uuid", [](v1::GpuHandover* h) { h->set_device_uuid("0"); }},
+  };
+  for (auto& [what, mutate] : cases) {
+    v1::GpuHandover h = TwoRegions();
+    mutate(&h);
+    CKPT_EXPECT_CODE(CheckGpuHandover(h).status(), kInvalidArgument) << what;
+  }
+}
+
+TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
+  FakeCudaIpc ipc;
+  char* a = ipc.Allocate(1, 4096);
+  ipc.Allocate(2, 8192 + 512);  // the driver may round an allocation up
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, GpuMemory::Open(TwoRegions(), &ipc));
+    EXPECT_EQ(m->region_count(), 2u);
+    EXPECT_EQ(m->region_size(1), 8192u);  // the declared size bounds every copy
+    EXPECT_EQ(m->base(0), a);
+    EXPECT_EQ(ipc.open_mappings(), 2);
+    EXPECT_EQ(OpenGpuMappings().mappings, 2u);
+    EXPECT_EQ(OpenGpuMappings().bytes, 4096u + 8192u);
+    EXPECT_EQ(ipc.open_events(), 1);
+    // Copies are checked against the declared regions.
+    char buf[16];
+    CKPT_EXPECT_OK(m->CopyOut(buf, a + 4096 - 16, 16));
+    CKPT_EXPECT_CODE(m->CopyOut(buf, a + 4096 - 8, 16), kInternal);
+    CKPT_EXPECT_CODE(m->CopyIn(m->base(1) + 8190, buf, 16), kInternal);
+  }
+  EXPECT_EQ(ipc.open_mappings(), 0);
+  EXPECT_EQ(ipc.open_events(), 0);
+  EXPECT_EQ(OpenGpuMappings().mappings, 0u);
+  EXPECT_EQ(OpenGpuMappings().bytes, 0u);
+}
+
+TEST(GpuMemoryTest, ForgedHandleFailsAndLeavesNothingOpen) {
+  FakeCudaIpc ipc;
+  ipc.Allocate(1, 4096);  // region 1's handle names no allocation
+  absl::Status s = GpuMemory::Open(TwoRegions(), &ipc).status();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("gpu region 1"), std::string::npos) << s;
+  EXPECT_EQ(ipc.opens(), 1);  // region 0 was opened, and closed again
+  EXPECT_EQ(ipc.open_mappings(), 0);
+  EXPECT_EQ(OpenGpuMappings().mappings, 0u);
+}
+
+TEST(GpuMemoryTest, DeclaredSizePastTheRealAllocationFails) {
+  FakeCudaIpc ipc;
+  ipc.Allocate(1, 4096);
+  ipc.Allocate(2, 4096);  // declared 8192
+  absl::Status s = GpuMemory::Open(TwoRegions(), &ipc).status();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("declares 8192 bytes but its allocation has 4096"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(ipc.open_mappings(), 0);
+}
+
+TEST(GpuMemoryTest, ForgedEventAndUnknownDeviceFail) {
+  FakeCudaIpc ipc;
+  ipc.Allocate(1, 4096);
+  ipc.Allocate(2, 8192);
+  v1::GpuHandover h = TwoRegions();
+  h.set_step_event(Handle(5));
+  CKPT_EXPECT_CODE(GpuMemory::Open(h, &ipc).status(), kInvalidArgument);
+  EXPECT_EQ(ipc.open_mappings(), 0);
+  const int opens = ipc.opens();
+  h = TwoRegions();
+  h.set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+  CKPT_EXPECT_CODE(GpuMemory::Open(h, &ipc).status(), kFailedPrecondition);
+  EXPECT_EQ(ipc.opens(), opens);
+}
+
+// ---- The engine's GPU path ----
+
+constexpr uint64_t kFloats = 256;  // per layer
+constexpr uint32_t kLayers = 3;
+
+// Layers 0 and 1 share allocation 1 (at offsets 0 and kFloats*4); layer 2 is
+// alone in allocation 2.
+v1::RegisterRequest GpuRequest(const std::string& job) {
+  v1::RegisterRequest req;
+  req.set_job_id(job);
+  req.set_world_size(1);
+  req.mutable_policy()->set_kind(v1::POLICY_ALL);
+  *req.mutable_gpu() = TwoRegions(2 * kFloats * 4, kFloats * 4);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    v1::LayerSpec* layer = req.add_layers();
+    layer->set_id(l);
+    layer->set_name(absl::StrCat("layer", l));
+    v1::TensorSpec* t = layer->add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::DTYPE_F32);
+    t->add_shape(kFloats);
+    t->set_nbytes(kFloats * 4);
+    t->set_region(l < 2 ? 0 : 1);
+    t->set_offset(l == 1 ? kFloats * 4 : 0);
+  }
+  return req;
+}
+
+float Value(uint32_t layer, uint64_t i, uint64_t step) {
+  return static_cast<float>(layer * 100000 + i * 3 + step * 7);
+}
+
+class GpuEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    pool_ = MakeTestPool(64 << 10, 64);
+    ASSERT_NE(pool_, nullptr);
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
+    CKPT_ASSERT_OK(store_->Init());
+    layer_[0] = ipc_.Allocate(1, 2 * kFloats * 4);
+    layer_[1] = layer_[0] + kFloats * 4;
+    layer_[2] = ipc_.Allocate(2, kFloats * 4);
+    EngineOptions o;
+    o.data_dir = tmp_.path();
+    o.writer_threads = 1;
+    o.io_backend = IoBackendKind::kPwrite;
+    o.cuda_ipc = &ipc_;
+    o.trainer_watch_interval = absl::Milliseconds(20);
+    engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
+    CKPT_ASSERT_OK(engine_->Start());
+  }
+  void TearDown() override {
+    if (engine_) engine_->Shutdown(absl::Seconds(5));
+  }
+
+  void Fill(uint64_t step) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      auto* f = reinterpret_cast<float*>(layer_[l]);
+      for (uint64_t i = 0; i < kFloats; ++i) f[i] = Value(l, i, step);
+    }
+  }
+  bool Holds(uint64_t step) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      auto* f = reinterpret_cast<float*>(layer_[l]);
+      for (uint64_t i = 0; i < kFloats; ++i) {
+        if (f[i] != Value(l, i, step)) return false;
+      }
+    }
+    return true;
+  }
+  template <typename Req>
+  Req For(uint64_t generation, uint64_t step = 0) {
+    Req r;
+    r.set_job_id("gjob");
+    r.set_generation(generation);
+    if constexpr (std::is_same_v<Req, v1::StepDoneRequest> || std::is_same_v<Req, v1::WaitRequest>) {
+      r.set_step(step);
+    }
+    return r;
+  }
+  // Reports `step` (the buffers already hold it) and waits for its snapshot.
+  void Step(uint64_t gen, uint64_t step, const Caller& c) {
+    CKPT_ASSERT_OK(engine_->StepDone(For<v1::StepDoneRequest>(gen, step), c));
+    CKPT_ASSERT_OK(engine_->WaitSnapshot(For<v1::WaitRequest>(gen, step), c,
+                                         absl::Now() + absl::Seconds(10))
+                       .status());
+  }
+
+  TempDir tmp_;
+  FakeCudaIpc ipc_;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<LayerStore> store_;
+  std::unique_ptr<Engine> engine_;
+  char* layer_[kLayers] = {};
+  const Caller owner_{1000, 0};
+};
+
+TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  EXPECT_EQ(ipc_.open_mappings(), 2);  // three layers, two allocations
+  for (uint64_t step = 1; step <= 3; ++step) {
+    Fill(step);
+    Step(reg.generation(), step, owner_);
+    // Mutate at once after the fence, as a trainer does.
+    Fill(step + 100);
+  }
+  EXPECT_EQ(ipc_.event_waits(), 3);
+  CKPT_ASSERT_OK(engine_->WaitDurable(For<v1::WaitRequest>(reg.generation(), 3), owner_,
+                                      absl::Now() + absl::Seconds(10))
+                     .status());
+  // A new process of the same trainer: re-register (the old mappings close),
+  // restore into the GPU buffers.
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply again, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  EXPECT_EQ(ipc_.open_mappings(), 2);
+  Fill(0);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RestoreReply restored,
+                            engine_->Restore(For<v1::RestoreRequest>(again.generation()), owner_));
+  EXPECT_EQ(restored.plan().target_step(), 3u);
+  EXPECT_EQ(restored.bytes_restored(), kLayers * kFloats * 4);
+  EXPECT_TRUE(Holds(3)) << "restore must write exactly step 3, never the mutation after its fence";
+  CKPT_ASSERT_OK(engine_->Unregister(For<v1::UnregisterRequest>(again.generation()), owner_,
+                                     absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(ipc_.open_mappings(), 0);
+  EXPECT_EQ(ipc_.open_events(), 0);
+  EXPECT_EQ(OpenGpuMappings().mappings, 0u);
+}
+
+TEST_F(GpuEngineTest, AnotherUidsJobIsRefusedBeforeAnythingIsOpened) {
+  CKPT_ASSERT_OK(engine_->Register(GpuRequest("gjob"), {}, owner_).status());
+  const int opens = ipc_.opens();
+  CKPT_EXPECT_CODE(engine_->Register(GpuRequest("gjob"), {}, Caller{1001, 0}).status(),
+                   kPermissionDenied);
+  EXPECT_EQ(ipc_.opens(), opens);
+  EXPECT_EQ(ipc_.open_mappings(), 2);  // the owner's registration is untouched
+}
+
+TEST_F(GpuEngineTest, TensorsPastTheDeclaredAllocationOpenNothing) {
+  v1::RegisterRequest req = GpuRequest("gjob");
+  req.mutable_layers(2)->mutable_tensors(0)->set_offset(8);  // 8 bytes past region 1's end
+  absl::Status s = engine_->Register(req, {}, owner_).status();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("lies outside region 1"), std::string::npos) << s;
+  EXPECT_EQ(ipc_.opens(), 0);
+  // Declared larger than the allocation really is: opened, found out, closed.
+  req = GpuRequest("gjob");
+  req.mutable_gpu()->mutable_regions(1)->set_bytes(kFloats * 4 + 4096);
+  CKPT_EXPECT_CODE(engine_->Register(req, {}, owner_).status(), kInvalidArgument);
+  EXPECT_EQ(ipc_.open_mappings(), 0);
+}
+
+TEST_F(GpuEngineTest, HostAndGpuRegionsDoNotMix) {
+  v1::RegisterRequest req = GpuRequest("gjob");
+  req.set_handover_token("0123456789abcdef");
+  CKPT_EXPECT_CODE(engine_->Register(req, {}, owner_).status(), kInvalidArgument);
+  EXPECT_EQ(ipc_.opens(), 0);
+}
+
+TEST_F(GpuEngineTest, StaleGenerationIsRefusedAfterReRegistration) {
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply first, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply second, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  EXPECT_EQ(ipc_.open_mappings(), 2);  // the first registration's were closed
+  absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(first.generation(), 1), owner_);
+  CKPT_EXPECT_CODE(s, kFailedPrecondition);
+  EXPECT_NE(std::string(s.message()).find("stale"), std::string::npos) << s;
+  CKPT_EXPECT_OK(engine_->StepDone(For<v1::StepDoneRequest>(second.generation(), 1), owner_));
+}
+
+TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  const Caller trainer{1000, child};
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg, engine_->Register(GpuRequest("gjob"), {}, trainer));
+  Fill(1);
+  Step(reg.generation(), 1, trainer);
+  EXPECT_EQ(ipc_.open_mappings(), 2);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (ipc_.open_mappings() != 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(ipc_.open_mappings(), 0);
+  EXPECT_EQ(ipc_.open_events(), 0);
+  absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(reg.generation(), 2), trainer);
+  CKPT_EXPECT_CODE(s, kFailedPrecondition);
+  EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
+  // What was acknowledged before the exit stays restorable.
+  CKPT_EXPECT_OK(engine_->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), trainer,
+                                      absl::Now() + absl::Seconds(10))
+                     .status());
+}
+
+TEST_F(GpuEngineTest, ShutdownClosesEveryMapping) {
+  CKPT_ASSERT_OK(engine_->Register(GpuRequest("gjob"), {}, owner_).status());
+  EXPECT_EQ(ipc_.open_mappings(), 2);
+  engine_->Shutdown(absl::Seconds(5));
+  EXPECT_EQ(ipc_.open_mappings(), 0);
+}
+
+TEST_F(GpuEngineTest, RealCudaWithoutAMatchingDeviceIsAClearError) {
+  // The engine's own CudaIpc: on a machine without a GPU (or without this
+  // UUID) registration fails before opening anything.
+  EngineOptions o;
+  o.data_dir = tmp_.path();
+  o.io_backend = IoBackendKind::kPwrite;
+  Engine engine(o, index_.get(), store_.get(), pool_.get());
+  CKPT_ASSERT_OK(engine.Start());
+  absl::Status s = engine.Register(GpuRequest("other"), {}, owner_).status();
+  CKPT_EXPECT_CODE(s, kFailedPrecondition);
+  EXPECT_EQ(OpenGpuMappings().mappings, 0u);
+  engine.Shutdown(absl::Seconds(1));
+}
+
+}  // namespace
+}  // namespace ckpt
