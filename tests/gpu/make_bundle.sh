@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Packs the GPU checks of a CUDA build into .gpu-bundle/ for a GPU machine
+# that has a driver and the CUDA 13 runtime but none of our Debian libraries
+# (tests/gpu/run_on_gpu.sh runs them there).
+#
+# Usage: tests/gpu/make_bundle.sh [BUILD_DIR]     (default: build)
+#
+# The binaries are stripped and keep their build-tree paths
+# (.gpu-bundle/daemon/ckptd, .gpu-bundle/tests/gpu/ckpt_gpu_trainer, ...), so
+# the bundle works as CKPT_BUILD_DIR for the tests. Every shared library they
+# load goes to .gpu-bundle/lib, except glibc's, libgcc_s, libstdc++ (the GPU
+# machine's are newer, hence compatible) and libcuda (the driver's own).
+# Fails when the bundle exceeds 60 MiB.
+set -euo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+build=$(cd "${1:-$top/build}" && pwd)
+bundle=$top/.gpu-bundle
+max_bytes=$((60 << 20))
+
+# Build-tree paths, as the tests expect them under CKPT_BUILD_DIR.
+binaries=(
+  daemon/ckptd
+  tools/ckptctl
+  tests/gpu/ckpt_gpu_trainer
+  tests/gpu/ckpt_gpu_bench
+  tests/gpu/gpu_snapshot_test
+  tests/kernels/drift_cuda_test
+)
+for b in "${binaries[@]}"; do
+  if [ ! -x "$build/$b" ]; then
+    echo "make_bundle: $build/$b is missing; build it first:" >&2
+    echo "  ninja -C $build ckptd ckptctl ckpt_gpu_trainer ckpt_gpu_bench gpu_snapshot_test drift_cuda_test" >&2
+    exit 1
+  fi
+done
+
+# glibc (all of its libraries), the compiler runtime and the driver.
+skip='^(linux-vdso|ld-linux|libc|libm|libmvec|libdl|libpthread|librt|libresolv|libutil|libanl|libnsl|libBrokenLocale|libthread_db|libgcc_s|libstdc\+\+|libcuda)\.so'
+
+rm -rf "$bundle"
+mkdir -p "$bundle/lib"
+declare -A libs=()
+for b in "${binaries[@]}"; do
+  mkdir -p "$bundle/$(dirname "$b")"
+  strip --strip-all -o "$bundle/$b" "$build/$b"
+  # ldd lists the transitive closure: "soname => path (address)".
+  while read -r name arrow path _; do
+    [ "$arrow" = "=>" ] || continue
+    [[ "$name" =~ $skip ]] && continue
+    if [ "$path" = "not" ]; then
+      echo "make_bundle: $b needs $name, which is not found here" >&2
+      exit 1
+    fi
+    libs[$name]=$path
+  done < <(ldd "$build/$b")
+done
+for name in "${!libs[@]}"; do
+  strip --strip-unneeded -o "$bundle/lib/$name" "${libs[$name]}"
+done
+
+{
+  echo "built from $(git -C "$top" rev-parse HEAD 2>/dev/null || echo unknown)" \
+       "($(git -C "$top" status --porcelain 2>/dev/null | wc -l) uncommitted changes)"
+  echo "build dir $build, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  for b in "${binaries[@]}"; do echo "$b"; done
+  for name in "${!libs[@]}"; do echo "lib/$name <- ${libs[$name]}"; done | sort
+} >"$bundle/MANIFEST"
+
+bytes=$(du -sb "$bundle" | cut -f1)
+echo "make_bundle: $bundle: ${#binaries[@]} binaries, ${#libs[@]} libraries," \
+     "$((bytes >> 20)) MiB ($bytes bytes)"
+if [ "$bytes" -gt "$max_bytes" ]; then
+  echo "make_bundle: larger than $((max_bytes >> 20)) MiB" >&2
+  exit 1
+fi
