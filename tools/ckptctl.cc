@@ -510,7 +510,10 @@ class Ctl {
                      {"temp_files_removed", r.temp_files_removed()},
                      {"metrics_address", r.metrics_address()},
                      {"disk_bytes_used", r.disk_bytes_used()},
-                     {"disk_bytes_limit", r.disk_bytes_limit()}});
+                     {"disk_bytes_limit", r.disk_bytes_limit()},
+                     {"gpu", r.gpu()},
+                     {"open_gpu_mappings", r.open_gpu_mappings()},
+                     {"open_gpu_mapping_bytes", r.open_gpu_mapping_bytes()}});
       return kExitOk;
     }
     std::string in_use = BytesWithRaw(r.pool_bytes_in_use());
@@ -535,6 +538,9 @@ class Ctl {
         {"orphan_files_removed", absl::StrCat(r.orphan_files_removed())},
         {"dangling_records_removed", absl::StrCat(r.dangling_records_removed())},
         {"temp_files_removed", absl::StrCat(r.temp_files_removed())},
+        {"gpu", OrDash(r.gpu())},
+        {"open_gpu_mappings", absl::StrCat(r.open_gpu_mappings(), " (",
+                                           BytesWithRaw(r.open_gpu_mapping_bytes()), ")")},
         {"metrics_address", r.metrics_address().empty() ? "- (off)" : r.metrics_address()},
         {"disk_bytes_used", BytesWithRaw(r.disk_bytes_used())},
         {"disk_bytes_limit", r.disk_bytes_limit() == 0 ? "- (no bound)"

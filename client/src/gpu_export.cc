@@ -77,11 +77,12 @@ class CudaGpuExport final : public GpuExport {
     size_t size = 0;
     const auto p = reinterpret_cast<CUdeviceptr>(ptr);
     if (get_range_(&base, &size, p) != CUDA_SUCCESS) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": the driver knows no allocation at it"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": the driver knows no allocation at it"));
     }
     if (bytes > size || p - base > size - bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " (", bytes,
-                                                     " bytes) runs past the end of its allocation"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " (", bytes, " bytes) runs past the end of its allocation"));
     }
     for (size_t i = 0; i < regions_.size(); ++i) {
       if (regions_[i].base == base) return std::make_pair(static_cast<uint32_t>(i), p - base);
@@ -91,8 +92,9 @@ class CudaGpuExport final : public GpuExport {
             CUDA_SUCCESS ||
         capable == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          what, " lives in an allocation that legacy CUDA IPC cannot export (virtual memory "
-                "management, e.g. PyTorch expandable_segments:True); allocate it with cudaMalloc"));
+          what,
+          " lives in an allocation that legacy CUDA IPC cannot export (virtual memory "
+          "management, e.g. PyTorch expandable_segments:True); allocate it with cudaMalloc"));
     }
     Region r;
     r.base = base;
@@ -131,7 +133,8 @@ class CudaGpuExport final : public GpuExport {
       g->set_ipc_handle(std::string(reinterpret_cast<const char*>(&r.handle), sizeof(r.handle)));
       g->set_bytes(r.size);
     }
-    h.set_step_event(std::string(reinterpret_cast<const char*>(&event_handle_), sizeof(event_handle_)));
+    h.set_step_event(
+        std::string(reinterpret_cast<const char*>(&event_handle_), sizeof(event_handle_)));
     return h;
   }
 
@@ -166,7 +169,8 @@ absl::StatusOr<std::unique_ptr<GpuExport>> GpuExport::Create() {
 #else
 
 absl::StatusOr<std::unique_ptr<GpuExport>> GpuExport::Create() {
-  return absl::UnimplementedError("this ckpt client was built without CUDA; GPU tensors need a CUDA build");
+  return absl::UnimplementedError(
+      "this ckpt client was built without CUDA; GPU tensors need a CUDA build");
 }
 
 #endif

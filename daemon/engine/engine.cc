@@ -191,21 +191,24 @@ void Engine::Shutdown(absl::Duration grace) {
   }
   for (auto& t : writer_threads_) t.join();
   writer_threads_.clear();
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the lock is released
   absl::MutexLock lock(&mu_);
   write_queue_.clear();
   for (auto& [key, r] : ranks_) {
     r->active = false;
-    ReleaseMemoryLocked(r.get(), "ckptd is shutting down");
+    ReleaseMemoryLocked(r.get(), "ckptd is shutting down", &closing);
   }
   ranks_.clear();
 }
 
-void Engine::ReleaseMemoryLocked(Rank* r, const std::string& why) {
+void Engine::ReleaseMemoryLocked(Rank* r, const std::string& why,
+                                 std::vector<std::shared_ptr<RankMemory>>* closing) {
   if (r->memory == nullptr) return;
   if (std::string(r->memory->kind()) == "cuda") {
     CKPT_LOG(INFO) << "job " << r->job << " rank " << r->rank << ": closing GPU mappings (" << why
                    << ")";
   }
+  closing->push_back(std::move(r->memory));
   r->memory.reset();
   r->memory_released = why;
   r->trainer_pidfd = UniqueFd();
@@ -232,12 +235,13 @@ void Engine::WatchTrainersLoop() {
       continue;
     }
     if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) continue;
+    std::vector<std::shared_ptr<RankMemory>> closing;
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
       Rank* r = watched[i].get();
       if (r->trainer_pidfd.get() != fds[i].fd) continue;  // released meanwhile
-      ReleaseMemoryLocked(r, "its trainer process exited");
+      ReleaseMemoryLocked(r, "its trainer process exited", &closing);
     }
   }
 }
@@ -413,6 +417,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   r->outcomes.assign(n, {});
 
   // 4. Replace a live registration of the same rank once its pipeline drained.
+  std::vector<std::shared_ptr<RankMemory>> closing;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("ckptd is shutting down");
@@ -424,7 +429,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       }
       old->active = false;
       ReleaseDeferredLocked(old.get());
-      ReleaseMemoryLocked(old.get(), "the rank registered again");
+      ReleaseMemoryLocked(old.get(), "the rank registered again", &closing);
       if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
       CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
       ranks_.erase(RankKey(r->job, r->rank));
@@ -1149,12 +1154,13 @@ absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& 
 
 absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& caller,
                                 absl::Time deadline) {
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the lock is released
   absl::MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
   r->active = false;
   ReleaseDeferredLocked(r.get());
-  ReleaseMemoryLocked(r.get(), "unregistered");
+  ReleaseMemoryLocked(r.get(), "unregistered", &closing);
   if (req.drain()) {
     CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
     ranks_.erase(RankKey(r->job, r->rank));

@@ -192,10 +192,13 @@ class Engine {
   void GcLoop();
   // Closes the GPU mappings of ranks whose trainer process exited.
   void WatchTrainersLoop();
-  // Drops a rank's memory (closing GPU mappings once an in-flight snapshot
-  // let go of it); later steps and restores of the rank fail until it
-  // registers again.
-  void ReleaseMemoryLocked(Rank* r, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes a rank's memory away; later steps and restores of the rank fail
+  // until it registers again. The memory moves to `closing`, which the caller
+  // drops after releasing mu_ (closing GPU mappings synchronizes a stream);
+  // an in-flight snapshot holds its own reference until it is done.
+  void ReleaseMemoryLocked(Rank* r, const std::string& why,
+                           std::vector<std::shared_ptr<RankMemory>>* closing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;
   Index* const index_;

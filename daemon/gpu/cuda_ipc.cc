@@ -31,10 +31,10 @@ std::string UuidString(const cudaUUID_t& u) {
 }
 
 // Returns the failure of a CUDA runtime call as a Status.
-#define CKPT_CUDA_RETURN(expr)                                   \
-  do {                                                           \
-    const absl::Status ckpt_cuda_s = CudaStatus(#expr, (expr));  \
-    if (!ckpt_cuda_s.ok()) return ckpt_cuda_s;                   \
+#define CKPT_CUDA_RETURN(expr)                                  \
+  do {                                                          \
+    const absl::Status ckpt_cuda_s = CudaStatus(#expr, (expr)); \
+    if (!ckpt_cuda_s.ok()) return ckpt_cuda_s;                  \
   } while (0)
 
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -121,17 +121,17 @@ class RuntimeCudaIpc final : public CudaIpc {
 
   absl::Status StreamWaitEvent(int device, void* stream, void* event) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
-    return CudaStatus("cudaStreamWaitEvent",
-                      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                          static_cast<cudaEvent_t>(event), 0));
+    return CudaStatus(
+        "cudaStreamWaitEvent",
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
   }
 
   absl::Status CopyToHostAsync(int device, void* stream, void* dst, const char* src,
                                uint64_t n) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
-    return CudaStatus("cudaMemcpyAsync (device to host)",
-                      cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost,
-                                      static_cast<cudaStream_t>(stream)));
+    return CudaStatus(
+        "cudaMemcpyAsync (device to host)",
+        cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
   }
 
   absl::Status CopyToDevice(int device, void* stream, char* dst, const void* src,
@@ -163,7 +163,8 @@ class RuntimeCudaIpc final : public CudaIpc {
 #else  // no CUDA toolkit at build time
 
 absl::Status NoCuda() {
-  return absl::FailedPreconditionError("this ckptd was built without CUDA; GPU regions need a CUDA build");
+  return absl::FailedPreconditionError(
+      "this ckptd was built without CUDA; GPU regions need a CUDA build");
 }
 
 class NoCudaIpc final : public CudaIpc {
@@ -177,7 +178,9 @@ class NoCudaIpc final : public CudaIpc {
   absl::StatusOr<void*> CreateStream(int) override { return NoCuda(); }
   void DestroyStream(int, void*) override {}
   absl::Status StreamWaitEvent(int, void*, void*) override { return NoCuda(); }
-  absl::Status CopyToHostAsync(int, void*, void*, const char*, uint64_t) override { return NoCuda(); }
+  absl::Status CopyToHostAsync(int, void*, void*, const char*, uint64_t) override {
+    return NoCuda();
+  }
   absl::Status CopyToDevice(int, void*, char*, const void*, uint64_t) override { return NoCuda(); }
   absl::Status Synchronize(int, void*) override { return NoCuda(); }
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {

@@ -29,22 +29,23 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const v1::GpuHandover& ha
         absl::StrCat("gpu handover: device_uuid '", uuid.substr(0, 64),
                      "' is not of the form GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"));
   }
-  if (handover.regions_size() == 0 || static_cast<size_t>(handover.regions_size()) > kMaxGpuRegions) {
+  if (handover.regions_size() == 0 ||
+      static_cast<size_t>(handover.regions_size()) > kMaxGpuRegions) {
     return absl::InvalidArgumentError(absl::StrCat("gpu handover: ", handover.regions_size(),
                                                    " regions; expected 1..", kMaxGpuRegions));
   }
   if (handover.step_event().size() != kCudaIpcHandleBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("gpu handover: step_event is ",
-                                                   handover.step_event().size(), " bytes, not a ",
-                                                   kCudaIpcHandleBytes, "-byte cudaIpcEventHandle_t"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu handover: step_event is ", handover.step_event().size(), " bytes, not a ",
+                     kCudaIpcHandleBytes, "-byte cudaIpcEventHandle_t"));
   }
   std::vector<uint64_t> sizes;
   for (int i = 0; i < handover.regions_size(); ++i) {
     const v1::GpuRegion& r = handover.regions(i);
     if (r.ipc_handle().size() != kCudaIpcHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, ": ipc_handle is ",
-                                                     r.ipc_handle().size(), " bytes, not a ",
-                                                     kCudaIpcHandleBytes, "-byte cudaIpcMemHandle_t"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle().size(),
+                       " bytes, not a ", kCudaIpcHandleBytes, "-byte cudaIpcMemHandle_t"));
     }
     if (r.bytes() == 0 || r.bytes() > kMaxRegionBytes) {
       return absl::InvalidArgumentError(
@@ -70,8 +71,8 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const v1::GpuHandover
     const v1::GpuRegion& r = handover.regions(i);
     absl::StatusOr<char*> base = ipc->OpenMemHandle(m->device_, r.ipc_handle());
     if (!base.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
     }
     m->regions_.push_back(Region{*base, r.bytes()});
     g_mappings.fetch_add(1, std::memory_order_relaxed);

@@ -310,7 +310,8 @@ class GpuEngineTest : public ::testing::Test {
     Req r;
     r.set_job_id("gjob");
     r.set_generation(generation);
-    if constexpr (std::is_same_v<Req, v1::StepDoneRequest> || std::is_same_v<Req, v1::WaitRequest>) {
+    if constexpr (std::is_same_v<Req, v1::StepDoneRequest> ||
+                  std::is_same_v<Req, v1::WaitRequest>) {
       r.set_step(step);
     }
     return r;
@@ -318,9 +319,9 @@ class GpuEngineTest : public ::testing::Test {
   // Reports `step` (the buffers already hold it) and waits for its snapshot.
   void Step(uint64_t gen, uint64_t step, const Caller& c) {
     CKPT_ASSERT_OK(engine_->StepDone(For<v1::StepDoneRequest>(gen, step), c));
-    CKPT_ASSERT_OK(engine_->WaitSnapshot(For<v1::WaitRequest>(gen, step), c,
-                                         absl::Now() + absl::Seconds(10))
-                       .status());
+    CKPT_ASSERT_OK(
+        engine_->WaitSnapshot(For<v1::WaitRequest>(gen, step), c, absl::Now() + absl::Seconds(10))
+            .status());
   }
 
   TempDir tmp_;
@@ -334,7 +335,8 @@ class GpuEngineTest : public ::testing::Test {
 };
 
 TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
+                            engine_->Register(GpuRequest("gjob"), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // three layers, two allocations
   for (uint64_t step = 1; step <= 3; ++step) {
     Fill(step);
@@ -343,12 +345,14 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
     Fill(step + 100);
   }
   EXPECT_EQ(ipc_.event_waits(), 3);
-  CKPT_ASSERT_OK(engine_->WaitDurable(For<v1::WaitRequest>(reg.generation(), 3), owner_,
-                                      absl::Now() + absl::Seconds(10))
+  CKPT_ASSERT_OK(engine_
+                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 3), owner_,
+                                   absl::Now() + absl::Seconds(10))
                      .status());
   // A new process of the same trainer: re-register (the old mappings close),
   // restore into the GPU buffers.
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply again, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply again,
+                            engine_->Register(GpuRequest("gjob"), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);
   Fill(0);
   CKPT_ASSERT_OK_AND_ASSIGN(v1::RestoreReply restored,
@@ -394,8 +398,10 @@ TEST_F(GpuEngineTest, HostAndGpuRegionsDoNotMix) {
 }
 
 TEST_F(GpuEngineTest, StaleGenerationIsRefusedAfterReRegistration) {
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply first, engine_->Register(GpuRequest("gjob"), {}, owner_));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply second, engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply first,
+                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply second,
+                            engine_->Register(GpuRequest("gjob"), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // the first registration's were closed
   absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(first.generation(), 1), owner_);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
@@ -411,22 +417,25 @@ TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
     ::_exit(0);
   }
   const Caller trainer{1000, child};
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg, engine_->Register(GpuRequest("gjob"), {}, trainer));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
+                            engine_->Register(GpuRequest("gjob"), {}, trainer));
   Fill(1);
   Step(reg.generation(), 1, trainer);
   EXPECT_EQ(ipc_.open_mappings(), 2);
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (ipc_.open_mappings() != 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  while (ipc_.open_mappings() != 0 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
   absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(reg.generation(), 2), trainer);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
   // What was acknowledged before the exit stays restorable.
-  CKPT_EXPECT_OK(engine_->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), trainer,
-                                      absl::Now() + absl::Seconds(10))
+  CKPT_EXPECT_OK(engine_
+                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), trainer,
+                                   absl::Now() + absl::Seconds(10))
                      .status());
 }
 
