@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/gpu_uuid.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // driver types only; the functions come through the runtime
@@ -19,16 +20,6 @@ namespace {
 absl::Status CudaError(const std::string& what, cudaError_t e) {
   cudaGetLastError();
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-std::string UuidString(const cudaUUID_t& u) {
-  const auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
-  std::string s = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) s += '-';
-    absl::StrAppend(&s, absl::Hex(b[i], absl::kZeroPad2));
-  }
-  return s;
 }
 
 template <typename Fn>
@@ -106,7 +97,7 @@ class CudaGpuExport final : public GpuExport {
       cudaDeviceProp prop;
       e = cudaGetDeviceProperties(&prop, device_);
       if (e != cudaSuccess) return CudaError("cudaGetDeviceProperties", e);
-      uuid_ = UuidString(prop.uuid);
+      uuid_ = GpuUuidString(prop.uuid.bytes);
     }
     regions_.push_back(r);
     return std::make_pair(static_cast<uint32_t>(regions_.size() - 1), p - base);

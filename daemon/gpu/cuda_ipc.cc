@@ -1,6 +1,7 @@
 #include "daemon/gpu/cuda_ipc.h"
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/gpu_uuid.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // types of the driver entry point only; libcuda is never linked
@@ -18,16 +19,6 @@ absl::Status CudaStatus(const char* what, cudaError_t e) {
   if (e == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();  // leave the thread's runtime state clean
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-std::string UuidString(const cudaUUID_t& u) {
-  const auto* b = reinterpret_cast<const unsigned char*>(u.bytes);
-  std::string s = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) s += '-';
-    absl::StrAppend(&s, absl::Hex(b[i], absl::kZeroPad2));
-  }
-  return s;
 }
 
 // Returns the failure of a CUDA runtime call as a Status.
@@ -50,7 +41,7 @@ class RuntimeCudaIpc final : public CudaIpc {
     for (int d = 0; d < count; ++d) {
       cudaDeviceProp prop;
       if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) continue;
-      if (UuidString(prop.uuid) == uuid) return d;
+      if (GpuUuidString(prop.uuid.bytes) == uuid) return d;
     }
     return absl::FailedPreconditionError(
         absl::StrCat("device ", uuid, " is not visible to ckptd (", count,

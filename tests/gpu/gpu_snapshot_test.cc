@@ -198,6 +198,17 @@ class GpuSnapshotTest : public ::testing::Test {
     return rc;
   }
 
+  // Runs a trainer (`job`, `mode`, `extra`) that must exit 0 and returns the
+  // JSON it wrote to <name>.json.
+  void RunTrainerToJson(const std::string& name, const std::string& job, const std::string& mode,
+                        std::vector<std::string> extra, nlohmann::json* out) {
+    extra.push_back("--json-out=" + Path(name + ".json"));
+    std::string log;
+    ASSERT_EQ(RunTrainer(name, TrainerArgs(job, mode, std::move(extra)), &log), 0) << log;
+    *out = ReadJson(name + ".json");
+    ASSERT_TRUE(out->is_object()) << log;
+  }
+
   nlohmann::json ReadJson(const std::string& name) {
     return nlohmann::json::parse(ReadFile(Path(name)), nullptr, /*allow_exceptions=*/false);
   }
@@ -284,16 +295,10 @@ class GpuSnapshotTest : public ::testing::Test {
 // after StepDone was sent, so one holding f(29) would show a copy that did
 // not wait for the step's event.
 TEST_F(GpuSnapshotTest, TrainThenRestoreInNewProcessIsBitExact) {
-  std::string log;
-  ASSERT_EQ(RunTrainer("train",
-                       TrainerArgs("every-n", "train",
-                                   {"--policy=every_n:3", "--steps=31", "--step-delay-ms=10",
-                                    "--json-out=" + Path("train.json")}),
-                       &log),
-            0)
-      << log;
-  const nlohmann::json train = ReadJson("train.json");
-  ASSERT_TRUE(train.is_object()) << log;
+  nlohmann::json train;
+  ASSERT_NO_FATAL_FAILURE(
+      RunTrainerToJson("train", "every-n", "train",
+                       {"--policy=every_n:3", "--steps=31", "--step-delay-ms=10"}, &train));
   EXPECT_EQ(train["skipped"].get<uint64_t>(), 0u);
   EXPECT_EQ(train["durable_step"].get<uint64_t>(), 31u);
   EXPECT_EQ(train["regions"].get<uint32_t>(), kRegions);
@@ -313,16 +318,10 @@ TEST_F(GpuSnapshotTest, TrainThenRestoreInNewProcessIsBitExact) {
 // An explicit per-layer schedule: the composite checkpoint mixes steps, and
 // each layer must come back as of its own step.
 TEST_F(GpuSnapshotTest, ExplicitScheduleRestoresEachLayerAtItsOwnStep) {
-  std::string log;
-  ASSERT_EQ(RunTrainer("train",
-                       TrainerArgs("explicit", "train",
-                                   {"--policy=explicit", "--steps=30", "--step-delay-ms=10",
-                                    "--json-out=" + Path("train.json")}),
-                       &log),
-            0)
-      << log;
-  const nlohmann::json train = ReadJson("train.json");
-  ASSERT_TRUE(train.is_object()) << log;
+  nlohmann::json train;
+  ASSERT_NO_FATAL_FAILURE(
+      RunTrainerToJson("train", "explicit", "train",
+                       {"--policy=explicit", "--steps=30", "--step-delay-ms=10"}, &train));
   EXPECT_EQ(train["skipped"].get<uint64_t>(), 0u);
 
   ExpectBitExactRestore("explicit", {"--policy=explicit", "--steps=30"});
@@ -337,16 +336,9 @@ TEST_F(GpuSnapshotTest, ExplicitScheduleRestoresEachLayerAtItsOwnStep) {
 // per-layer normalized drift (the rank's drift.jsonl) must equal what the CPU
 // reference computes from the same tensors copied back by the trainer.
 TEST_F(GpuSnapshotTest, DriftOnMappedBuffersMatchesTheCpuReference) {
-  std::string log;
-  ASSERT_EQ(RunTrainer("drift",
-                       TrainerArgs("drift", "drift",
-                                   {"--layers=4", "--layer-bytes=1M", "--steps=12",
-                                    "--json-out=" + Path("drift.json")}),
-                       &log),
-            0)
-      << log;
-  const nlohmann::json cpu = ReadJson("drift.json");
-  ASSERT_TRUE(cpu.is_object()) << log;
+  nlohmann::json cpu;
+  ASSERT_NO_FATAL_FAILURE(RunTrainerToJson("drift", "drift", "drift",
+                                           {"--layers=4", "--layer-bytes=1M", "--steps=12"}, &cpu));
   const std::string trace_path = root_ + "/data/jobs/drift/rank-00000000/drift.jsonl";
   std::ifstream trace(trace_path);
   ASSERT_TRUE(trace.good()) << trace_path;

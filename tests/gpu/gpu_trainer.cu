@@ -1002,17 +1002,22 @@ int main(int argc, char** argv) {
   if (!CudaOk(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate")) {
     return 1;
   }
-  if (a.mode == "drift") {
+  // A client whose steps are recorded on `stream`; null after printing why.
+  auto connect = [&a, stream]() -> std::unique_ptr<ckpt::Client> {
     ckpt::ClientOptions co;
     co.socket_path = a.socket;
     absl::StatusOr<std::unique_ptr<ckpt::Client>> client = ckpt::Client::Connect(co);
     if (!client.ok()) {
       std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
-      return 1;
+      return nullptr;
     }
     (*client)->SetCudaStream(static_cast<void*>(stream));
-    const int rc = Drift(a, client->get(), stream);
-    client->reset();
+    return std::move(*client);
+  };
+  if (a.mode == "drift") {
+    std::unique_ptr<ckpt::Client> client = connect();
+    const int rc = client == nullptr ? 1 : Drift(a, client.get(), stream);
+    client.reset();  // before the stream it may record on is destroyed
     cudaStreamDestroy(stream);
     return rc;
   }
@@ -1024,28 +1029,22 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  ckpt::ClientOptions co;
-  co.socket_path = a.socket;
-  absl::StatusOr<std::unique_ptr<ckpt::Client>> client = ckpt::Client::Connect(co);
-  if (!client.ok()) {
-    std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
-    return 1;
-  }
-  (*client)->SetCudaStream(static_cast<void*>(stream));
+  std::unique_ptr<ckpt::Client> client = connect();
+  if (client == nullptr) return 1;
   uint32_t regions = 0;
-  if (absl::Status s = RegisterLayers(client->get(), a, policy, &buffers, &regions); !s.ok()) {
+  if (absl::Status s = RegisterLayers(client.get(), a, policy, &buffers, &regions); !s.ok()) {
     std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
     return 1;
   }
   int rc = 0;
   if (a.mode == "train") {
-    rc = Train(a, policy, client->get(), &buffers, stream, regions);
+    rc = Train(a, policy, client.get(), &buffers, stream, regions);
   } else if (a.mode == "verify") {
-    rc = Verify(a, policy, client->get(), &buffers, regions);
+    rc = Verify(a, policy, client.get(), &buffers, regions);
   } else {
-    rc = Bench(a, client->get(), &buffers, stream);
+    rc = Bench(a, client.get(), &buffers, stream);
   }
-  client->reset();  // before the stream it may record on is destroyed
+  client.reset();  // before the stream it may record on is destroyed
   cudaStreamDestroy(stream);
   return rc;
 }

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/common/gpu_uuid.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "daemon/io/file_system.h"
@@ -147,6 +148,15 @@ v1::GpuHandover TwoRegions(uint64_t bytes0 = 4096, uint64_t bytes1 = 8192) {
   r->set_bytes(bytes1);
   h.set_step_event(Handle(FakeCudaIpc::kEventId));
   return h;
+}
+
+TEST(GpuUuidTest, PrintedAsNvidiaSmiDoes) {
+  const unsigned char bytes[16] = {0xce, 0x06, 0x88, 0xb6, 0xea, 0x84, 0x0d, 0xc3,
+                                   0x52, 0xc6, 0x01, 0xfa, 0x24, 0x62, 0x8b, 0xf8};
+  EXPECT_EQ(GpuUuidString(bytes), "GPU-ce0688b6-ea84-0dc3-52c6-01fa24628bf8");
+  v1::GpuHandover h = TwoRegions();
+  h.set_device_uuid(GpuUuidString(bytes));
+  CKPT_EXPECT_OK(CheckGpuHandover(h).status());
 }
 
 TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
