@@ -593,6 +593,12 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   if (copy_status.ok() && r->layercheck != nullptr && !DecideLayerCheck(r, task, memory)) {
     return false;
   }
+  if (!copy_status.ok() && r->layercheck != nullptr) {
+    // Nothing was decided: every layer counts as skipped, so the step is not
+    // reported durable and every layer is retried.
+    task.layers.resize(r->layers.size());
+    for (uint32_t l = 0; l < task.layers.size(); ++l) task.layers[l] = l;
+  }
   const absl::Time copy_start = absl::Now();
   std::vector<StagedVersion> staged;
   std::vector<uint32_t> skipped;

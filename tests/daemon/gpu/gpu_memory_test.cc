@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -112,6 +113,7 @@ class FakeCudaIpc final : public CudaIpc {
     return absl::OkStatus();
   }
   absl::Status CopyToHostAsync(int, void*, void* dst, const char* src, uint64_t n) override {
+    if (fail_copies.load()) return absl::InternalError("cudaMemcpyAsync: an illegal memory access");
     std::memcpy(dst, src, n);
     return absl::OkStatus();
   }
@@ -125,6 +127,7 @@ class FakeCudaIpc final : public CudaIpc {
   }
 
   static constexpr uint64_t kEventId = 999;
+  std::atomic<bool> fail_copies{false};
 
  private:
   absl::Mutex mu_;
@@ -375,6 +378,36 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
   EXPECT_EQ(OpenGpuMappings().mappings, 0u);
+}
+
+TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
+                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  Fill(1);
+  ipc_.fail_copies = true;
+  CKPT_ASSERT_OK(engine_->StepDone(For<v1::StepDoneRequest>(reg.generation(), 1), owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitSnapshotReply snap,
+                            engine_->WaitSnapshot(For<v1::WaitRequest>(reg.generation(), 1), owner_,
+                                                  absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(snap.layers_size(), 0);  // no partial step
+  EXPECT_EQ(snap.skipped(), kLayers);
+  CKPT_EXPECT_CODE(engine_
+                       ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), owner_,
+                                     absl::Now() + absl::Seconds(10))
+                       .status(),
+                   kAborted);
+  ipc_.fail_copies = false;
+  Fill(2);
+  Step(reg.generation(), 2, owner_);  // every layer is retried
+  CKPT_ASSERT_OK(engine_
+                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 2), owner_,
+                                   absl::Now() + absl::Seconds(10))
+                     .status());
+  Fill(0);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::RestoreReply restored,
+                            engine_->Restore(For<v1::RestoreRequest>(reg.generation()), owner_));
+  EXPECT_EQ(restored.plan().target_step(), 2u);
+  EXPECT_TRUE(Holds(2));
 }
 
 TEST_F(GpuEngineTest, AnotherUidsJobIsRefusedBeforeAnythingIsOpened) {
