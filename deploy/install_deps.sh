@@ -8,9 +8,12 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   liburing-dev librocksdb-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev libsystemd-dev python3 fio
-  # tests: PyTorch generates the optimizer golden data (OpenBLAS keeps it fast),
-  # promtool checks metrics and alert rules, systemd-analyze lints the unit
-  python3-torch python3-numpy libopenblas0-openmp prometheus systemd
+  # the Python module ckpt (pybind11, for /usr/bin/python3)
+  pybind11-dev python3-dev
+  # tests: PyTorch generates the optimizer golden data and runs ckpt.torch
+  # (OpenBLAS keeps it fast), matplotlib draws the fidelity report, promtool
+  # checks metrics and alert rules, systemd-analyze lints the unit
+  python3-torch python3-numpy libopenblas0-openmp python3-matplotlib prometheus systemd
 )
 
 missing=()

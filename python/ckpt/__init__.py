@@ -1,0 +1,24 @@
+"""ckpt: the Python client of ckptd, the node-local checkpoint daemon.
+
+    import ckpt
+    client = ckpt.Client("/run/ckptd/ckptd.sock")
+
+`ckpt.Client` is the C++ client library (ckpt/client.h) with dicts for its
+requests and replies; `ckpt.torch.attach` builds on it for PyTorch models.
+Every failed call raises `ckpt.Error`, whose `code` is the status code name
+("NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE", ...).
+"""
+
+
+class Error(Exception):
+    """A call to ckptd failed; `code` names the status, `message` says why."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+from ckpt._ckpt import Client, Region  # noqa: E402  (Error must exist first)
+
+__all__ = ["Client", "Error", "Region"]

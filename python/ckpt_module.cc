@@ -1,0 +1,302 @@
+// ckpt._ckpt: the C++ client (client/include/ckpt/client.h) for Python.
+//
+// Requests and replies are plain dicts and lists, so the module needs no
+// protobuf on the Python side. Failed calls raise ckpt.Error(code, message)
+// with the gRPC/absl status code name ("NOT_FOUND", ...). Blocking calls
+// release the GIL. A host region is exposed through the buffer protocol by a
+// Region object that keeps the client (and so the mapping) alive as long as
+// anything (a torch tensor made with torch.frombuffer, say) refers to it.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "ckpt/client.h"
+
+namespace py = pybind11;
+
+namespace ckpt {
+namespace {
+
+// A failed call, turned into ckpt.Error by the translator below.
+struct StatusError : std::runtime_error {
+  StatusError(std::string code, const std::string& message)
+      : std::runtime_error(message), code(std::move(code)) {}
+  std::string code;
+};
+
+std::string CodeName(absl::StatusCode code) {
+  std::string s = absl::StatusCodeToString(code);
+  for (char& c : s) c = c == ' ' ? '_' : static_cast<char>(std::toupper(c));
+  return s;
+}
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) throw StatusError(CodeName(s.code()), std::string(s.message()));
+}
+
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  Check(v.status());
+  return std::move(v).value();
+}
+
+template <typename E>
+E EnumFromName(const py::dict& d, const char* key, bool (*parse)(const std::string&, E*),
+               const char* prefix, E fallback) {
+  if (!d.contains(key)) return fallback;
+  const std::string name = absl::StrCat(prefix, py::cast<std::string>(d[key]));
+  E e;
+  std::string upper = name;
+  for (char& c : upper) c = static_cast<char>(std::toupper(c));
+  if (!parse(upper, &e)) throw py::value_error(absl::StrCat("unknown ", key, " '", name, "'"));
+  return e;
+}
+
+template <typename T>
+T Get(const py::dict& d, const char* key, T fallback) {
+  return d.contains(key) ? py::cast<T>(d[key]) : fallback;
+}
+
+v1::PolicySpec PolicyFromDict(const py::dict& p) {
+  v1::PolicySpec spec;
+  spec.set_kind(EnumFromName(p, "kind", v1::PolicyKind_Parse, "POLICY_", v1::POLICY_ALL));
+  spec.set_every_n(Get<uint64_t>(p, "every_n", 0));
+  spec.set_optimizer(
+      EnumFromName(p, "optimizer", v1::OptimizerKind_Parse, "OPTIMIZER_", v1::OPTIMIZER_UNSPECIFIED));
+  spec.set_record_trace(Get<bool>(p, "record_trace", false));
+  if (p.contains("layercheck")) {
+    const py::dict lc = p["layercheck"];
+    v1::LayerCheckSpec* l = spec.mutable_layercheck();
+    l->set_k0(Get<double>(lc, "k0", 0));
+    l->set_k0_embedding(Get<double>(lc, "k0_embedding", 0));
+    l->set_k_floor(Get<double>(lc, "k_floor", 0));
+    l->set_s_max(Get<uint64_t>(lc, "s_max", 0));
+    if (lc.contains("warmup")) l->set_warmup(py::cast<uint64_t>(lc["warmup"]));
+    l->set_warmup_interval(Get<uint64_t>(lc, "warmup_interval", 0));
+    l->set_full_every(Get<uint64_t>(lc, "full_every", 0));
+  }
+  return spec;
+}
+
+RankSpec SpecFromDict(const py::dict& d) {
+  RankSpec spec;
+  spec.job_id = py::cast<std::string>(d["job_id"]);
+  spec.rank = Get<uint32_t>(d, "rank", 0);
+  spec.world_size = Get<uint32_t>(d, "world_size", 1);
+  spec.local_rank = Get<uint32_t>(d, "local_rank", 0);
+  if (d.contains("policy")) spec.policy = PolicyFromDict(d["policy"]);
+  for (const py::handle& lh : py::list(d["layers"])) {
+    const py::dict l = py::reinterpret_borrow<py::dict>(lh);
+    LayerDesc layer;
+    layer.name = py::cast<std::string>(l["name"]);
+    layer.kind = EnumFromName(l, "kind", v1::LayerKind_Parse, "LAYER_", v1::LAYER_BLOCK);
+    for (const py::handle& th : py::list(l["tensors"])) {
+      const py::dict t = py::reinterpret_borrow<py::dict>(th);
+      TensorDesc td;
+      td.name = py::cast<std::string>(t["name"]);
+      td.dtype = EnumFromName(t, "dtype", v1::DType_Parse, "DTYPE_", v1::DTYPE_F32);
+      td.shape = py::cast<std::vector<uint64_t>>(t["shape"]);
+      td.role = EnumFromName(t, "role", v1::TensorRole_Parse, "ROLE_", v1::ROLE_PARAM);
+      td.group = Get<uint32_t>(t, "group", 0);
+      td.region = Get<uint32_t>(t, "region", 0);
+      td.offset = Get<uint64_t>(t, "offset", 0);
+      td.param = Get<std::string>(t, "param", "");
+      td.lr_scale = Get<double>(t, "lr_scale", 0);
+      td.beta1 = Get<double>(t, "beta1", 0);
+      td.beta2 = Get<double>(t, "beta2", 0);
+      td.eps = Get<double>(t, "eps", 0);
+      td.weight_decay = Get<double>(t, "weight_decay", 0);
+      layer.tensors.push_back(std::move(td));
+    }
+    spec.layers.push_back(std::move(layer));
+  }
+  return spec;
+}
+
+py::dict PlanToDict(const v1::Plan& plan) {
+  py::dict d;
+  d["job_id"] = plan.job_id();
+  d["rank"] = plan.rank();
+  d["target_step"] = plan.target_step();
+  d["complete"] = plan.complete();
+  d["total_bytes"] = plan.total_bytes();
+  d["size_weighted_staleness"] = plan.size_weighted_staleness();
+  d["max_staleness"] = plan.max_staleness();
+  d["aux"] = py::bytes(plan.aux());
+  py::list layers;
+  for (const v1::LayerPlan& l : plan.layers()) {
+    py::dict ld;
+    ld["layer"] = l.layer();
+    ld["name"] = l.name();
+    ld["has_version"] = l.has_version();
+    ld["step"] = l.step();
+    ld["staleness"] = l.staleness();
+    ld["bytes"] = l.bytes();
+    layers.append(ld);
+  }
+  d["layers"] = layers;
+  return d;
+}
+
+// One host region of a client, for the buffer protocol.
+struct Region {
+  std::shared_ptr<Client> client;
+  size_t index;
+};
+
+class PyClient {
+ public:
+  PyClient(const std::string& socket_path, double call_timeout_s, double wait_timeout_s,
+           double restore_timeout_s, const std::string& on_daemon_loss) {
+    ClientOptions o;
+    o.socket_path = socket_path;
+    o.call_timeout = absl::Seconds(call_timeout_s);
+    o.wait_timeout = absl::Seconds(wait_timeout_s);
+    o.restore_timeout = absl::Seconds(restore_timeout_s);
+    if (on_daemon_loss == "continue") {
+      o.on_daemon_loss = OnDaemonLoss::kContinueUnprotected;
+    } else if (on_daemon_loss != "error") {
+      throw py::value_error("on_daemon_loss must be 'error' or 'continue'");
+    }
+    client_ = std::shared_ptr<Client>(Value(Client::Connect(o)).release());
+  }
+
+  Region AllocateRegion(uint64_t bytes) { return Region{client_, Value(client_->AllocateRegion(bytes))}; }
+
+  py::tuple AddGpuTensor(uint64_t ptr, uint64_t bytes, const std::string& name) {
+    const Client::GpuPlace p =
+        Value(client_->AddGpuTensor(reinterpret_cast<const void*>(ptr), bytes, name));
+    return py::make_tuple(p.region, p.offset);
+  }
+  void SetCudaStream(uint64_t stream) { client_->SetCudaStream(reinterpret_cast<void*>(stream)); }
+
+  void Register(const py::dict& spec) {
+    RankSpec s = SpecFromDict(spec);
+    py::gil_scoped_release release;
+    Check(client_->Register(s));
+  }
+
+  void StepDone(uint64_t step, double lr, const py::bytes& aux, const std::vector<uint32_t>& layers,
+                const std::vector<std::pair<uint32_t, uint64_t>>& group_steps) {
+    Client::StepInfo info;
+    info.step = step;
+    info.lr = lr;
+    info.aux = std::string(aux);
+    info.layers = layers;
+    for (const auto& [group, s] : group_steps) {
+      v1::GroupStep g;
+      g.set_group(group);
+      g.set_step(s);
+      info.group_steps.push_back(g);
+    }
+    py::gil_scoped_release release;
+    Check(client_->StepDone(info));
+  }
+
+  py::dict WaitSnapshot(uint64_t step) {
+    SnapshotInfo info;
+    {
+      py::gil_scoped_release release;
+      info = Value(client_->WaitSnapshot(step));
+    }
+    py::dict d;
+    d["layers"] = info.layers;
+    d["skipped"] = info.skipped;
+    d["lost"] = info.lost;
+    return d;
+  }
+
+  uint64_t WaitDurable(uint64_t step) {
+    py::gil_scoped_release release;
+    return Value(client_->WaitDurable(step));
+  }
+
+  py::dict Plan(uint64_t target_step) {
+    v1::Plan plan;
+    {
+      py::gil_scoped_release release;
+      plan = Value(client_->Plan(target_step));
+    }
+    return PlanToDict(plan);
+  }
+
+  py::dict Restore(uint64_t target_step) {
+    v1::RestoreReply reply;
+    {
+      py::gil_scoped_release release;
+      reply = Value(client_->Restore(target_step));
+    }
+    py::dict d = PlanToDict(reply.plan());
+    d["bytes_restored"] = reply.bytes_restored();
+    d["seconds"] = reply.seconds();
+    return d;
+  }
+
+  void Unregister(bool drain) {
+    py::gil_scoped_release release;
+    Check(client_->Unregister(drain));
+  }
+
+  uint64_t generation() const { return client_->generation(); }
+  uint64_t latest_durable_step_at_register() const {
+    return client_->latest_durable_step_at_register();
+  }
+  bool unprotected() const { return client_->unprotected(); }
+
+ private:
+  std::shared_ptr<Client> client_;
+};
+
+}  // namespace
+}  // namespace ckpt
+
+PYBIND11_MODULE(_ckpt, m) {
+  using ckpt::PyClient;
+  using ckpt::Region;
+  m.doc() = "ckptd client (see ckpt/__init__.py)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ckpt::StatusError& e) {
+      py::object error = py::module_::import("ckpt").attr("Error")(e.code, e.what());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    }
+  });
+  py::class_<Region>(m, "Region", py::buffer_protocol())
+      .def_property_readonly("index", [](const Region& r) { return r.index; })
+      .def_property_readonly("size", [](const Region& r) { return r.client->RegionSize(r.index); })
+      .def_buffer([](Region& r) {
+        return py::buffer_info(r.client->RegionData(r.index), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.client->RegionSize(r.index))}, {1},
+                               /*readonly=*/false);
+      });
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<const std::string&, double, double, double, const std::string&>(),
+           py::arg("socket_path") = "/run/ckptd/ckptd.sock", py::arg("call_timeout_s") = 10.0,
+           py::arg("wait_timeout_s") = 120.0, py::arg("restore_timeout_s") = 1800.0,
+           py::arg("on_daemon_loss") = "error")
+      .def("allocate_region", &PyClient::AllocateRegion, py::arg("bytes"))
+      .def("add_gpu_tensor", &PyClient::AddGpuTensor, py::arg("ptr"), py::arg("bytes"),
+           py::arg("name"))
+      .def("set_cuda_stream", &PyClient::SetCudaStream, py::arg("stream"))
+      .def("register", &PyClient::Register, py::arg("spec"))
+      .def("step_done", &PyClient::StepDone, py::arg("step"), py::arg("lr"),
+           py::arg("aux") = py::bytes(), py::arg("layers") = std::vector<uint32_t>{},
+           py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{})
+      .def("wait_snapshot", &PyClient::WaitSnapshot, py::arg("step"))
+      .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
+      .def("plan", &PyClient::Plan, py::arg("target_step") = 0)
+      .def("restore", &PyClient::Restore, py::arg("target_step") = 0)
+      .def("unregister", &PyClient::Unregister, py::arg("drain") = true)
+      .def_property_readonly("generation", &PyClient::generation)
+      .def_property_readonly("latest_durable_step_at_register",
+                             &PyClient::latest_durable_step_at_register)
+      .def_property_readonly("unprotected", &PyClient::unprotected);
+}
