@@ -11,6 +11,7 @@
 #include "daemon/common/kill_point.h"
 #include "daemon/common/logging.h"
 #include "daemon/common/systemd_notify.h"
+#include "daemon/common/unix_socket.h"
 #include "daemon/config/config.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/cuda_host.h"
@@ -175,6 +176,9 @@ int main(int argc, char** argv) {
     if (slash == std::string::npos || slash == 0) continue;
     absl::StatusOr<UniqueFd> dir = fs->MakeDirs(sock.substr(0, slash));
     if (!dir.ok()) return Fail("socket directory", dir.status());
+    if (absl::Status s = CheckSocketDirectory(dir->get(), sock.substr(0, slash)); !s.ok()) {
+      return Fail("socket directory", s);
+    }
   }
 
   HandoverOptions ho;

@@ -811,6 +811,16 @@ class Ctl {
         return kExitDaemonError;
       }
     }
+    // Every rank's plan first: a refusal (another user's job, no checkpoint
+    // at that step) leaves nothing behind, not even the output directory.
+    for (uint32_t rank : ranks) {
+      v1::PlanRequest req;
+      req.set_job_id(job);
+      req.set_rank(rank);
+      req.set_target_step(o_.step.value_or(0));
+      v1::Plan plan;
+      if (int rc = Call(&v1::Admin::Stub::Plan, req, &plan); rc != kExitOk) return rc;
+    }
     std::error_code mkdir_error;
     std::filesystem::create_directories(o_.out, mkdir_error);
     if (mkdir_error) {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 #include "daemon/common/status.h"
 
@@ -54,6 +55,25 @@ absl::StatusOr<UniqueFd> ListenUnixSocket(const std::string& path, mode_t mode) 
   if (::chmod(path.c_str(), mode) != 0) return ErrnoStatus(errno, absl::StrCat("chmod ", path));
   if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, "listen");
   return fd;
+}
+
+absl::Status CheckSocketDirectory(int dir_fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(dir_fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("socket directory ", path, " is not a directory"));
+  }
+  if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket directory ", path, " belongs to uid ", st.st_uid, ", not to ckptd's user (",
+        ::geteuid(), ") or root; refusing to serve from it"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "socket directory ", path, " is writable by group or others (mode ",
+        absl::StrFormat("%04o", st.st_mode & 07777), "); use a directory of mode 0750"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt

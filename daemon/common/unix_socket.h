@@ -25,4 +25,10 @@ absl::StatusOr<PeerCred> GetPeerCred(int sock_fd);
 // anything else at the path (a file, a symlink) is FAILED_PRECONDITION.
 absl::StatusOr<UniqueFd> ListenUnixSocket(const std::string& path, mode_t mode);
 
+// A directory that holds ckptd's sockets must be a directory owned by this
+// process's user or root and writable by nobody else; otherwise another user
+// could replace the socket between bind and use, or plant one ckptd would
+// then serve through. FAILED_PRECONDITION naming `path` and the problem.
+absl::Status CheckSocketDirectory(int dir_fd, const std::string& path);
+
 }  // namespace ckpt

@@ -211,6 +211,29 @@ TEST_F(UnixSocketTest, RefusesDirectory) {
   EXPECT_TRUE(PathExists(SockPath()));
 }
 
+TEST_F(UnixSocketTest, SocketDirectoryMustBeOwnedAndNotWritableByOthers) {
+  const std::string d = dir_.Join("run");
+  auto check = [&d]() {
+    UniqueFd fd(::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    return CheckSocketDirectory(fd.get(), d);
+  };
+  ASSERT_EQ(::mkdir(d.c_str(), 0750), 0);
+  CKPT_EXPECT_OK(check());
+  for (mode_t loose : {0770, 0757, 0777, 01777}) {
+    ASSERT_EQ(::chmod(d.c_str(), loose), 0);
+    absl::Status s = check();
+    CKPT_EXPECT_CODE(s, kFailedPrecondition);
+    EXPECT_NE(std::string(s.message()).find("writable by group or others"), std::string::npos) << s;
+  }
+  ASSERT_EQ(::chmod(d.c_str(), 0750), 0);
+  if (::geteuid() == 0) {  // another owner can only be set up as root
+    ASSERT_EQ(::chown(d.c_str(), 4242, 4242), 0);
+    absl::Status s = check();
+    CKPT_EXPECT_CODE(s, kFailedPrecondition);
+    EXPECT_NE(std::string(s.message()).find("belongs to uid 4242"), std::string::npos) << s;
+  }
+}
+
 TEST_F(UnixSocketTest, RejectsEmptyAndOverlongPaths) {
   CKPT_EXPECT_CODE(ListenUnixSocket("", 0660), kInvalidArgument);
   CKPT_EXPECT_CODE(ListenUnixSocket(dir_.Join(std::string(200, 'x')), 0660), kInvalidArgument);

@@ -1,0 +1,129 @@
+"""Security: identity from SO_PEERCRED, job ownership by uid, socket and
+directory permissions, name validation (RELIABILITY.md rows 17-19).
+
+ckptd runs as root on a private socket. Clients run as other users through
+`setpriv` (no accounts needed): uid 4242 owns a job; uid 4243 is in the same
+group (so it can reach the socket) but must not read, plan, restore, export,
+verify, collect or register into 4242's job; uid 4244 is in no permitted
+group and cannot reach the socket at all. Every attempt is counted; the test
+fails on any unauthorised success. Skips (77) when not root or without
+setpriv.
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import harness
+
+OWNER, INTRUDER, OUTSIDER = 4242, 4243, 4244
+GROUP = 0  # the socket directory's group: root's, as in the test layout
+
+
+def as_user(uid, gid, cmd, timeout=120):
+    return subprocess.run(["setpriv", "--reuid=%d" % uid, "--regid=%d" % gid, "--clear-groups",
+                           "--"] + cmd, capture_output=True, text=True, timeout=timeout)
+
+
+class Tally:
+    def __init__(self):
+        self.attempts = 0
+        self.unauthorised = 0
+
+    def refused(self, what, proc, *needles):
+        """Counts an attempt that must fail with one of `needles` in its output."""
+        self.attempts += 1
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or not any(n in out for n in needles):
+            self.unauthorised += proc.returncode == 0
+            raise AssertionError("%s: exit %d, expected a refusal containing %r:\n%s"
+                                 % (what, proc.returncode, needles, out))
+        print("ok: refused: %s" % what)
+
+
+def main():
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        print("skipping: needs root and setpriv")
+        return 77
+    root = harness.tempdir("ckpt-sec-")
+    os.chmod(root, 0o750)  # group 0 may traverse to the socket directory
+    work = os.path.join(root, "work")
+    os.makedirs(work)
+    os.chmod(work, 0o777)  # scratch space the test users write to
+    daemon = harness.Daemon(root).start()
+    tally = Tally()
+    try:
+        sock_dir = os.path.dirname(daemon.socket)
+        mode = stat.S_IMODE(os.stat(sock_dir).st_mode)
+        sock_mode = stat.S_IMODE(os.stat(daemon.socket).st_mode)
+        assert mode == 0o750, "socket directory mode %o" % mode
+        assert sock_mode == 0o660, "socket mode %o" % sock_mode
+        assert stat.S_IMODE(os.stat(daemon.socket + ".fds").st_mode) == 0o660
+        print("ok: socket 0660 in a 0750 directory")
+
+        ctl = [harness.CKPTCTL, "--socket=" + daemon.socket]
+        trainer = harness.trainer_cmd(daemon, "owned", "--layers=3", "--layer-bytes=64K",
+                                      "--steps=12", "--policy=all", "--quiet")
+        p = as_user(OWNER, GROUP, trainer)
+        assert p.returncode == 0, p.stderr
+        p = as_user(OWNER, GROUP, ctl + ["--json", "plan", "owned"])
+        assert p.returncode == 0 and json.loads(p.stdout)["target_step"] == 12, p.stderr
+        print("ok: the owner trains and plans its job")
+
+        out = os.path.join(work, "stolen")
+        for args in (["layers", "owned"], ["plan", "owned"], ["history", "owned"],
+                     ["verify", "owned"], ["restore", "owned", "--out=" + out],
+                     ["export", "owned", "--out=" + out + ".st"], ["gc", "owned"]):
+            tally.refused("uid %d: ckptctl %s" % (INTRUDER, " ".join(args[:2])),
+                          as_user(INTRUDER, GROUP, ctl + args), "another user",
+                          "does not exist")
+        assert not os.path.exists(out) and not os.path.exists(out + ".st"), "bytes were written"
+        p = as_user(INTRUDER, GROUP, ctl + ["--json", "jobs"])
+        assert p.returncode == 0 and "owned" not in p.stdout, p.stdout
+        print("ok: uid %d does not see the job in `jobs`" % INTRUDER)
+        for rank in ("0", "1"):  # take over the owner's rank, or join the job
+            tally.refused("uid %d: register rank %s of the job" % (INTRUDER, rank),
+                          as_user(INTRUDER, GROUP, harness.trainer_cmd(
+                              daemon, "owned", "--rank=" + rank, "--layers=3",
+                              "--layer-bytes=64K", "--steps=2", "--quiet")),
+                          "belongs to another user")
+        tally.refused("uid %d: reach the socket at all" % OUTSIDER,
+                      as_user(OUTSIDER, OUTSIDER, ctl + ["status"]), "cannot reach ckptd")
+
+        # The owner's job is intact, and root (the operator) may read it.
+        p = subprocess.run(ctl + ["--json", "plan", "owned"], capture_output=True, text=True)
+        assert p.returncode == 0 and json.loads(p.stdout)["target_step"] == 12, p.stderr
+        p = subprocess.run(ctl + ["verify", "owned", "--deep"], capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+        print("ok: the job is intact and root can read it")
+
+        # Names that would leave the job directory are refused before any file access.
+        for bad in ("..", "../owned", "a/b", "/etc", "x\u0301", "j" * 300):
+            tally.refused("job id %r" % bad, as_user(OWNER, GROUP, ctl + ["plan", bad]),
+                          "job id")
+    finally:
+        daemon.stop()
+
+    # ckptd refuses to serve from a directory other users could write to.
+    loose = os.path.join(root, "loose")
+    os.makedirs(loose)
+    os.chmod(loose, 0o777)
+    p = subprocess.run([harness.CKPTD, "--socket=" + os.path.join(loose, "ckptd.sock"),
+                        "--data_dir=" + os.path.join(root, "data2"), "--metrics_address=",
+                        "--staging_pool_bytes=16777216", "--lock_staging_memory=false"],
+                       capture_output=True, text=True, timeout=60)
+    tally.attempts += 1
+    assert p.returncode != 0 and "writable by group or others" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(loose, "ckptd.sock"))
+    print("ok: refused to serve from a world-writable socket directory")
+
+    print("security: %d attempts, %d unauthorised successes" % (tally.attempts, tally.unauthorised))
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
