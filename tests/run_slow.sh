@@ -11,9 +11,9 @@ point_deaths=${2:-300}
 export CKPT_BUILD_DIR="$top/build"
 seed=${CKPT_SEED:-$(date +%s)}
 echo "== ckptd SIGKILLed at random moments: $kills kills (seed $seed)"
-/usr/bin/python3 "$top/tests/integration/crash_daemon.py" --kills="$kills" --seed="$seed"
+/usr/bin/python3 "$top/tests/crash/crash_driver.py" --kills="$kills" --seed="$seed"
 echo "== ckptd killed at commit-protocol kill points: $point_deaths deaths (seed $((seed + 1)))"
-/usr/bin/python3 "$top/tests/integration/crash_daemon.py" --kills="$point_deaths" --kill-points \
+/usr/bin/python3 "$top/tests/crash/crash_driver.py" --kills="$point_deaths" --kill-points \
   --policy=all --seed=$((seed + 1))
 echo "== tests labelled slow"
 (cd "$top/build" && ctest -L slow --output-on-failure --no-tests=ignore)

@@ -1,4 +1,4 @@
-"""Crash test: SIGKILL ckptd at random moments while a trainer runs.
+"""Crash driver: ckptd dies again and again while a trainer runs.
 
 The trainer keeps training through every daemon death (it continues
 unprotected and re-registers when the daemon is back) and appends each durable
@@ -8,10 +8,19 @@ each restart the checker requires, for every layer, plan(latest).step >= the
 acknowledged step (lost = 0), and at the end every visible version must verify
 (torn = 0). Seeds are printed; --seed and --kills reproduce a run.
 
-Usage: crash_daemon.py [--kills=N] [--seed=S] [--policy=explicit|all]
-       [--min-delay=S] [--max-delay=S] [--kill-points]
-With --kill-points the daemon is also armed to die at random commit-protocol
-kill points (CKPT_KILL_ODDS), and the points hit are reported.
+Modes:
+  blackbox (default)  SIGKILL at uniform random moments in [min-delay, max-delay].
+  --kill-points       also armed to die at random kill points (CKPT_KILL_ODDS).
+  --whitebox          every kill names its kill point (CKPT_KILL_AT=point:n,
+                      n random in 1..5), going round every kill point compiled
+                      into ckptd (found in the sources), so all are covered;
+                      a point not reached in time is a blackbox kill instead.
+                      The run uses LayerCheck (to reach snapshot.drift) and a
+                      1 s GC with short retention (to reach gc.before_remove).
+
+Usage: crash_driver.py [--kills=N] [--minutes=M] [--seed=S]
+       [--policy=explicit|all|layercheck] [--min-delay=S] [--max-delay=S]
+       [--kill-points | --whitebox]
 """
 
 import argparse
@@ -21,9 +30,24 @@ import random
 import shutil
 import subprocess
 import sys
+import re
 import time
 
-import harness
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+import harness  # noqa: E402
+
+SOURCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "daemon")
+
+
+def kill_points():
+    """Every CKPT_KILL_POINT("name") in the daemon's sources, sorted."""
+    names = set()
+    for dirpath, _, files in os.walk(SOURCES):
+        for f in files:
+            if f.endswith((".cc", ".h")):
+                with open(os.path.join(dirpath, f)) as src:
+                    names.update(re.findall(r'CKPT_KILL_POINT\("([^"]+)"\)', src.read()))
+    return sorted(names)
 
 
 def check(daemon, job, ack_rows, layers):
@@ -65,9 +89,16 @@ def main():
     ap.add_argument("--max-delay", type=float, default=1.0)
     ap.add_argument("--kill-points", action="store_true")
     ap.add_argument("--kill-odds", type=int, default=1500)
+    ap.add_argument("--whitebox", action="store_true")
+    ap.add_argument("--minutes", type=float, default=0,
+                    help="stop killing after this long (0 = run all --kills)")
     args = ap.parse_args()
+    points = kill_points() if args.whitebox else []
+    if args.whitebox:
+        args.policy = "layercheck"
+        print("kill points (%d): %s" % (len(points), " ".join(points)), flush=True)
     seed = args.seed if args.seed is not None else int(time.time() * 1000) % 1000000007
-    print("crash_daemon seed=%d kills=%d policy=%s" % (seed, args.kills, args.policy), flush=True)
+    print("crash_driver seed=%d kills=%d policy=%s" % (seed, args.kills, args.policy), flush=True)
     rng = random.Random(seed)
 
     root = harness.tempdir("ckpt-crash-")
@@ -76,10 +107,14 @@ def main():
     kill_log = os.path.join(oracle_dir, "killpoints.log")
     job = "crash"
     env = {}
+    extra = []
     if args.kill_points:
         env = {"CKPT_KILL_ODDS": str(args.kill_odds), "CKPT_KILL_LOG": kill_log,
                "CKPT_KILL_SEED": str(seed)}
-    daemon = harness.Daemon(root, pool_bytes=64 << 20, env=env)
+    if args.whitebox:
+        extra = ["--gc_interval_s=1", "--keep_last_events=3", "--keep_every_steps=0"]
+    daemon = harness.Daemon(root, pool_bytes=64 << 20, env=env, extra=extra)
+    not_reached = collections.Counter()
     trainer = None
     lost_total = 0
     checks = 0
@@ -91,18 +126,41 @@ def main():
             harness.trainer_cmd(daemon, job, "--layers=%d" % args.layers,
                                 "--layer-bytes=64K,256K,512K", "--steps=100000000",
                                 "--policy=" + args.policy, "--durable-every=1",
+                                *(["--optimizer=adamw", "--warmup=0", "--k0=1e-3"]
+                                  if args.policy == "layercheck" else []),
                                 "--ack-log=" + ack_log, "--on-daemon-loss=continue", "--reconnect-ms=30",
                                 "--compute-ms=2", "--quiet" if not os.environ.get("CKPT_KEEP_TMP") else "--compute-ms=2", "--seed=%d" % (seed % 1000)),
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(oracle_dir, "trainer.err"), "w"),
             text=True)
+        # The first kill only once the trainer registered and saved a step.
+        deadline = time.time() + 60
+        while not harness.read_jsonl(ack_log) and time.time() < deadline:
+            if trainer.poll() is not None:
+                break
+            time.sleep(0.05)
+        started = time.time()
         for i in range(args.kills):
+            if args.minutes and time.time() - started > 60 * args.minutes:
+                print("  time is up after %d kills" % i, flush=True)
+                args.kills = i
+                break
             delay = rng.uniform(args.min_delay, args.max_delay)
+            point = points[i % len(points)] if points else None
+            if point:
+                # Armed for this life only: die at the n-th hit of `point`.
+                daemon.kill()
+                daemon.env = {"CKPT_KILL_AT": "%s:%d" % (point, rng.randint(1, 5)),
+                              "CKPT_KILL_LOG": kill_log}
+                daemon.start()
+                delay = max(delay, 3.0)  # rare points need a few steps
             deadline = time.time() + delay
             while time.time() < deadline and daemon.proc.poll() is None:
                 time.sleep(0.005)
             if daemon.proc.poll() is not None:
                 point_deaths += 1  # died at an armed kill point
             else:
+                if point:
+                    not_reached[point] += 1
                 daemon.kill()
             if trainer.poll() is not None:
                 with open(os.path.join(oracle_dir, "trainer.err")) as f:
@@ -146,10 +204,19 @@ def main():
               "lost=%d torn=%d" % (args.kills, restarts, checks, len(acks),
                                    verify["versions_checked"], lost_total, torn))
         print("start-up cleanup totals: %s" % dict(recon))
-        if args.kill_points and os.path.exists(kill_log):
+        hits = collections.Counter()
+        if os.path.exists(kill_log):
             with open(kill_log) as f:
                 hits = collections.Counter(l.strip() for l in f if l.strip())
-            print("deaths at kill points: %d %s" % (point_deaths, dict(hits)))
+            print("deaths at kill points: %d %s" % (sum(hits.values()), dict(hits)))
+        if args.whitebox:
+            missed = [p for p in points if hits[p] == 0]
+            print("kill points hit: %d of %d%s; armed but not reached in time: %s" % (
+                len(points) - len(missed), len(points),
+                " (never: %s)" % " ".join(missed) if missed else "", dict(not_reached)))
+            if missed and args.kills >= 3 * len(points):
+                print("FAILED: kill points never hit (seed=%d)" % seed)
+                return 1
         if len(acks) == 0:
             raise AssertionError("no step was ever acknowledged; the test proved nothing")
         if lost_total or torn:
