@@ -340,6 +340,9 @@ absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
 absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   if (step <= registered_after_step_) {
+    // Reported to an earlier registration: durable exactly when the daemon
+    // said so at registration (a restored target always is).
+    if (step <= latest_durable_at_register_) return latest_durable_at_register_;
     return absl::AbortedError(
         absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
   }

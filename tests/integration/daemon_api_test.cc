@@ -173,6 +173,29 @@ TEST_F(DaemonApiTest, StaleGenerationIsFailedPrecondition) {
   ExpectAlive();
 }
 
+// Found by ckpt_stress: a restarted trainer that restored step t and asks
+// whether t is durable (it is: it was restored from it) must hear so, not
+// that the step was lost with an earlier registration.
+TEST_F(DaemonApiTest, RestoredStepIsReportedDurable) {
+  StartDaemon();
+  TestRank a = MakeRank(daemon_->socket(), "restored", 2, 256);
+  ASSERT_TRUE(a.client->Register(a.spec).ok());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    if (t > 1) ASSERT_TRUE(a.client->WaitSnapshot(t - 1).ok());
+    ASSERT_TRUE(a.client->StepDone(t, 0.1).ok());
+  }
+  ASSERT_EQ(a.client->WaitDurable(3).value(), 3u);
+  TestRank b = MakeRank(daemon_->socket(), "restored", 2, 256);  // the restarted trainer
+  ASSERT_TRUE(b.client->Register(b.spec).ok());
+  ASSERT_EQ(b.client->Restore(0).value().plan().target_step(), 3u);
+  absl::StatusOr<uint64_t> durable = b.client->WaitDurable(3);
+  ASSERT_TRUE(durable.ok()) << durable.status();
+  EXPECT_EQ(*durable, 3u);
+  // A later step goes through the daemon as usual.
+  ASSERT_TRUE(b.client->StepDone(4, 0.1).ok());
+  EXPECT_EQ(b.client->WaitDurable(4).value(), 4u);
+}
+
 TEST_F(DaemonApiTest, OversizedMessagesAndAuxAreRejected) {
   StartDaemon({"--max_message_bytes=1048576", "--max_aux_bytes=65536"});
   TestRank r = MakeRank(daemon_->socket(), "big", 1, 256);
