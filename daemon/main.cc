@@ -190,6 +190,8 @@ int main(int argc, char** argv) {
   RpcServerOptions ro;
   ro.socket_path = config.socket;
   ro.max_message_bytes = static_cast<int>(config.max_message_bytes);
+  ro.max_calls_per_uid = static_cast<int>(config.max_calls_per_uid);
+  ro.max_heavy_calls = static_cast<int>(config.max_heavy_calls);
   ro.config_text = DumpConfig(config);
   RpcServer rpc(ro, &engine, &handover);
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);

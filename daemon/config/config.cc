@@ -88,6 +88,10 @@ const std::vector<Option>& Options() {
       Num("shutdown_grace_ms", "on SIGTERM, how long staged versions may still be written",
           &DaemonConfig::shutdown_grace_ms),
       Num("max_message_bytes", "largest gRPC message accepted", &DaemonConfig::max_message_bytes),
+      Num("max_calls_per_uid", "calls one user may have in flight; more fail with RESOURCE_EXHAUSTED",
+          &DaemonConfig::max_calls_per_uid),
+      Num("max_heavy_calls", "verify, export and gc calls running at once, node-wide",
+          &DaemonConfig::max_heavy_calls),
       Num("max_aux_bytes", "largest per-step aux blob (RNG, scheduler, data position)",
           &DaemonConfig::max_aux_bytes),
       Num("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
@@ -139,6 +143,9 @@ absl::Status DaemonConfig::Validate() const {
     return absl::InvalidArgumentError("io_backend must be auto, io_uring or pwrite");
   }
   if (max_message_bytes < 4096) return absl::InvalidArgumentError("max_message_bytes too small");
+  if (max_calls_per_uid == 0 || max_heavy_calls == 0) {
+    return absl::InvalidArgumentError("max_calls_per_uid and max_heavy_calls must be at least 1");
+  }
   return absl::OkStatus();
 }
 

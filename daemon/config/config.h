@@ -30,6 +30,8 @@ struct DaemonConfig {
   uint32_t drain_timeout_ms = 60000;
   uint32_t shutdown_grace_ms = 10000;
   uint32_t max_message_bytes = 64 << 20;
+  uint32_t max_calls_per_uid = 64;
+  uint32_t max_heavy_calls = 4;
   uint32_t max_aux_bytes = 1 << 20;
   uint32_t handover_token_ttl_s = 120;
   uint32_t drift_threads = 2;

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
@@ -24,11 +25,23 @@ absl::Time DeadlineOf(const grpc::ServerContext& ctx, absl::Duration fallback) {
   return d < cap ? d : cap;
 }
 
-// Runs `fn(caller)` with the caller's identity, converting errors.
+enum class Weight { kNormal, kHeavy };
+
+// Runs `fn(caller)` with the caller's identity, within the caller's call
+// limits, converting errors.
 template <typename Fn>
-grpc::Status WithCaller(const RpcServer* server, grpc::ServerContext* ctx, Fn&& fn) {
+grpc::Status WithCaller(RpcServer* server, grpc::ServerContext* ctx, Fn&& fn,
+                        Weight weight = Weight::kNormal) {
   absl::StatusOr<Caller> caller = server->CallerOf(*ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
+  const bool heavy = weight == Weight::kHeavy;
+  if (absl::Status s = server->EnterCall(caller->uid, heavy); !s.ok()) return ToGrpcStatus(s);
+  struct Leave {
+    RpcServer* server;
+    uid_t uid;
+    bool heavy;
+    ~Leave() { server->LeaveCall(uid, heavy); }
+  } leave{server, caller->uid, heavy};
   return ToGrpcStatus(fn(*caller));
 }
 
@@ -129,18 +142,25 @@ class AdminService final : public v1::Admin::Service {
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req,
                       v1::VerifyReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); });
+    return WithCaller(
+        s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); },
+        Weight::kHeavy);
   }
   grpc::Status Gc(grpc::ServerContext* ctx, const v1::GcRequest* req, v1::GcReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Gc(*req, c), reply); });
+    return WithCaller(
+        s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Gc(*req, c), reply); },
+        Weight::kHeavy);
   }
   grpc::Status Export(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
-      return s_->engine()->Export(*req, c, [&](const v1::ExportChunk& chunk) {
-        return !ctx->IsCancelled() && writer->Write(chunk);
-      });
-    });
+    return WithCaller(
+        s_, ctx,
+        [&](const Caller& c) {
+          return s_->engine()->Export(*req, c, [&](const v1::ExportChunk& chunk) {
+            return !ctx->IsCancelled() && writer->Write(chunk);
+          });
+        },
+        Weight::kHeavy);
   }
   grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest*,
                       v1::ConfigReply* reply) override {
@@ -215,6 +235,29 @@ void RpcServer::AcceptLoop() {
     // gRPC owns the fd from here on and closes it with the connection.
     grpc::AddInsecureChannelFromFd(server_.get(), fd);
   }
+}
+
+absl::Status RpcServer::EnterCall(uid_t uid, bool heavy) {
+  absl::MutexLock lock(&mu_);
+  int& calls = calls_by_uid_[uid];
+  if (calls >= options_.max_calls_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", uid, " has ", calls, " calls in flight (max_calls_per_uid); retry later"));
+  }
+  if (heavy && heavy_calls_ >= options_.max_heavy_calls) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        heavy_calls_, " verify/export/gc calls are running (max_heavy_calls); retry later"));
+  }
+  ++calls;
+  if (heavy) ++heavy_calls_;
+  return absl::OkStatus();
+}
+
+void RpcServer::LeaveCall(uid_t uid, bool heavy) {
+  absl::MutexLock lock(&mu_);
+  auto it = calls_by_uid_.find(uid);
+  if (it != calls_by_uid_.end() && --it->second <= 0) calls_by_uid_.erase(it);
+  if (heavy) --heavy_calls_;
 }
 
 absl::StatusOr<Caller> RpcServer::CallerOf(const grpc::ServerContext& ctx) const {

@@ -41,6 +41,12 @@ struct RpcServerOptions {
   int max_message_bytes = 64 << 20;
   absl::Duration default_wait = absl::Seconds(30);  // waits without a client deadline
   std::string config_text;  // the effective config, served by Admin.Config
+  // Calls in flight at once: per uid over every method (so a flooding user
+  // cannot take every server thread), and node-wide for the heavy admin
+  // methods (Verify, Export, Gc), which read whole histories. Beyond them a
+  // call fails at once with RESOURCE_EXHAUSTED.
+  int max_calls_per_uid = 64;
+  int max_heavy_calls = 4;
 };
 
 class RpcServer {
@@ -61,6 +67,11 @@ class RpcServer {
   HandoverServer* handover() const { return handover_; }
   const RpcServerOptions& options() const { return options_; }
 
+  // Admission of one call of `uid` (see RpcServerOptions); LeaveCall undoes
+  // a successful EnterCall.
+  absl::Status EnterCall(uid_t uid, bool heavy);
+  void LeaveCall(uid_t uid, bool heavy);
+
  private:
   void AcceptLoop();
 
@@ -76,6 +87,8 @@ class RpcServer {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<int, PeerCred> peers_ ABSL_GUARDED_BY(mu_);  // by connection fd
+  std::map<uid_t, int> calls_by_uid_ ABSL_GUARDED_BY(mu_);
+  int heavy_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckpt

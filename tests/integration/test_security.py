@@ -44,6 +44,40 @@ class Tally:
         print("ok: refused: %s" % what)
 
 
+def flood(daemon, ctl, tally):
+    """uid INTRUDER floods ckptd with deep verifies and status calls of its own
+    job while the owner trains: the heavy calls beyond max_heavy_calls are
+    refused at once, and the owner's training never fails or times out."""
+    p = as_user(INTRUDER, GROUP, harness.trainer_cmd(
+        daemon, "theirs", "--layers=6", "--layer-bytes=1M", "--steps=20", "--policy=all",
+        "--quiet"))
+    assert p.returncode == 0, p.stderr
+    victim = subprocess.Popen(
+        ["setpriv", "--reuid=%d" % OWNER, "--regid=%d" % GROUP, "--clear-groups", "--"] +
+        harness.trainer_cmd(daemon, "victim", "--layers=4", "--layer-bytes=256K", "--steps=150",
+                            "--compute-ms=5", "--policy=all", "--quiet"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    flooders = []
+    rounds = 0
+    while victim.poll() is None and rounds < 40:
+        rounds += 1
+        for i in range(12):
+            args = ["verify", "theirs", "--deep"] if i % 2 == 0 else ["status"]
+            flooders.append(subprocess.Popen(
+                ["setpriv", "--reuid=%d" % INTRUDER, "--regid=%d" % GROUP, "--clear-groups", "--"]
+                + ctl + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for f in flooders[-12:]:
+            f.wait(timeout=120)
+    out, err = victim.communicate(timeout=300)
+    exhausted = sum("RESOURCE_EXHAUSTED" in f.stderr.read() for f in flooders)
+    if victim.returncode != 0:
+        raise AssertionError("the owner's training failed under the flood:\n" + err[-3000:])
+    tally.attempts += len(flooders)
+    assert exhausted > 0, "no call was ever refused for max_heavy_calls"
+    print("ok: %d flooding calls in %d rounds, %d refused (RESOURCE_EXHAUSTED); the owner's "
+          "150 steps all went through" % (len(flooders), rounds, exhausted))
+
+
 def main():
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         print("skipping: needs root and setpriv")
@@ -53,7 +87,7 @@ def main():
     work = os.path.join(root, "work")
     os.makedirs(work)
     os.chmod(work, 0o777)  # scratch space the test users write to
-    daemon = harness.Daemon(root).start()
+    daemon = harness.Daemon(root, extra=["--max_heavy_calls=2"]).start()
     tally = Tally()
     try:
         sock_dir = os.path.dirname(daemon.socket)
@@ -99,6 +133,8 @@ def main():
         p = subprocess.run(ctl + ["verify", "owned", "--deep"], capture_output=True, text=True)
         assert p.returncode == 0, p.stdout + p.stderr
         print("ok: the job is intact and root can read it")
+
+        flood(daemon, ctl, tally)
 
         # Names that would leave the job directory are refused before any file access.
         for bad in ("..", "../owned", "a/b", "/etc", "x\u0301", "j" * 300):
