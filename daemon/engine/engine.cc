@@ -79,6 +79,7 @@ struct Engine::Rank {
   std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
   std::vector<double> drift_task_lr_scale;
   std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
+  bool lr0_stored = false;                       // guarded by Engine::mu_
 
   // Guarded by Engine::mu_.
   bool active = true;
@@ -436,7 +437,13 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     }
   }
 
-  // 5. Persist the rank's table; take a fresh generation.
+  // 5. Persist the rank's table; take a fresh generation. LayerCheck's lr_0
+  //    carries over from the rank's earlier registrations.
+  CKPT_ASSIGN_OR_RETURN(auto previous, index_->GetRank(r->job, r->rank));
+  if (previous.has_value() && previous->layercheck_lr0() > 0) {
+    r->table.set_layercheck_lr0(previous->layercheck_lr0());
+    if (r->layercheck != nullptr) r->layercheck->SetLr0(previous->layercheck_lr0());
+  }
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
@@ -893,8 +900,16 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     line["d"] = d;
     line["persist"] = task.layers;
     *r->trace << line.dump() << "\n";
+    r->trace->flush();  // whole lines, in step order across registrations
   }
   r->last_decisions = std::move(decisions);
+  if (r->table.layercheck_lr0() == 0 && r->layercheck->lr0() > 0 && !r->lr0_stored) {
+    // Kept for later registrations of the rank (once; a failure only costs
+    // a restarted trainer its first learning rate as the reference).
+    store::RankRecord rec = r->table;
+    rec.set_layercheck_lr0(r->layercheck->lr0());
+    r->lr0_stored = index_->PutRank(r->job, r->rank, rec).ok();
+  }
   return true;
 }
 
@@ -1239,7 +1254,18 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   {
     absl::MutexLock lock(&mu_);
     r->restoring = false;
-    if (reply.ok()) r->retry.assign(r->retry.size(), false);
+    if (reply.ok()) {
+      r->retry.assign(r->retry.size(), false);
+      if (r->layercheck != nullptr) {
+        // The buffers now equal each layer's planned version: LayerCheck
+        // continues from there instead of starting over.
+        std::vector<uint64_t> persisted(r->layers.size(), 0);
+        for (const v1::LayerPlan& lp : reply->plan().layers()) {
+          if (lp.has_version() && lp.layer() < persisted.size()) persisted[lp.layer()] = lp.step();
+        }
+        r->layercheck->Resume(reply->plan().target_step(), persisted);
+      }
+    }
   }
   if (Metrics* m = options_.metrics) {
     if (reply.ok()) {

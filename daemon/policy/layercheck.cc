@@ -54,6 +54,21 @@ LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<v
       accumulated_(kinds_.size(), 0.0),
       threshold_(kinds_.size(), 0.0) {}
 
+void LayerCheckPolicy::SetLr0(double lr0) {
+  if (lr0 > 0) {
+    lr0_ = lr0;
+    have_lr0_ = true;
+  }
+}
+
+void LayerCheckPolicy::Resume(uint64_t step, const std::vector<uint64_t>& last_persisted) {
+  last_step_ = step;
+  for (size_t l = 0; l < kinds_.size(); ++l) {
+    last_persisted_[l] = l < last_persisted.size() ? last_persisted[l] : 0;
+    accumulated_[l] = 0;
+  }
+}
+
 std::vector<LayerDecision> LayerCheckPolicy::Decide(uint64_t step, double lr,
                                                     const std::vector<drift::LayerSums>& sums,
                                                     const std::vector<bool>& forced) {

@@ -71,6 +71,14 @@ class LayerCheckPolicy {
                                     const std::vector<drift::LayerSums>& sums,
                                     const std::vector<bool>& forced);
 
+  // The learning rate of the run's first step, when an earlier registration
+  // of the rank saw it (the threshold scales with lr / lr_0).
+  void SetLr0(double lr0);
+  // After a composite restore to `step`: every layer's buffers equal its
+  // version at `last_persisted[l]` (0 = none), so its accumulated drift is 0
+  // and the next step is an ordinary one, not a first step.
+  void Resume(uint64_t step, const std::vector<uint64_t>& last_persisted);
+
   // Per-layer state after the last Decide.
   uint64_t last_persisted(size_t l) const { return last_persisted_[l]; }
   double accumulated(size_t l) const { return accumulated_[l]; }

@@ -454,6 +454,58 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
 
 // The standard health service answers SERVING, and reflection lists our
 // services (both driven with raw bytes through a generic stub).
+// Found by the fidelity experiment: after a composite restore LayerCheck
+// started over (the first step persisted every layer, lr_0 was the restored
+// step's learning rate). The buffers equal each layer's planned version, so
+// it must continue from there, with the run's first learning rate.
+TEST_F(DaemonApiTest, LayerCheckContinuesAfterARestore) {
+  StartDaemon();
+  auto make = [this] {
+    TestRank r = MakeRank(daemon_->socket(), "lc-resume", 3, 256);
+    r.spec.policy.set_kind(v1::POLICY_LAYERCHECK);
+    r.spec.policy.set_optimizer(v1::OPTIMIZER_CLIENT);
+    r.spec.policy.mutable_layercheck()->set_warmup(0);
+    r.spec.policy.mutable_layercheck()->set_k0(0.5);
+    r.spec.policy.mutable_layercheck()->set_s_max(1000);
+    return r;
+  };
+  // A warm-up of the learning rate: 1e-4 at step 1, 1e-3 from step 2 on, so
+  // the threshold is k0 * 10 once lr_0 = 1e-4 is remembered.
+  auto step = [](TestRank& r, uint64_t t) {
+    Client::StepInfo info;
+    info.step = t;
+    info.lr = t == 1 ? 1e-4 : 1e-3;
+    info.client_drift.assign(3, LayerSums{1e-6, 1.0});  // d = 1e-3 per step: far below
+    return r.client->StepDone(info);
+  };
+  TestRank a = make();
+  ASSERT_TRUE(a.client->Register(a.spec).ok());
+  for (uint64_t t = 1; t <= 10; ++t) {
+    if (t > 1) ASSERT_TRUE(a.client->WaitSnapshot(t - 1).ok());
+    ASSERT_TRUE(step(a, t).ok());
+  }
+  EXPECT_TRUE(a.client->WaitSnapshot(10).value().layers.empty());
+  ASSERT_EQ(a.client->WaitDurable(10).value(), 10u);
+
+  TestRank b = make();  // the restarted trainer
+  ASSERT_TRUE(b.client->Register(b.spec).ok());
+  ASSERT_EQ(b.client->Restore(0).value().plan().target_step(), 10u);
+  ASSERT_TRUE(step(b, 11).ok());
+  absl::StatusOr<SnapshotInfo> snap = b.client->WaitSnapshot(11);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  EXPECT_TRUE(snap->layers.empty()) << snap->layers.size() << " layers persisted at step 11";
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::LayersRequest req;
+  req.set_job_id("lc-resume");
+  v1::LayersReply layers;
+  ASSERT_TRUE(AdminStub()->Layers(&ctx, req, &layers).ok());
+  for (const v1::LayerInfo& l : layers.layers()) {
+    EXPECT_NEAR(l.threshold(), 5.0, 1e-9) << "layer " << l.layer();  // 0.5 * 1e-3 / 1e-4
+    EXPECT_EQ(l.last_step(), 1u);
+  }
+}
+
 TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
   StartDaemon();
   auto channel = grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials());

@@ -189,3 +189,30 @@ TEST(LayerCheck, ConfigValidation) {
 
 }  // namespace
 }  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+TEST(LayerCheckResumeTest, ContinuesFromTheRestoredVersionsWithTheRunsFirstLr) {
+  LayerCheckConfig c;
+  c.k0 = 0.5;
+  c.warmup = 0;
+  c.s_max = 100;
+  LayerCheckPolicy p(c, {v1::LAYER_BLOCK, v1::LAYER_BLOCK, v1::LAYER_BLOCK});
+  p.SetLr0(1e-4);
+  p.Resume(20, {13, 20, 0});
+  const std::vector<drift::LayerSums> tiny(3, drift::LayerSums{1e-6, 1.0});
+  std::vector<LayerDecision> d = p.Decide(21, 1e-3, tiny, {});
+  EXPECT_EQ(d[0].reason, PersistReason::kNone);
+  EXPECT_EQ(d[1].reason, PersistReason::kNone);
+  EXPECT_EQ(d[2].reason, PersistReason::kNever);  // no version was restored for it
+  EXPECT_NEAR(d[0].threshold, 5.0, 1e-12);        // k0 * lr / lr_0
+  EXPECT_EQ(p.last_persisted(0), 13u);
+  EXPECT_NEAR(p.accumulated(0), 1e-3, 1e-12);
+  // The staleness guard counts from the restored version.
+  for (uint64_t t = 22; t < 113; ++t) p.Decide(t, 1e-3, tiny, {});
+  EXPECT_EQ(p.Decide(113, 1e-3, tiny, {})[0].reason, PersistReason::kStaleness);
+}
+
+}  // namespace
+}  // namespace ckpt
