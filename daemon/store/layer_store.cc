@@ -40,7 +40,12 @@ LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool 
     : data_dir_(std::move(data_dir)), fs_(fs), index_(index), use_direct_io_(use_direct_io) {}
 
 absl::Status LayerStore::Init() {
-  CKPT_ASSIGN_OR_RETURN(jobs_dir_, fs_->MakeDirs(data_dir_ + "/jobs"));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd data_dir, fs_->MakeDirs(data_dir_));
+  CKPT_ASSIGN_OR_RETURN(jobs_dir_, fs_->OpenSubdir(data_dir.get(), "jobs", /*create=*/true));
+  // An fsync inside jobs/ does not make jobs/ itself durable: without this a
+  // power loss can take the whole tree (and the index directory, created
+  // before Init) away from under records that name its files.
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(data_dir.get()));
   return absl::OkStatus();
 }
 

@@ -72,7 +72,8 @@ class LayerStore {
   LayerStore(const LayerStore&) = delete;
   LayerStore& operator=(const LayerStore&) = delete;
 
-  // Creates <data_dir>/jobs when missing.
+  // Creates <data_dir>/jobs when missing and fsyncs <data_dir>, so the
+  // entries of jobs/ and of the index directory (opened before) are durable.
   absl::Status Init();
 
   // The commit protocol above. On success returns the record now in the index.
