@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.max_disk_bytes = config.max_disk_bytes;
+  eo.min_free_disk_bytes = config.min_free_disk_bytes;
   eo.metrics_address = metrics_address;
   eo.writer_threads = config.writer_threads;
   eo.snapshot_threads = config.snapshot_threads;

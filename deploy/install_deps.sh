@@ -14,6 +14,8 @@ PACKAGES=(
   # (OpenBLAS keeps it fast), matplotlib draws the fidelity report, promtool
   # checks metrics and alert rules, systemd-analyze lints the unit
   python3-torch python3-numpy libopenblas0-openmp python3-matplotlib prometheus systemd
+  # fuzzing (libFuzzer needs clang's runtime)
+  clang-14 libclang-rt-14-dev
 )
 
 missing=()

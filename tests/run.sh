@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds ckptd, and runs every test that is not
-# labelled slow or gpu: first in the default build (CUDA used when the toolkit
-# is present), then again in a build with -DCKPT_WITH_CUDA=OFF.
+# labelled slow or gpu:
+#   1. the default build (CUDA used when the toolkit is present): every test;
+#   2. an ASan+UBSan build without CUDA (so the no-CUDA build is checked too):
+#      the unit and integration tests (tests/sanitize.sh address);
+#   3. a TSan build without CUDA: the unit tests (tests/sanitize.sh thread);
+#   4. the libFuzzer targets, a few seconds each (tests/fuzz/run_fuzz.sh).
+# tests/run_slow.sh runs the long forms.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ckpt-ccache}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 "$top/deploy/install_deps.sh"
+start=$SECONDS
 
 echo "== build (CUDA auto-detected)"
 "$top/deploy/build.sh" "$top/build"
 echo "== tests (default build)"
 (cd "$top/build" && ctest -LE 'slow|gpu' --output-on-failure --timeout 900 -j2)
 
-echo "== build without CUDA"
-"$top/deploy/build.sh" "$top/build-nocuda" -DCKPT_WITH_CUDA=OFF
-echo "== tests (no-CUDA build)"
-(cd "$top/build-nocuda" && ctest -LE 'slow|gpu' --output-on-failure --timeout 900 -j2)
+echo "== ASan+UBSan build without CUDA: unit and integration tests"
+"$top/tests/sanitize.sh" address
+echo "== TSan build without CUDA: unit tests"
+CKPT_SANITIZE_CTEST_ARGS="-L unit" "$top/tests/sanitize.sh" thread
+
+echo "== fuzzers, 5 s each"
+"$top/tests/fuzz/run_fuzz.sh" 5
+echo "== tests/run.sh passed in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"

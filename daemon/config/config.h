@@ -40,6 +40,7 @@ struct DaemonConfig {
   uint64_t keep_hours = 0;
   uint32_t gc_interval_s = 300;
   uint64_t max_disk_bytes = 0;
+  uint64_t min_free_disk_bytes = 64 << 20;
   std::string metrics_address = "0.0.0.0:9464";
   uint32_t max_layer_series = 4096;
 

@@ -65,6 +65,9 @@ struct EngineOptions {
   int drift_threads = 2;              // CPU drift kernel workers per snapshot
   RetentionPolicy retention;
   uint64_t max_disk_bytes = 0;        // bound on committed version bytes; 0 = none
+  // Layer versions are refused while the data file system has less free than
+  // this (plus the version), so RocksDB's WAL never meets a full disk.
+  uint64_t min_free_disk_bytes = 0;
   Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::ZeroDuration();  // periodic GC of every job; 0 = off
   RegistrationLimits limits;

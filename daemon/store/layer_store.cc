@@ -39,6 +39,8 @@ bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step) {
 LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool use_direct_io)
     : data_dir_(std::move(data_dir)), fs_(fs), index_(index), use_direct_io_(use_direct_io) {}
 
+absl::StatusOr<uint64_t> LayerStore::FreeBytes() { return fs_->FreeBytes(jobs_dir_.get()); }
+
 absl::Status LayerStore::Init() {
   CKPT_ASSIGN_OR_RETURN(UniqueFd data_dir, fs_->MakeDirs(data_dir_));
   CKPT_ASSIGN_OR_RETURN(jobs_dir_, fs_->OpenSubdir(data_dir.get(), "jobs", /*create=*/true));
