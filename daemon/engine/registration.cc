@@ -49,6 +49,7 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     }
     std::set<std::string> tensor_names;
     store::LayerFileHeader sizing;
+    std::set<uint32_t> groups;
     for (const v1::TensorSpec& t : layer.tensors()) {
       const std::string tw = absl::StrCat(where, " tensor '", t.name(), "'");
       if (t.name().empty() || t.name().size() > 1024 || !tensor_names.insert(t.name()).second) {
@@ -79,17 +80,32 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
                                                        t.region(), " of ", rsize, " bytes"));
       }
       spans.emplace_back(t.region(), t.offset(), t.offset() + t.nbytes(), tw);
+      // Every field a version's header carries (Engine::Register/Snapshot),
+      // the per-version ones at their widest.
       store::TensorEntry* e = sizing.add_tensors();
       e->set_name(t.name());
+      e->set_dtype(t.dtype());
+      e->set_role(t.role());
+      e->set_group(t.group());
       e->set_nbytes(t.nbytes());
       for (uint64_t d : t.shape()) e->add_shape(d);
+      groups.insert(t.group());
     }
     sizing.set_job_id(req.job_id());
+    sizing.set_rank(req.rank());
+    sizing.set_layer(layer.id());
     sizing.set_layer_name(layer.name());
+    sizing.set_step(~uint64_t{0});
+    sizing.set_generation(~uint64_t{0});
+    for (uint32_t g : groups) {
+      v1::GroupStep* gs = sizing.add_group_steps();
+      gs->set_group(g);
+      gs->set_step(~uint64_t{0});
+    }
     absl::StatusOr<VersionLayout> layout = PlanLayout(&sizing);
     if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", layout.status().message()));
-    // One page of slack: the step and group counters set per version can grow
-    // the header by up to a page.
+    // One page of slack beyond the widest header (a StepDone may, for
+    // example, name a group twice).
     if (limits.max_layer_file_bytes > 0 &&
         layout->file_bytes + kDirectAlignment > limits.max_layer_file_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -66,7 +66,9 @@ absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
 }
 
 absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& name, bool create) {
-  if (!IsPlainName(name)) return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
+  if (!IsPlainName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
+  }
   if (create && ::mkdirat(dir_fd, name.c_str(), 0750) != 0 && errno != EEXIST) {
     return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
   }
@@ -117,6 +119,9 @@ absl::Status FileSystem::DataSync(int fd) {
 
 absl::Status FileSystem::RenameNoReplace(int dir_fd, const std::string& from,
                                          const std::string& to) {
+  if (!IsPlainName(from) || !IsPlainName(to)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad file name '", from, "' or '", to, "'"));
+  }
   if (::renameat2(dir_fd, from.c_str(), dir_fd, to.c_str(), RENAME_NOREPLACE) != 0) {
     return ErrnoStatus(errno, absl::StrCat("rename ", from, " -> ", to));
   }
@@ -129,6 +134,9 @@ absl::Status FileSystem::SyncDir(int dir_fd) {
 }
 
 absl::Status FileSystem::Unlink(int dir_fd, const std::string& name) {
+  if (!IsPlainName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad file name '", name, "'"));
+  }
   if (::unlinkat(dir_fd, name.c_str(), 0) != 0) {
     return ErrnoStatus(errno, absl::StrCat("unlink ", name));
   }
@@ -136,6 +144,9 @@ absl::Status FileSystem::Unlink(int dir_fd, const std::string& name) {
 }
 
 absl::Status FileSystem::RemoveDir(int dir_fd, const std::string& name) {
+  if (!IsPlainName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
+  }
   if (::unlinkat(dir_fd, name.c_str(), AT_REMOVEDIR) != 0) {
     return ErrnoStatus(errno, absl::StrCat("rmdir ", name));
   }
@@ -176,6 +187,9 @@ absl::StatusOr<uint64_t> FileSystem::FileSize(int fd) {
 }
 
 absl::StatusOr<uint64_t> FileSystem::FileSizeAt(int dir_fd, const std::string& name) {
+  if (!IsPlainName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("bad file name '", name, "'"));
+  }
   struct stat st;
   if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return ErrnoStatus(errno, absl::StrCat("stat ", name));

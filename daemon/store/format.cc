@@ -114,6 +114,14 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t f
   d.layout.header_bytes = GetU32(prefix + 12);
   const uint64_t body_len = GetU32(prefix + 16);
   d.layout.payload_bytes = GetU64(prefix + 24);
+  // Bounded before rounding up: a payload size within 4095 of 2^64 would wrap
+  // to a small file size and let tensors point far past the file.
+  if (d.layout.header_bytes > file_bytes ||
+      d.layout.payload_bytes > file_bytes - d.layout.header_bytes) {
+    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ", d.layout.header_bytes,
+                                            " + ", d.layout.payload_bytes, " bytes, file has ",
+                                            file_bytes));
+  }
   d.layout.file_bytes = d.layout.header_bytes + AlignUp(d.layout.payload_bytes, kDirectAlignment);
   if (d.layout.header_bytes % kDirectAlignment != 0 || kPrefixBytes + body_len > d.layout.header_bytes ||
       d.layout.file_bytes != file_bytes) {

@@ -4,6 +4,7 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 
@@ -39,12 +40,19 @@ std::string EventKey(const std::string& job, uint32_t rank, uint64_t step) {
   return absl::StrFormat("e/%s/%08x/%016x", job, rank, step);
 }
 
+// Only the canonical form the writers produce (fixed width, lower case, no
+// sign or "0x"): any other spelling would parse to a number whose canonical
+// key is a different key, so deleting "it" would delete nothing.
+bool IsLowerHex(absl::string_view s) {
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
 bool ParseHex32(absl::string_view s, uint32_t* out) {
-  if (s.size() != 8) return false;
+  if (s.size() != 8 || !IsLowerHex(s)) return false;
   return absl::SimpleHexAtoi(s, out);
 }
 bool ParseHex64(absl::string_view s, uint64_t* out) {
-  if (s.size() != 16) return false;
+  if (s.size() != 16 || !IsLowerHex(s)) return false;
   return absl::SimpleHexAtoi(s, out);
 }
 
@@ -68,6 +76,11 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.paranoid_checks = true;
+  // Every write is synced before it is acknowledged, so only a record torn by
+  // a crash mid-write may be dropped; any other WAL damage must fail the open.
+  // (The default, point-in-time recovery, silently rolled acknowledged records
+  // back, and start-up reconciliation then deleted their files as orphans.)
+  options.wal_recovery_mode = rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords;
   options.max_background_jobs = 2;
   options.keep_log_file_num = 4;
   options.max_log_file_size = 8 << 20;

@@ -10,9 +10,14 @@ RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput&
   if (in.events.empty()) return plan;  // nothing is durable as a step: touch nothing
   const size_t n = in.events.size();
   const uint64_t latest = in.events.back().first;
-  const int64_t horizon_ms =
-      policy.keep_hours > 0 ? in.now_unix_ms - static_cast<int64_t>(policy.keep_hours) * 3600000
-                            : INT64_MAX;
+  // keep_hours comes from the config unchecked: computed wide and saturated,
+  // so a huge value keeps every event instead of overflowing.
+  int64_t horizon_ms = INT64_MAX;
+  if (policy.keep_hours > 0) {
+    const __int128 h = static_cast<__int128>(in.now_unix_ms) -
+                       static_cast<__int128>(policy.keep_hours) * 3600000;
+    horizon_ms = h < INT64_MIN ? INT64_MIN : static_cast<int64_t>(h);
+  }
   std::vector<bool> keep(n, false);
   for (size_t i = 0; i < n; ++i) {
     const auto& [step, ms] = in.events[i];

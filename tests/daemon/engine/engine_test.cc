@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "daemon/engine/registration.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/store/format.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -250,6 +252,51 @@ TEST(ValidateRegistrationTest, LayerLargerThanThePool) {
   t->add_shape(8192);
   t->set_nbytes(8192);
   CKPT_EXPECT_CODE(Validate(req, {kRegion}, limits), kInvalidArgument);
+}
+
+// Regression (found while checking tests/fuzz/register_fuzzer.cc's staging
+// oracle): the staging check sized a layer's header from tensor names, shapes
+// and sizes only, but each version's header also carries every tensor's dtype,
+// role and group, the rank, layer, step, generation and group steps. With
+// 1000 tensors that is ~10 bytes each, more than the page of slack, so a layer
+// was accepted whose file never fits the pool: every snapshot of it skipped.
+TEST(ValidateRegistrationTest, StagingCheckCountsEveryFieldOfAVersionHeader) {
+  v1::RegisterRequest req;
+  req.set_job_id("job-1");
+  req.set_world_size(1);
+  v1::LayerSpec* layer = req.add_layers();
+  layer->set_name("wide");
+  store::LayerFileHeader h;  // a version's header as Engine::Snapshot writes it, at its widest
+  h.set_job_id(req.job_id());
+  h.set_layer_name(layer->name());
+  h.set_step(~uint64_t{0});
+  h.set_generation(~uint64_t{0});
+  for (int i = 0; i < 1000; ++i) {
+    v1::TensorSpec* t = layer->add_tensors();
+    t->set_name("t" + std::to_string(i));
+    t->set_dtype(v1::DTYPE_U8);
+    t->add_shape(1);
+    t->set_nbytes(1);
+    t->set_offset(64 * static_cast<uint64_t>(i));
+    t->set_role(v1::ROLE_OTHER);
+    t->set_group(0xFFFFFFFF);
+    store::TensorEntry* e = h.add_tensors();
+    e->set_name(t->name());
+    e->set_dtype(t->dtype());
+    *e->mutable_shape() = t->shape();
+    e->set_role(t->role());
+    e->set_group(t->group());
+    e->set_nbytes(t->nbytes());
+  }
+  v1::GroupStep* gs = h.add_group_steps();
+  gs->set_group(0xFFFFFFFF);
+  gs->set_step(~uint64_t{0});
+  CKPT_ASSERT_OK_AND_ASSIGN(VersionLayout need, PlanLayout(&h));
+  RegistrationLimits limits = Limits();
+  limits.max_layer_file_bytes = need.file_bytes - kDirectAlignment;  // a page short
+  CKPT_EXPECT_CODE(Validate(req, {kRegion}, limits), kInvalidArgument);
+  limits.max_layer_file_bytes = need.file_bytes + kDirectAlignment;  // the page of slack
+  CKPT_EXPECT_OK(Validate(req, {kRegion}, limits));
 }
 
 TEST(ValidateRegistrationTest, CountLimits) {

@@ -441,6 +441,28 @@ TEST_F(FileSystemTest, OpenSubdirCreateDoesNotEscape) {
   EXPECT_FALSE(PathExists(tmp_.Join("escape")));
 }
 
+// Regression: Unlink, RemoveDir, FileSizeAt and RenameNoReplace took any name,
+// and Reconcile and GC pass them the file name stored in an index record, so a
+// corrupt record naming "../x" could stat and unlink outside the rank directory
+// (found while writing tests/fuzz/index_fuzzer.cc, which runs Reconcile).
+TEST_F(FileSystemTest, NamesFromIndexRecordsCannotReachOutsideTheDirectory) {
+  WriteFile(tmp_.Join("up"), "data");
+  ASSERT_EQ(::mkdir(tmp_.Join("updir").c_str(), 0750), 0);
+  Create("f", "x");
+  for (const char* name : {"../up", "..", ".", "", "/etc/passwd", "sub/"}) {
+    CKPT_EXPECT_CODE(fs_->FileSizeAt(dir_.get(), name), kInvalidArgument) << "'" << name << "'";
+    CKPT_EXPECT_CODE(fs_->Unlink(dir_.get(), name), kInvalidArgument) << "'" << name << "'";
+    CKPT_EXPECT_CODE(fs_->RenameNoReplace(dir_.get(), "f", name), kInvalidArgument)
+        << "'" << name << "'";
+    CKPT_EXPECT_CODE(fs_->RenameNoReplace(dir_.get(), name, "g"), kInvalidArgument)
+        << "'" << name << "'";
+  }
+  CKPT_EXPECT_CODE(fs_->RemoveDir(dir_.get(), "../updir"), kInvalidArgument);
+  EXPECT_TRUE(PathExists(tmp_.Join("up")));
+  EXPECT_TRUE(PathExists(tmp_.Join("updir")));
+  EXPECT_TRUE(PathExists(Path("f")));
+}
+
 TEST_F(FileSystemTest, OpenSubdirCreatesAndOpens) {
   CKPT_EXPECT_CODE(fs_->OpenSubdir(dir_.get(), "d", false), kNotFound);
   CKPT_ASSERT_OK_AND_ASSIGN(UniqueFd d, fs_->OpenSubdir(dir_.get(), "d", true));

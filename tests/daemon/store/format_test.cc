@@ -197,6 +197,23 @@ TEST_F(FormatTest, WrongFileSizeIsDataLoss) {
   CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.lease.capacity() + 4096), kDataLoss);
 }
 
+// Regression (found by tests/fuzz/format_fuzzer.cc): a payload size within
+// 4095 of 2^64 rounded up to 0, so a file cut after its header, with resealed
+// checksums, decoded with every tensor "inside" a payload past the file's end
+// and VerifyPayload then read beyond the file.
+TEST_F(FormatTest, PayloadSizeThatWrapsWhenRoundedUpIsDataLoss) {
+  StagedVersion& v = s_.version;
+  ASSERT_GT(v.header.tensors_size(), 0);
+  for (uint64_t payload : {~uint64_t{0}, ~uint64_t{0} - 4094}) {
+    std::string prefix = ImageBytes(v.lease, 0, kPrefixBytes);
+    std::memcpy(prefix.data() + 24, &payload, 8);
+    const uint64_t prefix_hash = HashBytes(prefix.data(), 40);
+    std::memcpy(prefix.data() + 40, &prefix_hash, 8);
+    v.lease.CopyIn(0, prefix.data(), kPrefixBytes);
+    CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.layout.header_bytes), kDataLoss) << payload;
+  }
+}
+
 TEST_F(FormatTest, VerifyPayloadNamesTheCorruptTensor) {
   const StagedVersion& v = s_.version;
   CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(v.lease, v.layout.file_bytes));

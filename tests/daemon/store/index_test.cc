@@ -1,4 +1,6 @@
 // Tests of daemon/store/index against a real RocksDB in a temp directory.
+#include <rocksdb/db.h>
+
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -310,6 +312,33 @@ TEST_F(IndexTest, RecordsSurviveReopen) {
 
 TEST_F(IndexTest, SecondOpenOfTheSameDatabaseIsRefused) {
   CKPT_EXPECT_CODE(Index::Open(tmp_.Join("index")), kFailedPrecondition);
+}
+
+// Regression (found by tests/fuzz/index_fuzzer.cc): number fields of keys were
+// parsed leniently (upper case, "+", "0x"), so a non-canonical key read back
+// as a version whose canonical key is another key: Reconcile "removed" it by
+// deleting the canonical key, unlinked its file and left the record behind.
+TEST_F(IndexTest, NonCanonicalNumberInAKeyIsDataLoss) {
+  index_.reset();
+  {
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), tmp_.Join("index"), &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    const std::string rec = Rec("f").SerializeAsString();
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000001/00000003/000000000000000A", rec).ok());
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000002/+0000003/000000000000000a", rec).ok());
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "e/job/00000001/0x00000000000009", "").ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  auto scan = [&](uint32_t rank) {
+    return index_->ForEachVersion("job", rank, -1,
+                                  [](const VersionKey&, const store::VersionRecord&) { return true; });
+  };
+  CKPT_EXPECT_CODE(scan(1), kDataLoss);
+  CKPT_EXPECT_CODE(scan(2), kDataLoss);
+  CKPT_EXPECT_CODE(index_->VersionAtOrBefore("job", 1, 3, ~uint64_t{0}), kDataLoss);
+  CKPT_EXPECT_CODE(index_->EventAtOrBefore("job", 1, ~uint64_t{0}), kDataLoss);
 }
 
 }  // namespace

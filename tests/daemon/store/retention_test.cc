@@ -106,5 +106,24 @@ TEST(Retention, KeepsOnlyWhatTheLatestPlanNeedsWhenNothingElseIsRetained) {
   EXPECT_EQ(plan.versions_kept, 3u);
 }
 
+// Regression (found by tests/fuzz/index_fuzzer.cc under UBSan): keep_hours *
+// 3600000 overflowed int64 for large configured values (undefined behaviour;
+// 2^62 hours wrapped to a horizon of "now", so every old event was deleted).
+TEST(Retention, HugeKeepHoursKeepsEveryEvent) {
+  for (uint64_t hours : {uint64_t{1} << 62, uint64_t{3'000'000'000'000}, ~uint64_t{0}}) {
+    RetentionPolicy p;
+    p.keep_last_events = 1;
+    p.keep_every_steps = 0;
+    p.keep_hours = hours;
+    RetentionInput in;
+    in.now_unix_ms = 1'700'000'000'000;
+    for (uint64_t s = 1; s <= 5; ++s) in.events.emplace_back(s, static_cast<int64_t>(s) * 1000);
+    in.versions[0] = {1, 3, 5};
+    RetentionPlan plan = PlanRetention(p, in);
+    EXPECT_EQ(plan.retained_targets, (std::vector<uint64_t>{1, 2, 3, 4, 5})) << hours;
+    EXPECT_TRUE(plan.delete_versions.empty()) << hours;
+  }
+}
+
 }  // namespace
 }  // namespace ckpt
