@@ -122,7 +122,8 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       store_(store),
       pool_(pool),
       drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)),
-      cuda_ipc_(options_.cuda_ipc) {
+      cuda_ipc_(options_.cuda_ipc),
+      gpu_support_(CudaSupport()) {
   if (cuda_ipc_ == nullptr) {
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();
@@ -1314,7 +1315,7 @@ v1::StatusReply Engine::GetStatus() {
   s.set_orphan_files_removed(reconcile_.orphan_files_removed);
   s.set_dangling_records_removed(reconcile_.dangling_records_removed);
   s.set_temp_files_removed(reconcile_.temp_files_removed);
-  s.set_gpu(CudaSupport());
+  s.set_gpu(gpu_support_);
   const GpuMappingStats gpu = OpenGpuMappings();
   s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
   s.set_open_gpu_mapping_bytes(gpu.bytes);

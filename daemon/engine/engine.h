@@ -213,6 +213,9 @@ class Engine {
   std::unique_ptr<drift::DriftKernel> drift_kernel_;
   std::unique_ptr<CudaIpc> own_cuda_ipc_;  // when options_.cuda_ipc is null
   CudaIpc* cuda_ipc_;
+  // What Status reports about CUDA, probed once (the watchdog calls Status
+  // every few seconds; the device count does not change under a process).
+  const std::string gpu_support_;
 
   std::vector<std::thread> snapshot_threads_;
   std::vector<std::thread> writer_threads_;
