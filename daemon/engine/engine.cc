@@ -79,7 +79,6 @@ struct Engine::Rank {
   std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
   std::vector<double> drift_task_lr_scale;
   std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
-  bool lr0_stored = false;                       // guarded by Engine::mu_
 
   // Guarded by Engine::mu_.
   bool active = true;
@@ -438,12 +437,12 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     }
   }
 
-  // 5. Persist the rank's table; take a fresh generation. LayerCheck's lr_0
-  //    carries over from the rank's earlier registrations.
+  // 5. Persist the rank's table; take a fresh generation. LayerCheck's
+  //    reference learning rate carries over from earlier registrations.
   CKPT_ASSIGN_OR_RETURN(auto previous, index_->GetRank(r->job, r->rank));
   if (previous.has_value() && previous->layercheck_lr0() > 0) {
     r->table.set_layercheck_lr0(previous->layercheck_lr0());
-    if (r->layercheck != nullptr) r->layercheck->SetLr0(previous->layercheck_lr0());
+    if (r->layercheck != nullptr) r->layercheck->RaiseLrReference(previous->layercheck_lr0());
   }
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
@@ -904,12 +903,13 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     r->trace->flush();  // whole lines, in step order across registrations
   }
   r->last_decisions = std::move(decisions);
-  if (r->table.layercheck_lr0() == 0 && r->layercheck->lr0() > 0 && !r->lr0_stored) {
-    // Kept for later registrations of the rank (once; a failure only costs
-    // a restarted trainer its first learning rate as the reference).
+  if (r->layercheck->lr_reference() > r->table.layercheck_lr0()) {
+    // Kept for later registrations of the rank. The reference only grows, so
+    // this writes during a warm-up and rarely after it; a failed write is
+    // retried at the next step.
     store::RankRecord rec = r->table;
-    rec.set_layercheck_lr0(r->layercheck->lr0());
-    r->lr0_stored = index_->PutRank(r->job, r->rank, rec).ok();
+    rec.set_layercheck_lr0(r->layercheck->lr_reference());
+    if (index_->PutRank(r->job, r->rank, rec).ok()) r->table.set_layercheck_lr0(rec.layercheck_lr0());
   }
   return true;
 }

@@ -54,12 +54,7 @@ LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<v
       accumulated_(kinds_.size(), 0.0),
       threshold_(kinds_.size(), 0.0) {}
 
-void LayerCheckPolicy::SetLr0(double lr0) {
-  if (lr0 > 0) {
-    lr0_ = lr0;
-    have_lr0_ = true;
-  }
-}
+void LayerCheckPolicy::RaiseLrReference(double lr) { lr_ref_ = std::max(lr_ref_, lr); }
 
 void LayerCheckPolicy::Resume(uint64_t step, const std::vector<uint64_t>& last_persisted) {
   last_step_ = step;
@@ -72,13 +67,10 @@ void LayerCheckPolicy::Resume(uint64_t step, const std::vector<uint64_t>& last_p
 std::vector<LayerDecision> LayerCheckPolicy::Decide(uint64_t step, double lr,
                                                     const std::vector<drift::LayerSums>& sums,
                                                     const std::vector<bool>& forced) {
-  if (!have_lr0_) {
-    lr0_ = lr;
-    have_lr0_ = true;
-  }
+  RaiseLrReference(lr);
   const bool first = last_step_ == 0;
   last_step_ = step;
-  const double lr_ratio = lr0_ > 0 ? lr / lr0_ : 1.0;
+  const double lr_ratio = lr_ref_ > 0 ? lr / lr_ref_ : 1.0;
   const bool in_warmup = step <= config_.warmup;
   const bool warmup_full =
       in_warmup && (first || step % config_.warmup_interval == 0 || step == config_.warmup);

@@ -3,12 +3,19 @@
 // Per step t, from the global per-layer sums (Σ‖ΔW‖², Σ‖W‖²) of that step:
 //   d_l(t) = ‖ΔW_l‖ / (‖W_l‖ + 1e-12)
 //   D_l   += d_l(t)                           (accumulated since the last persist)
-//   K_l(t) = max(K0_l · lr_t / lr_0, K_floor)  (K0_l = k0_embedding for embeddings)
+//   K_l(t) = max(K0_l · lr_t / lr_ref, K_floor)  (K0_l = k0_embedding for embeddings)
+//   lr_ref  = the largest learning rate the rank has stepped with so far
 //   persist l when D_l >= K_l(t), or t - t_l >= S_max, or l was never persisted
 // Warm-up: for t <= W selection is off: every layer is persisted at the first
 // step and every `warmup_interval` steps, and at t == W a full base checkpoint
 // is taken. Optionally every `full_every` steps after W a full checkpoint.
 // Persisting a layer resets D_l to 0 and sets t_l = t.
+//
+// lr_ref differs from SPEC §4's lr_0 ("the first step's learning rate"): with
+// a warm-up schedule the first step's rate is a fraction of the peak, and lr_0
+// would scale every threshold at the peak up by the warm-up factor (10x for a
+// warm-up from 10%). The running maximum equals lr_0 for constant and decaying
+// schedules and is the peak once a warm-up is over (README "LayerCheck").
 //
 // Decide() is a pure function of (config, layer kinds, the sequence of
 // (t, lr_t, sums) fed so far): two engines fed the same vectors decide the same
@@ -71,9 +78,9 @@ class LayerCheckPolicy {
                                     const std::vector<drift::LayerSums>& sums,
                                     const std::vector<bool>& forced);
 
-  // The learning rate of the run's first step, when an earlier registration
-  // of the rank saw it (the threshold scales with lr / lr_0).
-  void SetLr0(double lr0);
+  // Raises lr_ref to `lr` (the largest rate of the rank's earlier
+  // registrations, kept in its record); lr_ref never decreases.
+  void RaiseLrReference(double lr);
   // After a composite restore to `step`: every layer's buffers equal its
   // version at `last_persisted[l]` (0 = none), so its accumulated drift is 0
   // and the next step is an ordinary one, not a first step.
@@ -83,15 +90,14 @@ class LayerCheckPolicy {
   uint64_t last_persisted(size_t l) const { return last_persisted_[l]; }
   double accumulated(size_t l) const { return accumulated_[l]; }
   double threshold(size_t l) const { return threshold_[l]; }
-  double lr0() const { return lr0_; }
+  double lr_reference() const { return lr_ref_; }
   size_t layers() const { return kinds_.size(); }
   const LayerCheckConfig& config() const { return config_; }
 
  private:
   const LayerCheckConfig config_;
   const std::vector<v1::LayerKind> kinds_;
-  double lr0_ = 0;
-  bool have_lr0_ = false;
+  double lr_ref_ = 0;  // 0 until the first step
   uint64_t last_step_ = 0;
   std::vector<uint64_t> last_persisted_;  // 0 = never
   std::vector<double> accumulated_;

@@ -455,9 +455,9 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
 // The standard health service answers SERVING, and reflection lists our
 // services (both driven with raw bytes through a generic stub).
 // Found by the fidelity experiment: after a composite restore LayerCheck
-// started over (the first step persisted every layer, lr_0 was the restored
-// step's learning rate). The buffers equal each layer's planned version, so
-// it must continue from there, with the run's first learning rate.
+// started over (the first step persisted every layer, the reference learning
+// rate was the restored step's). The buffers equal each layer's planned
+// version, so it must continue from there, with the run's peak learning rate.
 TEST_F(DaemonApiTest, LayerCheckContinuesAfterARestore) {
   StartDaemon();
   auto make = [this] {
@@ -469,12 +469,12 @@ TEST_F(DaemonApiTest, LayerCheckContinuesAfterARestore) {
     r.spec.policy.mutable_layercheck()->set_s_max(1000);
     return r;
   };
-  // A warm-up of the learning rate: 1e-4 at step 1, 1e-3 from step 2 on, so
-  // the threshold is k0 * 10 once lr_0 = 1e-4 is remembered.
+  // A warm-up to a peak of 1e-2 at step 5, then 1e-3: the restarted trainer
+  // steps at 1e-3, and its threshold is k0 / 10 only if the peak is kept.
   auto step = [](TestRank& r, uint64_t t) {
     Client::StepInfo info;
     info.step = t;
-    info.lr = t == 1 ? 1e-4 : 1e-3;
+    info.lr = t <= 5 ? 2e-3 * t : 1e-3;
     info.client_drift.assign(3, LayerSums{1e-6, 1.0});  // d = 1e-3 per step: far below
     return r.client->StepDone(info);
   };
@@ -501,7 +501,7 @@ TEST_F(DaemonApiTest, LayerCheckContinuesAfterARestore) {
   v1::LayersReply layers;
   ASSERT_TRUE(AdminStub()->Layers(&ctx, req, &layers).ok());
   for (const v1::LayerInfo& l : layers.layers()) {
-    EXPECT_NEAR(l.threshold(), 5.0, 1e-9) << "layer " << l.layer();  // 0.5 * 1e-3 / 1e-4
+    EXPECT_NEAR(l.threshold(), 0.05, 1e-12) << "layer " << l.layer();  // 0.5 * 1e-3 / 1e-2
     EXPECT_EQ(l.last_step(), 1u);
   }
 }

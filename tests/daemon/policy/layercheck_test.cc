@@ -64,9 +64,10 @@ TEST_P(LayerCheckProperties, RulesHoldAtEveryStep) {
 
   std::vector<uint64_t> last(layers, 0);
   std::vector<double> acc(layers, 0.0);
-  double lr0 = t.lr[0];
+  double lr_ref = 0;  // the largest learning rate so far
   for (uint64_t s = 1; s <= steps; ++s) {
     std::vector<LayerDecision> dec = p.Decide(s, t.lr[s - 1], t.sums[s - 1], {});
+    lr_ref = std::max(lr_ref, t.lr[s - 1]);
     ASSERT_EQ(dec.size(), layers);
     const bool in_warmup = s <= c.warmup;
     const bool warm_full = in_warmup && (s == 1 || s % c.warmup_interval == 0 || s == c.warmup);
@@ -75,7 +76,7 @@ TEST_P(LayerCheckProperties, RulesHoldAtEveryStep) {
       const double d = drift::NormalizedDrift(t.sums[s - 1][l]);
       acc[l] += d;
       const double k0 = l == 0 ? c.k0_embedding : c.k0;
-      const double k = std::max(k0 * t.lr[s - 1] / lr0, c.k_floor);
+      const double k = std::max(k0 * t.lr[s - 1] / lr_ref, c.k_floor);
       EXPECT_NEAR(dec[l].threshold, k, 1e-15 + 1e-12 * k);
       EXPECT_NEAR(dec[l].accumulated, acc[l], 1e-12);
       bool expect;
@@ -193,22 +194,44 @@ TEST(LayerCheck, ConfigValidation) {
 namespace ckpt {
 namespace {
 
-TEST(LayerCheckResumeTest, ContinuesFromTheRestoredVersionsWithTheRunsFirstLr) {
+// A warm-up from 10% must not raise the threshold at the peak tenfold (SPEC's
+// lr_0 = the first step's rate would): the reference is the largest rate so
+// far, so K = K0 through the warm-up and at the peak, and K falls with decay.
+TEST(LayerCheckPolicyTest, ThresholdFollowsThePeakLrThroughAWarmup) {
+  LayerCheckConfig c;
+  c.k0 = 1e-3;
+  c.warmup = 0;
+  LayerCheckPolicy p(c, {v1::LAYER_BLOCK});
+  const std::vector<drift::LayerSums> sums(1, drift::LayerSums{1e-8, 1.0});
+  const double peak = 3e-4;
+  for (uint64_t t = 1; t <= 10; ++t) {  // linear warm-up 10% -> 100%
+    const double lr = peak * (0.1 + 0.9 * (t - 1) / 9.0);
+    EXPECT_NEAR(p.Decide(t, lr, sums, {})[0].threshold, 1e-3, 1e-15) << "step " << t;
+  }
+  EXPECT_DOUBLE_EQ(p.lr_reference(), peak);
+  EXPECT_NEAR(p.Decide(11, peak / 2, sums, {})[0].threshold, 5e-4, 1e-15);
+  EXPECT_NEAR(p.Decide(12, peak / 1000, sums, {})[0].threshold, c.k_floor, 1e-18);
+  EXPECT_DOUBLE_EQ(p.lr_reference(), peak);
+}
+
+TEST(LayerCheckResumeTest, ContinuesFromTheRestoredVersionsWithTheRunsPeakLr) {
   LayerCheckConfig c;
   c.k0 = 0.5;
   c.warmup = 0;
   c.s_max = 100;
   LayerCheckPolicy p(c, {v1::LAYER_BLOCK, v1::LAYER_BLOCK, v1::LAYER_BLOCK});
-  p.SetLr0(1e-4);
+  p.RaiseLrReference(1e-4);
+  p.RaiseLrReference(1e-2);  // the earlier registrations' peak
+  p.RaiseLrReference(1e-3);  // never lowers it
   p.Resume(20, {13, 20, 0});
-  const std::vector<drift::LayerSums> tiny(3, drift::LayerSums{1e-6, 1.0});
+  const std::vector<drift::LayerSums> tiny(3, drift::LayerSums{1e-10, 1.0});  // d = 1e-5
   std::vector<LayerDecision> d = p.Decide(21, 1e-3, tiny, {});
   EXPECT_EQ(d[0].reason, PersistReason::kNone);
   EXPECT_EQ(d[1].reason, PersistReason::kNone);
   EXPECT_EQ(d[2].reason, PersistReason::kNever);  // no version was restored for it
-  EXPECT_NEAR(d[0].threshold, 5.0, 1e-12);        // k0 * lr / lr_0
+  EXPECT_NEAR(d[0].threshold, 0.05, 1e-12);       // k0 * lr / lr_ref
   EXPECT_EQ(p.last_persisted(0), 13u);
-  EXPECT_NEAR(p.accumulated(0), 1e-3, 1e-12);
+  EXPECT_NEAR(p.accumulated(0), 1e-5, 1e-15);
   // The staleness guard counts from the restored version.
   for (uint64_t t = 22; t < 113; ++t) p.Decide(t, 1e-3, tiny, {});
   EXPECT_EQ(p.Decide(113, 1e-3, tiny, {})[0].reason, PersistReason::kStaleness);
