@@ -4,9 +4,12 @@
 #   1. the default build (CUDA used when the toolkit is present): every test;
 #   2. an ASan+UBSan build without CUDA (so the no-CUDA build is checked too):
 #      the unit and integration tests (tests/sanitize.sh address);
-#   3. the libFuzzer targets, a few seconds each (tests/fuzz/run_fuzz.sh).
-# tests/run_slow.sh runs the long forms and the TSan build (a third full
-# build does not fit CI's 30 minutes on two cores).
+#   3. the libFuzzer targets of that build, a few seconds each
+#      (tests/fuzz/run_fuzz.sh);
+#   4. a TSan build: the unit and integration tests (tests/sanitize.sh thread).
+# The sanitizer builds use clang-14 at -O1 with line tables only, which is
+# what keeps three builds inside CI's 30 minutes on two cores.
+# tests/run_slow.sh runs the long forms.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
@@ -23,5 +26,11 @@ echo "== tests (default build)"
 echo "== ASan+UBSan build without CUDA: unit and integration tests"
 "$top/tests/sanitize.sh" address
 echo "== fuzzers, 5 s each"
-"$top/tests/fuzz/run_fuzz.sh" 5
+fuzz_env=()
+if [ -x "$top/build-asan/tests/fuzz/fuzz_format" ]; then
+  fuzz_env=(CKPT_FUZZ_BUILD_DIR="$top/build-asan" CKPT_FUZZ_SKIP_BUILD=1)
+fi
+env "${fuzz_env[@]}" "$top/tests/fuzz/run_fuzz.sh" 5
+echo "== TSan build without CUDA: unit and integration tests"
+"$top/tests/sanitize.sh" thread
 echo "== tests/run.sh passed in $(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"

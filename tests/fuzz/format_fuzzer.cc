@@ -193,12 +193,4 @@ void FuzzOne(const uint8_t* data, size_t size) {
 }  // namespace
 }  // namespace ckpt
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  ckpt::fuzz::InitFuzzTarget(ckpt::Seeds());
-  return 0;
-}
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ckpt::FuzzOne(data, size);
-  return 0;
-}
+CKPT_FUZZ_ENTRY_POINTS()

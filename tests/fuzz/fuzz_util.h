@@ -1,13 +1,16 @@
 // Helpers shared by the libFuzzer targets in tests/fuzz.
 //
-// Each target defines LLVMFuzzerTestOneInput and calls InitFuzzTarget() from
-// LLVMFuzzerInitialize with its seed inputs. When the environment variable
+// Each target defines ckpt::Seeds() and ckpt::FuzzOne(data, size) and ends
+// with CKPT_FUZZ_ENTRY_POINTS(), which defines libFuzzer's entry points:
+// LLVMFuzzerInitialize calls InitFuzzTarget() with the seed inputs. When the environment variable
 // CKPT_FUZZ_WRITE_SEEDS names a directory, InitFuzzTarget writes the seeds
 // there (seed-000, seed-001, ...) and exits 0 instead of fuzzing; run_fuzz.sh
 // and the ctest entries use that to build the seed corpus from code, so the
 // seeds always match the current format.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -48,3 +51,14 @@ inline void InitFuzzTarget(const std::vector<std::string>& seeds) {
 }
 
 }  // namespace ckpt::fuzz
+
+// libFuzzer's entry points over ckpt::Seeds() and ckpt::FuzzOne().
+#define CKPT_FUZZ_ENTRY_POINTS()                                        \
+  extern "C" int LLVMFuzzerInitialize(int*, char***) {                  \
+    ckpt::fuzz::InitFuzzTarget(ckpt::Seeds());                          \
+    return 0;                                                           \
+  }                                                                     \
+  extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { \
+    ckpt::FuzzOne(data, size);                                          \
+    return 0;                                                           \
+  }

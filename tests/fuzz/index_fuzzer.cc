@@ -691,12 +691,4 @@ extern "C" int sync_file_range(int, off_t, off_t, unsigned int) { return 0; }
 extern "C" int fallocate(int, int, off_t, off_t) { return 0; }
 extern "C" int fallocate64(int, int, off_t, off_t) { return 0; }
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  ckpt::fuzz::InitFuzzTarget(ckpt::Seeds());
-  return 0;
-}
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ckpt::FuzzOne(data, size);
-  return 0;
-}
+CKPT_FUZZ_ENTRY_POINTS()

@@ -5,7 +5,9 @@
 #   tests/fuzz/run_fuzz.sh SECONDS [TARGET...]      TARGET: format index register
 #
 # First configures and builds <repo>/build-fuzz (clang-14, CKPT_FUZZ=ON, no
-# CUDA) unless CKPT_FUZZ_SKIP_BUILD=1 (ctest sets it). Environment:
+# CUDA) unless CKPT_FUZZ_SKIP_BUILD=1 (ctest sets it; tests/run.sh sets it
+# with CKPT_FUZZ_BUILD_DIR=<repo>/build-asan, the ASan build of
+# tests/sanitize.sh, which carries the fuzz targets). Environment:
 #   CKPT_FUZZ_BUILD_DIR  build directory (default <repo>/build-fuzz)
 #   CKPT_FUZZ_WORK       corpora and crash artifacts (default <build>/fuzz-work);
 #                        corpora persist, so later runs start where earlier ones

@@ -1068,27 +1068,15 @@ TEST(IndexRegressionTest, DamagedWalRecordFailsTheOpenInsteadOfRollingBack) {
   EXPECT_TRUE(absl::IsDataLoss(reopened.status())) << reopened.status();
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, PowerLossTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, TornWriteTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, SyncFailureTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, WriteFailureTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, ReadFaultTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, RegressionTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
-INSTANTIATE_TEST_SUITE_P(Backends, FaultFsModelTest,
-                         ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring),
-                         BackendParamName);
+// Every suite runs on both I/O backends.
+const auto kBothBackends = ::testing::Values(IoBackendKind::kPwrite, IoBackendKind::kUring);
+INSTANTIATE_TEST_SUITE_P(Backends, PowerLossTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, TornWriteTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, SyncFailureTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, WriteFailureTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, ReadFaultTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, RegressionTest, kBothBackends, BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, FaultFsModelTest, kBothBackends, BackendParamName);
 
 }  // namespace
 }  // namespace ckpt
