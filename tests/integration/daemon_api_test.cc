@@ -372,9 +372,12 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
     ASSERT_TRUE(ranks[i].client->Register(ranks[i].spec).ok());
   }
   // In-process all-reduce: both ranks add their vectors, then both read the sum.
+  // The finished sum is kept apart from the running one: the rank that
+  // completes a round may start the next (and reset `sum`) before the other
+  // rank has woken up to read this round's result.
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<double> sum;
+  std::vector<double> sum, result;
   int arrived = 0, generation = 0;
   auto allreduce = [&](std::vector<double>* v) {
     std::unique_lock<std::mutex> lock(mu);
@@ -383,12 +386,13 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
     for (size_t i = 0; i < v->size(); ++i) sum[i] += (*v)[i];
     if (++arrived == 2) {
       arrived = 0;
+      result = sum;
       ++generation;
       cv.notify_all();
     } else {
       cv.wait(lock, [&] { return generation != gen; });
     }
-    *v = sum;
+    *v = result;
     return absl::OkStatus();
   };
   std::vector<std::vector<uint32_t>> chosen[2];
