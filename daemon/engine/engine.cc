@@ -81,6 +81,7 @@ struct Engine::Rank {
   std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
 
   // Guarded by Engine::mu_.
+  double lr_ref_stored = 0;  // LayerCheck's reference LR as the index holds it
   bool active = true;
   bool restoring = false;
   uint64_t last_step_seen = 0;
@@ -442,6 +443,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   CKPT_ASSIGN_OR_RETURN(auto previous, index_->GetRank(r->job, r->rank));
   if (previous.has_value() && previous->layercheck_lr0() > 0) {
     r->table.set_layercheck_lr0(previous->layercheck_lr0());
+    r->lr_ref_stored = previous->layercheck_lr0();
     if (r->layercheck != nullptr) r->layercheck->RaiseLrReference(previous->layercheck_lr0());
   }
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
@@ -903,13 +905,13 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     r->trace->flush();  // whole lines, in step order across registrations
   }
   r->last_decisions = std::move(decisions);
-  if (r->layercheck->lr_reference() > r->table.layercheck_lr0()) {
+  if (r->layercheck->lr_reference() > r->lr_ref_stored) {
     // Kept for later registrations of the rank. The reference only grows, so
     // this writes during a warm-up and rarely after it; a failed write is
     // retried at the next step.
     store::RankRecord rec = r->table;
     rec.set_layercheck_lr0(r->layercheck->lr_reference());
-    if (index_->PutRank(r->job, r->rank, rec).ok()) r->table.set_layercheck_lr0(rec.layercheck_lr0());
+    if (index_->PutRank(r->job, r->rank, rec).ok()) r->lr_ref_stored = rec.layercheck_lr0();
   }
   return true;
 }
