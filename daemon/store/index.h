@@ -25,10 +25,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/store/store.pb.h"
 
 namespace rocksdb {
 class DB;
+class WriteBatch;
+struct WriteOptions;
 }
 
 namespace ckpt {
@@ -89,8 +93,12 @@ class Index {
   absl::Status Put(const std::string& key, const std::string& value);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
+  // Every RocksDB write goes through here (see index.cc: serialised under TSan).
+  absl::Status Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
+                     absl::string_view what);
 
   std::unique_ptr<rocksdb::DB> db_;
+  absl::Mutex tsan_write_mu_;  // taken only in ThreadSanitizer builds
 };
 
 }  // namespace ckpt
