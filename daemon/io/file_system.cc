@@ -24,6 +24,13 @@ bool IsPlainName(const std::string& name) {
          name != "." && name != "..";
 }
 
+// InvalidArgument naming `name` unless it is a plain name; `what` is "file"
+// or "directory".
+absl::Status CheckPlainName(const std::string& name, const char* what) {
+  if (IsPlainName(name)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("bad ", what, " name '", name, "'"));
+}
+
 // openat2 confined beneath dir_fd; falls back to openat+O_NOFOLLOW on kernels
 // without openat2 (names are single components we built, so that is safe).
 int OpenBeneath(int dir_fd, const std::string& name, int flags, mode_t mode) {
@@ -66,9 +73,7 @@ absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
 }
 
 absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& name, bool create) {
-  if (!IsPlainName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckPlainName(name, "directory"));
   if (create && ::mkdirat(dir_fd, name.c_str(), 0750) != 0 && errno != EEXIST) {
     return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
   }
@@ -119,9 +124,8 @@ absl::Status FileSystem::DataSync(int fd) {
 
 absl::Status FileSystem::RenameNoReplace(int dir_fd, const std::string& from,
                                          const std::string& to) {
-  if (!IsPlainName(from) || !IsPlainName(to)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad file name '", from, "' or '", to, "'"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckPlainName(from, "file"));
+  CKPT_RETURN_IF_ERROR(CheckPlainName(to, "file"));
   if (::renameat2(dir_fd, from.c_str(), dir_fd, to.c_str(), RENAME_NOREPLACE) != 0) {
     return ErrnoStatus(errno, absl::StrCat("rename ", from, " -> ", to));
   }
@@ -134,9 +138,7 @@ absl::Status FileSystem::SyncDir(int dir_fd) {
 }
 
 absl::Status FileSystem::Unlink(int dir_fd, const std::string& name) {
-  if (!IsPlainName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad file name '", name, "'"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckPlainName(name, "file"));
   if (::unlinkat(dir_fd, name.c_str(), 0) != 0) {
     return ErrnoStatus(errno, absl::StrCat("unlink ", name));
   }
@@ -144,9 +146,7 @@ absl::Status FileSystem::Unlink(int dir_fd, const std::string& name) {
 }
 
 absl::Status FileSystem::RemoveDir(int dir_fd, const std::string& name) {
-  if (!IsPlainName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad directory name '", name, "'"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckPlainName(name, "directory"));
   if (::unlinkat(dir_fd, name.c_str(), AT_REMOVEDIR) != 0) {
     return ErrnoStatus(errno, absl::StrCat("rmdir ", name));
   }
@@ -187,9 +187,7 @@ absl::StatusOr<uint64_t> FileSystem::FileSize(int fd) {
 }
 
 absl::StatusOr<uint64_t> FileSystem::FileSizeAt(int dir_fd, const std::string& name) {
-  if (!IsPlainName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("bad file name '", name, "'"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckPlainName(name, "file"));
   struct stat st;
   if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return ErrnoStatus(errno, absl::StrCat("stat ", name));
