@@ -1017,13 +1017,9 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
       rec = absl::ResourceExhaustedError(absl::StrCat(
           "disk bound of ", options_.max_disk_bytes, " bytes reached (", used,
           " used); run `ckptctl gc` or raise max_disk_bytes"));
-    } else if (absl::StatusOr<uint64_t> free = store_->FreeBytes();
-               options_.min_free_disk_bytes > 0 && free.ok() &&
-               *free < options_.min_free_disk_bytes + file_bytes) {
+    } else if (absl::Status room = CheckFreeSpace(file_bytes); !room.ok()) {
       disk_used_.fetch_sub(file_bytes, std::memory_order_relaxed);
-      rec = absl::ResourceExhaustedError(absl::StrCat(
-          "the data file system has ", *free, " bytes free; min_free_disk_bytes keeps ",
-          options_.min_free_disk_bytes, " for the index (free space or run `ckptctl gc`)"));
+      rec = std::move(room);
     } else {
       rec = store_->Commit(&task->version, io.get(), &timings);
       if (!rec.ok()) disk_used_.fetch_sub(file_bytes, std::memory_order_relaxed);
@@ -1085,6 +1081,15 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
     --p.remaining;
     return;
   }
+}
+
+absl::Status Engine::CheckFreeSpace(uint64_t file_bytes) {
+  if (options_.min_free_disk_bytes == 0) return absl::OkStatus();
+  absl::StatusOr<uint64_t> free = store_->FreeBytes();
+  if (!free.ok() || *free >= options_.min_free_disk_bytes + file_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the data file system has ", *free, " bytes free; min_free_disk_bytes keeps ",
+      options_.min_free_disk_bytes, " for the index (free space or run `ckptctl gc`)"));
 }
 
 void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {

@@ -172,6 +172,9 @@ class Engine {
   void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriterLoop(std::unique_ptr<IoBackend> io);
+  // ResourceExhausted when writing `file_bytes` would leave the data file
+  // system less than min_free_disk_bytes (unknown free space counts as room).
+  absl::Status CheckFreeSpace(uint64_t file_bytes);
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
