@@ -81,7 +81,6 @@ struct Engine::Rank {
   std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
 
   // Guarded by Engine::mu_.
-  double lr_ref_stored = 0;  // LayerCheck's reference LR as the index holds it
   bool active = true;
   bool restoring = false;
   uint64_t last_step_seen = 0;
@@ -439,18 +438,15 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   }
 
   // 5. Persist the rank's table; take a fresh generation. LayerCheck's
-  //    reference learning rate carries over from earlier registrations.
-  CKPT_ASSIGN_OR_RETURN(auto previous, index_->GetRank(r->job, r->rank));
-  if (previous.has_value() && previous->layercheck_lr0() > 0) {
-    r->table.set_layercheck_lr0(previous->layercheck_lr0());
-    r->lr_ref_stored = previous->layercheck_lr0();
-    if (r->layercheck != nullptr) r->layercheck->RaiseLrReference(previous->layercheck_lr0());
-  }
+  //    reference learning rate carries over in the latest event.
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
   CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
   const uint64_t durable = last_event.has_value() ? last_event->first : 0;
+  if (r->layercheck != nullptr && last_event.has_value()) {
+    r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
+  }
   r->last_step_seen = durable;
   r->snapshot_step = durable;
   r->durable_step = durable;
@@ -905,14 +901,9 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     r->trace->flush();  // whole lines, in step order across registrations
   }
   r->last_decisions = std::move(decisions);
-  if (r->layercheck->lr_reference() > r->lr_ref_stored) {
-    // Kept for later registrations of the rank. The reference only grows, so
-    // this writes during a warm-up and rarely after it; a failed write is
-    // retried at the next step.
-    store::RankRecord rec = r->table;
-    rec.set_layercheck_lr0(r->layercheck->lr_reference());
-    if (index_->PutRank(r->job, r->rank, rec).ok()) r->lr_ref_stored = rec.layercheck_lr0();
-  }
+  // Kept with the step's event for later registrations of the rank (no
+  // write of its own).
+  task.event.set_layercheck_lr_ref(r->layercheck->lr_reference());
   return true;
 }
 

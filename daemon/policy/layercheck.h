@@ -79,7 +79,7 @@ class LayerCheckPolicy {
                                     const std::vector<bool>& forced);
 
   // Raises lr_ref to `lr` (the largest rate of the rank's earlier
-  // registrations, kept in its record); lr_ref never decreases.
+  // registrations, kept with its checkpoint events); lr_ref never decreases.
   void RaiseLrReference(double lr);
   // After a composite restore to `step`: every layer's buffers equal its
   // version at `last_persisted[l]` (0 = none), so its accumulated drift is 0
