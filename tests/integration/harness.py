@@ -73,6 +73,19 @@ class Daemon:
         return subprocess.run([CKPTCTL, "--socket=" + (socket or self.socket)] + list(args),
                               capture_output=True, text=True, timeout=timeout)
 
+    def stable_plan(self, job, timeout=120):
+        """The job's plan once two reads 0.5 s apart agree: versions staged
+        before a kill or a full disk still become durable meanwhile."""
+        deadline = time.time() + timeout
+        plan = self.ctl("plan", job)
+        while time.time() < deadline:
+            time.sleep(0.5)
+            again = self.ctl("plan", job)
+            if again == plan:
+                return plan
+            plan = again
+        raise RuntimeError("the plan of %s still changed after %d s" % (job, timeout))
+
     def ctl(self, *args, check=True, timeout=120):
         """Runs ckptctl --json and returns the parsed JSON."""
         out = subprocess.run([CKPTCTL, "--socket=" + self.socket, "--json",

@@ -148,13 +148,7 @@ def run(root, data):
         assert "failed or were skipped" in err, err[-2000:]
 
         # Quiet: whatever was staged is written; then the state is clean.
-        plan = d.ctl("plan", job)
-        while True:
-            time.sleep(0.5)
-            again = d.ctl("plan", job)
-            if again == plan:
-                break
-            plan = again
+        plan = d.stable_plan(job)
         temps = files_under(os.path.join(data, "jobs"), lambda n: n.startswith("tmp."))
         assert temps == [], temps
         on_disk = sum(os.path.getsize(p) for p in files_under(os.path.join(data, "jobs"),

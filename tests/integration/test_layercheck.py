@@ -19,16 +19,6 @@ ARGS = ["--layers=8", "--layer-bytes=128K", "--optimizer=adamw", "--lr=1e-4",
         "--warmup=20", "--warmup-interval=10"]
 
 
-def stable_plan(d, job):
-    plan = d.ctl("plan", job)
-    while True:
-        time.sleep(0.5)
-        again = d.ctl("plan", job)
-        if again == plan:
-            return plan
-        plan = again
-
-
 def main():
     root = harness.tempdir("ckpt-lc-")
     try:
@@ -60,7 +50,7 @@ def main():
         assert layers_live["policy"] == "layercheck" and "threshold" in layers_live["layers"][1]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        plan = stable_plan(d, "lc")
+        plan = d.stable_plan("lc")
         assert plan["complete"]
         assert plan["max_staleness"] < 200, plan
         out = harness.run_trainer(d, "lc", "--policy=layercheck", "--restore", "--verify-log=" + log,

@@ -42,13 +42,7 @@ def run(policy, layers, steps_before_kill):
         proc.wait()
         # Versions staged before the kill still become durable; wait until
         # the latest durable step stops moving, so the plan is final.
-        plan = d.ctl("plan", job)
-        while True:
-            time.sleep(0.5)
-            again = d.ctl("plan", job)
-            if again == plan:
-                break
-            plan = again
+        plan = d.stable_plan(job)
         steps = sorted({l["step"] for l in plan["layers"]})
         assert plan["complete"], plan
         out = harness.run_trainer(d, job, "--layers=%d" % layers, "--layer-bytes=64K,256K,1M",
