@@ -92,19 +92,17 @@ def log(msg):
 # Corpora (cached as raw bytes)
 # --------------------------------------------------------------------------
 
-def build_pretrain_corpus(path, cap):
-    """Python standard library sources shipped with Debian, in a fixed
-    shuffled file order, up to `cap` bytes."""
-    files = sorted(glob.glob("/usr/lib/python3.11/**/*.py", recursive=True))
-    random.Random(1).shuffle(files)
+def write_corpus(path, cap, files, seed, chunk_of):
+    """Writes chunk_of(f) for each of `files` in a fixed shuffled order (a
+    None chunk skips the file) up to `cap` bytes to `path`, atomically;
+    returns the number of files."""
+    files = sorted(files)
+    random.Random(seed).shuffle(files)
     out, n = [], 0
     for f in files:
-        try:
-            with open(f, "rb") as fh:
-                b = fh.read()
-        except OSError:
+        chunk = chunk_of(f)
+        if chunk is None:
             continue
-        chunk = b"\n# ---- " + os.path.relpath(f, "/usr/lib/python3.11").encode() + b"\n" + b
         out.append(chunk)
         n += len(chunk)
         if n >= cap:
@@ -114,6 +112,19 @@ def build_pretrain_corpus(path, cap):
         fh.write(data)
     os.replace(path + ".tmp", path)
     return len(files)
+
+
+def build_pretrain_corpus(path, cap):
+    """Python standard library sources shipped with Debian, up to `cap` bytes."""
+    def chunk_of(f):
+        try:
+            with open(f, "rb") as fh:
+                b = fh.read()
+        except OSError:
+            return None
+        return b"\n# ---- " + os.path.relpath(f, "/usr/lib/python3.11").encode() + b"\n" + b
+    return write_corpus(path, cap, glob.glob("/usr/lib/python3.11/**/*.py", recursive=True), 1,
+                        chunk_of)
 
 
 _ROFF_ESC = re.compile(r"\\f(\[[^\]]*\]|\(..|.)|\\\(..|\\\[[^\]]*\]|\\[&|^%:,/]|\\s[+-]?\d+"
@@ -158,31 +169,20 @@ def strip_roff(text):
 
 def build_finetune_corpus(path, cap):
     """Debian's man pages (sections 1-8, English), roff stripped roughly."""
-    files = []
-    for s in range(1, 9):
-        files += glob.glob("/usr/share/man/man%d/*.gz" % s)
-    files = sorted(files)
-    random.Random(2).shuffle(files)
-    out, n = [], 0
-    for f in files:
+    def chunk_of(f):
         try:
             with gzip.open(f, "rb") as fh:
                 raw = fh.read()
         except (OSError, EOFError):
-            continue
+            return None
         text = strip_roff(raw.decode("utf-8", errors="replace"))
         if len(text) < 200:
-            continue  # .so redirections and stubs
-        chunk = ("\n==== %s\n" % os.path.basename(f)).encode() + text.encode("utf-8")
-        out.append(chunk)
-        n += len(chunk)
-        if n >= cap:
-            break
-    data = b"".join(out)[:cap]
-    with open(path + ".tmp", "wb") as fh:
-        fh.write(data)
-    os.replace(path + ".tmp", path)
-    return len(files)
+            return None  # .so redirections and stubs
+        return ("\n==== %s\n" % os.path.basename(f)).encode() + text.encode("utf-8")
+    files = []
+    for s in range(1, 9):
+        files += glob.glob("/usr/share/man/man%d/*.gz" % s)
+    return write_corpus(path, cap, files, 2, chunk_of)
 
 
 # --------------------------------------------------------------------------
