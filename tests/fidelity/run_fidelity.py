@@ -1296,6 +1296,13 @@ def make_figures(out_dir, results, A):
     import matplotlib.pyplot as plt
     import numpy as np
     figs = {}
+
+    def save(fig, key, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+        figs[key] = name
+
     runs = results["runs"]
     n = results.get("steps")
     rows = {name: read_jsonl(os.path.join(out_dir, r["log"])) for name, r in runs.items()
@@ -1333,10 +1340,7 @@ def make_figures(out_dir, results, A):
         ax[1].plot([t for t, _ in diff], [d for _, d in diff], color="C0")
         ax[1].set_ylabel("loss - failure-free")
         ax[1].set_xlabel("step")
-        fig.tight_layout()
-        figs["loss_all"] = "loss_all.png"
-        fig.savefig(os.path.join(out_dir, figs["loss_all"]), dpi=110)
-        plt.close(fig)
+        save(fig, "loss_all", "loss_all.png")
 
     # 2. LayerCheck: loss overlays and relative deviation per K0
     k0s = [k for k in results["config"]["k0s"] if "lc_%s_fail1" % fmt_k0(k) in runs]
@@ -1368,10 +1372,7 @@ def make_figures(out_dir, results, A):
             a1.set_ylabel("|loss - ff| / ff  [%] (per step, raw)")
             a1.set_xlabel("step")
             a1.axhline(0.54, color="k", lw=0.6, ls=":")
-        fig.tight_layout()
-        figs["loss_layercheck"] = "loss_layercheck.png"
-        fig.savefig(os.path.join(out_dir, figs["loss_layercheck"]), dpi=110)
-        plt.close(fig)
+        save(fig, "loss_layercheck", "loss_layercheck.png")
 
     # 3. bytes written
     bars = []
@@ -1395,10 +1396,7 @@ def make_figures(out_dir, results, A):
         for i, b in enumerate(bars):
             ax.text(b[1] / 2 ** 20, i, " " + human_bytes(b[1]), va="center", fontsize=8)
         ax.invert_yaxis()
-        fig.tight_layout()
-        figs["bytes"] = "bytes.png"
-        fig.savefig(os.path.join(out_dir, figs["bytes"]), dpi=110)
-        plt.close(fig)
+        save(fig, "bytes", "bytes.png")
 
     # 4. trainer-visible stall per step
     bars = []
@@ -1423,10 +1421,7 @@ def make_figures(out_dir, results, A):
         for i, b in enumerate(bars):
             ax.text(1e3 * b[1], i, " %.2f ms" % (1e3 * b[1]), va="center", fontsize=8)
         ax.invert_yaxis()
-        fig.tight_layout()
-        figs["stall"] = "stall.png"
-        fig.savefig(os.path.join(out_dir, figs["stall"]), dpi=110)
-        plt.close(fig)
+        save(fig, "stall", "stall.png")
 
     # 5. staleness distribution at each restore
     groups = []
@@ -1446,10 +1441,7 @@ def make_figures(out_dir, results, A):
         ax.set_xlabel("per-layer staleness at restore [steps] (all restores of the run pair)")
         ax.set_ylabel("layers")
         ax.legend()
-        fig.tight_layout()
-        figs["staleness"] = "staleness_hist.png"
-        fig.savefig(os.path.join(out_dir, figs["staleness"]), dpi=110)
-        plt.close(fig)
+        save(fig, "staleness", "staleness_hist.png")
 
     # 6. accumulated-drift heatmaps with persistence events
     heat = []
@@ -1484,10 +1476,7 @@ def make_figures(out_dir, results, A):
                         % fmt_k0(k0), fontsize=9)
             fig.colorbar(im, ax=a, pad=0.01)
         ax[-1][0].set_xlabel("step")
-        fig.tight_layout()
-        figs["drift"] = "drift_heatmap.png"
-        fig.savefig(os.path.join(out_dir, figs["drift"]), dpi=110)
-        plt.close(fig)
+        save(fig, "drift", "drift_heatmap.png")
 
     # 7. size-weighted staleness over time (failure-free traces) and the chosen failure step
     if heat:
@@ -1504,10 +1493,7 @@ def make_figures(out_dir, results, A):
         ax.set_ylabel("size-weighted staleness [steps]")
         ax.set_title("selected versions, failure-free traces (dashed: injected failure step)")
         ax.legend()
-        fig.tight_layout()
-        figs["sws"] = "sws.png"
-        fig.savefig(os.path.join(out_dir, figs["sws"]), dpi=110)
-        plt.close(fig)
+        save(fig, "sws", "sws.png")
     return figs
 
 
