@@ -3,12 +3,20 @@
 #   installs what is missing, builds, starts ckptd on ./data/quickstart, runs
 #   the example trainer, kills it with SIGKILL mid-run, restores the composite
 #   checkpoint in a new trainer process, and prints the restore summary.
+# Builds only what it runs (ckptd, ckptctl, ckpt_example_trainer); the build
+# output goes to build.build.log next to build/, and its tail is printed only
+# when the build fails. CKPT_SKIP_DEPS=1 skips deploy/install_deps.sh (which
+# needs root or sudo when a package is missing).
 set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ckpt-ccache}
-"$top/deploy/install_deps.sh"
-"$top/deploy/build.sh" "$top/build"
+if [ "${CKPT_SKIP_DEPS:-0}" != 1 ]; then "$top/deploy/install_deps.sh"; fi
+echo "== build (ckptd, ckptctl, ckpt_example_trainer)"
+start=$SECONDS
+CKPT_BUILD_TARGETS="ckptd ckptctl ckpt_example_trainer" CKPT_BUILD_QUIET=1 \
+  "$top/deploy/build.sh" "$top/build"
+echo "   built in $((SECONDS - start)) s"
 
 bin=$top/build
 dir=$top/data/quickstart
