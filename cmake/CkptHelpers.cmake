@@ -1,9 +1,12 @@
 # ckpt_cc_library(NAME name SRCS ... [HDRS ...] [DEPS ...])
-#   One static library per folder; sources are listed by hand.
+#   One static library per folder; sources are listed by hand. Includes are
+#   rooted at the source tree ("daemon/common/status.h"); that path is a
+#   build-tree one only, so the libraries that are installed and exported
+#   (cmake/CkptInstall.cmake) carry no source path.
 function(ckpt_cc_library)
   cmake_parse_arguments(A "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})
   add_library(${A_NAME} STATIC ${A_SRCS} ${A_HDRS})
-  target_include_directories(${A_NAME} PUBLIC ${PROJECT_SOURCE_DIR})
+  target_include_directories(${A_NAME} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>)
   target_link_libraries(${A_NAME} PUBLIC ${A_DEPS})
   target_compile_options(${A_NAME} PRIVATE ${CKPT_WARNINGS})
 endfunction()
