@@ -11,6 +11,7 @@
 #   etc/ckptd/ckptd.conf                         the config, only if none is there yet
 #   share/ckptd/ckptd.conf                       the default config, always refreshed
 #   share/ckptd/{prometheus,grafana}/            scrape config, alerts, dashboard
+#   share/ckptd/install.sh                       host set-up: user, directories, systemctl
 #
 # lib is GNUInstallDirs' CMAKE_INSTALL_LIBDIR (lib/x86_64-linux-gnu under
 # prefix /usr on Debian). The unit, config and Python directories can be moved
@@ -140,6 +141,9 @@ endif()
 install(FILES ${PROJECT_SOURCE_DIR}/deploy/ckptd.conf
   DESTINATION ${CMAKE_INSTALL_DATADIR}/ckptd COMPONENT daemon)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/deploy/prometheus ${PROJECT_SOURCE_DIR}/deploy/grafana
+  DESTINATION ${CMAKE_INSTALL_DATADIR}/ckptd COMPONENT daemon)
+# The host set-up (user, directories, systemctl), run as root after install.
+install(PROGRAMS ${PROJECT_SOURCE_DIR}/deploy/install.sh
   DESTINATION ${CMAKE_INSTALL_DATADIR}/ckptd COMPONENT daemon)
 
 # deploy/systemd/ckptd.service stays the one source of the unit. It names
