@@ -14,12 +14,14 @@
 #   share/ckptd/install.sh                       host set-up: user, directories, systemctl
 #
 # lib is GNUInstallDirs' CMAKE_INSTALL_LIBDIR (lib/x86_64-linux-gnu under
-# prefix /usr on Debian). The unit, config and Python directories can be moved
-# with CKPT_SYSTEMD_UNIT_DIR, CMAKE_INSTALL_SYSCONFDIR (e.g. /etc) and
-# CKPT_PYTHON_INSTALL_DIR; relative values are under the prefix. The unit and
-# the config path inside it are written at install time, so they follow
-# `--prefix` and DESTDIR. deploy/install.sh does the rest on a host (user,
-# directories, systemctl).
+# prefix /usr on Debian). The unit, config and Python directories can be
+# moved with CKPT_SYSTEMD_UNIT_DIR, CMAKE_INSTALL_SYSCONFDIR (e.g. /etc) and
+# CKPT_PYTHON_INSTALL_DIR; relative values are under the prefix, except that
+# prefix /usr puts the config in /etc/ckptd. The unit and the config path
+# inside it are written at install time, so they follow `--prefix` and
+# DESTDIR; GNUInstallDirs picks LIBDIR at configure time, so a package for
+# prefix /usr is configured with -DCMAKE_INSTALL_PREFIX=/usr. deploy/install.sh
+# does the rest on a host (user, directories, systemctl).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -170,9 +172,13 @@ file(WRITE ${PROJECT_BINARY_DIR}/deploy/ckptd.service.in
 # prefix (--prefix), and DESTDIR is honoured. Files are listed in
 # install_manifest.txt like the others.
 install(CODE "
+  # A relative directory is under the prefix, except that prefix /usr keeps
+  # its configuration in /etc (as GNUInstallDirs' FULL_SYSCONFDIR does).
   function(ckpt_install_path out dir)
     if(IS_ABSOLUTE \"\${dir}\")
       set(\${out} \"\${dir}\" PARENT_SCOPE)
+    elseif(CMAKE_INSTALL_PREFIX STREQUAL \"/usr\" AND dir MATCHES \"^etc(/|$)\")
+      set(\${out} \"/\${dir}\" PARENT_SCOPE)
     else()
       set(\${out} \"\${CMAKE_INSTALL_PREFIX}/\${dir}\" PARENT_SCOPE)
     endif()
@@ -192,7 +198,7 @@ install(CODE "
   message(STATUS \"Installing: \${unit}\")
   configure_file(\"${PROJECT_BINARY_DIR}/deploy/ckptd.service.in\" \"\${unit}\" @ONLY)
   file(CHMOD \"\${unit}\" PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ)
-  list(APPEND CMAKE_INSTALL_MANIFEST_FILES \"\${unit}\")
+  list(APPEND CMAKE_INSTALL_MANIFEST_FILES \"\${unitdir}/ckptd.service\")
 
   # The config: installed when absent, never over an existing (edited) one.
   # share/ckptd/ckptd.conf always holds the current default for comparison.
@@ -201,7 +207,8 @@ install(CODE "
     message(STATUS \"Keeping: \${conf} (exists; the default is in share/ckptd/ckptd.conf)\")
   else()
     message(STATUS \"Installing: \${conf}\")
-    file(INSTALL \"${PROJECT_SOURCE_DIR}/deploy/ckptd.conf\" DESTINATION \"\$ENV{DESTDIR}\${confdir}\"
+    # file(INSTALL) adds DESTDIR itself and lists the file in the manifest.
+    file(INSTALL \"${PROJECT_SOURCE_DIR}/deploy/ckptd.conf\" DESTINATION \"\${confdir}\"
       FILE_PERMISSIONS OWNER_READ OWNER_WRITE GROUP_READ WORLD_READ MESSAGE_NEVER)
   endif()
 " COMPONENT daemon)
