@@ -22,6 +22,12 @@
 # DESTDIR; GNUInstallDirs picks LIBDIR at configure time, so a package for
 # prefix /usr is configured with -DCMAKE_INSTALL_PREFIX=/usr. deploy/install.sh
 # does the rest on a host (user, directories, systemctl).
+if(CKPT_SANITIZER_FLAGS)
+  # Sanitized binaries and libraries are for running tests in the build tree
+  # (and the TSan build links every target with ckpt_tsan_absl).
+  message(STATUS "ckptd: no install rules in a sanitizer/fuzzing build")
+  return()
+endif()
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
