@@ -1,6 +1,6 @@
 # ckpt_cc_library(NAME name SRCS ... [HDRS ...] [DEPS ...])
 #   One static library per folder; sources are listed by hand. Includes are
-#   rooted at the source tree ("daemon/common/status.h"); that path is a
+#   rooted at the source tree ("base/status.h"); that path is a
 #   build-tree one only, so the libraries that are installed and exported
 #   (cmake/CkptInstall.cmake) carry no source path.
 function(ckpt_cc_library)

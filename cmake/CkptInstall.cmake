@@ -59,11 +59,10 @@ set_target_properties(${CKPT_INSTALLED_PROGRAMS} PROPERTIES INSTALL_RPATH_USE_LI
 # ---- the client library, as a CMake package and a pkg-config module ----
 # ckpt_client is static, so the static libraries of ours it links are
 # installed and exported with it.
-set(CKPT_EXPORTED_LIBS ckpt_client ckpt_shm ckpt_proto ckpt_common)
+set(CKPT_EXPORTED_LIBS ckpt_client ckpt_base ckpt_proto)
 set_target_properties(ckpt_client PROPERTIES EXPORT_NAME client)
-set_target_properties(ckpt_shm PROPERTIES EXPORT_NAME shm)
+set_target_properties(ckpt_base PROPERTIES EXPORT_NAME base)
 set_target_properties(ckpt_proto PROPERTIES EXPORT_NAME proto)
-set_target_properties(ckpt_common PROPERTIES EXPORT_NAME common)
 
 # An exported target may not name a source or build directory as an include
 # directory. ckpt_cc_library and ckpt_client already mark theirs

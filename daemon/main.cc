@@ -9,7 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "daemon/common/kill_point.h"
-#include "daemon/common/logging.h"
+#include "base/logging.h"
 #include "daemon/common/systemd_notify.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/config/config.h"

@@ -6,18 +6,26 @@
 #include "absl/time/clock.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "ckpt/v1/dtype.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
-#include "daemon/shm/handover_wire.h"
-#include "daemon/shm/region.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "base/handover_wire.h"
+#include "base/region.h"
 #include "gpu_export.h"
 
 namespace ckpt {
 namespace {
 
+// grpc::Status -> absl::Status, in one place on the client side: the code,
+// the message, and the ErrorReason ckptd put in the status details.
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  v1::ErrorInfo info;
+  if (!s.error_details().empty() && info.ParseFromString(s.error_details()) &&
+      info.reason() > 0 && info.reason() < kErrorReasonCount) {
+    out = WithReason(std::move(out), static_cast<ErrorReason>(info.reason()));
+  }
+  return out;
 }
 
 void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
@@ -25,11 +33,18 @@ void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
 }
 
 bool DaemonLost(const absl::Status& s) {
-  // UNAVAILABLE: the socket is gone. NOT_FOUND / FAILED_PRECONDITION with a
-  // stale generation: the daemon restarted and no longer knows this rank.
-  return absl::IsUnavailable(s) ||
-         (absl::IsNotFound(s) && s.message().find("is not registered") != absl::string_view::npos) ||
-         (absl::IsFailedPrecondition(s) && s.message().find("is stale") != absl::string_view::npos);
+  // UNAVAILABLE: the socket is gone. Not registered or a stale generation:
+  // ckptd restarted and no longer knows this rank. Shutting down: ckptd is
+  // going away.
+  if (absl::IsUnavailable(s)) return true;
+  switch (ReasonOf(s)) {
+    case ErrorReason::kNotRegistered:
+    case ErrorReason::kStaleGeneration:
+    case ErrorReason::kShuttingDown:
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Every per-registration request names the job, the rank and the generation.

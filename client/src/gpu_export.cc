@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/gpu_uuid.h"
+#include "base/gpu_uuid.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // driver types only; the functions come through the runtime

@@ -14,9 +14,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
-#include "daemon/common/unique_fd.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "base/unique_fd.h"
 
 namespace ckpt {
 namespace {

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ckpt {
 

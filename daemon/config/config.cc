@@ -8,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 namespace {

@@ -1,4 +1,15 @@
-// Engine: registered ranks and the per-step pipeline (SPEC §3, §5).
+// Engine: registered ranks and the per-step pipeline (SPEC §3, §5). The
+// facade the gRPC handlers call; each stage lives in its own file:
+//
+//   engine_registry.cc   Register, Unregister, ownership, trainer exit
+//   engine_snapshot.cc   StepDone, snapshot workers, WaitSnapshot (the fence)
+//   engine_layercheck.cc LayerCheck drift and decisions, multi-rank drift
+//   engine_commit.cc     writer threads, the disk budget (disk_budget.h)
+//   engine_events.cc     per-version outcomes, checkpoint events, WaitDurable
+//   engine_recovery.cc   Plan, Restore, Verify, Export (over recovery/)
+//   engine_retention.cc  GC under leases (leases.h)
+//   engine_admin.cc      Status, Jobs, Layers, History, metrics collection
+//   rank_state.h         the per-rank state these stages share
 //
 //   StepDone(t) --queue--> snapshot worker: select layers, copy them from the
 //   rank's mapped buffers into staging, mark snapshot t taken (WaitSnapshot
@@ -36,7 +47,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
+#include "daemon/engine/disk_budget.h"
+#include "daemon/engine/leases.h"
 #include "daemon/engine/registration.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/shm/rank_memory.h"
@@ -145,59 +158,23 @@ class Engine {
   // Refreshes the gauges that are read at scrape time (pool, queue,
   // durability lag, disk, per-layer staleness and drift).
   void CollectMetrics();
-  uint64_t disk_bytes_used() const { return disk_used_.load(std::memory_order_relaxed); }
+  uint64_t disk_bytes_used() const { return disk_.used(); }
   const char* io_backend_name() const { return io_backend_name_.c_str(); }
 
  private:
-  struct Rank;
-  struct SnapTask;
-  struct WriteTask;
-  using RankKey = std::pair<std::string, uint32_t>;
+  // Stage by stage; each group's methods live in the file named beside it.
+  struct Rank;      // rank_state.h
+  struct SnapTask;  // rank_state.h
+  struct WriteTask; // rank_state.h
 
+  // ---- rank registry (engine_registry.cc): ownership, generations,
+  //      registration and drain, watching the trainer process ----
   absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const std::string& job, uint32_t rank,
                                                    uint64_t generation, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOwner(const std::string& job, const Caller& caller);
   absl::Status DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  void SnapshotLoop();
-  // Returns false when the task now waits for SetGlobalDrift.
-  // `memory` is the rank's memory (null once released).
-  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
-  // LayerCheck: fills task.layers from the drift of this step, read from `memory`.
-  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
-  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
-  void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void WriterLoop(std::unique_ptr<IoBackend> io);
-  // ResourceExhausted when writing `file_bytes` would leave the data file
-  // system less than min_free_disk_bytes (unknown free space counts as room).
-  absl::Status CheckFreeSpace(uint64_t file_bytes);
-  void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
-                     const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
-  void AdvanceEvents(const std::shared_ptr<Rank>& r);
-  // Restore/export hold a lease on a rank's history; GC skips leased ranks and
-  // leases wait (bounded) while GC runs on the rank.
-  absl::Status AcquireLease(const RankKey& key, absl::Time deadline);
-  void ReleaseLease(const RankKey& key);
-  // Releases a lease taken with AcquireLease when it goes out of scope.
-  class LeaseGuard {
-   public:
-    LeaseGuard(Engine* engine, RankKey key) : engine_(engine), key_(std::move(key)) {}
-    ~LeaseGuard() { engine_->ReleaseLease(key_); }
-    LeaseGuard(const LeaseGuard&) = delete;
-    LeaseGuard& operator=(const LeaseGuard&) = delete;
-
-   private:
-    Engine* engine_;
-    RankKey key_;
-  };
-  absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
-  void GcLoop();
-  // Closes the GPU mappings of ranks whose trainer process exited.
-  void WatchTrainersLoop();
   // Takes a rank's memory away; later steps and restores of the rank fail
   // until it registers again. The memory moves to `closing`, which the caller
   // drops after releasing mu_ (closing GPU mappings synchronizes a stream);
@@ -205,7 +182,39 @@ class Engine {
   void ReleaseMemoryLocked(Rank* r, const std::string& why,
                            std::vector<std::shared_ptr<RankMemory>>* closing)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the GPU mappings of ranks whose trainer process exited.
+  void WatchTrainersLoop();
 
+  // ---- snapshotter (engine_snapshot.cc): the StepDone queue, copy into
+  //      staging, the fence and an abandoned fence ----
+  void SnapshotLoop();
+  // Returns false when the task now waits for SetGlobalDrift.
+  // `memory` is the rank's memory (null once released).
+  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+
+  // ---- LayerCheck decisions (engine_layercheck.cc) ----
+  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
+  // Fills task.layers from the drift of this step, read from `memory`.
+  // Returns false when the step waits for the all-reduced drift vector.
+  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+  void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- commit pipeline (engine_commit.cc): writers, the disk budget ----
+  void WriterLoop(std::unique_ptr<IoBackend> io);
+
+  // ---- event sequencer (engine_events.cc): per-version outcomes, ordered
+  //      checkpoint events, the durable step behind WaitDurable ----
+  void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+                     const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
+  void AdvanceEvents(const std::shared_ptr<Rank>& r);
+  void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- retention (engine_retention.cc) ----
+  absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
+  void GcLoop();
+
+  // Immutable after construction (io_backend_name_ and reconcile_: after Start).
   const EngineOptions options_;
   Index* const index_;
   LayerStore* const store_;
@@ -225,6 +234,10 @@ class Engine {
   std::thread gc_thread_;
   std::thread watch_thread_;
 
+  // Lock order: job_mu_ -> mu_ -> Rank::event_mu is never taken with mu_
+  // held (AdvanceEvents takes event_mu first, then mu_ briefly); leases_ and
+  // the staging pool have their own leaf mutexes. No file I/O, index write or
+  // CUDA call happens under mu_.
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
   bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;   // writers exit, queue discarded
@@ -232,17 +245,17 @@ class Engine {
   std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<RankKey, int> leases_ ABSL_GUARDED_BY(mu_);
   std::set<RankKey> registering_ ABSL_GUARDED_BY(mu_);
   absl::Mutex job_mu_;  // job ownership: check-and-create is one step
-  std::set<RankKey> gc_active_ ABSL_GUARDED_BY(mu_);
+
+  LeaseTable leases_;
+  DiskBudget disk_;
 
   // Counters (relaxed; read by GetStatus and the metrics).
   std::atomic<uint64_t> versions_committed_{0};
   std::atomic<uint64_t> bytes_committed_{0};
   std::atomic<uint64_t> snapshots_skipped_{0};
   std::atomic<uint64_t> write_errors_{0};
-  std::atomic<uint64_t> disk_used_{0};  // bytes of committed version files
   std::atomic<bool> shutting_down_{false};  // mirrors stopping_ for lock-free checks
 };
 

@@ -5,10 +5,10 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/io/io_backend.h"
-#include "daemon/shm/region.h"
+#include "base/region.h"
 #include "daemon/store/format.h"
 
 namespace ckpt {

@@ -1,7 +1,7 @@
 #include "daemon/gpu/cuda_ipc.h"
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/gpu_uuid.h"
+#include "base/gpu_uuid.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // types of the driver entry point only; libcuda is never linked

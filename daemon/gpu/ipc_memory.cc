@@ -4,9 +4,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
-#include "daemon/shm/region.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "base/region.h"
 
 namespace ckpt {
 namespace {
@@ -94,7 +94,6 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const v1::GpuHandover
   }
   m->event_ = *event;
   CKPT_ASSIGN_OR_RETURN(m->stream_, ipc->CreateStream(m->device_));
-  CKPT_ASSIGN_OR_RETURN(m->kernel_, ipc->MakeDriftKernel(m->device_));
   return m;
 }
 
@@ -103,7 +102,6 @@ GpuMemory::~GpuMemory() {
     IgnoreError(ipc_->Synchronize(device_, stream_), "closing: a failed copy was reported already");
     ipc_->DestroyStream(device_, stream_);
   }
-  kernel_.reset();
   if (event_ != nullptr) ipc_->DestroyEvent(device_, event_);
   for (const Region& r : regions_) {
     ipc_->CloseMemHandle(device_, r.base);

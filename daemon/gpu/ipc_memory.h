@@ -66,8 +66,7 @@ class GpuMemory final : public RankMemory {
   absl::Status CopyOut(void* dst, const char* src, uint64_t n) override;
   absl::Status FinishSnapshot() override;
   absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
-  drift::DriftKernel* drift_kernel() override { return kernel_.get(); }
-
+  // The CUDA device the mappings live on (the drift kernel must run there).
   int device() const { return device_; }
 
  private:
@@ -84,7 +83,6 @@ class GpuMemory final : public RankMemory {
   std::vector<Region> regions_;
   void* event_ = nullptr;
   void* stream_ = nullptr;
-  std::unique_ptr<drift::DriftKernel> kernel_;
 };
 
 }  // namespace ckpt

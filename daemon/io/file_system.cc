@@ -13,7 +13,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 namespace {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ckpt {
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
+#include "base/logging.h"
+#include "base/status.h"
 
 namespace ckpt {
 namespace {

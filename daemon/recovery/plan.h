@@ -1,31 +1,21 @@
-// Composite plans and restore (SPEC §2, §6).
+// Composite plans (SPEC §2, §6).
 //
 // A composite plan for target step τ names, for every layer of a rank, the
 // newest durable version with step <= τ, its staleness τ - t_l, and the
 // size-weighted staleness Σ size_l (τ - t_l) / Σ size_l. τ = 0 means the
 // rank's latest durable step (its newest checkpoint event).
 //
-// RestoreInto reads each planned version through the store (every checksum is
-// verified before a byte is copied out) and writes it into the destination
-// tensors. It fails closed: DATA_LOSS names the first layer that does not
-// verify; FAILED_PRECONDITION when the plan is incomplete or the destination
-// table does not match the stored tensors (name, dtype, size); CANCELLED
-// between layers once `cancelled` returns true (daemon shutdown).
+// Restoring a plan is recovery/restore.h.
 //
-// Thread-safety: free functions; safe to call concurrently.
+// Thread-safety: a free function; safe to call concurrently.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
-#include "daemon/io/io_backend.h"
-#include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
-#include "daemon/store/layer_store.h"
 
 namespace ckpt {
 
@@ -33,23 +23,5 @@ namespace ckpt {
 // (a step is restorable while its checkpoint event exists).
 absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
                                    uint64_t target_step, const store::RankRecord& table);
-
-// Where restored bytes go: the destination of tensor `tensor` of `layer`
-// (REQUIRES: it is nbytes long, as registered).
-using TensorDestination = std::function<char*(uint32_t layer, uint32_t tensor)>;
-// Copies n verified host bytes to a destination address (GPU memory, for
-// example); null = memcpy.
-using CopyToDestination = std::function<absl::Status(char* dst, const char* src, uint64_t n)>;
-
-struct RestoreStats {
-  uint64_t bytes = 0;
-  double seconds = 0;
-};
-
-absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
-                                         const TensorDestination& dest, Index* index, LayerStore* store,
-                                         IoBackend* io, StagingPool* pool, absl::Duration timeout,
-                                         const std::function<bool()>& cancelled = nullptr,
-                                         const CopyToDestination& copy = nullptr);
 
 }  // namespace ckpt

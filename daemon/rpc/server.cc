@@ -12,8 +12,8 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
+#include "base/logging.h"
+#include "base/status.h"
 #include "daemon/rpc/status_convert.h"
 
 namespace ckpt {

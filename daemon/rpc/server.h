@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/engine/engine.h"
 #include "daemon/shm/handover.h"

@@ -1,15 +1,40 @@
-// absl::Status <-> grpc::Status, in one place on the daemon side.
+// absl::Status -> grpc::Status, in one place on the daemon side. The
+// status's ErrorReason (base/status.h) travels as a serialized
+// ckpt.v1.ErrorInfo in the gRPC status details; the client converts it back
+// in one place (client/src/client.cc).
 #pragma once
 
 #include <grpcpp/support/status.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "absl/status/status.h"
+#include "ckpt/v1/ckpt.pb.h"
+#include "base/status.h"
 
 namespace ckpt {
 
+static_assert(static_cast<int>(ErrorReason::kSnapshotCopy) == v1::ERROR_REASON_SNAPSHOT_COPY &&
+                  kErrorReasonCount == v1::ErrorReason_ARRAYSIZE,
+              "ErrorReason and ckpt.v1.ErrorReason must list the same reasons");
+
 inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+  std::string message(s.message());
+#ifdef CKPT_KILL_POINTS
+  // Test builds: CKPT_REWORD_ERRORS=1 replaces every message, so tests show
+  // that no caller depends on the wording.
+  static const bool reword = std::getenv("CKPT_REWORD_ERRORS") != nullptr;
+  if (reword) message = "(message reworded for a test)";
+#endif
+  const ErrorReason reason = ReasonOf(s);
+  if (reason == ErrorReason::kUnspecified) {
+    return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
+  }
+  v1::ErrorInfo info;
+  info.set_reason(static_cast<v1::ErrorReason>(reason));
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message, info.SerializeAsString());
 }
 
 }  // namespace ckpt

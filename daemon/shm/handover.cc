@@ -9,10 +9,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/logging.h"
+#include "base/logging.h"
 #include "daemon/common/unix_socket.h"
-#include "daemon/common/status.h"
-#include "daemon/shm/handover_wire.h"
+#include "base/status.h"
+#include "base/handover_wire.h"
 
 namespace ckpt {
 

@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ckpt {
 

@@ -5,10 +5,11 @@
 // policy, staging, writers and recovery only ever see this interface, so one
 // protocol serves both: the bytes of a layer are read with CopyOut between
 // BeginSnapshot and FinishSnapshot, written back with CopyIn on restore, and
-// the drift kernel reads the same addresses.
+// the drift kernel the engine picks for the memory's kind reads the same
+// addresses.
 //
 // Addresses (base(), and pointers derived from it) are only meaningful to
-// this object and to its drift kernel: host pointers for HostMemory, device
+// this object and to a drift kernel of its kind: host pointers for HostMemory, device
 // pointers in ckptd's CUDA context for GpuMemory.
 //
 // Thread-safety: one snapshot or restore at a time per object (the engine
@@ -20,8 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/shm/region.h"
-#include "kernels/drift.h"
+#include "base/region.h"
 
 namespace ckpt {
 
@@ -45,17 +45,12 @@ class RankMemory {
   // Copies n host bytes into this memory at `dst`; complete on return.
   virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
 
-  // The drift kernel that can read this memory (owned by this object or by
-  // the engine; valid while this object lives).
-  virtual drift::DriftKernel* drift_kernel() = 0;
 };
 
-// Host memfd regions, mapped by ckptd. Copies are memcpy; drift runs on the
-// CPU kernel it is given.
+// Host memfd regions, mapped by ckptd. Copies are memcpy.
 class HostMemory final : public RankMemory {
  public:
-  HostMemory(std::vector<MappedRegion> regions, drift::DriftKernel* cpu_kernel)
-      : regions_(std::move(regions)), kernel_(cpu_kernel) {}
+  explicit HostMemory(std::vector<MappedRegion> regions) : regions_(std::move(regions)) {}
 
   const char* kind() const override { return "host"; }
   size_t region_count() const override { return regions_.size(); }
@@ -65,11 +60,9 @@ class HostMemory final : public RankMemory {
   absl::Status CopyOut(void* dst, const char* src, uint64_t n) override;
   absl::Status FinishSnapshot() override { return absl::OkStatus(); }
   absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
-  drift::DriftKernel* drift_kernel() override { return kernel_; }
 
  private:
   std::vector<MappedRegion> regions_;
-  drift::DriftKernel* kernel_;
 };
 
 }  // namespace ckpt

@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
+#include "base/logging.h"
+#include "base/status.h"
 
 namespace ckpt {
 

@@ -4,7 +4,12 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 
@@ -13,7 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 namespace {
@@ -23,11 +28,8 @@ absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
   std::string msg = absl::StrCat("rocksdb ", what, ": ", s.ToString());
   if (s.IsCorruption()) return absl::DataLossError(msg);
   if (s.IsNotFound()) return absl::NotFoundError(msg);
-  if (s.IsIOError() && s.ToString().find("lock") != std::string::npos) {
-    return absl::FailedPreconditionError(msg);
-  }
-  if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
-  return absl::InternalError(msg);
+  if (s.IsNoSpace()) return WithReason(absl::ResourceExhaustedError(msg), ErrorReason::kDiskFull);
+  return WithReason(absl::InternalError(msg), ErrorReason::kIndex);
 }
 
 std::string RankPrefix(char kind, const std::string& job, uint32_t rank) {
@@ -88,7 +90,8 @@ constexpr bool kSerializeWrites = false;
 
 }  // namespace
 
-Index::Index(std::unique_ptr<rocksdb::DB> db) : db_(std::move(db)) {}
+Index::Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock)
+    : lock_(std::move(lock)), db_(std::move(db)) {}
 Index::~Index() = default;
 
 absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
@@ -103,10 +106,26 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
   options.max_background_jobs = 2;
   options.keep_log_file_num = 4;
   options.max_log_file_size = 8 << 20;
+  // One holder at a time. flock conflicts between two open file descriptions
+  // even within one process, so a second Index of this process is refused as
+  // well as another ckptd.
+  if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrCat("create ", path));
+  }
+  const std::string lock_path = path + "/ckptd.lock";
+  UniqueFd lock(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!lock.valid()) return ErrnoStatus(errno, absl::StrCat("open ", lock_path));
+  if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the index ", path, " is in use by another ckptd (", lock_path, " is locked)"));
+    }
+    return ErrnoStatus(errno, absl::StrCat("flock ", lock_path));
+  }
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("open ", path)));
-  return std::unique_ptr<Index>(new Index(std::unique_ptr<rocksdb::DB>(raw)));
+  return std::unique_ptr<Index>(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock)));
 }
 
 absl::Status Index::Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,

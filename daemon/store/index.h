@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "base/unique_fd.h"
 #include "daemon/store/store.pb.h"
 
 namespace rocksdb {
@@ -47,7 +48,9 @@ struct VersionKey {
 class Index {
  public:
   // Opens or creates the database at `path`. FAILED_PRECONDITION when another
-  // process holds it (RocksDB's LOCK file); DATA_LOSS on corruption.
+  // Index, in this process or another, holds it (an flock on
+  // <path>/ckptd.lock, held for the Index's lifetime); DATA_LOSS on
+  // corruption; every other RocksDB failure carries ErrorReason::kIndex.
   static absl::StatusOr<std::unique_ptr<Index>> Open(const std::string& path);
   ~Index();
   Index(const Index&) = delete;
@@ -89,7 +92,7 @@ class Index {
   absl::Status DeleteEvent(const std::string& job, uint32_t rank, uint64_t step);
 
  private:
-  explicit Index(std::unique_ptr<rocksdb::DB> db);
+  Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock);
   absl::Status Put(const std::string& key, const std::string& value);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
@@ -97,6 +100,7 @@ class Index {
   absl::Status Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
                      absl::string_view what);
 
+  UniqueFd lock_;  // released after db_ is closed (declared first)
   std::unique_ptr<rocksdb::DB> db_;
   absl::Mutex tsan_write_mu_;  // taken only in ThreadSanitizer builds
 };

@@ -10,8 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "daemon/common/kill_point.h"
-#include "daemon/common/logging.h"
-#include "daemon/common/status.h"
+#include "base/logging.h"
+#include "base/status.h"
 #include "daemon/common/validate.h"
 
 namespace ckpt {
@@ -99,7 +99,14 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
 
   bool direct_used = false;
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateExclusive(dir, tmp_name, use_direct_io_, &direct_used));
-  auto fail = [&](absl::Status s) {
+  // Each failure is tagged with what failed (metric labels, logs); a full
+  // file system is a full disk whatever step met it.
+  auto tag = [](absl::Status s, ErrorReason reason) {
+    if (absl::IsResourceExhausted(s)) reason = ErrorReason::kDiskFull;
+    return WithReason(std::move(s), reason);
+  };
+  auto fail = [&](absl::Status s, ErrorReason reason = ErrorReason::kWrite) {
+    s = tag(std::move(s), reason);
     IgnoreError(fd.Close(), "the version already failed");
     IgnoreError(fs_->Unlink(dir, tmp_name), "a leftover temp file is removed at the next start");
     return s;
@@ -119,17 +126,18 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   timings->write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
   CKPT_KILL_POINT("commit.after_write");
   // A failed fdatasync is final for this data: fail the version, never retry.
-  if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s);
+  if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s, ErrorReason::kFsync);
   timings->sync_seconds = absl::ToDoubleSeconds(absl::Now() - sync_start);
   CKPT_KILL_POINT("commit.after_datasync");
   if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
   if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, final_name); !s.ok()) return fail(s);
   CKPT_KILL_POINT("commit.after_rename");
-  auto fail_renamed = [&](absl::Status s) {
+  auto fail_renamed = [&](absl::Status s, ErrorReason reason) {
+    s = tag(std::move(s), reason);
     IgnoreError(fs_->Unlink(dir, final_name), "an orphan file is removed at the next start");
     return s;
   };
-  if (absl::Status s = fs_->SyncDir(dir); !s.ok()) return fail_renamed(s);
+  if (absl::Status s = fs_->SyncDir(dir); !s.ok()) return fail_renamed(s, ErrorReason::kFsync);
   CKPT_KILL_POINT("commit.after_dirsync");
 
   store::VersionRecord rec;
@@ -140,7 +148,9 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   rec.set_generation(v->generation);
   *rec.mutable_group_steps() = v->header.group_steps();
   rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
-  if (absl::Status s = index_->PutVersion(v->key, rec); !s.ok()) return fail_renamed(s);
+  if (absl::Status s = index_->PutVersion(v->key, rec); !s.ok()) {
+    return fail_renamed(s, ErrorReason::kIndex);
+  }
   CKPT_KILL_POINT("commit.after_index");
   timings->total_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return rec;

@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 

@@ -55,7 +55,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/io/file_system.h"
 #include "daemon/recovery/plan.h"

@@ -39,7 +39,7 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/policy/selection.h"
-#include "daemon/shm/region.h"
+#include "base/region.h"
 #include "daemon/store/format.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -138,7 +138,7 @@ def check_layout(prefix, c, have_python):
         under(prefix, c["CMAKE_INSTALL_DATADIR"]) + "/ckptd/grafana/ckptd-dashboard.json",
         under(prefix, c["CMAKE_INSTALL_DATADIR"]) + "/ckptd/install.sh",
     ]
-    for lib in ("ckpt_client", "ckpt_shm", "ckpt_proto", "ckpt_common"):
+    for lib in ("ckpt_client", "ckpt_base", "ckpt_proto"):
         expect.append(under(prefix, c["CMAKE_INSTALL_LIBDIR"]) + "/lib%s.a" % lib)
     if have_python:
         expect.append(under(prefix, c["CKPT_PYTHON_INSTALL_DIR"]) + "/ckpt/__init__.py")

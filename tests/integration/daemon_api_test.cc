@@ -88,6 +88,7 @@ class DaemonApiTest : public ::testing::Test {
     ASSERT_TRUE(AdminStub()->Status(&ctx, v1::StatusRequest(), &reply).ok());
     ASSERT_TRUE(daemon_->alive());
   }
+  void CheckDaemonLossAndRecovery();
   std::string root_;
   std::unique_ptr<DaemonProcess> daemon_;
 };
@@ -286,8 +287,9 @@ TEST_F(DaemonApiTest, BadCallsDoNotDisturbAnotherJob) {
   ExpectAlive();
 }
 
-TEST_F(DaemonApiTest, DaemonLossIsAnErrorOrUnprotectedAndRecovers) {
-  StartDaemon();
+// A strict rank fails with UNAVAILABLE while ckptd is gone, a lenient one
+// trains on unprotected; both re-register by themselves once it is back.
+void DaemonApiTest::CheckDaemonLossAndRecovery() {
   TestRank strict = MakeRank(daemon_->socket(), "strict", 1, 256);
   TestRank lenient = MakeRank(daemon_->socket(), "lenient", 1, 256, v1::POLICY_ALL,
                               OnDaemonLoss::kContinueUnprotected);
@@ -311,6 +313,35 @@ TEST_F(DaemonApiTest, DaemonLossIsAnErrorOrUnprotectedAndRecovers) {
   EXPECT_EQ(lenient.client->WaitDurable(3).value(), 3u);
   ASSERT_TRUE(strict.client->StepDone(3, 0.1).ok());
   EXPECT_EQ(strict.client->WaitDurable(3).value(), 3u);
+}
+
+TEST_F(DaemonApiTest, DaemonLossIsAnErrorOrUnprotectedAndRecovers) {
+  StartDaemon();
+  CheckDaemonLossAndRecovery();
+}
+
+// Regression: the client recognised a restarted ckptd by searching error
+// messages for "is not registered"/"is stale". With every message reworded
+// (test builds, CKPT_REWORD_ERRORS) the typed reasons alone must do it.
+TEST_F(DaemonApiTest, DaemonLossIsRecognisedWhateverTheMessagesSay) {
+  StartDaemon({}, {"CKPT_REWORD_ERRORS=1"});
+  {
+    // The hook is on: a refused call says nothing the client could search.
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StepDoneRequest req;
+    req.set_job_id("nobody");
+    req.set_generation(1);
+    req.set_step(1);
+    v1::StepDoneReply reply;
+    const grpc::Status s = RawStub()->StepDone(&ctx, req, &reply);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(s.error_message(), "(message reworded for a test)");
+    v1::ErrorInfo info;
+    ASSERT_TRUE(info.ParseFromString(s.error_details()));
+    EXPECT_EQ(info.reason(), v1::ERROR_REASON_NOT_REGISTERED);
+  }
+  CheckDaemonLossAndRecovery();
 }
 
 TEST_F(DaemonApiTest, SigtermStopsCleanly) {

@@ -13,7 +13,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <string>
 
-#include "daemon/common/status.h"
-#include "daemon/common/unique_fd.h"
+#include "base/status.h"
+#include "base/unique_fd.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/common/validate.h"
 #include "gtest/gtest.h"

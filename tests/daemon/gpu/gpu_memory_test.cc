@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "daemon/common/gpu_uuid.h"
+#include "base/gpu_uuid.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "daemon/io/file_system.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "gtest/gtest.h"

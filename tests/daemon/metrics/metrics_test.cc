@@ -18,7 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 

@@ -14,10 +14,10 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 #include "daemon/shm/handover.h"
-#include "daemon/shm/handover_wire.h"
-#include "daemon/shm/region.h"
+#include "base/handover_wire.h"
+#include "base/region.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 

@@ -10,6 +10,7 @@
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/recovery/restore.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
 #include "tests/lib/test_util.h"

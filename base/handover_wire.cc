@@ -1,4 +1,4 @@
-#include "daemon/shm/handover_wire.h"
+#include "base/handover_wire.h"
 
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 

@@ -1,8 +1,8 @@
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 
 #include <cerrno>
 
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 

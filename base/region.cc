@@ -1,4 +1,4 @@
-#include "daemon/shm/region.h"
+#include "base/region.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/status.h"
+#include "base/status.h"
 
 namespace ckpt {
 

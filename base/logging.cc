@@ -1,4 +1,4 @@
-#include "daemon/common/logging.h"
+#include "base/logging.h"
 
 #include <unistd.h>
 

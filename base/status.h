@@ -3,6 +3,11 @@
 // Errors are values (absl::Status / absl::StatusOr). Debian's Abseil
 // (20220623) has no status macros, so they are defined once here. An error is
 // swallowed only through IgnoreError(), which names the reason.
+//
+// A status that a caller acts on beyond its code (the client deciding that
+// ckptd lost its registration, a metric label naming what failed) carries a
+// machine-readable ErrorReason as a payload. Code never branches on message
+// text: messages are for people and may be reworded at any time.
 #pragma once
 
 #include <cerrno>
@@ -37,6 +42,29 @@ namespace ckpt {
 // EEXIST -> ALREADY_EXISTS, EINVAL -> INVALID_ARGUMENT, EACCES/EPERM ->
 // PERMISSION_DENIED, EAGAIN/EINTR -> UNAVAILABLE, EIO and the rest -> INTERNAL.
 absl::Status ErrnoStatus(int err, absl::string_view what);
+
+// Why a call failed, where the code alone does not say enough. The numbers
+// are the wire values of ckpt.v1.ErrorReason (ckpt.proto); append only.
+enum class ErrorReason : int {
+  kUnspecified = 0,
+  kNotRegistered = 1,     // ckptd has no live registration of the rank (it restarted)
+  kStaleGeneration = 2,   // a newer registration of the rank replaced this one
+  kShuttingDown = 3,      // ckptd is stopping; the call will not succeed here
+  kDiskFull = 4,          // the disk bound, the free-space reserve or ENOSPC
+  kFsync = 5,             // fdatasync/fsync of a layer version or directory failed
+  kIndex = 6,             // the RocksDB index failed
+  kWrite = 7,             // creating or writing a layer version's file failed
+  kSnapshotCopy = 8,      // copying a snapshot out of the trainer's memory failed
+};
+inline constexpr int kErrorReasonCount = 9;
+
+// `status` with `reason` attached (OK stays OK). Replaces an earlier reason.
+absl::Status WithReason(absl::Status status, ErrorReason reason);
+// The attached reason, kUnspecified when there is none.
+ErrorReason ReasonOf(const absl::Status& status);
+// A short snake_case name ("not_registered", "fsync", ...), for metric
+// labels and logs; "unspecified" for kUnspecified.
+const char* ReasonName(ErrorReason reason);
 
 // Drops `status` on purpose; `why` documents the reason at the call site.
 inline void IgnoreError(const absl::Status& status, const char* why) {

@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "daemon/common/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ckpt {
 

@@ -1,0 +1,36 @@
+#include "daemon/engine/disk_budget.h"
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace ckpt {
+
+absl::Status DiskBudget::Reserve(uint64_t file_bytes) {
+  // Writers race: reserve with a compare-and-swap under the bound.
+  uint64_t used = used_.load(std::memory_order_relaxed);
+  do {
+    if (max_bytes_ > 0 && used + file_bytes > max_bytes_) {
+      return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                            "disk bound of ", max_bytes_, " bytes reached (", used,
+                            " used); run `ckptctl gc` or raise max_disk_bytes")),
+                        ErrorReason::kDiskFull);
+    }
+  } while (!used_.compare_exchange_weak(used, used + file_bytes, std::memory_order_relaxed));
+  if (absl::Status room = CheckFreeSpace(file_bytes); !room.ok()) {
+    Release(file_bytes);
+    return room;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DiskBudget::CheckFreeSpace(uint64_t file_bytes) {
+  if (min_free_bytes_ == 0) return absl::OkStatus();
+  absl::StatusOr<uint64_t> free = store_->FreeBytes();
+  if (!free.ok() || *free >= min_free_bytes_ + file_bytes) return absl::OkStatus();
+  return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                        "the data file system has ", *free, " bytes free; min_free_disk_bytes keeps ",
+                        min_free_bytes_, " for the index (free space or run `ckptctl gc`)")),
+                    ErrorReason::kDiskFull);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,187 @@
+// Admin queries: Status, Jobs, Layers, History, metrics collection.
+#include "daemon/engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "daemon/engine/rank_state.h"
+#include "daemon/gpu/ipc_memory.h"
+
+namespace ckpt {
+
+v1::StatusReply Engine::GetStatus() {
+  v1::StatusReply s;
+  s.set_version(CKPT_VERSION);
+  s.set_data_dir(options_.data_dir);
+  s.set_metrics_address(options_.metrics_address);
+  s.set_disk_bytes_used(disk_.used());
+  s.set_disk_bytes_limit(disk_.limit());
+  s.set_io_backend(io_backend_name_);
+  s.set_pool_bytes(pool_->budget_bytes());
+  s.set_pool_bytes_in_use(pool_->bytes_in_use());
+  s.set_versions_committed(versions_committed_.load(std::memory_order_relaxed));
+  s.set_bytes_committed(bytes_committed_.load(std::memory_order_relaxed));
+  s.set_snapshots_skipped(snapshots_skipped_.load(std::memory_order_relaxed));
+  s.set_write_errors(write_errors_.load(std::memory_order_relaxed));
+  s.set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  s.set_orphan_files_removed(reconcile_.orphan_files_removed);
+  s.set_dangling_records_removed(reconcile_.dangling_records_removed);
+  s.set_temp_files_removed(reconcile_.temp_files_removed);
+  s.set_gpu(gpu_support_);
+  const GpuMappingStats gpu = OpenGpuMappings();
+  s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
+  s.set_open_gpu_mapping_bytes(gpu.bytes);
+  absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
+  if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
+  absl::MutexLock lock(&mu_);
+  s.set_registered_ranks(static_cast<uint32_t>(std::count_if(
+      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
+  return s;
+}
+
+absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
+  v1::JobsReply reply;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
+    if (!rec.has_value() || (rec->owner_uid() != caller.uid && !IsRoot(caller))) continue;
+    v1::JobInfo* info = reply.add_jobs();
+    info->set_job_id(job);
+    info->set_owner_uid(rec->owner_uid());
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
+    for (uint32_t rank : ranks) {
+      v1::RankInfo* ri = info->add_ranks();
+      ri->set_rank(rank);
+      CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
+      if (table.has_value()) ri->set_layers(static_cast<uint32_t>(table->layers_size()));
+      CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+      if (ev.has_value()) ri->set_latest_durable_step(ev->first);
+      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+          job, rank, -1, [info](const VersionKey&, const store::VersionRecord& v) {
+            info->set_versions(info->versions() + 1);
+            info->set_bytes(info->bytes() + v.file_bytes());
+            return true;
+          }));
+      absl::MutexLock lock(&mu_);
+      auto it = ranks_.find(RankKey(job, rank));
+      if (it != ranks_.end() && it->second->active) {
+        ri->set_registered(true);
+        ri->set_generation(it->second->generation);
+        ri->set_last_step_seen(it->second->last_step_seen);
+      }
+    }
+  }
+  return reply;
+}
+
+absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  v1::LayersReply reply;
+  reply.set_job_id(req.job_id());
+  reply.set_rank(req.rank());
+  CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(req.job_id(), req.rank(), ~uint64_t{0}));
+  const uint64_t latest = ev.has_value() ? ev->first : 0;
+  reply.set_latest_durable_step(latest);
+  for (const v1::LayerSpec& spec : table->layers()) {
+    v1::LayerInfo* li = reply.add_layers();
+    li->set_layer(spec.id());
+    li->set_name(spec.name());
+    li->set_kind(spec.kind());
+    for (const v1::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
+  }
+  CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+      req.job_id(), req.rank(), -1, [&](const VersionKey& k, const store::VersionRecord&) {
+        if (k.layer < static_cast<uint32_t>(reply.layers_size()) && k.step <= latest) {
+          v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(k.layer));
+          li->set_versions(li->versions() + 1);
+          li->set_last_step(std::max(li->last_step(), k.step));
+        }
+        return true;
+      }));
+  for (v1::LayerInfo& li : *reply.mutable_layers()) {
+    li.set_staleness(li.last_step() > 0 ? latest - li.last_step() : 0);
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
+  if (it != ranks_.end() && it->second->active) {
+    const Rank& r = *it->second;
+    reply.set_policy(PolicyName(r.policy.kind));
+    if (r.layercheck != nullptr) {
+      reply.set_s_max(r.layercheck->config().s_max);
+      for (size_t l = 0; l < r.layercheck->layers() && l < static_cast<size_t>(reply.layers_size()); ++l) {
+        v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(l));
+        li->set_live(true);
+        li->set_accumulated_drift(r.layercheck->accumulated(l));
+        li->set_threshold(r.layercheck->threshold(l));
+        if (l < r.last_decisions.size()) li->set_last_drift(r.last_decisions[l].d);
+      }
+    }
+  }
+  return reply;
+}
+
+absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
+                                                 const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  v1::HistoryReply reply;
+  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
+      req.job_id(), req.rank(), /*newest_first=*/true,
+      [&](uint64_t step, const store::EventRecord& e) {
+        if (req.layer() >= 0 &&
+            std::find(e.layers().begin(), e.layers().end(), static_cast<uint32_t>(req.layer())) ==
+                e.layers().end()) {
+          return true;
+        }
+        v1::HistoryEvent* h = reply.add_events();
+        h->set_step(step);
+        *h->mutable_layers() = e.layers();
+        h->set_bytes(e.bytes());
+        h->set_failed(e.failed());
+        h->set_skipped(e.skipped());
+        return req.limit() == 0 || static_cast<uint32_t>(reply.events_size()) < req.limit();
+      }));
+  return reply;
+}
+
+
+void Engine::CollectMetrics() {
+  Metrics* m = options_.metrics;
+  if (m == nullptr) return;
+  m->Set(Gauge::kStagingPoolBytes, static_cast<double>(pool_->budget_bytes()));
+  m->Set(Gauge::kStagingPoolInUseBytes, static_cast<double>(pool_->bytes_in_use()));
+  m->Set(Gauge::kDiskUsedBytes, static_cast<double>(disk_.used()));
+  m->Set(Gauge::kDiskLimitBytes, static_cast<double>(disk_.limit()));
+  const GpuMappingStats gpu = OpenGpuMappings();
+  m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
+  m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));
+  absl::MutexLock lock(&mu_);
+  m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
+  m->Set(Gauge::kRegisteredRanks, static_cast<double>(std::count_if(
+      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
+  // Durability lag: staged but not yet durable, over every live rank.
+  const absl::Time now = absl::Now();
+  double lag_bytes = 0, lag_seconds = 0;
+  for (const auto& [key, r] : ranks_) {
+    for (const PendingStep& p : r->pending) {
+      lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
+      lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
+    }
+    for (uint32_t l = 0; r->active && l < r->last_committed.size(); ++l) {
+      const double staleness = r->last_committed[l] > 0 && r->durable_step >= r->last_committed[l]
+                                   ? static_cast<double>(r->durable_step - r->last_committed[l])
+                                   : 0.0;
+      const double drift = r->layercheck != nullptr ? r->layercheck->accumulated(l) : 0.0;
+      m->SetLayer(r->job, r->rank, l, staleness, drift);
+    }
+  }
+  m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
+  m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
+}
+
+
+}  // namespace ckpt

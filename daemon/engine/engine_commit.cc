@@ -1,0 +1,55 @@
+// Commit pipeline: writer threads commit staged layer versions.
+#include "daemon/engine/engine.h"
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/kill_point.h"
+#include "base/logging.h"
+#include "daemon/engine/rank_state.h"
+
+namespace ckpt {
+
+void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
+  for (;;) {
+    std::unique_ptr<WriteTask> task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_writers_ || !write_queue_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_writers_) return;
+      task = std::move(write_queue_.front());
+      write_queue_.pop_front();
+      ++writers_busy_;
+    }
+    CKPT_DELAY_POINT("writer.before_commit");
+    const uint64_t bytes = task->version.layout.payload_bytes;
+    const uint64_t file_bytes = task->version.layout.file_bytes;
+    absl::StatusOr<store::VersionRecord> rec;
+    CommitTimings timings;
+    // Reserve the bytes under the disk bound before writing (writers race).
+    if (absl::Status room = disk_.Reserve(file_bytes); !room.ok()) {
+      rec = std::move(room);
+    } else {
+      rec = store_->Commit(&task->version, io.get(), &timings);
+      if (!rec.ok()) disk_.Release(file_bytes);
+    }
+    if (rec.ok()) {
+      if (Metrics* m = options_.metrics) {
+        m->Observe(Histogram::kWriteSeconds, timings.write_seconds);
+        m->Observe(Histogram::kFsyncSeconds, timings.sync_seconds);
+        m->Observe(Histogram::kCommitSeconds, timings.total_seconds);
+      }
+    }
+    const uint64_t step = task->version.key.step;
+    const uint32_t layer = task->version.key.layer;
+    std::shared_ptr<Rank> r = std::move(task->rank);
+    task.reset();  // returns the staging chunks
+    FinishVersion(r, step, layer, rec, bytes);
+    AdvanceEvents(r);
+    absl::MutexLock lock(&mu_);
+    --writers_busy_;
+  }
+}
+
+}  // namespace ckpt

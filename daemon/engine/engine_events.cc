@@ -1,0 +1,132 @@
+// Event sequencer: version outcomes, ordered checkpoint events, WaitDurable.
+#include "daemon/engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/kill_point.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/engine/rank_state.h"
+
+namespace ckpt {
+
+void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+                           const absl::StatusOr<store::VersionRecord>& rec, uint64_t bytes) {
+  if (rec.ok()) {
+    versions_committed_.fetch_add(1, std::memory_order_relaxed);
+    bytes_committed_.fetch_add(bytes, std::memory_order_relaxed);
+    if (Metrics* m = options_.metrics) {
+      m->Inc(Counter::kVersionsCommitted);
+      m->Inc(Counter::kCommittedBytes, static_cast<double>(bytes));
+    }
+  } else {
+    write_errors_.fetch_add(1, std::memory_order_relaxed);
+    if (Metrics* m = options_.metrics) {
+      // What failed, as the commit pipeline tagged it; a write by default.
+      ErrorReason reason = ReasonOf(rec.status());
+      if (reason == ErrorReason::kUnspecified) {
+        reason = absl::IsResourceExhausted(rec.status()) ? ErrorReason::kDiskFull : ErrorReason::kWrite;
+      }
+      const char* kind = ReasonName(reason);
+      m->Inc(Counter::kVersionsFailed);
+      m->Inc(Counter::kErrors, kind, 1);
+    }
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " layer " << layer << " step "
+                    << step << ": version failed, previous version stays: " << rec.status();
+  }
+  absl::MutexLock lock(&mu_);
+  for (PendingStep& p : r->pending) {
+    if (p.step != step) continue;
+    if (rec.ok()) {
+      p.event.add_layers(layer);
+      p.event.set_bytes(p.event.bytes() + bytes);
+      r->last_committed[layer] = std::max(r->last_committed[layer], step);
+      RecordOutcome(r.get(), layer, step, true);
+    } else {
+      p.event.set_failed(p.event.failed() + 1);
+      r->retry[layer] = true;
+      RecordOutcome(r.get(), layer, step, false);
+    }
+    --p.remaining;
+    return;
+  }
+}
+
+
+void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
+  absl::MutexLock order(&r->event_mu);
+  std::vector<std::pair<uint64_t, store::EventRecord>> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const PendingStep& p : r->pending) {
+      if (p.remaining != 0) break;
+      store::EventRecord e = p.event;
+      std::sort(e.mutable_layers()->begin(), e.mutable_layers()->end());
+      e.set_unix_ms(absl::ToUnixMillis(absl::Now()));
+      batch.emplace_back(p.step, std::move(e));
+    }
+  }
+  if (batch.empty()) return;
+  CKPT_KILL_POINT("event.before_put");
+  absl::Status s = index_->PutEvents(r->job, r->rank, batch);
+  CKPT_KILL_POINT("event.after_put");
+  absl::MutexLock lock(&mu_);
+  if (!s.ok()) {
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank
+                    << ": recording checkpoint events failed; durability stops here: " << s;
+    r->fatal = s;
+    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kIndex), 1);
+  }
+  for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
+  if (s.ok()) r->durable_step = batch.back().first;
+}
+
+
+absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& req,
+                                                         const Caller& caller,
+                                                         absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto durable = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->durable_step >= req.step() || !r->fatal.ok() || !r->active || stopping_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&durable), deadline);
+  if (!r->fatal.ok()) return r->fatal;
+  if (r->durable_step < req.step()) {
+    if (!r->active || stopping_) {
+      return RegistrationEndedError(stopping_, "the registration ended before step became durable");
+    }
+    return absl::DeadlineExceededError(absl::StrCat("step ", req.step(), " not durable in time"));
+  }
+  std::vector<uint32_t> failed;
+  for (uint32_t l = 0; l < r->outcomes.size(); ++l) {
+    const std::map<uint64_t, bool>& o = r->outcomes[l];
+    auto it = o.upper_bound(req.step());  // the newest selection at or before the step
+    if (it != o.begin() && !std::prev(it)->second) failed.push_back(l);
+  }
+  if (!failed.empty()) {
+    return absl::AbortedError(absl::StrCat("layer versions of layers [", absl::StrJoin(failed, ","),
+                                           "] at or before step ", req.step(),
+                                           " failed or were skipped; they are retried next step"));
+  }
+  v1::WaitDurableReply reply;
+  reply.set_durable_step(r->durable_step);
+  return reply;
+}
+
+
+void Engine::RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable) {
+  std::map<uint64_t, bool>& o = r->outcomes[layer];
+  o[step] = durable;
+  while (o.size() > kOutcomesKept) o.erase(o.begin());
+}
+
+}  // namespace ckpt

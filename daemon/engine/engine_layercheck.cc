@@ -1,0 +1,288 @@
+// LayerCheck in the engine: drift tasks, decisions, multi-rank drift.
+#include "daemon/engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "ckpt/v1/dtype.h"
+#include "daemon/common/kill_point.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/engine/rank_state.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "nlohmann/json.hpp"
+
+namespace ckpt {
+
+absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
+  const v1::PolicySpec& spec = req.policy();
+  LayerCheckConfig config = LayerCheckFromProto(spec.layercheck());
+  CKPT_RETURN_IF_ERROR(config.Validate());
+  r->optimizer = spec.optimizer();
+  if (r->optimizer == v1::OPTIMIZER_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        "policy layercheck needs an optimizer: adamw, adam, sgd or client");
+  }
+  // The drift kernel that can read the rank's memory.
+  if (const auto* gpu = dynamic_cast<const GpuMemory*>(r->memory.get()); gpu != nullptr) {
+    CKPT_ASSIGN_OR_RETURN(r->own_drift_kernel, cuda_ipc_->MakeDriftKernel(gpu->device()));
+    r->drift_kernel = r->own_drift_kernel.get();
+  } else {
+    r->drift_kernel = drift_kernel_.get();
+  }
+  auto dtype = [](v1::DType t, drift::DType* out) {
+    switch (t) {
+      case v1::DTYPE_F32: *out = drift::DType::kF32; return true;
+      case v1::DTYPE_BF16: *out = drift::DType::kBF16; return true;
+      case v1::DTYPE_F16: *out = drift::DType::kF16; return true;
+      default: return false;
+    }
+  };
+  std::vector<v1::LayerKind> kinds;
+  for (size_t l = 0; l < r->layers.size(); ++l) {
+    const v1::LayerSpec& layer = req.layers(static_cast<int>(l));
+    kinds.push_back(layer.kind());
+    if (r->optimizer == v1::OPTIMIZER_CLIENT) continue;
+    bool has_master = false;
+    for (const v1::TensorSpec& t : layer.tensors()) has_master |= t.role() == v1::ROLE_MASTER;
+    const v1::TensorRole weight_role = has_master ? v1::ROLE_MASTER : v1::ROLE_PARAM;
+    for (int i = 0; i < layer.tensors_size(); ++i) {
+      const v1::TensorSpec& w = layer.tensors(i);
+      if (w.role() != weight_role) continue;
+      const std::string where = absl::StrCat("layer ", l, " tensor '", w.name(), "'");
+      drift::TensorTask task;
+      task.layer = static_cast<uint32_t>(l);
+      task.n = w.nbytes() / DTypeBytes(w.dtype());
+      task.w = r->layers[l].src[static_cast<size_t>(i)];
+      if (!dtype(w.dtype(), &task.w_dtype)) {
+        return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
+      }
+      task.beta1 = w.beta1() > 0 ? w.beta1() : 0.9;
+      task.beta2 = w.beta2() > 0 ? w.beta2() : 0.999;
+      task.eps = w.eps() > 0 ? w.eps() : 1e-8;
+      task.weight_decay = w.weight_decay();
+      // The optimizer state that names this weight.
+      for (int j = 0; j < layer.tensors_size(); ++j) {
+        const v1::TensorSpec& st = layer.tensors(j);
+        if (st.param() != w.name()) continue;
+        const void* p = r->layers[l].src[static_cast<size_t>(j)];
+        const bool m_role = st.role() == v1::ROLE_EXP_AVG || st.role() == v1::ROLE_MOMENTUM;
+        if (!m_role && st.role() != v1::ROLE_EXP_AVG_SQ) continue;
+        if (st.nbytes() / DTypeBytes(st.dtype()) != task.n) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": state '", st.name(), "' has a different element count"));
+        }
+        drift::DType dt;
+        if (!dtype(st.dtype(), &dt)) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name(),
+                                                         "' must be f32, bf16 or f16"));
+        }
+        if (m_role) {
+          task.m = p;
+          task.m_dtype = dt;
+        } else {
+          task.v = p;
+          task.v_dtype = dt;
+        }
+      }
+      switch (r->optimizer) {
+        case v1::OPTIMIZER_ADAMW:
+        case v1::OPTIMIZER_ADAM:
+          if (task.m == nullptr || task.v == nullptr) {
+            return absl::InvalidArgumentError(
+                where + ": adam(w) drift needs exp_avg and exp_avg_sq tensors naming it in 'param'");
+          }
+          task.optimizer = r->optimizer == v1::OPTIMIZER_ADAMW ? drift::Optimizer::kAdamW
+                                                               : drift::Optimizer::kAdam;
+          break;
+        case v1::OPTIMIZER_SGD:
+          if (task.m == nullptr) {
+            return absl::InvalidArgumentError(
+                where + ": sgd drift needs a momentum tensor naming it in 'param'");
+          }
+          task.optimizer = drift::Optimizer::kSgd;
+          break;
+        default:
+          return absl::InvalidArgumentError("unknown optimizer");
+      }
+      r->drift_tasks.push_back(task);
+      r->drift_task_groups.push_back(w.group());
+      r->drift_task_lr_scale.push_back(w.lr_scale() > 0 ? w.lr_scale() : 1.0);
+    }
+    if (r->drift_tasks.empty() || r->drift_tasks.back().layer != l) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", l, " has no ", has_master ? "master" : "param", " tensor for drift accounting"));
+    }
+  }
+  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
+  if (spec.record_trace()) {
+    CKPT_ASSIGN_OR_RETURN(std::string dir, store_->RankDirPath(r->job, r->rank));
+    r->trace = std::make_unique<std::ofstream>(dir + "/drift.jsonl", std::ios::app);
+    nlohmann::json header;
+    header["job"] = r->job;
+    header["rank"] = r->rank;
+    nlohmann::json layers = nlohmann::json::array();
+    for (const v1::LayerSpec& layer : req.layers()) {
+      uint64_t bytes = 0;
+      for (const v1::TensorSpec& t : layer.tensors()) bytes += t.nbytes();
+      layers.push_back({{"name", layer.name()}, {"kind", static_cast<int>(layer.kind())},
+                        {"bytes", bytes}});
+    }
+    header["layers"] = layers;
+    header["config"] = {{"k0", config.k0}, {"k0_embedding", config.k0_embedding},
+                        {"k_floor", config.k_floor}, {"s_max", config.s_max},
+                        {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
+                        {"full_every", config.full_every}};
+    *r->trace << header.dump() << "\n";
+    r->trace->flush();
+  }
+  return absl::OkStatus();
+}
+
+bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
+                              RankMemory* memory) {
+  if (task.stage == SnapTask::Stage::kNew) {
+    std::vector<drift::LayerSums> sums(r->layers.size());
+    if (r->optimizer == v1::OPTIMIZER_CLIENT) {
+      sums = task.client_drift;
+    } else {
+      std::vector<drift::TensorTask> tasks = r->drift_tasks;
+      for (size_t i = 0; i < tasks.size(); ++i) {
+        tasks[i].lr = task.lr * r->drift_task_lr_scale[i];
+        tasks[i].step = task.step;
+        for (const v1::GroupStep& g : task.group_steps) {
+          if (g.group() == r->drift_task_groups[i]) tasks[i].step = g.step();
+        }
+      }
+      std::string error;
+      const absl::Time drift_start = absl::Now();
+      const bool ok = r->drift_kernel->Compute(tasks, &sums, &error);
+      if (options_.metrics != nullptr) {
+        options_.metrics->Observe(Histogram::kDriftSeconds,
+                                  absl::ToDoubleSeconds(absl::Now() - drift_start));
+      }
+      if (!ok) {
+        CKPT_LOG(ERROR) << "drift kernel failed (" << error << "); persisting every layer";
+        for (drift::LayerSums& s : sums) s = drift::LayerSums{1, 1};
+      }
+    }
+    CKPT_KILL_POINT("snapshot.drift");
+    task.global = std::move(sums);  // this rank's partial sums until SetGlobalDrift
+    if (r->world_size > 1) {
+      task.stage = SnapTask::Stage::kAwaitingGlobal;
+      return false;  // SnapshotLoop publishes them and parks the task
+    }
+    task.stage = SnapTask::Stage::kReady;
+  }
+  std::string trace_line;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<LayerDecision> decisions =
+        r->layercheck->Decide(task.step, task.lr, task.global, r->retry);
+    task.layers.clear();
+    const LayerCheckConfig& lc = r->layercheck->config();
+    for (uint32_t l = 0; l < decisions.size(); ++l) {
+      if (decisions[l].reason != PersistReason::kNone) task.layers.push_back(l);
+      // The invariant (SPEC §4): after the base checkpoint no layer's newest
+      // selected version is S_max or more steps old. Checked, never expected.
+      if (task.step >= lc.warmup && task.step - r->layercheck->last_persisted(l) >= lc.s_max) {
+        CKPT_LOG(ERROR) << "staleness invariant broken: job " << r->job << " layer " << l;
+        if (options_.metrics != nullptr) {
+          options_.metrics->Inc(Counter::kStalenessInvariantViolations);
+        }
+      }
+    }
+    if (r->trace != nullptr) {
+      nlohmann::json line;
+      line["step"] = task.step;
+      line["lr"] = task.lr;
+      std::vector<double> d;
+      for (const LayerDecision& dec : decisions) d.push_back(dec.d);
+      line["d"] = d;
+      line["persist"] = task.layers;
+      trace_line = line.dump();
+    }
+    r->last_decisions = std::move(decisions);
+    // Kept with the step's event for later registrations of the rank (no
+    // write of its own).
+    task.event.set_layercheck_lr_ref(r->layercheck->lr_reference());
+  }
+  // The trace is written outside mu_. Only this rank's snapshot worker writes
+  // it (one at a time per rank), so lines stay whole and in step order.
+  if (!trace_line.empty()) {
+    *r->trace << trace_line << "\n";
+    r->trace->flush();
+  }
+  return true;
+}
+
+void Engine::ReleaseDeferredLocked(Rank* r) {
+  if (!r->deferred) return;
+  // The trainer that would have sent the global vector is gone: the parked
+  // steps cannot be decided; drop them.
+  r->snap_queue.clear();
+  r->deferred = false;
+  r->snap_busy = false;
+}
+
+absl::StatusOr<v1::DriftReply> Engine::DriftPartials(const v1::WaitRequest& req,
+                                                     const Caller& caller, absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto ready = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->partials.count(req.step()) > 0 || r->snapshot_step >= req.step() || !r->active ||
+           stopping_;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  auto it = r->partials.find(req.step());
+  if (it == r->partials.end()) {
+    if (r->snapshot_step >= req.step()) return absl::NotFoundError("step is too old");
+    if (!r->active || stopping_) return RegistrationEndedError(stopping_, "the registration ended");
+    return absl::DeadlineExceededError(absl::StrCat("drift of step ", req.step(), " not ready in time"));
+  }
+  v1::DriftReply reply;
+  reply.set_step(req.step());
+  for (const drift::LayerSums& s : it->second) {
+    v1::LayerDrift* d = reply.add_layers();
+    d->set_dw2(s.dw2);
+    d->set_w2(s.w2);
+  }
+  return reply;
+}
+
+absl::Status Engine::SetGlobalDrift(const v1::GlobalDriftRequest& req, const Caller& caller) {
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (static_cast<size_t>(req.layers_size()) != r->layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("global drift has ", req.layers_size(),
+                                                   " layers; the rank has ", r->layers.size()));
+  }
+  if (!r->deferred || r->snap_queue.empty() || r->snap_queue.front().step != req.step()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", req.step(), " is not waiting for its global drift (call DriftPartials first)"));
+  }
+  SnapTask& task = r->snap_queue.front();
+  task.global.clear();
+  for (const v1::LayerDrift& d : req.layers()) {
+    if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+      return absl::InvalidArgumentError("global drift sums must be finite and >= 0");
+    }
+    task.global.push_back(drift::LayerSums{d.dw2(), d.w2()});
+  }
+  task.stage = SnapTask::Stage::kReady;
+  r->deferred = false;
+  snapshot_ready_.push_back(r);
+  return absl::OkStatus();
+}
+
+
+}  // namespace ckpt

@@ -1,0 +1,158 @@
+// Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
+#include "daemon/engine/engine.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/engine/rank_state.h"
+#include "daemon/recovery/export.h"
+#include "daemon/recovery/plan.h"
+#include "daemon/recovery/restore.h"
+#include "daemon/recovery/verify.h"
+
+namespace ckpt {
+
+namespace {
+
+// How long a restore, verify or export waits for GC of its rank to finish.
+constexpr absl::Duration kLeaseWait = absl::Seconds(30);
+
+}  // namespace
+
+absl::StatusOr<v1::Plan> Engine::Plan(const v1::PlanRequest& req, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  return BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table);
+}
+
+absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
+                                                 const Caller& caller) {
+  std::shared_ptr<Rank> r;
+  std::shared_ptr<RankMemory> memory;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
+      return absl::FailedPreconditionError(
+          "steps are still being snapshotted; restore before reporting steps");
+    }
+    if (r->memory == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                                        ": memory released (", r->memory_released,
+                                                        "); register again"));
+    }
+    memory = r->memory;
+    r->restoring = true;
+  }
+  // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
+  // StepDone off it until the buffers are written.
+  auto restore = [&]() -> absl::StatusOr<v1::RestoreReply> {
+    const RankKey key(r->job, r->rank);
+    CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
+    ScopedLease lease(&leases_, key);
+    v1::RestoreReply reply;
+    CKPT_ASSIGN_OR_RETURN(*reply.mutable_plan(),
+                          BuildPlan(index_, r->job, r->rank, req.target_step(), r->table));
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+    TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
+      return r->layers[layer].src[tensor];
+    };
+    CKPT_ASSIGN_OR_RETURN(
+        RestoreStats stats,
+        RestoreInto(reply.plan(), r->table, dest, index_, store_, io.get(), pool_,
+                    options_.restore_timeout,
+                    [this] { return shutting_down_.load(std::memory_order_relaxed); },
+                    [&memory](char* dst, const char* src, uint64_t n) {
+                      return memory->CopyIn(dst, src, n);
+                    }));
+    reply.set_bytes_restored(stats.bytes);
+    reply.set_seconds(stats.seconds);
+    return reply;
+  };
+  absl::StatusOr<v1::RestoreReply> reply = restore();
+  {
+    absl::MutexLock lock(&mu_);
+    r->restoring = false;
+    if (reply.ok()) {
+      r->retry.assign(r->retry.size(), false);
+      if (r->layercheck != nullptr) {
+        // The buffers now equal each layer's planned version: LayerCheck
+        // continues from there instead of starting over.
+        std::vector<uint64_t> persisted(r->layers.size(), 0);
+        for (const v1::LayerPlan& lp : reply->plan().layers()) {
+          if (lp.has_version() && lp.layer() < persisted.size()) persisted[lp.layer()] = lp.step();
+        }
+        r->layercheck->Resume(reply->plan().target_step(), persisted);
+      }
+    }
+  }
+  if (Metrics* m = options_.metrics) {
+    if (reply.ok()) {
+      m->Inc(Counter::kRestores);
+      m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes_restored()));
+      m->Observe(Histogram::kRestoreSeconds, reply->seconds());
+    } else if (absl::IsDataLoss(reply.status())) {
+      m->Inc(Counter::kErrors, "checksum", 1);
+    }
+  }
+  if (!reply.ok()) {
+    CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank << " failed: "
+                    << reply.status();
+    return reply.status();
+  }
+  CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
+                 << reply->plan().target_step() << ": " << reply->bytes_restored() << " bytes in "
+                 << reply->seconds() << " s, max staleness " << reply->plan().max_staleness();
+  return reply;
+}
+
+
+absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
+                                               const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  std::vector<uint32_t> ranks;
+  if (req.rank() < 0) {
+    CKPT_ASSIGN_OR_RETURN(ranks, index_->ListRanks(req.job_id()));
+  } else {
+    ranks.push_back(static_cast<uint32_t>(req.rank()));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+  const absl::Time start = absl::Now();
+  v1::VerifyReply reply;
+  for (uint32_t rank : ranks) {
+    // GC keeps off the rank while its versions are checked.
+    const RankKey key(req.job_id(), rank);
+    CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
+    ScopedLease lease(&leases_, key);
+    CKPT_RETURN_IF_ERROR(VerifyRank(req.job_id(), rank, req.deep(), index_, store_, io.get(),
+                                    pool_, options_.restore_timeout, &reply));
+  }
+  reply.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return reply;
+}
+
+absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
+                            const std::function<bool(const v1::ExportChunk&)>& sink) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+  if (!table.has_value()) {
+    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+  }
+  const RankKey key(req.job_id(), req.rank());
+  CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
+  ScopedLease lease(&leases_, key);
+  CKPT_ASSIGN_OR_RETURN(v1::Plan plan,
+                        BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+  return ExportPlan(plan, *table, index_, store_, io.get(), pool_, options_.restore_timeout,
+                    [this] { return shutting_down_.load(std::memory_order_relaxed); }, sink);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,322 @@
+// Rank registry: Register, Unregister, ownership, drain, trainer exit.
+#include "daemon/engine/engine.h"
+
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/common/validate.h"
+#include "daemon/engine/rank_state.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "base/region.h"
+
+namespace ckpt {
+
+void Engine::ReleaseMemoryLocked(Rank* r, const std::string& why,
+                                 std::vector<std::shared_ptr<RankMemory>>* closing) {
+  if (r->memory == nullptr) return;
+  if (std::string(r->memory->kind()) == "cuda") {
+    CKPT_LOG(INFO) << "job " << r->job << " rank " << r->rank << ": closing GPU mappings (" << why
+                   << ")";
+  }
+  closing->push_back(std::move(r->memory));
+  r->memory.reset();
+  r->memory_released = why;
+  r->trainer_pidfd = UniqueFd();
+}
+
+void Engine::WatchTrainersLoop() {
+  for (;;) {
+    std::vector<std::shared_ptr<Rank>> watched;
+    std::vector<struct pollfd> fds;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      for (auto& [key, r] : ranks_) {
+        if (r->memory != nullptr && r->trainer_pidfd.valid()) {
+          watched.push_back(r);
+          fds.push_back({r->trainer_pidfd.get(), POLLIN, 0});
+        }
+      }
+    }
+    // A pidfd becomes readable when its process exits.
+    const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.trainer_watch_interval));
+    if (fds.empty()) {
+      absl::SleepFor(options_.trainer_watch_interval);
+      continue;
+    }
+    if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) continue;
+    std::vector<std::shared_ptr<RankMemory>> closing;
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      Rank* r = watched[i].get();
+      if (r->trainer_pidfd.get() != fds[i].fd) continue;  // released meanwhile
+      ReleaseMemoryLocked(r, "its trainer process exited", &closing);
+    }
+  }
+}
+
+absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
+  if (!rec.has_value()) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
+  if (rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::string& job,
+                                                                 uint32_t rank,
+                                                                 uint64_t generation,
+                                                                 const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  auto it = ranks_.find(RankKey(job, rank));
+  if (it == ranks_.end()) {
+    return WithReason(
+        absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered")),
+        ErrorReason::kNotRegistered);
+  }
+  const std::shared_ptr<Rank>& r = it->second;
+  if (!r->active) {
+    return WithReason(
+        absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered")),
+        ErrorReason::kNotRegistered);
+  }
+  if (r->uid != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
+  if (r->generation != generation) {
+    return WithReason(absl::FailedPreconditionError(absl::StrCat(
+                          "generation ", generation, " of job ", job, " rank ", rank,
+                          " is stale (current ", r->generation, "); register again")),
+                      ErrorReason::kStaleGeneration);
+  }
+  return r;
+}
+
+absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline) {
+  auto idle = [&r, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (r->snap_queue.empty() && !r->snap_busy && r->pending.empty()) || stopping_;
+  };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    return absl::UnavailableError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                               " is still writing earlier steps; retry"));
+  }
+  if (stopping_) return ShuttingDownError();
+  return absl::OkStatus();
+}
+
+
+absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
+                                                   std::vector<UniqueFd> fds,
+                                                   const Caller& caller) {
+  // 1. Host regions are mapped first (each must already be sealed against
+  //    shrinking, so its size cannot change under us); GPU regions are only
+  //    checked against the sizes their trainer declared, and opened below
+  //    once the caller is known to own the job. Every tensor is validated
+  //    against these sizes before any pointer into them is formed.
+  const bool gpu = req.has_gpu();
+  std::vector<MappedRegion> regions;
+  std::vector<uint64_t> sizes;
+  if (gpu) {
+    if (!fds.empty() || !req.handover_token().empty()) {
+      return absl::InvalidArgumentError(
+          "a registration hands over host regions or GPU regions, not both");
+    }
+    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(req.gpu()));
+  }
+  for (UniqueFd& fd : fds) {
+    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
+    sizes.push_back(region.size());
+    regions.push_back(std::move(region));
+  }
+  RegistrationLimits limits = options_.limits;
+  limits.max_layer_file_bytes = pool_->budget_bytes();
+  CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
+  CKPT_ASSIGN_OR_RETURN(PolicyConfig policy, PolicyFromProto(req.policy()));
+
+  // 2. Ownership: the first registration creates the job for its uid; the
+  //    check and the creation are one step (two uids racing for a new id).
+  std::optional<store::JobRecord> job_rec;
+  {
+    absl::MutexLock jobs_lock(&job_mu_);
+    CKPT_ASSIGN_OR_RETURN(job_rec, index_->GetJob(req.job_id()));
+    if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("job ", req.job_id(), " belongs to another user"));
+    }
+    if (!job_rec.has_value()) {
+      store::JobRecord jr;
+      jr.set_owner_uid(caller.uid);
+      jr.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+      CKPT_RETURN_IF_ERROR(index_->PutJob(req.job_id(), jr));
+      job_rec = jr;
+    }
+  }
+  // One registration of a rank at a time, so its table and generation are
+  // written by a single caller.
+  const RankKey key(req.job_id(), req.rank());
+  {
+    absl::MutexLock lock(&mu_);
+    if (!registering_.insert(key).second) {
+      return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
+    }
+  }
+  struct Unclaim {
+    Engine* e;
+    RankKey k;
+    ~Unclaim() {
+      absl::MutexLock lock(&e->mu_);
+      e->registering_.erase(k);
+    }
+  } unclaim{this, key};
+
+  // 3. The rank's state, starting with its memory. An IPC handle that is
+  //    still open in the registration this one replaces is opened again
+  //    (the driver counts references), so the old one keeps working until it
+  //    is drained.
+  auto r = std::make_shared<Rank>();
+  r->job = req.job_id();
+  r->rank = req.rank();
+  r->uid = job_rec->owner_uid();
+  r->policy = policy;
+  if (gpu) {
+    CKPT_ASSIGN_OR_RETURN(r->memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
+    if (caller.pid > 0) {
+      const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0));
+      if (pidfd >= 0) {
+        r->trainer_pidfd = UniqueFd(pidfd);
+      } else if (errno == ESRCH) {
+        return absl::UnavailableError("the registering process exited");
+      } else {
+        CKPT_LOG(WARNING) << "pidfd_open: " << std::strerror(errno)
+                          << "; GPU mappings of job " << r->job << " rank " << r->rank
+                          << " are closed only on unregister, re-register or shutdown";
+      }
+    }
+  } else {
+    r->memory = std::make_shared<HostMemory>(std::move(regions));
+  }
+  for (const v1::LayerSpec& spec : req.layers()) {
+    LayerTemplate lt;
+    lt.header.set_job_id(req.job_id());
+    lt.header.set_rank(req.rank());
+    lt.header.set_layer(spec.id());
+    lt.header.set_layer_name(spec.name());
+    for (const v1::TensorSpec& t : spec.tensors()) {
+      store::TensorEntry* e = lt.header.add_tensors();
+      e->set_name(t.name());
+      e->set_dtype(t.dtype());
+      *e->mutable_shape() = t.shape();
+      e->set_role(t.role());
+      e->set_group(t.group());
+      e->set_nbytes(t.nbytes());
+      lt.src.push_back(r->memory->base(t.region()) + t.offset());
+    }
+    CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
+    r->layers.push_back(std::move(lt));
+  }
+  *r->table.mutable_layers() = req.layers();
+  r->table.set_world_size(req.world_size());
+  r->world_size = req.world_size();
+  if (policy.kind == v1::POLICY_LAYERCHECK) CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, r.get()));
+  const size_t n = r->layers.size();
+  r->never_persisted.assign(n, true);
+  // The first step after any registration persists every layer: whatever the
+  // trainer did since the last durable step is unknown to this daemon (it may
+  // have restarted and lost earlier selections). A successful Restore clears
+  // this, since the buffers then equal the durable state.
+  r->retry.assign(n, true);
+  r->outcomes.assign(n, {});
+
+  // 4. Replace a live registration of the same rank once its pipeline drained.
+  std::vector<std::shared_ptr<RankMemory>> closing;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return ShuttingDownError();
+    auto it = ranks_.find(RankKey(r->job, r->rank));
+    if (it != ranks_.end()) {
+      std::shared_ptr<Rank> old = it->second;
+      if (old->uid != caller.uid && !IsRoot(caller)) {
+        return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
+      }
+      old->active = false;
+      ReleaseDeferredLocked(old.get());
+      ReleaseMemoryLocked(old.get(), "the rank registered again", &closing);
+      if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
+      CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
+      ranks_.erase(RankKey(r->job, r->rank));
+    }
+  }
+
+  // 5. Persist the rank's table; take a fresh generation. LayerCheck's
+  //    reference learning rate carries over in the latest event.
+  CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
+  r->table.set_generation(r->generation);
+  CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
+  CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
+  const uint64_t durable = last_event.has_value() ? last_event->first : 0;
+  if (r->layercheck != nullptr && last_event.has_value()) {
+    r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
+  }
+  r->last_step_seen = durable;
+  r->snapshot_step = durable;
+  r->durable_step = durable;
+  r->last_committed.assign(n, 0);
+  for (uint32_t l = 0; l < n; ++l) {
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, durable));
+    r->never_persisted[l] = !v.has_value();
+    if (v.has_value()) r->last_committed[l] = v->first;
+  }
+  if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
+
+  v1::RegisterReply reply;
+  reply.set_generation(r->generation);
+  reply.set_latest_durable_step(durable);
+  reply.set_io_backend(io_backend_name_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return ShuttingDownError();
+    if (ranks_.count(RankKey(r->job, r->rank)) != 0) {
+      return absl::AbortedError("a concurrent registration of the same rank won; retry");
+    }
+    ranks_[RankKey(r->job, r->rank)] = r;
+  }
+  CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
+                 << r->generation << ": " << n << " layers, policy " << PolicyName(policy.kind)
+                 << ", latest durable step " << durable << ", uid " << caller.uid;
+  return reply;
+}
+
+
+absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& caller,
+                                absl::Time deadline) {
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the lock is released
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  r->active = false;
+  ReleaseDeferredLocked(r.get());
+  ReleaseMemoryLocked(r.get(), "unregistered", &closing);
+  if (req.drain()) {
+    CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
+    ranks_.erase(RankKey(r->job, r->rank));
+  }
+  // Without drain the rank stays (inactive) until its staged versions are
+  // written: the next Register of it drains it first.
+  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
+  CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
+                 << r->generation;
+  return absl::OkStatus();
+}
+
+
+}  // namespace ckpt

@@ -1,0 +1,294 @@
+// Snapshotter: StepDone, the snapshot workers, WaitSnapshot (the fence).
+#include "daemon/engine/engine.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/common/kill_point.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/engine/rank_state.h"
+
+namespace ckpt {
+
+absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& caller) {
+  if (req.aux().size() > options_.max_aux_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux().size(),
+                                                   " bytes exceeds ", options_.max_aux_bytes));
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return ShuttingDownError();
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
+  if (r->memory == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                                      ": memory released (", r->memory_released,
+                                                      "); register again"));
+  }
+  if (req.step() <= r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", req.step(), " is not above the last step ", r->last_step_seen, " of job ", r->job,
+        " rank ", r->rank, " (restore the job, or use a new job id to start over)"));
+  }
+  SnapTask task;
+  task.step = req.step();
+  task.lr = req.lr();
+  if (r->layercheck != nullptr) {
+    if (!req.layers().empty()) {
+      return absl::InvalidArgumentError("a layer list was given but the rank's policy is layercheck");
+    }
+    const bool client = r->optimizer == v1::OPTIMIZER_CLIENT;
+    if (client != (req.client_drift_size() > 0) ||
+        (client && static_cast<size_t>(req.client_drift_size()) != r->layers.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          client ? "optimizer client needs client_drift with one entry per layer ("
+                 : "client_drift is only for optimizer client (",
+          r->layers.size(), " layers)"));
+    }
+    for (const v1::LayerDrift& d : req.client_drift()) {
+      if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+        return absl::InvalidArgumentError("client_drift sums must be finite and >= 0");
+      }
+      task.client_drift.push_back(drift::LayerSums{d.dw2(), d.w2()});
+    }
+  } else {
+    // Validate the layer list now so that the caller sees the error.
+    CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step(),
+                                                    static_cast<uint32_t>(r->layers.size()),
+                                                    req.layers(), r->never_persisted, r->retry));
+  }
+  task.event.set_aux(req.aux());
+  task.event.set_lr(req.lr());
+  task.group_steps.assign(req.group_steps().begin(), req.group_steps().end());
+  r->last_step_seen = req.step();
+  r->snap_queue.push_back(std::move(task));
+  if (!r->snap_busy) {
+    r->snap_busy = true;
+    snapshot_ready_.push_back(r);
+  }
+  return absl::OkStatus();
+}
+
+void Engine::SnapshotLoop() {
+  for (;;) {
+    std::shared_ptr<Rank> r;
+    SnapTask task;
+    std::shared_ptr<RankMemory> memory;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !snapshot_ready_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) {
+        for (auto& q : snapshot_ready_) q->snap_busy = false;
+        snapshot_ready_.clear();
+        return;
+      }
+      r = std::move(snapshot_ready_.front());
+      snapshot_ready_.pop_front();
+      task = std::move(r->snap_queue.front());
+      r->snap_queue.pop_front();
+      memory = r->memory;
+    }
+    const bool done = Snapshot(r, task, memory.get());
+    memory.reset();  // the last reference of a released rank closes its mappings here
+    absl::MutexLock lock(&mu_);
+    if (!done) {
+      // Parked until SetGlobalDrift. Publishing the partial sums and parking
+      // happen under one lock, so a SetGlobalDrift that follows the partials
+      // always finds the step waiting.
+      if (r->active && !stopping_) {
+        r->partials[task.step] = task.global;
+        while (r->partials.size() > kSnapResultsKept) r->partials.erase(r->partials.begin());
+        r->snap_queue.push_front(std::move(task));
+        r->deferred = true;
+      } else {
+        r->snap_queue.clear();  // nobody will send the global vectors
+        r->snap_busy = false;
+      }
+      continue;
+    }
+    if (!r->snap_queue.empty() && !stopping_) {
+      snapshot_ready_.push_back(r);
+    } else {
+      r->snap_busy = false;
+    }
+  }
+}
+
+bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory) {
+  // Wait (on ckptd's side) for the reported step to be complete in the
+  // trainer's memory. Without memory, or when that fails, nothing is copied
+  // and every selected layer is retried.
+  absl::Status copy_status =
+      memory == nullptr ? absl::FailedPreconditionError("the rank's memory was released")
+                        : memory->BeginSnapshot();
+  // Layers selected at StepDone time may since have become retry candidates;
+  // the retry set is folded in at the next StepDone, not here (LayerCheck
+  // decides here, with the current retry set).
+  if (copy_status.ok() && r->layercheck != nullptr && !DecideLayerCheck(r, task, memory)) {
+    return false;
+  }
+  if (!copy_status.ok() && r->layercheck != nullptr) {
+    // Nothing was decided: every layer counts as skipped, so the step is not
+    // reported durable and every layer is retried.
+    task.layers.resize(r->layers.size());
+    for (uint32_t l = 0; l < task.layers.size(); ++l) task.layers[l] = l;
+  }
+  const absl::Time copy_start = absl::Now();
+  std::vector<StagedVersion> staged;
+  std::vector<uint32_t> skipped;
+  for (uint32_t l : task.layers) {
+    if (!copy_status.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
+    const LayerTemplate& lt = r->layers[l];
+    StagedVersion v;
+    v.key = VersionKey{r->job, r->rank, l, task.step};
+    v.generation = r->generation;
+    v.header = lt.header;
+    v.header.set_step(task.step);
+    v.header.set_generation(r->generation);
+    for (const v1::GroupStep& g : task.group_steps) {
+      for (const store::TensorEntry& t : lt.header.tensors()) {
+        if (t.group() == g.group()) {
+          *v.header.add_group_steps() = g;
+          break;
+        }
+      }
+    }
+    // Step, generation and group counters change the header's size, so each
+    // version gets its own layout.
+    absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
+    absl::StatusOr<StagingLease> lease =
+        layout.ok() ? pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout)
+                    : absl::StatusOr<StagingLease>(layout.status());
+    if (!lease.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
+    v.layout = *layout;
+    v.lease = std::move(*lease);
+    for (int i = 0; i < lt.header.tensors_size() && copy_status.ok(); ++i) {
+      const store::TensorEntry& t = lt.header.tensors(i);
+      const char* src = lt.src[static_cast<size_t>(i)];
+      v.lease.ForEachPiece(v.layout.header_bytes + t.offset(), t.nbytes(),
+                           [&](char* piece, uint64_t n) {
+                             if (copy_status.ok()) copy_status = memory->CopyOut(piece, src, n);
+                             src += n;
+                           });
+    }
+    staged.push_back(std::move(v));
+  }
+  if (copy_status.ok() && memory != nullptr) copy_status = memory->FinishSnapshot();
+  if (!copy_status.ok()) {
+    // No partial step: whatever was staged is dropped and retried.
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                    << ": snapshot copy failed: " << copy_status;
+    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
+    for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
+    staged.clear();
+  }
+  CKPT_KILL_POINT("snapshot.copied");
+  CKPT_DELAY_POINT("snapshot.before_publish");
+  uint64_t staged_bytes = 0;
+  for (const StagedVersion& v : staged) staged_bytes += v.layout.payload_bytes;
+  if (Metrics* m = options_.metrics) {
+    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
+    m->Inc(Counter::kVersionsStaged, static_cast<double>(staged.size()));
+    m->Inc(Counter::kStagedBytes, static_cast<double>(staged_bytes));
+    if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
+      // Nobody waited for this copy to finish: the trainer may have changed
+      // the buffers meanwhile, so the staged bytes cannot be trusted. Drop
+      // them (the layers are retried) rather than make them durable.
+      for (const StagedVersion& v : staged) {
+        skipped.push_back(v.key.layer);
+        r->retry[v.key.layer] = true;
+        RecordOutcome(r.get(), v.key.layer, task.step, false);
+      }
+      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                        << ": snapshot finished after its fence was abandoned; discarded";
+      staged.clear();
+    }
+    v1::WaitSnapshotReply result;
+    for (const StagedVersion& v : staged) {
+      result.add_layers(v.key.layer);
+      r->never_persisted[v.key.layer] = false;
+      r->retry[v.key.layer] = false;
+    }
+    for (uint32_t l : skipped) {
+      r->retry[l] = true;
+      RecordOutcome(r.get(), l, task.step, false);
+    }
+    result.set_skipped(static_cast<uint32_t>(skipped.size()));
+    if (!skipped.empty()) {
+      snapshots_skipped_.fetch_add(skipped.size(), std::memory_order_relaxed);
+      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step << ": "
+                        << skipped.size() << " layer versions skipped, staging pool full";
+    }
+    r->snap_results[task.step] = std::move(result);
+    while (r->snap_results.size() > kSnapResultsKept) r->snap_results.erase(r->snap_results.begin());
+    r->snapshot_step = task.step;
+    PendingStep p;
+    p.step = task.step;
+    p.remaining = static_cast<uint32_t>(staged.size());
+    p.event = std::move(task.event);
+    p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
+    p.staged_at = absl::Now();
+    p.staged_bytes = staged_bytes;
+    r->pending.push_back(std::move(p));
+    for (StagedVersion& v : staged) {
+      auto w = std::make_unique<WriteTask>();
+      w->rank = r;
+      w->version = std::move(v);
+      write_queue_.push_back(std::move(w));
+    }
+  }
+  if (staged.empty()) AdvanceEvents(r);
+  return true;
+}
+
+
+absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest& req,
+                                                           const Caller& caller,
+                                                           absl::Time deadline) {
+  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
+                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  if (req.step() > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  }
+  auto taken = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r->snapshot_step >= req.step() || !r->active || stopping_;
+  };
+  const absl::Time wait_start = absl::Now();
+  mu_.AwaitWithDeadline(absl::Condition(&taken), deadline);
+  if (options_.metrics != nullptr) {
+    options_.metrics->Observe(Histogram::kFenceWaitSeconds,
+                              absl::ToDoubleSeconds(absl::Now() - wait_start));
+  }
+  if (r->snapshot_step < req.step()) {
+    // The caller will go on without the fence: a copy still running for this
+    // step (or an earlier one) must not become durable.
+    r->fence_broken_step = std::max(r->fence_broken_step, req.step());
+    if (!r->active || stopping_) {
+      return RegistrationEndedError(stopping_, "the registration ended before the snapshot");
+    }
+    return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
+  }
+  auto it = r->snap_results.find(req.step());
+  if (it == r->snap_results.end()) return v1::WaitSnapshotReply();  // an old step: taken long ago
+  return it->second;
+}
+
+
+}  // namespace ckpt

@@ -1,0 +1,75 @@
+#include "daemon/recovery/export.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "daemon/recovery/restore.h"
+
+namespace ckpt {
+
+absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
+                        LayerStore* store, IoBackend* io, StagingPool* pool,
+                        absl::Duration timeout, const std::function<bool()>& cancelled,
+                        const ExportSink& sink) {
+  if (!plan.complete()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the plan for step ", plan.target_step(), " is incomplete"));
+  }
+  v1::ExportChunk head;
+  v1::ExportHeader* h = head.mutable_header();
+  *h->mutable_plan() = plan;
+  for (const v1::LayerPlan& lp : plan.layers()) {
+    if (lp.layer() >= static_cast<uint32_t>(table.layers_size())) {
+      return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer()));
+    }
+    const v1::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    for (const v1::TensorSpec& t : spec.tensors()) {
+      v1::ExportTensor* et = h->add_tensors();
+      et->set_layer(lp.layer());
+      et->set_layer_name(spec.name());
+      et->set_name(t.name());
+      et->set_dtype(t.dtype());
+      *et->mutable_shape() = t.shape();
+      et->set_nbytes(t.nbytes());
+      et->set_role(t.role());
+      et->set_group(t.group());
+      et->set_step(lp.step());
+      h->set_total_bytes(h->total_bytes() + t.nbytes());
+    }
+  }
+  if (!sink(head)) return absl::CancelledError("the reader went away");
+
+  const absl::Time deadline = absl::Now() + timeout;
+  for (const v1::LayerPlan& lp : plan.layers()) {
+    // One layer at a time through the verified restore loop, into a buffer
+    // laid out in table order.
+    const v1::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    std::vector<uint64_t> offsets;
+    uint64_t layer_bytes = 0;
+    for (const v1::TensorSpec& t : spec.tensors()) {
+      offsets.push_back(layer_bytes);
+      layer_bytes += t.nbytes();
+    }
+    std::string buffer(layer_bytes, '\0');
+    v1::Plan one = plan;
+    one.clear_layers();
+    *one.add_layers() = lp;
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return absl::DeadlineExceededError("export ran out of time");
+    TensorDestination dest = [&buffer, &offsets](uint32_t, uint32_t tensor) {
+      return buffer.data() + offsets[tensor];
+    };
+    CKPT_RETURN_IF_ERROR(
+        RestoreInto(one, table, dest, index, store, io, pool, left, cancelled).status());
+    for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
+      v1::ExportChunk chunk;
+      chunk.set_data(buffer.substr(off, kExportPieceBytes));
+      if (!sink(chunk)) return absl::CancelledError("the reader went away");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

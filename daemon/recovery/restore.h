@@ -1,0 +1,47 @@
+// Verified restore of a composite plan (SPEC §6): the one loop through which
+// every byte leaves ckptd's history, for Restore into a trainer's buffers and
+// for Export.
+//
+// RestoreInto reads each planned version through the store (every checksum is
+// verified before a byte is copied out) and writes it into the destination
+// tensors. It fails closed: DATA_LOSS names the first layer that does not
+// verify; FAILED_PRECONDITION when the plan is incomplete or the destination
+// table does not match the stored tensors (count, name, dtype, size); ABORTED
+// when a planned version vanished (plan again); CANCELLED between layers once
+// `cancelled` returns true (daemon shutdown).
+//
+// Thread-safety: free functions; safe to call concurrently.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ckpt/v1/ckpt.pb.h"
+#include "daemon/io/io_backend.h"
+#include "daemon/staging/staging_pool.h"
+#include "daemon/store/index.h"
+#include "daemon/store/layer_store.h"
+
+namespace ckpt {
+
+// Where restored bytes go: the destination of tensor `tensor` of `layer`
+// (REQUIRES: it is nbytes long, as registered).
+using TensorDestination = std::function<char*(uint32_t layer, uint32_t tensor)>;
+// Copies n verified host bytes to a destination address (GPU memory, for
+// example); null = memcpy.
+using CopyToDestination = std::function<absl::Status(char* dst, const char* src, uint64_t n)>;
+
+struct RestoreStats {
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
+                                         const TensorDestination& dest, Index* index, LayerStore* store,
+                                         IoBackend* io, StagingPool* pool, absl::Duration timeout,
+                                         const std::function<bool()>& cancelled = nullptr,
+                                         const CopyToDestination& copy = nullptr);
+
+}  // namespace ckpt
