@@ -1,5 +1,6 @@
 // Kill points: named places in the commit protocol where a crash test can
-// make the daemon die with SIGKILL (RocksDB's TEST_KILL_RANDOM idea).
+// make the daemon die with SIGKILL (RocksDB's TEST_KILL_RANDOM idea). Delay
+// points: named places where the daemon can be made to sleep.
 //
 // Compiled in when CKPT_KILL_POINTS is defined (the default build); inert
 // unless the environment sets one of:
@@ -7,10 +8,18 @@
 //   CKPT_KILL_ODDS=<k>          die at each hit with probability 1/k
 //   CKPT_KILL_SEED=<seed>       seed for the odds (default: time)
 //   CKPT_KILL_LOG=<path>        append each hit's name (one line) before dying
-//   CKPT_DELAY_AT=<name>:<ms>   sleep <ms> at every hit of <name> (tests use it
-//                               to hold writers and fill the staging pool)
+//   CKPT_DELAY_AT=<name>:<ms>   sleep <ms> at every hit of the delay point
+//                               <name> (to widen a race by hand against a real
+//                               ckptd; the tests order races with sync points)
 // The cost when inert is one relaxed atomic load.
+//
+// Every kill point and every delay point is also a sync point of the same
+// name (sync_point.h): a test running the engine in its own process can make
+// a thread wait there, or run a callback there, without the environment. The
+// sync point is processed first, then the kill or the delay.
 #pragma once
+
+#include "daemon/common/sync_point.h"
 
 namespace ckpt {
 
@@ -25,10 +34,12 @@ bool KillPointsArmed();
 #ifdef CKPT_KILL_POINTS
 #define CKPT_DELAY_POINT(name)                                  \
   do {                                                          \
+    CKPT_SYNC_POINT(name);                                      \
     if (::ckpt::KillPointsArmed()) ::ckpt::DelayPointHit(name); \
   } while (0)
-#define CKPT_KILL_POINT(name)                            \
-  do {                                                   \
+#define CKPT_KILL_POINT(name)                                  \
+  do {                                                         \
+    CKPT_SYNC_POINT(name);                                     \
     if (::ckpt::KillPointsArmed()) ::ckpt::KillPointHit(name); \
   } while (0)
 #else
