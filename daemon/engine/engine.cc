@@ -70,6 +70,11 @@ void Engine::Shutdown(absl::Duration grace) {
     if (stopping_ && stop_writers_) return;
     stopping_ = true;
     shutting_down_.store(true, std::memory_order_relaxed);
+    // Waits on a rank's own mutex see the shutdown through its flag.
+    for (auto& [key, r] : ranks_) {
+      absl::MutexLock rank_lock(&r->mu);
+      r->stopping = true;
+    }
   }
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
@@ -93,8 +98,9 @@ void Engine::Shutdown(absl::Duration grace) {
   absl::MutexLock lock(&mu_);
   write_queue_.clear();
   for (auto& [key, r] : ranks_) {
+    absl::MutexLock rank_lock(&r->mu);
     r->active = false;
-    ReleaseMemoryLocked(r.get(), "ckptd is shutting down", &closing);
+    r->ReleaseMemory("ckptd is shutting down", &closing);
   }
   ranks_.clear();
 }

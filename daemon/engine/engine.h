@@ -169,19 +169,13 @@ class Engine {
 
   // ---- rank registry (engine_registry.cc): ownership, generations,
   //      registration and drain, watching the trainer process ----
+  // The live registration of (job, rank) with this generation, for this
+  // caller: NOT_FOUND (kNotRegistered), PERMISSION_DENIED or
+  // FAILED_PRECONDITION (kStaleGeneration).
   absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const std::string& job, uint32_t rank,
                                                    uint64_t generation, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOwner(const std::string& job, const Caller& caller);
-  absl::Status DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes a rank's memory away; later steps and restores of the rank fail
-  // until it registers again. The memory moves to `closing`, which the caller
-  // drops after releasing mu_ (closing GPU mappings synchronizes a stream);
-  // an in-flight snapshot holds its own reference until it is done.
-  void ReleaseMemoryLocked(Rank* r, const std::string& why,
-                           std::vector<std::shared_ptr<RankMemory>>* closing)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes the GPU mappings of ranks whose trainer process exited.
   void WatchTrainersLoop();
 
@@ -193,11 +187,12 @@ class Engine {
   bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
 
   // ---- LayerCheck decisions (engine_layercheck.cc) ----
-  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r);
+  // Builds the rank's drift tasks over `memory` (the rank's, not published
+  // yet) and picks the drift kernel that can read it.
+  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory* memory, Rank* r);
   // Fills task.layers from the drift of this step, read from `memory`.
   // Returns false when the step waits for the all-reduced drift vector.
   bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
-  void ReleaseDeferredLocked(Rank* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- commit pipeline (engine_commit.cc): writers, the disk budget ----
   void WriterLoop(std::unique_ptr<IoBackend> io);
@@ -207,8 +202,9 @@ class Engine {
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
-  void RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // ---- admin (engine_admin.cc) ----
+  size_t ActiveRanksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- retention (engine_retention.cc) ----
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
@@ -234,11 +230,14 @@ class Engine {
   std::thread gc_thread_;
   std::thread watch_thread_;
 
-  // Lock order: job_mu_ -> mu_ -> Rank::event_mu is never taken with mu_
-  // held (AdvanceEvents takes event_mu first, then mu_ briefly); leases_ and
-  // the staging pool have their own leaf mutexes. No file I/O, index write or
-  // CUDA call happens under mu_.
-  absl::Mutex mu_;
+  // Locks. mu_ guards the engine-wide state below; each rank's mutable state
+  // has its own mutex (Rank::mu, rank_state.h). Lock order:
+  //   job_mu_ -> mu_ -> Rank::event_mu -> Rank::mu -> leaf mutexes
+  // (LeaseTable, StagingPool, Metrics). Rank::event_mu is never taken with
+  // mu_ held. No file I/O, index write or CUDA call happens under mu_ or
+  // Rank::mu. Waits on one rank's state wait on its Rank::mu.
+  absl::Mutex job_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // job ownership: check-and-create is one step
+  mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
   bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;   // writers exit, queue discarded
   std::map<RankKey, std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
@@ -246,7 +245,6 @@ class Engine {
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<RankKey> registering_ ABSL_GUARDED_BY(mu_);
-  absl::Mutex job_mu_;  // job ownership: check-and-create is one step
 
   LeaseTable leases_;
   DiskBudget disk_;

@@ -35,8 +35,7 @@ v1::StatusReply Engine::GetStatus() {
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
   if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
   absl::MutexLock lock(&mu_);
-  s.set_registered_ranks(static_cast<uint32_t>(std::count_if(
-      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
+  s.set_registered_ranks(static_cast<uint32_t>(ActiveRanksLocked()));
   return s;
 }
 
@@ -65,10 +64,13 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
           }));
       absl::MutexLock lock(&mu_);
       auto it = ranks_.find(RankKey(job, rank));
-      if (it != ranks_.end() && it->second->active) {
+      if (it == ranks_.end()) continue;
+      const Rank& r = *it->second;
+      absl::MutexLock rank_lock(&r.mu);
+      if (r.active) {
         ri->set_registered(true);
-        ri->set_generation(it->second->generation);
-        ri->set_last_step_seen(it->second->last_step_seen);
+        ri->set_generation(r.generation);
+        ri->set_last_step_seen(r.last_step_seen);
       }
     }
   }
@@ -108,8 +110,10 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
   }
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
-  if (it != ranks_.end() && it->second->active) {
-    const Rank& r = *it->second;
+  if (it == ranks_.end()) return reply;
+  const Rank& r = *it->second;
+  absl::MutexLock rank_lock(&r.mu);
+  if (r.active) {
     reply.set_policy(PolicyName(r.policy.kind));
     if (r.layercheck != nullptr) {
       reply.set_s_max(r.layercheck->config().s_max);
@@ -148,7 +152,6 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
   return reply;
 }
 
-
 void Engine::CollectMetrics() {
   Metrics* m = options_.metrics;
   if (m == nullptr) return;
@@ -161,12 +164,12 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));
   absl::MutexLock lock(&mu_);
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
-  m->Set(Gauge::kRegisteredRanks, static_cast<double>(std::count_if(
-      ranks_.begin(), ranks_.end(), [](const auto& kv) { return kv.second->active; })));
+  m->Set(Gauge::kRegisteredRanks, static_cast<double>(ActiveRanksLocked()));
   // Durability lag: staged but not yet durable, over every live rank.
   const absl::Time now = absl::Now();
   double lag_bytes = 0, lag_seconds = 0;
   for (const auto& [key, r] : ranks_) {
+    absl::MutexLock rank_lock(&r->mu);
     for (const PendingStep& p : r->pending) {
       lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
       lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
@@ -183,5 +186,13 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
 }
 
+size_t Engine::ActiveRanksLocked() const {
+  size_t active = 0;
+  for (const auto& [key, r] : ranks_) {
+    absl::MutexLock rank_lock(&r->mu);
+    active += r->active ? 1 : 0;
+  }
+  return active;
+}
 
 }  // namespace ckpt

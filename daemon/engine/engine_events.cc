@@ -37,30 +37,29 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
     CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " layer " << layer << " step "
                     << step << ": version failed, previous version stays: " << rec.status();
   }
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock rank_lock(&r->mu);
   for (PendingStep& p : r->pending) {
     if (p.step != step) continue;
     if (rec.ok()) {
       p.event.add_layers(layer);
       p.event.set_bytes(p.event.bytes() + bytes);
       r->last_committed[layer] = std::max(r->last_committed[layer], step);
-      RecordOutcome(r.get(), layer, step, true);
+      r->RecordOutcome(layer, step, true);
     } else {
       p.event.set_failed(p.event.failed() + 1);
       r->retry[layer] = true;
-      RecordOutcome(r.get(), layer, step, false);
+      r->RecordOutcome(layer, step, false);
     }
     --p.remaining;
     return;
   }
 }
 
-
 void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   absl::MutexLock order(&r->event_mu);
   std::vector<std::pair<uint64_t, store::EventRecord>> batch;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock rank_lock(&r->mu);
     for (const PendingStep& p : r->pending) {
       if (p.remaining != 0) break;
       store::EventRecord e = p.event;
@@ -73,7 +72,7 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   CKPT_KILL_POINT("event.before_put");
   absl::Status s = index_->PutEvents(r->job, r->rank, batch);
   CKPT_KILL_POINT("event.after_put");
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock rank_lock(&r->mu);
   if (!s.ok()) {
     CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank
                     << ": recording checkpoint events failed; durability stops here: " << s;
@@ -84,25 +83,28 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   if (s.ok()) r->durable_step = batch.back().first;
 }
 
-
 absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& req,
                                                          const Caller& caller,
                                                          absl::Time deadline) {
   if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
-  absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  }
+  absl::MutexLock rank_lock(&r->mu);
   if (req.step() > r->last_step_seen) {
     return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
   }
-  auto durable = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return r->durable_step >= req.step() || !r->fatal.ok() || !r->active || stopping_;
+  auto durable = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->durable_step >= req.step() || !r->fatal.ok() || !r->active || r->stopping;
   };
-  mu_.AwaitWithDeadline(absl::Condition(&durable), deadline);
+  r->mu.AwaitWithDeadline(absl::Condition(&durable), deadline);
   if (!r->fatal.ok()) return r->fatal;
   if (r->durable_step < req.step()) {
-    if (!r->active || stopping_) {
-      return RegistrationEndedError(stopping_, "the registration ended before step became durable");
+    if (!r->active || r->stopping) {
+      return RegistrationEndedError(r->stopping,
+                                    "the registration ended before step became durable");
     }
     return absl::DeadlineExceededError(absl::StrCat("step ", req.step(), " not durable in time"));
   }
@@ -120,13 +122,6 @@ absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& 
   v1::WaitDurableReply reply;
   reply.set_durable_step(r->durable_step);
   return reply;
-}
-
-
-void Engine::RecordOutcome(Rank* r, uint32_t layer, uint64_t step, bool durable) {
-  std::map<uint64_t, bool>& o = r->outcomes[layer];
-  o[step] = durable;
-  while (o.size() > kOutcomesKept) o.erase(o.begin());
 }
 
 }  // namespace ckpt

@@ -15,7 +15,8 @@
 
 namespace ckpt {
 
-absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
+absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory* memory,
+                                     Rank* r) {
   const v1::PolicySpec& spec = req.policy();
   LayerCheckConfig config = LayerCheckFromProto(spec.layercheck());
   CKPT_RETURN_IF_ERROR(config.Validate());
@@ -25,7 +26,7 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, Rank* r) {
         "policy layercheck needs an optimizer: adamw, adam, sgd or client");
   }
   // The drift kernel that can read the rank's memory.
-  if (const auto* gpu = dynamic_cast<const GpuMemory*>(r->memory.get()); gpu != nullptr) {
+  if (const auto* gpu = dynamic_cast<const GpuMemory*>(memory); gpu != nullptr) {
     CKPT_ASSIGN_OR_RETURN(r->own_drift_kernel, cuda_ipc_->MakeDriftKernel(gpu->device()));
     r->drift_kernel = r->own_drift_kernel.get();
   } else {
@@ -177,7 +178,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
   }
   std::string trace_line;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&r->mu);
     std::vector<LayerDecision> decisions =
         r->layercheck->Decide(task.step, task.lr, task.global, r->retry);
     task.layers.clear();
@@ -217,34 +218,28 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
   return true;
 }
 
-void Engine::ReleaseDeferredLocked(Rank* r) {
-  if (!r->deferred) return;
-  // The trainer that would have sent the global vector is gone: the parked
-  // steps cannot be decided; drop them.
-  r->snap_queue.clear();
-  r->deferred = false;
-  r->snap_busy = false;
-}
-
 absl::StatusOr<v1::DriftReply> Engine::DriftPartials(const v1::WaitRequest& req,
                                                      const Caller& caller, absl::Time deadline) {
   if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
-  absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  }
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  absl::MutexLock rank_lock(&r->mu);
   if (req.step() > r->last_step_seen) {
     return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
   }
-  auto ready = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  auto ready = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
     return r->partials.count(req.step()) > 0 || r->snapshot_step >= req.step() || !r->active ||
-           stopping_;
+           r->stopping;
   };
-  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  r->mu.AwaitWithDeadline(absl::Condition(&ready), deadline);
   auto it = r->partials.find(req.step());
   if (it == r->partials.end()) {
     if (r->snapshot_step >= req.step()) return absl::NotFoundError("step is too old");
-    if (!r->active || stopping_) return RegistrationEndedError(stopping_, "the registration ended");
+    if (!r->active || r->stopping) return RegistrationEndedError(r->stopping, "the registration ended");
     return absl::DeadlineExceededError(absl::StrCat("drift of step ", req.step(), " not ready in time"));
   }
   v1::DriftReply reply;
@@ -262,6 +257,7 @@ absl::Status Engine::SetGlobalDrift(const v1::GlobalDriftRequest& req, const Cal
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  absl::MutexLock rank_lock(&r->mu);
   if (static_cast<size_t>(req.layers_size()) != r->layers.size()) {
     return absl::InvalidArgumentError(absl::StrCat("global drift has ", req.layers_size(),
                                                    " layers; the rank has ", r->layers.size()));
@@ -283,6 +279,5 @@ absl::Status Engine::SetGlobalDrift(const v1::GlobalDriftRequest& req, const Cal
   snapshot_ready_.push_back(r);
   return absl::OkStatus();
 }
-
 
 }  // namespace ckpt

@@ -36,6 +36,7 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   {
     absl::MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    absl::MutexLock rank_lock(&r->mu);
     if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
       return absl::FailedPreconditionError(
           "steps are still being snapshotted; restore before reporting steps");
@@ -76,7 +77,7 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   };
   absl::StatusOr<v1::RestoreReply> reply = restore();
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock rank_lock(&r->mu);
     r->restoring = false;
     if (reply.ok()) {
       r->retry.assign(r->retry.size(), false);
@@ -97,7 +98,7 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
       m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes_restored()));
       m->Observe(Histogram::kRestoreSeconds, reply->seconds());
     } else if (absl::IsDataLoss(reply.status())) {
-      m->Inc(Counter::kErrors, "checksum", 1);
+      m->Inc(Counter::kErrors, "checksum", 1);  // no ErrorReason: DATA_LOSS says it
     }
   }
   if (!reply.ok()) {
@@ -110,7 +111,6 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
                  << reply->seconds() << " s, max staleness " << reply->plan().max_staleness();
   return reply;
 }
-
 
 absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
                                                const Caller& caller) {

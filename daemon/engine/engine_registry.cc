@@ -18,19 +18,6 @@
 
 namespace ckpt {
 
-void Engine::ReleaseMemoryLocked(Rank* r, const std::string& why,
-                                 std::vector<std::shared_ptr<RankMemory>>* closing) {
-  if (r->memory == nullptr) return;
-  if (std::string(r->memory->kind()) == "cuda") {
-    CKPT_LOG(INFO) << "job " << r->job << " rank " << r->rank << ": closing GPU mappings (" << why
-                   << ")";
-  }
-  closing->push_back(std::move(r->memory));
-  r->memory.reset();
-  r->memory_released = why;
-  r->trainer_pidfd = UniqueFd();
-}
-
 void Engine::WatchTrainersLoop() {
   for (;;) {
     std::vector<std::shared_ptr<Rank>> watched;
@@ -39,6 +26,7 @@ void Engine::WatchTrainersLoop() {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
       for (auto& [key, r] : ranks_) {
+        absl::MutexLock rank_lock(&r->mu);
         if (r->memory != nullptr && r->trainer_pidfd.valid()) {
           watched.push_back(r);
           fds.push_back({r->trainer_pidfd.get(), POLLIN, 0});
@@ -52,13 +40,13 @@ void Engine::WatchTrainersLoop() {
       continue;
     }
     if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) continue;
-    std::vector<std::shared_ptr<RankMemory>> closing;
-    absl::MutexLock lock(&mu_);
+    std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
       Rank* r = watched[i].get();
+      absl::MutexLock rank_lock(&r->mu);
       if (r->trainer_pidfd.get() != fds[i].fd) continue;  // released meanwhile
-      ReleaseMemoryLocked(r, "its trainer process exited", &closing);
+      r->ReleaseMemory("its trainer process exited", &closing);
     }
   }
 }
@@ -77,6 +65,7 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::stri
                                                                  uint32_t rank,
                                                                  uint64_t generation,
                                                                  const Caller& caller) {
+  // REQUIRES: mu_ (ranks_); the rank's own mutex is taken for `active`.
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   auto it = ranks_.find(RankKey(job, rank));
   if (it == ranks_.end()) {
@@ -85,7 +74,12 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::stri
         ErrorReason::kNotRegistered);
   }
   const std::shared_ptr<Rank>& r = it->second;
-  if (!r->active) {
+  bool active;
+  {
+    absl::MutexLock rank_lock(&r->mu);
+    active = r->active;
+  }
+  if (!active) {
     return WithReason(
         absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered")),
         ErrorReason::kNotRegistered);
@@ -101,19 +95,6 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::stri
   }
   return r;
 }
-
-absl::Status Engine::DrainLocked(const std::shared_ptr<Rank>& r, absl::Time deadline) {
-  auto idle = [&r, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return (r->snap_queue.empty() && !r->snap_busy && r->pending.empty()) || stopping_;
-  };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
-    return absl::UnavailableError(absl::StrCat("job ", r->job, " rank ", r->rank,
-                                               " is still writing earlier steps; retry"));
-  }
-  if (stopping_) return ShuttingDownError();
-  return absl::OkStatus();
-}
-
 
 absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
                                                    std::vector<UniqueFd> fds,
@@ -188,22 +169,23 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   r->rank = req.rank();
   r->uid = job_rec->owner_uid();
   r->policy = policy;
+  std::shared_ptr<RankMemory> memory;
+  UniqueFd pidfd;
   if (gpu) {
-    CKPT_ASSIGN_OR_RETURN(r->memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
+    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
     if (caller.pid > 0) {
-      const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0));
-      if (pidfd >= 0) {
-        r->trainer_pidfd = UniqueFd(pidfd);
-      } else if (errno == ESRCH) {
+      pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0)));
+      if (!pidfd.valid() && errno == ESRCH) {
         return absl::UnavailableError("the registering process exited");
-      } else {
+      }
+      if (!pidfd.valid()) {
         CKPT_LOG(WARNING) << "pidfd_open: " << std::strerror(errno)
                           << "; GPU mappings of job " << r->job << " rank " << r->rank
                           << " are closed only on unregister, re-register or shutdown";
       }
     }
   } else {
-    r->memory = std::make_shared<HostMemory>(std::move(regions));
+    memory = std::make_shared<HostMemory>(std::move(regions));
   }
   for (const v1::LayerSpec& spec : req.layers()) {
     LayerTemplate lt;
@@ -219,7 +201,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
       e->set_role(t.role());
       e->set_group(t.group());
       e->set_nbytes(t.nbytes());
-      lt.src.push_back(r->memory->base(t.region()) + t.offset());
+      lt.src.push_back(memory->base(t.region()) + t.offset());
     }
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
@@ -227,34 +209,50 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   *r->table.mutable_layers() = req.layers();
   r->table.set_world_size(req.world_size());
   r->world_size = req.world_size();
-  if (policy.kind == v1::POLICY_LAYERCHECK) CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, r.get()));
+  if (policy.kind == v1::POLICY_LAYERCHECK) {
+    CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, memory.get(), r.get()));
+  }
   const size_t n = r->layers.size();
-  r->never_persisted.assign(n, true);
-  // The first step after any registration persists every layer: whatever the
-  // trainer did since the last durable step is unknown to this daemon (it may
-  // have restarted and lost earlier selections). A successful Restore clears
-  // this, since the buffers then equal the durable state.
-  r->retry.assign(n, true);
-  r->outcomes.assign(n, {});
+  {
+    absl::MutexLock rank_lock(&r->mu);  // not published yet: uncontended
+    r->memory = std::move(memory);
+    r->trainer_pidfd = std::move(pidfd);
+    r->never_persisted.assign(n, true);
+    // The first step after any registration persists every layer: whatever
+    // the trainer did since the last durable step is unknown to this daemon
+    // (it may have restarted and lost earlier selections). A successful
+    // Restore clears this, since the buffers then equal the durable state.
+    r->retry.assign(n, true);
+    r->outcomes.assign(n, {});
+  }
 
   // 4. Replace a live registration of the same rank once its pipeline drained.
-  std::vector<std::shared_ptr<RankMemory>> closing;
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  std::shared_ptr<Rank> old;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return ShuttingDownError();
     auto it = ranks_.find(RankKey(r->job, r->rank));
     if (it != ranks_.end()) {
-      std::shared_ptr<Rank> old = it->second;
+      old = it->second;
       if (old->uid != caller.uid && !IsRoot(caller)) {
         return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
       }
+      absl::MutexLock old_lock(&old->mu);
       old->active = false;
-      ReleaseDeferredLocked(old.get());
-      ReleaseMemoryLocked(old.get(), "the rank registered again", &closing);
-      if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
-      CKPT_RETURN_IF_ERROR(DrainLocked(old, absl::Now() + options_.drain_timeout));
-      ranks_.erase(RankKey(r->job, r->rank));
+      old->ReleaseDeferred();
+      old->ReleaseMemory("the rank registered again", &closing);
     }
+  }
+  if (old != nullptr) {
+    if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
+    {
+      absl::MutexLock old_lock(&old->mu);
+      CKPT_RETURN_IF_ERROR(old->Drain(absl::Now() + options_.drain_timeout));
+    }
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(RankKey(r->job, r->rank));
+    if (it != ranks_.end() && it->second == old) ranks_.erase(it);
   }
 
   // 5. Persist the rank's table; take a fresh generation. LayerCheck's
@@ -264,17 +262,23 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
   CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
   const uint64_t durable = last_event.has_value() ? last_event->first : 0;
-  if (r->layercheck != nullptr && last_event.has_value()) {
-    r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
-  }
-  r->last_step_seen = durable;
-  r->snapshot_step = durable;
-  r->durable_step = durable;
-  r->last_committed.assign(n, 0);
+  std::vector<uint64_t> last_committed(n, 0);
+  std::vector<bool> never_persisted(n, true);
   for (uint32_t l = 0; l < n; ++l) {
     CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, durable));
-    r->never_persisted[l] = !v.has_value();
-    if (v.has_value()) r->last_committed[l] = v->first;
+    never_persisted[l] = !v.has_value();
+    if (v.has_value()) last_committed[l] = v->first;
+  }
+  {
+    absl::MutexLock rank_lock(&r->mu);
+    if (r->layercheck != nullptr && last_event.has_value()) {
+      r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
+    }
+    r->last_step_seen = durable;
+    r->snapshot_step = durable;
+    r->durable_step = durable;
+    r->last_committed = std::move(last_committed);
+    r->never_persisted = std::move(never_persisted);
   }
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
@@ -296,27 +300,33 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   return reply;
 }
 
-
 absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& caller,
                                 absl::Time deadline) {
-  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the lock is released
-  absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
-  r->active = false;
-  ReleaseDeferredLocked(r.get());
-  ReleaseMemoryLocked(r.get(), "unregistered", &closing);
-  if (req.drain()) {
-    CKPT_RETURN_IF_ERROR(DrainLocked(r, deadline));
-    ranks_.erase(RankKey(r->job, r->rank));
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    absl::MutexLock rank_lock(&r->mu);
+    r->active = false;
+    r->ReleaseDeferred();
+    r->ReleaseMemory("unregistered", &closing);
   }
+  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   // Without drain the rank stays (inactive) until its staged versions are
   // written: the next Register of it drains it first.
-  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
+  if (req.drain()) {
+    {
+      absl::MutexLock rank_lock(&r->mu);
+      CKPT_RETURN_IF_ERROR(r->Drain(deadline));
+    }
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(RankKey(r->job, r->rank));
+    if (it != ranks_.end() && it->second == r) ranks_.erase(it);
+  }
   CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
                  << r->generation;
   return absl::OkStatus();
 }
-
 
 }  // namespace ckpt

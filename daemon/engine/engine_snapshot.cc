@@ -21,6 +21,7 @@ absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& call
   if (stopping_) return ShuttingDownError();
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
                         FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  absl::MutexLock rank_lock(&r->mu);
   if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
   if (r->memory == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
@@ -83,12 +84,16 @@ void Engine::SnapshotLoop() {
       };
       mu_.Await(absl::Condition(&ready));
       if (stopping_) {
-        for (auto& q : snapshot_ready_) q->snap_busy = false;
+        for (auto& q : snapshot_ready_) {
+          absl::MutexLock rank_lock(&q->mu);
+          q->snap_busy = false;
+        }
         snapshot_ready_.clear();
         return;
       }
       r = std::move(snapshot_ready_.front());
       snapshot_ready_.pop_front();
+      absl::MutexLock rank_lock(&r->mu);
       task = std::move(r->snap_queue.front());
       r->snap_queue.pop_front();
       memory = r->memory;
@@ -96,6 +101,7 @@ void Engine::SnapshotLoop() {
     const bool done = Snapshot(r, task, memory.get());
     memory.reset();  // the last reference of a released rank closes its mappings here
     absl::MutexLock lock(&mu_);
+    absl::MutexLock rank_lock(&r->mu);
     if (!done) {
       // Parked until SetGlobalDrift. Publishing the partial sums and parking
       // happen under one lock, so a SetGlobalDrift that follows the partials
@@ -204,7 +210,8 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
   }
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&mu_);  // write_queue_
+    absl::MutexLock rank_lock(&r->mu);
     if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
       // Nobody waited for this copy to finish: the trainer may have changed
       // the buffers meanwhile, so the staged bytes cannot be trusted. Drop
@@ -212,7 +219,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
       for (const StagedVersion& v : staged) {
         skipped.push_back(v.key.layer);
         r->retry[v.key.layer] = true;
-        RecordOutcome(r.get(), v.key.layer, task.step, false);
+        r->RecordOutcome(v.key.layer, task.step, false);
       }
       CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
                         << ": snapshot finished after its fence was abandoned; discarded";
@@ -226,7 +233,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     }
     for (uint32_t l : skipped) {
       r->retry[l] = true;
-      RecordOutcome(r.get(), l, task.step, false);
+      r->RecordOutcome(l, task.step, false);
     }
     result.set_skipped(static_cast<uint32_t>(skipped.size()));
     if (!skipped.empty()) {
@@ -256,22 +263,24 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   return true;
 }
 
-
 absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest& req,
                                                            const Caller& caller,
                                                            absl::Time deadline) {
   if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
-  absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  }
+  absl::MutexLock rank_lock(&r->mu);
   if (req.step() > r->last_step_seen) {
     return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
   }
-  auto taken = [&r, &req, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return r->snapshot_step >= req.step() || !r->active || stopping_;
+  auto taken = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->snapshot_step >= req.step() || !r->active || r->stopping;
   };
   const absl::Time wait_start = absl::Now();
-  mu_.AwaitWithDeadline(absl::Condition(&taken), deadline);
+  r->mu.AwaitWithDeadline(absl::Condition(&taken), deadline);
   if (options_.metrics != nullptr) {
     options_.metrics->Observe(Histogram::kFenceWaitSeconds,
                               absl::ToDoubleSeconds(absl::Now() - wait_start));
@@ -280,8 +289,8 @@ absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest
     // The caller will go on without the fence: a copy still running for this
     // step (or an earlier one) must not become durable.
     r->fence_broken_step = std::max(r->fence_broken_step, req.step());
-    if (!r->active || stopping_) {
-      return RegistrationEndedError(stopping_, "the registration ended before the snapshot");
+    if (!r->active || r->stopping) {
+      return RegistrationEndedError(r->stopping, "the registration ended before the snapshot");
     }
     return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
   }
@@ -289,6 +298,5 @@ absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest
   if (it == r->snap_results.end()) return v1::WaitSnapshotReply();  // an old step: taken long ago
   return it->second;
 }
-
 
 }  // namespace ckpt

@@ -2,10 +2,9 @@
 // daemon/engine: nothing outside this folder includes it.
 //
 // A Rank is created by Register and filled before it is published in
-// Engine::ranks_; from then on the fields marked "guarded by Engine::mu_" are
-// read and written only with Engine::mu_ held. The rest is immutable after
-// registration, except `trace`, which only the rank's snapshot worker (one
-// at a time per rank) writes, outside Engine::mu_.
+// Engine::ranks_. From then on its mutable state is guarded by Rank::mu (the
+// compiler checks it: ABSL_GUARDED_BY, clang -Wthread-safety); the rest is
+// immutable.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
@@ -31,6 +31,22 @@
 
 namespace ckpt {
 
+inline constexpr size_t kSnapResultsKept = 64;
+inline constexpr size_t kOutcomesKept = 64;  // per layer
+
+inline bool IsRoot(const Caller& c) { return c.uid == 0; }
+
+// Every call refused because ckptd is stopping carries kShuttingDown, which
+// the client treats as the loss of the daemon.
+inline absl::Status ShuttingDownError() {
+  return WithReason(absl::UnavailableError("ckptd is shutting down"), ErrorReason::kShuttingDown);
+}
+// A wait that ended because its registration ended: ABORTED, and
+// kShuttingDown when ckptd is stopping.
+inline absl::Status RegistrationEndedError(bool stopping, absl::string_view what) {
+  absl::Status s = absl::AbortedError(what);
+  return stopping ? WithReason(std::move(s), ErrorReason::kShuttingDown) : s;
+}
 
 // One layer's copy recipe: the file header template and where its tensors live.
 struct LayerTemplate {
@@ -65,22 +81,16 @@ struct Engine::WriteTask {
 };
 
 struct Engine::Rank {
-  // Immutable after registration.
+  // Immutable after registration (set before the rank is published in
+  // Engine::ranks_).
   std::string job;
   uint32_t rank = 0;
   uint64_t generation = 0;
   uid_t uid = 0;
   store::RankRecord table;
   PolicyConfig policy;
-  // The handed-over memory; null once released (trainer exit). A snapshot
-  // or restore holds its own reference while it copies.
-  std::shared_ptr<RankMemory> memory;           // guarded by Engine::mu_
-  std::string memory_released;                  // why memory is null
-  UniqueFd trainer_pidfd;                       // GPU ranks: the registering process
   std::vector<LayerTemplate> layers;
   uint32_t world_size = 1;
-  // LayerCheck (null for the other policies).
-  std::unique_ptr<LayerCheckPolicy> layercheck;  // guarded by Engine::mu_
   v1::OptimizerKind optimizer = v1::OPTIMIZER_UNSPECIFIED;
   // The kernel that reads `memory`: the engine's CPU kernel for host memory,
   // a CUDA kernel on the rank's device (owned here) for GPU memory.
@@ -89,53 +99,70 @@ struct Engine::Rank {
   std::vector<drift::TensorTask> drift_tasks;    // pointers into `memory`
   std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
   std::vector<double> drift_task_lr_scale;
-  std::unique_ptr<std::ofstream> trace;          // drift.jsonl, when recorded
+  // drift.jsonl, when recorded. Written by Register before the rank is
+  // published and then only by the rank's snapshot worker (one at a time per
+  // rank), outside every mutex.
+  std::unique_ptr<std::ofstream> trace;
 
-  // Guarded by Engine::mu_.
-  bool active = true;
-  bool restoring = false;
-  uint64_t last_step_seen = 0;
-  uint64_t snapshot_step = 0;
-  uint64_t durable_step = 0;
-  std::deque<SnapTask> snap_queue;
-  bool snap_busy = false;
-  std::map<uint64_t, v1::WaitSnapshotReply> snap_results;  // the most recent steps
-  std::deque<PendingStep> pending;
-  std::vector<bool> never_persisted;
-  std::vector<bool> retry;
+  // Guards the rank's mutable state below. Lock order: Engine::job_mu_ ->
+  // Engine::mu_ -> Rank::event_mu -> Rank::mu; nothing is taken while mu is
+  // held except leaf mutexes (the metrics registry, the staging pool).
+  mutable absl::Mutex mu;
+  // LayerCheck; the pointer is set at registration (null for the other
+  // policies), the policy object is guarded by mu.
+  std::unique_ptr<LayerCheckPolicy> layercheck ABSL_PT_GUARDED_BY(mu);
+  // The handed-over memory; null once released (trainer exit). A snapshot
+  // or restore holds its own reference while it copies.
+  std::shared_ptr<RankMemory> memory ABSL_GUARDED_BY(mu);
+  std::string memory_released ABSL_GUARDED_BY(mu);  // why memory is null
+  UniqueFd trainer_pidfd ABSL_GUARDED_BY(mu);       // GPU ranks: the registering process
+  bool stopping ABSL_GUARDED_BY(mu) = false;        // ckptd is shutting down
+  bool active ABSL_GUARDED_BY(mu) = true;
+  bool restoring ABSL_GUARDED_BY(mu) = false;
+  uint64_t last_step_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t snapshot_step ABSL_GUARDED_BY(mu) = 0;
+  uint64_t durable_step ABSL_GUARDED_BY(mu) = 0;
+  std::deque<SnapTask> snap_queue ABSL_GUARDED_BY(mu);
+  // A snapshot worker holds the rank, or it is queued in
+  // Engine::snapshot_ready_ (changed with Engine::mu_ held as well).
+  bool snap_busy ABSL_GUARDED_BY(mu) = false;
+  std::map<uint64_t, v1::WaitSnapshotReply> snap_results ABSL_GUARDED_BY(mu);  // recent steps
+  std::deque<PendingStep> pending ABSL_GUARDED_BY(mu);
+  std::vector<bool> never_persisted ABSL_GUARDED_BY(mu);
+  std::vector<bool> retry ABSL_GUARDED_BY(mu);
   // Per layer, the outcome (durable or not) of its recent selected versions by
   // step: WaitDurable(t) checks the newest one at or before t.
-  std::vector<std::map<uint64_t, bool>> outcomes;
-  uint64_t fence_broken_step = 0;  // a WaitSnapshot gave up on this step (or later)
-  std::vector<uint64_t> last_committed;  // per layer: newest committed step (0 = none)
-  absl::Status fatal;
-  std::map<uint64_t, std::vector<drift::LayerSums>> partials;  // recent steps (layercheck)
-  std::vector<LayerDecision> last_decisions;
-  bool deferred = false;  // the front task waits for SetGlobalDrift; no worker holds it
+  std::vector<std::map<uint64_t, bool>> outcomes ABSL_GUARDED_BY(mu);
+  // A WaitSnapshot gave up on this step (or later).
+  uint64_t fence_broken_step ABSL_GUARDED_BY(mu) = 0;
+  // Per layer: newest committed step (0 = none).
+  std::vector<uint64_t> last_committed ABSL_GUARDED_BY(mu);
+  absl::Status fatal ABSL_GUARDED_BY(mu);
+  // LayerCheck: the partial sums of recent steps, the latest decisions.
+  std::map<uint64_t, std::vector<drift::LayerSums>> partials ABSL_GUARDED_BY(mu);
+  std::vector<LayerDecision> last_decisions ABSL_GUARDED_BY(mu);
+  // The front task waits for SetGlobalDrift; no worker holds it.
+  bool deferred ABSL_GUARDED_BY(mu) = false;
 
-  // Serializes event writes of this rank (held without Engine::mu_).
-  absl::Mutex event_mu;
+  // Serializes the event writes of this rank (AdvanceEvents); held across
+  // the index write, never with Engine::mu_.
+  absl::Mutex event_mu ABSL_ACQUIRED_BEFORE(mu);
+
+  // Takes the rank's memory away; later steps and restores of the rank fail
+  // until it registers again. The memory moves to `closing`, which the caller
+  // drops after releasing every lock (closing GPU mappings synchronizes a
+  // stream); an in-flight snapshot holds its own reference until it is done.
+  void ReleaseMemory(const std::string& why, std::vector<std::shared_ptr<RankMemory>>* closing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Drops the steps parked for SetGlobalDrift (their trainer is gone).
+  // REQUIRES: Engine::mu_ as well (snap_busy pairs with snapshot_ready_).
+  void ReleaseDeferred() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Waits until nothing of the rank is queued, being snapshotted or being
+  // written. UNAVAILABLE at `deadline`; kShuttingDown when ckptd stops.
+  absl::Status Drain(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Remembers whether the version of `layer` selected at `step` became
+  // durable (WaitDurable reads it).
+  void RecordOutcome(uint32_t layer, uint64_t step, bool durable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
-
-
-
-inline constexpr size_t kSnapResultsKept = 64;
-inline constexpr size_t kOutcomesKept = 64;  // per layer
-
-inline bool IsRoot(const Caller& c) { return c.uid == 0; }
-
-// Every call refused because ckptd is stopping carries kShuttingDown, which
-// the client treats as the loss of the daemon.
-inline absl::Status ShuttingDownError() {
-  return WithReason(absl::UnavailableError("ckptd is shutting down"), ErrorReason::kShuttingDown);
-}
-// A wait that ended because its registration ended: ABORTED, and
-// kShuttingDown when ckptd is stopping.
-inline absl::Status RegistrationEndedError(bool stopping, absl::string_view what) {
-  absl::Status s = absl::AbortedError(what);
-  return stopping ? WithReason(std::move(s), ErrorReason::kShuttingDown) : s;
-}
-
-
 
 }  // namespace ckpt
