@@ -1,0 +1,340 @@
+// The engine's per-step pipeline in this process, over a real Index,
+// LayerStore and StagingPool and host memory in memfd regions: races between
+// the trainer's calls and the snapshot and writer threads, each ordered with
+// sync points (daemon/common/sync_point.h) at the engine's named points
+// ("snapshot.before_publish", "writer.before_commit") rather than with sleeps.
+// Where a test waits for a state, it polls it with a deadline; no test
+// asserts how long anything took.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/region.h"
+#include "base/unique_fd.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/engine/engine.h"
+#include "daemon/io/file_system.h"
+#include "daemon/store/index.h"
+#include "daemon/store/layer_store.h"
+#include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace {
+
+using ::ckpt::testing::MakeTestPool;
+using ::ckpt::testing::TempDir;
+
+constexpr uint64_t kChunk = 64 << 10;
+// 32 KiB per layer: header and payload fit one chunk.
+constexpr uint64_t kLayerFloats = 8 << 10;
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+// Names of the points the tests themselves pass.
+constexpr char kReleaseWriter[] = "PipelineTest:release_writer";
+constexpr char kFenceAbandoned[] = "PipelineTest:fence_abandoned";
+
+// A trainer rank in this process: one memfd region holding every layer.
+struct TestRank {
+  std::string job;
+  uint32_t layers = 0;
+  v1::PolicyKind policy = v1::POLICY_ALL;
+  MemfdRegion region;
+  uint64_t generation = 0;
+};
+
+class EnginePipelineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
+    sp_->LoadDependency({});
+    sp_->ClearAllCallBacks();
+    sp_->SetWaitTimeout(kWait);
+    sp_->EnableProcessing();
+  }
+
+  void TearDown() override {
+    if (!kSyncPointsCompiled) return;
+    // A miss means a thread gave up waiting at a point: the ordering the test
+    // wanted did not happen, whatever its assertions said.
+    EXPECT_EQ(sp_->timeouts(), 0u) << "a sync point wait reached its deadline";
+    sp_->DisableProcessing();  // releases any thread still parked at a point
+    if (engine_ != nullptr) engine_->Shutdown(absl::Seconds(10));
+    engine_.reset();
+    store_.reset();
+    index_.reset();
+    pool_.reset();
+    sp_->LoadDependency({});
+    sp_->ClearAllCallBacks();
+  }
+
+  // Starts an engine over a fresh data directory and a pool of `chunks`
+  // chunks of kChunk bytes. `options` gets the data directory, the pwrite
+  // backend and one writer unless it sets otherwise.
+  void StartEngine(EngineOptions options, size_t chunks) {
+    pool_ = MakeTestPool(kChunk, chunks);
+    ASSERT_NE(pool_, nullptr);
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(),
+                                          /*use_direct_io=*/false);
+    CKPT_ASSERT_OK(store_->Init());
+    options.data_dir = tmp_.path();
+    options.io_backend = IoBackendKind::kPwrite;
+    engine_ = std::make_unique<Engine>(options, index_.get(), store_.get(), pool_.get());
+    CKPT_ASSERT_OK(engine_->Start());
+  }
+
+  static EngineOptions OneWriter() {
+    EngineOptions o;
+    o.writer_threads = 1;
+    return o;
+  }
+
+  // A rank of `layers` f32 layers of kLayerFloats each, in one region.
+  static TestRank MakeRank(const std::string& job, uint32_t layers,
+                           v1::PolicyKind policy = v1::POLICY_ALL) {
+    TestRank r;
+    r.job = job;
+    r.layers = layers;
+    r.policy = policy;
+    absl::StatusOr<MemfdRegion> region = MemfdRegion::Create(job, layers * kLayerFloats * 4);
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (region.ok()) r.region = std::move(*region);
+    return r;
+  }
+
+  static v1::RegisterRequest RegisterRequestOf(const TestRank& r) {
+    v1::RegisterRequest req;
+    req.set_job_id(r.job);
+    req.set_world_size(1);
+    req.mutable_policy()->set_kind(r.policy);
+    for (uint32_t l = 0; l < r.layers; ++l) {
+      v1::LayerSpec* layer = req.add_layers();
+      layer->set_id(l);
+      layer->set_name(absl::StrCat("layer", l));
+      v1::TensorSpec* t = layer->add_tensors();
+      t->set_name(absl::StrCat("layer", l, ".w"));
+      t->set_dtype(v1::DTYPE_F32);
+      t->add_shape(kLayerFloats);
+      t->set_nbytes(kLayerFloats * 4);
+      t->set_region(0);
+      t->set_offset(l * kLayerFloats * 4);
+    }
+    return req;
+  }
+
+  // Registers `r` (handing over a duplicate of its region's fd); on success
+  // `r` takes the new generation.
+  absl::StatusOr<v1::RegisterReply> Register(TestRank* r) {
+    std::vector<UniqueFd> fds;
+    fds.emplace_back(::fcntl(r->region.fd(), F_DUPFD_CLOEXEC, 0));
+    absl::StatusOr<v1::RegisterReply> reply =
+        engine_->Register(RegisterRequestOf(*r), std::move(fds), owner_);
+    if (reply.ok()) r->generation = reply->generation();
+    return reply;
+  }
+
+  absl::Status StepDone(const TestRank& r, uint64_t step, const std::vector<uint32_t>& layers = {}) {
+    v1::StepDoneRequest req;
+    req.set_job_id(r.job);
+    req.set_generation(r.generation);
+    req.set_step(step);
+    req.set_lr(0.1);
+    for (uint32_t l : layers) req.add_layers(l);
+    return engine_->StepDone(req, owner_);
+  }
+
+  static v1::WaitRequest WaitFor(const TestRank& r, uint64_t step) {
+    v1::WaitRequest req;
+    req.set_job_id(r.job);
+    req.set_generation(r.generation);
+    req.set_step(step);
+    return req;
+  }
+
+  absl::StatusOr<v1::WaitSnapshotReply> WaitSnapshot(const TestRank& r, uint64_t step,
+                                                     absl::Duration timeout = kWait) {
+    return engine_->WaitSnapshot(WaitFor(r, step), owner_, absl::Now() + timeout);
+  }
+
+  absl::StatusOr<v1::WaitDurableReply> WaitDurable(const TestRank& r, uint64_t step) {
+    return engine_->WaitDurable(WaitFor(r, step), owner_, absl::Now() + kWait);
+  }
+
+  absl::StatusOr<v1::Plan> Plan(const TestRank& r, uint64_t step) {
+    v1::PlanRequest req;
+    req.set_job_id(r.job);
+    req.set_target_step(step);
+    return engine_->Plan(req, owner_);
+  }
+
+  // The steps of the layers in `plan`, by layer.
+  static std::vector<uint64_t> PlannedSteps(const v1::Plan& plan) {
+    std::vector<uint64_t> steps;
+    for (const v1::LayerPlan& lp : plan.layers()) steps.push_back(lp.has_version() ? lp.step() : 0);
+    return steps;
+  }
+
+  SyncPoint* const sp_ = SyncPoint::GetInstance();
+  TempDir tmp_;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<LayerStore> store_;
+  std::unique_ptr<Engine> engine_;
+  const Caller owner_{1000, 0};
+};
+
+// A 2-chunk pool: a snapshot of 4 one-chunk layers waits (bounded) for
+// room, skips what does not fit and counts it; a skipped layer is selected
+// again at the next step, skipped again while the held writer keeps the pool
+// full, and persisted once the writer has freed it.
+TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
+  EngineOptions o = OneWriter();
+  o.admission_timeout = absl::Milliseconds(50);
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/2));
+  // The explicit policy selects layers only when asked, so a step without a
+  // list carries just the layers that must be retried.
+  TestRank r = MakeRank("full", 4, v1::POLICY_EXPLICIT);
+  CKPT_ASSERT_OK(Register(&r).status());
+
+  // Steps 1 and 2 persist every layer once, so that later only a skip can
+  // bring a layer back. A snapshot holds its chunks until it is published:
+  // step 1 fits layers 0 and 1 whatever the writer does.
+  CKPT_ASSERT_OK(StepDone(r, 1, {0, 1, 2, 3}));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitSnapshotReply snap, WaitSnapshot(r, 1));
+  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+            (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(snap.skipped(), 2u);
+  EXPECT_EQ(engine_->GetStatus().snapshots_skipped(), 2u);
+  // Not every selected layer became durable at step 1; once step 1 is
+  // recorded its chunks are back in the pool.
+  CKPT_EXPECT_CODE(WaitDurable(r, 1).status(), kAborted);
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 2));
+  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+            (std::vector<uint32_t>{2, 3}));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable.durable_step(), 2u);
+
+  // From here the writer commits nothing until the test says so.
+  sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"}});
+  CKPT_ASSERT_OK(StepDone(r, 3, {0, 1, 2, 3}));
+  CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 3));
+  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+            (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(snap.skipped(), 2u);
+  v1::StatusReply status = engine_->GetStatus();
+  EXPECT_EQ(status.snapshots_skipped(), 4u);
+  EXPECT_EQ(status.pool_bytes_in_use(), status.pool_bytes()) << "step 3's versions hold the pool";
+  const uint64_t committed = status.versions_committed();
+
+  // Step 4 selects the skipped layers again, for no other reason; the pool
+  // is still full, so they are skipped again.
+  CKPT_ASSERT_OK(StepDone(r, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 4));
+  EXPECT_TRUE(snap.layers().empty());
+  EXPECT_EQ(snap.skipped(), 2u);
+  status = engine_->GetStatus();
+  EXPECT_EQ(status.snapshots_skipped(), 6u);
+  EXPECT_EQ(status.versions_committed(), committed) << "the writer was held";
+
+  CKPT_SYNC_POINT(kReleaseWriter);
+  CKPT_EXPECT_CODE(WaitDurable(r, 3).status(), kAborted);
+  CKPT_EXPECT_CODE(WaitDurable(r, 4).status(), kAborted);
+  EXPECT_EQ(engine_->GetStatus().pool_bytes_in_use(), 0u);
+  CKPT_ASSERT_OK(StepDone(r, 5));
+  CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 5));
+  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+            (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(snap.skipped(), 0u);
+  CKPT_ASSERT_OK_AND_ASSIGN(durable, WaitDurable(r, 5));
+  EXPECT_EQ(durable.durable_step(), 5u);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 5));
+  EXPECT_TRUE(plan.complete());
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{3, 3, 5, 5}));
+  EXPECT_EQ(engine_->GetStatus().snapshots_skipped(), 6u);
+}
+
+// Regression: a snapshot still being copied when its WaitSnapshot gave up
+// used to be committed anyway, although the trainer had moved on and could
+// have changed the buffers mid-copy. It must be discarded and retried.
+TEST_F(EnginePipelineTest, SnapshotFinishingAfterItsFenceWasAbandonedIsDiscarded) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  // Step 1's snapshot is held after its copy until the fence has given up.
+  sp_->LoadDependency({{kFenceAbandoned, "snapshot.before_publish"}});
+  TestRank r = MakeRank("late", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  ASSERT_TRUE(sp_->WaitForArrivals("snapshot.before_publish", 1, absl::Now() + kWait));
+  CKPT_EXPECT_CODE(WaitSnapshot(r, 1, absl::Milliseconds(50)).status(), kDeadlineExceeded);
+  CKPT_SYNC_POINT(kFenceAbandoned);
+  // The trainer went on without the fence; step 1's copy must not count.
+  CKPT_EXPECT_CODE(WaitDurable(r, 1).status(), kAborted);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 1));
+  EXPECT_FALSE(plan.complete());
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{0, 0})) << "nothing of step 1 is durable";
+  EXPECT_EQ(engine_->GetStatus().versions_committed(), 0u);
+  // The layers are retried at the next step.
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK(WaitSnapshot(r, 2).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable.durable_step(), 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(r, 2));
+  EXPECT_TRUE(plan.complete());
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
+}
+
+// Regression: Unregister without drain used to forget the rank while its
+// staged versions were still being written, so a new registration did not
+// wait for them and both wrote the same keys.
+TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration) {
+  // A short drain bound: a registration that finds the old one still writing
+  // gives up with UNAVAILABLE instead of waiting.
+  EngineOptions o = OneWriter();
+  o.drain_timeout = absl::Milliseconds(100);
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"}});
+  TestRank a = MakeRank("undrained", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitSnapshot(a, t).status());
+  }
+  v1::UnregisterRequest unreg;
+  unreg.set_job_id(a.job);
+  unreg.set_generation(a.generation);
+  unreg.set_drain(false);
+  CKPT_ASSERT_OK(engine_->Unregister(unreg, owner_, absl::Now() + kWait));
+
+  // The 6 staged versions are still unwritten (the writer is held): the new
+  // registration must not start over them.
+  TestRank b = MakeRank("undrained", 2);
+  CKPT_EXPECT_CODE(Register(&b).status(), kUnavailable);
+  EXPECT_EQ(engine_->GetStatus().versions_committed(), 0u);
+
+  // Once the writer goes on, a registration retried until the old one has
+  // drained sees every staged step of it durable.
+  CKPT_SYNC_POINT(kReleaseWriter);
+  absl::StatusOr<v1::RegisterReply> reg = Register(&b);
+  for (const absl::Time deadline = absl::Now() + kWait;
+       absl::IsUnavailable(reg.status()) && absl::Now() < deadline;) {
+    reg = Register(&b);
+  }
+  CKPT_ASSERT_OK(reg.status());
+  EXPECT_EQ(reg->latest_durable_step(), 3u);
+  EXPECT_EQ(engine_->GetStatus().versions_committed(), 6u);
+  CKPT_EXPECT_CODE(StepDone(b, 3), kFailedPrecondition);
+  CKPT_EXPECT_OK(StepDone(b, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(b, 4));
+  EXPECT_EQ(durable.durable_step(), 4u);
+}
+
+}  // namespace
+}  // namespace ckpt
