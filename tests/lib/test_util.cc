@@ -5,11 +5,14 @@
 #include <ftw.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <fstream>
 #include <sstream>
+
+#include "absl/time/clock.h"
 
 namespace ckpt {
 namespace testing {
@@ -110,6 +113,22 @@ AlignedPtr AllocAligned(size_t bytes, size_t alignment) {
     return AlignedPtr(nullptr);
   }
   return AlignedPtr(static_cast<char*>(p));
+}
+
+pid_t ThreadId() { return static_cast<pid_t>(::syscall(SYS_gettid)); }
+
+bool WaitUntilThreadSleeps(pid_t tid, absl::Time deadline) {
+  const std::string path = "/proc/self/task/" + std::to_string(tid) + "/stat";
+  for (;;) {
+    // "<tid> (<comm>) <state> ...": the state follows the last ')'.
+    std::string stat = ReadFile(path);
+    const size_t paren = stat.rfind(')');
+    if (paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] == 'S') {
+      return true;
+    }
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));  // between polls of a state; bounded by `deadline`
+  }
 }
 
 }  // namespace testing

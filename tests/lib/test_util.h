@@ -1,6 +1,9 @@
 // Shared helpers for ckptd unit tests: status assertions, temporary
-// directories, seeded random bytes, aligned buffers and fd counting.
+// directories, seeded random bytes, aligned buffers, fd counting and waiting
+// for a thread to block.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -11,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 
 namespace ckpt {
@@ -64,6 +68,15 @@ void WriteFile(const std::string& path, const std::string& data);
 // The contents of `path`, or "<missing>" when it cannot be read.
 std::string ReadFile(const std::string& path);
 bool PathExists(const std::string& path);
+
+// The calling thread's kernel id (gettid).
+pid_t ThreadId();
+// Polls /proc/self/task/<tid>/stat until thread `tid` of this process is
+// asleep in a blocking call (state S), or `deadline` passes; true if it is.
+// The signal that a thread has reached a wait which the code under test does
+// not expose: once the thread has only one blocking call left ahead of it,
+// sleeping means it is there.
+bool WaitUntilThreadSleeps(pid_t tid, absl::Time deadline);
 
 // 4096-aligned memory from posix_memalign.
 struct FreeDeleter {

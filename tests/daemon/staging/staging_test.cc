@@ -135,17 +135,22 @@ TEST(StagingPoolTest, ReleaseFromAnotherThreadUnblocksWaiter) {
   std::unique_ptr<StagingPool> pool = MakePool();
   ASSERT_NE(pool, nullptr);
   CKPT_ASSERT_OK_AND_ASSIGN(StagingLease all, pool->Acquire(kChunks * kChunk, Soon()));
-  std::atomic<bool> started{false};
+  std::atomic<pid_t> waiter_tid{0};
   absl::Status waiter_status;
   size_t waiter_chunks = 0;
   std::thread waiter([&] {
-    started = true;
+    waiter_tid = ::ckpt::testing::ThreadId();
+    // From here the only blocking call is Acquire's wait for free chunks.
     absl::StatusOr<StagingLease> lease = pool->Acquire(3 * kChunk, Soon());
     waiter_status = lease.status();
     if (lease.ok()) waiter_chunks = lease->chunk_count();
   });
-  while (!started) std::this_thread::yield();
-  absl::SleepFor(absl::Milliseconds(20));  // let the waiter block (not required for correctness)
+  while (waiter_tid == 0) std::this_thread::yield();
+  // The release must find the waiter blocked, so that it is the release
+  // that wakes it up.
+  const bool blocked =
+      ::ckpt::testing::WaitUntilThreadSleeps(waiter_tid, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(blocked) << "the waiter never blocked in Acquire";
   std::thread releaser([lease = std::move(all)]() mutable {
     StagingLease gone = std::move(lease);
   });
