@@ -405,10 +405,15 @@ TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
 }
 
 TEST_F(HandoverServerTest, TokenExpires) {
-  StartServer(absl::Milliseconds(50));
+  constexpr absl::Duration kTtl = absl::Milliseconds(50);
+  StartServer(kTtl);
   std::vector<MemfdRegion> regions = MakeRegions(1);
   CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(regions));
-  absl::SleepFor(absl::Milliseconds(200));
+  // The server stamped the token before HandOver returned, so it has expired
+  // once the clock is past this instant. No thread is raced here; the wait is
+  // for the clock, polled until it has certainly passed the expiry.
+  const absl::Time expired = absl::Now() + kTtl;
+  while (absl::Now() <= expired) absl::SleepFor(expired - absl::Now() + absl::Milliseconds(1));
   CKPT_EXPECT_CODE(server_->Claim(token, ::getuid()), kNotFound);
 }
 
