@@ -116,12 +116,8 @@ int main(int argc, char** argv) {
                  << report->uncommitted_versions_removed << " unacknowledged versions and "
                  << report->dangling_records_removed << " dangling records removed";
 
-  StagingPoolOptions pool_options;
-  pool_options.budget_bytes = config.staging_pool_bytes;
-  pool_options.chunk_bytes = config.staging_chunk_bytes;
-  pool_options.lock_memory = config.lock_staging_memory;
   const absl::Time pool_start = absl::Now();
-  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(pool_options);
+  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(config.staging);
   if (!pool.ok()) return Fail("staging pool", pool.status());
   CKPT_LOG(INFO) << "staging pool: " << (*pool)->budget_bytes() << " bytes in "
                  << (*pool)->chunk_bytes() << "-byte chunks, pre-faulted in "
@@ -146,24 +142,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  EngineOptions eo;
+  EngineOptions eo = config.engine;
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
-  eo.max_disk_bytes = config.max_disk_bytes;
-  eo.min_free_disk_bytes = config.min_free_disk_bytes;
   eo.metrics_address = metrics_address;
-  eo.writer_threads = config.writer_threads;
-  eo.snapshot_threads = config.snapshot_threads;
-  eo.io_backend = *ParseIoBackendKind(config.io_backend);
-  eo.io_queue_depth = config.io_queue_depth;
-  eo.admission_timeout = absl::Milliseconds(config.admission_timeout_ms);
-  eo.drain_timeout = absl::Milliseconds(config.drain_timeout_ms);
-  eo.max_aux_bytes = config.max_aux_bytes;
-  eo.drift_threads = static_cast<int>(config.drift_threads);
-  eo.retention.keep_last_events = config.keep_last_events;
-  eo.retention.keep_every_steps = config.keep_every_steps;
-  eo.retention.keep_hours = config.keep_hours;
-  eo.gc_interval = absl::Seconds(config.gc_interval_s);
   Engine engine(eo, index->get(), &store, pool->get());
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
@@ -182,18 +164,14 @@ int main(int argc, char** argv) {
     }
   }
 
-  HandoverOptions ho;
+  HandoverOptions ho = config.handover;
   ho.socket_path = config.HandoverSocketPath();
-  ho.token_ttl = absl::Seconds(config.handover_token_ttl_s);
   HandoverServer handover(ho);
   if (absl::Status s = handover.Start(); !s.ok()) return Fail("handover socket", s);
 
-  RpcServerOptions ro;
+  RpcServerOptions ro = config.rpc;
   ro.socket_path = config.socket;
-  ro.max_message_bytes = static_cast<int>(config.max_message_bytes);
-  ro.max_calls_per_uid = static_cast<int>(config.max_calls_per_uid);
-  ro.max_heavy_calls = static_cast<int>(config.max_heavy_calls);
-  ro.config_text = DumpConfig(config);
+  ro.config_text = DumpConfig(config, ConfigTitle::kEffective);
   RpcServer rpc(ro, &engine, &handover);
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
   CKPT_LOG(INFO) << "ckptd ready on " << config.socket << " (handover " << ho.socket_path << ")";
@@ -210,7 +188,7 @@ int main(int argc, char** argv) {
   CKPT_LOG(INFO) << "signal " << sig << ": shutting down";
   NotifyStopping();
   watchdog.Stop();  // systemd disarms the watchdog once the unit is stopping
-  const absl::Duration grace = absl::Milliseconds(config.shutdown_grace_ms);
+  const absl::Duration grace = config.shutdown_grace;
   // The engine first: it refuses new steps, wakes every waiter and lets the
   // writers finish staged versions; then the RPC server can stop quickly.
   engine.Shutdown(grace);

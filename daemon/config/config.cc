@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
@@ -13,141 +14,213 @@
 namespace ckpt {
 namespace {
 
+// One option: its name, documentation, how to read and write it in a
+// DaemonConfig, and the bound check Validate() runs.
 struct Option {
   const char* name;
   const char* help;
   std::function<absl::Status(const std::string&, DaemonConfig*)> set;
   std::function<std::string(const DaemonConfig&)> get;
+  std::function<absl::Status(const DaemonConfig&)> check;
 };
 
-template <typename T>
-Option Num(const char* name, const char* help, T DaemonConfig::*field) {
+// The field an option binds: `DaemonConfig& -> T&`.
+#define CKPT_FIELD(expr) [](DaemonConfig& c) -> auto& { return c.expr; }
+
+template <typename Field>
+auto& Get(const Field& field, const DaemonConfig& c) {
+  return field(const_cast<DaemonConfig&>(c));
+}
+
+absl::Status NotANumber(const char* name, const std::string& v) {
+  return absl::InvalidArgumentError(absl::StrCat("option ", name, ": '", v, "' is not a valid number"));
+}
+
+absl::Status OutOfBounds(const char* name, uint64_t min, uint64_t max) {
+  return max == std::numeric_limits<uint64_t>::max()
+             ? absl::InvalidArgumentError(absl::StrCat(name, " must be at least ", min))
+             : absl::InvalidArgumentError(absl::StrCat(name, " must be ", min, "..", max));
+}
+
+// An unsigned integer in [min, max].
+template <typename Field>
+Option Num(const char* name, const char* help, Field field, uint64_t min,
+           uint64_t max = std::numeric_limits<uint64_t>::max()) {
+  using T = std::remove_reference_t<decltype(field(std::declval<DaemonConfig&>()))>;
   return Option{name, help,
                 [name, field](const std::string& v, DaemonConfig* c) {
                   uint64_t x;
-                  if (!absl::SimpleAtoi(v, &x) || x > static_cast<uint64_t>(~T{0})) {
-                    return absl::InvalidArgumentError(
-                        absl::StrCat("option ", name, ": '", v, "' is not a valid number"));
+                  if (!absl::SimpleAtoi(v, &x) || x > static_cast<uint64_t>(std::numeric_limits<T>::max())) {
+                    return NotANumber(name, v);
                   }
-                  c->*field = static_cast<T>(x);
+                  field(*c) = static_cast<T>(x);
                   return absl::OkStatus();
                 },
-                [field](const DaemonConfig& c) { return absl::StrCat(c.*field); }};
+                [field](const DaemonConfig& c) { return absl::StrCat(Get(field, c)); },
+                [name, field, min, max](const DaemonConfig& c) {
+                  const uint64_t x = static_cast<uint64_t>(Get(field, c));
+                  return x < min || x > max ? OutOfBounds(name, min, max) : absl::OkStatus();
+                }};
 }
 
-Option Str(const char* name, const char* help, std::string DaemonConfig::*field) {
+// An absl::Duration written as an integer number of `unit`s, in [min, max] units.
+template <typename Field>
+Option Time(const char* name, const char* help, Field field, absl::Duration unit, uint64_t min,
+            uint64_t max) {
+  return Option{name, help,
+                [name, field, unit](const std::string& v, DaemonConfig* c) {
+                  uint64_t x;
+                  if (!absl::SimpleAtoi(v, &x) || x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+                    return NotANumber(name, v);
+                  }
+                  field(*c) = unit * static_cast<int64_t>(x);
+                  return absl::OkStatus();
+                },
+                [field, unit](const DaemonConfig& c) {
+                  absl::Duration rest;
+                  return absl::StrCat(absl::IDivDuration(Get(field, c), unit, &rest));
+                },
+                [name, field, unit, min, max](const DaemonConfig& c) {
+                  absl::Duration rest;
+                  const int64_t x = absl::IDivDuration(Get(field, c), unit, &rest);
+                  return x < 0 || static_cast<uint64_t>(x) < min || static_cast<uint64_t>(x) > max
+                             ? OutOfBounds(name, min, max)
+                             : absl::OkStatus();
+                }};
+}
+
+template <typename Field>
+Option Str(const char* name, const char* help, Field field, bool required = false) {
   return Option{name, help,
                 [field](const std::string& v, DaemonConfig* c) {
-                  c->*field = v;
+                  field(*c) = v;
                   return absl::OkStatus();
                 },
-                [field](const DaemonConfig& c) { return c.*field; }};
+                [field](const DaemonConfig& c) { return std::string(Get(field, c)); },
+                [name, field, required](const DaemonConfig& c) {
+                  return required && Get(field, c).empty()
+                             ? absl::InvalidArgumentError(absl::StrCat(name, " must be set"))
+                             : absl::OkStatus();
+                }};
 }
 
-Option Bool(const char* name, const char* help, bool DaemonConfig::*field) {
+template <typename Field>
+Option Bool(const char* name, const char* help, Field field) {
   return Option{name, help,
                 [name, field](const std::string& v, DaemonConfig* c) {
                   if (v == "true" || v == "1" || v == "yes") {
-                    c->*field = true;
+                    field(*c) = true;
                   } else if (v == "false" || v == "0" || v == "no") {
-                    c->*field = false;
+                    field(*c) = false;
                   } else {
                     return absl::InvalidArgumentError(
                         absl::StrCat("option ", name, ": '", v, "' is not true or false"));
                   }
                   return absl::OkStatus();
                 },
-                [field](const DaemonConfig& c) { return std::string(c.*field ? "true" : "false"); }};
+                [field](const DaemonConfig& c) { return std::string(Get(field, c) ? "true" : "false"); },
+                [](const DaemonConfig&) { return absl::OkStatus(); }};
 }
+
+Option Backend(const char* name, const char* help) {
+  return Option{name, help,
+                [name](const std::string& v, DaemonConfig* c) {
+                  absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(v);
+                  if (!kind.ok()) {
+                    return absl::InvalidArgumentError(
+                        absl::StrCat("option ", name, ": '", v, "' is not auto, io_uring or pwrite"));
+                  }
+                  c->engine.io_backend = *kind;
+                  return absl::OkStatus();
+                },
+                [](const DaemonConfig& c) { return std::string(IoBackendKindName(c.engine.io_backend)); },
+                [](const DaemonConfig&) { return absl::OkStatus(); }};
+}
+
+
+// Below this not even a Register of one small layer fits.
+constexpr uint64_t kMinMessageBytes = 4096;
 
 const std::vector<Option>& Options() {
   static const std::vector<Option>* options = new std::vector<Option>{
-      Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", &DaemonConfig::socket),
+      Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", CKPT_FIELD(socket),
+          /*required=*/true),
       Str("handover_socket", "Unix socket for passing memfd regions; empty = <socket>.fds",
-          &DaemonConfig::handover_socket),
-      Str("data_dir", "where layer versions and the RocksDB index live", &DaemonConfig::data_dir),
+          CKPT_FIELD(handover_socket)),
+      Str("data_dir", "where layer versions and the RocksDB index live", CKPT_FIELD(data_dir),
+          /*required=*/true),
       Num("staging_pool_bytes",
           "node-wide pinned staging memory; every layer must fit; never grows",
-          &DaemonConfig::staging_pool_bytes),
+          CKPT_FIELD(staging.budget_bytes), kChunkAlignment),
       Num("staging_chunk_bytes", "staging allocation unit and I/O size (multiple of 4096)",
-          &DaemonConfig::staging_chunk_bytes),
+          CKPT_FIELD(staging.chunk_bytes), kChunkAlignment),
       Bool("lock_staging_memory", "mlock the staging pool (needs LimitMEMLOCK)",
-           &DaemonConfig::lock_staging_memory),
-      Num("writer_threads", "layer versions written concurrently", &DaemonConfig::writer_threads),
-      Num("snapshot_threads", "ranks snapshotted concurrently", &DaemonConfig::snapshot_threads),
-      Str("io_backend", "auto | io_uring | pwrite (auto falls back to pwrite)",
-          &DaemonConfig::io_backend),
-      Num("io_queue_depth", "chunk writes in flight per writer", &DaemonConfig::io_queue_depth),
+           CKPT_FIELD(staging.lock_memory)),
+      Num("writer_threads", "layer versions written concurrently", CKPT_FIELD(engine.writer_threads),
+          1, 64),
+      Num("snapshot_threads", "ranks snapshotted concurrently", CKPT_FIELD(engine.snapshot_threads),
+          1, 64),
+      Backend("io_backend", "auto | io_uring | pwrite (auto falls back to pwrite)"),
+      Num("io_queue_depth", "chunk writes in flight per writer", CKPT_FIELD(engine.io_queue_depth),
+          1, 4096),
       Bool("direct_io", "O_DIRECT for layer files (falls back where unsupported)",
-           &DaemonConfig::direct_io),
-      Num("admission_timeout_ms",
-          "how long a snapshot waits for staging memory before the layer is skipped and counted",
-          &DaemonConfig::admission_timeout_ms),
-      Num("drain_timeout_ms", "how long a re-registration waits for the old one's writes",
-          &DaemonConfig::drain_timeout_ms),
-      Num("shutdown_grace_ms", "on SIGTERM, how long staged versions may still be written",
-          &DaemonConfig::shutdown_grace_ms),
-      Num("max_message_bytes", "largest gRPC message accepted", &DaemonConfig::max_message_bytes),
+           CKPT_FIELD(direct_io)),
+      Time("admission_timeout_ms",
+           "how long a snapshot waits for staging memory before the layer is skipped and counted",
+           CKPT_FIELD(engine.admission_timeout), absl::Milliseconds(1), 0, 3600 * 1000),
+      Time("drain_timeout_ms", "how long a re-registration waits for the old one's writes",
+           CKPT_FIELD(engine.drain_timeout), absl::Milliseconds(1), 0, 3600 * 1000),
+      Time("shutdown_grace_ms", "on SIGTERM, how long staged versions may still be written",
+           CKPT_FIELD(shutdown_grace), absl::Milliseconds(1), 0, 3600 * 1000),
+      Num("max_message_bytes", "largest gRPC message accepted", CKPT_FIELD(rpc.max_message_bytes),
+          kMinMessageBytes, std::numeric_limits<int>::max()),
       Num("max_calls_per_uid", "calls one user may have in flight; more fail with RESOURCE_EXHAUSTED",
-          &DaemonConfig::max_calls_per_uid),
+          CKPT_FIELD(rpc.max_calls_per_uid), 1, 1 << 20),
       Num("max_heavy_calls", "verify, export and gc calls running at once, node-wide",
-          &DaemonConfig::max_heavy_calls),
+          CKPT_FIELD(rpc.max_heavy_calls), 1, 1 << 20),
       Num("max_aux_bytes", "largest per-step aux blob (RNG, scheduler, data position)",
-          &DaemonConfig::max_aux_bytes),
-      Num("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
-          &DaemonConfig::handover_token_ttl_s),
+          CKPT_FIELD(engine.max_aux_bytes), 0, 64 << 20),
+      Time("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
+           CKPT_FIELD(handover.token_ttl), absl::Seconds(1), 1, 24 * 3600),
       Num("drift_threads", "CPU threads of the LayerCheck drift kernel per snapshot",
-          &DaemonConfig::drift_threads),
+          CKPT_FIELD(engine.drift_threads), 1, 256),
       Num("keep_last_events",
           "retention: the composite plans of the newest N checkpoint events stay restorable",
-          &DaemonConfig::keep_last_events),
+          CKPT_FIELD(engine.retention.keep_last_events), 0),
       Num("keep_every_steps",
           "retention: plans at steps that are multiples of M stay restorable (0 = off)",
-          &DaemonConfig::keep_every_steps),
+          CKPT_FIELD(engine.retention.keep_every_steps), 0),
       Num("keep_hours", "retention: plans of events younger than T hours stay restorable (0 = off)",
-          &DaemonConfig::keep_hours),
-      Num("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc`)",
-          &DaemonConfig::gc_interval_s),
+          CKPT_FIELD(engine.retention.keep_hours), 0),
+      Time("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc`)",
+           CKPT_FIELD(engine.gc_interval), absl::Seconds(1), 0, 365 * 24 * 3600),
       Num("max_disk_bytes",
           "bound on committed version bytes; past it new versions fail, counted (0 = none)",
-          &DaemonConfig::max_disk_bytes),
+          CKPT_FIELD(engine.max_disk_bytes), 0),
       Num("min_free_disk_bytes",
           "new versions fail while the data file system has less free (RocksDB keeps room)",
-          &DaemonConfig::min_free_disk_bytes),
+          CKPT_FIELD(engine.min_free_disk_bytes), 0),
       Str("metrics_address",
           "Prometheus endpoint host:port (empty = off; a bind failure is a warning)",
-          &DaemonConfig::metrics_address),
+          CKPT_FIELD(metrics_address)),
       Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
-          &DaemonConfig::max_layer_series),
+          CKPT_FIELD(max_layer_series), 0),
   };
   return *options;
 }
 
+#undef CKPT_FIELD
+
 }  // namespace
 
 absl::Status DaemonConfig::Validate() const {
-  if (socket.empty() || data_dir.empty()) return absl::InvalidArgumentError("socket and data_dir must be set");
-  if (staging_chunk_bytes == 0 || staging_chunk_bytes % 4096 != 0) {
-    return absl::InvalidArgumentError("staging_chunk_bytes must be a positive multiple of 4096");
+  for (const Option& o : Options()) CKPT_RETURN_IF_ERROR(o.check(*this));
+  if (staging.chunk_bytes % kChunkAlignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("staging_chunk_bytes must be a positive multiple of ", kChunkAlignment));
   }
-  if (staging_pool_bytes < staging_chunk_bytes) {
+  if (staging.budget_bytes < staging.chunk_bytes) {
     return absl::InvalidArgumentError("staging_pool_bytes must hold at least one chunk");
-  }
-  if (writer_threads == 0 || writer_threads > 64 || snapshot_threads == 0 || snapshot_threads > 64) {
-    return absl::InvalidArgumentError("writer_threads and snapshot_threads must be 1..64");
-  }
-  if (drift_threads == 0 || drift_threads > 256) {
-    return absl::InvalidArgumentError("drift_threads must be 1..256");
-  }
-  if (io_queue_depth == 0 || io_queue_depth > 4096) {
-    return absl::InvalidArgumentError("io_queue_depth must be 1..4096");
-  }
-  if (io_backend != "auto" && io_backend != "io_uring" && io_backend != "pwrite") {
-    return absl::InvalidArgumentError("io_backend must be auto, io_uring or pwrite");
-  }
-  if (max_message_bytes < 4096) return absl::InvalidArgumentError("max_message_bytes too small");
-  if (max_calls_per_uid == 0 || max_heavy_calls == 0) {
-    return absl::InvalidArgumentError("max_calls_per_uid and max_heavy_calls must be at least 1");
   }
   return absl::OkStatus();
 }
@@ -158,7 +231,6 @@ absl::Status SetConfigOption(const std::string& key, const std::string& value, D
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown option '", key, "'"));
 }
-
 absl::Status ParseConfigText(const std::string& text, DaemonConfig* config) {
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -187,10 +259,13 @@ absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config) {
   return ParseConfigText(ss.str(), config);
 }
 
-std::string DumpConfig(const DaemonConfig& config) {
+std::string DumpConfig(const DaemonConfig& config, ConfigTitle title) {
   std::string out =
-      "# ckptd configuration. Generated by `ckptd --dump-default-config`; every\n"
-      "# option is shown with its default. Flags (--key=value) override this file.\n";
+      title == ConfigTitle::kDefaults
+          ? "# ckptd configuration. Generated by `ckptd --dump-default-config`; every\n"
+            "# option is shown with its default. Flags (--key=value) override this file.\n"
+          : "# The configuration this ckptd runs with: the config file and flags applied\n"
+            "# over the defaults (`ckptd --dump-default-config` prints those).\n";
   for (const Option& o : Options()) {
     absl::StrAppend(&out, "\n# ", o.help, "\n", o.name, " = ", o.get(config), "\n");
   }

@@ -64,6 +64,9 @@
 
 namespace ckpt {
 
+// The engine's options. The defaults are ckptd's: daemon/config binds each
+// configurable one to its config-file key (config.cc), so they are declared
+// here and nowhere else.
 struct EngineOptions {
   std::string data_dir;               // reported by Status
   std::string metrics_address;        // reported by Status ("" = off)
@@ -80,9 +83,9 @@ struct EngineOptions {
   uint64_t max_disk_bytes = 0;        // bound on committed version bytes; 0 = none
   // Layer versions are refused while the data file system has less free than
   // this (plus the version), so RocksDB's WAL never meets a full disk.
-  uint64_t min_free_disk_bytes = 0;
+  uint64_t min_free_disk_bytes = 64 << 20;
   Metrics* metrics = nullptr;         // optional; not owned
-  absl::Duration gc_interval = absl::ZeroDuration();  // periodic GC of every job; 0 = off
+  absl::Duration gc_interval = absl::Minutes(5);  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
   // The CUDA calls behind GPU registrations; null = the CUDA runtime's (or,
   // without CUDA, a twin that refuses GPU registrations). Not owned.

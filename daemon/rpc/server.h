@@ -37,7 +37,7 @@ class Service;
 namespace ckpt {
 
 struct RpcServerOptions {
-  std::string socket_path = "/run/ckptd/ckptd.sock";
+  std::string socket_path;  // DaemonConfig::socket
   int max_message_bytes = 64 << 20;
   absl::Duration default_wait = absl::Seconds(30);  // waits without a client deadline
   std::string config_text;  // the effective config, served by Admin.Config

@@ -51,9 +51,9 @@ void StagingLease::Zero(uint64_t offset, uint64_t len) {
 }
 
 absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingPoolOptions& o) {
-  if (o.chunk_bytes == 0 || o.chunk_bytes % 4096 != 0) {
+  if (o.chunk_bytes == 0 || o.chunk_bytes % kChunkAlignment != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("staging chunk size ", o.chunk_bytes, " is not a positive multiple of 4096"));
+        absl::StrCat("staging chunk size ", o.chunk_bytes, " is not a positive multiple of ", kChunkAlignment));
   }
   if (o.budget_bytes < o.chunk_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("staging budget ", o.budget_bytes,

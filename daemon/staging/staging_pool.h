@@ -71,6 +71,11 @@ class StagingLease {
   std::vector<char*> chunks_;
 };
 
+// Chunks are written with O_DIRECT, so their size is a multiple of the
+// direct-I/O alignment (kDirectAlignment, daemon/io/io_backend.h; the store
+// checks that the two agree).
+inline constexpr uint64_t kChunkAlignment = 4096;
+
 struct StagingPoolOptions {
   uint64_t budget_bytes = uint64_t{1} << 30;
   uint64_t chunk_bytes = uint64_t{4} << 20;

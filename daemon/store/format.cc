@@ -12,6 +12,9 @@
 #include "daemon/io/io_backend.h"
 
 namespace ckpt {
+
+static_assert(kChunkAlignment % kDirectAlignment == 0,
+              "staging chunks are written with O_DIRECT");
 namespace {
 
 void PutU32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }

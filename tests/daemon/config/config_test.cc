@@ -1,6 +1,7 @@
 // Tests of daemon/config: parsing, dumping and validation of DaemonConfig.
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/config/config.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
@@ -29,29 +30,29 @@ TEST(ConfigTest, EveryOptionRoundTrips) {
   c.socket = "/tmp/x/ckptd.sock";
   c.handover_socket = "/tmp/x/fds.sock";
   c.data_dir = "/data/ckpt";
-  c.staging_pool_bytes = uint64_t{5} << 33;  // above 32 bits
-  c.staging_chunk_bytes = 8192;
-  c.lock_staging_memory = false;
-  c.writer_threads = 7;
-  c.snapshot_threads = 3;
-  c.io_backend = "pwrite";
-  c.io_queue_depth = 64;
+  c.staging.budget_bytes = uint64_t{5} << 33;  // above 32 bits
+  c.staging.chunk_bytes = 8192;
+  c.staging.lock_memory = false;
+  c.engine.writer_threads = 7;
+  c.engine.snapshot_threads = 3;
+  c.engine.io_backend = IoBackendKind::kPwrite;
+  c.engine.io_queue_depth = 64;
   c.direct_io = false;
-  c.admission_timeout_ms = 11;
-  c.drain_timeout_ms = 12;
-  c.shutdown_grace_ms = 13;
-  c.max_message_bytes = 1 << 22;
-  c.max_aux_bytes = 14;
-  c.handover_token_ttl_s = 15;
+  c.engine.admission_timeout = absl::Milliseconds(11);
+  c.engine.drain_timeout = absl::Milliseconds(12);
+  c.shutdown_grace = absl::Milliseconds(13);
+  c.rpc.max_message_bytes = 1 << 22;
+  c.engine.max_aux_bytes = 14;
+  c.handover.token_ttl = absl::Seconds(15);
   const std::string text = DumpConfig(c);
   EXPECT_NE(text, DumpConfig(DaemonConfig()));
   DaemonConfig parsed;
   CKPT_ASSERT_OK(ParseConfigText(text, &parsed));
   EXPECT_EQ(DumpConfig(parsed), text);
-  EXPECT_EQ(parsed.staging_pool_bytes, uint64_t{5} << 33);
-  EXPECT_EQ(parsed.writer_threads, 7u);
+  EXPECT_EQ(parsed.staging.budget_bytes, uint64_t{5} << 33);
+  EXPECT_EQ(parsed.engine.writer_threads, 7u);
   EXPECT_FALSE(parsed.direct_io);
-  EXPECT_EQ(parsed.io_backend, "pwrite");
+  EXPECT_EQ(parsed.engine.io_backend, IoBackendKind::kPwrite);
   EXPECT_EQ(parsed.HandoverSocketPath(), "/tmp/x/fds.sock");
 }
 
@@ -76,7 +77,7 @@ TEST(ConfigTest, CommentsWhitespaceAndBlankLines) {
       "\tdirect_io=no\r\n"
       "data_dir = /srv/ckpt\n",
       &c));
-  EXPECT_EQ(c.writer_threads, 9u);
+  EXPECT_EQ(c.engine.writer_threads, 9u);
   EXPECT_FALSE(c.direct_io);
   EXPECT_EQ(c.data_dir, "/srv/ckpt");
 }
@@ -101,7 +102,7 @@ TEST(ConfigTest, BadNumbers) {
   }
   DaemonConfig c;
   CKPT_ASSERT_OK(ParseConfigText("writer_threads = 4294967295", &c));
-  EXPECT_EQ(c.writer_threads, 4294967295u);
+  EXPECT_EQ(c.engine.writer_threads, 4294967295u);
 }
 
 TEST(ConfigTest, BadBoolAndMissingEquals) {
@@ -125,33 +126,61 @@ TEST(ConfigTest, SetConfigOptionUnknownKey) {
 
 TEST(ConfigTest, ValidateRejectsBadValues) {
   DaemonConfig c;
-  c.staging_chunk_bytes = 4097;
+  c.staging.chunk_bytes = 4097;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
-  c.staging_chunk_bytes = 0;
+  c.staging.chunk_bytes = 0;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
-  c.staging_chunk_bytes = 6144;
+  c.staging.chunk_bytes = 6144;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
   c = DaemonConfig();
-  c.io_backend = "foo";
-  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
-  c.io_backend = "";
-  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  CKPT_EXPECT_CODE(SetConfigOption("io_backend", "foo", &c), kInvalidArgument);
+  CKPT_EXPECT_CODE(SetConfigOption("io_backend", "", &c), kInvalidArgument);
   for (const char* ok : {"auto", "io_uring", "pwrite"}) {
-    c.io_backend = ok;
+    CKPT_ASSERT_OK(SetConfigOption("io_backend", ok, &c)) << ok;
     CKPT_EXPECT_OK(c.Validate()) << ok;
   }
   c = DaemonConfig();
-  c.staging_pool_bytes = c.staging_chunk_bytes - 1;
+  c.staging.budget_bytes = c.staging.chunk_bytes - 1;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
   c = DaemonConfig();
-  c.writer_threads = 0;
+  c.engine.writer_threads = 0;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
   c = DaemonConfig();
-  c.io_queue_depth = 0;
+  c.engine.io_queue_depth = 0;
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
   c = DaemonConfig();
   c.data_dir = "";
   CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  c = DaemonConfig();
+  c.engine.writer_threads = 65;  // every bound comes from the option table
+  absl::Status s = c.Validate();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "writer_threads must be 1..64")) << s;
+}
+
+// The subsystems' option structs are the one place each default is declared:
+// the config file's defaults are theirs.
+TEST(ConfigTest, DefaultsAreTheSubsystemsDefaults) {
+  const DaemonConfig c;
+  const EngineOptions engine;
+  EXPECT_EQ(c.engine.writer_threads, engine.writer_threads);
+  EXPECT_EQ(c.engine.gc_interval, engine.gc_interval);
+  EXPECT_EQ(c.engine.min_free_disk_bytes, engine.min_free_disk_bytes);
+  EXPECT_EQ(c.staging.budget_bytes, StagingPoolOptions().budget_bytes);
+  EXPECT_EQ(c.handover.token_ttl, HandoverOptions().token_ttl);
+  EXPECT_EQ(c.rpc.max_calls_per_uid, RpcServerOptions().max_calls_per_uid);
+  const std::string text = DumpConfig(c);
+  EXPECT_TRUE(Contains(text, absl::StrCat("\nwriter_threads = ", engine.writer_threads, "\n")));
+  EXPECT_TRUE(Contains(text, absl::StrCat("\ngc_interval_s = ",
+                                          absl::ToInt64Seconds(engine.gc_interval), "\n")));
+}
+
+TEST(ConfigTest, EffectiveConfigIsTitledAsSuch) {
+  DaemonConfig c;
+  c.engine.writer_threads = 5;
+  const std::string text = DumpConfig(c, ConfigTitle::kEffective);
+  EXPECT_FALSE(Contains(text, "shown with its default")) << text;
+  EXPECT_TRUE(Contains(text, "\nwriter_threads = 5\n")) << text;
 }
 
 TEST(ConfigTest, HandoverSocketDefaultsNextToTheSocket) {
@@ -168,7 +197,7 @@ TEST(ConfigTest, LoadConfigFile) {
   CKPT_EXPECT_CODE(LoadConfigFile(tmp.Join("missing.conf"), &c), kNotFound);
   WriteFile(tmp.Join("ckptd.conf"), "io_queue_depth = 33\nsocket = /s\n");
   CKPT_ASSERT_OK(LoadConfigFile(tmp.Join("ckptd.conf"), &c));
-  EXPECT_EQ(c.io_queue_depth, 33u);
+  EXPECT_EQ(c.engine.io_queue_depth, 33u);
   EXPECT_EQ(c.socket, "/s");
 }
 
