@@ -51,6 +51,7 @@
 #include "daemon/engine/disk_budget.h"
 #include "daemon/engine/leases.h"
 #include "daemon/engine/registration.h"
+#include "daemon/engine/step_types.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/shm/rank_memory.h"
 #include "daemon/io/io_backend.h"
@@ -122,25 +123,33 @@ class Engine {
   // calling process (caller.pid) exits.
   absl::StatusOr<v1::RegisterReply> Register(const v1::RegisterRequest& req,
                                              std::vector<UniqueFd> fds, const Caller& caller);
-  // Queues step `step` and returns. FAILED_PRECONDITION for a stale
+  // Queues the step and returns. FAILED_PRECONDITION for a stale
   // generation or a step not above the last one; INVALID_ARGUMENT for an
   // oversized aux blob or a bad layer list.
-  absl::Status StepDone(const v1::StepDoneRequest& req, const Caller& caller);
-  absl::StatusOr<v1::WaitSnapshotReply> WaitSnapshot(const v1::WaitRequest& req,
-                                                     const Caller& caller, absl::Time deadline);
-  // OK once every layer's newest version selected at or before `step` is
-  // durable. ABORTED when some of them failed (they are retried next step).
-  absl::StatusOr<v1::WaitDurableReply> WaitDurable(const v1::WaitRequest& req,
-                                                   const Caller& caller, absl::Time deadline);
+  absl::Status StepDone(const StepReport& report, const Caller& caller);
+  // The fence: returns once snapshot `step` is in staging.
+  // DEADLINE_EXCEEDED at `deadline` (the snapshot is then void, see
+  // docs/design-changes.md); ABORTED when the registration ended.
+  absl::StatusOr<SnapshotTaken> WaitSnapshot(const RankRef& rank, uint64_t step,
+                                             const Caller& caller, absl::Time deadline);
+  // The durable step once every layer's newest version selected at or before
+  // `step` is durable. ABORTED when some of them failed (they are retried
+  // next step).
+  absl::StatusOr<uint64_t> WaitDurable(const RankRef& rank, uint64_t step, const Caller& caller,
+                                       absl::Time deadline);
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& req, const Caller& caller);
   absl::StatusOr<v1::RestoreReply> Restore(const v1::RestoreRequest& req, const Caller& caller);
-  absl::Status Unregister(const v1::UnregisterRequest& req, const Caller& caller,
+  // Ends the registration; with `drain`, first waits (until `deadline`) for
+  // its staged versions to become durable.
+  absl::Status Unregister(const RankRef& rank, bool drain, const Caller& caller,
                           absl::Time deadline);
   // Multi-rank LayerCheck: the rank's partial per-layer sums of `step` (waits
   // until computed), and the all-reduced vector that lets the step proceed.
-  absl::StatusOr<v1::DriftReply> DriftPartials(const v1::WaitRequest& req, const Caller& caller,
-                                               absl::Time deadline);
-  absl::Status SetGlobalDrift(const v1::GlobalDriftRequest& req, const Caller& caller);
+  absl::StatusOr<std::vector<drift::LayerSums>> DriftPartials(const RankRef& rank, uint64_t step,
+                                                              const Caller& caller,
+                                                              absl::Time deadline);
+  absl::Status SetGlobalDrift(const RankRef& rank, uint64_t step,
+                              const std::vector<drift::LayerSums>& global, const Caller& caller);
 
   v1::StatusReply GetStatus();
   absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
@@ -175,8 +184,7 @@ class Engine {
   // The live registration of (job, rank) with this generation, for this
   // caller: NOT_FOUND (kNotRegistered), PERMISSION_DENIED or
   // FAILED_PRECONDITION (kStaleGeneration).
-  absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const std::string& job, uint32_t rank,
-                                                   uint64_t generation, const Caller& caller)
+  absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const RankRef& ref, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckOwner(const std::string& job, const Caller& caller);
   // Closes the GPU mappings of ranks whose trainer process exited.

@@ -83,45 +83,41 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   if (s.ok()) r->durable_step = batch.back().first;
 }
 
-absl::StatusOr<v1::WaitDurableReply> Engine::WaitDurable(const v1::WaitRequest& req,
-                                                         const Caller& caller,
-                                                         absl::Time deadline) {
-  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
+                                             const Caller& caller, absl::Time deadline) {
   std::shared_ptr<Rank> r;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
   }
   absl::MutexLock rank_lock(&r->mu);
-  if (req.step() > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  if (step > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
   }
-  auto durable = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
-    return r->durable_step >= req.step() || !r->fatal.ok() || !r->active || r->stopping;
+  auto durable = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->durable_step >= step || !r->fatal.ok() || !r->active || r->stopping;
   };
   r->mu.AwaitWithDeadline(absl::Condition(&durable), deadline);
   if (!r->fatal.ok()) return r->fatal;
-  if (r->durable_step < req.step()) {
+  if (r->durable_step < step) {
     if (!r->active || r->stopping) {
       return RegistrationEndedError(r->stopping,
                                     "the registration ended before step became durable");
     }
-    return absl::DeadlineExceededError(absl::StrCat("step ", req.step(), " not durable in time"));
+    return absl::DeadlineExceededError(absl::StrCat("step ", step, " not durable in time"));
   }
   std::vector<uint32_t> failed;
   for (uint32_t l = 0; l < r->outcomes.size(); ++l) {
     const std::map<uint64_t, bool>& o = r->outcomes[l];
-    auto it = o.upper_bound(req.step());  // the newest selection at or before the step
+    auto it = o.upper_bound(step);  // the newest selection at or before the step
     if (it != o.begin() && !std::prev(it)->second) failed.push_back(l);
   }
   if (!failed.empty()) {
     return absl::AbortedError(absl::StrCat("layer versions of layers [", absl::StrJoin(failed, ","),
-                                           "] at or before step ", req.step(),
+                                           "] at or before step ", step,
                                            " failed or were skipped; they are retried next step"));
   }
-  v1::WaitDurableReply reply;
-  reply.set_durable_step(r->durable_step);
-  return reply;
+  return r->durable_step;
 }
 
 }  // namespace ckpt

@@ -152,8 +152,8 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
       for (size_t i = 0; i < tasks.size(); ++i) {
         tasks[i].lr = task.lr * r->drift_task_lr_scale[i];
         tasks[i].step = task.step;
-        for (const v1::GroupStep& g : task.group_steps) {
-          if (g.group() == r->drift_task_groups[i]) tasks[i].step = g.step();
+        for (const GroupStep& g : task.group_steps) {
+          if (g.group == r->drift_task_groups[i]) tasks[i].step = g.step;
         }
       }
       std::string error;
@@ -218,62 +218,55 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
   return true;
 }
 
-absl::StatusOr<v1::DriftReply> Engine::DriftPartials(const v1::WaitRequest& req,
-                                                     const Caller& caller, absl::Time deadline) {
-  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+absl::StatusOr<std::vector<drift::LayerSums>> Engine::DriftPartials(const RankRef& rank,
+                                                                    uint64_t step,
+                                                                    const Caller& caller,
+                                                                    absl::Time deadline) {
   std::shared_ptr<Rank> r;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
   }
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
-  if (req.step() > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  if (step > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
   }
-  auto ready = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
-    return r->partials.count(req.step()) > 0 || r->snapshot_step >= req.step() || !r->active ||
-           r->stopping;
+  auto ready = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->partials.count(step) > 0 || r->snapshot_step >= step || !r->active || r->stopping;
   };
   r->mu.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  auto it = r->partials.find(req.step());
+  auto it = r->partials.find(step);
   if (it == r->partials.end()) {
-    if (r->snapshot_step >= req.step()) return absl::NotFoundError("step is too old");
+    if (r->snapshot_step >= step) return absl::NotFoundError("step is too old");
     if (!r->active || r->stopping) return RegistrationEndedError(r->stopping, "the registration ended");
-    return absl::DeadlineExceededError(absl::StrCat("drift of step ", req.step(), " not ready in time"));
+    return absl::DeadlineExceededError(absl::StrCat("drift of step ", step, " not ready in time"));
   }
-  v1::DriftReply reply;
-  reply.set_step(req.step());
-  for (const drift::LayerSums& s : it->second) {
-    v1::LayerDrift* d = reply.add_layers();
-    d->set_dw2(s.dw2);
-    d->set_w2(s.w2);
-  }
-  return reply;
+  return it->second;
 }
 
-absl::Status Engine::SetGlobalDrift(const v1::GlobalDriftRequest& req, const Caller& caller) {
+absl::Status Engine::SetGlobalDrift(const RankRef& rank, uint64_t step,
+                                    const std::vector<drift::LayerSums>& global,
+                                    const Caller& caller) {
   absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, FindLocked(rank, caller));
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
-  if (static_cast<size_t>(req.layers_size()) != r->layers.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("global drift has ", req.layers_size(),
+  if (global.size() != r->layers.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("global drift has ", global.size(),
                                                    " layers; the rank has ", r->layers.size()));
   }
-  if (!r->deferred || r->snap_queue.empty() || r->snap_queue.front().step != req.step()) {
+  if (!r->deferred || r->snap_queue.empty() || r->snap_queue.front().step != step) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", req.step(), " is not waiting for its global drift (call DriftPartials first)"));
+        "step ", step, " is not waiting for its global drift (call DriftPartials first)"));
   }
-  SnapTask& task = r->snap_queue.front();
-  task.global.clear();
-  for (const v1::LayerDrift& d : req.layers()) {
-    if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+  for (const drift::LayerSums& d : global) {
+    if (!(d.dw2 >= 0) || !(d.w2 >= 0)) {
       return absl::InvalidArgumentError("global drift sums must be finite and >= 0");
     }
-    task.global.push_back(drift::LayerSums{d.dw2(), d.w2()});
   }
+  SnapTask& task = r->snap_queue.front();
+  task.global = global;
   task.stage = SnapTask::Stage::kReady;
   r->deferred = false;
   snapshot_ready_.push_back(r);

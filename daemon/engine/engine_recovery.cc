@@ -35,7 +35,8 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   std::shared_ptr<RankMemory> memory;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    CKPT_ASSIGN_OR_RETURN(
+        r, FindLocked(RankRef{req.job_id(), req.rank(), req.generation()}, caller));
     absl::MutexLock rank_lock(&r->mu);
     if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
       return absl::FailedPreconditionError(

@@ -61,35 +61,25 @@ absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const std::string& job,
-                                                                 uint32_t rank,
-                                                                 uint64_t generation,
+absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& ref,
                                                                  const Caller& caller) {
-  // REQUIRES: mu_ (ranks_); the rank's own mutex is taken for `active`.
-  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
-  auto it = ranks_.find(RankKey(job, rank));
-  if (it == ranks_.end()) {
-    return WithReason(
-        absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered")),
-        ErrorReason::kNotRegistered);
-  }
+  CKPT_RETURN_IF_ERROR(ValidateJobId(ref.job));
+  const absl::Status not_registered = WithReason(
+      absl::NotFoundError(absl::StrCat("job ", ref.job, " rank ", ref.rank, " is not registered")),
+      ErrorReason::kNotRegistered);
+  auto it = ranks_.find(RankKey(ref.job, ref.rank));
+  if (it == ranks_.end()) return not_registered;
   const std::shared_ptr<Rank>& r = it->second;
-  bool active;
   {
     absl::MutexLock rank_lock(&r->mu);
-    active = r->active;
-  }
-  if (!active) {
-    return WithReason(
-        absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered")),
-        ErrorReason::kNotRegistered);
+    if (!r->active) return not_registered;
   }
   if (r->uid != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+    return absl::PermissionDeniedError(absl::StrCat("job ", ref.job, " belongs to another user"));
   }
-  if (r->generation != generation) {
+  if (r->generation != ref.generation) {
     return WithReason(absl::FailedPreconditionError(absl::StrCat(
-                          "generation ", generation, " of job ", job, " rank ", rank,
+                          "generation ", ref.generation, " of job ", ref.job, " rank ", ref.rank,
                           " is stale (current ", r->generation, "); register again")),
                       ErrorReason::kStaleGeneration);
   }
@@ -300,13 +290,13 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   return reply;
 }
 
-absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& caller,
+absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& caller,
                                 absl::Time deadline) {
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
   std::shared_ptr<Rank> r;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
     absl::MutexLock rank_lock(&r->mu);
     r->active = false;
     r->ReleaseDeferred();
@@ -315,7 +305,7 @@ absl::Status Engine::Unregister(const v1::UnregisterRequest& req, const Caller& 
   if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   // Without drain the rank stays (inactive) until its staged versions are
   // written: the next Register of it drains it first.
-  if (req.drain()) {
+  if (drain) {
     {
       absl::MutexLock rank_lock(&r->mu);
       CKPT_RETURN_IF_ERROR(r->Drain(deadline));

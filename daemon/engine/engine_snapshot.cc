@@ -12,15 +12,14 @@
 
 namespace ckpt {
 
-absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& caller) {
-  if (req.aux().size() > options_.max_aux_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux().size(),
+absl::Status Engine::StepDone(const StepReport& req, const Caller& caller) {
+  if (req.aux.size() > options_.max_aux_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux.size(),
                                                    " bytes exceeds ", options_.max_aux_bytes));
   }
   absl::MutexLock lock(&mu_);
   if (stopping_) return ShuttingDownError();
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r,
-                        FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, FindLocked(req.rank, caller));
   absl::MutexLock rank_lock(&r->mu);
   if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
   if (r->memory == nullptr) {
@@ -28,42 +27,42 @@ absl::Status Engine::StepDone(const v1::StepDoneRequest& req, const Caller& call
                                                       ": memory released (", r->memory_released,
                                                       "); register again"));
   }
-  if (req.step() <= r->last_step_seen) {
+  if (req.step <= r->last_step_seen) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "step ", req.step(), " is not above the last step ", r->last_step_seen, " of job ", r->job,
+        "step ", req.step, " is not above the last step ", r->last_step_seen, " of job ", r->job,
         " rank ", r->rank, " (restore the job, or use a new job id to start over)"));
   }
   SnapTask task;
-  task.step = req.step();
-  task.lr = req.lr();
+  task.step = req.step;
+  task.lr = req.lr;
   if (r->layercheck != nullptr) {
-    if (!req.layers().empty()) {
+    if (!req.layers.empty()) {
       return absl::InvalidArgumentError("a layer list was given but the rank's policy is layercheck");
     }
     const bool client = r->optimizer == v1::OPTIMIZER_CLIENT;
-    if (client != (req.client_drift_size() > 0) ||
-        (client && static_cast<size_t>(req.client_drift_size()) != r->layers.size())) {
+    if (client != !req.client_drift.empty() ||
+        (client && req.client_drift.size() != r->layers.size())) {
       return absl::InvalidArgumentError(absl::StrCat(
           client ? "optimizer client needs client_drift with one entry per layer ("
                  : "client_drift is only for optimizer client (",
           r->layers.size(), " layers)"));
     }
-    for (const v1::LayerDrift& d : req.client_drift()) {
-      if (!(d.dw2() >= 0) || !(d.w2() >= 0)) {
+    for (const drift::LayerSums& d : req.client_drift) {
+      if (!(d.dw2 >= 0) || !(d.w2 >= 0)) {
         return absl::InvalidArgumentError("client_drift sums must be finite and >= 0");
       }
-      task.client_drift.push_back(drift::LayerSums{d.dw2(), d.w2()});
     }
+    task.client_drift = req.client_drift;
   } else {
     // Validate the layer list now so that the caller sees the error.
-    CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step(),
+    CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step,
                                                     static_cast<uint32_t>(r->layers.size()),
-                                                    req.layers(), r->never_persisted, r->retry));
+                                                    req.layers, r->never_persisted, r->retry));
   }
-  task.event.set_aux(req.aux());
-  task.event.set_lr(req.lr());
-  task.group_steps.assign(req.group_steps().begin(), req.group_steps().end());
-  r->last_step_seen = req.step();
+  task.event.set_aux(req.aux);
+  task.event.set_lr(req.lr);
+  task.group_steps = req.group_steps;
+  r->last_step_seen = req.step;
   r->snap_queue.push_back(std::move(task));
   if (!r->snap_busy) {
     r->snap_busy = true;
@@ -159,10 +158,12 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     v.header = lt.header;
     v.header.set_step(task.step);
     v.header.set_generation(r->generation);
-    for (const v1::GroupStep& g : task.group_steps) {
+    for (const GroupStep& g : task.group_steps) {
       for (const store::TensorEntry& t : lt.header.tensors()) {
-        if (t.group() == g.group()) {
-          *v.header.add_group_steps() = g;
+        if (t.group() == g.group) {
+          v1::GroupStep* gs = v.header.add_group_steps();
+          gs->set_group(g.group);
+          gs->set_step(g.step);
           break;
         }
       }
@@ -225,9 +226,9 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
                         << ": snapshot finished after its fence was abandoned; discarded";
       staged.clear();
     }
-    v1::WaitSnapshotReply result;
+    SnapshotTaken result;
     for (const StagedVersion& v : staged) {
-      result.add_layers(v.key.layer);
+      result.layers.push_back(v.key.layer);
       r->never_persisted[v.key.layer] = false;
       r->retry[v.key.layer] = false;
     }
@@ -235,7 +236,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
       r->retry[l] = true;
       r->RecordOutcome(l, task.step, false);
     }
-    result.set_skipped(static_cast<uint32_t>(skipped.size()));
+    result.skipped = static_cast<uint32_t>(skipped.size());
     if (!skipped.empty()) {
       snapshots_skipped_.fetch_add(skipped.size(), std::memory_order_relaxed);
       CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step << ": "
@@ -263,21 +264,19 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   return true;
 }
 
-absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest& req,
-                                                           const Caller& caller,
-                                                           absl::Time deadline) {
-  if (req.timeout_ms() > 0) deadline = std::min(deadline, absl::Now() + absl::Milliseconds(req.timeout_ms()));
+absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t step,
+                                                   const Caller& caller, absl::Time deadline) {
   std::shared_ptr<Rank> r;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(req.job_id(), req.rank(), req.generation(), caller));
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
   }
   absl::MutexLock rank_lock(&r->mu);
-  if (req.step() > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", req.step(), " was never reported"));
+  if (step > r->last_step_seen) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
   }
-  auto taken = [&r, &req]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
-    return r->snapshot_step >= req.step() || !r->active || r->stopping;
+  auto taken = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->snapshot_step >= step || !r->active || r->stopping;
   };
   const absl::Time wait_start = absl::Now();
   r->mu.AwaitWithDeadline(absl::Condition(&taken), deadline);
@@ -285,17 +284,17 @@ absl::StatusOr<v1::WaitSnapshotReply> Engine::WaitSnapshot(const v1::WaitRequest
     options_.metrics->Observe(Histogram::kFenceWaitSeconds,
                               absl::ToDoubleSeconds(absl::Now() - wait_start));
   }
-  if (r->snapshot_step < req.step()) {
+  if (r->snapshot_step < step) {
     // The caller will go on without the fence: a copy still running for this
     // step (or an earlier one) must not become durable.
-    r->fence_broken_step = std::max(r->fence_broken_step, req.step());
+    r->fence_broken_step = std::max(r->fence_broken_step, step);
     if (!r->active || r->stopping) {
       return RegistrationEndedError(r->stopping, "the registration ended before the snapshot");
     }
-    return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", req.step(), " not taken in time"));
+    return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", step, " not taken in time"));
   }
-  auto it = r->snap_results.find(req.step());
-  if (it == r->snap_results.end()) return v1::WaitSnapshotReply();  // an old step: taken long ago
+  auto it = r->snap_results.find(step);
+  if (it == r->snap_results.end()) return SnapshotTaken();  // an old step: taken long ago
   return it->second;
 }
 

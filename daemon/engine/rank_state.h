@@ -68,7 +68,7 @@ struct Engine::SnapTask {
   double lr = 0;
   std::vector<uint32_t> layers;  // selected at StepDone time (not for layercheck)
   store::EventRecord event;      // aux, lr
-  std::vector<v1::GroupStep> group_steps;
+  std::vector<GroupStep> group_steps;
   // LayerCheck only.
   Stage stage = Stage::kNew;
   std::vector<drift::LayerSums> client_drift;  // OPTIMIZER_CLIENT
@@ -126,7 +126,7 @@ struct Engine::Rank {
   // A snapshot worker holds the rank, or it is queued in
   // Engine::snapshot_ready_ (changed with Engine::mu_ held as well).
   bool snap_busy ABSL_GUARDED_BY(mu) = false;
-  std::map<uint64_t, v1::WaitSnapshotReply> snap_results ABSL_GUARDED_BY(mu);  // recent steps
+  std::map<uint64_t, SnapshotTaken> snap_results ABSL_GUARDED_BY(mu);  // recent steps
   std::deque<PendingStep> pending ABSL_GUARDED_BY(mu);
   std::vector<bool> never_persisted ABSL_GUARDED_BY(mu);
   std::vector<bool> retry ABSL_GUARDED_BY(mu);

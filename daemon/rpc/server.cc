@@ -14,14 +14,18 @@
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/rpc/convert.h"
 #include "daemon/rpc/status_convert.h"
 
 namespace ckpt {
 namespace {
 
-absl::Time DeadlineOf(const grpc::ServerContext& ctx, absl::Duration fallback) {
+// Waits without a client deadline are bounded by this.
+constexpr absl::Duration kDefaultWait = absl::Seconds(30);
+
+absl::Time DeadlineOf(const grpc::ServerContext& ctx) {
   absl::Time d = absl::FromChrono(ctx.deadline());
-  absl::Time cap = absl::Now() + fallback;
+  absl::Time cap = absl::Now() + kDefaultWait;
   return d < cap ? d : cap;
 }
 
@@ -69,32 +73,45 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
                         v1::StepDoneReply*) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return s_->engine()->StepDone(*req, c); });
+    return WithCaller(s_, ctx,
+                      [&](const Caller& c) { return s_->engine()->StepDone(StepReportOf(*req), c); });
   }
   grpc::Status WaitSnapshot(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                             v1::WaitSnapshotReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
-      return Assign(s_->engine()->WaitSnapshot(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
-                    reply);
+    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(SnapshotTaken taken,
+                            s_->engine()->WaitSnapshot(RankRefOf(*req), req->step(), c,
+                                                       WaitDeadline(*req, DeadlineOf(*ctx))));
+      *reply = ToProto(taken);
+      return absl::OkStatus();
     });
   }
   grpc::Status WaitDurable(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                            v1::WaitDurableReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
-      return Assign(s_->engine()->WaitDurable(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
-                    reply);
+    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(uint64_t durable,
+                            s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
+                                                      WaitDeadline(*req, DeadlineOf(*ctx))));
+      reply->set_durable_step(durable);
+      return absl::OkStatus();
     });
   }
   grpc::Status DriftPartials(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                              v1::DriftReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
-      return Assign(s_->engine()->DriftPartials(*req, c, DeadlineOf(*ctx, s_->options().default_wait)),
-                    reply);
+    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(std::vector<drift::LayerSums> sums,
+                            s_->engine()->DriftPartials(RankRefOf(*req), req->step(), c,
+                                                        WaitDeadline(*req, DeadlineOf(*ctx))));
+      *reply = DriftReplyOf(req->step(), sums);
+      return absl::OkStatus();
     });
   }
   grpc::Status SetGlobalDrift(grpc::ServerContext* ctx, const v1::GlobalDriftRequest* req,
                               v1::GlobalDriftReply*) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return s_->engine()->SetGlobalDrift(*req, c); });
+    return WithCaller(s_, ctx, [&](const Caller& c) {
+      return s_->engine()->SetGlobalDrift(RankRefOf(*req), req->step(), LayerSumsOf(req->layers()),
+                                          c);
+    });
   }
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
@@ -107,7 +124,7 @@ class TrainerService final : public v1::Trainer::Service {
   grpc::Status Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
                           v1::UnregisterReply*) override {
     return WithCaller(s_, ctx, [&](const Caller& c) {
-      return s_->engine()->Unregister(*req, c, DeadlineOf(*ctx, s_->options().default_wait));
+      return s_->engine()->Unregister(RankRefOf(*req), req->drain(), c, DeadlineOf(*ctx));
     });
   }
 

@@ -39,7 +39,6 @@ namespace ckpt {
 struct RpcServerOptions {
   std::string socket_path;  // DaemonConfig::socket
   int max_message_bytes = 64 << 20;
-  absl::Duration default_wait = absl::Seconds(30);  // waits without a client deadline
   std::string config_text;  // the effective config, served by Admin.Config
   // Calls in flight at once: per uid over every method (so a flooding user
   // cannot take every server thread), and node-wide for the heavy admin

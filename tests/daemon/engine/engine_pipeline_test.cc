@@ -142,30 +142,23 @@ class EnginePipelineTest : public ::testing::Test {
   }
 
   absl::Status StepDone(const TestRank& r, uint64_t step, const std::vector<uint32_t>& layers = {}) {
-    v1::StepDoneRequest req;
-    req.set_job_id(r.job);
-    req.set_generation(r.generation);
-    req.set_step(step);
-    req.set_lr(0.1);
-    for (uint32_t l : layers) req.add_layers(l);
-    return engine_->StepDone(req, owner_);
+    StepReport report;
+    report.rank = Ref(r);
+    report.step = step;
+    report.lr = 0.1;
+    report.layers = layers;
+    return engine_->StepDone(report, owner_);
   }
 
-  static v1::WaitRequest WaitFor(const TestRank& r, uint64_t step) {
-    v1::WaitRequest req;
-    req.set_job_id(r.job);
-    req.set_generation(r.generation);
-    req.set_step(step);
-    return req;
+  static RankRef Ref(const TestRank& r) { return RankRef{r.job, 0, r.generation}; }
+
+  absl::StatusOr<SnapshotTaken> WaitSnapshot(const TestRank& r, uint64_t step,
+                                             absl::Duration timeout = kWait) {
+    return engine_->WaitSnapshot(Ref(r), step, owner_, absl::Now() + timeout);
   }
 
-  absl::StatusOr<v1::WaitSnapshotReply> WaitSnapshot(const TestRank& r, uint64_t step,
-                                                     absl::Duration timeout = kWait) {
-    return engine_->WaitSnapshot(WaitFor(r, step), owner_, absl::Now() + timeout);
-  }
-
-  absl::StatusOr<v1::WaitDurableReply> WaitDurable(const TestRank& r, uint64_t step) {
-    return engine_->WaitDurable(WaitFor(r, step), owner_, absl::Now() + kWait);
+  absl::StatusOr<uint64_t> WaitDurable(const TestRank& r, uint64_t step) {
+    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + kWait);
   }
 
   absl::StatusOr<v1::Plan> Plan(const TestRank& r, uint64_t step) {
@@ -208,28 +201,28 @@ TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
   // bring a layer back. A snapshot holds its chunks until it is published:
   // step 1 fits layers 0 and 1 whatever the writer does.
   CKPT_ASSERT_OK(StepDone(r, 1, {0, 1, 2, 3}));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitSnapshotReply snap, WaitSnapshot(r, 1));
-  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+  CKPT_ASSERT_OK_AND_ASSIGN(SnapshotTaken snap, WaitSnapshot(r, 1));
+  EXPECT_EQ(snap.layers,
             (std::vector<uint32_t>{0, 1}));
-  EXPECT_EQ(snap.skipped(), 2u);
+  EXPECT_EQ(snap.skipped, 2u);
   EXPECT_EQ(engine_->GetStatus().snapshots_skipped(), 2u);
   // Not every selected layer became durable at step 1; once step 1 is
   // recorded its chunks are back in the pool.
   CKPT_EXPECT_CODE(WaitDurable(r, 1).status(), kAborted);
   CKPT_ASSERT_OK(StepDone(r, 2));
   CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 2));
-  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+  EXPECT_EQ(snap.layers,
             (std::vector<uint32_t>{2, 3}));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(r, 2));
-  EXPECT_EQ(durable.durable_step(), 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable, 2u);
 
   // From here the writer commits nothing until the test says so.
   sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"}});
   CKPT_ASSERT_OK(StepDone(r, 3, {0, 1, 2, 3}));
   CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 3));
-  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+  EXPECT_EQ(snap.layers,
             (std::vector<uint32_t>{0, 1}));
-  EXPECT_EQ(snap.skipped(), 2u);
+  EXPECT_EQ(snap.skipped, 2u);
   v1::StatusReply status = engine_->GetStatus();
   EXPECT_EQ(status.snapshots_skipped(), 4u);
   EXPECT_EQ(status.pool_bytes_in_use(), status.pool_bytes()) << "step 3's versions hold the pool";
@@ -239,8 +232,8 @@ TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
   // is still full, so they are skipped again.
   CKPT_ASSERT_OK(StepDone(r, 4));
   CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 4));
-  EXPECT_TRUE(snap.layers().empty());
-  EXPECT_EQ(snap.skipped(), 2u);
+  EXPECT_TRUE(snap.layers.empty());
+  EXPECT_EQ(snap.skipped, 2u);
   status = engine_->GetStatus();
   EXPECT_EQ(status.snapshots_skipped(), 6u);
   EXPECT_EQ(status.versions_committed(), committed) << "the writer was held";
@@ -251,11 +244,11 @@ TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
   EXPECT_EQ(engine_->GetStatus().pool_bytes_in_use(), 0u);
   CKPT_ASSERT_OK(StepDone(r, 5));
   CKPT_ASSERT_OK_AND_ASSIGN(snap, WaitSnapshot(r, 5));
-  EXPECT_EQ(std::vector<uint32_t>(snap.layers().begin(), snap.layers().end()),
+  EXPECT_EQ(snap.layers,
             (std::vector<uint32_t>{2, 3}));
-  EXPECT_EQ(snap.skipped(), 0u);
+  EXPECT_EQ(snap.skipped, 0u);
   CKPT_ASSERT_OK_AND_ASSIGN(durable, WaitDurable(r, 5));
-  EXPECT_EQ(durable.durable_step(), 5u);
+  EXPECT_EQ(durable, 5u);
   CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 5));
   EXPECT_TRUE(plan.complete());
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{3, 3, 5, 5}));
@@ -284,8 +277,8 @@ TEST_F(EnginePipelineTest, SnapshotFinishingAfterItsFenceWasAbandonedIsDiscarded
   // The layers are retried at the next step.
   CKPT_ASSERT_OK(StepDone(r, 2));
   CKPT_ASSERT_OK(WaitSnapshot(r, 2).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(r, 2));
-  EXPECT_EQ(durable.durable_step(), 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable, 2u);
   CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(r, 2));
   EXPECT_TRUE(plan.complete());
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
@@ -307,11 +300,7 @@ TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration)
     CKPT_ASSERT_OK(StepDone(a, t));
     CKPT_ASSERT_OK(WaitSnapshot(a, t).status());
   }
-  v1::UnregisterRequest unreg;
-  unreg.set_job_id(a.job);
-  unreg.set_generation(a.generation);
-  unreg.set_drain(false);
-  CKPT_ASSERT_OK(engine_->Unregister(unreg, owner_, absl::Now() + kWait));
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(a), /*drain=*/false, owner_, absl::Now() + kWait));
 
   // The 6 staged versions are still unwritten (the writer is held): the new
   // registration must not start over them.
@@ -332,8 +321,8 @@ TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration)
   EXPECT_EQ(engine_->GetStatus().versions_committed(), 6u);
   CKPT_EXPECT_CODE(StepDone(b, 3), kFailedPrecondition);
   CKPT_EXPECT_OK(StepDone(b, 4));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitDurableReply durable, WaitDurable(b, 4));
-  EXPECT_EQ(durable.durable_step(), 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(b, 4));
+  EXPECT_EQ(durable, 4u);
 }
 
 }  // namespace

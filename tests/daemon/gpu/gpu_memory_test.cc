@@ -328,12 +328,19 @@ class GpuEngineTest : public ::testing::Test {
       r.set_step(step);
     }
     return r;
+  }  static RankRef Ref(uint64_t generation) { return RankRef{"gjob", 0, generation}; }
+  static StepReport Report(uint64_t generation, uint64_t step) {
+    StepReport report;
+    report.rank = Ref(generation);
+    report.step = step;
+    return report;
   }
+
   // Reports `step` (the buffers already hold it) and waits for its snapshot.
   void Step(uint64_t gen, uint64_t step, const Caller& c) {
-    CKPT_ASSERT_OK(engine_->StepDone(For<v1::StepDoneRequest>(gen, step), c));
+    CKPT_ASSERT_OK(engine_->StepDone(Report(gen, step), c));
     CKPT_ASSERT_OK(
-        engine_->WaitSnapshot(For<v1::WaitRequest>(gen, step), c, absl::Now() + absl::Seconds(10))
+        engine_->WaitSnapshot(Ref(gen), step, c, absl::Now() + absl::Seconds(10))
             .status());
   }
 
@@ -359,7 +366,7 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
   }
   EXPECT_EQ(ipc_.event_waits(), 3);
   CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 3), owner_,
+                     ->WaitDurable(Ref(reg.generation()), 3, owner_,
                                    absl::Now() + absl::Seconds(10))
                      .status());
   // A new process of the same trainer: re-register (the old mappings close),
@@ -373,7 +380,7 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
   EXPECT_EQ(restored.plan().target_step(), 3u);
   EXPECT_EQ(restored.bytes_restored(), kLayers * kFloats * 4);
   EXPECT_TRUE(Holds(3)) << "restore must write exactly step 3, never the mutation after its fence";
-  CKPT_ASSERT_OK(engine_->Unregister(For<v1::UnregisterRequest>(again.generation()), owner_,
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(again.generation()), /*drain=*/false, owner_,
                                      absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
@@ -385,14 +392,14 @@ TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
                             engine_->Register(GpuRequest("gjob"), {}, owner_));
   Fill(1);
   ipc_.fail_copies = true;
-  CKPT_ASSERT_OK(engine_->StepDone(For<v1::StepDoneRequest>(reg.generation(), 1), owner_));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::WaitSnapshotReply snap,
-                            engine_->WaitSnapshot(For<v1::WaitRequest>(reg.generation(), 1), owner_,
+  CKPT_ASSERT_OK(engine_->StepDone(Report(reg.generation(), 1), owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(SnapshotTaken snap,
+                            engine_->WaitSnapshot(Ref(reg.generation()), 1, owner_,
                                                   absl::Now() + absl::Seconds(10)));
-  EXPECT_EQ(snap.layers_size(), 0);  // no partial step
-  EXPECT_EQ(snap.skipped(), kLayers);
+  EXPECT_EQ(snap.layers.size(), 0u);  // no partial step
+  EXPECT_EQ(snap.skipped, kLayers);
   CKPT_EXPECT_CODE(engine_
-                       ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), owner_,
+                       ->WaitDurable(Ref(reg.generation()), 1, owner_,
                                      absl::Now() + absl::Seconds(10))
                        .status(),
                    kAborted);
@@ -400,7 +407,7 @@ TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
   Fill(2);
   Step(reg.generation(), 2, owner_);  // every layer is retried
   CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 2), owner_,
+                     ->WaitDurable(Ref(reg.generation()), 2, owner_,
                                    absl::Now() + absl::Seconds(10))
                      .status());
   Fill(0);
@@ -446,10 +453,10 @@ TEST_F(GpuEngineTest, StaleGenerationIsRefusedAfterReRegistration) {
   CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply second,
                             engine_->Register(GpuRequest("gjob"), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // the first registration's were closed
-  absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(first.generation(), 1), owner_);
+  absl::Status s = engine_->StepDone(Report(first.generation(), 1), owner_);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("stale"), std::string::npos) << s;
-  CKPT_EXPECT_OK(engine_->StepDone(For<v1::StepDoneRequest>(second.generation(), 1), owner_));
+  CKPT_EXPECT_OK(engine_->StepDone(Report(second.generation(), 1), owner_));
 }
 
 TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
@@ -472,12 +479,12 @@ TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
     absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
-  absl::Status s = engine_->StepDone(For<v1::StepDoneRequest>(reg.generation(), 2), trainer);
+  absl::Status s = engine_->StepDone(Report(reg.generation(), 2), trainer);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
   // What was acknowledged before the exit stays restorable.
   CKPT_EXPECT_OK(engine_
-                     ->WaitDurable(For<v1::WaitRequest>(reg.generation(), 1), trainer,
+                     ->WaitDurable(Ref(reg.generation()), 1, trainer,
                                    absl::Now() + absl::Seconds(10))
                      .status());
 }
