@@ -12,9 +12,6 @@
 #include "daemon/io/io_backend.h"
 
 namespace ckpt {
-
-static_assert(kChunkAlignment % kDirectAlignment == 0,
-              "staging chunks are written with O_DIRECT");
 namespace {
 
 void PutU32(char* p, uint32_t v) { std::memcpy(p, &v, 4); }
@@ -38,10 +35,10 @@ uint64_t HeaderBytesFor(uint64_t body_len) {
 
 uint64_t HashBytes(const void* data, uint64_t len) { return XXH3_64bits(data, len); }
 
-uint64_t HashImage(const StagingLease& lease, uint64_t offset, uint64_t len) {
+uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
-  lease.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { XXH3_64bits_update(&state, p, n); });
+  image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { XXH3_64bits_update(&state, p, n); });
   return XXH3_64bits_digest(&state);
 }
 
@@ -70,7 +67,7 @@ absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {
 }
 
 absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
-                                      const VersionLayout& layout, StagingLease* lease) {
+                                      const VersionLayout& layout, ByteImage* image) {
   std::string body;
   if (!header.SerializeToString(&body)) return absl::InternalError("header serialization failed");
   if (kPrefixBytes + body.size() > layout.header_bytes) {
@@ -86,25 +83,25 @@ absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
   const uint64_t body_hash = HashBytes(body.data(), body.size());
   PutU64(prefix + 32, body_hash);
   PutU64(prefix + 40, HashBytes(prefix, 40));
-  lease->CopyIn(0, prefix, kPrefixBytes);
-  lease->CopyIn(kPrefixBytes, body.data(), body.size());
-  lease->Zero(kPrefixBytes + body.size(), layout.header_bytes - kPrefixBytes - body.size());
+  image->CopyIn(0, prefix, kPrefixBytes);
+  image->CopyIn(kPrefixBytes, body.data(), body.size());
+  image->Zero(kPrefixBytes + body.size(), layout.header_bytes - kPrefixBytes - body.size());
   // Alignment gaps between tensors and the tail up to the 4096 boundary.
   uint64_t prev_end = 0;
   for (const store::TensorEntry& t : header.tensors()) {
-    if (t.offset() > prev_end) lease->Zero(layout.header_bytes + prev_end, t.offset() - prev_end);
+    if (t.offset() > prev_end) image->Zero(layout.header_bytes + prev_end, t.offset() - prev_end);
     prev_end = t.offset() + t.nbytes();
   }
-  lease->Zero(layout.header_bytes + prev_end, layout.file_bytes - layout.header_bytes - prev_end);
+  image->Zero(layout.header_bytes + prev_end, layout.file_bytes - layout.header_bytes - prev_end);
   return body_hash;
 }
 
-absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t file_bytes) {
-  if (file_bytes < kDirectAlignment || lease.capacity() < file_bytes) {
+absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file_bytes) {
+  if (file_bytes < kDirectAlignment || image.size() < file_bytes) {
     return absl::DataLossError(absl::StrCat("file of ", file_bytes, " bytes is too short"));
   }
   char prefix[kPrefixBytes];
-  lease.CopyOut(0, prefix, kPrefixBytes);
+  image.CopyOut(0, prefix, kPrefixBytes);
   if (std::memcmp(prefix, kFormatMagic, 8) != 0) return absl::DataLossError("bad file magic");
   if (HashBytes(prefix, 40) != GetU64(prefix + 40)) return absl::DataLossError("file prefix checksum mismatch");
   if (GetU32(prefix + 20) != 0 || std::any_of(prefix + 48, prefix + 64, [](char c) { return c != 0; })) {
@@ -132,7 +129,7 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t f
                                             ", file has ", file_bytes));
   }
   std::string body(body_len, '\0');
-  lease.CopyOut(kPrefixBytes, body.data(), body_len);
+  image.CopyOut(kPrefixBytes, body.data(), body_len);
   d.body_xxh3 = HashBytes(body.data(), body.size());
   if (d.body_xxh3 != GetU64(prefix + 32)) return absl::DataLossError("file header checksum mismatch");
   if (!d.header.ParseFromString(body)) return absl::DataLossError("file header does not parse");
@@ -144,9 +141,9 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t f
   return d;
 }
 
-absl::Status VerifyPayload(const DecodedHeader& d, const StagingLease& lease) {
+absl::Status VerifyPayload(const DecodedHeader& d, const ByteImage& image) {
   for (const store::TensorEntry& t : d.header.tensors()) {
-    uint64_t h = HashImage(lease, d.layout.header_bytes + t.offset(), t.nbytes());
+    uint64_t h = HashImage(image, d.layout.header_bytes + t.offset(), t.nbytes());
     if (h != t.xxh3()) {
       return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(), "' of layer ",
                                               d.header.layer(), " step ", d.header.step()));

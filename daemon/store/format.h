@@ -26,7 +26,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "daemon/staging/staging_pool.h"
+#include "daemon/store/byte_image.h"
 #include "daemon/store/store.pb.h"
 
 namespace ckpt {
@@ -51,15 +51,15 @@ struct VersionLayout {
 // INVALID_ARGUMENT when the header would exceed kMaxHeaderBytes.
 absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header);
 
-// XXH3-64 of `len` bytes of the lease image at `offset`.
-uint64_t HashImage(const StagingLease& lease, uint64_t offset, uint64_t len);
+// XXH3-64 of `len` bytes of the image at `offset`.
+uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len);
 uint64_t HashBytes(const void* data, uint64_t len);
 
-// Writes the prefix and body of `header` into the lease image at offset 0 and
+// Writes the prefix and body of `header` into the image at offset 0 and
 // zeroes the padding (header and payload tail). Returns the body's XXH3-64.
 // REQUIRES: tensors' data already copied; layout from PlanLayout(header).
 absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
-                                      const VersionLayout& layout, StagingLease* lease);
+                                      const VersionLayout& layout, ByteImage* image);
 
 // Parses and checks the prefix and body at the start of a file image.
 // DATA_LOSS on a wrong magic, version, checksum or size.
@@ -68,10 +68,10 @@ struct DecodedHeader {
   VersionLayout layout;
   uint64_t body_xxh3 = 0;
 };
-absl::StatusOr<DecodedHeader> DecodeHeader(const StagingLease& lease, uint64_t file_bytes);
+absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file_bytes);
 
-// Verifies every tensor's XXH3-64 against the payload in `lease`.
+// Verifies every tensor's XXH3-64 against the payload in `image`.
 // DATA_LOSS naming the first tensor that does not match.
-absl::Status VerifyPayload(const DecodedHeader& decoded, const StagingLease& lease);
+absl::Status VerifyPayload(const DecodedHeader& decoded, const ByteImage& image);
 
 }  // namespace ckpt

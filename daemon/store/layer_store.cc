@@ -15,6 +15,9 @@
 #include "daemon/common/validate.h"
 
 namespace ckpt {
+
+static_assert(kChunkAlignment % kDirectAlignment == 0,
+              "staging chunks are written with O_DIRECT");
 namespace {
 
 std::string RankDirName(uint32_t rank) { return absl::StrFormat("rank-%08x", rank); }
@@ -87,10 +90,11 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
 
   // Checksums come from the staged bytes: exactly what is written.
   for (store::TensorEntry& t : *v->header.mutable_tensors()) {
-    t.set_xxh3(HashImage(v->lease, v->layout.header_bytes + t.offset(), t.nbytes()));
+    t.set_xxh3(HashImage(LeaseImage(v->lease), v->layout.header_bytes + t.offset(), t.nbytes()));
   }
   v->header.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
-  CKPT_ASSIGN_OR_RETURN(uint64_t body_hash, EncodeHeader(v->header, v->layout, &v->lease));
+  LeaseImage image(v->lease);
+  CKPT_ASSIGN_OR_RETURN(uint64_t body_hash, EncodeHeader(v->header, v->layout, &image));
 
   uint64_t nonce = 0;
   if (::getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = absl::ToUnixNanos(absl::Now());
@@ -181,13 +185,13 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
                                  std::min(out.lease.chunk_bytes(), size - off), off});
   }
   CKPT_RETURN_IF_ERROR(io->ReadAll(fd->get(), segments));
-  CKPT_ASSIGN_OR_RETURN(out.decoded, DecodeHeader(out.lease, size));
+  CKPT_ASSIGN_OR_RETURN(out.decoded, DecodeHeader(LeaseImage(out.lease), size));
   const store::LayerFileHeader& h = out.decoded.header;
   if (out.decoded.body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
       h.layer() != key.layer || h.step() != key.step) {
     return absl::DataLossError(absl::StrCat("file ", rec.file(), " does not match its index record"));
   }
-  CKPT_RETURN_IF_ERROR(VerifyPayload(out.decoded, out.lease));
+  CKPT_RETURN_IF_ERROR(VerifyPayload(out.decoded, LeaseImage(out.lease)));
   return out;
 }
 

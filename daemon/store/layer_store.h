@@ -30,10 +30,28 @@
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/staging/staging_pool.h"
+#include "daemon/store/byte_image.h"
 #include "daemon/store/format.h"
 #include "daemon/store/index.h"
 
 namespace ckpt {
+
+// The chunks of a staging lease (which must outlive the view).
+class LeaseImage final : public ByteImage {
+ public:
+  explicit LeaseImage(const StagingLease& lease) : lease_(lease) {}
+  uint64_t size() const override { return lease_.capacity(); }
+  void ForEachPiece(uint64_t offset, uint64_t len,
+                    const std::function<void(char*, uint64_t)>& fn) const override {
+    // The chunks are the pool's writable memory; the lease only lends them.
+    lease_.ForEachPiece(offset, len,
+                        [&fn](const char* p, uint64_t n) { fn(const_cast<char*>(p), n); });
+  }
+
+ private:
+  const StagingLease& lease_;
+};
+
 
 // One layer version in staging, ready to commit. `header` has every tensor's
 // metadata and layout offsets (PlanLayout); its checksums are filled in by

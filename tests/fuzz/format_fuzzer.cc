@@ -32,6 +32,7 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/format.h"
+#include "daemon/store/layer_store.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace ckpt {
@@ -113,7 +114,8 @@ std::string ValidImage(const std::vector<uint64_t>& sizes, uint64_t step, int gr
     t.set_xxh3(HashBytes(bytes.data(), bytes.size()));
   }
   h.set_created_unix_ms(1700000000000);
-  absl::StatusOr<uint64_t> body = EncodeHeader(h, *layout, &*lease);
+  LeaseImage lease_image(*lease);
+  absl::StatusOr<uint64_t> body = EncodeHeader(h, *layout, &lease_image);
   CKPT_FUZZ_CHECK(body.ok(), body.status().ToString());
   std::string image(layout->file_bytes, '\0');
   lease->CopyOut(0, image.data(), image.size());
@@ -167,7 +169,7 @@ void FuzzOne(const uint8_t* data, size_t size) {
   Unpoison(*lease, file_bytes);
   lease->CopyIn(0, file.data(), file.size());
 
-  absl::StatusOr<DecodedHeader> d = DecodeHeader(*lease, file_bytes);
+  absl::StatusOr<DecodedHeader> d = DecodeHeader(LeaseImage(*lease), file_bytes);
   CheckCode(d.status(), "DecodeHeader");
   if (d.ok()) {
     const VersionLayout& l = d->layout;
@@ -183,7 +185,7 @@ void FuzzOne(const uint8_t* data, size_t size) {
                       "tensor '" + t.name() + "' outside the payload");
       all_match &= HashBytes(file.data() + l.header_bytes + t.offset(), t.nbytes()) == t.xxh3();
     }
-    absl::Status v = VerifyPayload(*d, *lease);
+    absl::Status v = VerifyPayload(*d, LeaseImage(*lease));
     CheckCode(v, "VerifyPayload");
     CKPT_FUZZ_CHECK(v.ok() == all_match, "VerifyPayload disagrees with the tensor checksums");
   }

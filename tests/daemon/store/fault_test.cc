@@ -214,7 +214,7 @@ class FaultTest : public ::testing::TestWithParam<IoBackendKind> {
     if (static_cast<size_t>(h.tensors_size()) != want.size()) return ReadOutcome::kWrongBytes;
     for (int i = 0; i < h.tensors_size(); ++i) {
       const store::TensorEntry& t = h.tensors(i);
-      if (HashImage(got->lease, got->decoded.layout.header_bytes + t.offset(), t.nbytes()) !=
+      if (HashImage(LeaseImage(got->lease), got->decoded.layout.header_bytes + t.offset(), t.nbytes()) !=
           want[static_cast<size_t>(i)]) {
         return ReadOutcome::kWrongBytes;
       }
@@ -285,7 +285,7 @@ class FaultTest : public ::testing::TestWithParam<IoBackendKind> {
       return;
     }
     ++(*f)["torn_injected"];
-    absl::StatusOr<DecodedHeader> d = DecodeHeader(intended.version.lease, file_bytes);
+    absl::StatusOr<DecodedHeader> d = DecodeHeader(LeaseImage(intended.version.lease), file_bytes);
     ASSERT_TRUE(d.ok()) << d.status();
     store::VersionRecord rec;
     rec.set_file(name);

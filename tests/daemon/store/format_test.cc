@@ -41,6 +41,30 @@ TEST(PlanLayoutTest, OffsetsAreAlignedOrderedAndTight) {
   EXPECT_EQ(layout.file_bytes, layout.header_bytes + AlignUp(layout.payload_bytes, 4096));
 }
 
+// The format needs no staging pool: a file image in one plain buffer encodes,
+// decodes and verifies like one spread over staging chunks.
+TEST(BufferImageFormatTest, RoundTripsThroughAPlainBuffer) {
+  store::LayerFileHeader h = MakeHeader(kKey, 7, {5, 4096, 70});
+  CKPT_ASSERT_OK_AND_ASSIGN(VersionLayout layout, PlanLayout(&h));
+  std::vector<char> file(layout.file_bytes, '\x5a');  // stale bytes that must be zeroed
+  BufferImage image(file.data(), file.size());
+  for (store::TensorEntry& t : *h.mutable_tensors()) {
+    std::string bytes(t.nbytes(), '\0');
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 + t.offset());
+    image.CopyIn(layout.header_bytes + t.offset(), bytes.data(), bytes.size());
+    t.set_xxh3(HashImage(image, layout.header_bytes + t.offset(), t.nbytes()));
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t body_hash, EncodeHeader(h, layout, &image));
+  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(image, file.size()));
+  EXPECT_EQ(d.body_xxh3, body_hash);
+  EXPECT_EQ(d.header.tensors_size(), 3);
+  CKPT_EXPECT_OK(VerifyPayload(d, image));
+  // The gap after the first tensor was zeroed; a flipped payload byte fails.
+  EXPECT_EQ(file[layout.header_bytes + 5], 0);
+  file[layout.header_bytes + h.tensors(1).offset() + 100] ^= 1;
+  CKPT_EXPECT_CODE(VerifyPayload(d, image), kDataLoss);
+}
+
 TEST(PlanLayoutTest, HeaderGrowsWithTheBody) {
   store::LayerFileHeader h = MakeHeader(kKey, 1, {10});
   h.set_layer_name(std::string(10000, 'n'));
@@ -103,14 +127,14 @@ class FormatTest : public ::testing::Test {
 
 TEST_F(FormatTest, EncodeDecodeRoundTrip) {
   const StagedVersion& v = s_.version;
-  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(v.lease, v.layout.file_bytes));
+  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
   EXPECT_EQ(d.header.SerializeAsString(), v.header.SerializeAsString());
   EXPECT_EQ(d.layout.header_bytes, v.layout.header_bytes);
   EXPECT_EQ(d.layout.payload_bytes, v.layout.payload_bytes);
   EXPECT_EQ(d.layout.file_bytes, v.layout.file_bytes);
   EXPECT_EQ(d.body_xxh3, body_hash_);
   EXPECT_EQ(body_hash_, HashBytes(v.header.SerializeAsString().data(), BodyLen()));
-  CKPT_EXPECT_OK(VerifyPayload(d, v.lease));
+  CKPT_EXPECT_OK(VerifyPayload(d, LeaseImage(v.lease)));
   for (int i = 0; i < d.header.tensors_size(); ++i) {
     const store::TensorEntry& t = d.header.tensors(i);
     EXPECT_EQ(ImageBytes(v.lease, d.layout.header_bytes + t.offset(), t.nbytes()),
@@ -164,12 +188,12 @@ TEST_F(FormatTest, AnyFlippedCheckedPrefixOrBodyByteIsDataLoss) {
   for (uint64_t off : offsets) {
     for (char mask : {'\x01', '\x80', '\xFF'}) {
       Flip(off, mask);
-      CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.layout.file_bytes), kDataLoss)
+      CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes), kDataLoss)
           << "byte " << off << " mask " << static_cast<int>(mask);
       Flip(off, mask);
     }
   }
-  CKPT_EXPECT_OK(DecodeHeader(v.lease, v.layout.file_bytes));
+  CKPT_EXPECT_OK(DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
 }
 
 // Regression: the reserved prefix bytes are outside the prefix checksum; DecodeHeader must
@@ -179,7 +203,7 @@ TEST_F(FormatTest, FlippedReservedPrefixByteIsDataLoss) {
   std::vector<uint64_t> accepted;
   for (uint64_t off = 48; off < kPrefixBytes; ++off) {
     Flip(off, '\x01');
-    if (!absl::IsDataLoss(DecodeHeader(v.lease, v.layout.file_bytes).status())) {
+    if (!absl::IsDataLoss(DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes).status())) {
       accepted.push_back(off);
     }
     Flip(off, '\x01');
@@ -190,11 +214,11 @@ TEST_F(FormatTest, FlippedReservedPrefixByteIsDataLoss) {
 
 TEST_F(FormatTest, WrongFileSizeIsDataLoss) {
   const StagedVersion& v = s_.version;
-  CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.layout.file_bytes - 4096), kDataLoss);
-  CKPT_EXPECT_CODE(DecodeHeader(v.lease, 100), kDataLoss);
-  CKPT_EXPECT_CODE(DecodeHeader(v.lease, 0), kDataLoss);
+  CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes - 4096), kDataLoss);
+  CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), 100), kDataLoss);
+  CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), 0), kDataLoss);
   // More than the lease holds.
-  CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.lease.capacity() + 4096), kDataLoss);
+  CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.lease.capacity() + 4096), kDataLoss);
 }
 
 // Regression (found by tests/fuzz/format_fuzzer.cc): a payload size within
@@ -210,26 +234,26 @@ TEST_F(FormatTest, PayloadSizeThatWrapsWhenRoundedUpIsDataLoss) {
     const uint64_t prefix_hash = HashBytes(prefix.data(), 40);
     std::memcpy(prefix.data() + 40, &prefix_hash, 8);
     v.lease.CopyIn(0, prefix.data(), kPrefixBytes);
-    CKPT_EXPECT_CODE(DecodeHeader(v.lease, v.layout.header_bytes), kDataLoss) << payload;
+    CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.layout.header_bytes), kDataLoss) << payload;
   }
 }
 
 TEST_F(FormatTest, VerifyPayloadNamesTheCorruptTensor) {
   const StagedVersion& v = s_.version;
-  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(v.lease, v.layout.file_bytes));
+  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
   std::mt19937_64 rng(77);
   for (int i = 0; i < d.header.tensors_size(); ++i) {
     const store::TensorEntry& t = d.header.tensors(i);
     for (uint64_t pos : {uint64_t{0}, t.nbytes() - 1, rng() % t.nbytes()}) {
       const uint64_t off = v.layout.header_bytes + t.offset() + pos;
       Flip(off, '\x10');
-      absl::Status s = VerifyPayload(d, v.lease);
+      absl::Status s = VerifyPayload(d, LeaseImage(v.lease));
       CKPT_EXPECT_CODE(s, kDataLoss) << t.name() << " byte " << pos;
       EXPECT_NE(s.message().find("'" + t.name() + "'"), absl::string_view::npos) << s;
       Flip(off, '\x10');
     }
   }
-  CKPT_EXPECT_OK(VerifyPayload(d, v.lease));
+  CKPT_EXPECT_OK(VerifyPayload(d, LeaseImage(v.lease)));
 }
 
 TEST(FormatHashTest, HashImageMatchesHashBytesAcrossChunks) {
@@ -240,7 +264,7 @@ TEST(FormatHashTest, HashImageMatchesHashBytesAcrossChunks) {
   lease.CopyIn(0, data.data(), data.size());
   for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
            {0, 0}, {0, 4096}, {4000, 200}, {1, 3 * 4096 + 5}, {0, 4 * 4096}}) {
-    EXPECT_EQ(HashImage(lease, off, len), HashBytes(data.data() + off, len))
+    EXPECT_EQ(HashImage(LeaseImage(lease), off, len), HashBytes(data.data() + off, len))
         << off << "+" << len;
   }
 }

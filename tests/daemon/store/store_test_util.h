@@ -80,9 +80,10 @@ inline void StageVersion(StagingPool* pool, const VersionKey& key, uint64_t gene
 // LayerStore::Commit does.
 inline absl::StatusOr<uint64_t> SealImage(StagedVersion* v) {
   for (store::TensorEntry& t : *v->header.mutable_tensors()) {
-    t.set_xxh3(HashImage(v->lease, v->layout.header_bytes + t.offset(), t.nbytes()));
+    t.set_xxh3(HashImage(LeaseImage(v->lease), v->layout.header_bytes + t.offset(), t.nbytes()));
   }
-  return EncodeHeader(v->header, v->layout, &v->lease);
+  LeaseImage image(v->lease);
+  return EncodeHeader(v->header, v->layout, &image);
 }
 
 inline std::string ImageBytes(const StagingLease& lease, uint64_t offset, uint64_t len) {
