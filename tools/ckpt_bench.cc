@@ -220,7 +220,7 @@ class Bench {
     header_.set_generation(1);
     ckpt::store::TensorEntry* t = header_.add_tensors();
     t->set_name("w");
-    t->set_dtype(ckpt::v1::DTYPE_U8);
+    t->set_dtype(ckpt::store::DTYPE_U8);
     t->add_shape(a_.layer_bytes);
     t->set_nbytes(a_.layer_bytes);
     CKPT_ASSIGN_OR_RETURN(layout_, ckpt::PlanLayout(&header_));

@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/engine/rank_state.h"
+#include "daemon/recovery/schema_convert.h"
 #include "daemon/gpu/ipc_memory.h"
 
 namespace ckpt {
@@ -89,12 +90,12 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
   CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(req.job_id(), req.rank(), ~uint64_t{0}));
   const uint64_t latest = ev.has_value() ? ev->first : 0;
   reply.set_latest_durable_step(latest);
-  for (const v1::LayerSpec& spec : table->layers()) {
+  for (const store::LayerSpec& spec : table->layers()) {
     v1::LayerInfo* li = reply.add_layers();
     li->set_layer(spec.id());
     li->set_name(spec.name());
-    li->set_kind(spec.kind());
-    for (const v1::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
+    li->set_kind(ToApi(spec.kind()));
+    for (const store::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
   }
   CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
       req.job_id(), req.rank(), -1, [&](const VersionKey& k, const store::VersionRecord&) {

@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/engine/rank_state.h"
+#include "daemon/recovery/schema_convert.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "base/region.h"
 
@@ -186,9 +187,9 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     for (const v1::TensorSpec& t : spec.tensors()) {
       store::TensorEntry* e = lt.header.add_tensors();
       e->set_name(t.name());
-      e->set_dtype(t.dtype());
+      e->set_dtype(ToStore(t.dtype()));
       *e->mutable_shape() = t.shape();
-      e->set_role(t.role());
+      e->set_role(ToStore(t.role()));
       e->set_group(t.group());
       e->set_nbytes(t.nbytes());
       lt.src.push_back(memory->base(t.region()) + t.offset());
@@ -196,7 +197,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
   }
-  *r->table.mutable_layers() = req.layers();
+  for (const v1::LayerSpec& spec : req.layers()) *r->table.add_layers() = ToStore(spec);
   r->table.set_world_size(req.world_size());
   r->world_size = req.world_size();
   if (policy.kind == v1::POLICY_LAYERCHECK) {

@@ -161,7 +161,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     for (const GroupStep& g : task.group_steps) {
       for (const store::TensorEntry& t : lt.header.tensors()) {
         if (t.group() == g.group) {
-          v1::GroupStep* gs = v.header.add_group_steps();
+          store::GroupStep* gs = v.header.add_group_steps();
           gs->set_group(g.group);
           gs->set_step(g.step);
           break;

@@ -8,6 +8,7 @@
 #include "base/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/recovery/schema_convert.h"
 #include "base/region.h"
 #include "daemon/store/format.h"
 
@@ -84,8 +85,8 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
       // the per-version ones at their widest.
       store::TensorEntry* e = sizing.add_tensors();
       e->set_name(t.name());
-      e->set_dtype(t.dtype());
-      e->set_role(t.role());
+      e->set_dtype(ToStore(t.dtype()));
+      e->set_role(ToStore(t.role()));
       e->set_group(t.group());
       e->set_nbytes(t.nbytes());
       for (uint64_t d : t.shape()) e->add_shape(d);
@@ -98,7 +99,7 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     sizing.set_step(~uint64_t{0});
     sizing.set_generation(~uint64_t{0});
     for (uint32_t g : groups) {
-      v1::GroupStep* gs = sizing.add_group_steps();
+      store::GroupStep* gs = sizing.add_group_steps();
       gs->set_group(g);
       gs->set_step(~uint64_t{0});
     }

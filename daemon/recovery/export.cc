@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "daemon/recovery/restore.h"
+#include "daemon/recovery/schema_convert.h"
 
 namespace ckpt {
 
@@ -24,16 +25,16 @@ absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, In
     if (lp.layer() >= static_cast<uint32_t>(table.layers_size())) {
       return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer()));
     }
-    const v1::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
-    for (const v1::TensorSpec& t : spec.tensors()) {
+    const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    for (const store::TensorSpec& t : spec.tensors()) {
       v1::ExportTensor* et = h->add_tensors();
       et->set_layer(lp.layer());
       et->set_layer_name(spec.name());
       et->set_name(t.name());
-      et->set_dtype(t.dtype());
+      et->set_dtype(ToApi(t.dtype()));
       *et->mutable_shape() = t.shape();
       et->set_nbytes(t.nbytes());
-      et->set_role(t.role());
+      et->set_role(ToApi(t.role()));
       et->set_group(t.group());
       et->set_step(lp.step());
       h->set_total_bytes(h->total_bytes() + t.nbytes());
@@ -45,10 +46,10 @@ absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, In
   for (const v1::LayerPlan& lp : plan.layers()) {
     // One layer at a time through the verified restore loop, into a buffer
     // laid out in table order.
-    const v1::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
     std::vector<uint64_t> offsets;
     uint64_t layer_bytes = 0;
-    for (const v1::TensorSpec& t : spec.tensors()) {
+    for (const store::TensorSpec& t : spec.tensors()) {
       offsets.push_back(layer_bytes);
       layer_bytes += t.nbytes();
     }

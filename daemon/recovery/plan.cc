@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "daemon/recovery/schema_convert.h"
 
 namespace ckpt {
 
@@ -29,7 +30,7 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
   plan.set_aux(event->second.aux());
   bool complete = true;
   double weighted = 0, total = 0;
-  for (const v1::LayerSpec& layer : table.layers()) {
+  for (const store::LayerSpec& layer : table.layers()) {
     v1::LayerPlan* lp = plan.add_layers();
     lp->set_layer(layer.id());
     lp->set_name(layer.name());
@@ -43,7 +44,7 @@ absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_
     lp->set_staleness(tau - v->first);
     lp->set_bytes(v->second.payload_bytes());
     lp->set_file(v->second.file());
-    *lp->mutable_group_steps() = v->second.group_steps();
+    for (const store::GroupStep& g : v->second.group_steps()) *lp->add_group_steps() = ToApi(g);
     plan.set_total_bytes(plan.total_bytes() + lp->bytes());
     plan.set_max_staleness(std::max(plan.max_staleness(), lp->staleness()));
     weighted += static_cast<double>(lp->bytes()) * static_cast<double>(lp->staleness());

@@ -26,7 +26,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::Rank
     if (lp.layer() >= static_cast<uint32_t>(table.layers_size())) {
       return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer()));
     }
-    const v1::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
     CKPT_ASSIGN_OR_RETURN(auto rec, index->VersionAtOrBefore(
                                         plan.job_id(), plan.rank(), lp.layer(), lp.step()));
     if (!rec.has_value() || rec->first != lp.step()) {
@@ -48,7 +48,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::Rank
                        spec.tensors_size(), " registered"));
     }
     for (int i = 0; i < spec.tensors_size(); ++i) {
-      const v1::TensorSpec& ts = spec.tensors(i);
+      const store::TensorSpec& ts = spec.tensors(i);
       auto it = stored.find(ts.name());
       if (it == stored.end() || it->second->nbytes() != ts.nbytes() ||
           it->second->dtype() != ts.dtype()) {

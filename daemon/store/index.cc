@@ -125,7 +125,9 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("open ", path)));
-  return std::unique_ptr<Index>(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock)));
+  std::unique_ptr<Index> index(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock)));
+  CKPT_RETURN_IF_ERROR(index->CheckSchema(path));
+  return index;
 }
 
 absl::Status Index::Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
@@ -156,6 +158,22 @@ absl::StatusOr<std::optional<std::string>> Index::Get(const std::string& key) {
   if (s.IsNotFound()) return std::optional<std::string>();
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("get ", key)));
   return std::optional<std::string>(std::move(v));
+}
+
+absl::Status Index::CheckSchema(const std::string& path) {
+  constexpr absl::string_view kKey = "m/schema_version";
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(std::string(kKey)));
+  if (!v.has_value()) return Put(std::string(kKey), absl::StrCat(kIndexSchemaVersion));
+  uint32_t version = 0;
+  if (!absl::SimpleAtoi(*v, &version)) {
+    return absl::DataLossError(absl::StrCat("index ", path, ": schema version '", *v, "' is corrupt"));
+  }
+  if (version > kIndexSchemaVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "index ", path, " has schema version ", version, "; this ckptd reads up to ",
+        kIndexSchemaVersion, " (it was written by a newer ckptd)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Index::NextGeneration() {

@@ -2,6 +2,7 @@
 //
 // Keys (numbers are fixed-width lowercase hex so that byte order = numeric order;
 // job ids never contain '/'):
+//   m/schema_version                     the records' schema (kIndexSchemaVersion)
 //   m/generation                         next registration generation (u64)
 //   j/<job>                              JobRecord
 //   r/<job>/<rank:8>                     RankRecord
@@ -45,12 +46,20 @@ struct VersionKey {
   uint64_t step = 0;
 };
 
+// The schema of the records (store.proto) this ckptd writes and reads.
+// Version 1: the records as first written; an index without the key is of
+// version 1. Open refuses an index of a newer schema.
+inline constexpr uint32_t kIndexSchemaVersion = 1;
+
 class Index {
  public:
   // Opens or creates the database at `path`. FAILED_PRECONDITION when another
   // Index, in this process or another, holds it (an flock on
   // <path>/ckptd.lock, held for the Index's lifetime); DATA_LOSS on
   // corruption; every other RocksDB failure carries ErrorReason::kIndex.
+  // FAILED_PRECONDITION when the index was written with a schema newer than
+  // kIndexSchemaVersion (by a newer ckptd); an index without a schema version
+  // is stamped with this one.
   static absl::StatusOr<std::unique_ptr<Index>> Open(const std::string& path);
   ~Index();
   Index(const Index&) = delete;
@@ -93,6 +102,8 @@ class Index {
 
  private:
   Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock);
+  // Stamps a new index with kIndexSchemaVersion; refuses a newer one.
+  absl::Status CheckSchema(const std::string& path);
   absl::Status Put(const std::string& key, const std::string& value);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);

@@ -92,13 +92,13 @@ std::string ValidImage(const std::vector<uint64_t>& sizes, uint64_t step, int gr
   for (size_t i = 0; i < sizes.size(); ++i) {
     store::TensorEntry* t = h.add_tensors();
     t->set_name("t" + std::to_string(i));
-    t->set_dtype(v1::DTYPE_U8);
+    t->set_dtype(store::DTYPE_U8);
     t->add_shape(sizes[i]);
-    t->set_role(v1::ROLE_PARAM);
+    t->set_role(store::ROLE_PARAM);
     t->set_nbytes(sizes[i]);
   }
   for (int g = 0; g < groups; ++g) {
-    v1::GroupStep* gs = h.add_group_steps();
+    store::GroupStep* gs = h.add_group_steps();
     gs->set_group(static_cast<uint32_t>(g));
     gs->set_step(step - static_cast<uint64_t>(g));
   }

@@ -177,7 +177,7 @@ class Gen {
     r.set_header_xxh3(p_.ConsumeIntegral<uint64_t>());
     r.set_generation(Small(9));
     for (uint64_t g = Small(2); g > 0; --g) {
-      v1::GroupStep* gs = r.add_group_steps();
+      store::GroupStep* gs = r.add_group_steps();
       gs->set_group(static_cast<uint32_t>(Small(3)));
       gs->set_step(Step());
     }
@@ -200,14 +200,14 @@ class Gen {
     store::RankRecord r;
     const uint64_t layers = Small(5);
     for (uint64_t l = 0; l < layers; ++l) {
-      v1::LayerSpec* ls = r.add_layers();
+      store::LayerSpec* ls = r.add_layers();
       ls->set_id(p_.ConsumeIntegralInRange<int>(0, 7) == 0 ? static_cast<uint32_t>(Small(9))
                                                           : static_cast<uint32_t>(l));
       ls->set_name(absl::StrCat("layer", l));
       for (uint64_t t = 1 + Small(1); t > 0; --t) {
-        v1::TensorSpec* ts = ls->add_tensors();
+        store::TensorSpec* ts = ls->add_tensors();
         ts->set_name(absl::StrCat("t", t));
-        ts->set_dtype(v1::DTYPE_F32);
+        ts->set_dtype(store::DTYPE_F32);
         ts->set_nbytes(4 * (1 + Small(100)));
       }
     }

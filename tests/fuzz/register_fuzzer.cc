@@ -39,6 +39,7 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/policy/selection.h"
+#include "daemon/recovery/schema_convert.h"
 #include "base/region.h"
 #include "daemon/store/format.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -134,9 +135,9 @@ store::LayerFileHeader EngineHeader(const v1::RegisterRequest& req, const v1::La
   for (const v1::TensorSpec& t : spec.tensors()) {
     store::TensorEntry* e = h.add_tensors();
     e->set_name(t.name());
-    e->set_dtype(t.dtype());
+    e->set_dtype(ToStore(t.dtype()));
     *e->mutable_shape() = t.shape();
-    e->set_role(t.role());
+    e->set_role(ToStore(t.role()));
     e->set_group(t.group());
     e->set_nbytes(t.nbytes());
     groups.insert(t.group());
@@ -144,7 +145,7 @@ store::LayerFileHeader EngineHeader(const v1::RegisterRequest& req, const v1::La
   h.set_step(~uint64_t{0});
   h.set_generation(~uint64_t{0});
   for (uint32_t g : groups) {
-    v1::GroupStep* gs = h.add_group_steps();
+    store::GroupStep* gs = h.add_group_steps();
     gs->set_group(g);
     gs->set_step(~uint64_t{0});
   }

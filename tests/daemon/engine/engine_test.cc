@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "daemon/engine/registration.h"
+#include "daemon/recovery/schema_convert.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/store/format.h"
 #include "gtest/gtest.h"
@@ -282,13 +283,13 @@ TEST(ValidateRegistrationTest, StagingCheckCountsEveryFieldOfAVersionHeader) {
     t->set_group(0xFFFFFFFF);
     store::TensorEntry* e = h.add_tensors();
     e->set_name(t->name());
-    e->set_dtype(t->dtype());
+    e->set_dtype(ToStore(t->dtype()));
     *e->mutable_shape() = t->shape();
-    e->set_role(t->role());
+    e->set_role(ToStore(t->role()));
     e->set_group(t->group());
     e->set_nbytes(t->nbytes());
   }
-  v1::GroupStep* gs = h.add_group_steps();
+  store::GroupStep* gs = h.add_group_steps();
   gs->set_group(0xFFFFFFFF);
   gs->set_step(~uint64_t{0});
   CKPT_ASSERT_OK_AND_ASSIGN(VersionLayout need, PlanLayout(&h));

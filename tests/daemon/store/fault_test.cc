@@ -832,13 +832,13 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
   const std::vector<std::vector<uint64_t>> sizes = {{70000, 24}, {5000}, {300, 90000, 7}, {4096}};
   store::RankRecord table;
   for (uint32_t l = 0; l < kLayers; ++l) {
-    v1::LayerSpec* spec = table.add_layers();
+    store::LayerSpec* spec = table.add_layers();
     spec->set_id(l);
     spec->set_name(absl::StrCat("layer", l));
     for (size_t i = 0; i < sizes[l].size(); ++i) {
-      v1::TensorSpec* t = spec->add_tensors();
+      store::TensorSpec* t = spec->add_tensors();
       t->set_name(TensorName(i));
-      t->set_dtype(v1::DTYPE_U8);
+      t->set_dtype(store::DTYPE_U8);
       t->add_shape(sizes[l][i]);
       t->set_nbytes(sizes[l][i]);
     }
@@ -896,7 +896,7 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
   const uint64_t restores = Scaled(40);
   for (uint64_t i = 0; i < restores; ++i) {
     std::map<std::pair<uint32_t, uint32_t>, std::string> out;
-    for (const v1::LayerSpec& l : table.layers()) {
+    for (const store::LayerSpec& l : table.layers()) {
       for (int t = 0; t < l.tensors_size(); ++t) {
         out[{l.id(), static_cast<uint32_t>(t)}] = std::string(l.tensors(t).nbytes(), '\0');
       }

@@ -314,6 +314,42 @@ TEST_F(IndexTest, SecondOpenOfTheSameDatabaseIsRefused) {
   CKPT_EXPECT_CODE(Index::Open(tmp_.Join("index")), kFailedPrecondition);
 }
 
+// An index written by a newer ckptd (a higher schema version) is refused
+// rather than misread; one without a version is stamped with this one.
+TEST(IndexSchemaTest, NewerSchemaIsRefusedAndAnUnversionedIndexIsStamped) {
+  ::ckpt::testing::TempDir tmp;
+  const std::string path = tmp.Join("index");
+  {
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(options, path, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    ASSERT_TRUE(db->Put(wo, "m/schema_version", absl::StrCat(kIndexSchemaVersion + 1)).ok());
+  }
+  absl::StatusOr<std::unique_ptr<Index>> newer = Index::Open(path);
+  CKPT_EXPECT_CODE(newer, kFailedPrecondition);
+  EXPECT_NE(newer.status().message().find("newer ckptd"), absl::string_view::npos) << newer.status();
+
+  const std::string fresh = tmp.Join("fresh");
+  {
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(options, fresh, &raw).ok());
+    delete raw;  // an index as written before the key existed
+  }
+  CKPT_ASSERT_OK(Index::Open(fresh).status());
+  rocksdb::DB* raw = nullptr;
+  ASSERT_TRUE(rocksdb::DB::OpenForReadOnly(rocksdb::Options(), fresh, &raw).ok());
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::string v;
+  ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), "m/schema_version", &v).ok());
+  EXPECT_EQ(v, absl::StrCat(kIndexSchemaVersion));
+}
+
 // Regression (found by tests/fuzz/index_fuzzer.cc): number fields of keys were
 // parsed leniently (upper case, "+", "0x"), so a non-canonical key read back
 // as a version whose canonical key is another key: Reconcile "removed" it by

@@ -11,6 +11,7 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
+#include "daemon/recovery/schema_convert.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
 #include "tests/lib/test_util.h"
@@ -39,13 +40,13 @@ class PlanTest : public ::testing::Test {
     store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
     CKPT_ASSERT_OK(store_->Init());
     for (size_t l = 0; l < kLayerSizes.size(); ++l) {
-      v1::LayerSpec* spec = table_.add_layers();
+      store::LayerSpec* spec = table_.add_layers();
       spec->set_id(static_cast<uint32_t>(l));
       spec->set_name(absl::StrCat("layer", l));
       for (size_t i = 0; i < kLayerSizes[l].size(); ++i) {
-        v1::TensorSpec* t = spec->add_tensors();
+        store::TensorSpec* t = spec->add_tensors();
         t->set_name(TensorName(i));
-        t->set_dtype(v1::DTYPE_U8);
+        t->set_dtype(store::DTYPE_U8);
         t->add_shape(kLayerSizes[l][i]);
         t->set_nbytes(kLayerSizes[l][i]);
       }
@@ -82,7 +83,7 @@ class PlanTest : public ::testing::Test {
 
   absl::StatusOr<RestoreStats> Restore(const v1::Plan& plan, const store::RankRecord& table,
                                        std::map<std::pair<uint32_t, uint32_t>, std::string>* out) {
-    for (const v1::LayerSpec& l : table.layers()) {
+    for (const store::LayerSpec& l : table.layers()) {
       for (int i = 0; i < l.tensors_size(); ++i) {
         (*out)[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
       }
@@ -237,7 +238,7 @@ TEST_F(PlanTest, RestoreRefusesMismatchedDestinationTable) {
   CKPT_EXPECT_CODE(Restore(plan, smaller, &out), kFailedPrecondition);
 
   store::RankRecord dtype = table_;
-  dtype.mutable_layers(0)->mutable_tensors(1)->set_dtype(v1::DTYPE_F32);
+  dtype.mutable_layers(0)->mutable_tensors(1)->set_dtype(store::DTYPE_F32);
   CKPT_EXPECT_CODE(Restore(plan, dtype, &out), kFailedPrecondition);
 
   store::RankRecord renamed = table_;
@@ -245,9 +246,9 @@ TEST_F(PlanTest, RestoreRefusesMismatchedDestinationTable) {
   CKPT_EXPECT_CODE(Restore(plan, renamed, &out), kFailedPrecondition);
 
   store::RankRecord extra = table_;
-  v1::TensorSpec* t = extra.mutable_layers(1)->add_tensors();
+  store::TensorSpec* t = extra.mutable_layers(1)->add_tensors();
   t->set_name("extra");
-  t->set_dtype(v1::DTYPE_U8);
+  t->set_dtype(store::DTYPE_U8);
   t->set_nbytes(4);
   CKPT_EXPECT_CODE(Restore(plan, extra, &out), kFailedPrecondition);
   EXPECT_EQ(pool_->bytes_in_use(), 0u);
@@ -267,6 +268,40 @@ TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
   absl::StatusOr<RestoreStats> stats = Restore(plan, table_, &out);
   CKPT_EXPECT_CODE(stats, kDataLoss);
   EXPECT_NE(stats.status().message().find("layer 1"), absl::string_view::npos) << stats.status();
+}
+
+// Tables registered before the store had its own messages were persisted as
+// ckpt.v1 LayerSpecs; they must read back as store LayerSpecs unchanged, and
+// ToStore must produce exactly those bytes.
+TEST(SchemaConvertTest, ApiTablesReadBackAsStoreTablesAndConvertIdentically) {
+  v1::LayerSpec api;
+  api.set_id(3);
+  api.set_name("layers.2");
+  api.set_kind(v1::LAYER_BLOCK);
+  v1::TensorSpec* t = api.add_tensors();
+  t->set_name("w");
+  t->set_dtype(v1::DTYPE_BF16);
+  t->add_shape(4);
+  t->add_shape(8);
+  t->set_nbytes(64);
+  t->set_role(v1::ROLE_MASTER);
+  t->set_region(2);
+  t->set_offset(4096);
+  t->set_group(1);
+  t->set_param("p");
+  t->set_lr_scale(0.5);
+  t->set_beta1(0.8);
+  t->set_beta2(0.95);
+  t->set_eps(1e-6);
+  t->set_weight_decay(0.1);
+  const std::string old_bytes = api.SerializeAsString();
+  store::LayerSpec read_back;
+  ASSERT_TRUE(read_back.ParseFromString(old_bytes));
+  EXPECT_EQ(read_back.SerializeAsString(), old_bytes);
+  EXPECT_EQ(read_back.tensors(0).dtype(), store::DTYPE_BF16);
+  EXPECT_EQ(read_back.tensors(0).role(), store::ROLE_MASTER);
+  EXPECT_EQ(ToStore(api).SerializeAsString(), old_bytes);
+  EXPECT_EQ(ToApi(read_back.kind()), v1::LAYER_BLOCK);
 }
 
 }  // namespace

@@ -36,9 +36,9 @@ inline store::LayerFileHeader MakeHeader(const VersionKey& key, uint64_t generat
   for (size_t i = 0; i < sizes.size(); ++i) {
     store::TensorEntry* t = h.add_tensors();
     t->set_name(TensorName(i));
-    t->set_dtype(v1::DTYPE_U8);
+    t->set_dtype(store::DTYPE_U8);
     t->add_shape(sizes[i]);
-    t->set_role(v1::ROLE_PARAM);
+    t->set_role(store::ROLE_PARAM);
     t->set_nbytes(sizes[i]);
   }
   return h;
