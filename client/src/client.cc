@@ -20,10 +20,13 @@ namespace {
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-  v1::ErrorInfo info;
-  if (!s.error_details().empty() && info.ParseFromString(s.error_details()) &&
-      info.reason() > 0 && info.reason() < kErrorReasonCount) {
-    out = WithReason(std::move(out), static_cast<ErrorReason>(info.reason()));
+  v1::RpcStatus details;
+  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) return out;
+  for (const google::protobuf::Any& any : details.details()) {
+    v1::ErrorInfo info;
+    if (any.UnpackTo(&info) && info.reason() > 0 && info.reason() < kErrorReasonCount) {
+      return WithReason(std::move(out), static_cast<ErrorReason>(info.reason()));
+    }
   }
   return out;
 }

@@ -1,5 +1,6 @@
 #include "daemon/config/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -48,10 +49,11 @@ Option Num(const char* name, const char* help, Field field, uint64_t min,
            uint64_t max = std::numeric_limits<uint64_t>::max()) {
   using T = std::remove_reference_t<decltype(field(std::declval<DaemonConfig&>()))>;
   return Option{name, help,
-                [name, field](const std::string& v, DaemonConfig* c) {
+                [name, field, min, max](const std::string& v, DaemonConfig* c) {
                   uint64_t x;
-                  if (!absl::SimpleAtoi(v, &x) || x > static_cast<uint64_t>(std::numeric_limits<T>::max())) {
-                    return NotANumber(name, v);
+                  if (!absl::SimpleAtoi(v, &x)) return NotANumber(name, v);
+                  if (x > static_cast<uint64_t>(std::numeric_limits<T>::max())) {
+                    return OutOfBounds(name, min, std::min<uint64_t>(max, std::numeric_limits<T>::max()));
                   }
                   field(*c) = static_cast<T>(x);
                   return absl::OkStatus();

@@ -94,7 +94,10 @@ void Engine::Shutdown(absl::Duration grace) {
   }
   for (auto& t : writer_threads_) t.join();
   writer_threads_.clear();
-  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the lock is released
+  // Mappings and the ranks themselves (a GPU rank's drift kernel synchronizes
+  // its stream) are destroyed after the locks are released.
+  std::vector<std::shared_ptr<RankMemory>> closing;
+  std::map<RankKey, std::shared_ptr<Rank>> ranks;
   absl::MutexLock lock(&mu_);
   write_queue_.clear();
   for (auto& [key, r] : ranks_) {
@@ -102,7 +105,7 @@ void Engine::Shutdown(absl::Duration grace) {
     r->active = false;
     r->ReleaseMemory("ckptd is shutting down", &closing);
   }
-  ranks_.clear();
+  ranks.swap(ranks_);
 }
 
 }  // namespace ckpt

@@ -42,7 +42,9 @@ absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, In
   }
   if (!sink(head)) return absl::CancelledError("the reader went away");
 
-  const absl::Time deadline = absl::Now() + timeout;
+  // One layer at a time; the plan passed to RestoreInto holds just that one.
+  v1::Plan one = plan;
+  one.clear_layers();
   for (const v1::LayerPlan& lp : plan.layers()) {
     // One layer at a time through the verified restore loop, into a buffer
     // laid out in table order.
@@ -54,16 +56,13 @@ absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, In
       layer_bytes += t.nbytes();
     }
     std::string buffer(layer_bytes, '\0');
-    v1::Plan one = plan;
     one.clear_layers();
     *one.add_layers() = lp;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return absl::DeadlineExceededError("export ran out of time");
     TensorDestination dest = [&buffer, &offsets](uint32_t, uint32_t tensor) {
       return buffer.data() + offsets[tensor];
     };
     CKPT_RETURN_IF_ERROR(
-        RestoreInto(one, table, dest, index, store, io, pool, left, cancelled).status());
+        RestoreInto(one, table, dest, index, store, io, pool, timeout, cancelled).status());
     for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
       v1::ExportChunk chunk;
       chunk.set_data(buffer.substr(off, kExportPieceBytes));

@@ -29,7 +29,9 @@ inline constexpr uint64_t kExportPieceBytes = 4 << 20;
 // Returns false when the reader went away.
 using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 
-// Streams `plan` (REQUIRES: built by BuildPlan from `table`). The errors of
+// Streams `plan` (REQUIRES: built by BuildPlan from `table`). `timeout`
+// bounds the reading of each layer (staging memory, I/O), not the whole
+// export: a slow reader may take as long as it likes. The errors of
 // RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
 // when `sink` returned false or `cancelled` returned true.
 absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,

@@ -1,7 +1,8 @@
 // absl::Status -> grpc::Status, in one place on the daemon side. The
-// status's ErrorReason (base/status.h) travels as a serialized
-// ckpt.v1.ErrorInfo in the gRPC status details; the client converts it back
-// in one place (client/src/client.cc).
+// status's ErrorReason (base/status.h) travels in the gRPC status details as
+// an RpcStatus (the shape of google.rpc.Status) holding a packed
+// ckpt.v1.ErrorInfo; the client converts it back in one place
+// (client/src/client.cc).
 #pragma once
 
 #include <grpcpp/support/status.h>
@@ -34,7 +35,12 @@ inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   }
   v1::ErrorInfo info;
   info.set_reason(static_cast<v1::ErrorReason>(reason));
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message, info.SerializeAsString());
+  v1::RpcStatus details;
+  details.set_code(static_cast<int32_t>(s.code()));
+  details.set_message(message);
+  details.add_details()->PackFrom(info);
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message,
+                      details.SerializeAsString());
 }
 
 }  // namespace ckpt

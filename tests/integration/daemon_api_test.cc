@@ -338,8 +338,15 @@ TEST_F(DaemonApiTest, DaemonLossIsRecognisedWhateverTheMessagesSay) {
     const grpc::Status s = RawStub()->StepDone(&ctx, req, &reply);
     ASSERT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_EQ(s.error_message(), "(message reworded for a test)");
+    // The details have google.rpc.Status's shape: code, message, and the
+    // reason packed in an Any.
+    v1::RpcStatus details;
+    ASSERT_TRUE(details.ParseFromString(s.error_details()));
+    EXPECT_EQ(details.code(), static_cast<int>(grpc::StatusCode::NOT_FOUND));
+    EXPECT_EQ(details.message(), s.error_message());
+    ASSERT_EQ(details.details_size(), 1);
     v1::ErrorInfo info;
-    ASSERT_TRUE(info.ParseFromString(s.error_details()));
+    ASSERT_TRUE(details.details(0).UnpackTo(&info));
     EXPECT_EQ(info.reason(), v1::ERROR_REASON_NOT_REGISTERED);
   }
   CheckDaemonLossAndRecovery();

@@ -103,6 +103,10 @@ TEST(ConfigTest, BadNumbers) {
   DaemonConfig c;
   CKPT_ASSERT_OK(ParseConfigText("writer_threads = 4294967295", &c));
   EXPECT_EQ(c.engine.writer_threads, 4294967295u);
+  // A number too large for its option names the option's bounds.
+  absl::Status s = SetConfigOption("max_message_bytes", "3000000000", &c);
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "max_message_bytes must be 4096..2147483647")) << s;
 }
 
 TEST(ConfigTest, BadBoolAndMissingEquals) {
