@@ -20,27 +20,26 @@ absl::StatusOr<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_
   bytes = (bytes + page - 1) / page * page;
   int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return ErrnoStatus(errno, "memfd_create");
-  MemfdRegion r;
-  r.fd_ = UniqueFd(fd);
+  UniqueFd owned(fd);
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return ErrnoStatus(errno, "ftruncate");
   if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return ErrnoStatus(errno, "F_ADD_SEALS");
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap memfd");
-  r.data_ = p;
-  r.size_ = bytes;
+  MemfdRegion r;
+  r.mapping_ = SharedMapping(std::move(owned), p, bytes);
   return r;
 }
 
-MemfdRegion::~MemfdRegion() {
+SharedMapping::~SharedMapping() {
   if (data_ != nullptr) ::munmap(data_, size_);
 }
 
-MemfdRegion::MemfdRegion(MemfdRegion&& o) noexcept
+SharedMapping::SharedMapping(SharedMapping&& o) noexcept
     : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
 
-MemfdRegion& MemfdRegion::operator=(MemfdRegion&& o) noexcept {
+SharedMapping& SharedMapping::operator=(SharedMapping&& o) noexcept {
   if (this != &o) {
     if (data_ != nullptr) ::munmap(data_, size_);
     fd_ = std::move(o.fd_);
@@ -67,27 +66,8 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return ErrnoStatus(errno, "mmap region");
   MappedRegion r;
-  r.fd_ = std::move(fd);
-  r.data_ = p;
-  r.size_ = size;
+  r.mapping_ = SharedMapping(std::move(fd), p, size);
   return r;
-}
-
-MappedRegion::~MappedRegion() {
-  if (data_ != nullptr) ::munmap(data_, size_);
-}
-
-MappedRegion::MappedRegion(MappedRegion&& o) noexcept
-    : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-
-MappedRegion& MappedRegion::operator=(MappedRegion&& o) noexcept {
-  if (this != &o) {
-    if (data_ != nullptr) ::munmap(data_, size_);
-    fd_ = std::move(o.fd_);
-    data_ = std::exchange(o.data_, nullptr);
-    size_ = std::exchange(o.size_, 0);
-  }
-  return *this;
 }
 
 }  // namespace ckpt

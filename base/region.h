@@ -23,18 +23,18 @@ namespace ckpt {
 // The largest region either side accepts (1 TiB): a sanity bound, not a budget.
 inline constexpr uint64_t kMaxRegionBytes = uint64_t{1} << 40;
 
-class MemfdRegion {
+// A file descriptor and its shared read-write mapping, unmapped and closed
+// on destruction; what both kinds of region hold.
+class SharedMapping {
  public:
-  // Creates a memfd of `bytes` (rounded up to the page size), maps it
-  // read-write and seals it against shrinking and growing.
-  static absl::StatusOr<MemfdRegion> Create(const std::string& name, uint64_t bytes);
-
-  MemfdRegion() = default;
-  ~MemfdRegion();
-  MemfdRegion(MemfdRegion&& o) noexcept;
-  MemfdRegion& operator=(MemfdRegion&& o) noexcept;
-  MemfdRegion(const MemfdRegion&) = delete;
-  MemfdRegion& operator=(const MemfdRegion&) = delete;
+  SharedMapping() = default;
+  SharedMapping(UniqueFd fd, void* data, uint64_t size)
+      : fd_(std::move(fd)), data_(data), size_(size) {}
+  ~SharedMapping();
+  SharedMapping(SharedMapping&& o) noexcept;
+  SharedMapping& operator=(SharedMapping&& o) noexcept;
+  SharedMapping(const SharedMapping&) = delete;
+  SharedMapping& operator=(const SharedMapping&) = delete;
 
   void* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -46,6 +46,22 @@ class MemfdRegion {
   uint64_t size_ = 0;
 };
 
+class MemfdRegion {
+ public:
+  // Creates a memfd of `bytes` (rounded up to the page size), maps it
+  // read-write and seals it against shrinking and growing.
+  static absl::StatusOr<MemfdRegion> Create(const std::string& name, uint64_t bytes);
+
+  MemfdRegion() = default;
+
+  void* data() const { return mapping_.data(); }
+  uint64_t size() const { return mapping_.size(); }
+  int fd() const { return mapping_.fd(); }
+
+ private:
+  SharedMapping mapping_;
+};
+
 class MappedRegion {
  public:
   // Maps a received fd shared read-write. INVALID_ARGUMENT when the fd is not
@@ -53,19 +69,12 @@ class MappedRegion {
   static absl::StatusOr<MappedRegion> Map(UniqueFd fd);
 
   MappedRegion() = default;
-  ~MappedRegion();
-  MappedRegion(MappedRegion&& o) noexcept;
-  MappedRegion& operator=(MappedRegion&& o) noexcept;
-  MappedRegion(const MappedRegion&) = delete;
-  MappedRegion& operator=(const MappedRegion&) = delete;
 
-  char* data() const { return static_cast<char*>(data_); }
-  uint64_t size() const { return size_; }
+  char* data() const { return static_cast<char*>(mapping_.data()); }
+  uint64_t size() const { return mapping_.size(); }
 
  private:
-  UniqueFd fd_;
-  void* data_ = nullptr;
-  uint64_t size_ = 0;
+  SharedMapping mapping_;
 };
 
 }  // namespace ckpt

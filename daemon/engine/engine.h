@@ -186,6 +186,10 @@ class Engine {
   // FAILED_PRECONDITION (kStaleGeneration).
   absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const RankRef& ref, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same with mu_ taken and released: for calls that then wait on the
+  // rank's own mutex.
+  absl::StatusOr<std::shared_ptr<Rank>> Find(const RankRef& ref, const Caller& caller)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckOwner(const std::string& job, const Caller& caller);
   // Closes the GPU mappings of ranks whose trainer process exited.
   void WatchTrainersLoop();

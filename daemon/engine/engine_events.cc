@@ -85,15 +85,9 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
 
 absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
                                              const Caller& caller, absl::Time deadline) {
-  std::shared_ptr<Rank> r;
-  {
-    absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
-  }
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
   absl::MutexLock rank_lock(&r->mu);
-  if (step > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
-  }
+  CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto durable = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
     return r->durable_step >= step || !r->fatal.ok() || !r->active || r->stopping;
   };

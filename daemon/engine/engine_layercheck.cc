@@ -222,16 +222,10 @@ absl::StatusOr<std::vector<drift::LayerSums>> Engine::DriftPartials(const RankRe
                                                                     uint64_t step,
                                                                     const Caller& caller,
                                                                     absl::Time deadline) {
-  std::shared_ptr<Rank> r;
-  {
-    absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
-  }
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
-  if (step > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
-  }
+  CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto ready = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
     return r->partials.count(step) > 0 || r->snapshot_step >= step || !r->active || r->stopping;
   };

@@ -87,6 +87,12 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& 
   return r;
 }
 
+absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::Find(const RankRef& ref,
+                                                           const Caller& caller) {
+  absl::MutexLock lock(&mu_);
+  return FindLocked(ref, caller);
+}
+
 absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
                                                    std::vector<UniqueFd> fds,
                                                    const Caller& caller) {

@@ -266,15 +266,9 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
 
 absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t step,
                                                    const Caller& caller, absl::Time deadline) {
-  std::shared_ptr<Rank> r;
-  {
-    absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
-  }
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
   absl::MutexLock rank_lock(&r->mu);
-  if (step > r->last_step_seen) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
-  }
+  CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto taken = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
     return r->snapshot_step >= step || !r->active || r->stopping;
   };

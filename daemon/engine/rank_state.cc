@@ -38,6 +38,11 @@ absl::Status Engine::Rank::Drain(absl::Time deadline) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Rank::CheckReported(uint64_t step) const {
+  if (step <= last_step_seen) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
+}
+
 void Engine::Rank::RecordOutcome(uint32_t layer, uint64_t step, bool durable) {
   std::map<uint64_t, bool>& o = outcomes[layer];
   o[step] = durable;

@@ -160,6 +160,9 @@ struct Engine::Rank {
   // Waits until nothing of the rank is queued, being snapshotted or being
   // written. UNAVAILABLE at `deadline`; kShuttingDown when ckptd stops.
   absl::Status Drain(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // FAILED_PRECONDITION when `step` was never reported to this registration
+  // (a wait for it could never end).
+  absl::Status CheckReported(uint64_t step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Remembers whether the version of `layer` selected at `step` became
   // durable (WaitDurable reads it).
   void RecordOutcome(uint32_t layer, uint64_t step, bool durable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
