@@ -3,22 +3,36 @@
 namespace ckpt {
 namespace {
 
+template <typename A, typename B>
+constexpr bool Same(A a, B b) {
+  return static_cast<int>(a) == static_cast<int>(b);
+}
+
 // Every value of each enum pair has the same number.
-static_assert(v1::DType_MIN == store::DType_MIN && v1::DType_MAX == store::DType_MAX &&
-              v1::DTYPE_F32 == store::DTYPE_F32 && v1::DTYPE_F16 == store::DTYPE_F16 &&
-              v1::DTYPE_BF16 == store::DTYPE_BF16 && v1::DTYPE_F64 == store::DTYPE_F64 &&
-              v1::DTYPE_I64 == store::DTYPE_I64 && v1::DTYPE_I32 == store::DTYPE_I32 &&
-              v1::DTYPE_U8 == store::DTYPE_U8);
-static_assert(v1::TensorRole_MIN == store::TensorRole_MIN &&
-              v1::TensorRole_MAX == store::TensorRole_MAX && v1::ROLE_PARAM == store::ROLE_PARAM &&
-              v1::ROLE_MASTER == store::ROLE_MASTER && v1::ROLE_EXP_AVG == store::ROLE_EXP_AVG &&
-              v1::ROLE_EXP_AVG_SQ == store::ROLE_EXP_AVG_SQ &&
-              v1::ROLE_MOMENTUM == store::ROLE_MOMENTUM && v1::ROLE_OTHER == store::ROLE_OTHER);
-static_assert(v1::LayerKind_MIN == store::LayerKind_MIN &&
-              v1::LayerKind_MAX == store::LayerKind_MAX &&
-              v1::LAYER_EMBEDDING == store::LAYER_EMBEDDING && v1::LAYER_BLOCK == store::LAYER_BLOCK &&
-              v1::LAYER_NORM == store::LAYER_NORM && v1::LAYER_HEAD == store::LAYER_HEAD &&
-              v1::LAYER_OTHER == store::LAYER_OTHER);
+static_assert(Same(v1::DType_MIN, store::DType_MIN) &&
+              Same(v1::DType_MAX, store::DType_MAX) &&
+              Same(v1::DTYPE_F32, store::DTYPE_F32) &&
+              Same(v1::DTYPE_F16, store::DTYPE_F16) &&
+              Same(v1::DTYPE_BF16, store::DTYPE_BF16) &&
+              Same(v1::DTYPE_F64, store::DTYPE_F64) &&
+              Same(v1::DTYPE_I64, store::DTYPE_I64) &&
+              Same(v1::DTYPE_I32, store::DTYPE_I32) &&
+              Same(v1::DTYPE_U8, store::DTYPE_U8));
+static_assert(Same(v1::TensorRole_MIN, store::TensorRole_MIN) &&
+              Same(v1::TensorRole_MAX, store::TensorRole_MAX) &&
+              Same(v1::ROLE_PARAM, store::ROLE_PARAM) &&
+              Same(v1::ROLE_MASTER, store::ROLE_MASTER) &&
+              Same(v1::ROLE_EXP_AVG, store::ROLE_EXP_AVG) &&
+              Same(v1::ROLE_EXP_AVG_SQ, store::ROLE_EXP_AVG_SQ) &&
+              Same(v1::ROLE_MOMENTUM, store::ROLE_MOMENTUM) &&
+              Same(v1::ROLE_OTHER, store::ROLE_OTHER));
+static_assert(Same(v1::LayerKind_MIN, store::LayerKind_MIN) &&
+              Same(v1::LayerKind_MAX, store::LayerKind_MAX) &&
+              Same(v1::LAYER_EMBEDDING, store::LAYER_EMBEDDING) &&
+              Same(v1::LAYER_BLOCK, store::LAYER_BLOCK) &&
+              Same(v1::LAYER_NORM, store::LAYER_NORM) &&
+              Same(v1::LAYER_HEAD, store::LAYER_HEAD) &&
+              Same(v1::LAYER_OTHER, store::LAYER_OTHER));
 
 }  // namespace
 
