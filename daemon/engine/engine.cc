@@ -16,6 +16,7 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       index_(index),
       store_(store),
       pool_(pool),
+      clock_(options_.clock != nullptr ? options_.clock : Clock::Real()),
       drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)),
       cuda_ipc_(options_.cuda_ipc),
       gpu_support_(CudaSupport()),

@@ -48,6 +48,7 @@
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "base/unique_fd.h"
+#include "daemon/common/clock.h"
 #include "daemon/engine/disk_budget.h"
 #include "daemon/engine/leases.h"
 #include "daemon/engine/registration.h"
@@ -91,6 +92,9 @@ struct EngineOptions {
   // The CUDA calls behind GPU registrations; null = the CUDA runtime's (or,
   // without CUDA, a twin that refuses GPU registrations). Not owned.
   CudaIpc* cuda_ipc = nullptr;
+  // What the engine stamps and ages records with (event times, retention,
+  // the durability lag); null = the real clock. Not owned.
+  Clock* clock = nullptr;
   // How often the exit of trainers holding GPU mappings is checked.
   absl::Duration trainer_watch_interval = absl::Milliseconds(200);
 };
@@ -231,6 +235,7 @@ class Engine {
   LayerStore* const store_;
   StagingPool* const pool_;
   std::string io_backend_name_;
+  Clock* const clock_;  // options_.clock or the real clock
   const absl::Time started_ = absl::Now();
   ReconcileReport reconcile_;
   std::unique_ptr<drift::DriftKernel> drift_kernel_;

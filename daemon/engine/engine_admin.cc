@@ -167,7 +167,7 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
   m->Set(Gauge::kRegisteredRanks, static_cast<double>(ActiveRanksLocked()));
   // Durability lag: staged but not yet durable, over every live rank.
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_->Now();
   double lag_bytes = 0, lag_seconds = 0;
   for (const auto& [key, r] : ranks_) {
     absl::MutexLock rank_lock(&r->mu);

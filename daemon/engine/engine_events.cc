@@ -64,7 +64,7 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
       if (p.remaining != 0) break;
       store::EventRecord e = p.event;
       std::sort(e.mutable_layers()->begin(), e.mutable_layers()->end());
-      e.set_unix_ms(absl::ToUnixMillis(absl::Now()));
+      e.set_unix_ms(absl::ToUnixMillis(clock_->Now()));
       batch.emplace_back(p.step, std::move(e));
     }
   }

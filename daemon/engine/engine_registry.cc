@@ -134,7 +134,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     if (!job_rec.has_value()) {
       store::JobRecord jr;
       jr.set_owner_uid(caller.uid);
-      jr.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+      jr.set_created_unix_ms(absl::ToUnixMillis(clock_->Now()));
       CKPT_RETURN_IF_ERROR(index_->PutJob(req.job_id(), jr));
       job_rec = jr;
     }

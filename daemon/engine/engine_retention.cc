@@ -21,7 +21,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   }
   auto release = [&] { leases_.EndGc(key); };
   RetentionInput in;
-  in.now_unix_ms = absl::ToUnixMillis(absl::Now());
+  in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
   std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> records;
   absl::Status s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
                                         [&](uint64_t step, const store::EventRecord& e) {

@@ -250,7 +250,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     p.remaining = static_cast<uint32_t>(staged.size());
     p.event = std::move(task.event);
     p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
-    p.staged_at = absl::Now();
+    p.staged_at = clock_->Now();
     p.staged_bytes = staged_bytes;
     r->pending.push_back(std::move(p));
     for (StagedVersion& v : staged) {

@@ -84,7 +84,7 @@ void HandoverServer::Serve(UniqueFd conn) {
     if (pending_.size() >= options_.max_pending) {
       return fail(absl::ResourceExhaustedError("too many unclaimed handovers"));
     }
-    pending_[token] = Pending{cred->uid, absl::Now() + options_.token_ttl, std::move(fds)};
+    pending_[token] = Pending{cred->uid, Now() + options_.token_ttl, std::move(fds)};
   }
   std::memcpy(reply.token, token.data(), kHandoverTokenBytes);
   IgnoreError(SendWithFds(conn.get(), &reply, sizeof(reply), {}),
@@ -92,7 +92,7 @@ void HandoverServer::Serve(UniqueFd conn) {
 }
 
 void HandoverServer::ExpireLocked() {
-  absl::Time now = absl::Now();
+  absl::Time now = Now();
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->second.expires < now) {
       it = pending_.erase(it);

@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/unique_fd.h"
+#include "daemon/common/clock.h"
 
 namespace ckpt {
 
@@ -27,6 +28,7 @@ struct HandoverOptions {
   absl::Duration io_timeout = absl::Seconds(5);
   absl::Duration token_ttl = absl::Seconds(120);
   size_t max_pending = 1024;  // tokens waiting to be claimed, node-wide
+  Clock* clock = nullptr;     // token expiry; null = the real clock. Not owned.
 };
 
 class HandoverServer {
@@ -59,6 +61,7 @@ class HandoverServer {
   void AcceptLoop();
   void Serve(UniqueFd conn);
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Time Now() const { return (options_.clock != nullptr ? options_.clock : Clock::Real())->Now(); }
 
   const HandoverOptions options_;
   UniqueFd listen_fd_;

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "base/region.h"
 #include "base/unique_fd.h"
+#include "daemon/common/clock.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
 #include "daemon/io/file_system.h"
@@ -323,6 +324,43 @@ TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration)
   CKPT_EXPECT_OK(StepDone(b, 4));
   CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(b, 4));
   EXPECT_EQ(durable, 4u);
+}
+
+// Retention by age reads the engine's clock: with the test's clock, events
+// age by hours without anyone waiting, and GC keeps exactly what the policy
+// says at each moment.
+TEST_F(EnginePipelineTest, RetentionByAgeFollowsTheEnginesClock) {
+  SimulatedClock clock(absl::FromUnixSeconds(1700000000));
+  EngineOptions options = OneWriter();
+  options.clock = &clock;
+  options.gc_interval = absl::ZeroDuration();  // GC only when asked
+  options.retention.keep_last_events = 1;
+  options.retention.keep_every_steps = 0;
+  options.retention.keep_hours = 1;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(options, /*chunks=*/16));
+  TestRank r = MakeRank("aging", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    CKPT_ASSERT_OK(StepDone(r, t));
+    CKPT_ASSERT_OK(WaitSnapshot(r, t).status());
+    CKPT_ASSERT_OK(WaitDurable(r, t).status());
+  }
+  v1::GcRequest gc;
+  gc.set_job_id(r.job);
+  // Every event is younger than an hour: all three stay restorable.
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply young, engine_->Gc(gc, owner_));
+  EXPECT_EQ(young.events_deleted(), 0u);
+  EXPECT_EQ(young.versions_deleted(), 0u);
+  CKPT_EXPECT_OK(Plan(r, 1).status());
+
+  // Two hours later only the newest event is kept.
+  clock.Advance(absl::Hours(2));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply old, engine_->Gc(gc, owner_));
+  EXPECT_EQ(old.events_deleted(), 2u);
+  EXPECT_EQ(old.versions_deleted(), 4u);  // steps 1 and 2 of both layers
+  CKPT_EXPECT_CODE(Plan(r, 1).status(), kNotFound);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan latest, Plan(r, 3));
+  EXPECT_EQ(PlannedSteps(latest), (std::vector<uint64_t>{3, 3}));
 }
 
 }  // namespace

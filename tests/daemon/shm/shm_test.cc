@@ -257,6 +257,7 @@ class HandoverServerTest : public ::testing::Test {
     o.io_timeout = absl::Seconds(5);
     o.token_ttl = ttl;
     o.max_pending = max_pending;
+    o.clock = &clock_;
     server_ = std::make_unique<HandoverServer>(o);
     CKPT_ASSERT_OK(server_->Start());
   }
@@ -307,6 +308,7 @@ class HandoverServerTest : public ::testing::Test {
   }
 
   TempDir tmp_;
+  SimulatedClock clock_{absl::FromUnixSeconds(1700000000)};
   std::unique_ptr<HandoverServer> server_;
 };
 
@@ -405,15 +407,17 @@ TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
 }
 
 TEST_F(HandoverServerTest, TokenExpires) {
-  constexpr absl::Duration kTtl = absl::Milliseconds(50);
+  constexpr absl::Duration kTtl = absl::Seconds(120);
   StartServer(kTtl);
-  std::vector<MemfdRegion> regions = MakeRegions(1);
-  CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(regions));
-  // The server stamped the token before HandOver returned, so it has expired
-  // once the clock is past this instant. No thread is raced here; the wait is
-  // for the clock, polled until it has certainly passed the expiry.
-  const absl::Time expired = absl::Now() + kTtl;
-  while (absl::Now() <= expired) absl::SleepFor(expired - absl::Now() + absl::Milliseconds(1));
+  std::vector<MemfdRegion> first = MakeRegions(1);
+  std::vector<MemfdRegion> second = MakeRegions(1);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string kept, HandOver(first));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(second));
+  // The server's clock is the test's: at the TTL the token is still valid,
+  // past it gone.
+  clock_.Advance(kTtl);
+  CKPT_EXPECT_OK(server_->Claim(kept, ::getuid()));
+  clock_.Advance(absl::Milliseconds(1));
   CKPT_EXPECT_CODE(server_->Claim(token, ::getuid()), kNotFound);
 }
 
