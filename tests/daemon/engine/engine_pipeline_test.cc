@@ -24,6 +24,8 @@
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 #include "gtest/gtest.h"
+#include "daemon/metrics/metrics.h"
+#include "tests/lib/fault_fs.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
@@ -79,11 +81,11 @@ class EnginePipelineTest : public ::testing::Test {
   // Starts an engine over a fresh data directory and a pool of `chunks`
   // chunks of kChunk bytes. `options` gets the data directory, the pwrite
   // backend and one writer unless it sets otherwise.
-  void StartEngine(EngineOptions options, size_t chunks) {
+  void StartEngine(EngineOptions options, size_t chunks, FileSystem* fs = DefaultFileSystem()) {
     pool_ = MakeTestPool(kChunk, chunks);
     ASSERT_NE(pool_, nullptr);
     CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
-    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(),
+    store_ = std::make_unique<LayerStore>(tmp_.path(), fs, index_.get(),
                                           /*use_direct_io=*/false);
     CKPT_ASSERT_OK(store_->Init());
     options.data_dir = tmp_.path();
@@ -361,6 +363,34 @@ TEST_F(EnginePipelineTest, RetentionByAgeFollowsTheEnginesClock) {
   CKPT_EXPECT_CODE(Plan(r, 1).status(), kNotFound);
   CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan latest, Plan(r, 3));
   EXPECT_EQ(PlannedSteps(latest), (std::vector<uint64_t>{3, 3}));
+}
+
+// A failed fdatasync (on the fault-injecting file system) fails that version
+// only: the step is not durable, the layer is retried and the next step is;
+// the failure is counted under the reason the commit path tagged it with
+// (ErrorReason::kFsync), and the failed sync is never retried.
+TEST_F(EnginePipelineTest, FailedSyncFailsTheVersionIsCountedAsFsyncAndIsRetried) {
+  ::ckpt::testing::FaultFileSystem fs(DefaultFileSystem(), tmp_.Join("grave"), /*seed=*/7);
+  Metrics metrics;
+  EngineOptions options = OneWriter();
+  options.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(options, /*chunks=*/16, &fs));
+  TestRank r = MakeRank("fsync", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  fs.FailNth(::ckpt::testing::FaultClass::kSync, 1, EIO);  // the next fdatasync fails
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitSnapshot(r, 1).status());
+  CKPT_EXPECT_CODE(WaitDurable(r, 1).status(), kAborted);
+  const std::string scrape = metrics.Scrape();
+  EXPECT_NE(scrape.find("ckpt_errors_total{kind=\"fsync\"} 1"), std::string::npos) << scrape;
+  EXPECT_EQ(scrape.find("ckpt_errors_total{kind=\"write\"} 1"), std::string::npos) << scrape;
+  EXPECT_EQ(fs.sync_retries_after_failure(), 0u);
+
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable, 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 2));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
 }
 
 }  // namespace
