@@ -5,6 +5,7 @@
 
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/gpu/ipc_memory.h"
@@ -77,6 +78,7 @@ void Engine::Shutdown(absl::Duration grace) {
       r->stopping = true;
     }
   }
+  CKPT_SYNC_POINT("engine.shutdown.stopping");
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
   if (gc_thread_.joinable()) gc_thread_.join();

@@ -186,8 +186,9 @@ class Engine {
   // ---- rank registry (engine_registry.cc): ownership, generations,
   //      registration and drain, watching the trainer process ----
   // The live registration of (job, rank) with this generation, for this
-  // caller: NOT_FOUND (kNotRegistered), PERMISSION_DENIED or
-  // FAILED_PRECONDITION (kStaleGeneration).
+  // caller: NOT_FOUND (kNotRegistered), PERMISSION_DENIED,
+  // FAILED_PRECONDITION (kStaleGeneration), or UNAVAILABLE (kShuttingDown)
+  // once ckptd is stopping.
   absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const RankRef& ref, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same with mu_ taken and released: for calls that then wait on the

@@ -11,11 +11,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/region.h"
+#include "base/status.h"
 #include "base/unique_fd.h"
 #include "daemon/common/clock.h"
 #include "daemon/common/sync_point.h"
@@ -391,6 +393,37 @@ TEST_F(EnginePipelineTest, FailedSyncFailsTheVersionIsCountedAsFsyncAndIsRetried
   EXPECT_EQ(durable, 2u);
   CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 2));
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
+}
+
+// Regression: during a shutdown (systemctl stop) StepDone was refused as
+// UNAVAILABLE, but the fence for that step then failed with
+// FAILED_PRECONDITION ("never reported"), which the client does not take for
+// the loss of ckptd, so a trainer set to continue unprotected died. Held
+// right after the engine starts stopping, every call of the registration
+// must carry kShuttingDown.
+TEST_F(EnginePipelineTest, EveryCallDuringShutdownSaysShuttingDown) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("stopping", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitSnapshot(r, 1).status());
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+
+  constexpr char kChecked[] = "PipelineTest:checked_during_shutdown";
+  sp_->LoadDependency({{kChecked, "engine.shutdown.stopping"}});
+  std::thread stopper([this] { engine_->Shutdown(absl::Seconds(10)); });
+  ASSERT_TRUE(sp_->WaitForArrivals("engine.shutdown.stopping", 1, absl::Now() + kWait));
+  auto shutting_down = [](const absl::Status& s) {
+    return ReasonOf(s) == ErrorReason::kShuttingDown;
+  };
+  const absl::Status step = StepDone(r, 2);
+  EXPECT_TRUE(absl::IsUnavailable(step) && shutting_down(step)) << step;
+  const absl::Status fence = WaitSnapshot(r, 2).status();  // step 2 was never reported
+  EXPECT_TRUE(shutting_down(fence)) << fence;
+  const absl::Status durable = WaitDurable(r, 1).status();
+  EXPECT_TRUE(shutting_down(durable)) << durable;
+  CKPT_SYNC_POINT(kChecked);
+  stopper.join();
 }
 
 }  // namespace
