@@ -44,6 +44,7 @@ constexpr int kExitDaemonError = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitUnreachable = 3;
 constexpr int kExitCorrupt = 4;
+constexpr int kExitLocalError = 5;
 
 constexpr char kUsage[] = R"(usage: ckptctl [FLAGS] COMMAND [ARGS] [FLAGS]
 
@@ -110,6 +111,8 @@ Exit codes:
   3  daemon unreachable (UNAVAILABLE, or DEADLINE_EXCEEDED before a
      connection was made)
   4  verify found versions that do not verify (checksum, size, missing file)
+  5  a local file or directory could not be created or written (export,
+     restore)
 )";
 
 // ---- argument parsing ----
@@ -783,8 +786,17 @@ class Ctl {
         if (line.empty() || line[0] == '#') continue;
         auto eq = line.find('=');
         if (eq == absl::string_view::npos) continue;
-        j[std::string(absl::StripAsciiWhitespace(line.substr(0, eq)))] =
-            std::string(absl::StripAsciiWhitespace(line.substr(eq + 1)));
+        const std::string key(absl::StripAsciiWhitespace(line.substr(0, eq)));
+        const std::string value(absl::StripAsciiWhitespace(line.substr(eq + 1)));
+        // Numbers and booleans as JSON numbers and booleans, the rest as text.
+        uint64_t number;
+        if (absl::SimpleAtoi(value, &number)) {
+          j[key] = number;
+        } else if (value == "true" || value == "false") {
+          j[key] = value == "true";
+        } else {
+          j[key] = value;
+        }
       }
       PrintJson(j);
     } else {
@@ -824,7 +836,9 @@ class Ctl {
     std::error_code mkdir_error;
     std::filesystem::create_directories(o_.out, mkdir_error);
     if (mkdir_error) {
-      return UsageError(absl::StrCat("cannot create ", o_.out, ": ", mkdir_error.message()));
+      std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", o_.out.c_str(),
+                   mkdir_error.message().c_str());
+      return kExitLocalError;
     }
     Json manifest{{"format", "ckptd-export-v1"}, {"job_id", job}, {"ranks", Json::array()}};
     const bool bar = !o_.json && ::isatty(2);
@@ -868,7 +882,7 @@ class Ctl {
     FILE* f = std::fopen(mpath.c_str(), "w");
     if (f == nullptr || std::fputs((manifest.dump(2) + "\n").c_str(), f) < 0 || std::fclose(f) != 0) {
       std::fprintf(stderr, "ckptctl: cannot write %s\n", mpath.c_str());
-      return kExitDaemonError;
+      return kExitLocalError;
     }
     if (o_.json) PrintJson(manifest);
     return kExitOk;
@@ -917,10 +931,30 @@ class Ctl {
 
 }  // namespace
 
+// `help COMMAND`: the command's entry of the usage text, or a usage error.
+static int HelpFor(const std::string& command) {
+  // An entry starts with "  COMMAND" at two spaces and runs until the next
+  // line that starts a new entry or section.
+  std::string entry;
+  bool in = false;
+  for (absl::string_view line : absl::StrSplit(kUsage, '\n')) {
+    const bool starts_entry = absl::StartsWith(line, "  ") && line.size() > 2 && line[2] != ' ';
+    if (starts_entry || (!line.empty() && line[0] != ' ')) {
+      in = starts_entry && (line.substr(2) == command ||
+                            absl::StartsWith(line.substr(2), command + " "));
+    }
+    if (in) absl::StrAppend(&entry, line, "\n");
+  }
+  if (entry.empty()) return UsageError(absl::StrCat("help: unknown command '", command, "'"));
+  std::printf("usage: ckptctl [FLAGS] %s\n\n%s", command.c_str(), entry.c_str());
+  return kExitOk;
+}
+
 int main(int argc, char** argv) {
   Options o;
   if (int rc = ParseArgs(argc, argv, &o); rc != kExitOk) return rc;
   if (o.help || o.command == "help") {
+    if (o.command == "help" && !o.positional.empty()) return HelpFor(o.positional[0]);
     std::fputs(kUsage, stdout);
     return kExitOk;
   }

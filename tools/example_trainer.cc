@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <thread>
 #include <vector>
 
@@ -75,37 +76,52 @@ uint64_t ParseBytes(const std::string& s) {
   return v * mult;
 }
 
+// Parses `v` as the number of flag `k` into `out`; a message and false when
+// it is not one (a bad flag ends the program with exit 2, not an exception).
+template <typename T>
+bool Number(const std::string& k, const std::string& v, T* out) {
+  bool ok;
+  if constexpr (std::is_floating_point_v<T>) {
+    ok = absl::SimpleAtod(v, out);
+  } else {
+    ok = absl::SimpleAtoi(v, out);
+  }
+  if (!ok) std::fprintf(stderr, "ckpt_example_trainer: %s: '%s' is not a number\n", k.c_str(), v.c_str());
+  return ok;
+}
+
 bool ParseArgs(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
     std::string s = argv[i];
     auto eq = s.find('=');
     std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
+    bool ok = true;
     if (k == "--socket") a->socket = v;
     else if (k == "--job") a->job = v;
-    else if (k == "--rank") a->rank = static_cast<uint32_t>(std::stoul(v));
-    else if (k == "--layers") a->layers = static_cast<uint32_t>(std::stoul(v));
+    else if (k == "--rank") ok = Number(k, v, &a->rank);
+    else if (k == "--layers") ok = Number(k, v, &a->layers);
     else if (k == "--layer-bytes") {
       a->layer_bytes.clear();
       for (absl::string_view p : absl::StrSplit(v, ',')) a->layer_bytes.push_back(ParseBytes(std::string(p)));
-    } else if (k == "--steps") a->steps = std::stoull(v);
+    } else if (k == "--steps") ok = Number(k, v, &a->steps);
     else if (k == "--policy") a->policy = v;
     else if (k == "--restore") a->restore = true;
     else if (k == "--log") a->log = v;
     else if (k == "--ack-log") a->ack_log = v;
     else if (k == "--verify-log") a->verify_log = v;
     else if (k == "--dump") a->dump = v;
-    else if (k == "--durable-every") a->durable_every = std::stoull(v);
-    else if (k == "--compute-ms") a->compute_ms = std::stoull(v);
+    else if (k == "--durable-every") ok = Number(k, v, &a->durable_every);
+    else if (k == "--compute-ms") ok = Number(k, v, &a->compute_ms);
     else if (k == "--on-daemon-loss") a->continue_unprotected = (v == "continue");
-    else if (k == "--seed") a->seed = std::stoull(v);
+    else if (k == "--seed") ok = Number(k, v, &a->seed);
     else if (k == "--quiet") a->quiet = true;
-    else if (k == "--reconnect-ms") a->reconnect_ms = std::stoull(v);
+    else if (k == "--reconnect-ms") ok = Number(k, v, &a->reconnect_ms);
     else if (k == "--optimizer") a->adamw = (v == "adamw");
-    else if (k == "--lr") a->lr = std::stod(v);
-    else if (k == "--k0") a->k0 = std::stod(v);
-    else if (k == "--s-max") a->s_max = std::stoull(v);
-    else if (k == "--warmup") a->warmup = std::stoll(v);
-    else if (k == "--warmup-interval") a->warmup_interval = std::stoull(v);
+    else if (k == "--lr") ok = Number(k, v, &a->lr);
+    else if (k == "--k0") ok = Number(k, v, &a->k0);
+    else if (k == "--s-max") ok = Number(k, v, &a->s_max);
+    else if (k == "--warmup") ok = Number(k, v, &a->warmup);
+    else if (k == "--warmup-interval") ok = Number(k, v, &a->warmup_interval);
     else if (k == "--record-trace") a->record_trace = true;
     else {
       std::fprintf(stderr,
@@ -117,6 +133,7 @@ bool ParseArgs(int argc, char** argv, Args* a) {
                    "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] [--record-trace]\n");
       return false;
     }
+    if (!ok) return false;
   }
   return true;
 }
@@ -244,7 +261,9 @@ int main(int argc, char** argv) {
     spec.policy.set_record_trace(a.record_trace);
   } else if (a.policy.rfind("every_n:", 0) == 0) {
     spec.policy.set_kind(ckpt::v1::POLICY_EVERY_N);
-    spec.policy.set_every_n(std::stoull(a.policy.substr(8)));
+    uint64_t n = 0;
+    if (!Number("--policy=every_n", a.policy.substr(8), &n)) return 2;
+    spec.policy.set_every_n(n);
   } else {
     std::fprintf(stderr, "unknown policy %s\n", a.policy.c_str());
     return 2;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/engine/rank_state.h"
@@ -133,6 +134,18 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
 absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
                                                  const Caller& caller) {
   CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  if (req.layer() >= 0) {
+    // A layer the rank does not have is a mistake, not an empty history.
+    CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+    if (!table.has_value()) {
+      return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+    }
+    if (req.layer() >= table->layers_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("job ", req.job_id(), " rank ", req.rank(),
+                                                     " has ", table->layers_size(),
+                                                     " layers; there is no layer ", req.layer()));
+    }
+  }
   v1::HistoryReply reply;
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
       req.job_id(), req.rank(), /*newest_first=*/true,

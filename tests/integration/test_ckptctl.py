@@ -1,6 +1,6 @@
 """Every ckptctl command against a real daemon, in human and --json form,
 with the documented exit codes (0 ok, 1 daemon error, 2 usage, 3 unreachable,
-4 verify found damage), and the disk bound's clear error."""
+4 verify found damage, 5 local file error), and the disk bound's clear error."""
 
 import json
 import os
@@ -66,8 +66,12 @@ def main():
 
         # config
         cfg = d.ctl("config")
-        assert cfg["keep_last_events"] == "3" and cfg["socket"] == d.socket
-        assert "keep_last_events = 3" in d.ctl_raw("config").stdout
+        # Regression: --json gave every value as a string.
+        assert cfg["keep_last_events"] == 3 and cfg["socket"] == d.socket, cfg
+        assert cfg["direct_io"] in (True, False), cfg
+        human = d.ctl_raw("config").stdout
+        assert "keep_last_events = 3" in human
+        assert "shown with its default" not in human, human  # it is the effective config
 
         # verify (cheap and deep)
         v = d.ctl("verify", job)
@@ -87,6 +91,24 @@ def main():
         assert human.returncode == 0 and "deleted" in human.stdout
         assert d.ctl("jobs")["jobs"][0]["versions"] == jobs[0]["versions"] - dry["versions_deleted"]
         assert d.ctl("plan", job) == plan
+
+        # Regression: a layer the job does not have printed an empty history
+        # with exit 0.
+        r = d.ctl_raw("history", job, "--layer=99")
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr and "4 layers" in r.stderr, r
+        # Regression: `help plan` printed the whole usage text.
+        r = d.ctl_raw("help", "plan")
+        assert r.returncode == 0 and "plan JOB" in r.stdout and "export JOB" not in r.stdout, r
+        assert d.ctl_raw("help", "nosuchcommand").returncode == 2
+        # Regression: a local file-system error exited 2 (usage).
+        blocker = os.path.join(root, "a-file")
+        with open(blocker, "w") as f:
+            f.write("x")
+        r = d.ctl_raw("export", job, "--out=" + os.path.join(blocker, "sub"))
+        assert r.returncode == 5 and "cannot create" in r.stderr, r
+        # Regression: the example trainer threw on a malformed number.
+        r = harness.run_trainer(d, "badflag", "--steps=abc")
+        assert r.returncode == 2 and "'abc' is not a number" in r.stderr, r
 
         # Exit codes.
         r = d.ctl_raw("plan", "nosuchjob")
