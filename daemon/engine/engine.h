@@ -123,8 +123,8 @@ class Engine {
   // only after the checks and the ownership test passed, so a refused call
   // maps nothing). Records the job (owner = caller) and the rank's table, and
   // returns a new generation. A live registration of the same rank is
-  // drained (bounded) and replaced. GPU mappings are closed again when the
-  // calling process (caller.pid) exits.
+  // drained (bounded) and replaced. The rank's memory (GPU mappings or memfd
+  // regions) is released again when the calling process (caller.pid) exits.
   absl::StatusOr<v1::RegisterReply> Register(const v1::RegisterRequest& req,
                                              std::vector<UniqueFd> fds, const Caller& caller);
   // Queues the step and returns. FAILED_PRECONDITION for a stale
@@ -196,7 +196,8 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Rank>> Find(const RankRef& ref, const Caller& caller)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckOwner(const std::string& job, const Caller& caller);
-  // Closes the GPU mappings of ranks whose trainer process exited.
+  // Releases the memory (GPU mappings, memfd regions) of ranks whose trainer
+  // process exited.
   void WatchTrainersLoop();
 
   // ---- snapshotter (engine_snapshot.cc): the StepDone queue, copy into

@@ -172,19 +172,21 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   r->policy = policy;
   std::shared_ptr<RankMemory> memory;
   UniqueFd pidfd;
+  // The registering process is watched: when it exits, the rank's memory
+  // (GPU mappings, or the memfd regions and their descriptors) is released.
+  if (caller.pid > 0) {
+    pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0)));
+    if (!pidfd.valid() && errno == ESRCH) {
+      return absl::UnavailableError("the registering process exited");
+    }
+    if (!pidfd.valid()) {
+      CKPT_LOG(WARNING) << "pidfd_open: " << std::strerror(errno) << "; the memory of job "
+                        << r->job << " rank " << r->rank
+                        << " is released only on unregister, re-register or shutdown";
+    }
+  }
   if (gpu) {
     CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
-    if (caller.pid > 0) {
-      pidfd = UniqueFd(static_cast<int>(::syscall(SYS_pidfd_open, caller.pid, 0)));
-      if (!pidfd.valid() && errno == ESRCH) {
-        return absl::UnavailableError("the registering process exited");
-      }
-      if (!pidfd.valid()) {
-        CKPT_LOG(WARNING) << "pidfd_open: " << std::strerror(errno)
-                          << "; GPU mappings of job " << r->job << " rank " << r->rank
-                          << " are closed only on unregister, re-register or shutdown";
-      }
-    }
   } else {
     memory = std::make_shared<HostMemory>(std::move(regions));
   }

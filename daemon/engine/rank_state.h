@@ -115,7 +115,7 @@ struct Engine::Rank {
   // or restore holds its own reference while it copies.
   std::shared_ptr<RankMemory> memory ABSL_GUARDED_BY(mu);
   std::string memory_released ABSL_GUARDED_BY(mu);  // why memory is null
-  UniqueFd trainer_pidfd ABSL_GUARDED_BY(mu);       // GPU ranks: the registering process
+  UniqueFd trainer_pidfd ABSL_GUARDED_BY(mu);       // the registering process
   bool stopping ABSL_GUARDED_BY(mu) = false;        // ckptd is shutting down
   bool active ABSL_GUARDED_BY(mu) = true;
   bool restoring ABSL_GUARDED_BY(mu) = false;

@@ -6,9 +6,12 @@
 // Where a test waits for a state, it polls it with a deadline; no test
 // asserts how long anything took.
 #include <fcntl.h>
+#include <sys/wait.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -137,11 +140,12 @@ class EnginePipelineTest : public ::testing::Test {
 
   // Registers `r` (handing over a duplicate of its region's fd); on success
   // `r` takes the new generation.
-  absl::StatusOr<v1::RegisterReply> Register(TestRank* r) {
+  absl::StatusOr<v1::RegisterReply> Register(TestRank* r, Caller caller = Caller()) {
     std::vector<UniqueFd> fds;
     fds.emplace_back(::fcntl(r->region.fd(), F_DUPFD_CLOEXEC, 0));
+    caller.uid = owner_.uid;
     absl::StatusOr<v1::RegisterReply> reply =
-        engine_->Register(RegisterRequestOf(*r), std::move(fds), owner_);
+        engine_->Register(RegisterRequestOf(*r), std::move(fds), caller);
     if (reply.ok()) r->generation = reply->generation();
     return reply;
   }
@@ -424,6 +428,53 @@ TEST_F(EnginePipelineTest, EveryCallDuringShutdownSaysShuttingDown) {
   EXPECT_TRUE(shutting_down(durable)) << durable;
   CKPT_SYNC_POINT(kChecked);
   stopper.join();
+}
+
+// How many mappings of the memfd named `name` this process holds.
+int MemfdMappings(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/memfd:" + name + " ") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Regression: a host trainer that exited stayed registered and its memfd
+// regions stayed mapped in ckptd until the rank registered again. The
+// registering process is now watched for host ranks too.
+TEST_F(EnginePipelineTest, HostMemoryIsReleasedWhenTheTrainerProcessExits) {
+  EngineOptions options = OneWriter();
+  options.trainer_watch_interval = absl::Milliseconds(10);
+  ASSERT_NO_FATAL_FAILURE(StartEngine(options, /*chunks=*/16));
+  TestRank r = MakeRank("exiting", 2);
+  const pid_t trainer = ::fork();
+  ASSERT_GE(trainer, 0);
+  if (trainer == 0) {
+    ::pause();  // the "trainer": lives until the test kills it
+    ::_exit(0);
+  }
+  Caller caller;
+  caller.pid = trainer;
+  CKPT_ASSERT_OK(Register(&r, caller).status());
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+  EXPECT_EQ(MemfdMappings("exiting"), 2);  // the test's and the engine's
+
+  ASSERT_EQ(::kill(trainer, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(trainer, &status, 0), trainer);
+  const absl::Time deadline = absl::Now() + kWait;
+  while (MemfdMappings("exiting") != 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));  // a poll with a deadline
+  }
+  EXPECT_EQ(MemfdMappings("exiting"), 1) << "the engine still maps the exited trainer's region";
+  const absl::Status s = StepDone(r, 2);
+  CKPT_EXPECT_CODE(s, kFailedPrecondition);
+  EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
+  // What was durable before the exit stays restorable.
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 1));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{1, 1}));
 }
 
 }  // namespace
