@@ -203,7 +203,9 @@ const std::vector<Option>& Options() {
           "new versions fail while the data file system has less free (RocksDB keeps room)",
           CKPT_FIELD(engine.min_free_disk_bytes), 0),
       Str("metrics_address",
-          "Prometheus endpoint host:port (empty = off; a bind failure is a warning)",
+          "Prometheus endpoint host:port (empty = off; a bind failure is a warning); loopback "
+          "by default, since it lists every user's jobs: bind 0.0.0.0 (or one interface) to "
+          "let a remote Prometheus scrape it",
           CKPT_FIELD(metrics_address)),
       Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
           CKPT_FIELD(max_layer_series), 0),

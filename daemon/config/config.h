@@ -36,7 +36,8 @@ struct DaemonConfig {
   std::string data_dir = "/var/lib/ckptd";
   bool direct_io = true;
   absl::Duration shutdown_grace = absl::Seconds(10);
-  std::string metrics_address = "0.0.0.0:9464";
+  // Loopback: the endpoint names every job; expose it deliberately.
+  std::string metrics_address = "127.0.0.1:9464";
   uint32_t max_layer_series = Metrics::kDefaultMaxLayerSeries;
 
   // The subsystems' options, defaults declared with each struct.

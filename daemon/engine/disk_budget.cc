@@ -1,5 +1,7 @@
 #include "daemon/engine/disk_budget.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
@@ -21,6 +23,13 @@ absl::Status DiskBudget::Reserve(uint64_t file_bytes) {
     return room;
   }
   return absl::OkStatus();
+}
+
+uint64_t DiskBudget::EffectiveLimit() {
+  absl::StatusOr<uint64_t> free = store_->FreeBytes();
+  if (!free.ok()) return max_bytes_;
+  const uint64_t room = used() + (*free > min_free_bytes_ ? *free - min_free_bytes_ : 0);
+  return max_bytes_ > 0 ? std::min(max_bytes_, room) : room;
 }
 
 absl::Status DiskBudget::CheckFreeSpace(uint64_t file_bytes) {

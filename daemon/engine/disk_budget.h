@@ -34,7 +34,13 @@ class DiskBudget {
   void Release(uint64_t file_bytes) { used_.fetch_sub(file_bytes, std::memory_order_relaxed); }
 
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  // The configured bound (0 = none).
   uint64_t limit() const { return max_bytes_; }
+  // What the versions may grow to: the configured bound, or, without one (or
+  // when the disk holds less), what they use plus the data file system's
+  // free space above the reserve. The configured bound when free space is
+  // unknown.
+  uint64_t EffectiveLimit();
 
  private:
   absl::Status CheckFreeSpace(uint64_t file_bytes);

@@ -172,7 +172,7 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kStagingPoolBytes, static_cast<double>(pool_->budget_bytes()));
   m->Set(Gauge::kStagingPoolInUseBytes, static_cast<double>(pool_->bytes_in_use()));
   m->Set(Gauge::kDiskUsedBytes, static_cast<double>(disk_.used()));
-  m->Set(Gauge::kDiskLimitBytes, static_cast<double>(disk_.limit()));
+  m->Set(Gauge::kDiskLimitBytes, static_cast<double>(disk_.EffectiveLimit()));
   const GpuMappingStats gpu = OpenGpuMappings();
   m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));

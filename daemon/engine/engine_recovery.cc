@@ -152,8 +152,16 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
                         BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
                         MakeIoBackend(options_.io_backend, options_.io_queue_depth));
-  return ExportPlan(plan, *table, index_, store_, io.get(), pool_, options_.restore_timeout,
-                    [this] { return shutting_down_.load(std::memory_order_relaxed); }, sink);
+  CKPT_ASSIGN_OR_RETURN(
+      uint64_t bytes,
+      ExportPlan(plan, *table, index_, store_, io.get(), pool_, options_.restore_timeout,
+                 [this] { return shutting_down_.load(std::memory_order_relaxed); }, sink));
+  // An export is a restore into files (ckptctl export and restore).
+  if (Metrics* m = options_.metrics) {
+    m->Inc(Counter::kRestores);
+    m->Inc(Counter::kRestoredBytes, static_cast<double>(bytes));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt

@@ -10,7 +10,7 @@
 
 namespace ckpt {
 
-absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
+absl::StatusOr<uint64_t> ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
                         LayerStore* store, IoBackend* io, StagingPool* pool,
                         absl::Duration timeout, const std::function<bool()>& cancelled,
                         const ExportSink& sink) {
@@ -69,7 +69,7 @@ absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, In
       if (!sink(chunk)) return absl::CancelledError("the reader went away");
     }
   }
-  return absl::OkStatus();
+  return h->total_bytes();
 }
 
 }  // namespace ckpt

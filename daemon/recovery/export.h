@@ -34,7 +34,8 @@ using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 // export: a slow reader may take as long as it likes. The errors of
 // RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
 // when `sink` returned false or `cancelled` returned true.
-absl::Status ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
+// On success, the tensor bytes streamed.
+absl::StatusOr<uint64_t> ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
                         LayerStore* store, IoBackend* io, StagingPool* pool,
                         absl::Duration timeout, const std::function<bool()>& cancelled,
                         const ExportSink& sink);

@@ -44,6 +44,15 @@ def main():
             print("promtool check metrics: ok")
         else:
             print("promtool not installed: format check skipped")
+        # Regression: the disk limit gauge was 0 unless max_disk_bytes was set.
+        used, limit = value(text, "ckpt_disk_used_bytes"), value(text, "ckpt_disk_limit_bytes")
+        assert limit > used > 0, (used, limit)
+        # Regression: exports (ckptctl restore/export) were not counted as restores.
+        assert value(text, "ckpt_restores_total") == 0
+        exported = d.ctl("export", "m", "--out=" + os.path.join(root, "exp"))
+        after = scrape(address)
+        assert value(after, "ckpt_restores_total") == 1, after
+        assert value(after, "ckpt_restored_bytes_total") == exported["ranks"][0]["bytes"]
         committed = value(text, "ckpt_versions_committed_total")
         jobs = d.ctl("jobs")["jobs"]
         assert committed == jobs[0]["versions"], (committed, jobs)

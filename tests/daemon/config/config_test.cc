@@ -179,6 +179,12 @@ TEST(ConfigTest, DefaultsAreTheSubsystemsDefaults) {
                                           absl::ToInt64Seconds(engine.gc_interval), "\n")));
 }
 
+// Regression: the metrics endpoint, which names every user's jobs, listened
+// on every interface by default.
+TEST(ConfigTest, MetricsListenOnLoopbackByDefault) {
+  EXPECT_EQ(DaemonConfig().metrics_address, "127.0.0.1:9464");
+}
+
 TEST(ConfigTest, EffectiveConfigIsTitledAsSuch) {
   DaemonConfig c;
   c.engine.writer_threads = 5;
