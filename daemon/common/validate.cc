@@ -26,4 +26,20 @@ absl::Status ValidateJobId(absl::string_view job_id) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateName(absl::string_view name) {
+  if (name.empty() || name.size() > kMaxNameLength) {
+    return absl::InvalidArgumentError(absl::StrCat("the name has ", name.size(),
+                                                   " bytes; expected 1..", kMaxNameLength));
+  }
+  for (size_t i = 0; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (c < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the name has the control character 0x", absl::Hex(c, absl::kZeroPad2),
+                       " at byte ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace ckpt

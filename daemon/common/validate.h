@@ -12,4 +12,13 @@ inline constexpr size_t kMaxJobIdLength = 128;
 // INVALID_ARGUMENT (naming the offending character) otherwise.
 absl::Status ValidateJobId(absl::string_view job_id);
 
+// Layer and tensor names: they are shown in tables and logs and stored in
+// every file header, so they are bounded and printable.
+inline constexpr size_t kMaxNameLength = 1024;
+
+// OK when `name` has 1..kMaxNameLength bytes and no control character
+// (bytes below 0x20, and 0x7f); INVALID_ARGUMENT otherwise, saying which
+// rule (the message never repeats the name).
+absl::Status ValidateName(absl::string_view name);
+
 }  // namespace ckpt

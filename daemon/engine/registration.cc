@@ -29,18 +29,27 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     return absl::InvalidArgumentError(
         absl::StrCat(req.layers_size(), " layers; expected 1..", limits.max_layers));
   }
-  // (region, offset, end, name) of every tensor, for the overlap check.
-  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, std::string>> spans;
+  // (region, offset, end, layer, tensor) of every tensor, for the overlap
+  // check. Messages are built only for the error returned: a request may
+  // hold millions of tensors.
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, int>> spans;
+  auto tensor_where = [&req](int li, int ti) {
+    return absl::StrCat("layer ", li, " ('", req.layers(li).name(), "') tensor '",
+                        req.layers(li).tensors(ti).name(), "'");
+  };
   std::set<std::string> layer_names;
   for (int li = 0; li < req.layers_size(); ++li) {
     const v1::LayerSpec& layer = req.layers(li);
+    if (absl::Status s = ValidateName(layer.name()); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", li, ": ", s.message()));
+    }
     const std::string where = absl::StrCat("layer ", li, " ('", layer.name(), "')");
     if (layer.id() != static_cast<uint32_t>(li)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, " has id ", layer.id(), "; layers must be numbered 0..N-1 in order"));
     }
-    if (layer.name().empty() || !layer_names.insert(layer.name()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": empty or duplicate layer name"));
+    if (!layer_names.insert(layer.name()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": duplicate layer name"));
     }
     if (layer.tensors_size() == 0 ||
         static_cast<uint32_t>(layer.tensors_size()) > limits.max_tensors_per_layer) {
@@ -51,15 +60,20 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     std::set<std::string> tensor_names;
     store::LayerFileHeader sizing;
     std::set<uint32_t> groups;
-    for (const v1::TensorSpec& t : layer.tensors()) {
-      const std::string tw = absl::StrCat(where, " tensor '", t.name(), "'");
-      if (t.name().empty() || t.name().size() > 1024 || !tensor_names.insert(t.name()).second) {
-        return absl::InvalidArgumentError(absl::StrCat(tw, ": empty, overlong or duplicate name"));
+    for (int ti = 0; ti < layer.tensors_size(); ++ti) {
+      const v1::TensorSpec& t = layer.tensors(ti);
+      if (absl::Status s = ValidateName(t.name()); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, " tensor ", ti, ": ", s.message()));
+      }
+      auto tw = [&] { return tensor_where(li, ti); };
+      if (!tensor_names.insert(t.name()).second) {
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": duplicate name"));
       }
       const uint64_t esize = DTypeBytes(t.dtype());
-      if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(tw, ": unknown dtype"));
+      if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(tw(), ": unknown dtype"));
       if (t.nbytes() == 0 || t.nbytes() > kMaxRegionBytes) {
-        return absl::InvalidArgumentError(absl::StrCat(tw, ": size ", t.nbytes(), " out of range"));
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": size ", t.nbytes(), " out of range"));
       }
       unsigned __int128 elems = 1;
       for (uint64_t d : t.shape()) {
@@ -68,19 +82,19 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
       }
       if (t.shape_size() > 16 || elems * esize != t.nbytes()) {
         return absl::InvalidArgumentError(
-            absl::StrCat(tw, ": nbytes ", t.nbytes(), " does not equal prod(shape) * ", esize));
+            absl::StrCat(tw(), ": nbytes ", t.nbytes(), " does not equal prod(shape) * ", esize));
       }
       if (t.region() >= region_sizes.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(tw, ": region ", t.region(), " but only ",
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": region ", t.region(), " but only ",
                                                        region_sizes.size(), " were handed over"));
       }
       const uint64_t rsize = region_sizes[t.region()];
       if (t.offset() > rsize || t.nbytes() > rsize - t.offset()) {
-        return absl::InvalidArgumentError(absl::StrCat(tw, ": [", t.offset(), ", ",
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": [", t.offset(), ", ",
                                                        t.offset() + t.nbytes(), ") lies outside region ",
                                                        t.region(), " of ", rsize, " bytes"));
       }
-      spans.emplace_back(t.region(), t.offset(), t.offset() + t.nbytes(), tw);
+      spans.emplace_back(t.region(), t.offset(), t.offset() + t.nbytes(), li, ti);
       // Every field a version's header carries (Engine::Register/Snapshot),
       // the per-version ones at their widest.
       store::TensorEntry* e = sizing.add_tensors();
@@ -120,7 +134,8 @@ absl::Status ValidateRegistration(const v1::RegisterRequest& req,
     const auto& b = spans[i];
     if (std::get<0>(a) == std::get<0>(b) && std::get<1>(b) < std::get<2>(a)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(std::get<3>(a), " and ", std::get<3>(b), " overlap"));
+          absl::StrCat(tensor_where(std::get<3>(a), std::get<4>(a)), " and ",
+                       tensor_where(std::get<3>(b), std::get<4>(b)), " overlap"));
     }
   }
   return absl::OkStatus();

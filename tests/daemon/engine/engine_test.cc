@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/validate.h"
 #include "daemon/engine/registration.h"
 #include "daemon/recovery/schema_convert.h"
 #include "daemon/io/io_backend.h"
@@ -127,6 +128,32 @@ TEST(ValidateRegistrationTest, TensorNames) {
   v1::RegisterRequest req = ValidRequest();
   CKPT_EXPECT_OK(Validate(req));
   EXPECT_EQ(req.layers(0).tensors(0).name(), req.layers(1).tensors(0).name());
+}
+
+// Regression: names were unbounded (layers) and could hold control
+// characters, which ckptctl printed raw into the terminal; and the validation
+// built a message embedding the layer name for every tensor, so a 1 MiB name
+// in a request of many tensors cost gigabytes before any check failed.
+TEST(ValidateRegistrationTest, NamesAreBoundedAndPrintable) {
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(0)->set_name("\x1b[31mred"); });
+  ExpectInvalid([](v1::RegisterRequest* r) { r->mutable_layers(0)->set_name("a\nb"); });
+  ExpectInvalid([](v1::RegisterRequest* r) { Tensor(r, 0, 0)->set_name("w\x7f"); });
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    r->mutable_layers(0)->set_name(std::string(kMaxNameLength + 1, 'n'));
+  });
+  ExpectInvalid([](v1::RegisterRequest* r) {
+    Tensor(r, 1, 0)->set_name(std::string(kMaxNameLength + 1, 't'));
+  });
+  v1::RegisterRequest req = ValidRequest();
+  req.mutable_layers(0)->set_name(std::string(kMaxNameLength, 'n'));  // at the bound: fine
+  req.mutable_layers(1)->set_name("blocks.1 (attn) \xc3\xa9");      // UTF-8 is printable
+  CKPT_EXPECT_OK(Validate(req));
+
+  v1::RegisterRequest huge = ValidRequest();
+  huge.mutable_layers(0)->set_name(std::string(1 << 20, 'x'));
+  absl::Status s = Validate(huge);
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_LT(s.message().size(), 200u) << "the message must not repeat the name";
 }
 
 TEST(ValidateRegistrationTest, LayerWithoutTensors) {
