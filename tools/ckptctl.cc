@@ -4,12 +4,15 @@
 // Run `ckptctl --help` for commands, flags and exit codes.
 #include <grpcpp/grpcpp.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -833,13 +836,27 @@ class Ctl {
       v1::Plan plan;
       if (int rc = Call(&v1::Admin::Stub::Plan, req, &plan); rc != kExitOk) return rc;
     }
+    // The output directory: created private (0700) when missing, then
+    // opened once without following a symbolic link; every file is created
+    // beneath it (export_writer.h), so links planted in it are never followed.
     std::error_code mkdir_error;
-    std::filesystem::create_directories(o_.out, mkdir_error);
+    const bool created = std::filesystem::create_directories(o_.out, mkdir_error);
     if (mkdir_error) {
       std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", o_.out.c_str(),
                    mkdir_error.message().c_str());
       return kExitLocalError;
     }
+    if (created) ::chmod(o_.out.c_str(), 0700);
+    const int dir_fd = ::open(o_.out.c_str(), O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir_fd < 0) {
+      std::fprintf(stderr, "ckptctl: cannot open %s as a directory (%s; a symbolic link is refused)\n",
+                   o_.out.c_str(), std::strerror(errno));
+      return kExitLocalError;
+    }
+    struct CloseDir {
+      int fd;
+      ~CloseDir() { ::close(fd); }
+    } close_dir{dir_fd};
     Json manifest{{"format", "ckptd-export-v1"}, {"job_id", job}, {"ranks", Json::array()}};
     const bool bar = !o_.json && ::isatty(2);
     for (uint32_t rank : ranks) {
@@ -861,14 +878,19 @@ class Ctl {
                      total ? static_cast<int>(100 * done / total) : 100);
       };
       absl::StatusOr<Json> entry = ckpt::WriteSafetensors(
-          [&](v1::ExportChunk* c) { return reader->Read(c); }, o_.out + "/" + file, progress);
+          [&](v1::ExportChunk* c) { return reader->Read(c); }, dir_fd, file, progress);
       if (bar) std::fprintf(stderr, "\n");
+      if (!entry.ok()) ctx.TryCancel();  // stop the stream; the file is gone already
       grpc::Status s = reader->Finish();
-      if (!s.ok()) return Report(s);
       if (!entry.ok()) {
         std::fprintf(stderr, "ckptctl: %s\n", entry.status().ToString().c_str());
-        return kExitDaemonError;
+        // The stream itself (DATA_LOSS) or a refused table is the daemon's
+        // side; anything else is the local file system.
+        return absl::IsDataLoss(entry.status()) || absl::IsInvalidArgument(entry.status())
+                   ? kExitDaemonError
+                   : kExitLocalError;
       }
+      if (!s.ok()) return Report(s);
       (*entry)["file"] = file;
       manifest["ranks"].push_back(*entry);
       if (!o_.json) {
@@ -878,10 +900,10 @@ class Ctl {
                     file.c_str());
       }
     }
-    const std::string mpath = o_.out + "/manifest.json";
-    FILE* f = std::fopen(mpath.c_str(), "w");
-    if (f == nullptr || std::fputs((manifest.dump(2) + "\n").c_str(), f) < 0 || std::fclose(f) != 0) {
-      std::fprintf(stderr, "ckptctl: cannot write %s\n", mpath.c_str());
+    if (absl::Status w = ckpt::WriteFileBeneath(dir_fd, "manifest.json", manifest.dump(2) + "\n");
+        !w.ok()) {
+      std::fprintf(stderr, "ckptctl: %s/manifest.json: %s\n", o_.out.c_str(),
+                   std::string(w.message()).c_str());
       return kExitLocalError;
     }
     if (o_.json) PrintJson(manifest);

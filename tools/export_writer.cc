@@ -1,12 +1,99 @@
 #include "tools/export_writer.h"
 
-#include <cstdio>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 
 namespace ckpt {
+
+namespace {
+
+absl::Status Errno(absl::string_view what) {
+  return absl::Status(errno == ENOSPC || errno == EDQUOT ? absl::StatusCode::kResourceExhausted
+                      : errno == EACCES || errno == EPERM ? absl::StatusCode::kPermissionDenied
+                                                          : absl::StatusCode::kInternal,
+                      absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// A file written beneath a directory fd: created as "<name>.tmp" with
+// O_EXCL|O_NOFOLLOW (a leftover or planted temp entry is unlinked first; a
+// symbolic link is removed, not followed), renamed over <name> by Commit.
+// Removed again when not committed.
+class BeneathFile {
+ public:
+  static absl::StatusOr<BeneathFile> Create(int dir_fd, const std::string& name) {
+    BeneathFile f(dir_fd, name);
+    if (::unlinkat(dir_fd, f.tmp_.c_str(), 0) != 0 && errno != ENOENT) {
+      return Errno(absl::StrCat("remove ", f.tmp_));
+    }
+    f.fd_ = ::openat(dir_fd, f.tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                     0600);
+    if (f.fd_ < 0) return Errno(absl::StrCat("create ", f.tmp_));
+    return f;
+  }
+  BeneathFile(BeneathFile&& o) noexcept
+      : dir_fd_(o.dir_fd_), name_(std::move(o.name_)), tmp_(std::move(o.tmp_)),
+        fd_(std::exchange(o.fd_, -1)) {}
+  BeneathFile(const BeneathFile&) = delete;
+  BeneathFile& operator=(const BeneathFile&) = delete;
+  ~BeneathFile() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      ::unlinkat(dir_fd_, tmp_.c_str(), 0);
+    }
+  }
+
+  absl::Status Write(const void* data, size_t n) {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0) {
+      const ssize_t w = ::write(fd_, p, n);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return Errno(absl::StrCat("write ", tmp_));
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Commit() {
+    if (::fsync(fd_) != 0) return Errno(absl::StrCat("fsync ", tmp_));
+    const int fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) {
+      ::unlinkat(dir_fd_, tmp_.c_str(), 0);
+      return Errno(absl::StrCat("close ", tmp_));
+    }
+    if (::renameat(dir_fd_, tmp_.c_str(), dir_fd_, name_.c_str()) != 0) {
+      const absl::Status s = Errno(absl::StrCat("rename ", tmp_, " -> ", name_));
+      ::unlinkat(dir_fd_, tmp_.c_str(), 0);
+      return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  BeneathFile(int dir_fd, std::string name)
+      : dir_fd_(dir_fd), name_(std::move(name)), tmp_(name_ + ".tmp") {}
+  int dir_fd_;
+  std::string name_;
+  std::string tmp_;
+  int fd_ = -1;
+};
+
+}  // namespace
+
+absl::Status WriteFileBeneath(int dir_fd, const std::string& name, const std::string& text) {
+  CKPT_ASSIGN_OR_RETURN(BeneathFile out, BeneathFile::Create(dir_fd, name));
+  CKPT_RETURN_IF_ERROR(out.Write(text.data(), text.size()));
+  return out.Commit();
+}
 
 std::string SafetensorsDType(v1::DType dtype) {
   switch (dtype) {
@@ -21,14 +108,17 @@ std::string SafetensorsDType(v1::DType dtype) {
   }
 }
 
-absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, const std::string& path,
-                                                const Progress& progress) {
+absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, int dir_fd,
+                                                const std::string& name, const Progress& progress) {
   v1::ExportChunk chunk;
   if (!next(&chunk) || !chunk.has_header()) {
     return absl::DataLossError("the export stream did not start with a header");
   }
   const v1::ExportHeader h = chunk.header();
-  // Tensor names must be unique in a file: qualify a repeated one with its layer.
+  // Tensor names must be unique in a file: a name repeated across layers is
+  // qualified with its layer ("layer/name"). Any name that still collides
+  // (with a literal "layer/name" of another tensor, or "__metadata__") is
+  // refused rather than silently overwritten in the header.
   std::map<std::string, int> seen;
   for (const v1::ExportTensor& t : h.tensors()) ++seen[t.name()];
   nlohmann::json header = nlohmann::json::object();
@@ -36,6 +126,11 @@ absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, const s
   uint64_t offset = 0;
   for (const v1::ExportTensor& t : h.tensors()) {
     const std::string name = seen[t.name()] > 1 ? absl::StrCat(t.layer_name(), "/", t.name()) : t.name();
+    if (name == "__metadata__" || header.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", t.name(), "' of layer ", t.layer(), " would be named '", name,
+          "' in the safetensors file, which another tensor (or the metadata) already uses"));
+    }
     const std::string dtype = SafetensorsDType(t.dtype());
     if (dtype.empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": unknown dtype"));
     header[name] = {{"dtype", dtype},
@@ -52,41 +147,25 @@ absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, const s
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');
 
-  const std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) return absl::PermissionDeniedError(absl::StrCat("cannot write ", tmp));
-  auto fail = [&](absl::Status s) {
-    std::fclose(f);
-    std::remove(tmp.c_str());
-    return s;
-  };
+  CKPT_ASSIGN_OR_RETURN(BeneathFile out, BeneathFile::Create(dir_fd, name));
   uint64_t len = text.size();
   unsigned char le[8];
   for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(len >> (8 * i));
-  if (std::fwrite(le, 1, 8, f) != 8 || std::fwrite(text.data(), 1, text.size(), f) != text.size()) {
-    return fail(absl::InternalError(absl::StrCat("write ", tmp)));
-  }
+  CKPT_RETURN_IF_ERROR(out.Write(le, 8));
+  CKPT_RETURN_IF_ERROR(out.Write(text.data(), text.size()));
   uint64_t done = 0;
   while (next(&chunk)) {
-    if (!chunk.has_data()) return fail(absl::DataLossError("a second header in the export stream"));
-    if (done + chunk.data().size() > offset) return fail(absl::DataLossError("more bytes than announced"));
-    if (std::fwrite(chunk.data().data(), 1, chunk.data().size(), f) != chunk.data().size()) {
-      return fail(absl::InternalError(absl::StrCat("write ", tmp)));
-    }
+    if (!chunk.has_data()) return absl::DataLossError("a second header in the export stream");
+    if (done + chunk.data().size() > offset) return absl::DataLossError("more bytes than announced");
+    CKPT_RETURN_IF_ERROR(out.Write(chunk.data().data(), chunk.data().size()));
     done += chunk.data().size();
     if (progress) progress(done, offset);
   }
   if (done != offset) {
-    return fail(absl::DataLossError(absl::StrCat("the export stream ended after ", done, " of ",
-                                                 offset, " bytes")));
+    return absl::DataLossError(absl::StrCat("the export stream ended after ", done, " of ", offset,
+                                            " bytes"));
   }
-  if (std::fflush(f) != 0 || std::fclose(f) != 0) {
-    std::remove(tmp.c_str());
-    return absl::InternalError(absl::StrCat("close ", tmp));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat("rename ", tmp, " -> ", path));
-  }
+  CKPT_RETURN_IF_ERROR(out.Commit());
   nlohmann::json layers = nlohmann::json::array();
   for (const v1::LayerPlan& lp : plan.layers()) {
     layers.push_back({{"layer", lp.layer()},

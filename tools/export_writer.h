@@ -18,12 +18,20 @@ namespace ckpt {
 using ChunkSource = std::function<bool(v1::ExportChunk*)>;
 using Progress = std::function<void(uint64_t done, uint64_t total)>;
 
-// Reads one rank's stream from `next` and writes `path` (through a temporary
-// file renamed into place). Returns that rank's manifest entry: rank, file,
-// target step, staleness figures, and per layer its step and tensor names.
-// DATA_LOSS when the stream ends early or carries more bytes than announced.
-absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, const std::string& path,
-                                                const Progress& progress);
+// Reads one rank's stream from `next` and writes `name` inside the directory
+// `dir_fd` (through a temporary file created O_EXCL|O_NOFOLLOW, mode 0600,
+// renamed into place: a symbolic link planted in the directory is replaced,
+// never followed). Returns that rank's manifest entry: rank, file, target
+// step, staleness figures, and per layer its step and tensor names.
+// DATA_LOSS when the stream ends early or carries more bytes than announced;
+// INVALID_ARGUMENT when two tensors would have the same name in the file
+// (safetensors names must be unique; "__metadata__" is reserved);
+// file-system errors as their errno says.
+absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, int dir_fd,
+                                                const std::string& name, const Progress& progress);
+
+// Writes `text` as `name` inside `dir_fd` the same way (manifest.json).
+absl::Status WriteFileBeneath(int dir_fd, const std::string& name, const std::string& text);
 
 // safetensors dtype name ("F32", "BF16", ...); empty for an unknown dtype.
 std::string SafetensorsDType(v1::DType dtype);
