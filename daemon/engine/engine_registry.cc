@@ -125,24 +125,14 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
   CKPT_ASSIGN_OR_RETURN(PolicyConfig policy, PolicyFromProto(req.policy()));
 
-  // 2. Ownership: the first registration creates the job for its uid; the
-  //    check and the creation are one step (two uids racing for a new id).
-  std::optional<store::JobRecord> job_rec;
-  {
-    absl::MutexLock jobs_lock(&job_mu_);
-    CKPT_ASSIGN_OR_RETURN(job_rec, index_->GetJob(req.job_id()));
-    if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("job ", req.job_id(), " belongs to another user"));
-    }
-    if (!job_rec.has_value()) {
-      store::JobRecord jr;
-      jr.set_owner_uid(caller.uid);
-      jr.set_created_unix_ms(absl::ToUnixMillis(clock_->Now()));
-      CKPT_RETURN_IF_ERROR(index_->PutJob(req.job_id(), jr));
-      job_rec = jr;
-    }
+  // 2. Ownership: another uid's job is refused here. A new job is created
+  //    only once the registration has succeeded up to writing its table
+  //    (step 5), so a refused registration leaves no job behind.
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(req.job_id()));
+  if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", req.job_id(), " belongs to another user"));
   }
+  const uid_t owner = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
   // One registration of a rank at a time, so its table and generation are
   // written by a single caller.
   const RankKey key(req.job_id(), req.rank());
@@ -168,7 +158,7 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   auto r = std::make_shared<Rank>();
   r->job = req.job_id();
   r->rank = req.rank();
-  r->uid = job_rec->owner_uid();
+  r->uid = owner;
   r->policy = policy;
   std::shared_ptr<RankMemory> memory;
   UniqueFd pidfd;
@@ -258,8 +248,23 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     if (it != ranks_.end() && it->second == old) ranks_.erase(it);
   }
 
-  // 5. Persist the rank's table; take a fresh generation. LayerCheck's
+  // 5. Create the job if it is new: check and creation are one step under
+  //    job_mu_ (two uids racing for a new id: the second is refused). Then
+  //    persist the rank's table; take a fresh generation. LayerCheck's
   //    reference learning rate carries over in the latest event.
+  {
+    absl::MutexLock jobs_lock(&job_mu_);
+    CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(r->job));
+    if (now.has_value() && now->owner_uid() != owner) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
+    }
+    if (!now.has_value()) {
+      store::JobRecord jr;
+      jr.set_owner_uid(owner);
+      jr.set_created_unix_ms(absl::ToUnixMillis(clock_->Now()));
+      CKPT_RETURN_IF_ERROR(index_->PutJob(r->job, jr));
+    }
+  }
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));

@@ -477,5 +477,30 @@ TEST_F(EnginePipelineTest, HostMemoryIsReleasedWhenTheTrainerProcessExits) {
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{1, 1}));
 }
 
+// Regression: a failed registration still created the job, so the first uid
+// to use an id owned it forever even when its registration was refused
+// (job-id squatting).
+TEST_F(EnginePipelineTest, ARefusedRegistrationCreatesNoJob) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("contested", 2, v1::POLICY_LAYERCHECK);  // no optimizer: refused
+  const absl::Status refused = Register(&r).status();
+  CKPT_ASSERT_CODE(refused, kInvalidArgument);
+  Caller root;
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply jobs, engine_->Jobs(root));
+  EXPECT_EQ(jobs.jobs_size(), 0);
+  // Another user can now take the id.
+  Caller other;
+  other.uid = owner_.uid + 1;
+  TestRank mine = MakeRank("contested", 2);
+  std::vector<UniqueFd> fds;
+  fds.emplace_back(::fcntl(mine.region.fd(), F_DUPFD_CLOEXEC, 0));
+  CKPT_ASSERT_OK(engine_->Register(RegisterRequestOf(mine), std::move(fds), other).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(jobs, engine_->Jobs(root));
+  ASSERT_EQ(jobs.jobs_size(), 1);
+  EXPECT_EQ(jobs.jobs(0).owner_uid(), other.uid);
+  // And the first user is now refused.
+  CKPT_EXPECT_CODE(Register(&r).status(), kPermissionDenied);
+}
+
 }  // namespace
 }  // namespace ckpt
