@@ -76,12 +76,12 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_io_backend_info", "gauge", "1 for the I/O backend in use (io_uring or pwrite).",
      "backend", ""},
     {"ckpt_layer_staleness_steps", "gauge",
-     "Steps since the layer's newest durable version (bounded series count).", "job,rank,layer",
+     "Steps since the layer's newest durable version (bounded series count).", "ckpt_job,rank,layer",
      ""},
     {"ckpt_layer_accumulated_drift", "gauge",
      "Drift accumulated by the layer since its newest durable version (bounded series "
      "count).",
-     "job,rank,layer", ""},
+     "ckpt_job,rank,layer", ""},
     {"ckpt_uptime_seconds", "gauge", "Seconds since the daemon started.", "", ""},
 };
 
@@ -210,7 +210,7 @@ template <size_t N>
 constexpr bool SingleLabel(const MetricInfo (&rows)[N], bool gauges) {
   for (size_t i = 0; i < N; ++i) {
     if (gauges && IsLayerGauge(i)) {
-      if (!Equal(rows[i].labels, "job,rank,layer")) return false;
+      if (!Equal(rows[i].labels, "ckpt_job,rank,layer")) return false;
     } else if (HasComma(rows[i].labels)) {
       return false;
     }
@@ -429,7 +429,7 @@ void Metrics::SetLayer(const std::string& job, uint32_t rank, uint32_t layer, do
       return;
     }
     const prometheus::Labels labels = {
-        {"job", job}, {"rank", absl::StrCat(rank)}, {"layer", absl::StrCat(layer)}};
+        {"ckpt_job", job}, {"rank", absl::StrCat(rank)}, {"layer", absl::StrCat(layer)}};
     LayerSeries s;
     s.staleness = &gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)]->Add(labels);
     s.drift = &gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)]->Add(labels);

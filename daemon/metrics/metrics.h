@@ -10,7 +10,7 @@
 //
 // Cardinality is bounded. Labelled families other than the per-layer ones hold
 // at most kMaxSeriesPerLabelledFamily label values; the per-layer family
-// (ckpt_layer_staleness_steps, ckpt_layer_accumulated_drift, labels job, rank,
+// (ckpt_layer_staleness_steps, ckpt_layer_accumulated_drift, labels ckpt_job, rank,
 // layer) holds at most `max_layer_series` (job, rank, layer) triples. Each
 // update that would create a series beyond a cap is dropped and counted in
 // ckpt_metric_series_dropped_total (so the counter keeps rising while the cap
@@ -79,8 +79,8 @@ enum class Gauge {
   kDiskUsedBytes,          // ckpt_disk_used_bytes
   kDiskLimitBytes,         // ckpt_disk_limit_bytes
   kIoBackendInfo,          // ckpt_io_backend_info{backend}
-  kLayerStalenessSteps,    // ckpt_layer_staleness_steps{job,rank,layer}: SetLayer() only
-  kLayerAccumulatedDrift,  // ckpt_layer_accumulated_drift{job,rank,layer}: SetLayer() only
+  kLayerStalenessSteps,    // ckpt_layer_staleness_steps{ckpt_job,rank,layer}: SetLayer() only
+  kLayerAccumulatedDrift,  // ckpt_layer_accumulated_drift{ckpt_job,rank,layer}: SetLayer() only
   kUptimeSeconds,          // ckpt_uptime_seconds: refreshed at every scrape
   kCount
 };

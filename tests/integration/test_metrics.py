@@ -63,8 +63,11 @@ def main():
         assert value(text, "ckpt_commit_seconds_count") == committed
         assert value(text, "ckpt_staging_pool_bytes") == status["pool_bytes"]
         assert value(text, "ckpt_disk_used_bytes") > 0
-        assert 'ckpt_layer_staleness_steps{job="m",layer="4",rank="0"}' in text or \
-            re.search(r'ckpt_layer_staleness_steps\{[^}]*job="m"', text), "no per-layer series"
+        # Regression: the training job was the label `job`, which a scrape
+        # renames to exported_job (Prometheus sets `job` to the scrape job), so
+        # the dashboard's per-job panels showed nothing.
+        assert re.search(r'ckpt_layer_staleness_steps\{[^}]*ckpt_job="m"', text), "no per-layer series"
+        assert not re.search(r'ckpt_layer_\w+\{[^}]*(?<![a-z_])job=', text), "a bare job label"
         print("scrape: %d versions committed, %d metric lines" % (committed, len(text.splitlines())))
         assert d.stop() == 0
         return 0

@@ -232,12 +232,12 @@ TEST(MetricsTest, LayerSeriesAreCappedAndCounted) {
   EXPECT_EQ(Samples(text, "ckpt_layer_staleness_steps").size(), 4u);
   EXPECT_EQ(Samples(text, "ckpt_layer_accumulated_drift").size(), 4u);
   EXPECT_TRUE(
-      absl::StrContains(text, "ckpt_layer_staleness_steps{job=\"job\",layer=\"3\",rank=\"0\"} 7\n"))
+      absl::StrContains(text, "ckpt_layer_staleness_steps{ckpt_job=\"job\",layer=\"3\",rank=\"0\"} 7\n"))
       << text;
   EXPECT_TRUE(absl::StrContains(
-      text, "ckpt_layer_accumulated_drift{job=\"job\",layer=\"3\",rank=\"0\"} 1.5\n"));
+      text, "ckpt_layer_accumulated_drift{ckpt_job=\"job\",layer=\"3\",rank=\"0\"} 1.5\n"));
   EXPECT_FALSE(absl::StrContains(text, "layer=\"5\""));
-  EXPECT_FALSE(absl::StrContains(text, "job=\"other\""));
+  EXPECT_FALSE(absl::StrContains(text, "ckpt_job=\"other\""));
   EXPECT_TRUE(absl::StrContains(text, "\nckpt_metric_series_dropped_total 3\n"));
 }
 
@@ -352,10 +352,28 @@ TEST(MetricsPromtoolTest, ScrapePassesPromtoolCheckMetrics) {
   EXPECT_EQ(rc, 0) << ::ckpt::testing::ReadFile(out);
 }
 
-// Every ckpt_ metric that the dashboard, the alert rules and their tests use
-// exists in the table (histogram series suffixes stripped).
+// Every ckpt_ metric (and ckpt_ label) that the dashboard, the alert rules
+// and their tests use exists in the table (histogram series suffixes
+// stripped).
+// Regression: the training job was labelled `job`, which Prometheus
+// renames to exported_job on scrape (it sets `job` to the scrape job), so
+// the dashboard's per-job variable and panels showed nothing.
+TEST(MetricsTableTest, NoMetricUsesPrometheusTargetLabels) {
+  for (const MetricInfo& m : Metrics::AllMetrics()) {
+    for (absl::string_view label : absl::StrSplit(m.labels, ',', absl::SkipEmpty())) {
+      EXPECT_NE(label, "job") << m.name;
+      EXPECT_NE(label, "instance") << m.name;
+    }
+  }
+}
+
 TEST(DeployTest, DashboardAndAlertsUseOnlyTableMetrics) {
-  const std::set<std::string> names = TableNames();
+  std::set<std::string> names = TableNames();
+  for (const MetricInfo& m : Metrics::AllMetrics()) {
+    for (absl::string_view label : absl::StrSplit(m.labels, ',', absl::SkipEmpty())) {
+      names.insert(std::string(label));
+    }
+  }
   const std::regex token_re("ckpt_[a-z0-9_]+");
   for (const char* rel :
        {"deploy/grafana/ckptd-dashboard.json", "deploy/prometheus/ckptd-alerts.yml",
