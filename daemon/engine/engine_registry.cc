@@ -64,11 +64,11 @@ absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
 
 absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& ref,
                                                                  const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(ValidateJobId(ref.job));
   // Every call of a registration fails alike once ckptd is stopping, so the
   // client sees the loss of ckptd whatever it calls (a wait for a step that
   // a refused StepDone never reported included).
   if (stopping_) return ShuttingDownError();
+  CKPT_RETURN_IF_ERROR(ValidateJobId(ref.job));
   const absl::Status not_registered = WithReason(
       absl::NotFoundError(absl::StrCat("job ", ref.job, " rank ", ref.rank, " is not registered")),
       ErrorReason::kNotRegistered);

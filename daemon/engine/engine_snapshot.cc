@@ -18,7 +18,6 @@ absl::Status Engine::StepDone(const StepReport& req, const Caller& caller) {
                                                    " bytes exceeds ", options_.max_aux_bytes));
   }
   absl::MutexLock lock(&mu_);
-  if (stopping_) return ShuttingDownError();
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, FindLocked(req.rank, caller));
   absl::MutexLock rank_lock(&r->mu);
   if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
