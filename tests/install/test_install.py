@@ -22,11 +22,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+import harness  # noqa: E402  (socket_accepts)
 
 STEP_TIMEOUT = 240
 
@@ -85,15 +87,8 @@ class Daemon:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError("ckptd exited with %d" % self.proc.returncode)
-            if os.path.exists(self.socket):
-                s = socket.socket(socket.AF_UNIX)
-                try:
-                    s.connect(self.socket)
-                    return
-                except OSError:
-                    pass
-                finally:
-                    s.close()
+            if harness.socket_accepts(self.socket):
+                return
             time.sleep(0.05)
         raise AssertionError("ckptd did not accept calls within %d s" % timeout)
 

@@ -16,6 +16,20 @@ CKPTCTL = os.path.join(BUILD, "tools", "ckptctl")
 TRAINER = os.path.join(BUILD, "tools", "ckpt_example_trainer")
 
 
+def socket_accepts(path):
+    """True once a Unix socket at `path` accepts a connection."""
+    if not os.path.exists(path):
+        return False
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
 class Daemon:
     """One ckptd process on a private socket and data directory."""
 
@@ -41,15 +55,8 @@ class Daemon:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("ckptd exited with %d; log:\n%s" % (self.proc.returncode, self.log()))
-            if os.path.exists(self.socket):
-                s = socket.socket(socket.AF_UNIX)
-                try:
-                    s.connect(self.socket)
-                    return self
-                except OSError:
-                    pass
-                finally:
-                    s.close()
+            if socket_accepts(self.socket):
+                return self
             time.sleep(0.02)
         raise RuntimeError("ckptd did not become ready in %.0f s" % timeout)
 
