@@ -130,7 +130,7 @@ class Engine {
   // Queues the step and returns. FAILED_PRECONDITION for a stale
   // generation or a step not above the last one; INVALID_ARGUMENT for an
   // oversized aux blob or a bad layer list.
-  absl::Status StepDone(const StepReport& report, const Caller& caller);
+  absl::Status StepDone(StepReport report, const Caller& caller);
   // The fence: returns once snapshot `step` is in staging.
   // DEADLINE_EXCEEDED at `deadline` (the snapshot is then void, see
   // docs/design-changes.md); ABORTED when the registration ended.

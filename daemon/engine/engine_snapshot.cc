@@ -12,7 +12,7 @@
 
 namespace ckpt {
 
-absl::Status Engine::StepDone(const StepReport& req, const Caller& caller) {
+absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   if (req.aux.size() > options_.max_aux_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux.size(),
                                                    " bytes exceeds ", options_.max_aux_bytes));
@@ -51,16 +51,16 @@ absl::Status Engine::StepDone(const StepReport& req, const Caller& caller) {
         return absl::InvalidArgumentError("client_drift sums must be finite and >= 0");
       }
     }
-    task.client_drift = req.client_drift;
+    task.client_drift = std::move(req.client_drift);
   } else {
     // Validate the layer list now so that the caller sees the error.
     CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step,
                                                     static_cast<uint32_t>(r->layers.size()),
                                                     req.layers, r->never_persisted, r->retry));
   }
-  task.event.set_aux(req.aux);
+  task.event.set_aux(std::move(req.aux));  // up to max_aux_bytes: moved, not copied
   task.event.set_lr(req.lr);
-  task.group_steps = req.group_steps;
+  task.group_steps = std::move(req.group_steps);
   r->last_step_seen = req.step;
   r->snap_queue.push_back(std::move(task));
   if (!r->snap_busy) {
