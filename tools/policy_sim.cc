@@ -53,7 +53,7 @@ bool ParseList(const std::string& s, std::vector<T>* out) {
   return !out->empty();
 }
 
-Result Replay(const LayerCheckConfig& config, const std::vector<ckpt::v1::LayerKind>& kinds,
+Result Replay(const LayerCheckConfig& config, const std::vector<ckpt::LayerKind>& kinds,
               const std::vector<uint64_t>& bytes, const std::vector<Step>& steps) {
   Result r;
   r.config = config;
@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ckpt_policy_sim: cannot read %s\n", trace.c_str());
     return 1;
   }
-  std::vector<ckpt::v1::LayerKind> kinds;
+  std::vector<ckpt::LayerKind> kinds;
   std::vector<uint64_t> bytes;
   std::vector<Step> steps;
   LayerCheckConfig recorded;
@@ -141,10 +141,10 @@ int main(int argc, char** argv) {
     if (j.contains("layers") && j["layers"].is_array() && j["layers"].size() > 0 &&
         j["layers"][0].is_object()) {
       // A header: a (re-)registration. Later headers must describe the same model.
-      std::vector<ckpt::v1::LayerKind> k;
+      std::vector<ckpt::LayerKind> k;
       std::vector<uint64_t> b;
       for (const auto& l : j["layers"]) {
-        k.push_back(static_cast<ckpt::v1::LayerKind>(l.value("kind", 2)));
+        k.push_back(static_cast<ckpt::LayerKind>(l.value("kind", 2)));
         b.push_back(l.value("bytes", uint64_t{0}));
       }
       if (!kinds.empty() && (k != kinds || b != bytes)) {

@@ -58,6 +58,7 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
+#include "daemon/recovery/plan.h"
 #include "kernels/drift.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
@@ -104,6 +105,13 @@ struct Caller {
   pid_t pid = 0;
 };
 
+// What a Restore wrote.
+struct Restored {
+  CompositePlan plan;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
 class Engine {
  public:
   Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool);
@@ -125,8 +133,8 @@ class Engine {
   // returns a new generation. A live registration of the same rank is
   // drained (bounded) and replaced. The rank's memory (GPU mappings or memfd
   // regions) is released again when the calling process (caller.pid) exits.
-  absl::StatusOr<v1::RegisterReply> Register(const v1::RegisterRequest& req,
-                                             std::vector<UniqueFd> fds, const Caller& caller);
+  absl::StatusOr<Registered> Register(const Registration& req, std::vector<UniqueFd> fds,
+                                      const Caller& caller);
   // Queues the step and returns. FAILED_PRECONDITION for a stale
   // generation or a step not above the last one; INVALID_ARGUMENT for an
   // oversized aux blob or a bad layer list.
@@ -141,8 +149,15 @@ class Engine {
   // next step).
   absl::StatusOr<uint64_t> WaitDurable(const RankRef& rank, uint64_t step, const Caller& caller,
                                        absl::Time deadline);
-  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& req, const Caller& caller);
-  absl::StatusOr<v1::RestoreReply> Restore(const v1::RestoreRequest& req, const Caller& caller);
+  // The composite plan of the rank for `target_step` (0 = its latest
+  // durable step); recovery/plan.h says what it holds and when NOT_FOUND.
+  absl::StatusOr<CompositePlan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
+                                     const Caller& caller);
+  // Writes the plan for `target_step` into the registration's buffers through
+  // the verified restore loop (recovery/restore.h). FAILED_PRECONDITION while
+  // steps of this registration are still being snapshotted.
+  absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
+                                   const Caller& caller);
   // Ends the registration; with `drain`, first waits (until `deadline`) for
   // its staged versions to become durable.
   absl::Status Unregister(const RankRef& rank, bool drain, const Caller& caller,
@@ -210,7 +225,7 @@ class Engine {
   // ---- LayerCheck decisions (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published
   // yet) and picks the drift kernel that can read it.
-  absl::Status SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory* memory, Rank* r);
+  absl::Status SetUpLayerCheck(const Registration& req, RankMemory* memory, Rank* r);
   // Fills task.layers from the drift of this step, read from `memory`.
   // Returns false when the step waits for the all-reduced drift vector.
   bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);

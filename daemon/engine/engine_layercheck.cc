@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "ckpt/v1/dtype.h"
 #include "daemon/common/kill_point.h"
 #include "base/logging.h"
 #include "base/status.h"
@@ -15,13 +14,13 @@
 
 namespace ckpt {
 
-absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory* memory,
+absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory,
                                      Rank* r) {
-  const v1::PolicySpec& spec = req.policy();
-  LayerCheckConfig config = LayerCheckFromProto(spec.layercheck());
+  const RegistrationPolicy& spec = req.policy;
+  const LayerCheckConfig& config = spec.layercheck;
   CKPT_RETURN_IF_ERROR(config.Validate());
-  r->optimizer = spec.optimizer();
-  if (r->optimizer == v1::OPTIMIZER_UNSPECIFIED) {
+  r->optimizer = spec.optimizer;
+  if (r->optimizer == OptimizerKind::kUnspecified) {
     return absl::InvalidArgumentError(
         "policy layercheck needs an optimizer: adamw, adam, sgd or client");
   }
@@ -32,51 +31,51 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory*
   } else {
     r->drift_kernel = drift_kernel_.get();
   }
-  auto dtype = [](v1::DType t, drift::DType* out) {
+  auto dtype = [](DType t, drift::DType* out) {
     switch (t) {
-      case v1::DTYPE_F32: *out = drift::DType::kF32; return true;
-      case v1::DTYPE_BF16: *out = drift::DType::kBF16; return true;
-      case v1::DTYPE_F16: *out = drift::DType::kF16; return true;
+      case DType::kF32: *out = drift::DType::kF32; return true;
+      case DType::kBF16: *out = drift::DType::kBF16; return true;
+      case DType::kF16: *out = drift::DType::kF16; return true;
       default: return false;
     }
   };
-  std::vector<v1::LayerKind> kinds;
+  std::vector<LayerKind> kinds;
   for (size_t l = 0; l < r->layers.size(); ++l) {
-    const v1::LayerSpec& layer = req.layers(static_cast<int>(l));
-    kinds.push_back(layer.kind());
-    if (r->optimizer == v1::OPTIMIZER_CLIENT) continue;
+    const LayerDesc& layer = req.layers[l];
+    kinds.push_back(layer.kind);
+    if (r->optimizer == OptimizerKind::kClient) continue;
     bool has_master = false;
-    for (const v1::TensorSpec& t : layer.tensors()) has_master |= t.role() == v1::ROLE_MASTER;
-    const v1::TensorRole weight_role = has_master ? v1::ROLE_MASTER : v1::ROLE_PARAM;
-    for (int i = 0; i < layer.tensors_size(); ++i) {
-      const v1::TensorSpec& w = layer.tensors(i);
-      if (w.role() != weight_role) continue;
-      const std::string where = absl::StrCat("layer ", l, " tensor '", w.name(), "'");
+    for (const TensorDesc& t : layer.tensors) has_master |= t.role == TensorRole::kMaster;
+    const TensorRole weight_role = has_master ? TensorRole::kMaster : TensorRole::kParam;
+    for (size_t i = 0; i < layer.tensors.size(); ++i) {
+      const TensorDesc& w = layer.tensors[i];
+      if (w.role != weight_role) continue;
+      const std::string where = absl::StrCat("layer ", l, " tensor '", w.name, "'");
       drift::TensorTask task;
       task.layer = static_cast<uint32_t>(l);
-      task.n = w.nbytes() / DTypeBytes(w.dtype());
-      task.w = r->layers[l].src[static_cast<size_t>(i)];
-      if (!dtype(w.dtype(), &task.w_dtype)) {
+      task.n = w.nbytes / ElementBytes(w.dtype);
+      task.w = r->layers[l].src[i];
+      if (!dtype(w.dtype, &task.w_dtype)) {
         return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
       }
-      task.beta1 = w.beta1() > 0 ? w.beta1() : 0.9;
-      task.beta2 = w.beta2() > 0 ? w.beta2() : 0.999;
-      task.eps = w.eps() > 0 ? w.eps() : 1e-8;
-      task.weight_decay = w.weight_decay();
+      task.beta1 = w.beta1 > 0 ? w.beta1 : 0.9;
+      task.beta2 = w.beta2 > 0 ? w.beta2 : 0.999;
+      task.eps = w.eps > 0 ? w.eps : 1e-8;
+      task.weight_decay = w.weight_decay;
       // The optimizer state that names this weight.
-      for (int j = 0; j < layer.tensors_size(); ++j) {
-        const v1::TensorSpec& st = layer.tensors(j);
-        if (st.param() != w.name()) continue;
-        const void* p = r->layers[l].src[static_cast<size_t>(j)];
-        const bool m_role = st.role() == v1::ROLE_EXP_AVG || st.role() == v1::ROLE_MOMENTUM;
-        if (!m_role && st.role() != v1::ROLE_EXP_AVG_SQ) continue;
-        if (st.nbytes() / DTypeBytes(st.dtype()) != task.n) {
+      for (size_t j = 0; j < layer.tensors.size(); ++j) {
+        const TensorDesc& st = layer.tensors[j];
+        if (st.param != w.name) continue;
+        const void* p = r->layers[l].src[j];
+        const bool m_role = st.role == TensorRole::kExpAvg || st.role == TensorRole::kMomentum;
+        if (!m_role && st.role != TensorRole::kExpAvgSq) continue;
+        if (st.nbytes / ElementBytes(st.dtype) != task.n) {
           return absl::InvalidArgumentError(
-              absl::StrCat(where, ": state '", st.name(), "' has a different element count"));
+              absl::StrCat(where, ": state '", st.name, "' has a different element count"));
         }
         drift::DType dt;
-        if (!dtype(st.dtype(), &dt)) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name(),
+        if (!dtype(st.dtype, &dt)) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name,
                                                          "' must be f32, bf16 or f16"));
         }
         if (m_role) {
@@ -88,16 +87,16 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory*
         }
       }
       switch (r->optimizer) {
-        case v1::OPTIMIZER_ADAMW:
-        case v1::OPTIMIZER_ADAM:
+        case OptimizerKind::kAdamW:
+        case OptimizerKind::kAdam:
           if (task.m == nullptr || task.v == nullptr) {
             return absl::InvalidArgumentError(
                 where + ": adam(w) drift needs exp_avg and exp_avg_sq tensors naming it in 'param'");
           }
-          task.optimizer = r->optimizer == v1::OPTIMIZER_ADAMW ? drift::Optimizer::kAdamW
-                                                               : drift::Optimizer::kAdam;
+          task.optimizer = r->optimizer == OptimizerKind::kAdamW ? drift::Optimizer::kAdamW
+                                                                   : drift::Optimizer::kAdam;
           break;
-        case v1::OPTIMIZER_SGD:
+        case OptimizerKind::kSgd:
           if (task.m == nullptr) {
             return absl::InvalidArgumentError(
                 where + ": sgd drift needs a momentum tensor naming it in 'param'");
@@ -108,8 +107,8 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory*
           return absl::InvalidArgumentError("unknown optimizer");
       }
       r->drift_tasks.push_back(task);
-      r->drift_task_groups.push_back(w.group());
-      r->drift_task_lr_scale.push_back(w.lr_scale() > 0 ? w.lr_scale() : 1.0);
+      r->drift_task_groups.push_back(w.group);
+      r->drift_task_lr_scale.push_back(w.lr_scale > 0 ? w.lr_scale : 1.0);
     }
     if (r->drift_tasks.empty() || r->drift_tasks.back().layer != l) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -117,17 +116,17 @@ absl::Status Engine::SetUpLayerCheck(const v1::RegisterRequest& req, RankMemory*
     }
   }
   r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
-  if (spec.record_trace()) {
+  if (spec.record_trace) {
     CKPT_ASSIGN_OR_RETURN(std::string dir, store_->RankDirPath(r->job, r->rank));
     r->trace = std::make_unique<std::ofstream>(dir + "/drift.jsonl", std::ios::app);
     nlohmann::json header;
     header["job"] = r->job;
     header["rank"] = r->rank;
     nlohmann::json layers = nlohmann::json::array();
-    for (const v1::LayerSpec& layer : req.layers()) {
+    for (const LayerDesc& layer : req.layers) {
       uint64_t bytes = 0;
-      for (const v1::TensorSpec& t : layer.tensors()) bytes += t.nbytes();
-      layers.push_back({{"name", layer.name()}, {"kind", static_cast<int>(layer.kind())},
+      for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
+      layers.push_back({{"name", layer.name}, {"kind", static_cast<int>(layer.kind)},
                         {"bytes", bytes}});
     }
     header["layers"] = layers;
@@ -145,7 +144,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
                               RankMemory* memory) {
   if (task.stage == SnapTask::Stage::kNew) {
     std::vector<drift::LayerSums> sums(r->layers.size());
-    if (r->optimizer == v1::OPTIMIZER_CLIENT) {
+    if (r->optimizer == OptimizerKind::kClient) {
       sums = task.client_drift;
     } else {
       std::vector<drift::TensorTask> tasks = r->drift_tasks;

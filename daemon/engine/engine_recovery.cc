@@ -20,23 +20,23 @@ constexpr absl::Duration kLeaseWait = absl::Seconds(30);
 
 }  // namespace
 
-absl::StatusOr<v1::Plan> Engine::Plan(const v1::PlanRequest& req, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
-  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
+absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank,
+                                           uint64_t target_step, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+  CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
   if (!table.has_value()) {
-    return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
+    return absl::NotFoundError(absl::StrCat("job ", job, " has no rank ", rank));
   }
-  return BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table);
+  return BuildPlan(index_, job, rank, target_step, *table);
 }
 
-absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
-                                                 const Caller& caller) {
+absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
+                                         const Caller& caller) {
   std::shared_ptr<Rank> r;
   std::shared_ptr<RankMemory> memory;
   {
     absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(
-        r, FindLocked(RankRef{req.job_id(), req.rank(), req.generation()}, caller));
+    CKPT_ASSIGN_OR_RETURN(r, FindLocked(ref, caller));
     absl::MutexLock rank_lock(&r->mu);
     if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
       return absl::FailedPreconditionError(
@@ -52,13 +52,12 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
   }
   // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
   // StepDone off it until the buffers are written.
-  auto restore = [&]() -> absl::StatusOr<v1::RestoreReply> {
+  auto restore = [&]() -> absl::StatusOr<Restored> {
     const RankKey key(r->job, r->rank);
     CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
     ScopedLease lease(&leases_, key);
-    v1::RestoreReply reply;
-    CKPT_ASSIGN_OR_RETURN(*reply.mutable_plan(),
-                          BuildPlan(index_, r->job, r->rank, req.target_step(), r->table));
+    Restored reply;
+    CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r->job, r->rank, target_step, r->table));
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
                           MakeIoBackend(options_.io_backend, options_.io_queue_depth));
     TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
@@ -66,17 +65,17 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     };
     CKPT_ASSIGN_OR_RETURN(
         RestoreStats stats,
-        RestoreInto(reply.plan(), r->table, dest, index_, store_, io.get(), pool_,
+        RestoreInto(reply.plan, r->table, dest, index_, store_, io.get(), pool_,
                     options_.restore_timeout,
                     [this] { return shutting_down_.load(std::memory_order_relaxed); },
                     [&memory](char* dst, const char* src, uint64_t n) {
                       return memory->CopyIn(dst, src, n);
                     }));
-    reply.set_bytes_restored(stats.bytes);
-    reply.set_seconds(stats.seconds);
+    reply.bytes = stats.bytes;
+    reply.seconds = stats.seconds;
     return reply;
   };
-  absl::StatusOr<v1::RestoreReply> reply = restore();
+  absl::StatusOr<Restored> reply = restore();
   {
     absl::MutexLock rank_lock(&r->mu);
     r->restoring = false;
@@ -86,18 +85,18 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
         // The buffers now equal each layer's planned version: LayerCheck
         // continues from there instead of starting over.
         std::vector<uint64_t> persisted(r->layers.size(), 0);
-        for (const v1::LayerPlan& lp : reply->plan().layers()) {
-          if (lp.has_version() && lp.layer() < persisted.size()) persisted[lp.layer()] = lp.step();
+        for (const PlannedLayer& lp : reply->plan.layers) {
+          if (lp.has_version && lp.layer < persisted.size()) persisted[lp.layer] = lp.step;
         }
-        r->layercheck->Resume(reply->plan().target_step(), persisted);
+        r->layercheck->Resume(reply->plan.target_step, persisted);
       }
     }
   }
   if (Metrics* m = options_.metrics) {
     if (reply.ok()) {
       m->Inc(Counter::kRestores);
-      m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes_restored()));
-      m->Observe(Histogram::kRestoreSeconds, reply->seconds());
+      m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes));
+      m->Observe(Histogram::kRestoreSeconds, reply->seconds);
     } else if (absl::IsDataLoss(reply.status())) {
       m->Inc(Counter::kErrors, "checksum", 1);  // no ErrorReason: DATA_LOSS says it
     }
@@ -108,8 +107,8 @@ absl::StatusOr<v1::RestoreReply> Engine::Restore(const v1::RestoreRequest& req,
     return reply.status();
   }
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
-                 << reply->plan().target_step() << ": " << reply->bytes_restored() << " bytes in "
-                 << reply->seconds() << " s, max staleness " << reply->plan().max_staleness();
+                 << reply->plan.target_step << ": " << reply->bytes << " bytes in "
+                 << reply->seconds << " s, max staleness " << reply->plan.max_staleness;
   return reply;
 }
 
@@ -148,7 +147,7 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   const RankKey key(req.job_id(), req.rank());
   CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
   ScopedLease lease(&leases_, key);
-  CKPT_ASSIGN_OR_RETURN(v1::Plan plan,
+  CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
                         BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
                         MakeIoBackend(options_.io_backend, options_.io_queue_depth));

@@ -97,23 +97,22 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::Find(const RankRef& ref,
   return FindLocked(ref, caller);
 }
 
-absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& req,
-                                                   std::vector<UniqueFd> fds,
-                                                   const Caller& caller) {
+absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
+                                            const Caller& caller) {
   // 1. Host regions are mapped first (each must already be sealed against
   //    shrinking, so its size cannot change under us); GPU regions are only
   //    checked against the sizes their trainer declared, and opened below
   //    once the caller is known to own the job. Every tensor is validated
   //    against these sizes before any pointer into them is formed.
-  const bool gpu = req.has_gpu();
+  const bool gpu = req.gpu.has_value();
   std::vector<MappedRegion> regions;
   std::vector<uint64_t> sizes;
   if (gpu) {
-    if (!fds.empty() || !req.handover_token().empty()) {
+    if (!fds.empty() || !req.handover_token.empty()) {
       return absl::InvalidArgumentError(
           "a registration hands over host regions or GPU regions, not both");
     }
-    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(req.gpu()));
+    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu));
   }
   for (UniqueFd& fd : fds) {
     CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
@@ -123,19 +122,20 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   RegistrationLimits limits = options_.limits;
   limits.max_layer_file_bytes = pool_->budget_bytes();
   CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
-  CKPT_ASSIGN_OR_RETURN(PolicyConfig policy, PolicyFromProto(req.policy()));
+  const PolicyConfig& policy = req.policy.selection;
+  CKPT_RETURN_IF_ERROR(policy.Validate());
 
   // 2. Ownership: another uid's job is refused here. A new job is created
   //    only once the registration has succeeded up to writing its table
   //    (step 5), so a refused registration leaves no job behind.
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(req.job_id()));
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(req.job));
   if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", req.job_id(), " belongs to another user"));
+    return absl::PermissionDeniedError(absl::StrCat("job ", req.job, " belongs to another user"));
   }
   const uid_t owner = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
   // One registration of a rank at a time, so its table and generation are
   // written by a single caller.
-  const RankKey key(req.job_id(), req.rank());
+  const RankKey key(req.job, req.rank);
   {
     absl::MutexLock lock(&mu_);
     if (!registering_.insert(key).second) {
@@ -156,8 +156,8 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   //    (the driver counts references), so the old one keeps working until it
   //    is drained.
   auto r = std::make_shared<Rank>();
-  r->job = req.job_id();
-  r->rank = req.rank();
+  r->job = req.job;
+  r->rank = req.rank;
   r->uid = owner;
   r->policy = policy;
   std::shared_ptr<RankMemory> memory;
@@ -176,33 +176,33 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
     }
   }
   if (gpu) {
-    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(req.gpu(), cuda_ipc_));
+    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_));
   } else {
     memory = std::make_shared<HostMemory>(std::move(regions));
   }
-  for (const v1::LayerSpec& spec : req.layers()) {
+  for (const LayerDesc& spec : req.layers) {
     LayerTemplate lt;
-    lt.header.set_job_id(req.job_id());
-    lt.header.set_rank(req.rank());
-    lt.header.set_layer(spec.id());
-    lt.header.set_layer_name(spec.name());
-    for (const v1::TensorSpec& t : spec.tensors()) {
+    lt.header.set_job_id(req.job);
+    lt.header.set_rank(req.rank);
+    lt.header.set_layer(spec.id);
+    lt.header.set_layer_name(spec.name);
+    for (const TensorDesc& t : spec.tensors) {
       store::TensorEntry* e = lt.header.add_tensors();
-      e->set_name(t.name());
-      e->set_dtype(ToStore(t.dtype()));
-      *e->mutable_shape() = t.shape();
-      e->set_role(ToStore(t.role()));
-      e->set_group(t.group());
-      e->set_nbytes(t.nbytes());
-      lt.src.push_back(memory->base(t.region()) + t.offset());
+      e->set_name(t.name);
+      e->set_dtype(ToStore(t.dtype));
+      e->mutable_shape()->Add(t.shape.begin(), t.shape.end());
+      e->set_role(ToStore(t.role));
+      e->set_group(t.group);
+      e->set_nbytes(t.nbytes);
+      lt.src.push_back(memory->base(t.region) + t.offset);
     }
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
   }
-  for (const v1::LayerSpec& spec : req.layers()) *r->table.add_layers() = ToStore(spec);
-  r->table.set_world_size(req.world_size());
-  r->world_size = req.world_size();
-  if (policy.kind == v1::POLICY_LAYERCHECK) {
+  for (const LayerDesc& spec : req.layers) *r->table.add_layers() = TableEntryOf(spec);
+  r->table.set_world_size(req.world_size);
+  r->world_size = req.world_size;
+  if (policy.kind == PolicyKind::kLayerCheck) {
     CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, memory.get(), r.get()));
   }
   const size_t n = r->layers.size();
@@ -290,10 +290,10 @@ absl::StatusOr<v1::RegisterReply> Engine::Register(const v1::RegisterRequest& re
   }
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
-  v1::RegisterReply reply;
-  reply.set_generation(r->generation);
-  reply.set_latest_durable_step(durable);
-  reply.set_io_backend(io_backend_name_);
+  Registered reply;
+  reply.generation = r->generation;
+  reply.latest_durable_step = durable;
+  reply.io_backend = io_backend_name_;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return ShuttingDownError();

@@ -38,7 +38,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
     if (!req.layers.empty()) {
       return absl::InvalidArgumentError("a layer list was given but the rank's policy is layercheck");
     }
-    const bool client = r->optimizer == v1::OPTIMIZER_CLIENT;
+    const bool client = r->optimizer == OptimizerKind::kClient;
     if (client != !req.client_drift.empty() ||
         (client && req.client_drift.size() != r->layers.size())) {
       return absl::InvalidArgumentError(absl::StrCat(

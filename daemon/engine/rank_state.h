@@ -91,7 +91,7 @@ struct Engine::Rank {
   PolicyConfig policy;
   std::vector<LayerTemplate> layers;
   uint32_t world_size = 1;
-  v1::OptimizerKind optimizer = v1::OPTIMIZER_UNSPECIFIED;
+  OptimizerKind optimizer = OptimizerKind::kUnspecified;
   // The kernel that reads `memory`: the engine's CPU kernel for host memory,
   // a CUDA kernel on the rank's device (owned here) for GPU memory.
   drift::DriftKernel* drift_kernel = nullptr;

@@ -14,102 +14,126 @@
 
 namespace ckpt {
 
-absl::Status ValidateRegistration(const v1::RegisterRequest& req,
+store::LayerSpec TableEntryOf(const LayerDesc& layer) {
+  store::LayerSpec out;
+  out.set_id(layer.id);
+  out.set_name(layer.name);
+  out.set_kind(ToStore(layer.kind));
+  for (const TensorDesc& t : layer.tensors) {
+    store::TensorSpec* s = out.add_tensors();
+    s->set_name(t.name);
+    s->set_dtype(ToStore(t.dtype));
+    s->mutable_shape()->Add(t.shape.begin(), t.shape.end());
+    s->set_nbytes(t.nbytes);
+    s->set_role(ToStore(t.role));
+    s->set_region(t.region);
+    s->set_offset(t.offset);
+    s->set_group(t.group);
+    s->set_param(t.param);
+    s->set_lr_scale(t.lr_scale);
+    s->set_beta1(t.beta1);
+    s->set_beta2(t.beta2);
+    s->set_eps(t.eps);
+    s->set_weight_decay(t.weight_decay);
+  }
+  return out;
+}
+
+absl::Status ValidateRegistration(const Registration& req,
                                   const std::vector<uint64_t>& region_sizes,
                                   const RegistrationLimits& limits) {
-  CKPT_RETURN_IF_ERROR(ValidateJobId(req.job_id()));
-  if (req.world_size() == 0 || req.world_size() > limits.max_world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("world_size ", req.world_size(), " out of range"));
+  CKPT_RETURN_IF_ERROR(ValidateJobId(req.job));
+  if (req.world_size == 0 || req.world_size > limits.max_world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size ", req.world_size, " out of range"));
   }
-  if (req.rank() >= req.world_size()) {
+  if (req.rank >= req.world_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rank ", req.rank(), " is not below world_size ", req.world_size()));
+        absl::StrCat("rank ", req.rank, " is not below world_size ", req.world_size));
   }
-  if (req.layers_size() == 0 || static_cast<uint32_t>(req.layers_size()) > limits.max_layers) {
+  if (req.layers.empty() || req.layers.size() > limits.max_layers) {
     return absl::InvalidArgumentError(
-        absl::StrCat(req.layers_size(), " layers; expected 1..", limits.max_layers));
+        absl::StrCat(req.layers.size(), " layers; expected 1..", limits.max_layers));
   }
   // (region, offset, end, layer, tensor) of every tensor, for the overlap
   // check. Messages are built only for the error returned: a request may
   // hold millions of tensors.
-  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, int, int>> spans;
-  auto tensor_where = [&req](int li, int ti) {
-    return absl::StrCat("layer ", li, " ('", req.layers(li).name(), "') tensor '",
-                        req.layers(li).tensors(ti).name(), "'");
+  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, size_t, size_t>> spans;
+  auto tensor_where = [&req](size_t li, size_t ti) {
+    return absl::StrCat("layer ", li, " ('", req.layers[li].name, "') tensor '",
+                        req.layers[li].tensors[ti].name, "'");
   };
   std::set<std::string> layer_names;
-  for (int li = 0; li < req.layers_size(); ++li) {
-    const v1::LayerSpec& layer = req.layers(li);
-    if (absl::Status s = ValidateName(layer.name()); !s.ok()) {
+  for (size_t li = 0; li < req.layers.size(); ++li) {
+    const LayerDesc& layer = req.layers[li];
+    if (absl::Status s = ValidateName(layer.name); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", li, ": ", s.message()));
     }
-    const std::string where = absl::StrCat("layer ", li, " ('", layer.name(), "')");
-    if (layer.id() != static_cast<uint32_t>(li)) {
+    const std::string where = absl::StrCat("layer ", li, " ('", layer.name, "')");
+    if (layer.id != li) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, " has id ", layer.id(), "; layers must be numbered 0..N-1 in order"));
+          absl::StrCat(where, " has id ", layer.id, "; layers must be numbered 0..N-1 in order"));
     }
-    if (!layer_names.insert(layer.name()).second) {
+    if (!layer_names.insert(layer.name).second) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": duplicate layer name"));
     }
-    if (layer.tensors_size() == 0 ||
-        static_cast<uint32_t>(layer.tensors_size()) > limits.max_tensors_per_layer) {
-      return absl::InvalidArgumentError(absl::StrCat(where, " has ", layer.tensors_size(),
+    if (layer.tensors.empty() || layer.tensors.size() > limits.max_tensors_per_layer) {
+      return absl::InvalidArgumentError(absl::StrCat(where, " has ", layer.tensors.size(),
                                                      " tensors; expected 1..",
                                                      limits.max_tensors_per_layer));
     }
     std::set<std::string> tensor_names;
     store::LayerFileHeader sizing;
     std::set<uint32_t> groups;
-    for (int ti = 0; ti < layer.tensors_size(); ++ti) {
-      const v1::TensorSpec& t = layer.tensors(ti);
-      if (absl::Status s = ValidateName(t.name()); !s.ok()) {
+    for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
+      const TensorDesc& t = layer.tensors[ti];
+      if (absl::Status s = ValidateName(t.name); !s.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " tensor ", ti, ": ", s.message()));
       }
       auto tw = [&] { return tensor_where(li, ti); };
-      if (!tensor_names.insert(t.name()).second) {
+      if (!tensor_names.insert(t.name).second) {
         return absl::InvalidArgumentError(absl::StrCat(tw(), ": duplicate name"));
       }
-      const uint64_t esize = DTypeBytes(t.dtype());
+      const uint64_t esize = ElementBytes(t.dtype);
       if (esize == 0) return absl::InvalidArgumentError(absl::StrCat(tw(), ": unknown dtype"));
-      if (t.nbytes() == 0 || t.nbytes() > kMaxRegionBytes) {
-        return absl::InvalidArgumentError(absl::StrCat(tw(), ": size ", t.nbytes(), " out of range"));
+      if (t.nbytes == 0 || t.nbytes > kMaxRegionBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": size ", t.nbytes, " out of range"));
       }
       unsigned __int128 elems = 1;
-      for (uint64_t d : t.shape()) {
+      for (uint64_t d : t.shape) {
         elems *= d;
         if (elems > kMaxRegionBytes) break;
       }
-      if (t.shape_size() > 16 || elems * esize != t.nbytes()) {
+      if (t.shape.size() > 16 || elems * esize != t.nbytes) {
         return absl::InvalidArgumentError(
-            absl::StrCat(tw(), ": nbytes ", t.nbytes(), " does not equal prod(shape) * ", esize));
+            absl::StrCat(tw(), ": nbytes ", t.nbytes, " does not equal prod(shape) * ", esize));
       }
-      if (t.region() >= region_sizes.size()) {
-        return absl::InvalidArgumentError(absl::StrCat(tw(), ": region ", t.region(), " but only ",
+      if (t.region >= region_sizes.size()) {
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": region ", t.region, " but only ",
                                                        region_sizes.size(), " were handed over"));
       }
-      const uint64_t rsize = region_sizes[t.region()];
-      if (t.offset() > rsize || t.nbytes() > rsize - t.offset()) {
-        return absl::InvalidArgumentError(absl::StrCat(tw(), ": [", t.offset(), ", ",
-                                                       t.offset() + t.nbytes(), ") lies outside region ",
-                                                       t.region(), " of ", rsize, " bytes"));
+      const uint64_t rsize = region_sizes[t.region];
+      if (t.offset > rsize || t.nbytes > rsize - t.offset) {
+        return absl::InvalidArgumentError(absl::StrCat(tw(), ": [", t.offset, ", ",
+                                                       t.offset + t.nbytes, ") lies outside region ",
+                                                       t.region, " of ", rsize, " bytes"));
       }
-      spans.emplace_back(t.region(), t.offset(), t.offset() + t.nbytes(), li, ti);
+      spans.emplace_back(t.region, t.offset, t.offset + t.nbytes, li, ti);
       // Every field a version's header carries (Engine::Register/Snapshot),
       // the per-version ones at their widest.
       store::TensorEntry* e = sizing.add_tensors();
-      e->set_name(t.name());
-      e->set_dtype(ToStore(t.dtype()));
-      e->set_role(ToStore(t.role()));
-      e->set_group(t.group());
-      e->set_nbytes(t.nbytes());
-      for (uint64_t d : t.shape()) e->add_shape(d);
-      groups.insert(t.group());
+      e->set_name(t.name);
+      e->set_dtype(ToStore(t.dtype));
+      e->set_role(ToStore(t.role));
+      e->set_group(t.group);
+      e->set_nbytes(t.nbytes);
+      for (uint64_t d : t.shape) e->add_shape(d);
+      groups.insert(t.group);
     }
-    sizing.set_job_id(req.job_id());
-    sizing.set_rank(req.rank());
-    sizing.set_layer(layer.id());
-    sizing.set_layer_name(layer.name());
+    sizing.set_job_id(req.job);
+    sizing.set_rank(req.rank);
+    sizing.set_layer(layer.id);
+    sizing.set_layer_name(layer.name);
     sizing.set_step(~uint64_t{0});
     sizing.set_generation(~uint64_t{0});
     for (uint32_t g : groups) {

@@ -1,4 +1,6 @@
-// Validation of a Register request before anything is mapped.
+// A registration as the engine sees it (the gRPC handler converts
+// ckpt.v1.RegisterRequest into it, daemon/rpc/convert.h), and its validation
+// before anything is mapped.
 //
 // Checks, each failing with INVALID_ARGUMENT and a message naming the layer or
 // tensor: job id syntax; rank < world_size; 1..max_layers layers numbered
@@ -10,13 +12,71 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "ckpt/v1/ckpt.pb.h"
-#include "ckpt/v1/dtype.h"
+#include "daemon/common/tensor_types.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "daemon/policy/layercheck.h"
+#include "daemon/policy/selection.h"
+#include "daemon/store/store.pb.h"
 
 namespace ckpt {
+
+// One tensor of a layer: where it lives in the handed-over regions and, for
+// LayerCheck's drift accounting, how its optimizer treats it. A state tensor
+// (exp_avg, exp_avg_sq, momentum) names its weight tensor in `param`; a
+// weight tensor carries its optimizer's hyper-parameters (lr_scale 0 means 1).
+struct TensorDesc {
+  std::string name;
+  DType dtype = DType::kUnspecified;
+  std::vector<uint64_t> shape;
+  uint64_t nbytes = 0;
+  TensorRole role = TensorRole::kUnspecified;
+  uint32_t region = 0;
+  uint64_t offset = 0;
+  uint32_t group = 0;
+  std::string param;
+  double lr_scale = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double eps = 0;
+  double weight_decay = 0;
+};
+
+struct LayerDesc {
+  uint32_t id = 0;  // dense: 0..N-1
+  std::string name;
+  LayerKind kind = LayerKind::kUnspecified;
+  std::vector<TensorDesc> tensors;
+};
+
+struct RegistrationPolicy {
+  PolicyConfig selection;
+  OptimizerKind optimizer = OptimizerKind::kUnspecified;
+  LayerCheckConfig layercheck;  // defaults filled in
+  bool record_trace = false;    // append per-step drift to the rank's drift trace
+};
+
+struct Registration {
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  uint32_t local_rank = 0;
+  std::string handover_token;  // names the host regions; empty for GPU memory
+  std::vector<LayerDesc> layers;
+  RegistrationPolicy policy;
+  std::optional<GpuHandover> gpu;  // instead of host regions
+};
+
+// What a successful registration returns.
+struct Registered {
+  uint64_t generation = 0;
+  uint64_t latest_durable_step = 0;  // 0 when the rank has no history
+  std::string io_backend;
+};
 
 struct RegistrationLimits {
   uint32_t max_layers = 1 << 16;
@@ -25,7 +85,10 @@ struct RegistrationLimits {
   uint64_t max_layer_file_bytes = 0;  // the staging pool budget
 };
 
-absl::Status ValidateRegistration(const v1::RegisterRequest& req,
+// The layer's entry in the rank's stored table (index: the rank record).
+store::LayerSpec TableEntryOf(const LayerDesc& layer);
+
+absl::Status ValidateRegistration(const Registration& req,
                                   const std::vector<uint64_t>& region_sizes,
                                   const RegistrationLimits& limits);
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "daemon/common/tensor_types.h"
 #include "kernels/drift.h"
 
 namespace ckpt {
@@ -18,12 +19,6 @@ struct RankRef {
   std::string job;
   uint32_t rank = 0;
   uint64_t generation = 0;
-};
-
-// The optimizer step counter of one parameter group after a step.
-struct GroupStep {
-  uint32_t group = 0;
-  uint64_t step = 0;
 };
 
 // StepDone: the trainer finished optimizer step `step`.

@@ -21,73 +21,72 @@ GpuMappingStats OpenGpuMappings() {
                          g_mapping_bytes.load(std::memory_order_relaxed)};
 }
 
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const v1::GpuHandover& handover) {
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover) {
   // "GPU-" and a 36-character UUID, as nvidia-smi and cudaDeviceProp print it.
-  const std::string& uuid = handover.device_uuid();
+  const std::string& uuid = handover.device_uuid;
   if (uuid.size() != 40 || !absl::StartsWith(uuid, "GPU-")) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu handover: device_uuid '", uuid.substr(0, 64),
                      "' is not of the form GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"));
   }
-  if (handover.regions_size() == 0 ||
-      static_cast<size_t>(handover.regions_size()) > kMaxGpuRegions) {
-    return absl::InvalidArgumentError(absl::StrCat("gpu handover: ", handover.regions_size(),
+  if (handover.regions.empty() || handover.regions.size() > kMaxGpuRegions) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu handover: ", handover.regions.size(),
                                                    " regions; expected 1..", kMaxGpuRegions));
   }
-  if (handover.step_event().size() != kCudaIpcHandleBytes) {
+  if (handover.step_event.size() != kCudaIpcHandleBytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat("gpu handover: step_event is ", handover.step_event().size(), " bytes, not a ",
+        absl::StrCat("gpu handover: step_event is ", handover.step_event.size(), " bytes, not a ",
                      kCudaIpcHandleBytes, "-byte cudaIpcEventHandle_t"));
   }
   std::vector<uint64_t> sizes;
-  for (int i = 0; i < handover.regions_size(); ++i) {
-    const v1::GpuRegion& r = handover.regions(i);
-    if (r.ipc_handle().size() != kCudaIpcHandleBytes) {
+  for (size_t i = 0; i < handover.regions.size(); ++i) {
+    const GpuRegion& r = handover.regions[i];
+    if (r.ipc_handle.size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle().size(),
+          absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle.size(),
                        " bytes, not a ", kCudaIpcHandleBytes, "-byte cudaIpcMemHandle_t"));
     }
-    if (r.bytes() == 0 || r.bytes() > kMaxRegionBytes) {
+    if (r.bytes == 0 || r.bytes > kMaxRegionBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gpu region ", i, ": size ", r.bytes(), " out of range"));
+          absl::StrCat("gpu region ", i, ": size ", r.bytes, " out of range"));
     }
-    for (int j = 0; j < i; ++j) {
-      if (handover.regions(j).ipc_handle() == r.ipc_handle()) {
+    for (size_t j = 0; j < i; ++j) {
+      if (handover.regions[j].ipc_handle == r.ipc_handle) {
         return absl::InvalidArgumentError(
             absl::StrCat("gpu regions ", j, " and ", i, " carry the same ipc_handle"));
       }
     }
-    sizes.push_back(r.bytes());
+    sizes.push_back(r.bytes);
   }
   return sizes;
 }
 
-absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const v1::GpuHandover& handover,
+absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& handover,
                                                            CudaIpc* ipc) {
   CKPT_RETURN_IF_ERROR(CheckGpuHandover(handover).status());
   std::unique_ptr<GpuMemory> m(new GpuMemory(ipc));  // closes what was opened on any return
-  CKPT_ASSIGN_OR_RETURN(m->device_, ipc->FindDevice(handover.device_uuid()));
-  for (int i = 0; i < handover.regions_size(); ++i) {
-    const v1::GpuRegion& r = handover.regions(i);
-    absl::StatusOr<char*> base = ipc->OpenMemHandle(m->device_, r.ipc_handle());
+  CKPT_ASSIGN_OR_RETURN(m->device_, ipc->FindDevice(handover.device_uuid));
+  for (size_t i = 0; i < handover.regions.size(); ++i) {
+    const GpuRegion& r = handover.regions[i];
+    absl::StatusOr<char*> base = ipc->OpenMemHandle(m->device_, r.ipc_handle);
     if (!base.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
     }
-    m->regions_.push_back(Region{*base, r.bytes()});
+    m->regions_.push_back(Region{*base, r.bytes});
     g_mappings.fetch_add(1, std::memory_order_relaxed);
-    g_mapping_bytes.fetch_add(r.bytes(), std::memory_order_relaxed);
+    g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
     absl::StatusOr<uint64_t> real = ipc->AllocationSize(m->device_, *base);
     if (!real.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gpu region ", i, ": cannot read the allocation's range: ", real.status().message()));
     }
-    if (*real < r.bytes()) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, " declares ", r.bytes(),
+    if (*real < r.bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, " declares ", r.bytes,
                                                      " bytes but its allocation has ", *real));
     }
   }
-  absl::StatusOr<void*> event = ipc->OpenEventHandle(m->device_, handover.step_event());
+  absl::StatusOr<void*> event = ipc->OpenEventHandle(m->device_, handover.step_event);
   if (!event.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu handover: cannot open the step event: ", event.status().message()));

@@ -3,7 +3,7 @@
 // A trainer hands over one legacy CUDA IPC handle per allocation that holds
 // registered tensors, the allocation sizes its driver reported, the device's
 // UUID and an interprocess event it records on its stream after every
-// optimizer step (v1::GpuHandover). Open():
+// optimizer step (GpuHandover). Open():
 //   1. checks the handover's shape before any CUDA call (handle lengths,
 //      region count and sizes, the UUID; registration.h has already checked
 //      every tensor's [offset, offset + nbytes) against the declared sizes);
@@ -31,7 +31,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "ckpt/v1/ckpt.pb.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/shm/rank_memory.h"
 
@@ -39,9 +38,23 @@ namespace ckpt {
 
 inline constexpr size_t kMaxGpuRegions = 4096;
 
+// What a trainer hands over for GPU memory: one legacy CUDA IPC handle per
+// allocation (cudaIpcMemHandle_t bytes) with the size its driver reported,
+// the device's UUID ("GPU-xxxxxxxx-..."), and the interprocess event
+// (cudaIpcEventHandle_t bytes) it records after each optimizer step.
+struct GpuRegion {
+  std::string ipc_handle;
+  uint64_t bytes = 0;
+};
+struct GpuHandover {
+  std::string device_uuid;
+  std::vector<GpuRegion> regions;
+  std::string step_event;
+};
+
 // Checks a handover before anything is opened: INVALID_ARGUMENT naming the
 // first problem. Returns the declared region sizes (for ValidateRegistration).
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const v1::GpuHandover& handover);
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover);
 
 struct GpuMappingStats {
   uint64_t mappings = 0;
@@ -52,7 +65,7 @@ GpuMappingStats OpenGpuMappings();
 class GpuMemory final : public RankMemory {
  public:
   // `ipc` must outlive the returned object.
-  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const v1::GpuHandover& handover,
+  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover,
                                                          CudaIpc* ipc);
   ~GpuMemory() override;
   GpuMemory(const GpuMemory&) = delete;

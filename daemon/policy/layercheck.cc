@@ -15,18 +15,6 @@ absl::Status LayerCheckConfig::Validate() const {
   return absl::OkStatus();
 }
 
-LayerCheckConfig LayerCheckFromProto(const v1::LayerCheckSpec& spec) {
-  LayerCheckConfig c;
-  if (spec.k0() > 0) c.k0 = spec.k0();
-  if (spec.k0_embedding() > 0) c.k0_embedding = spec.k0_embedding();
-  if (spec.k_floor() > 0) c.k_floor = spec.k_floor();
-  if (spec.s_max() > 0) c.s_max = spec.s_max();
-  if (spec.has_warmup()) c.warmup = spec.warmup();
-  if (spec.warmup_interval() > 0) c.warmup_interval = spec.warmup_interval();
-  c.full_every = spec.full_every();
-  return c;
-}
-
 const char* PersistReasonName(PersistReason r) {
   switch (r) {
     case PersistReason::kNone:
@@ -47,7 +35,7 @@ const char* PersistReasonName(PersistReason r) {
   return "?";
 }
 
-LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<v1::LayerKind> kinds)
+LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds)
     : config_(config),
       kinds_(std::move(kinds)),
       last_persisted_(kinds_.size(), 0),
@@ -82,7 +70,7 @@ std::vector<LayerDecision> LayerCheckPolicy::Decide(uint64_t step, double lr,
     dec.d = l < sums.size() ? drift::NormalizedDrift(sums[l]) : 0.0;
     accumulated_[l] += dec.d;
     dec.accumulated = accumulated_[l];
-    const double k0 = kinds_[l] == v1::LAYER_EMBEDDING ? config_.k0_embedding : config_.k0;
+    const double k0 = kinds_[l] == LayerKind::kEmbedding ? config_.k0_embedding : config_.k0;
     threshold_[l] = std::max(k0 * lr_ratio, config_.k_floor);
     dec.threshold = threshold_[l];
     if (last_persisted_[l] == 0) {

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "ckpt/v1/ckpt.pb.h"
+#include "daemon/common/tensor_types.h"
 #include "kernels/drift.h"
 
 namespace ckpt {
@@ -46,8 +46,14 @@ struct LayerCheckConfig {
   absl::Status Validate() const;
 };
 
-// Fills unset (zero) fields of the proto with the defaults above.
-LayerCheckConfig LayerCheckFromProto(const v1::LayerCheckSpec& spec);
+// How the daemon reconstructs a step's weight change for drift accounting.
+enum class OptimizerKind : int {
+  kUnspecified = 0,  // layercheck needs one of the others
+  kAdamW = 1,
+  kAdam = 2,
+  kSgd = 3,          // non-Nesterov momentum
+  kClient = 4,       // the client sends per-layer sums with each step
+};
 
 // Why a layer was persisted at a step.
 enum class PersistReason : uint8_t {
@@ -70,7 +76,7 @@ struct LayerDecision {
 
 class LayerCheckPolicy {
  public:
-  LayerCheckPolicy(const LayerCheckConfig& config, std::vector<v1::LayerKind> kinds);
+  LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds);
 
   // Feeds step t (> previous step) and returns the decision per layer.
   // `sums` has one entry per layer. `forced[l]` forces layer l (may be empty).
@@ -96,7 +102,7 @@ class LayerCheckPolicy {
 
  private:
   const LayerCheckConfig config_;
-  const std::vector<v1::LayerKind> kinds_;
+  const std::vector<LayerKind> kinds_;
   double lr_ref_ = 0;  // 0 until the first step
   uint64_t last_step_ = 0;
   std::vector<uint64_t> last_persisted_;  // 0 = never

@@ -6,39 +6,31 @@
 
 namespace ckpt {
 
-absl::StatusOr<PolicyConfig> PolicyFromProto(const v1::PolicySpec& spec) {
-  PolicyConfig c;
-  switch (spec.kind()) {
-    case v1::POLICY_UNSPECIFIED:
-    case v1::POLICY_ALL:
-      c.kind = v1::POLICY_ALL;
-      return c;
-    case v1::POLICY_EVERY_N:
-      if (spec.every_n() == 0) return absl::InvalidArgumentError("policy every_n needs n >= 1");
-      c.kind = v1::POLICY_EVERY_N;
-      c.every_n = spec.every_n();
-      return c;
-    case v1::POLICY_EXPLICIT:
-    case v1::POLICY_NONE:
-    case v1::POLICY_LAYERCHECK:
-      c.kind = spec.kind();
-      return c;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown policy kind ", spec.kind()));
+absl::Status PolicyConfig::Validate() const {
+  switch (kind) {
+    case PolicyKind::kEveryN:
+      if (every_n == 0) return absl::InvalidArgumentError("policy every_n needs n >= 1");
+      return absl::OkStatus();
+    case PolicyKind::kAll:
+    case PolicyKind::kExplicit:
+    case PolicyKind::kNone:
+    case PolicyKind::kLayerCheck:
+      return absl::OkStatus();
   }
+  return absl::InvalidArgumentError(absl::StrCat("unknown policy kind ", static_cast<int>(kind)));
 }
 
-const char* PolicyName(v1::PolicyKind kind) {
+const char* PolicyName(PolicyKind kind) {
   switch (kind) {
-    case v1::POLICY_ALL:
+    case PolicyKind::kAll:
       return "all";
-    case v1::POLICY_EVERY_N:
+    case PolicyKind::kEveryN:
       return "every_n";
-    case v1::POLICY_EXPLICIT:
+    case PolicyKind::kExplicit:
       return "explicit";
-    case v1::POLICY_NONE:
+    case PolicyKind::kNone:
       return "none";
-    case v1::POLICY_LAYERCHECK:
+    case PolicyKind::kLayerCheck:
       return "layercheck";
     default:
       return "unknown";
@@ -50,21 +42,21 @@ absl::StatusOr<std::vector<uint32_t>> SelectLayers(const PolicyConfig& config, u
                                                    absl::Span<const uint32_t> explicit_layers,
                                                    const std::vector<bool>& never_persisted,
                                                    const std::vector<bool>& retry) {
-  if (!explicit_layers.empty() && config.kind != v1::POLICY_EXPLICIT) {
+  if (!explicit_layers.empty() && config.kind != PolicyKind::kExplicit) {
     return absl::InvalidArgumentError(
         absl::StrCat("a layer list was given but the rank's policy is ", PolicyName(config.kind)));
   }
   std::vector<bool> pick(num_layers, false);
   switch (config.kind) {
-    case v1::POLICY_NONE:
+    case PolicyKind::kNone:
       return std::vector<uint32_t>();
-    case v1::POLICY_ALL:
+    case PolicyKind::kAll:
       pick.assign(num_layers, true);
       break;
-    case v1::POLICY_EVERY_N:
+    case PolicyKind::kEveryN:
       if (step % config.every_n == 0) pick.assign(num_layers, true);
       break;
-    case v1::POLICY_EXPLICIT:
+    case PolicyKind::kExplicit:
       for (uint32_t l : explicit_layers) {
         if (l >= num_layers) {
           return absl::InvalidArgumentError(

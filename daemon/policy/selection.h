@@ -1,6 +1,6 @@
 // Layer selection for one step: which layers of a rank are persisted.
 //
-// Policies (ckpt.v1.PolicyKind):
+// Policies (PolicyKind):
 //   all       every layer every step (the baseline and the bit-exact test)
 //   every_n   every layer at steps that are multiples of n
 //   explicit  exactly the layers the client lists in StepDone
@@ -19,18 +19,26 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "ckpt/v1/ckpt.pb.h"
 
 namespace ckpt {
 
-struct PolicyConfig {
-  v1::PolicyKind kind = v1::POLICY_ALL;
-  uint64_t every_n = 1;
+enum class PolicyKind : int {
+  kAll = 1,
+  kEveryN = 2,
+  kExplicit = 3,
+  kNone = 4,
+  kLayerCheck = 5,
 };
 
-// INVALID_ARGUMENT for an unknown kind or every_n == 0 with POLICY_EVERY_N.
-absl::StatusOr<PolicyConfig> PolicyFromProto(const v1::PolicySpec& spec);
-const char* PolicyName(v1::PolicyKind kind);
+struct PolicyConfig {
+  PolicyKind kind = PolicyKind::kAll;
+  uint64_t every_n = 1;
+
+  // INVALID_ARGUMENT for a kind outside the list or every_n == 0 with kEveryN.
+  absl::Status Validate() const;
+};
+
+const char* PolicyName(PolicyKind kind);
 
 // Sorted, unique layer ids to persist at `step`. INVALID_ARGUMENT when an
 // explicit layer id is >= num_layers, or when a list is given under a policy

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/recovery/plan.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
@@ -35,7 +36,7 @@ using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 // RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
 // when `sink` returned false or `cancelled` returned true.
 // On success, the tensor bytes streamed.
-absl::StatusOr<uint64_t> ExportPlan(const v1::Plan& plan, const store::RankRecord& table, Index* index,
+absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table, Index* index,
                         LayerStore* store, IoBackend* io, StagingPool* pool,
                         absl::Duration timeout, const std::function<bool()>& cancelled,
                         const ExportSink& sink);

@@ -12,16 +12,40 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
-#include "ckpt/v1/ckpt.pb.h"
+#include "daemon/common/tensor_types.h"
 #include "daemon/store/index.h"
 
 namespace ckpt {
 
+struct PlannedLayer {
+  uint32_t layer = 0;
+  std::string name;
+  bool has_version = false;  // the fields below only when true
+  uint64_t step = 0;
+  uint64_t staleness = 0;  // target_step - step
+  uint64_t bytes = 0;      // the version's payload
+  std::string file;
+  std::vector<GroupStep> group_steps;
+};
+
+struct CompositePlan {
+  std::string job;
+  uint32_t rank = 0;
+  uint64_t target_step = 0;
+  bool complete = false;  // every layer has a version at or before target_step
+  std::vector<PlannedLayer> layers;
+  uint64_t total_bytes = 0;
+  double size_weighted_staleness = 0;
+  uint64_t max_staleness = 0;
+  std::string aux;  // the aux blob stored with target_step
+};
+
 // NOT_FOUND when the rank has no durable step, or `target_step` is not one
 // (a step is restorable while its checkpoint event exists).
-absl::StatusOr<v1::Plan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
-                                   uint64_t target_step, const store::RankRecord& table);
+absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
+                                        uint64_t target_step, const store::RankRecord& table);
 
 }  // namespace ckpt

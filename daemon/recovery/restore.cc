@@ -9,42 +9,42 @@
 
 namespace ckpt {
 
-absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
+absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled,
                                          const CopyToDestination& copy) {
-  if (!plan.complete()) {
+  if (!plan.complete) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the plan for step ", plan.target_step(), " is incomplete: some layers have no version"));
+        "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
   }
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
   RestoreStats stats;
-  for (const v1::LayerPlan& lp : plan.layers()) {
+  for (const PlannedLayer& lp : plan.layers) {
     if (cancelled && cancelled()) return absl::CancelledError("the restore was cancelled");
-    if (lp.layer() >= static_cast<uint32_t>(table.layers_size())) {
-      return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer()));
+    if (lp.layer >= static_cast<uint32_t>(table.layers_size())) {
+      return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
     }
-    const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer()));
+    const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer));
     CKPT_ASSIGN_OR_RETURN(auto rec, index->VersionAtOrBefore(
-                                        plan.job_id(), plan.rank(), lp.layer(), lp.step()));
-    if (!rec.has_value() || rec->first != lp.step()) {
-      return absl::AbortedError(absl::StrCat("layer ", lp.layer(), " version ", lp.step(),
+                                        plan.job, plan.rank, lp.layer, lp.step));
+    if (!rec.has_value() || rec->first != lp.step) {
+      return absl::AbortedError(absl::StrCat("layer ", lp.layer, " version ", lp.step,
                                              " vanished during the restore; plan again"));
     }
-    VersionKey key{plan.job_id(), plan.rank(), lp.layer(), lp.step()};
+    VersionKey key{plan.job, plan.rank, lp.layer, lp.step};
     absl::StatusOr<LoadedVersion> loaded = store->Read(key, rec->second, io, pool, deadline);
     if (!loaded.ok()) {
       return absl::Status(loaded.status().code(),
-                          absl::StrCat("layer ", lp.layer(), " (", lp.name(), ") step ", lp.step(),
+                          absl::StrCat("layer ", lp.layer, " (", lp.name, ") step ", lp.step,
                                        ": ", loaded.status().message()));
     }
     std::map<std::string, const store::TensorEntry*> stored;
     for (const store::TensorEntry& t : loaded->decoded.header.tensors()) stored[t.name()] = &t;
     if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
       return absl::FailedPreconditionError(
-          absl::StrCat("layer ", lp.layer(), " has ", stored.size(), " tensors in the checkpoint and ",
+          absl::StrCat("layer ", lp.layer, " has ", stored.size(), " tensors in the checkpoint and ",
                        spec.tensors_size(), " registered"));
     }
     for (int i = 0; i < spec.tensors_size(); ++i) {
@@ -53,13 +53,13 @@ absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::Rank
       if (it == stored.end() || it->second->nbytes() != ts.nbytes() ||
           it->second->dtype() != ts.dtype()) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "tensor '", ts.name(), "' of layer ", lp.layer(),
+            "tensor '", ts.name(), "' of layer ", lp.layer,
             " differs between the checkpoint and the registration (missing, dtype or size)"));
       }
     }
     for (int i = 0; i < spec.tensors_size(); ++i) {
       const store::TensorEntry* t = stored[spec.tensors(i).name()];
-      char* out = dest(lp.layer(), static_cast<uint32_t>(i));
+      char* out = dest(lp.layer, static_cast<uint32_t>(i));
       if (copy == nullptr) {
         loaded->lease.CopyOut(loaded->decoded.layout.header_bytes + t->offset(), out, t->nbytes());
       } else {

@@ -18,8 +18,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "ckpt/v1/ckpt.pb.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/recovery/plan.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
@@ -38,7 +38,7 @@ struct RestoreStats {
   double seconds = 0;
 };
 
-absl::StatusOr<RestoreStats> RestoreInto(const v1::Plan& plan, const store::RankRecord& table,
+absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled = nullptr,

@@ -1,25 +1,26 @@
-// Conversions between the public API's table types (ckpt.v1) and the
-// store's own (ckpt.store, store.proto), in one place. The two started as
-// copies with the same enum numbers and field numbers; the static_asserts
-// in schema_convert.cc fail the build if one of them changes alone.
+// Conversions into the store's own table types (ckpt.store, store.proto):
+// from the daemon's tensor types (daemon/common/tensor_types.h), and out of them into the public API's (ckpt.v1) for
+// the replies that describe stored tensors (export, the admin queries). The
+// three enum sets carry the same numbers; the static_asserts in
+// schema_convert.cc fail the build if one of them changes alone.
 //
-// Used by the engine (registration writes the table) and by export (which
-// describes stored tensors in API terms). Thread-safety: pure functions.
+// Thread-safety: pure functions.
 #pragma once
 
 #include "ckpt/v1/ckpt.pb.h"
+#include "daemon/common/tensor_types.h"
+#include "daemon/recovery/plan.h"
 #include "daemon/store/store.pb.h"
 
 namespace ckpt {
 
-store::DType ToStore(v1::DType dtype);
-store::TensorRole ToStore(v1::TensorRole role);
-store::LayerKind ToStore(v1::LayerKind kind);
-store::LayerSpec ToStore(const v1::LayerSpec& layer);
+store::DType ToStore(DType dtype);
+store::TensorRole ToStore(TensorRole role);
+store::LayerKind ToStore(LayerKind kind);
 
 v1::DType ToApi(store::DType dtype);
 v1::TensorRole ToApi(store::TensorRole role);
 v1::LayerKind ToApi(store::LayerKind kind);
-v1::GroupStep ToApi(const store::GroupStep& group_step);
+v1::Plan ToApi(const CompositePlan& plan);
 
 }  // namespace ckpt

@@ -2,9 +2,155 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status.h"
 
 namespace ckpt {
+namespace {
+
+template <typename A, typename B>
+constexpr bool Same(A a, B b) {
+  return static_cast<int>(a) == static_cast<int>(b);
+}
+
+// The daemon's enums carry the API's numbers (tensor_types.h), so converting
+// is a cast; an unknown API value stays unknown and validation names it.
+static_assert(Same(DType::kF32, v1::DTYPE_F32) && Same(DType::kF16, v1::DTYPE_F16) &&
+              Same(DType::kBF16, v1::DTYPE_BF16) && Same(DType::kF64, v1::DTYPE_F64) &&
+              Same(DType::kI64, v1::DTYPE_I64) && Same(DType::kI32, v1::DTYPE_I32) &&
+              Same(DType::kU8, v1::DTYPE_U8) && Same(v1::DType_MAX, DType::kU8));
+static_assert(Same(TensorRole::kParam, v1::ROLE_PARAM) && Same(TensorRole::kMaster, v1::ROLE_MASTER) &&
+              Same(TensorRole::kExpAvg, v1::ROLE_EXP_AVG) &&
+              Same(TensorRole::kExpAvgSq, v1::ROLE_EXP_AVG_SQ) &&
+              Same(TensorRole::kMomentum, v1::ROLE_MOMENTUM) &&
+              Same(TensorRole::kOther, v1::ROLE_OTHER) && Same(v1::TensorRole_MAX, TensorRole::kOther));
+static_assert(Same(LayerKind::kEmbedding, v1::LAYER_EMBEDDING) &&
+              Same(LayerKind::kBlock, v1::LAYER_BLOCK) && Same(LayerKind::kNorm, v1::LAYER_NORM) &&
+              Same(LayerKind::kHead, v1::LAYER_HEAD) && Same(LayerKind::kOther, v1::LAYER_OTHER) &&
+              Same(v1::LayerKind_MAX, LayerKind::kOther));
+
+absl::StatusOr<PolicyKind> PolicyKindOf(v1::PolicyKind kind) {
+  switch (kind) {
+    case v1::POLICY_UNSPECIFIED:  // the daemon's default
+    case v1::POLICY_ALL:
+      return PolicyKind::kAll;
+    case v1::POLICY_EVERY_N:
+      return PolicyKind::kEveryN;
+    case v1::POLICY_EXPLICIT:
+      return PolicyKind::kExplicit;
+    case v1::POLICY_NONE:
+      return PolicyKind::kNone;
+    case v1::POLICY_LAYERCHECK:
+      return PolicyKind::kLayerCheck;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown policy kind ", static_cast<int>(kind)));
+  }
+}
+
+absl::StatusOr<OptimizerKind> OptimizerKindOf(v1::OptimizerKind kind) {
+  switch (kind) {
+    case v1::OPTIMIZER_UNSPECIFIED:
+      return OptimizerKind::kUnspecified;
+    case v1::OPTIMIZER_ADAMW:
+      return OptimizerKind::kAdamW;
+    case v1::OPTIMIZER_ADAM:
+      return OptimizerKind::kAdam;
+    case v1::OPTIMIZER_SGD:
+      return OptimizerKind::kSgd;
+    case v1::OPTIMIZER_CLIENT:
+      return OptimizerKind::kClient;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown optimizer ", static_cast<int>(kind)));
+  }
+}
+
+// Unset (zero) fields take LayerCheckConfig's defaults.
+LayerCheckConfig LayerCheckOf(const v1::LayerCheckSpec& spec) {
+  LayerCheckConfig c;
+  if (spec.k0() > 0) c.k0 = spec.k0();
+  if (spec.k0_embedding() > 0) c.k0_embedding = spec.k0_embedding();
+  if (spec.k_floor() > 0) c.k_floor = spec.k_floor();
+  if (spec.s_max() > 0) c.s_max = spec.s_max();
+  if (spec.has_warmup()) c.warmup = spec.warmup();
+  if (spec.warmup_interval() > 0) c.warmup_interval = spec.warmup_interval();
+  c.full_every = spec.full_every();
+  return c;
+}
+
+TensorDesc TensorOf(const v1::TensorSpec& t) {
+  TensorDesc d;
+  d.name = t.name();
+  d.dtype = static_cast<DType>(t.dtype());
+  d.shape.assign(t.shape().begin(), t.shape().end());
+  d.nbytes = t.nbytes();
+  d.role = static_cast<TensorRole>(t.role());
+  d.region = t.region();
+  d.offset = t.offset();
+  d.group = t.group();
+  d.param = t.param();
+  d.lr_scale = t.lr_scale();
+  d.beta1 = t.beta1();
+  d.beta2 = t.beta2();
+  d.eps = t.eps();
+  d.weight_decay = t.weight_decay();
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req) {
+  Registration r;
+  r.job = req.job_id();
+  r.rank = req.rank();
+  r.world_size = req.world_size();
+  r.local_rank = req.local_rank();
+  r.handover_token = req.handover_token();
+  r.layers.reserve(static_cast<size_t>(req.layers_size()));
+  for (const v1::LayerSpec& l : req.layers()) {
+    LayerDesc& d = r.layers.emplace_back();
+    d.id = l.id();
+    d.name = l.name();
+    d.kind = static_cast<LayerKind>(l.kind());
+    d.tensors.reserve(static_cast<size_t>(l.tensors_size()));
+    for (const v1::TensorSpec& t : l.tensors()) d.tensors.push_back(TensorOf(t));
+  }
+  const v1::PolicySpec& p = req.policy();
+  CKPT_ASSIGN_OR_RETURN(r.policy.selection.kind, PolicyKindOf(p.kind()));
+  r.policy.selection.every_n = p.every_n();
+  CKPT_ASSIGN_OR_RETURN(r.policy.optimizer, OptimizerKindOf(p.optimizer()));
+  r.policy.layercheck = LayerCheckOf(p.layercheck());
+  r.policy.record_trace = p.record_trace();
+  if (req.has_gpu()) r.gpu = GpuHandoverOf(req.gpu());
+  return r;
+}
+
+GpuHandover GpuHandoverOf(const v1::GpuHandover& gpu) {
+  GpuHandover g;
+  g.device_uuid = gpu.device_uuid();
+  g.step_event = gpu.step_event();
+  g.regions.reserve(static_cast<size_t>(gpu.regions_size()));
+  for (const v1::GpuRegion& region : gpu.regions()) {
+    g.regions.push_back(GpuRegion{region.ipc_handle(), region.bytes()});
+  }
+  return g;
+}
+
+v1::RegisterReply ToProto(const Registered& registered) {
+  v1::RegisterReply reply;
+  reply.set_generation(registered.generation);
+  reply.set_latest_durable_step(registered.latest_durable_step);
+  reply.set_io_backend(registered.io_backend);
+  return reply;
+}
+
+v1::RestoreReply ToProto(const Restored& restored) {
+  v1::RestoreReply reply;
+  *reply.mutable_plan() = ToApi(restored.plan);
+  reply.set_bytes_restored(restored.bytes);
+  reply.set_seconds(restored.seconds);
+  return reply;
+}
 
 StepReport StepReportOf(const v1::StepDoneRequest& req) {
   StepReport r;

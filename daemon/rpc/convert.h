@@ -1,14 +1,18 @@
-// ckpt.v1 messages <-> the engine's per-step types (engine/step_types.h), in
-// one place on the daemon side. The handlers in server.cc validate nothing
+// ckpt.v1 messages <-> the engine's own types (engine/step_types.h,
+// engine/registration.h, recovery/plan.h), in one place on the daemon side. The handlers in server.cc validate nothing
 // themselves: they convert, call the engine, and convert back.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/registration.h"
 #include "daemon/engine/step_types.h"
+#include "daemon/recovery/schema_convert.h"  // ToApi(CompositePlan), shared with export
 
 namespace ckpt {
 
@@ -17,6 +21,13 @@ template <typename Request>
 RankRef RankRefOf(const Request& req) {
   return RankRef{req.job_id(), req.rank(), req.generation()};
 }
+
+// INVALID_ARGUMENT for a policy or optimizer kind this daemon does not know;
+// everything else is checked by the engine (ValidateRegistration).
+absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req);
+GpuHandover GpuHandoverOf(const v1::GpuHandover& gpu);
+v1::RegisterReply ToProto(const Registered& registered);
+v1::RestoreReply ToProto(const Restored& restored);
 
 StepReport StepReportOf(const v1::StepDoneRequest& req);
 std::vector<drift::LayerSums> LayerSumsOf(

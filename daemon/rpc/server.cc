@@ -56,6 +56,17 @@ absl::Status Assign(absl::StatusOr<T> v, T* out) {
   return absl::OkStatus();
 }
 
+// Plan is served by both services.
+grpc::Status PlanCall(RpcServer* server, grpc::ServerContext* ctx, const v1::PlanRequest& req,
+                      v1::Plan* reply) {
+  return WithCaller(server, ctx, [&](const Caller& c) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
+                          server->engine()->Plan(req.job_id(), req.rank(), req.target_step(), c));
+    *reply = ToApi(plan);
+    return absl::OkStatus();
+  });
+}
+
 class TrainerService final : public v1::Trainer::Service {
  public:
   explicit TrainerService(RpcServer* server) : s_(server) {}
@@ -64,11 +75,17 @@ class TrainerService final : public v1::Trainer::Service {
                         v1::RegisterReply* reply) override {
     return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
       // GPU registrations carry their IPC handles in the request itself.
+      // The token is claimed first, so a refused request releases its
+      // descriptors now rather than when the token expires.
       std::vector<UniqueFd> fds;
       if (!req->has_gpu() || !req->handover_token().empty()) {
         CKPT_ASSIGN_OR_RETURN(fds, s_->handover()->Claim(req->handover_token(), c.uid));
       }
-      return Assign(s_->engine()->Register(*req, std::move(fds), c), reply);
+      CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
+      CKPT_ASSIGN_OR_RETURN(Registered registered,
+                            s_->engine()->Register(registration, std::move(fds), c));
+      *reply = ToProto(registered);
+      return absl::OkStatus();
     });
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
@@ -114,12 +131,16 @@ class TrainerService final : public v1::Trainer::Service {
     });
   }
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
+    return PlanCall(s_, ctx, *req, reply);
   }
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                        v1::RestoreReply* reply) override {
-    return WithCaller(s_, ctx,
-                      [&](const Caller& c) { return Assign(s_->engine()->Restore(*req, c), reply); });
+    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+      CKPT_ASSIGN_OR_RETURN(Restored restored,
+                            s_->engine()->Restore(RankRefOf(*req), req->target_step(), c));
+      *reply = ToProto(restored);
+      return absl::OkStatus();
+    });
   }
   grpc::Status Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
                           v1::UnregisterReply*) override {
@@ -155,7 +176,7 @@ class AdminService final : public v1::Admin::Service {
     return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->History(*req, c), reply); });
   }
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Plan(*req, c), reply); });
+    return PlanCall(s_, ctx, *req, reply);
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req,
                       v1::VerifyReply* reply) override {

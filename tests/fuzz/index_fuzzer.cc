@@ -388,36 +388,36 @@ void CheckLookups(Index* index, const std::string& job, uint32_t rank, const Ran
 void CheckPlan(Index* index, const std::string& job, uint32_t rank, uint64_t target,
                const store::RankRecord& table, const RankModel& m) {
   const std::string where = absl::StrCat(job, "/", rank, " target ", target);
-  absl::StatusOr<v1::Plan> plan = BuildPlan(index, job, rank, target, table);
+  absl::StatusOr<CompositePlan> plan = BuildPlan(index, job, rank, target, table);
   CheckCode(plan.status(), "BuildPlan " + where, /*not_found_ok=*/true);
   if (!plan.ok()) return;
-  const uint64_t tau = plan->target_step();
+  const uint64_t tau = plan->target_step;
   if (target != 0) CKPT_FUZZ_CHECK(tau == target, "plan for another step " + where);
   if (m.events_ok) {
     CKPT_FUZZ_CHECK(std::any_of(m.events.begin(), m.events.end(), [&](auto& e) { return e.first == tau; }),
                     "plan targets a step without an event " + where);
   }
-  CKPT_FUZZ_CHECK(plan->layers_size() == table.layers_size(), "plan layer count " + where);
+  CKPT_FUZZ_CHECK(plan->layers.size() == static_cast<size_t>(table.layers_size()), "plan layer count " + where);
   bool complete = true;
   uint64_t max_staleness = 0;
-  for (const v1::LayerPlan& lp : plan->layers()) {
-    if (!lp.has_version()) {
+  for (const PlannedLayer& lp : plan->layers) {
+    if (!lp.has_version) {
       complete = false;
       continue;
     }
-    CKPT_FUZZ_CHECK(lp.step() <= tau, absl::StrCat("layer ", lp.layer(), " step ", lp.step(),
+    CKPT_FUZZ_CHECK(lp.step <= tau, absl::StrCat("layer ", lp.layer, " step ", lp.step,
                                                     " is after the target ", tau, " ", where));
-    CKPT_FUZZ_CHECK(lp.staleness() == tau - lp.step(), "staleness " + where);
-    max_staleness = std::max(max_staleness, lp.staleness());
+    CKPT_FUZZ_CHECK(lp.staleness == tau - lp.step, "staleness " + where);
+    max_staleness = std::max(max_staleness, lp.staleness);
     if (m.versions_ok) {
-      auto it = m.versions.find(lp.layer());
-      CKPT_FUZZ_CHECK(it != m.versions.end() && AtOrBefore(it->second, tau) == lp.step(),
+      auto it = m.versions.find(lp.layer);
+      CKPT_FUZZ_CHECK(it != m.versions.end() && AtOrBefore(it->second, tau) == lp.step,
                       "plan picked a version that is not the layer's newest <= target " + where);
     }
   }
-  CKPT_FUZZ_CHECK(plan->complete() == complete, "plan completeness " + where);
-  CKPT_FUZZ_CHECK(plan->max_staleness() == max_staleness, "max staleness " + where);
-  const double w = plan->size_weighted_staleness();
+  CKPT_FUZZ_CHECK(plan->complete == complete, "plan completeness " + where);
+  CKPT_FUZZ_CHECK(plan->max_staleness == max_staleness, "max staleness " + where);
+  const double w = plan->size_weighted_staleness;
   CKPT_FUZZ_CHECK(std::isfinite(w) && w >= 0 &&
                       w <= static_cast<double>(max_staleness) * (1 + 1e-9) + 1e-9,
                   absl::StrCat("size-weighted staleness ", w, " outside [0, ", max_staleness, "] ", where));

@@ -9,7 +9,8 @@
 //         behind it are reached.
 // The region sizes (what fstat would say about the handed-over memfds) and
 // the limits come from the input too. Then, as Engine::Register does:
-// ValidateRegistration, PolicyFromProto and, for a valid request, the
+// RegistrationOf (the gRPC handler's conversion), ValidateRegistration, the
+// policy's Validate and, for a valid request, the
 // per-layer file layout, a few steps of layer selection (SelectLayers, or
 // LayerCheck's Decide with drift sums from the input).
 //
@@ -40,6 +41,7 @@
 #include "daemon/policy/layercheck.h"
 #include "daemon/policy/selection.h"
 #include "daemon/recovery/schema_convert.h"
+#include "daemon/rpc/convert.h"
 #include "base/region.h"
 #include "daemon/store/format.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -135,9 +137,9 @@ store::LayerFileHeader EngineHeader(const v1::RegisterRequest& req, const v1::La
   for (const v1::TensorSpec& t : spec.tensors()) {
     store::TensorEntry* e = h.add_tensors();
     e->set_name(t.name());
-    e->set_dtype(ToStore(t.dtype()));
+    e->set_dtype(ToStore(static_cast<DType>(t.dtype())));
     *e->mutable_shape() = t.shape();
-    e->set_role(ToStore(t.role()));
+    e->set_role(ToStore(static_cast<TensorRole>(t.role())));
     e->set_group(t.group());
     e->set_nbytes(t.nbytes());
     groups.insert(t.group());
@@ -205,13 +207,14 @@ void CheckValidRequest(const v1::RegisterRequest& req, const std::vector<uint64_
   }
 }
 
-void CheckSelection(FuzzedDataProvider& p, const v1::RegisterRequest& req, const PolicyConfig& policy) {
-  const uint32_t n = static_cast<uint32_t>(req.layers_size());
-  if (policy.kind == v1::POLICY_LAYERCHECK) {
-    LayerCheckConfig config = LayerCheckFromProto(req.policy().layercheck());
+void CheckSelection(FuzzedDataProvider& p, const Registration& req) {
+  const PolicyConfig& policy = req.policy.selection;
+  const uint32_t n = static_cast<uint32_t>(req.layers.size());
+  if (policy.kind == PolicyKind::kLayerCheck) {
+    const LayerCheckConfig& config = req.policy.layercheck;
     if (!config.Validate().ok()) return;
-    std::vector<v1::LayerKind> kinds;
-    for (const v1::LayerSpec& l : req.layers()) kinds.push_back(l.kind());
+    std::vector<LayerKind> kinds;
+    for (const LayerDesc& l : req.layers) kinds.push_back(l.kind);
     LayerCheckPolicy lc(config, kinds);
     uint64_t step = 0;
     bool sane_lr = true;
@@ -267,7 +270,7 @@ void CheckSelection(FuzzedDataProvider& p, const v1::RegisterRequest& req, const
                       std::adjacent_find(sel->begin(), sel->end()) == sel->end(),
                   "selection not sorted and unique");
   for (uint32_t l : *sel) CKPT_FUZZ_CHECK(l < n, "selected a layer that does not exist");
-  if (policy.kind != v1::POLICY_NONE) {
+  if (policy.kind != PolicyKind::kNone) {
     for (uint32_t l = 0; l < n; ++l) {
       if (never[l] || retry[l]) {
         CKPT_FUZZ_CHECK(std::binary_search(sel->begin(), sel->end(), l), "a forced layer was not selected");
@@ -371,16 +374,22 @@ void FuzzOne(const uint8_t* data, size_t size) {
   } else if (!ParseRaw(data, size, &req, &regions, &limits)) {
     return;
   }
-  absl::Status s = ValidateRegistration(req, regions, limits);
+  absl::StatusOr<Registration> registration = RegistrationOf(req);
+  if (!registration.ok()) {
+    CKPT_FUZZ_CHECK(absl::IsInvalidArgument(registration.status()),
+                    "RegistrationOf returned " + registration.status().ToString());
+    return;
+  }
+  absl::Status s = ValidateRegistration(*registration, regions, limits);
   CKPT_FUZZ_CHECK(s.ok() || absl::IsInvalidArgument(s), "ValidateRegistration returned " + s.ToString());
   if (!s.ok()) return;
   CheckValidRequest(req, regions, limits);
-  absl::StatusOr<PolicyConfig> policy = PolicyFromProto(req.policy());
-  if (!policy.ok()) {
-    CKPT_FUZZ_CHECK(absl::IsInvalidArgument(policy.status()), policy.status().ToString());
+  const PolicyConfig& policy = registration->policy.selection;
+  if (absl::Status ps = policy.Validate(); !ps.ok()) {
+    CKPT_FUZZ_CHECK(absl::IsInvalidArgument(ps), ps.ToString());
     return;
   }
-  CheckSelection(p, req, *policy);
+  CheckSelection(p, *registration);
 }
 
 }  // namespace

@@ -463,7 +463,7 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
   LayerCheckConfig config;
   config.warmup = 0;
   config.s_max = 10;
-  std::vector<v1::LayerKind> kinds(kLayers, v1::LAYER_BLOCK);
+  std::vector<LayerKind> kinds(kLayers, LayerKind::kBlock);
   LayerCheckPolicy global(config, kinds), local(config, kinds);
   bool differs = false;
   for (uint64_t t = 1; t <= kSteps; ++t) {

@@ -53,7 +53,7 @@ constexpr char kFenceAbandoned[] = "PipelineTest:fence_abandoned";
 struct TestRank {
   std::string job;
   uint32_t layers = 0;
-  v1::PolicyKind policy = v1::POLICY_ALL;
+  PolicyKind policy = PolicyKind::kAll;
   MemfdRegion region;
   uint64_t generation = 0;
 };
@@ -107,7 +107,7 @@ class EnginePipelineTest : public ::testing::Test {
 
   // A rank of `layers` f32 layers of kLayerFloats each, in one region.
   static TestRank MakeRank(const std::string& job, uint32_t layers,
-                           v1::PolicyKind policy = v1::POLICY_ALL) {
+                           PolicyKind policy = PolicyKind::kAll) {
     TestRank r;
     r.job = job;
     r.layers = layers;
@@ -118,35 +118,34 @@ class EnginePipelineTest : public ::testing::Test {
     return r;
   }
 
-  static v1::RegisterRequest RegisterRequestOf(const TestRank& r) {
-    v1::RegisterRequest req;
-    req.set_job_id(r.job);
-    req.set_world_size(1);
-    req.mutable_policy()->set_kind(r.policy);
+  static Registration RegistrationOf(const TestRank& r) {
+    Registration req;
+    req.job = r.job;
+    req.world_size = 1;
+    req.policy.selection.kind = r.policy;
     for (uint32_t l = 0; l < r.layers; ++l) {
-      v1::LayerSpec* layer = req.add_layers();
-      layer->set_id(l);
-      layer->set_name(absl::StrCat("layer", l));
-      v1::TensorSpec* t = layer->add_tensors();
-      t->set_name(absl::StrCat("layer", l, ".w"));
-      t->set_dtype(v1::DTYPE_F32);
-      t->add_shape(kLayerFloats);
-      t->set_nbytes(kLayerFloats * 4);
-      t->set_region(0);
-      t->set_offset(l * kLayerFloats * 4);
+      LayerDesc& layer = req.layers.emplace_back();
+      layer.id = l;
+      layer.name = absl::StrCat("layer", l);
+      TensorDesc& t = layer.tensors.emplace_back();
+      t.name = absl::StrCat("layer", l, ".w");
+      t.dtype = DType::kF32;
+      t.shape = {kLayerFloats};
+      t.nbytes = kLayerFloats * 4;
+      t.region = 0;
+      t.offset = l * kLayerFloats * 4;
     }
     return req;
   }
 
   // Registers `r` (handing over a duplicate of its region's fd); on success
   // `r` takes the new generation.
-  absl::StatusOr<v1::RegisterReply> Register(TestRank* r, Caller caller = Caller()) {
+  absl::StatusOr<Registered> Register(TestRank* r, Caller caller = Caller()) {
     std::vector<UniqueFd> fds;
     fds.emplace_back(::fcntl(r->region.fd(), F_DUPFD_CLOEXEC, 0));
     caller.uid = owner_.uid;
-    absl::StatusOr<v1::RegisterReply> reply =
-        engine_->Register(RegisterRequestOf(*r), std::move(fds), caller);
-    if (reply.ok()) r->generation = reply->generation();
+    absl::StatusOr<Registered> reply = engine_->Register(RegistrationOf(*r), std::move(fds), caller);
+    if (reply.ok()) r->generation = reply->generation;
     return reply;
   }
 
@@ -170,17 +169,14 @@ class EnginePipelineTest : public ::testing::Test {
     return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + kWait);
   }
 
-  absl::StatusOr<v1::Plan> Plan(const TestRank& r, uint64_t step) {
-    v1::PlanRequest req;
-    req.set_job_id(r.job);
-    req.set_target_step(step);
-    return engine_->Plan(req, owner_);
+  absl::StatusOr<CompositePlan> Plan(const TestRank& r, uint64_t step) {
+    return engine_->Plan(r.job, 0, step, owner_);
   }
 
   // The steps of the layers in `plan`, by layer.
-  static std::vector<uint64_t> PlannedSteps(const v1::Plan& plan) {
+  static std::vector<uint64_t> PlannedSteps(const CompositePlan& plan) {
     std::vector<uint64_t> steps;
-    for (const v1::LayerPlan& lp : plan.layers()) steps.push_back(lp.has_version() ? lp.step() : 0);
+    for (const PlannedLayer& lp : plan.layers) steps.push_back(lp.has_version ? lp.step : 0);
     return steps;
   }
 
@@ -203,7 +199,7 @@ TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/2));
   // The explicit policy selects layers only when asked, so a step without a
   // list carries just the layers that must be retried.
-  TestRank r = MakeRank("full", 4, v1::POLICY_EXPLICIT);
+  TestRank r = MakeRank("full", 4, PolicyKind::kExplicit);
   CKPT_ASSERT_OK(Register(&r).status());
 
   // Steps 1 and 2 persist every layer once, so that later only a skip can
@@ -258,8 +254,8 @@ TEST_F(EnginePipelineTest, FullPoolSkipsAndCountsThenRetries) {
   EXPECT_EQ(snap.skipped, 0u);
   CKPT_ASSERT_OK_AND_ASSIGN(durable, WaitDurable(r, 5));
   EXPECT_EQ(durable, 5u);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 5));
-  EXPECT_TRUE(plan.complete());
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 5));
+  EXPECT_TRUE(plan.complete);
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{3, 3, 5, 5}));
   EXPECT_EQ(engine_->GetStatus().snapshots_skipped(), 6u);
 }
@@ -279,8 +275,8 @@ TEST_F(EnginePipelineTest, SnapshotFinishingAfterItsFenceWasAbandonedIsDiscarded
   CKPT_SYNC_POINT(kFenceAbandoned);
   // The trainer went on without the fence; step 1's copy must not count.
   CKPT_EXPECT_CODE(WaitDurable(r, 1).status(), kAborted);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 1));
-  EXPECT_FALSE(plan.complete());
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 1));
+  EXPECT_FALSE(plan.complete);
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{0, 0})) << "nothing of step 1 is durable";
   EXPECT_EQ(engine_->GetStatus().versions_committed(), 0u);
   // The layers are retried at the next step.
@@ -289,7 +285,7 @@ TEST_F(EnginePipelineTest, SnapshotFinishingAfterItsFenceWasAbandonedIsDiscarded
   CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
   EXPECT_EQ(durable, 2u);
   CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(r, 2));
-  EXPECT_TRUE(plan.complete());
+  EXPECT_TRUE(plan.complete);
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
 }
 
@@ -320,13 +316,13 @@ TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration)
   // Once the writer goes on, a registration retried until the old one has
   // drained sees every staged step of it durable.
   CKPT_SYNC_POINT(kReleaseWriter);
-  absl::StatusOr<v1::RegisterReply> reg = Register(&b);
+  absl::StatusOr<Registered> reg = Register(&b);
   for (const absl::Time deadline = absl::Now() + kWait;
        absl::IsUnavailable(reg.status()) && absl::Now() < deadline;) {
     reg = Register(&b);
   }
   CKPT_ASSERT_OK(reg.status());
-  EXPECT_EQ(reg->latest_durable_step(), 3u);
+  EXPECT_EQ(reg->latest_durable_step, 3u);
   EXPECT_EQ(engine_->GetStatus().versions_committed(), 6u);
   CKPT_EXPECT_CODE(StepDone(b, 3), kFailedPrecondition);
   CKPT_EXPECT_OK(StepDone(b, 4));
@@ -367,7 +363,7 @@ TEST_F(EnginePipelineTest, RetentionByAgeFollowsTheEnginesClock) {
   EXPECT_EQ(old.events_deleted(), 2u);
   EXPECT_EQ(old.versions_deleted(), 4u);  // steps 1 and 2 of both layers
   CKPT_EXPECT_CODE(Plan(r, 1).status(), kNotFound);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan latest, Plan(r, 3));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan latest, Plan(r, 3));
   EXPECT_EQ(PlannedSteps(latest), (std::vector<uint64_t>{3, 3}));
 }
 
@@ -395,7 +391,7 @@ TEST_F(EnginePipelineTest, FailedSyncFailsTheVersionIsCountedAsFsyncAndIsRetried
   CKPT_ASSERT_OK(StepDone(r, 2));
   CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
   EXPECT_EQ(durable, 2u);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 2));
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2, 2}));
 }
 
@@ -473,7 +469,7 @@ TEST_F(EnginePipelineTest, HostMemoryIsReleasedWhenTheTrainerProcessExits) {
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
   // What was durable before the exit stays restorable.
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, Plan(r, 1));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 1));
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{1, 1}));
 }
 
@@ -482,7 +478,7 @@ TEST_F(EnginePipelineTest, HostMemoryIsReleasedWhenTheTrainerProcessExits) {
 // (job-id squatting).
 TEST_F(EnginePipelineTest, ARefusedRegistrationCreatesNoJob) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
-  TestRank r = MakeRank("contested", 2, v1::POLICY_LAYERCHECK);  // no optimizer: refused
+  TestRank r = MakeRank("contested", 2, PolicyKind::kLayerCheck);  // no optimizer: refused
   const absl::Status refused = Register(&r).status();
   CKPT_ASSERT_CODE(refused, kInvalidArgument);
   Caller root;
@@ -494,7 +490,7 @@ TEST_F(EnginePipelineTest, ARefusedRegistrationCreatesNoJob) {
   TestRank mine = MakeRank("contested", 2);
   std::vector<UniqueFd> fds;
   fds.emplace_back(::fcntl(mine.region.fd(), F_DUPFD_CLOEXEC, 0));
-  CKPT_ASSERT_OK(engine_->Register(RegisterRequestOf(mine), std::move(fds), other).status());
+  CKPT_ASSERT_OK(engine_->Register(RegistrationOf(mine), std::move(fds), other).status());
   CKPT_ASSERT_OK_AND_ASSIGN(jobs, engine_->Jobs(root));
   ASSERT_EQ(jobs.jobs_size(), 1);
   EXPECT_EQ(jobs.jobs(0).owner_uid(), other.uid);

@@ -5,9 +5,11 @@
 #include <vector>
 
 #include "daemon/common/validate.h"
+#include "ckpt/v1/dtype.h"
 #include "daemon/engine/registration.h"
 #include "daemon/recovery/schema_convert.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/rpc/convert.h"
 #include "daemon/store/format.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
@@ -49,10 +51,13 @@ RegistrationLimits Limits() {
   return limits;
 }
 
+// Converts the request the way the gRPC handler does, then validates.
 absl::Status Validate(const v1::RegisterRequest& req,
                       const std::vector<uint64_t>& regions = {kRegion},
                       const RegistrationLimits& limits = Limits()) {
-  return ValidateRegistration(req, regions, limits);
+  absl::StatusOr<Registration> registration = RegistrationOf(req);
+  if (!registration.ok()) return registration.status();
+  return ValidateRegistration(*registration, regions, limits);
 }
 
 // Applies `mutate` to a valid request and expects INVALID_ARGUMENT.
@@ -65,6 +70,12 @@ void ExpectInvalid(const std::function<void(v1::RegisterRequest*)>& mutate,
 
 v1::TensorSpec* Tensor(v1::RegisterRequest* req, int layer, int tensor) {
   return req->mutable_layers(layer)->mutable_tensors(tensor);
+}
+
+TEST(DTypeBytesTest, DaemonAndApiSizesAgree) {
+  for (int d = 0; d < 100; ++d) {
+    EXPECT_EQ(ElementBytes(static_cast<DType>(d)), DTypeBytes(static_cast<v1::DType>(d))) << d;
+  }
 }
 
 TEST(DTypeBytesTest, Sizes) {
@@ -310,9 +321,9 @@ TEST(ValidateRegistrationTest, StagingCheckCountsEveryFieldOfAVersionHeader) {
     t->set_group(0xFFFFFFFF);
     store::TensorEntry* e = h.add_tensors();
     e->set_name(t->name());
-    e->set_dtype(ToStore(t->dtype()));
+    e->set_dtype(ToStore(DType::kU8));
     *e->mutable_shape() = t->shape();
-    e->set_role(ToStore(t->role()));
+    e->set_role(ToStore(TensorRole::kOther));
     e->set_group(t->group());
     e->set_nbytes(t->nbytes());
   }

@@ -25,6 +25,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "daemon/io/file_system.h"
+#include "daemon/rpc/convert.h"
 #include "gtest/gtest.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
@@ -159,11 +160,11 @@ TEST(GpuUuidTest, PrintedAsNvidiaSmiDoes) {
   EXPECT_EQ(GpuUuidString(bytes), "GPU-ce0688b6-ea84-0dc3-52c6-01fa24628bf8");
   v1::GpuHandover h = TwoRegions();
   h.set_device_uuid(GpuUuidString(bytes));
-  CKPT_EXPECT_OK(CheckGpuHandover(h).status());
+  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(h)).status());
 }
 
 TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
-  CKPT_EXPECT_OK(CheckGpuHandover(TwoRegions()).status());
+  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(TwoRegions())).status());
   std::vector<std::pair<const char*, std::function<void(v1::GpuHandover*)>>> cases = {
       {"short handle", [](v1::GpuHandover* h) { h->mutable_regions(0)->set_ipc_handle("abc"); }},
       {"long handle",
@@ -180,7 +181,7 @@ TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
   for (auto& [what, mutate] : cases) {
     v1::GpuHandover h = TwoRegions();
     mutate(&h);
-    CKPT_EXPECT_CODE(CheckGpuHandover(h).status(), kInvalidArgument) << what;
+    CKPT_EXPECT_CODE(CheckGpuHandover(GpuHandoverOf(h)).status(), kInvalidArgument) << what;
   }
 }
 
@@ -189,7 +190,7 @@ TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
   char* a = ipc.Allocate(1, 4096);
   ipc.Allocate(2, 8192 + 512);  // the driver may round an allocation up
   {
-    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, GpuMemory::Open(TwoRegions(), &ipc));
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc));
     EXPECT_EQ(m->region_count(), 2u);
     EXPECT_EQ(m->region_size(1), 8192u);  // the declared size bounds every copy
     EXPECT_EQ(m->base(0), a);
@@ -212,7 +213,7 @@ TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
 TEST(GpuMemoryTest, ForgedHandleFailsAndLeavesNothingOpen) {
   FakeCudaIpc ipc;
   ipc.Allocate(1, 4096);  // region 1's handle names no allocation
-  absl::Status s = GpuMemory::Open(TwoRegions(), &ipc).status();
+  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc).status();
   CKPT_EXPECT_CODE(s, kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("gpu region 1"), std::string::npos) << s;
   EXPECT_EQ(ipc.opens(), 1);  // region 0 was opened, and closed again
@@ -224,7 +225,7 @@ TEST(GpuMemoryTest, DeclaredSizePastTheRealAllocationFails) {
   FakeCudaIpc ipc;
   ipc.Allocate(1, 4096);
   ipc.Allocate(2, 4096);  // declared 8192
-  absl::Status s = GpuMemory::Open(TwoRegions(), &ipc).status();
+  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc).status();
   CKPT_EXPECT_CODE(s, kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("declares 8192 bytes but its allocation has 4096"),
             std::string::npos)
@@ -238,12 +239,12 @@ TEST(GpuMemoryTest, ForgedEventAndUnknownDeviceFail) {
   ipc.Allocate(2, 8192);
   v1::GpuHandover h = TwoRegions();
   h.set_step_event(Handle(5));
-  CKPT_EXPECT_CODE(GpuMemory::Open(h, &ipc).status(), kInvalidArgument);
+  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), &ipc).status(), kInvalidArgument);
   EXPECT_EQ(ipc.open_mappings(), 0);
   const int opens = ipc.opens();
   h = TwoRegions();
   h.set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
-  CKPT_EXPECT_CODE(GpuMemory::Open(h, &ipc).status(), kFailedPrecondition);
+  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), &ipc).status(), kFailedPrecondition);
   EXPECT_EQ(ipc.opens(), opens);
 }
 
@@ -254,6 +255,13 @@ constexpr uint32_t kLayers = 3;
 
 // Layers 0 and 1 share allocation 1 (at offsets 0 and kFloats*4); layer 2 is
 // alone in allocation 2.
+// The engine's registration of a request, converted as the gRPC handler does.
+Registration Reg(const v1::RegisterRequest& req) {
+  absl::StatusOr<Registration> r = RegistrationOf(req);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *std::move(r) : Registration{};
+}
+
 v1::RegisterRequest GpuRequest(const std::string& job) {
   v1::RegisterRequest req;
   req.set_job_id(job);
@@ -318,17 +326,7 @@ class GpuEngineTest : public ::testing::Test {
     }
     return true;
   }
-  template <typename Req>
-  Req For(uint64_t generation, uint64_t step = 0) {
-    Req r;
-    r.set_job_id("gjob");
-    r.set_generation(generation);
-    if constexpr (std::is_same_v<Req, v1::StepDoneRequest> ||
-                  std::is_same_v<Req, v1::WaitRequest>) {
-      r.set_step(step);
-    }
-    return r;
-  }  static RankRef Ref(uint64_t generation) { return RankRef{"gjob", 0, generation}; }
+  static RankRef Ref(uint64_t generation) { return RankRef{"gjob", 0, generation}; }
   static StepReport Report(uint64_t generation, uint64_t step) {
     StepReport report;
     report.rank = Ref(generation);
@@ -355,32 +353,32 @@ class GpuEngineTest : public ::testing::Test {
 };
 
 TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
-                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // three layers, two allocations
   for (uint64_t step = 1; step <= 3; ++step) {
     Fill(step);
-    Step(reg.generation(), step, owner_);
+    Step(reg.generation, step, owner_);
     // Mutate at once after the fence, as a trainer does.
     Fill(step + 100);
   }
   EXPECT_EQ(ipc_.event_waits(), 3);
   CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation()), 3, owner_,
+                     ->WaitDurable(Ref(reg.generation), 3, owner_,
                                    absl::Now() + absl::Seconds(10))
                      .status());
   // A new process of the same trainer: re-register (the old mappings close),
   // restore into the GPU buffers.
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply again,
-                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered again,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);
   Fill(0);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RestoreReply restored,
-                            engine_->Restore(For<v1::RestoreRequest>(again.generation()), owner_));
-  EXPECT_EQ(restored.plan().target_step(), 3u);
-  EXPECT_EQ(restored.bytes_restored(), kLayers * kFloats * 4);
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
+                            engine_->Restore(Ref(again.generation), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  EXPECT_EQ(restored.bytes, kLayers * kFloats * 4);
   EXPECT_TRUE(Holds(3)) << "restore must write exactly step 3, never the mutation after its fence";
-  CKPT_ASSERT_OK(engine_->Unregister(Ref(again.generation()), /*drain=*/false, owner_,
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(again.generation), /*drain=*/false, owner_,
                                      absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
@@ -388,39 +386,39 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
 }
 
 TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
-                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   Fill(1);
   ipc_.fail_copies = true;
-  CKPT_ASSERT_OK(engine_->StepDone(Report(reg.generation(), 1), owner_));
+  CKPT_ASSERT_OK(engine_->StepDone(Report(reg.generation, 1), owner_));
   CKPT_ASSERT_OK_AND_ASSIGN(SnapshotTaken snap,
-                            engine_->WaitSnapshot(Ref(reg.generation()), 1, owner_,
+                            engine_->WaitSnapshot(Ref(reg.generation), 1, owner_,
                                                   absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(snap.layers.size(), 0u);  // no partial step
   EXPECT_EQ(snap.skipped, kLayers);
   CKPT_EXPECT_CODE(engine_
-                       ->WaitDurable(Ref(reg.generation()), 1, owner_,
+                       ->WaitDurable(Ref(reg.generation), 1, owner_,
                                      absl::Now() + absl::Seconds(10))
                        .status(),
                    kAborted);
   ipc_.fail_copies = false;
   Fill(2);
-  Step(reg.generation(), 2, owner_);  // every layer is retried
+  Step(reg.generation, 2, owner_);  // every layer is retried
   CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation()), 2, owner_,
+                     ->WaitDurable(Ref(reg.generation), 2, owner_,
                                    absl::Now() + absl::Seconds(10))
                      .status());
   Fill(0);
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RestoreReply restored,
-                            engine_->Restore(For<v1::RestoreRequest>(reg.generation()), owner_));
-  EXPECT_EQ(restored.plan().target_step(), 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
+                            engine_->Restore(Ref(reg.generation), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 2u);
   EXPECT_TRUE(Holds(2));
 }
 
 TEST_F(GpuEngineTest, AnotherUidsJobIsRefusedBeforeAnythingIsOpened) {
-  CKPT_ASSERT_OK(engine_->Register(GpuRequest("gjob"), {}, owner_).status());
+  CKPT_ASSERT_OK(engine_->Register(Reg(GpuRequest("gjob")), {}, owner_).status());
   const int opens = ipc_.opens();
-  CKPT_EXPECT_CODE(engine_->Register(GpuRequest("gjob"), {}, Caller{1001, 0}).status(),
+  CKPT_EXPECT_CODE(engine_->Register(Reg(GpuRequest("gjob")), {}, Caller{1001, 0}).status(),
                    kPermissionDenied);
   EXPECT_EQ(ipc_.opens(), opens);
   EXPECT_EQ(ipc_.open_mappings(), 2);  // the owner's registration is untouched
@@ -429,34 +427,34 @@ TEST_F(GpuEngineTest, AnotherUidsJobIsRefusedBeforeAnythingIsOpened) {
 TEST_F(GpuEngineTest, TensorsPastTheDeclaredAllocationOpenNothing) {
   v1::RegisterRequest req = GpuRequest("gjob");
   req.mutable_layers(2)->mutable_tensors(0)->set_offset(8);  // 8 bytes past region 1's end
-  absl::Status s = engine_->Register(req, {}, owner_).status();
+  absl::Status s = engine_->Register(Reg(req), {}, owner_).status();
   CKPT_EXPECT_CODE(s, kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("lies outside region 1"), std::string::npos) << s;
   EXPECT_EQ(ipc_.opens(), 0);
   // Declared larger than the allocation really is: opened, found out, closed.
   req = GpuRequest("gjob");
   req.mutable_gpu()->mutable_regions(1)->set_bytes(kFloats * 4 + 4096);
-  CKPT_EXPECT_CODE(engine_->Register(req, {}, owner_).status(), kInvalidArgument);
+  CKPT_EXPECT_CODE(engine_->Register(Reg(req), {}, owner_).status(), kInvalidArgument);
   EXPECT_EQ(ipc_.open_mappings(), 0);
 }
 
 TEST_F(GpuEngineTest, HostAndGpuRegionsDoNotMix) {
   v1::RegisterRequest req = GpuRequest("gjob");
   req.set_handover_token("0123456789abcdef");
-  CKPT_EXPECT_CODE(engine_->Register(req, {}, owner_).status(), kInvalidArgument);
+  CKPT_EXPECT_CODE(engine_->Register(Reg(req), {}, owner_).status(), kInvalidArgument);
   EXPECT_EQ(ipc_.opens(), 0);
 }
 
 TEST_F(GpuEngineTest, StaleGenerationIsRefusedAfterReRegistration) {
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply first,
-                            engine_->Register(GpuRequest("gjob"), {}, owner_));
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply second,
-                            engine_->Register(GpuRequest("gjob"), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered first,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered second,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // the first registration's were closed
-  absl::Status s = engine_->StepDone(Report(first.generation(), 1), owner_);
+  absl::Status s = engine_->StepDone(Report(first.generation, 1), owner_);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("stale"), std::string::npos) << s;
-  CKPT_EXPECT_OK(engine_->StepDone(Report(second.generation(), 1), owner_));
+  CKPT_EXPECT_OK(engine_->StepDone(Report(second.generation, 1), owner_));
 }
 
 TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
@@ -467,10 +465,10 @@ TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
     ::_exit(0);
   }
   const Caller trainer{1000, child};
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::RegisterReply reg,
-                            engine_->Register(GpuRequest("gjob"), {}, trainer));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
+                            engine_->Register(Reg(GpuRequest("gjob")), {}, trainer));
   Fill(1);
-  Step(reg.generation(), 1, trainer);
+  Step(reg.generation, 1, trainer);
   EXPECT_EQ(ipc_.open_mappings(), 2);
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
@@ -479,18 +477,18 @@ TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
     absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(ipc_.open_mappings(), 0);
   EXPECT_EQ(ipc_.open_events(), 0);
-  absl::Status s = engine_->StepDone(Report(reg.generation(), 2), trainer);
+  absl::Status s = engine_->StepDone(Report(reg.generation, 2), trainer);
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
   // What was acknowledged before the exit stays restorable.
   CKPT_EXPECT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation()), 1, trainer,
+                     ->WaitDurable(Ref(reg.generation), 1, trainer,
                                    absl::Now() + absl::Seconds(10))
                      .status());
 }
 
 TEST_F(GpuEngineTest, ShutdownClosesEveryMapping) {
-  CKPT_ASSERT_OK(engine_->Register(GpuRequest("gjob"), {}, owner_).status());
+  CKPT_ASSERT_OK(engine_->Register(Reg(GpuRequest("gjob")), {}, owner_).status());
   EXPECT_EQ(ipc_.open_mappings(), 2);
   engine_->Shutdown(absl::Seconds(5));
   EXPECT_EQ(ipc_.open_mappings(), 0);
@@ -504,7 +502,7 @@ TEST_F(GpuEngineTest, RealCudaWithoutAMatchingDeviceIsAClearError) {
   o.io_backend = IoBackendKind::kPwrite;
   Engine engine(o, index_.get(), store_.get(), pool_.get());
   CKPT_ASSERT_OK(engine.Start());
-  absl::Status s = engine.Register(GpuRequest("other"), {}, owner_).status();
+  absl::Status s = engine.Register(Reg(GpuRequest("other")), {}, owner_).status();
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_EQ(OpenGpuMappings().mappings, 0u);
   engine.Shutdown(absl::Seconds(1));

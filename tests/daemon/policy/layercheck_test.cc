@@ -37,10 +37,10 @@ Trace RandomTrace(uint64_t seed, size_t layers, uint64_t steps) {
   return t;
 }
 
-std::vector<v1::LayerKind> Kinds(size_t n) {
-  std::vector<v1::LayerKind> k(n, v1::LAYER_BLOCK);
-  k[0] = v1::LAYER_EMBEDDING;
-  k[n - 1] = v1::LAYER_HEAD;
+std::vector<LayerKind> Kinds(size_t n) {
+  std::vector<LayerKind> k(n, LayerKind::kBlock);
+  k[0] = LayerKind::kEmbedding;
+  k[n - 1] = LayerKind::kHead;
   return k;
 }
 
@@ -178,14 +178,6 @@ TEST(LayerCheck, ConfigValidation) {
   c = LayerCheckConfig();
   c.k0 = -1;
   EXPECT_FALSE(c.Validate().ok());
-  v1::LayerCheckSpec spec;
-  spec.set_warmup(0);
-  spec.set_k0(5e-4);
-  LayerCheckConfig from = LayerCheckFromProto(spec);
-  EXPECT_EQ(from.warmup, 0u);  // explicitly 0, not the default
-  EXPECT_EQ(from.k0, 5e-4);
-  EXPECT_EQ(from.s_max, 200u);
-  EXPECT_EQ(LayerCheckFromProto(v1::LayerCheckSpec()).warmup, 200u);
 }
 
 }  // namespace
@@ -201,7 +193,7 @@ TEST(LayerCheckPolicyTest, ThresholdFollowsThePeakLrThroughAWarmup) {
   LayerCheckConfig c;
   c.k0 = 1e-3;
   c.warmup = 0;
-  LayerCheckPolicy p(c, {v1::LAYER_BLOCK});
+  LayerCheckPolicy p(c, {LayerKind::kBlock});
   const std::vector<drift::LayerSums> sums(1, drift::LayerSums{1e-8, 1.0});
   const double peak = 3e-4;
   for (uint64_t t = 1; t <= 10; ++t) {  // linear warm-up 10% -> 100%
@@ -219,7 +211,7 @@ TEST(LayerCheckResumeTest, ContinuesFromTheRestoredVersionsWithTheRunsPeakLr) {
   c.k0 = 0.5;
   c.warmup = 0;
   c.s_max = 100;
-  LayerCheckPolicy p(c, {v1::LAYER_BLOCK, v1::LAYER_BLOCK, v1::LAYER_BLOCK});
+  LayerCheckPolicy p(c, {LayerKind::kBlock, LayerKind::kBlock, LayerKind::kBlock});
   p.RaiseLrReference(1e-4);
   p.RaiseLrReference(1e-2);  // the earlier registrations' peak
   p.RaiseLrReference(1e-3);  // never lowers it

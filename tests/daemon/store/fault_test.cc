@@ -892,7 +892,7 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
   f["faults_truncated"] = fs_->read_faults(ReadFault::kTruncated);
 
   // Composite restores with reads failing half the time, mixed kinds.
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
   const uint64_t restores = Scaled(40);
   for (uint64_t i = 0; i < restores; ++i) {
     std::map<std::pair<uint32_t, uint32_t>, std::string> out;
@@ -914,10 +914,10 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
       continue;
     }
     bool exact = true;
-    for (const v1::LayerPlan& lp : plan.layers()) {
-      const std::vector<std::string>& want = bytes[{lp.layer(), lp.step()}];
+    for (const PlannedLayer& lp : plan.layers) {
+      const std::vector<std::string>& want = bytes[{lp.layer, lp.step}];
       for (size_t t = 0; t < want.size(); ++t)
-        exact &= out[{lp.layer(), static_cast<uint32_t>(t)}] == want[t];
+        exact &= out[{lp.layer, static_cast<uint32_t>(t)}] == want[t];
     }
     ++f[exact ? "restores_exact" : "restores_wrong_bytes"];
   }

@@ -11,7 +11,6 @@
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
-#include "daemon/recovery/schema_convert.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
 #include "tests/lib/test_util.h"
@@ -81,7 +80,7 @@ class PlanTest : public ::testing::Test {
     for (uint64_t step : {10u, 20u, 25u, 30u}) ASSERT_NO_FATAL_FAILURE(PutEvent(step));
   }
 
-  absl::StatusOr<RestoreStats> Restore(const v1::Plan& plan, const store::RankRecord& table,
+  absl::StatusOr<RestoreStats> Restore(const CompositePlan& plan, const store::RankRecord& table,
                                        std::map<std::pair<uint32_t, uint32_t>, std::string>* out) {
     for (const store::LayerSpec& l : table.layers()) {
       for (int i = 0; i < l.tensors_size(); ++i) {
@@ -118,80 +117,80 @@ TEST_F(PlanTest, NoEventsIsNotFound) {
 
 TEST_F(PlanTest, LatestPlanPicksNewestVersionPerLayer) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
-  EXPECT_EQ(plan.job_id(), kJob);
-  EXPECT_EQ(plan.rank(), 0u);
-  EXPECT_EQ(plan.target_step(), 30u);
-  EXPECT_EQ(plan.aux(), "aux30");
-  EXPECT_TRUE(plan.complete());
-  ASSERT_EQ(plan.layers_size(), 3);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  EXPECT_EQ(plan.job, kJob);
+  EXPECT_EQ(plan.rank, 0u);
+  EXPECT_EQ(plan.target_step, 30u);
+  EXPECT_EQ(plan.aux, "aux30");
+  EXPECT_TRUE(plan.complete);
+  ASSERT_EQ(plan.layers.size(), 3u);
   const std::vector<uint64_t> want_step = {30, 25, 30};
   double weighted = 0, total = 0;
   uint64_t total_bytes = 0;
   for (int l = 0; l < 3; ++l) {
-    const v1::LayerPlan& lp = plan.layers(l);
-    EXPECT_EQ(lp.layer(), static_cast<uint32_t>(l));
-    EXPECT_EQ(lp.name(), absl::StrCat("layer", l));
-    EXPECT_TRUE(lp.has_version());
-    EXPECT_EQ(lp.step(), want_step[l]) << l;
-    EXPECT_EQ(lp.staleness(), 30 - want_step[l]) << l;
+    const PlannedLayer& lp = plan.layers[l];
+    EXPECT_EQ(lp.layer, static_cast<uint32_t>(l));
+    EXPECT_EQ(lp.name, absl::StrCat("layer", l));
+    EXPECT_TRUE(lp.has_version);
+    EXPECT_EQ(lp.step, want_step[l]) << l;
+    EXPECT_EQ(lp.staleness, 30 - want_step[l]) << l;
     const uint64_t bytes = payload_[{static_cast<uint32_t>(l), want_step[l]}];
-    EXPECT_EQ(lp.bytes(), bytes);
-    EXPECT_EQ(lp.file(), (files_[{static_cast<uint32_t>(l), want_step[l]}]));
+    EXPECT_EQ(lp.bytes, bytes);
+    EXPECT_EQ(lp.file, (files_[{static_cast<uint32_t>(l), want_step[l]}]));
     weighted += static_cast<double>(bytes) * static_cast<double>(30 - want_step[l]);
     total += static_cast<double>(bytes);
     total_bytes += bytes;
   }
-  EXPECT_EQ(plan.total_bytes(), total_bytes);
-  EXPECT_EQ(plan.max_staleness(), 5u);
-  EXPECT_GT(plan.size_weighted_staleness(), 0.0);
-  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness(), weighted / total);
+  EXPECT_EQ(plan.total_bytes, total_bytes);
+  EXPECT_EQ(plan.max_staleness, 5u);
+  EXPECT_GT(plan.size_weighted_staleness, 0.0);
+  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness, weighted / total);
 }
 
 TEST_F(PlanTest, OlderTargetIsIncompleteWhenALayerHasNoVersion) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
-  EXPECT_EQ(plan.target_step(), 20u);
-  EXPECT_EQ(plan.aux(), "aux20");
-  EXPECT_FALSE(plan.complete());
-  ASSERT_EQ(plan.layers_size(), 3);
-  EXPECT_EQ(plan.layers(0).step(), 20u);
-  EXPECT_EQ(plan.layers(0).staleness(), 0u);
-  EXPECT_EQ(plan.layers(1).step(), 10u);
-  EXPECT_EQ(plan.layers(1).staleness(), 10u);
-  EXPECT_FALSE(plan.layers(2).has_version());
-  EXPECT_EQ(plan.max_staleness(), 10u);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
+  EXPECT_EQ(plan.target_step, 20u);
+  EXPECT_EQ(plan.aux, "aux20");
+  EXPECT_FALSE(plan.complete);
+  ASSERT_EQ(plan.layers.size(), 3u);
+  EXPECT_EQ(plan.layers[0].step, 20u);
+  EXPECT_EQ(plan.layers[0].staleness, 0u);
+  EXPECT_EQ(plan.layers[1].step, 10u);
+  EXPECT_EQ(plan.layers[1].staleness, 10u);
+  EXPECT_FALSE(plan.layers[2].has_version);
+  EXPECT_EQ(plan.max_staleness, 10u);
   const double b0 = static_cast<double>(payload_[{0, 20}]);
   const double b1 = static_cast<double>(payload_[{1, 10}]);
-  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness(), (b1 * 10) / (b0 + b1));
-  EXPECT_EQ(plan.total_bytes(), (payload_[{0, 20}] + payload_[{1, 10}]));
+  EXPECT_DOUBLE_EQ(plan.size_weighted_staleness, (b1 * 10) / (b0 + b1));
+  EXPECT_EQ(plan.total_bytes, (payload_[{0, 20}] + payload_[{1, 10}]));
 }
 
 // A target must be a durable step (one with a checkpoint event): step 27 has
 // none, so it is not restorable and the error names the nearest earlier one.
 TEST_F(PlanTest, TargetBetweenEventsIsNotRestorable) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  absl::StatusOr<v1::Plan> plan = BuildPlan(index_.get(), kJob, 0, 27, table_);
+  absl::StatusOr<CompositePlan> plan = BuildPlan(index_.get(), kJob, 0, 27, table_);
   ASSERT_TRUE(absl::IsNotFound(plan.status())) << plan.status();
   EXPECT_NE(plan.status().message().find("25"), absl::string_view::npos) << plan.status();
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan at25, BuildPlan(index_.get(), kJob, 0, 25, table_));
-  EXPECT_EQ(at25.target_step(), 25u);
-  EXPECT_EQ(at25.aux(), "aux25");
-  EXPECT_EQ(at25.layers(0).step(), 20u);
-  EXPECT_EQ(at25.layers(0).staleness(), 5u);
-  EXPECT_EQ(at25.layers(1).step(), 25u);
-  EXPECT_EQ(at25.layers(1).staleness(), 0u);
-  EXPECT_FALSE(at25.complete());
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan at25, BuildPlan(index_.get(), kJob, 0, 25, table_));
+  EXPECT_EQ(at25.target_step, 25u);
+  EXPECT_EQ(at25.aux, "aux25");
+  EXPECT_EQ(at25.layers[0].step, 20u);
+  EXPECT_EQ(at25.layers[0].staleness, 5u);
+  EXPECT_EQ(at25.layers[1].step, 25u);
+  EXPECT_EQ(at25.layers[1].staleness, 0u);
+  EXPECT_FALSE(at25.complete);
 }
 
 TEST_F(PlanTest, RestoreStopsWhenCancelled) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   TensorDestination dest = [&out](uint32_t layer, uint32_t tensor) {
     return out[{layer, tensor}].data();
   };
-  plan.set_complete(true);  // reach the per-layer loop
+  plan.complete = true;  // reach the per-layer loop
   absl::StatusOr<RestoreStats> stats =
       RestoreInto(plan, table_, dest, index_.get(), store_.get(), io_.get(), pool_.get(),
                   absl::Seconds(30), [] { return true; });
@@ -200,16 +199,16 @@ TEST_F(PlanTest, RestoreStopsWhenCancelled) {
 
 TEST_F(PlanTest, RestoreCopiesThePlannedBytes) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, Restore(plan, table_, &out));
   uint64_t bytes = 0;
-  for (const v1::LayerPlan& lp : plan.layers()) {
-    const std::vector<std::string>& want = data_[{lp.layer(), lp.step()}];
-    ASSERT_EQ(want.size(), kLayerSizes[lp.layer()].size());
+  for (const PlannedLayer& lp : plan.layers) {
+    const std::vector<std::string>& want = data_[{lp.layer, lp.step}];
+    ASSERT_EQ(want.size(), kLayerSizes[lp.layer].size());
     for (size_t i = 0; i < want.size(); ++i) {
-      EXPECT_TRUE((out[{lp.layer(), static_cast<uint32_t>(i)}]) == want[i])
-          << "layer " << lp.layer() << " tensor " << i;
+      EXPECT_TRUE((out[{lp.layer, static_cast<uint32_t>(i)}]) == want[i])
+          << "layer " << lp.layer << " tensor " << i;
       bytes += want[i].size();
     }
   }
@@ -219,14 +218,14 @@ TEST_F(PlanTest, RestoreCopiesThePlannedBytes) {
 
 TEST_F(PlanTest, RestoreRefusesIncompletePlan) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 20, table_));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   CKPT_EXPECT_CODE(Restore(plan, table_, &out), kFailedPrecondition);
 }
 
 TEST_F(PlanTest, RestoreRefusesMismatchedDestinationTable) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
 
   store::RankRecord bigger = table_;
@@ -256,7 +255,7 @@ TEST_F(PlanTest, RestoreRefusesMismatchedDestinationTable) {
 
 TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
-  CKPT_ASSERT_OK_AND_ASSIGN(v1::Plan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   // Corrupt the last byte of layer 1's (step 25) payload.
   const std::string path = absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/",
                                         files_[{1, 25}]);
@@ -268,40 +267,6 @@ TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
   absl::StatusOr<RestoreStats> stats = Restore(plan, table_, &out);
   CKPT_EXPECT_CODE(stats, kDataLoss);
   EXPECT_NE(stats.status().message().find("layer 1"), absl::string_view::npos) << stats.status();
-}
-
-// Tables registered before the store had its own messages were persisted as
-// ckpt.v1 LayerSpecs; they must read back as store LayerSpecs unchanged, and
-// ToStore must produce exactly those bytes.
-TEST(SchemaConvertTest, ApiTablesReadBackAsStoreTablesAndConvertIdentically) {
-  v1::LayerSpec api;
-  api.set_id(3);
-  api.set_name("layers.2");
-  api.set_kind(v1::LAYER_BLOCK);
-  v1::TensorSpec* t = api.add_tensors();
-  t->set_name("w");
-  t->set_dtype(v1::DTYPE_BF16);
-  t->add_shape(4);
-  t->add_shape(8);
-  t->set_nbytes(64);
-  t->set_role(v1::ROLE_MASTER);
-  t->set_region(2);
-  t->set_offset(4096);
-  t->set_group(1);
-  t->set_param("p");
-  t->set_lr_scale(0.5);
-  t->set_beta1(0.8);
-  t->set_beta2(0.95);
-  t->set_eps(1e-6);
-  t->set_weight_decay(0.1);
-  const std::string old_bytes = api.SerializeAsString();
-  store::LayerSpec read_back;
-  ASSERT_TRUE(read_back.ParseFromString(old_bytes));
-  EXPECT_EQ(read_back.SerializeAsString(), old_bytes);
-  EXPECT_EQ(read_back.tensors(0).dtype(), store::DTYPE_BF16);
-  EXPECT_EQ(read_back.tensors(0).role(), store::ROLE_MASTER);
-  EXPECT_EQ(ToStore(api).SerializeAsString(), old_bytes);
-  EXPECT_EQ(ToApi(read_back.kind()), v1::LAYER_BLOCK);
 }
 
 }  // namespace
