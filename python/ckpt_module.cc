@@ -89,7 +89,6 @@ RankSpec SpecFromDict(const py::dict& d) {
   spec.job_id = py::cast<std::string>(d["job_id"]);
   spec.rank = Get<uint32_t>(d, "rank", 0);
   spec.world_size = Get<uint32_t>(d, "world_size", 1);
-  spec.local_rank = Get<uint32_t>(d, "local_rank", 0);
   if (d.contains("policy")) spec.policy = PolicyFromDict(d["policy"]);
   for (const py::handle& lh : py::list(d["layers"])) {
     const py::dict l = py::reinterpret_borrow<py::dict>(lh);

@@ -162,7 +162,6 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   req.set_job_id(spec_.job_id);
   req.set_rank(spec_.rank);
   req.set_world_size(spec_.world_size);
-  req.set_local_rank(spec_.local_rank);
   *req.mutable_policy() = spec_.policy;
   for (size_t i = 0; i < spec_.layers.size(); ++i) {
     const LayerDesc& l = spec_.layers[i];

@@ -64,7 +64,6 @@ struct Registration {
   std::string job;
   uint32_t rank = 0;
   uint32_t world_size = 0;
-  uint32_t local_rank = 0;
   std::string handover_token;  // names the host regions; empty for GPU memory
   std::vector<LayerDesc> layers;
   RegistrationPolicy policy;

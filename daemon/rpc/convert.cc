@@ -104,7 +104,6 @@ absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req) {
   r.job = req.job_id();
   r.rank = req.rank();
   r.world_size = req.world_size();
-  r.local_rank = req.local_rank();
   r.handover_token = req.handover_token();
   r.layers.reserve(static_cast<size_t>(req.layers_size()));
   for (const v1::LayerSpec& l : req.layers()) {

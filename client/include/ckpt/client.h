@@ -83,7 +83,6 @@ struct RankSpec {
   std::string job_id;
   uint32_t rank = 0;
   uint32_t world_size = 1;
-  uint32_t local_rank = 0;
   std::vector<LayerDesc> layers;  // layer i gets id i
   v1::PolicySpec policy;          // default: all
 };

@@ -13,7 +13,6 @@ v1::RegisterRequest OneTensorRequest() {
   req.set_job_id("job");
   req.set_rank(1);
   req.set_world_size(2);
-  req.set_local_rank(1);
   req.set_handover_token("token");
   v1::LayerSpec* api = req.add_layers();
   api->set_id(0);
@@ -66,7 +65,6 @@ TEST(ConvertTest, RegistrationCarriesEveryField) {
   EXPECT_EQ(r.job, "job");
   EXPECT_EQ(r.rank, 1u);
   EXPECT_EQ(r.world_size, 2u);
-  EXPECT_EQ(r.local_rank, 1u);
   EXPECT_EQ(r.handover_token, "token");
   EXPECT_FALSE(r.gpu.has_value());
   EXPECT_EQ(r.policy.selection.kind, PolicyKind::kLayerCheck);
