@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -23,6 +24,8 @@ struct KillConfig {
   long hits = 0;
   std::string delay_at;
   long delay_ms = 0;
+  std::string delay_log_path;
+  std::string delay_until_path;
 };
 
 std::once_flag g_once;
@@ -46,23 +49,27 @@ void Load() {
     c->delay_ms = colon == std::string::npos ? 100 : std::atol(s.c_str() + colon + 1);
   }
   if (const char* log = std::getenv("CKPT_KILL_LOG")) c->log_path = log;
+  if (const char* log = std::getenv("CKPT_DELAY_LOG")) c->delay_log_path = log;
+  if (const char* until = std::getenv("CKPT_DELAY_UNTIL")) c->delay_until_path = until;
   const char* seed = std::getenv("CKPT_KILL_SEED");
   c->rng.seed(seed ? std::strtoull(seed, nullptr, 10) : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
   g_config = c;
   g_armed.store(!c->at.empty() || c->odds > 0 || !c->delay_at.empty(), std::memory_order_relaxed);
 }
 
+// Appends `name` as one line to `path` (fsynced); best effort.
+void AppendLine(const std::string& path, const char* name) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  std::string line = std::string(name) + "\n";
+  ssize_t unused = ::write(fd, line.data(), line.size());
+  (void)unused;
+  ::fsync(fd);
+  ::close(fd);
+}
+
 void Die(const char* name) {
-  if (!g_config->log_path.empty()) {
-    int fd = ::open(g_config->log_path.c_str(), O_WRONLY | O_APPEND | O_CREAT, 0644);
-    if (fd >= 0) {
-      std::string line = std::string(name) + "\n";
-      ssize_t unused = ::write(fd, line.data(), line.size());
-      (void)unused;
-      ::fsync(fd);
-      ::close(fd);
-    }
-  }
+  if (!g_config->log_path.empty()) AppendLine(g_config->log_path, name);
   ::kill(::getpid(), SIGKILL);
   ::pause();
 }
@@ -87,8 +94,17 @@ void KillPointHit(const char* name) {
 }
 
 void DelayPointHit(const char* name) {
-  if (g_config->delay_at == name && g_config->delay_ms > 0) {
+  if (g_config->delay_at != name || g_config->delay_ms <= 0) return;
+  if (!g_config->delay_log_path.empty()) AppendLine(g_config->delay_log_path, name);
+  if (g_config->delay_until_path.empty()) {
     ::usleep(static_cast<useconds_t>(g_config->delay_ms) * 1000);
+    return;
+  }
+  // Held until the test creates the file, never past the delay.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(g_config->delay_ms);
+  while (::access(g_config->delay_until_path.c_str(), F_OK) != 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    ::usleep(5000);
   }
 }
 

@@ -11,6 +11,13 @@
 //   CKPT_DELAY_AT=<name>:<ms>   sleep <ms> at every hit of the delay point
 //                               <name> (to widen a race by hand against a real
 //                               ckptd; the tests order races with sync points)
+//   CKPT_DELAY_LOG=<path>       append the delay point's name (one line) at
+//                               each hit, before sleeping
+//   CKPT_DELAY_UNTIL=<path>     a delay ends early once <path> exists; with
+//                               the log, a test holds a real ckptd at a point
+//                               (it sees the line) and releases it (creates
+//                               the file) instead of sleeping; <ms> stays the
+//                               deadline
 // The cost when inert is one relaxed atomic load.
 //
 // Every kill point and every delay point is also a sync point of the same

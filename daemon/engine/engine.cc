@@ -5,7 +5,7 @@
 
 #include "base/logging.h"
 #include "base/status.h"
-#include "daemon/common/sync_point.h"
+#include "daemon/common/kill_point.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/gpu/ipc_memory.h"
@@ -78,7 +78,9 @@ void Engine::Shutdown(absl::Duration grace) {
       r->stopping = true;
     }
   }
-  CKPT_SYNC_POINT("engine.shutdown.stopping");
+  // A delay point too, so a test can hold a real ckptd here: stopping, with
+  // its sockets still answering.
+  CKPT_DELAY_POINT("engine.shutdown.stopping");
   for (auto& t : snapshot_threads_) t.join();
   snapshot_threads_.clear();
   if (gc_thread_.joinable()) gc_thread_.join();
