@@ -152,12 +152,14 @@ struct Region {
 class PyClient {
  public:
   PyClient(const std::string& socket_path, double call_timeout_s, double wait_timeout_s,
-           double restore_timeout_s, const std::string& on_daemon_loss) {
+           double restore_timeout_s, const std::string& on_daemon_loss,
+           double reconnect_interval_s) {
     ClientOptions o;
     o.socket_path = socket_path;
     o.call_timeout = absl::Seconds(call_timeout_s);
     o.wait_timeout = absl::Seconds(wait_timeout_s);
     o.restore_timeout = absl::Seconds(restore_timeout_s);
+    o.reconnect_interval = absl::Seconds(reconnect_interval_s);
     if (on_daemon_loss == "continue") {
       o.on_daemon_loss = OnDaemonLoss::kContinueUnprotected;
     } else if (on_daemon_loss != "error") {
@@ -277,10 +279,10 @@ PYBIND11_MODULE(_ckpt, m) {
                                /*readonly=*/false);
       });
   py::class_<PyClient>(m, "Client")
-      .def(py::init<const std::string&, double, double, double, const std::string&>(),
+      .def(py::init<const std::string&, double, double, double, const std::string&, double>(),
            py::arg("socket_path") = "/run/ckptd/ckptd.sock", py::arg("call_timeout_s") = 10.0,
            py::arg("wait_timeout_s") = 120.0, py::arg("restore_timeout_s") = 1800.0,
-           py::arg("on_daemon_loss") = "error")
+           py::arg("on_daemon_loss") = "error", py::arg("reconnect_interval_s") = 2.0)
       .def("allocate_region", &PyClient::AllocateRegion, py::arg("bytes"))
       .def("add_gpu_tensor", &PyClient::AddGpuTensor, py::arg("ptr"), py::arg("bytes"),
            py::arg("name"))
