@@ -415,6 +415,12 @@ absl::Status Client::Unregister(bool drain) {
   v1::UnregisterReply reply;
   absl::Status s = FromGrpc(impl_->stub->Unregister(&ctx, req, &reply));
   registered_ = false;
+  // A lost ckptd holds no registration of this rank any more (a restarted one
+  // never had it): with kContinueUnprotected there is nothing left to undo.
+  if (DaemonLost(s) && options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected) {
+    return absl::OkStatus();
+  }
+  if (DaemonLost(s)) return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));
   return s;
 }
 

@@ -168,6 +168,9 @@ class Client {
   absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
   // Restores the composite checkpoint into the registered buffers.
   absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0);
+  // Ends the registration (after the staged steps are durable when `drain`).
+  // When ckptd was lost (gone, stopping or restarted without this
+  // registration): OK with kContinueUnprotected, UNAVAILABLE with kError.
   absl::Status Unregister(bool drain = true);
 
   uint64_t generation() const { return generation_; }
