@@ -1,6 +1,9 @@
 // ckptctl: the operator CLI of ckptd. Talks to the daemon's ckpt.v1.Admin
 // service over its Unix socket and prints human tables or, with --json, one
 // JSON document built field by field (stable names, numbers as numbers).
+// Text from the daemon or the command line (names, ids, messages, paths) is
+// printed through TerminalSafe() (tools/terminal_text.h), so no control
+// character reaches the terminal; --json escapes through the JSON encoder.
 // Run `ckptctl --help` for commands, flags and exit codes.
 #include <grpcpp/grpcpp.h>
 
@@ -26,17 +29,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tools/export_writer.h"
+#include "tools/terminal_text.h"
 
 namespace {
 
 namespace v1 = ::ckpt::v1;
 using Json = nlohmann::ordered_json;  // keeps the proto's field order
+using ckpt::TerminalSafe;
 
 constexpr char kDefaultSocket[] = "/run/ckptd/ckptd.sock";
 constexpr double kDefaultTimeoutSeconds = 10;
@@ -138,7 +144,7 @@ struct Options {
 
 // Prints a usage error and returns kExitUsage.
 int UsageError(absl::string_view msg) {
-  std::fprintf(stderr, "ckptctl: %s\nRun 'ckptctl --help' for usage.\n", std::string(msg).c_str());
+  std::fprintf(stderr, "ckptctl: %s\nRun 'ckptctl --help' for usage.\n", TerminalSafe(msg).c_str());
   return kExitUsage;
 }
 
@@ -405,7 +411,11 @@ class Table {
  public:
   Table(std::vector<std::string> headers, std::vector<bool> right)
       : headers_(std::move(headers)), right_(std::move(right)) {}
-  void Add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  // Every cell is stored terminal-safe, so widths are those printed.
+  void Add(std::vector<std::string> row) {
+    for (std::string& cell : row) cell = TerminalSafe(cell);
+    rows_.push_back(std::move(row));
+  }
   void Print() const {
     std::vector<size_t> w(headers_.size());
     for (size_t c = 0; c < w.size(); ++c) {
@@ -436,11 +446,21 @@ void PrintKv(const std::vector<std::pair<std::string, std::string>>& kv) {
   size_t w = 0;
   for (const auto& [k, v] : kv) w = std::max(w, k.size());
   for (const auto& [k, v] : kv) {
-    std::printf("%s:%s %s\n", k.c_str(), std::string(w - k.size(), ' ').c_str(), v.c_str());
+    std::printf("%s:%s %s\n", k.c_str(), std::string(w - k.size(), ' ').c_str(),
+                TerminalSafe(v).c_str());
   }
 }
 
-void PrintJson(const Json& j) { std::printf("%s\n", j.dump(2).c_str()); }
+// JSON text that is printable ASCII: the encoder escapes C0 controls and,
+// with ensure_ascii, everything above 0x7f (C1 controls included); invalid
+// UTF-8 becomes U+FFFD instead of an exception; DEL, which JSON allows raw,
+// can only occur inside a string and is escaped there.
+std::string JsonText(const Json& j) {
+  std::string text = j.dump(2, ' ', /*ensure_ascii=*/true, Json::error_handler_t::replace);
+  return absl::StrReplaceAll(text, {{"\x7f", "\\u007f"}});
+}
+
+void PrintJson(const Json& j) { std::printf("%s\n", JsonText(j).c_str()); }
 
 std::string BytesWithRaw(uint64_t b) {
   return b < 1024 ? HumanBytes(b) : absl::StrCat(HumanBytes(b), " (", b, ")");
@@ -487,11 +507,13 @@ class Ctl {
         (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
          channel_->GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_READY);
     if (unreachable) {
-      std::fprintf(stderr, "ckptctl: cannot reach ckptd at %s: %s: %s\n", o_.socket.c_str(),
-                   CodeName(s.error_code()), s.error_message().c_str());
+      std::fprintf(stderr, "ckptctl: cannot reach ckptd at %s: %s: %s\n",
+                   TerminalSafe(o_.socket).c_str(), CodeName(s.error_code()),
+                   TerminalSafe(s.error_message()).c_str());
       return kExitUnreachable;
     }
-    std::fprintf(stderr, "ckptctl: %s: %s\n", CodeName(s.error_code()), s.error_message().c_str());
+    std::fprintf(stderr, "ckptctl: %s: %s\n", CodeName(s.error_code()),
+                 TerminalSafe(s.error_message()).c_str());
     return kExitDaemonError;
   }
 
@@ -634,11 +656,12 @@ class Ctl {
       PrintJson(out);
       return kExitOk;
     }
-    std::printf("job %s rank %u: latest durable step %s%s\n", r.job_id().c_str(), r.rank(),
+    std::printf("job %s rank %u: latest durable step %s%s\n", TerminalSafe(r.job_id()).c_str(),
+                r.rank(),
                 r.latest_durable_step() == 0 ? "- (no history)"
                                              : absl::StrCat(r.latest_durable_step()).c_str(),
                 r.policy().empty() ? ", not registered"
-                                   : absl::StrCat(", policy ", r.policy(),
+                                   : absl::StrCat(", policy ", TerminalSafe(r.policy()),
                                                   live_drift ? absl::StrCat(", S_max ", r.s_max())
                                                              : std::string())
                                          .c_str());
@@ -731,7 +754,7 @@ class Ctl {
                      {"layers", std::move(layers)}});
       return kExitOk;
     }
-    std::printf("job %s rank %u\n", r.job_id().c_str(), r.rank());
+    std::printf("job %s rank %u\n", TerminalSafe(r.job_id()).c_str(), r.rank());
     PrintKv({
         {"target step", absl::StrCat(r.target_step())},
         {"complete", r.complete() ? "yes" : "no (some layers have no version)"},
@@ -803,7 +826,10 @@ class Ctl {
       }
       PrintJson(j);
     } else {
-      std::fputs(r.text().c_str(), stdout);
+      // Line by line: the file's own newlines stay, anything else is escaped.
+      std::vector<absl::string_view> lines = absl::StrSplit(r.text(), '\n');
+      if (!lines.empty() && lines.back().empty()) lines.pop_back();
+      for (absl::string_view line : lines) std::printf("%s\n", TerminalSafe(line).c_str());
     }
     return kExitOk;
   }
@@ -822,7 +848,8 @@ class Ctl {
         for (const v1::RankInfo& ri : j.ranks()) ranks.push_back(ri.rank());
       }
       if (ranks.empty()) {
-        std::fprintf(stderr, "ckptctl: NOT_FOUND: job %s does not exist\n", job.c_str());
+        std::fprintf(stderr, "ckptctl: NOT_FOUND: job %s does not exist\n",
+                     TerminalSafe(job).c_str());
         return kExitDaemonError;
       }
     }
@@ -842,15 +869,15 @@ class Ctl {
     std::error_code mkdir_error;
     const bool created = std::filesystem::create_directories(o_.out, mkdir_error);
     if (mkdir_error) {
-      std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", o_.out.c_str(),
-                   mkdir_error.message().c_str());
+      std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", TerminalSafe(o_.out).c_str(),
+                   TerminalSafe(mkdir_error.message()).c_str());
       return kExitLocalError;
     }
     if (created) ::chmod(o_.out.c_str(), 0700);
     const int dir_fd = ::open(o_.out.c_str(), O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (dir_fd < 0) {
       std::fprintf(stderr, "ckptctl: cannot open %s as a directory (%s; a symbolic link is refused)\n",
-                   o_.out.c_str(), std::strerror(errno));
+                   TerminalSafe(o_.out).c_str(), std::strerror(errno));
       return kExitLocalError;
     }
     struct CloseDir {
@@ -883,7 +910,7 @@ class Ctl {
       if (!entry.ok()) ctx.TryCancel();  // stop the stream; the file is gone already
       grpc::Status s = reader->Finish();
       if (!entry.ok()) {
-        std::fprintf(stderr, "ckptctl: %s\n", entry.status().ToString().c_str());
+        std::fprintf(stderr, "ckptctl: %s\n", TerminalSafe(entry.status().ToString()).c_str());
         // The stream itself (DATA_LOSS) or a refused table is the daemon's
         // side; anything else is the local file system.
         return absl::IsDataLoss(entry.status()) || absl::IsInvalidArgument(entry.status())
@@ -896,14 +923,14 @@ class Ctl {
       if (!o_.json) {
         std::printf("rank %u: step %lu, %s -> %s/%s\n", rank,
                     static_cast<unsigned long>((*entry)["target_step"].get<uint64_t>()),
-                    HumanBytes((*entry)["bytes"].get<uint64_t>()).c_str(), o_.out.c_str(),
-                    file.c_str());
+                    HumanBytes((*entry)["bytes"].get<uint64_t>()).c_str(),
+                    TerminalSafe(o_.out).c_str(), file.c_str());
       }
     }
-    if (absl::Status w = ckpt::WriteFileBeneath(dir_fd, "manifest.json", manifest.dump(2) + "\n");
+    if (absl::Status w = ckpt::WriteFileBeneath(dir_fd, "manifest.json", JsonText(manifest) + "\n");
         !w.ok()) {
-      std::fprintf(stderr, "ckptctl: %s/manifest.json: %s\n", o_.out.c_str(),
-                   std::string(w.message()).c_str());
+      std::fprintf(stderr, "ckptctl: %s/manifest.json: %s\n", TerminalSafe(o_.out).c_str(),
+                   TerminalSafe(w.message()).c_str());
       return kExitLocalError;
     }
     if (o_.json) PrintJson(manifest);
@@ -968,7 +995,7 @@ static int HelpFor(const std::string& command) {
     if (in) absl::StrAppend(&entry, line, "\n");
   }
   if (entry.empty()) return UsageError(absl::StrCat("help: unknown command '", command, "'"));
-  std::printf("usage: ckptctl [FLAGS] %s\n\n%s", command.c_str(), entry.c_str());
+  std::printf("usage: ckptctl [FLAGS] %s\n\n%s", TerminalSafe(command).c_str(), entry.c_str());
   return kExitOk;
 }
 

@@ -18,6 +18,80 @@ def table(text):
     return [l.split() for l in lines[head + 1:] if l.strip()]
 
 
+def assert_terminal_safe(out, what):
+    """`out` (bytes) is UTF-8 with no control character but newlines: no C0,
+    no DEL, no C1 (a terminal acts on all of them)."""
+    text = out.decode("utf-8")  # raises on invalid UTF-8
+    bad = [hex(ord(ch)) for ch in text
+           if (ord(ch) < 0x20 and ch != "\n") or 0x7f <= ord(ch) <= 0x9f]
+    assert not bad, "%s printed control characters %s: %r" % (what, bad, text)
+
+
+def ctl_bytes(d, *args):
+    import subprocess
+    return subprocess.run([harness.CKPTCTL, "--socket=" + d.socket] + list(args),
+                          capture_output=True, timeout=120)
+
+
+def control_characters(d, root):
+    """Names and messages with control characters reach the terminal escaped.
+    ckptd refuses C0 and DEL in layer and tensor names at registration and
+    the wire refuses invalid UTF-8, but C1 controls (U+0080..U+009F, valid
+    UTF-8; U+009B is CSI) are accepted, so they come back in `layers` and
+    `plan`. Regression: ckptctl printed them raw."""
+    sys.path.insert(0, os.path.join(harness.BUILD, "python"))
+    try:
+        import ckpt
+    except ImportError as e:
+        print("control characters through a registration skipped: %s" % e)
+        return
+    job = "ctl-names"
+    csi_layer, csi_tensor = "csi\u009b31mred", "w\u009d0;title\u009c"
+    client = ckpt.Client(d.socket)
+    region = client.allocate_region(4096)
+
+    def spec(layer_name):
+        return {"job_id": job, "layers": [{"name": layer_name, "tensors": [
+            {"name": csi_tensor, "shape": [16], "region": region.index, "offset": 0}]}]}
+
+    try:
+        client.register(spec("esc\x1b[31mred"))
+        raise AssertionError("ckptd accepted a layer name with ESC")
+    except ckpt.Error as e:
+        assert e.code == "INVALID_ARGUMENT" and "control character 0x1b" in e.message, e
+    client.register(spec(csi_layer))
+    client.step_done(1, 0.1)
+    assert client.wait_durable(1) == 1
+
+    for args in (["layers", job], ["plan", job], ["history", job], ["verify", job, "--deep"],
+                 ["jobs"], ["export", job, "--out=" + os.path.join(root, "names")]):
+        r = ctl_bytes(d, *args)
+        assert r.returncode == 0, (args, r)
+        assert_terminal_safe(r.stdout, "ckptctl " + args[0])
+        assert_terminal_safe(r.stderr, "ckptctl " + args[0])
+    for args in (["layers", job], ["plan", job]):
+        out = ctl_bytes(d, *args).stdout.decode()
+        assert "csi\\u009b31mred" in out, out  # escaped, and still recognisable
+        # --json stays valid JSON and gives the name back exactly.
+        r = ctl_bytes(d, "--json", *args)
+        assert_terminal_safe(r.stdout, "ckptctl --json " + args[0])
+        assert json.loads(r.stdout)["layers"][0]["name"] == csi_layer
+    client.unregister(True)
+
+    # ckptctl's own messages echo what it was given: escaped as well.
+    r = ctl_bytes(d, "export", "no\x1b[2Jjob\nforged", "--out=" + os.path.join(root, "none"))
+    assert r.returncode == 1 and b"no\\x1b[2Jjob\\nforged" in r.stderr, r
+    assert_terminal_safe(r.stderr, "ckptctl export (unknown job)")
+    r = ctl_bytes(d, "bo\x1b]0;gus\x07")
+    assert r.returncode == 2 and b"bo\\x1b]0;gus\\x07" in r.stderr, r
+    assert_terminal_safe(r.stderr, "ckptctl (unknown command)")
+    r = ctl_bytes(d, "plan", "bad\x9bjob")
+    assert r.returncode == 1, r
+    assert_terminal_safe(r.stderr, "ckptctl plan (bad job id)")
+    print("control characters: ESC refused at registration; C1 names, unknown jobs and commands "
+          "printed escaped; --json valid")
+
+
 def main():
     root = harness.tempdir("ckpt-ctl-")
     try:
@@ -136,6 +210,7 @@ def main():
         assert r.returncode == 4 and "checksum" in r.stdout, r.stdout
         bad = json.loads(d.ctl_raw("--json", "verify", job, "--deep").stdout)["failures"]
         assert len(bad) == 1 and bad[0]["layer"] == layer, bad
+        control_characters(d, root)
         print("ckptctl: every command checked in both forms; exit codes 0/1/2/3/4 as documented")
         d.stop()
 
