@@ -118,8 +118,13 @@ absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
   if (!s.ok()) return absl::UnavailableError(absl::StrCat("handover reply: ", s.message()));
   if (reply.magic != kHandoverMagic) return absl::UnavailableError("bad handover reply");
   if (reply.code != 0) {
+    // The daemon's message names the limit or the fault (for example
+    // "uid 1000 has 64 unclaimed handovers (limit 64,
+    // handover_max_pending_per_uid)"); the code says what to do about it:
+    // RESOURCE_EXHAUSTED is a limit, INVALID_ARGUMENT a malformed handover.
     reply.message[sizeof(reply.message) - 1] = '\0';
-    return absl::Status(static_cast<absl::StatusCode>(reply.code), reply.message);
+    return absl::Status(static_cast<absl::StatusCode>(reply.code),
+                        absl::StrCat("ckptd refused the handover: ", reply.message));
   }
   return std::string(reinterpret_cast<const char*>(reply.token), kHandoverTokenBytes);
 }

@@ -9,7 +9,11 @@
 //
 // code is an absl::StatusCode. The token is random, single-use, bound to the
 // sender's uid (SO_PEERCRED) and expires after a configured time unless a
-// Register call from the same uid claims it.
+// Register call from the same uid claims it. A refusal carries its reason in
+// `message`: RESOURCE_EXHAUSTED names the daemon limit that was hit (per uid
+// or node-wide, see daemon/shm/handover.h), INVALID_ARGUMENT a malformed
+// message (including two descriptors of one region), DEADLINE_EXCEEDED a
+// connection that did not deliver its message in time.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +53,9 @@ absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>
                          size_t max_fds);
 
 // Client side: connects to `socket_path`, hands over `fds`, returns the token.
-// Every step is bounded by `timeout`; a missing daemon is UNAVAILABLE.
+// Every step is bounded by `timeout`; a missing daemon is UNAVAILABLE. A
+// refusal keeps the daemon's code, with the message prefixed "ckptd refused
+// the handover: ".
 absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
                                         absl::Span<const int> fds, absl::Duration timeout);
 

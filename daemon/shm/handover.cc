@@ -1,28 +1,107 @@
 #include "daemon/shm/handover.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "base/logging.h"
-#include "daemon/common/unix_socket.h"
-#include "base/status.h"
+#include "absl/time/clock.h"
 #include "base/handover_wire.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/common/unix_socket.h"
 
 namespace ckpt {
+namespace {
 
-HandoverServer::HandoverServer(HandoverOptions options) : options_(std::move(options)) {}
+constexpr absl::Duration kMaxAcceptBackoff = absl::Seconds(1);
+constexpr absl::Duration kAcceptLogInterval = absl::Seconds(10);
+// Connections accepted per loop round, so a flood of connects cannot starve
+// the connections already open.
+constexpr int kAcceptsPerRound = 32;
+
+bool OutOfResources(int err) {
+  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+}
+
+int PollTimeoutMs(absl::Time now, absl::Time until) {
+  if (until == absl::InfiniteFuture()) return 1000;  // only Stop() ends this wait
+  absl::Duration d = until - now;
+  if (d <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d + absl::Milliseconds(1)), 1000));
+}
+
+}  // namespace
+
+// ---- HandoverClaim ----
+
+HandoverClaim::HandoverClaim(HandoverClaim&& other) noexcept
+    : server_(std::exchange(other.server_, nullptr)),
+      uid_(other.uid_),
+      counted_(std::exchange(other.counted_, 0)),
+      fds_(std::move(other.fds_)) {}
+
+HandoverClaim& HandoverClaim::operator=(HandoverClaim&& other) noexcept {
+  if (this != &other) {
+    Release();
+    server_ = std::exchange(other.server_, nullptr);
+    uid_ = other.uid_;
+    counted_ = std::exchange(other.counted_, 0);
+    fds_ = std::move(other.fds_);
+  }
+  return *this;
+}
+
+void HandoverClaim::Release() {
+  fds_.clear();  // closes what the caller did not take
+  if (server_ != nullptr && counted_ > 0) server_->ReleaseFds(uid_, counted_);
+  server_ = nullptr;
+  counted_ = 0;
+}
+
+// ---- HandoverServer ----
+
+size_t HandoverServer::DefaultMaxFds(uint64_t nofile, size_t reserve) {
+  const uint64_t half = nofile / 2;
+  if (nofile > reserve && nofile - reserve >= half) return static_cast<size_t>(nofile - reserve);
+  return static_cast<size_t>(half);
+}
+
+HandoverServer::HandoverServer(HandoverOptions options)
+    : options_(std::move(options)), backoff_(options_.accept_backoff) {}
 
 HandoverServer::~HandoverServer() { Stop(); }
 
 absl::Status HandoverServer::Start() {
+  max_fds_ = options_.max_fds;
+  if (max_fds_ == 0) {
+    struct rlimit rl;
+    if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return ErrnoStatus(errno, "getrlimit(RLIMIT_NOFILE)");
+    max_fds_ = DefaultMaxFds(rl.rlim_cur, options_.fd_reserve);
+  }
+  wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid()) return ErrnoStatus(errno, "eventfd");
   CKPT_ASSIGN_OR_RETURN(listen_fd_, ListenUnixSocket(options_.socket_path, 0660));
-  thread_ = std::thread([this] { AcceptLoop(); });
+  // Non-blocking: the loop accepts until EAGAIN and must never block there.
+  const int flags = ::fcntl(listen_fd_.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(listen_fd_.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+    return ErrnoStatus(errno, "fcntl O_NONBLOCK on the handover socket");
+  }
+  CKPT_LOG(INFO) << "handover: at most " << max_fds_ << " descriptors node-wide, "
+                 << options_.max_fds_per_uid << " per uid; " << options_.max_connections_per_uid
+                 << " connections and " << options_.max_pending_per_uid << " tokens per uid";
+  thread_ = std::thread([this] { Loop(); });
   return absl::OkStatus();
 }
 
@@ -31,78 +110,312 @@ void HandoverServer::Stop() {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
-    pending_.clear();
+    for (auto it = pending_.begin(); it != pending_.end();) DropPendingLocked(it++);
   }
-  if (listen_fd_.valid()) ::shutdown(listen_fd_.get(), SHUT_RDWR);
+  if (wake_fd_.valid()) {
+    uint64_t one = 1;
+    IgnoreError(::write(wake_fd_.get(), &one, sizeof(one)) == sizeof(one)
+                    ? absl::OkStatus()
+                    : ErrnoStatus(errno, "eventfd write"),
+                "the loop also wakes within a second on its own");
+  }
   if (thread_.joinable()) thread_.join();
   IgnoreError(listen_fd_.Close(), "shutdown: nothing to do about a close error");
+  IgnoreError(wake_fd_.Close(), "shutdown: nothing to do about a close error");
 }
 
-void HandoverServer::AcceptLoop() {
+void HandoverServer::Loop() {
+  std::vector<Conn> conns;
+  std::map<uid_t, size_t> per_uid;  // open connections by uid
+  std::vector<struct pollfd> pfds;
+  auto close_conn = [&](size_t i) {
+    if (--per_uid[conns[i].uid] == 0) per_uid.erase(conns[i].uid);
+    conns.erase(conns.begin() + static_cast<ptrdiff_t>(i));
+    {
+      absl::MutexLock lock(&mu_);
+      connections_ = conns.size();
+    }
+    CKPT_SYNC_POINT("HandoverServer::ConnectionClosed");
+  };
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
-      if (stopping_) return;
+      if (stopping_) break;
     }
-    struct pollfd pfd = {listen_fd_.get(), POLLIN, 0};
-    int rc = ::poll(&pfd, 1, 200);
-    if (rc <= 0) continue;
-    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Serve(UniqueFd(fd));
+    absl::Time now = absl::Now();
+    // Deadlines first: an idle connection is refused and closed.
+    for (size_t i = conns.size(); i-- > 0;) {
+      if (conns[i].deadline <= now) {
+        Refuse(conns[i].fd.get(), absl::DeadlineExceededError(absl::StrCat(
+                                      "no complete handover message within ",
+                                      absl::FormatDuration(options_.connection_deadline))));
+        close_conn(i);
+      }
+    }
+    absl::Time wake_at = absl::InfiniteFuture();
+    pfds.clear();
+    pfds.push_back({wake_fd_.get(), POLLIN, 0});
+    const bool accepting = now >= accept_resume_;
+    if (accepting) {
+      pfds.push_back({listen_fd_.get(), POLLIN, 0});
+    } else {
+      wake_at = accept_resume_;
+    }
+    const size_t first_conn = pfds.size();
+    for (const Conn& c : conns) {
+      pfds.push_back({c.fd.get(), POLLIN, 0});
+      wake_at = std::min(wake_at, c.deadline);
+    }
+    int rc = ::poll(pfds.data(), pfds.size(), PollTimeoutMs(now, wake_at));
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      CKPT_LOG(ERROR) << "handover poll: " << std::strerror(errno) << "; the loop stops";
+      break;
+    }
+    if (rc == 0) continue;
+    if (pfds[0].revents != 0) continue;  // Stop(): re-checked at the top
+    // Serve the readable connections, newest index first so erasing is safe.
+    for (size_t i = conns.size(); i-- > 0;) {
+      if (pfds[first_conn + i].revents == 0) continue;
+      if (Serve(conns[i])) close_conn(i);
+    }
+    if (accepting && (pfds[1].revents & POLLIN) != 0) AcceptSome(&conns, &per_uid);
+  }
+  conns.clear();
+  absl::MutexLock lock(&mu_);
+  connections_ = 0;
+}
+
+void HandoverServer::AcceptSome(std::vector<Conn>* conns, std::map<uid_t, size_t>* per_uid) {
+  for (int n = 0; n < kAcceptsPerRound; ++n) {
+    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (!OutOfResources(err)) {
+        if (err != EAGAIN && err != EWOULDBLOCK) {
+          CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err);
+        }
+        return;
+      }
+      // No descriptor (or memory) for the connection. Retrying at once would
+      // spin on the same readable backlog: pause accepting instead, longer
+      // each time it recurs.
+      const absl::Time now = absl::Now();
+      absl::Duration pause = backoff_;
+      accept_resume_ = now + pause;
+      backoff_ = std::min(backoff_ * 2, std::max(kMaxAcceptBackoff, options_.accept_backoff));
+      {
+        absl::MutexLock lock(&mu_);
+        ++accept_errors_;
+      }
+      ++accept_errors_unlogged_;
+      if (now >= next_accept_log_) {
+        CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err) << " ("
+                          << accept_errors_unlogged_
+                          << " failures since the last report); not accepting for "
+                          << absl::FormatDuration(pause) << "; " << stats().fds_held
+                          << " handed-over descriptors held";
+        accept_errors_unlogged_ = 0;
+        next_accept_log_ = now + kAcceptLogInterval;
+      }
+      CKPT_SYNC_POINT_CALLBACK("HandoverServer::AcceptBackoff", &pause);
+      return;
+    }
+    backoff_ = options_.accept_backoff;
+    UniqueFd conn(fd);
+    absl::StatusOr<PeerCred> cred = GetPeerCred(conn.get());
+    if (!cred.ok()) {
+      Refuse(conn.get(), cred.status());
+      continue;
+    }
+    const uid_t uid = cred->uid;
+    size_t& open = (*per_uid)[uid];
+    if (open >= options_.max_connections_per_uid || conns->size() >= options_.max_connections) {
+      if (open == 0) per_uid->erase(uid);
+      const bool mine = open >= options_.max_connections_per_uid;
+      Refuse(conn.get(), absl::ResourceExhaustedError(
+                             mine ? absl::StrCat("uid ", uid, " has ", open,
+                                                 " handover connections open (limit ",
+                                                 options_.max_connections_per_uid,
+                                                 ", handover_max_connections_per_uid)")
+                                  : absl::StrCat("ckptd has ", conns->size(),
+                                                 " handover connections open (limit ",
+                                                 options_.max_connections,
+                                                 ", handover_max_connections); retry")));
+      continue;
+    }
+    ++open;
+    conns->push_back(Conn{std::move(conn), uid, absl::Now() + options_.connection_deadline});
+    {
+      absl::MutexLock lock(&mu_);
+      connections_ = conns->size();
+    }
+    CKPT_SYNC_POINT("HandoverServer::Accepted");
   }
 }
 
-void HandoverServer::Serve(UniqueFd conn) {
+void HandoverServer::CountRefusal() {
+  absl::MutexLock lock(&mu_);
+  ++refused_;
+}
+
+void HandoverServer::Refuse(int fd, const absl::Status& s) {
+  CountRefusal();
   HandoverReply reply;
   std::memset(&reply, 0, sizeof(reply));
   reply.magic = kHandoverMagic;
-  auto fail = [&](const absl::Status& s) {
-    reply.code = static_cast<uint32_t>(s.code());
-    std::snprintf(reply.message, sizeof(reply.message), "%s", std::string(s.message()).c_str());
-    IgnoreError(SendWithFds(conn.get(), &reply, sizeof(reply), {}), "peer gone; nothing to report");
-  };
-  absl::StatusOr<PeerCred> cred = GetPeerCred(conn.get());
-  if (!cred.ok()) return fail(cred.status());
-  if (!SetSocketTimeout(conn.get(), options_.io_timeout).ok()) return;
-  HandoverHeader h;
-  std::vector<UniqueFd> fds;
-  absl::Status s = RecvWithFds(conn.get(), &h, sizeof(h), &fds, kMaxHandoverFds);
-  if (!s.ok()) return fail(s);
-  if (h.magic != kHandoverMagic) return fail(absl::InvalidArgumentError("bad handover magic"));
-  if (h.nfds == 0 || h.nfds != fds.size()) {
-    return fail(absl::InvalidArgumentError(
-        absl::StrCat("header announces ", h.nfds, " descriptors, message carried ", fds.size())));
-  }
-  std::string token(kHandoverTokenBytes, '\0');
-  if (::getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) {
-    return fail(ErrnoStatus(errno, "getrandom"));
-  }
+  reply.code = static_cast<uint32_t>(s.code());
+  std::snprintf(reply.message, sizeof(reply.message), "%s", std::string(s.message()).c_str());
+  IgnoreError(SendWithFds(fd, &reply, sizeof(reply), {}), "peer gone; nothing to report");
+}
+
+bool HandoverServer::Serve(Conn& conn) {
+  // A uid already at a cap is refused before its message is read: closing
+  // the connection discards the descriptors still queued in the kernel, so
+  // they never enter ckptd's table.
+  absl::Status over;
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked();
-    if (pending_.size() >= options_.max_pending) {
-      return fail(absl::ResourceExhaustedError("too many unclaimed handovers"));
-    }
-    pending_[token] = Pending{cred->uid, Now() + options_.token_ttl, std::move(fds)};
+    over = CheckLimitsLocked(conn.uid, 1);
   }
-  std::memcpy(reply.token, token.data(), kHandoverTokenBytes);
-  IgnoreError(SendWithFds(conn.get(), &reply, sizeof(reply), {}),
-              "client gone: the token expires unclaimed");
+  if (!over.ok()) {
+    Refuse(conn.fd.get(), over);
+    return true;
+  }
+  HandoverHeader h;
+  std::vector<UniqueFd> fds;
+  absl::Status s = RecvWithFds(conn.fd.get(), &h, sizeof(h), &fds, kMaxHandoverFds);
+  if (absl::IsDeadlineExceeded(s)) return false;  // EAGAIN: nothing there yet
+  if (!s.ok()) {
+    Refuse(conn.fd.get(), s);
+    return true;
+  }
+  if (h.magic != kHandoverMagic) {
+    fds.clear();
+    Refuse(conn.fd.get(), absl::InvalidArgumentError("bad handover magic"));
+    return true;
+  }
+  if (h.nfds == 0 || h.nfds != fds.size()) {
+    const size_t got = fds.size();
+    fds.clear();
+    Refuse(conn.fd.get(), absl::InvalidArgumentError(absl::StrCat(
+                              "header announces ", h.nfds, " descriptors, message carried ", got)));
+    return true;
+  }
+  // Each region once: two descriptors of one file in a message are refused,
+  // so one region cannot be multiplied into many table slots.
+  std::set<std::pair<dev_t, ino_t>> files;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    struct stat st;
+    absl::Status bad;
+    if (::fstat(fds[i].get(), &st) != 0) {
+      bad = ErrnoStatus(errno, "fstat of a handed-over descriptor");
+    } else if (!files.insert({st.st_dev, st.st_ino}).second) {
+      bad = absl::InvalidArgumentError(
+          absl::StrCat("descriptor ", i, " is a second descriptor of a region already in this "
+                       "handover; hand over each region once"));
+    }
+    if (!bad.ok()) {
+      fds.clear();  // closed before the reply goes out
+      Refuse(conn.fd.get(), bad);
+      return true;
+    }
+  }
+  absl::StatusOr<std::string> token = AddPending(conn.uid, std::move(fds));
+  if (!token.ok()) {
+    Refuse(conn.fd.get(), token.status());
+    return true;
+  }
+  HandoverReply reply;
+  std::memset(&reply, 0, sizeof(reply));
+  reply.magic = kHandoverMagic;
+  std::memcpy(reply.token, token->data(), kHandoverTokenBytes);
+  if (!SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok()) {
+    // The client never learns the token: release its descriptors now rather
+    // than at expiry.
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(*token);
+    if (it != pending_.end()) DropPendingLocked(it);
+  }
+  return true;
+}
+
+absl::Status HandoverServer::CheckLimitsLocked(uid_t uid, size_t nfds) {
+  auto it = usage_.find(uid);
+  const UidUsage u = it == usage_.end() ? UidUsage{} : it->second;
+  if (u.pending >= options_.max_pending_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", uid, " has ", u.pending, " unclaimed handovers (limit ",
+        options_.max_pending_per_uid, ", handover_max_pending_per_uid); register or let them "
+        "expire"));
+  }
+  if (u.fds + nfds > options_.max_fds_per_uid) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", uid, " holds ", u.fds, " handed-over descriptors in ckptd; ", nfds,
+        " more exceed the limit of ", options_.max_fds_per_uid, " (handover_max_fds_per_uid)"));
+  }
+  if (pending_.size() >= options_.max_pending) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "ckptd holds ", pending_.size(), " unclaimed handovers (limit ", options_.max_pending,
+        ", handover_max_pending); retry"));
+  }
+  if (fds_held_ + nfds > max_fds_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "ckptd holds ", fds_held_, " handed-over descriptors; ", nfds,
+        " more exceed its node-wide limit of ", max_fds_, " (handover_max_fds); retry"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> HandoverServer::AddPending(uid_t uid, std::vector<UniqueFd> fds) {
+  std::string token(kHandoverTokenBytes, '\0');
+  if (::getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) {
+    return ErrnoStatus(errno, "getrandom");
+  }
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("ckptd is stopping");
+  ExpireLocked();
+  CKPT_RETURN_IF_ERROR(CheckLimitsLocked(uid, fds.size()));
+  UidUsage& u = usage_[uid];
+  u.pending += 1;
+  u.fds += fds.size();
+  fds_held_ += fds.size();
+  pending_[token] = Pending{uid, Now() + options_.token_ttl, std::move(fds)};
+  return token;
+}
+
+void HandoverServer::DropPendingLocked(std::map<std::string, Pending>::iterator it) {
+  UidUsage& u = usage_[it->second.uid];
+  const size_t n = it->second.fds.size();
+  u.pending -= 1;
+  u.fds -= n;
+  fds_held_ -= n;
+  if (u.pending == 0 && u.fds == 0) usage_.erase(it->second.uid);
+  pending_.erase(it);
+}
+
+void HandoverServer::ReleaseFds(uid_t uid, size_t n) {
+  absl::MutexLock lock(&mu_);
+  UidUsage& u = usage_[uid];
+  u.fds -= n;
+  fds_held_ -= n;
+  if (u.pending == 0 && u.fds == 0) usage_.erase(uid);
 }
 
 void HandoverServer::ExpireLocked() {
   absl::Time now = Now();
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->second.expires < now) {
-      it = pending_.erase(it);
+      DropPendingLocked(it++);
     } else {
       ++it;
     }
   }
 }
 
-absl::StatusOr<std::vector<UniqueFd>> HandoverServer::Claim(const std::string& token, uid_t uid) {
+absl::StatusOr<HandoverClaim> HandoverServer::Claim(const std::string& token, uid_t uid) {
   absl::MutexLock lock(&mu_);
   ExpireLocked();
   auto it = pending_.find(token);
@@ -112,14 +425,32 @@ absl::StatusOr<std::vector<UniqueFd>> HandoverServer::Claim(const std::string& t
   if (it->second.uid != uid) {
     return absl::PermissionDeniedError("handover token belongs to another uid");
   }
-  std::vector<UniqueFd> fds = std::move(it->second.fds);
+  HandoverClaim claim;
+  claim.server_ = this;
+  claim.uid_ = uid;
+  claim.counted_ = it->second.fds.size();
+  claim.fds_ = std::move(it->second.fds);
+  // The token goes; its descriptors stay counted until the claim is destroyed.
+  usage_[uid].pending -= 1;
   pending_.erase(it);
-  return fds;
+  return claim;
 }
 
 size_t HandoverServer::pending() const {
   absl::MutexLock lock(&mu_);
   return pending_.size();
+}
+
+HandoverServer::Stats HandoverServer::stats() const {
+  absl::MutexLock lock(&mu_);
+  Stats s;
+  s.connections = connections_;
+  s.pending = pending_.size();
+  s.fds_held = fds_held_;
+  s.max_fds = max_fds_;
+  s.refused = refused_;
+  s.accept_errors = accept_errors_;
+  return s;
 }
 
 }  // namespace ckpt

@@ -1,9 +1,32 @@
 // HandoverServer: the daemon's end of the handover socket (handover_wire.h).
 //
-// One accept thread; each connection is served inline with a short socket
-// timeout, so a slow client delays only other handovers, never the gRPC path.
+// One thread runs a poll loop over the listening socket and every open
+// handover connection; each connection is non-blocking and has a deadline,
+// so a client that connects and sends nothing delays nobody: other
+// connections are served as soon as their message arrives, and the idle one
+// is refused with DEADLINE_EXCEEDED when its deadline passes. No thread is
+// created per connection.
+//
 // Received descriptors wait in a bounded table under a random token until a
 // Register call from the same uid claims them (Claim) or they expire.
+//
+// Limits (HandoverOptions), each refused with RESOURCE_EXHAUSTED and a
+// message naming the limit, leaving every other uid served:
+//   - open connections per uid and node-wide;
+//   - unclaimed tokens per uid and node-wide;
+//   - descriptors held per uid and node-wide, where "held" is every
+//     descriptor the server has received and not yet seen registered or
+//     closed: those waiting under a token plus those claimed by a Register
+//     that is still running (a HandoverClaim not yet destroyed). The
+//     node-wide cap is derived from RLIMIT_NOFILE unless set, leaving
+//     `fd_reserve` descriptors to RocksDB, io_uring, gRPC and layer files.
+// One message that carries two descriptors of the same file (st_dev,
+// st_ino) is INVALID_ARGUMENT; all of its descriptors are closed.
+//
+// When accept fails for lack of descriptors (EMFILE, ENFILE) or memory, the
+// loop stops accepting for a back-off period that doubles up to one second
+// (the waiting clients stay in the listen backlog), counts the failure and
+// logs it at most once per ten seconds.
 //
 // Thread-safety: all public methods are thread-safe.
 #pragma once
@@ -25,51 +48,150 @@ namespace ckpt {
 
 struct HandoverOptions {
   std::string socket_path;
-  absl::Duration io_timeout = absl::Seconds(5);
+  // How long one connection may take from accept to its complete message.
+  absl::Duration connection_deadline = absl::Seconds(5);
   absl::Duration token_ttl = absl::Seconds(120);
-  size_t max_pending = 1024;  // tokens waiting to be claimed, node-wide
-  Clock* clock = nullptr;     // token expiry; null = the real clock. Not owned.
+  size_t max_pending = 1024;         // unclaimed tokens, node-wide
+  size_t max_pending_per_uid = 64;   // unclaimed tokens of one uid
+  size_t max_connections = 256;      // open handover connections, node-wide
+  size_t max_connections_per_uid = 8;
+  size_t max_fds_per_uid = 4096;     // descriptors held for one uid (see above)
+  // Descriptors held node-wide; 0 = derived from RLIMIT_NOFILE at Start()
+  // (DefaultMaxFds).
+  size_t max_fds = 0;
+  size_t fd_reserve = 4096;  // kept free for the rest of ckptd when max_fds is derived
+  // First pause of the accept loop after EMFILE/ENFILE; doubles up to 1 s.
+  absl::Duration accept_backoff = absl::Milliseconds(50);
+  Clock* clock = nullptr;  // token expiry; null = the real clock. Not owned.
+};
+
+class HandoverServer;
+
+// Descriptors claimed with a token. They count against their uid's and the
+// node's descriptor caps until this object is destroyed, so the caller keeps
+// it alive until the registration has either taken the descriptors over or
+// failed. Move-only.
+class HandoverClaim {
+ public:
+  HandoverClaim() = default;
+  ~HandoverClaim() { Release(); }
+  HandoverClaim(HandoverClaim&& other) noexcept;
+  HandoverClaim& operator=(HandoverClaim&& other) noexcept;
+  HandoverClaim(const HandoverClaim&) = delete;
+  HandoverClaim& operator=(const HandoverClaim&) = delete;
+
+  std::vector<UniqueFd>& fds() { return fds_; }
+  // Moves the descriptors out; they stay counted until destruction.
+  std::vector<UniqueFd> TakeFds() { return std::move(fds_); }
+
+ private:
+  friend class HandoverServer;
+  void Release();
+
+  HandoverServer* server_ = nullptr;
+  uid_t uid_ = 0;
+  size_t counted_ = 0;
+  std::vector<UniqueFd> fds_;
 };
 
 class HandoverServer {
  public:
+  // What the server holds and has refused; for tests and logs.
+  struct Stats {
+    size_t connections = 0;     // open, not yet answered
+    size_t pending = 0;         // unclaimed tokens
+    size_t fds_held = 0;        // pending + claimed, not yet released
+    size_t max_fds = 0;         // the node-wide cap in force
+    uint64_t refused = 0;       // handovers refused for a limit or a bad message
+    uint64_t accept_errors = 0; // accept failures that started a back-off
+  };
+
   explicit HandoverServer(HandoverOptions options);
   ~HandoverServer();
   HandoverServer(const HandoverServer&) = delete;
   HandoverServer& operator=(const HandoverServer&) = delete;
 
   // Binds the socket (mode 0660; a stale socket file is replaced, anything
-  // else at the path is refused) and starts the accept thread.
+  // else at the path is refused) and starts the loop thread.
   absl::Status Start();
-  // Stops accepting and closes every unclaimed descriptor. Idempotent.
+  // Stops accepting, refuses nothing more, closes every open connection and
+  // every unclaimed descriptor. Idempotent. Outstanding HandoverClaims stay
+  // valid (they must not outlive the server).
   void Stop();
 
   // Returns the descriptors handed over under `token` by a process of `uid`.
   // NOT_FOUND for an unknown, expired or already claimed token;
   // PERMISSION_DENIED when it was handed over by another uid.
-  absl::StatusOr<std::vector<UniqueFd>> Claim(const std::string& token, uid_t uid);
+  absl::StatusOr<HandoverClaim> Claim(const std::string& token, uid_t uid);
 
   size_t pending() const;
+  Stats stats() const;
+
+  // The node-wide descriptor cap derived from a RLIMIT_NOFILE soft limit:
+  // nofile - reserve, or nofile / 2 when the reserve is more than half of nofile.
+  static size_t DefaultMaxFds(uint64_t nofile, size_t reserve);
 
  private:
+  friend class HandoverClaim;
+
+  // One accepted connection; owned by the loop thread.
+  struct Conn {
+    UniqueFd fd;
+    uid_t uid;
+    absl::Time deadline;  // real time
+  };
   struct Pending {
     uid_t uid;
     absl::Time expires;
     std::vector<UniqueFd> fds;
   };
+  struct UidUsage {
+    size_t pending = 0;      // tokens
+    size_t fds = 0;          // pending + claimed descriptors
+  };
 
-  void AcceptLoop();
-  void Serve(UniqueFd conn);
+  void Loop();
+  // Accepts what the backlog holds (bounded per round); starts a back-off on
+  // EMFILE/ENFILE/ENOBUFS/ENOMEM.
+  void AcceptSome(std::vector<Conn>* conns, std::map<uid_t, size_t>* per_uid);
+  // Reads and answers one readable connection. False: keep waiting for it.
+  bool Serve(Conn& conn);
+  // Refuses `conn` with `s` (best effort: the socket is non-blocking).
+  void Refuse(int fd, const absl::Status& s);
+  // Checks the uid's and the node's limits for `nfds` more descriptors and
+  // one more token, then stores them under a new token.
+  absl::StatusOr<std::string> AddPending(uid_t uid, std::vector<UniqueFd> fds);
+  absl::Status CheckLimitsLocked(uid_t uid, size_t nfds) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropPendingLocked(std::map<std::string, Pending>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseFds(uid_t uid, size_t n);
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Time Now() const { return (options_.clock != nullptr ? options_.clock : Clock::Real())->Now(); }
+  void CountRefusal();
+  absl::Time Now() const {
+    return (options_.clock != nullptr ? options_.clock : Clock::Real())->Now();
+  }
 
+  // Immutable after Start().
   const HandoverOptions options_;
+  size_t max_fds_ = 0;
   UniqueFd listen_fd_;
+  UniqueFd wake_fd_;  // eventfd: Stop() wakes the loop through it
   std::thread thread_;
+
+  // Loop thread only.
+  absl::Time accept_resume_ = absl::InfinitePast();  // no accept before this (back-off)
+  absl::Duration backoff_;
+  absl::Time next_accept_log_ = absl::InfinitePast();
+  uint64_t accept_errors_unlogged_ = 0;
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, UidUsage> usage_ ABSL_GUARDED_BY(mu_);  // uids holding something
+  size_t fds_held_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t connections_ ABSL_GUARDED_BY(mu_) = 0;  // mirror of the loop's count
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t accept_errors_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckpt

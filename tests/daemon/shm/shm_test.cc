@@ -1,23 +1,32 @@
 // Tests of daemon/shm: memfd regions, the fd-passing wire helpers and the
 // HandoverServer.
 #include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/unique_fd.h"
 #include "daemon/shm/handover.h"
 #include "base/handover_wire.h"
 #include "base/region.h"
+#include "daemon/common/sync_point.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -252,12 +261,22 @@ TEST_F(WireTest, ReceiveTimesOut) {
 class HandoverServerTest : public ::testing::Test {
  protected:
   void StartServer(absl::Duration ttl = absl::Seconds(60), size_t max_pending = 1024) {
-    HandoverOptions o;
-    o.socket_path = Path();
-    o.io_timeout = absl::Seconds(5);
+    HandoverOptions o = TestOptions();
     o.token_ttl = ttl;
     o.max_pending = max_pending;
+    StartServerWith(o);
+  }
+
+  HandoverOptions TestOptions() {
+    HandoverOptions o;
+    o.socket_path = Path();
+    o.connection_deadline = absl::Seconds(5);
+    o.token_ttl = absl::Seconds(60);
     o.clock = &clock_;
+    return o;
+  }
+
+  void StartServerWith(const HandoverOptions& o) {
     server_ = std::make_unique<HandoverServer>(o);
     CKPT_ASSERT_OK(server_->Start());
   }
@@ -336,7 +355,8 @@ TEST_F(HandoverServerTest, HandOverAndClaim) {
   EXPECT_EQ(token.size(), kHandoverTokenBytes);
   EXPECT_EQ(server_->pending(), 1u);
 
-  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> fds, server_->Claim(token, ::getuid()));
+  CKPT_ASSERT_OK_AND_ASSIGN(HandoverClaim claim, server_->Claim(token, ::getuid()));
+  std::vector<UniqueFd>& fds = claim.fds();
   ASSERT_EQ(fds.size(), regions.size());
   EXPECT_EQ(server_->pending(), 0u);
   for (size_t i = 0; i < fds.size(); ++i) {
@@ -391,7 +411,8 @@ TEST_F(HandoverServerTest, HeaderCountMismatchIsInvalidArgument) {
       << reply.message;
   EXPECT_EQ(server_->pending(), 0u);
   server_->Stop();  // joins the server thread: the connection is finished
-  EXPECT_EQ(CountOpenFds(), before - 1) << "the server kept a refused descriptor";
+  EXPECT_EQ(CountOpenFds(), before - 2)  // the listening socket and the loop's eventfd
+      << "the server kept a refused descriptor";
 }
 
 TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
@@ -438,9 +459,400 @@ TEST_F(HandoverServerTest, StopClosesUnclaimedDescriptors) {
   EXPECT_EQ(server_->pending(), 1u);
   server_->Stop();
   server_->Stop();  // idempotent
-  EXPECT_EQ(CountOpenFds(), before - 1) << "descriptors and the listening socket are closed";
+  EXPECT_EQ(CountOpenFds(), before - 2)
+      << "descriptors, the listening socket and the loop's eventfd are closed";
   EXPECT_EQ(server_->pending(), 0u);
   CKPT_EXPECT_CODE(HandOver(regions), kUnavailable);
+}
+
+
+// ---- HandoverServer: one user cannot exhaust the socket or ckptd's fds ----
+
+constexpr uid_t kUserA = 4242;  // no account needed: the kernel only sees numbers
+constexpr absl::Duration kWait = absl::Seconds(20);
+
+// A forked child that runs `body` as another uid (the test runs as root).
+// The child reports numbers to the parent (Report/Read) and can hold what it
+// opened until the parent releases it (WaitForRelease/Release). Every wait
+// on either side has a deadline; the destructor releases and reaps the child.
+class ChildAs {
+ public:
+  ChildAs(uid_t uid, const std::function<void(ChildAs&)>& body) {
+    int report[2], release[2];
+    if (::pipe2(report, O_CLOEXEC) != 0 || ::pipe2(release, O_CLOEXEC) != 0) return;
+    report_r_ = UniqueFd(report[0]);
+    report_w_ = UniqueFd(report[1]);
+    release_r_ = UniqueFd(release[0]);
+    release_w_ = UniqueFd(release[1]);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      report_r_ = UniqueFd();
+      release_w_ = UniqueFd();
+      ::alarm(60);  // never outlives a stuck test
+      if (::setgroups(0, nullptr) != 0 || ::setresgid(uid, uid, uid) != 0 ||
+          ::setresuid(uid, uid, uid) != 0) {
+        ::_exit(3);
+      }
+      body(*this);
+      ::_exit(0);
+    }
+    report_w_ = UniqueFd();
+    release_r_ = UniqueFd();
+  }
+  ~ChildAs() {
+    Release();
+    int status = 0;
+    if (pid_ > 0) ::waitpid(pid_, &status, 0);  // bounded by the child's alarm
+  }
+
+  bool started() const { return pid_ > 0; }
+
+  // Parent: the next number the child reported, false after `timeout`.
+  bool Read(uint32_t* v, absl::Duration timeout = kWait) {
+    struct pollfd p = {report_r_.get(), POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) != 1) return false;
+    return ::read(report_r_.get(), v, sizeof(*v)) == sizeof(*v);
+  }
+  void Release() { release_w_ = UniqueFd(); }
+
+  // Child.
+  void Report(uint32_t v) {
+    if (::write(report_w_.get(), &v, sizeof(v)) != sizeof(v)) ::_exit(4);
+  }
+  void WaitForRelease() {
+    struct pollfd p = {release_r_.get(), POLLIN, 0};
+    ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(kWait)));
+  }
+
+ private:
+  pid_t pid_ = -1;
+  UniqueFd report_r_, report_w_, release_r_, release_w_;
+};
+
+// A raw connection to `path`, or an invalid fd.
+UniqueFd ConnectTo(const std::string& path) {
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  struct sockaddr_un addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return UniqueFd();
+  if (!SetSocketTimeout(fd.get(), kWait).ok()) return UniqueFd();
+  return fd;
+}
+
+// The reply the server sends on `sock` (code 0xffffffff when none came).
+HandoverReply ReadReply(int sock) {
+  HandoverReply reply;
+  std::memset(&reply, 0, sizeof(reply));
+  if (!RecvWithFds(sock, &reply, sizeof(reply), nullptr, 0).ok()) reply.code = 0xffffffffu;
+  reply.message[sizeof(reply.message) - 1] = '\0';
+  return reply;
+}
+
+uint32_t CodeOf(const absl::Status& s) { return static_cast<uint32_t>(s.code()); }
+
+// The server's sync points are observed by these tests (arrival counts only;
+// no point blocks).
+class HandoverLimitsTest : public HandoverServerTest {
+ protected:
+  void SetUp() override {
+    if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
+    sp_->LoadDependency({});
+    sp_->ClearAllCallBacks();
+    sp_->SetWaitTimeout(kWait);
+    sp_->EnableProcessing();
+  }
+  void TearDown() override {
+    if (!kSyncPointsCompiled) return;
+    if (server_ != nullptr) server_->Stop();
+    EXPECT_EQ(sp_->timeouts(), 0u);
+    sp_->DisableProcessing();
+    sp_->ClearAllCallBacks();
+  }
+
+  // Lets another uid reach the socket (the test's temp dir is 0700).
+  void OpenSocketToEveryone() {
+    ASSERT_EQ(::chmod(tmp_.path().c_str(), 0711), 0);
+    ASSERT_EQ(::chmod(Path().c_str(), 0666), 0);
+  }
+
+  bool WaitForPasses(const char* point, uint64_t n) {
+    return sp_->WaitForPasses(point, n, absl::Now() + kWait);
+  }
+
+  SyncPoint* sp_ = SyncPoint::GetInstance();
+};
+
+// Three idle connections of one uid (the inline server waited on each for its
+// socket timeout) do not delay another uid's handover, and a uid's
+// connections beyond its cap are refused at once.
+TEST_F(HandoverLimitsTest, IdleConnectionsOfOneUidDoNotDelayAnother) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as a second uid";
+  HandoverOptions o = TestOptions();
+  o.connection_deadline = absl::Seconds(60);  // far beyond the handover's own timeout
+  o.max_connections_per_uid = 3;
+  StartServerWith(o);
+  OpenSocketToEveryone();
+
+  const std::string path = Path();
+  ChildAs idle(kUserA, [&path](ChildAs& self) {
+    std::vector<UniqueFd> held;
+    for (int i = 0; i < 3; ++i) held.push_back(ConnectTo(path));
+    uint32_t connected = 0;
+    for (const UniqueFd& fd : held) connected += fd.valid() ? 1 : 0;
+    self.Report(connected);
+    // A fourth connection is over the cap: answered at once, not left hanging.
+    UniqueFd extra = ConnectTo(path);
+    self.Report(extra.valid() ? ReadReply(extra.get()).code : 0xfffffffeu);
+    self.WaitForRelease();
+  });
+  ASSERT_TRUE(idle.started());
+  uint32_t connected = 0, extra_code = 0;
+  ASSERT_TRUE(idle.Read(&connected));
+  EXPECT_EQ(connected, 3u);
+  ASSERT_TRUE(idle.Read(&extra_code));
+  EXPECT_EQ(extra_code, CodeOf(absl::ResourceExhaustedError("")));
+  ASSERT_TRUE(WaitForPasses("HandoverServer::Accepted", 3));
+  EXPECT_EQ(server_->stats().connections, 3u);
+
+  // root's handover goes through while uid 4242's three connections sit idle.
+  std::vector<MemfdRegion> regions = MakeRegions(2);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> token = HandOverFds(Path(), Fds(regions), absl::Seconds(3));
+  CKPT_ASSERT_OK(token);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  ASSERT_TRUE(WaitForPasses("HandoverServer::ConnectionClosed", 1));  // root's, once answered
+  EXPECT_EQ(server_->stats().connections, 3u) << "the idle connections are still open";
+  CKPT_EXPECT_OK(server_->Claim(*token, ::getuid()));
+}
+
+// A connection that never completes its message is answered
+// DEADLINE_EXCEEDED at its deadline and closed.
+TEST_F(HandoverLimitsTest, IdleConnectionIsRefusedAtItsDeadline) {
+  HandoverOptions o = TestOptions();
+  o.connection_deadline = absl::Milliseconds(100);
+  StartServerWith(o);
+  UniqueFd idle = ConnectTo(Path());
+  ASSERT_TRUE(idle.valid());
+  HandoverReply reply = ReadReply(idle.get());  // the server's answer is the event
+  EXPECT_EQ(reply.code, CodeOf(absl::DeadlineExceededError(""))) << reply.message;
+  ASSERT_TRUE(WaitForPasses("HandoverServer::ConnectionClosed", 1));
+  EXPECT_EQ(server_->stats().connections, 0u);
+}
+
+// One uid at its pending-token limit is refused with a message naming the
+// limit; another uid is still served (the node-wide table is far from full).
+TEST_F(HandoverLimitsTest, PerUidPendingLimitLeavesOtherUidsServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as a second uid";
+  HandoverOptions o = TestOptions();
+  o.max_pending = 1024;
+  o.max_pending_per_uid = 2;
+  StartServerWith(o);
+  OpenSocketToEveryone();
+
+  const std::string path = Path();
+  ChildAs flooder(kUserA, [&path](ChildAs& self) {
+    absl::StatusOr<MemfdRegion> r = MemfdRegion::Create("flood", kPage);
+    if (!r.ok()) ::_exit(5);
+    std::vector<int> fds = {r->fd()};
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<std::string> t = HandOverFds(path, fds, kWait);
+      self.Report(CodeOf(t.status()));
+      if (i == 2) {
+        const bool names_limit =
+            absl::StrContains(t.status().message(), "handover_max_pending_per_uid");
+        self.Report(names_limit ? 1 : 0);
+      }
+    }
+  });
+  ASSERT_TRUE(flooder.started());
+  uint32_t codes[3] = {99, 99, 99}, names_limit = 0;
+  for (uint32_t& c : codes) ASSERT_TRUE(flooder.Read(&c));
+  ASSERT_TRUE(flooder.Read(&names_limit));
+  EXPECT_EQ(codes[0], 0u);
+  EXPECT_EQ(codes[1], 0u);
+  EXPECT_EQ(codes[2], CodeOf(absl::ResourceExhaustedError("")));
+  EXPECT_EQ(names_limit, 1u) << "the refusal names the option";
+  EXPECT_EQ(server_->pending(), 2u);
+
+  // root is a different uid: served, twice, as if uid 4242 did not exist.
+  std::vector<MemfdRegion> regions = MakeRegions(1);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string t1, HandOver(regions));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string t2, HandOver(regions));
+  EXPECT_EQ(server_->pending(), 4u);
+  // A third pending token of root is refused too: the limit is per uid.
+  CKPT_EXPECT_CODE(HandOver(regions), kResourceExhausted);
+  CKPT_EXPECT_OK(server_->Claim(t1, ::getuid()));
+  CKPT_EXPECT_OK(HandOver(regions));
+}
+
+// One memfd listed kMaxHandoverFds times in one message is refused, and
+// ckptd keeps none of the received descriptors.
+TEST_F(HandoverLimitsTest, DuplicateDescriptorsAreRefusedWithoutLeak) {
+  StartServer();
+  std::vector<MemfdRegion> regions = MakeRegions(2);
+  UniqueFd dup = Dup(regions[0].fd());  // another descriptor of region 0
+  const std::vector<std::vector<int>> messages = {
+      std::vector<int>(kMaxHandoverFds, regions[0].fd()),
+      {regions[0].fd(), regions[1].fd(), dup.get()},
+  };
+  uint64_t closed = 0;
+  for (const std::vector<int>& fds : messages) {
+    const size_t before = CountOpenFds();
+    HandoverReply reply =
+        RawHandover(HandoverHeader{kHandoverMagic, static_cast<uint32_t>(fds.size())}, fds);
+    EXPECT_EQ(reply.code, CodeOf(absl::InvalidArgumentError(""))) << reply.message;
+    EXPECT_TRUE(absl::StrContains(reply.message, "region")) << reply.message;
+    ASSERT_TRUE(WaitForPasses("HandoverServer::ConnectionClosed", ++closed));
+    EXPECT_EQ(CountOpenFds(), before) << fds.size() << " descriptors sent: the server kept some";
+    EXPECT_EQ(server_->pending(), 0u);
+    EXPECT_EQ(server_->stats().fds_held, 0u);
+  }
+  // Distinct regions still pass.
+  CKPT_EXPECT_OK(HandOver(regions));
+}
+
+// Descriptors count against their uid from handover until the claim is
+// released (the registration ran); beyond the cap a handover is refused.
+TEST_F(HandoverLimitsTest, PerUidDescriptorCapCountsPendingAndClaimed) {
+  HandoverOptions o = TestOptions();
+  o.max_fds_per_uid = 4;
+  o.max_fds = 1000;
+  StartServerWith(o);
+  std::vector<MemfdRegion> three = MakeRegions(3);
+  std::vector<MemfdRegion> two = MakeRegions(2);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(three));
+  EXPECT_EQ(server_->stats().fds_held, 3u);
+  absl::StatusOr<std::string> refused = HandOver(two);
+  CKPT_EXPECT_CODE(refused, kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "handover_max_fds_per_uid"))
+      << refused.status();
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(HandoverClaim claim, server_->Claim(token, ::getuid()));
+    EXPECT_EQ(server_->pending(), 0u);
+    EXPECT_EQ(server_->stats().fds_held, 3u) << "claimed, not yet registered: still held";
+    CKPT_EXPECT_CODE(HandOver(two), kResourceExhausted);
+    std::vector<UniqueFd> taken = claim.TakeFds();  // what Register does with them
+    EXPECT_EQ(taken.size(), 3u);
+  }
+  EXPECT_EQ(server_->stats().fds_held, 0u);
+  CKPT_EXPECT_OK(HandOver(two));
+  EXPECT_EQ(server_->stats().fds_held, 2u);
+}
+
+// The node-wide cap holds across uids and is derived from RLIMIT_NOFILE
+// when not set.
+TEST_F(HandoverLimitsTest, NodeDescriptorCapRefusesBeyondIt) {
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(65536, 4096), 61440u);
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(1024, 4096), 512u);
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(1024, 512), 512u);
+  {
+    HandoverOptions o = TestOptions();
+    o.max_fds = 0;
+    StartServerWith(o);
+    struct rlimit rl;
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
+    EXPECT_EQ(server_->stats().max_fds, HandoverServer::DefaultMaxFds(rl.rlim_cur, o.fd_reserve));
+    server_.reset();
+  }
+  HandoverOptions o = TestOptions();
+  o.max_fds = 4;
+  o.max_fds_per_uid = 100;
+  StartServerWith(o);
+  std::vector<MemfdRegion> three = MakeRegions(3);
+  std::vector<MemfdRegion> two = MakeRegions(2);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(three));
+  absl::StatusOr<std::string> refused = HandOver(two);
+  CKPT_EXPECT_CODE(refused, kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "handover_max_fds"))
+      << refused.status();
+  CKPT_EXPECT_OK(HandOver(MakeRegions(1)));  // exactly at the cap
+  CKPT_EXPECT_OK(server_->Claim(token, ::getuid()));  // claimed and released at once
+  CKPT_EXPECT_OK(HandOver(two));
+}
+
+// Out of descriptors, the accept loop pauses (doubling) instead of spinning
+// on the readable listening socket, and serves the waiting client once
+// descriptors are free again. Runs in a child whose RLIMIT_NOFILE is lowered.
+TEST_F(HandoverLimitsTest, AcceptBacksOffWhenOutOfDescriptors) {
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::alarm(60);
+    auto fail = [](int code, const char* what) {
+      std::fprintf(stderr, "child: %s\n", what);
+      std::fflush(stderr);
+      ::_exit(code);
+    };
+    std::vector<absl::Duration> pauses;
+    absl::Mutex mu;
+    sp_->SetCallBack("HandoverServer::AcceptBackoff", [&](void* arg) {
+      absl::MutexLock lock(&mu);
+      pauses.push_back(*static_cast<absl::Duration*>(arg));
+    });
+    HandoverOptions o = TestOptions();
+    o.accept_backoff = absl::Milliseconds(20);
+    o.max_fds = 100;
+    HandoverServer server(o);
+    if (!server.Start().ok()) fail(10, "start");
+    absl::StatusOr<MemfdRegion> region = MemfdRegion::Create("emfile", kPage);
+    if (!region.ok()) fail(11, "memfd");
+    UniqueFd client(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    struct rlimit saved;
+    ::getrlimit(RLIMIT_NOFILE, &saved);
+    struct rlimit low = saved;
+    low.rlim_cur = 256;
+    if (::setrlimit(RLIMIT_NOFILE, &low) != 0) fail(12, "setrlimit");
+    std::vector<UniqueFd> filler;
+    for (;;) {
+      UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+      if (!f.valid()) {
+        if (errno != EMFILE) fail(13, "filler open");
+        break;
+      }
+      filler.push_back(std::move(f));
+    }
+    struct sockaddr_un addr;
+    std::memset(&addr, 0, sizeof(addr));
+    addr.sun_family = AF_UNIX;
+    const std::string path = o.socket_path;
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    if (::connect(client.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      fail(14, "connect");
+    }
+    // Three pauses in a row, each twice the one before.
+    if (!sp_->WaitForPasses("HandoverServer::AcceptBackoff", 3, absl::Now() + kWait)) {
+      fail(15, "no back-off: the accept loop never paused");
+    }
+    const uint64_t errors = server.stats().accept_errors;
+    {
+      absl::MutexLock lock(&mu);
+      if (pauses.size() < 3 || pauses[0] != absl::Milliseconds(20) ||
+          pauses[1] != absl::Milliseconds(40) || pauses[2] != absl::Milliseconds(80)) {
+        fail(16, "pauses are not 20, 40, 80 ms");
+      }
+      // One failed accept per pause: over ~60 ms of EMFILE, a spinning loop
+      // would have failed thousands of times.
+      if (errors > pauses.size() + 1) fail(17, "accept failed more often than it paused");
+    }
+    filler.clear();
+    ::setrlimit(RLIMIT_NOFILE, &saved);
+    HandoverHeader h{kHandoverMagic, 1};
+    std::vector<int> fds = {region->fd()};
+    if (!SetSocketTimeout(client.get(), kWait).ok()) fail(18, "timeout");
+    if (!SendWithFds(client.get(), &h, sizeof(h), fds).ok()) fail(19, "send");
+    HandoverReply reply = ReadReply(client.get());
+    if (reply.code != 0) fail(20, "the waiting client was not served after the back-off");
+    std::fprintf(stderr, "child: %zu pauses, %llu accept errors, served after\n", pauses.size(),
+                 static_cast<unsigned long long>(errors));
+    server.Stop();
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);  // bounded by the child's alarm
+  ASSERT_TRUE(WIFEXITED(status)) << "child killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the child's message above";
 }
 
 TEST(HandOverFdsTest, MissingDaemonIsUnavailable) {
