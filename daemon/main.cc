@@ -149,7 +149,6 @@ int main(int argc, char** argv) {
   Engine engine(eo, index->get(), &store, pool->get());
   engine.RecordReconcile(*report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
-  metrics.SetCollectHook([&engine] { engine.CollectMetrics(); });
   CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
 
   // Socket directories: created 0750 when missing (systemd's RuntimeDirectory
@@ -168,6 +167,17 @@ int main(int argc, char** argv) {
   ho.socket_path = config.HandoverSocketPath();
   HandoverServer handover(ho);
   if (absl::Status s = handover.Start(); !s.ok()) return Fail("handover socket", s);
+  // Hook runs are serialized, so the counters' last values need no lock.
+  HandoverServer::Stats handover_seen;
+  metrics.SetCollectHook([&engine, &handover, &metrics, &handover_seen] {
+    engine.CollectMetrics();
+    const HandoverServer::Stats now = handover.stats();
+    metrics.Set(Gauge::kHandoverFdsHeld, static_cast<double>(now.fds_held));
+    metrics.Inc(Counter::kHandoverRefused, static_cast<double>(now.refused - handover_seen.refused));
+    metrics.Inc(Counter::kHandoverAcceptErrors,
+                static_cast<double>(now.accept_errors - handover_seen.accept_errors));
+    handover_seen = now;
+  });
 
   RpcServerOptions ro = config.rpc;
   ro.socket_path = config.socket;

@@ -54,6 +54,12 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_registrations_total", "counter", "Successful rank registrations.", "", ""},
     {"ckpt_staleness_invariant_violations_total", "counter",
      "Times a layer's staleness exceeded the configured bound S_max.", "", ""},
+    {"ckpt_handover_refused_total", "counter",
+     "Memory handovers refused: a per-uid or node-wide handover limit, a malformed message "
+     "(including a region passed twice) or a connection past its deadline.", "", ""},
+    {"ckpt_handover_accept_errors_total", "counter",
+     "Times the handover socket could not accept (out of descriptors or memory) and paused "
+     "accepting.", "", ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -83,6 +89,9 @@ constexpr MetricInfo kGaugeTable[] = {
      "count).",
      "ckpt_job,rank,layer", ""},
     {"ckpt_uptime_seconds", "gauge", "Seconds since the daemon started.", "", ""},
+    {"ckpt_handover_fds_held", "gauge",
+     "Handed-over descriptors ckptd holds: unclaimed, or claimed by a Register still running.",
+     "", ""},
 };
 
 constexpr MetricInfo kHistogramTable[] = {

@@ -63,6 +63,8 @@ enum class Counter {
   kMetricSeriesDropped,           // ckpt_metric_series_dropped_total
   kRegistrations,                 // ckpt_registrations_total
   kStalenessInvariantViolations,  // ckpt_staleness_invariant_violations_total
+  kHandoverRefused,               // ckpt_handover_refused_total
+  kHandoverAcceptErrors,          // ckpt_handover_accept_errors_total
   kCount
 };
 
@@ -82,6 +84,7 @@ enum class Gauge {
   kLayerStalenessSteps,    // ckpt_layer_staleness_steps{ckpt_job,rank,layer}: SetLayer() only
   kLayerAccumulatedDrift,  // ckpt_layer_accumulated_drift{ckpt_job,rank,layer}: SetLayer() only
   kUptimeSeconds,          // ckpt_uptime_seconds: refreshed at every scrape
+  kHandoverFdsHeld,        // ckpt_handover_fds_held
   kCount
 };
 
