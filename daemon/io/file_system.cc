@@ -53,6 +53,19 @@ int OpenBeneath(int dir_fd, const std::string& name, int flags, mode_t mode) {
   return fd;
 }
 
+// The status of a failed open of `name` in `dir_fd`: a symbolic link (ELOOP
+// from RESOLVE_NO_SYMLINKS or O_NOFOLLOW, ENOTDIR from O_NOFOLLOW with
+// O_DIRECTORY) says so, so start-up can name it.
+absl::Status OpenError(int err, int dir_fd, const std::string& what, const std::string& name) {
+  struct stat st;
+  if (err == ELOOP || (err == ENOTDIR && ::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                       S_ISLNK(st.st_mode))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " ", name, ": is a symbolic link, which ckptd does not follow"));
+  }
+  return ErrnoStatus(err, absl::StrCat(what, " ", name));
+}
+
 }  // namespace
 
 absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
@@ -78,7 +91,7 @@ absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& n
     return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
   }
   int fd = OpenBeneath(dir_fd, name, O_RDONLY | O_DIRECTORY, 0);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open dir ", name));
+  if (fd < 0) return OpenError(errno, dir_fd, "open dir", name);
   return UniqueFd(fd);
 }
 
@@ -91,7 +104,7 @@ absl::StatusOr<UniqueFd> FileSystem::CreateExclusive(int dir_fd, const std::stri
     fd = OpenBeneath(dir_fd, name, flags, 0640);
     used = false;
   }
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("create ", name));
+  if (fd < 0) return OpenError(errno, dir_fd, "create", name);
   if (direct_used) *direct_used = used;
   return UniqueFd(fd);
 }
@@ -104,7 +117,7 @@ absl::StatusOr<UniqueFd> FileSystem::OpenForRead(int dir_fd, const std::string& 
     fd = OpenBeneath(dir_fd, name, O_RDONLY, 0);
     used = false;
   }
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("open ", name));
+  if (fd < 0) return OpenError(errno, dir_fd, "open", name);
   if (direct_used) *direct_used = used;
   return UniqueFd(fd);
 }
@@ -128,6 +141,32 @@ absl::Status FileSystem::RenameNoReplace(int dir_fd, const std::string& from,
   CKPT_RETURN_IF_ERROR(CheckPlainName(to, "file"));
   if (::renameat2(dir_fd, from.c_str(), dir_fd, to.c_str(), RENAME_NOREPLACE) != 0) {
     return ErrnoStatus(errno, absl::StrCat("rename ", from, " -> ", to));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FileSystem::MoveNoReplace(int from_dir, const std::string& from, int to_dir,
+                                       const std::string& to) {
+  CKPT_RETURN_IF_ERROR(CheckPlainName(from, "file"));
+  CKPT_RETURN_IF_ERROR(CheckPlainName(to, "file"));
+  if (::renameat2(from_dir, from.c_str(), to_dir, to.c_str(), RENAME_NOREPLACE) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("move ", from, " -> ", to));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> FileSystem::OpenForAppend(int dir_fd, const std::string& name) {
+  int fd = OpenBeneath(dir_fd, name, O_WRONLY | O_CREAT | O_APPEND, 0640);
+  if (fd < 0) return OpenError(errno, dir_fd, "open", name);
+  return UniqueFd(fd);
+}
+
+absl::Status FileSystem::Append(int fd, absl::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoStatus(errno, "append");
+    data.remove_prefix(static_cast<size_t>(n));
   }
   return absl::OkStatus();
 }
@@ -191,6 +230,10 @@ absl::StatusOr<uint64_t> FileSystem::FileSizeAt(int dir_fd, const std::string& n
   struct stat st;
   if (::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return ErrnoStatus(errno, absl::StrCat("stat ", name));
+  }
+  if (S_ISLNK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": is a symbolic link, which ckptd does not follow"));
   }
   if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(name + " is not a regular file");
   return static_cast<uint64_t>(st.st_size);

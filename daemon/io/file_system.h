@@ -8,7 +8,9 @@
 //
 // Names passed as `name` are single path components created by ckptd itself;
 // they are opened relative to a directory fd with RESOLVE_BENEATH and
-// RESOLVE_NO_SYMLINKS (openat2), so nothing escapes the directory.
+// RESOLVE_NO_SYMLINKS (openat2), so nothing escapes the directory. A symbolic
+// link met where a file or directory is opened gives FAILED_PRECONDITION
+// ("... is a symbolic link"), never a followed link.
 //
 // Thread-safety: the default implementation is stateless and thread-safe.
 #pragma once
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "base/unique_fd.h"
 
 namespace ckpt {
@@ -44,6 +47,16 @@ class FileSystem {
   virtual absl::Status DataSync(int fd);
   // renameat2(RENAME_NOREPLACE) inside one directory.
   virtual absl::Status RenameNoReplace(int dir_fd, const std::string& from, const std::string& to);
+  // renameat2(RENAME_NOREPLACE) of `from` in `from_dir` to `to` in `to_dir`
+  // (both plain names; the entry is moved, a symbolic link included, never
+  // followed). Both directories must be fsynced to make the move durable.
+  virtual absl::Status MoveNoReplace(int from_dir, const std::string& from, int to_dir,
+                                     const std::string& to);
+  // Opens `name` for appending, creating it (0640) when missing; refuses
+  // (FAILED_PRECONDITION naming `name`) when it is a symbolic link.
+  virtual absl::StatusOr<UniqueFd> OpenForAppend(int dir_fd, const std::string& name);
+  // Writes all of `data` at the end of the file (O_APPEND).
+  virtual absl::Status Append(int fd, absl::string_view data);
   // fsync of the directory itself, making created/renamed/unlinked entries durable.
   virtual absl::Status SyncDir(int dir_fd);
   virtual absl::Status Unlink(int dir_fd, const std::string& name);

@@ -440,6 +440,27 @@ absl::Status FaultFileSystem::RenameNoReplace(int dir_fd, const std::string& fro
   return absl::OkStatus();
 }
 
+// A move between directories is recorded against the source directory: until
+// that directory is synced a crash image puts the entry back (a rename is one
+// journal transaction, so the entry is never in both places or in neither).
+absl::Status FaultFileSystem::MoveNoReplace(int from_dir, const std::string& from, int to_dir,
+                                            const std::string& to) {
+  absl::MutexLock lock(&mu_);
+  CKPT_RETURN_IF_ERROR(Gate(FaultClass::kRename, true, "move"));
+  CKPT_ASSIGN_OR_RETURN(Key from_key, KeyOfDirFd(from_dir));
+  CKPT_ASSIGN_OR_RETURN(Key to_key, KeyOfDirFd(to_dir));
+  struct stat st;
+  const bool have = ::fstatat(from_dir, from.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+  CKPT_RETURN_IF_ERROR(base_->MoveNoReplace(from_dir, from, to_dir, to));
+  const std::string dest = Join(dirs_[to_key], to);
+  dir_ops_.push_back(DirOp{from_key, DirOpKind::kMove, from, dest, ""});
+  if (have) {
+    auto it = files_.find(Key(st.st_dev, st.st_ino));
+    if (it != files_.end()) it->second.path = dest;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FaultFileSystem::SyncDir(int dir_fd) {
   absl::MutexLock lock(&mu_);
   CKPT_RETURN_IF_ERROR(Gate(FaultClass::kDirSync, true, "fsync dir"));
@@ -607,6 +628,10 @@ void FaultFileSystem::UndoDirOps(const CrashPolicy& policy, CrashReport* report)
         break;
       case DirOpKind::kRename:
         ::renameat2(AT_FDCWD, Join(dir, op.name2).c_str(), AT_FDCWD, Join(dir, op.name).c_str(),
+                    RENAME_NOREPLACE);
+        break;
+      case DirOpKind::kMove:
+        ::renameat2(AT_FDCWD, op.name2.c_str(), AT_FDCWD, Join(dir, op.name).c_str(),
                     RENAME_NOREPLACE);
         break;
       case DirOpKind::kUnlink:

@@ -189,6 +189,8 @@ class FaultFileSystem : public FileSystem {
   absl::Status Allocate(int fd, uint64_t len) override;
   absl::Status DataSync(int fd) override;
   absl::Status RenameNoReplace(int dir_fd, const std::string& from, const std::string& to) override;
+  absl::Status MoveNoReplace(int from_dir, const std::string& from, int to_dir,
+                             const std::string& to) override;
   absl::Status SyncDir(int dir_fd) override;
   absl::Status Unlink(int dir_fd, const std::string& name) override;
   absl::Status RemoveDir(int dir_fd, const std::string& name) override;
@@ -213,12 +215,12 @@ class FaultFileSystem : public FileSystem {
     bool size_changed = false;                  // allocate/extend since the last sync
     bool poisoned = false;                      // a DataSync failed: unsynced data is lost
   };
-  enum class DirOpKind { kCreate, kMkdir, kRename, kUnlink, kRmdir };
+  enum class DirOpKind { kCreate, kMkdir, kRename, kMove, kUnlink, kRmdir };
   struct DirOp {
     Key dir;
     DirOpKind kind;
     std::string name;   // created/removed name; rename: from
-    std::string name2;  // rename: to
+    std::string name2;  // rename: to; move: the destination's path
     std::string grave;  // unlink: graveyard path holding the file
   };
   struct Rule {
