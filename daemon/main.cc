@@ -30,9 +30,39 @@ constexpr char kUsage[] =
     "       ckptd --dump-default-config\n\n"
     "Node-local checkpoint daemon. Options (file keys and flags alike):\n";
 
+// Exit status of a start-up refusal that a restart cannot cure (a damaged
+// index, a symbolic link in the data directory): EX_CONFIG, which the
+// systemd unit lists in RestartPreventExitStatus= so ckptd does not loop.
+constexpr int kExitNeedsOperator = 78;
+
 int Fail(const std::string& what, const absl::Status& s) {
   CKPT_LOG(ERROR) << what << ": " << s;
   return 1;
+}
+
+// The index could not be opened. Corruption is refused with the way out;
+// ckptd never rebuilds or deletes anything itself.
+int FailIndex(const std::string& data_dir, const absl::Status& s) {
+  CKPT_LOG(ERROR) << "index: " << s;
+  if (!absl::IsDataLoss(s)) return 1;
+  CKPT_LOG(ERROR) << "index: the index under " << data_dir
+                  << "/index is damaged; ckptd changed nothing. With ckptd stopped, run "
+                     "`ckptctl repair --data-dir="
+                  << data_dir
+                  << "` to rebuild it from the self-describing layer files (the damaged index "
+                     "is kept beside it), then start ckptd again";
+  return kExitNeedsOperator;
+}
+
+// Start-up met something in the data directory it must not touch (a
+// symbolic link): the message names the path; no restart can cure it.
+int FailDataDir(const std::string& what, const absl::Status& s) {
+  CKPT_LOG(ERROR) << what << ": " << s;
+  if (!absl::IsFailedPrecondition(s)) return 1;
+  CKPT_LOG(ERROR) << what
+                  << ": refusing to start; move the path named above out of the data directory "
+                     "(or replace the link with what it points to) and start ckptd again";
+  return kExitNeedsOperator;
 }
 
 }  // namespace
@@ -106,15 +136,22 @@ int main(int argc, char** argv) {
   absl::StatusOr<UniqueFd> data_dir = fs->MakeDirs(config.data_dir);
   if (!data_dir.ok()) return Fail("data directory", data_dir.status());
   absl::StatusOr<std::unique_ptr<Index>> index = Index::Open(config.data_dir + "/index");
-  if (!index.ok()) return Fail("index", index.status());
+  if (!index.ok()) return FailIndex(config.data_dir, index.status());
   LayerStore store(config.data_dir, fs, index->get(), config.direct_io);
-  if (absl::Status s = store.Init(); !s.ok()) return Fail("store", s);
+  if (absl::Status s = store.Init(); !s.ok()) return FailDataDir("store", s);
   absl::StatusOr<ReconcileReport> report = store.Reconcile();
-  if (!report.ok()) return Fail("start-up reconciliation", report.status());
-  CKPT_LOG(INFO) << "reconciled: " << report->temp_files_removed << " temp files, "
-                 << report->orphan_files_removed << " orphan files, "
+  if (!report.ok()) return FailDataDir("start-up reconciliation", report.status());
+  CKPT_LOG(INFO) << "reconciled: " << report->temp_files_removed << " temp files removed, "
+                 << report->orphan_files_quarantined << " orphan files quarantined, "
                  << report->uncommitted_versions_removed << " unacknowledged versions and "
                  << report->dangling_records_removed << " dangling records removed";
+  if (report->files_quarantined > 0) {
+    CKPT_LOG(WARNING) << "reconciled: " << report->files_quarantined
+                      << " layer files moved to " << config.data_dir
+                      << "/quarantine (paths above); if acknowledged versions are missing, stop "
+                         "ckptd and run `ckptctl repair --data-dir="
+                      << config.data_dir << "`";
+  }
 
   const absl::Time pool_start = absl::Now();
   absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(config.staging);

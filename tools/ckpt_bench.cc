@@ -255,9 +255,9 @@ class Bench {
     store_ = std::make_unique<ckpt::LayerStore>(a_.dir, fs_, index_.get(), /*use_direct_io=*/true);
     CKPT_RETURN_IF_ERROR(store_->Init());
     // Leftovers of an interrupted earlier run (no event records, so every
-    // version is "uncommitted") are removed here.
+    // version is "uncommitted") are moved to <dir>/quarantine/ here.
     CKPT_ASSIGN_OR_RETURN(ckpt::ReconcileReport rep, store_->Reconcile());
-    leftovers_ = rep.temp_files_removed + rep.orphan_files_removed +
+    leftovers_ = rep.temp_files_removed + rep.orphan_files_quarantined +
                  rep.uncommitted_versions_removed + rep.dangling_records_removed;
     for (uint32_t w = 0; w < a_.writers; ++w) {
       absl::Status s = fs_->Unlink(dir_fd_.get(), RawName(w));

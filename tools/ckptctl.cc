@@ -34,6 +34,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "daemon/io/file_system.h"
+#include "daemon/store/repair.h"
 #include "nlohmann/json.hpp"
 #include "tools/export_writer.h"
 #include "tools/terminal_text.h"
@@ -93,6 +95,16 @@ Commands:
                           rank): that its file exists whole, and with --deep
                           re-read it and check every checksum; lists failures
                           and exits 4 when any version does not verify
+  repair --data-dir=DIR [--owner-uid=UID]
+                          offline, with ckptd stopped (refused while it holds
+                          DIR/index/ckptd.lock): rebuild the index from the
+                          self-describing layer files in DIR/jobs and
+                          DIR/quarantine, so every version whose file verifies
+                          is restorable again; an index that does not open is
+                          kept as DIR/index.damaged-<time>. Events' aux blobs
+                          and learning rates are not in the files and are not
+                          recovered; jobs without a record get owner UID
+                          (default 0, root). Nothing is deleted
   help [COMMAND]          this text
 
 Global flags:
@@ -112,6 +124,8 @@ Command flags (decimal integers):
   --out=DIR               output directory (export, restore; created if missing)
   --dry-run               report only (gc)
   --deep                  read every byte and check checksums (verify)
+  --data-dir=DIR          ckptd's data directory (repair only)
+  --owner-uid=UID         owner of jobs repair recreates (repair only)
 
 Exit codes:
   0  success
@@ -121,7 +135,7 @@ Exit codes:
      connection was made)
   4  verify found versions that do not verify (checksum, size, missing file)
   5  a local file or directory could not be created or written (export,
-     restore)
+     restore), or repair failed or was refused
 )";
 
 // ---- argument parsing ----
@@ -140,6 +154,8 @@ struct Options {
   std::string out;
   bool dry_run = false;
   bool deep = false;
+  std::string data_dir;
+  std::optional<uint32_t> owner_uid;
 };
 
 // Prints a usage error and returns kExitUsage.
@@ -224,7 +240,8 @@ int ParseArgs(int argc, char** argv, Options* o) {
     } else {
       name = std::string(arg);
       if (name != "--socket" && name != "--timeout" && name != "--rank" && name != "--layer" &&
-          name != "--limit" && name != "--step" && name != "--out") {
+          name != "--limit" && name != "--step" && name != "--out" && name != "--data-dir" &&
+          name != "--owner-uid") {
         return UsageError(absl::StrCat("unknown flag '", name, "'"));
       }
       if (i + 1 >= argc) return UsageError(absl::StrCat(name, " needs a value"));
@@ -253,6 +270,13 @@ int ParseArgs(int argc, char** argv, Options* o) {
     } else if (name == "--out") {
       if (value.empty()) return bad("a directory");
       o->out = value;
+    } else if (name == "--data-dir") {
+      if (value.empty()) return bad("a directory");
+      o->data_dir = value;
+    } else if (name == "--owner-uid") {
+      uint32_t v;
+      if (!ParseUnsigned<uint32_t>(value, UINT32_MAX, &v)) return bad("a uid");
+      o->owner_uid = v;
     } else if (name == "--step") {
       uint64_t v;
       if (!ParseUnsigned<uint64_t>(value, UINT64_MAX, &v)) return bad("a step number");
@@ -286,6 +310,8 @@ int ValidateCommand(const Options& o) {
     rank_ok = step_ok = true;
     if (o.out.empty()) return UsageError(absl::StrCat(c, ": --out=DIR is required"));
   } else if (c == "config") {
+  } else if (c == "repair") {
+    if (o.data_dir.empty()) return UsageError("repair: --data-dir=DIR is required");
   } else if (c == "verify") {
     want_args = 1;
     rank_ok = true;
@@ -303,7 +329,9 @@ int ValidateCommand(const Options& o) {
   for (int rc : {reject(o.rank.has_value(), rank_ok, "--rank"),
                  reject(o.layer.has_value(), layer_ok, "--layer"),
                  reject(o.limit.has_value(), limit_ok, "--limit"),
-                 reject(o.step.has_value(), step_ok, "--step")}) {
+                 reject(o.step.has_value(), step_ok, "--step"),
+                 reject(!o.data_dir.empty(), c == "repair", "--data-dir"),
+                 reject(o.owner_uid.has_value(), c == "repair", "--owner-uid")}) {
     if (rc != kExitOk) return rc;
   }
   return kExitOk;
@@ -533,7 +561,8 @@ class Ctl {
                      {"snapshots_skipped", r.snapshots_skipped()},
                      {"write_errors", r.write_errors()},
                      {"uptime_seconds", r.uptime_seconds()},
-                     {"orphan_files_removed", r.orphan_files_removed()},
+                     {"orphan_files_quarantined", r.orphan_files_quarantined()},
+                     {"files_quarantined", r.files_quarantined()},
                      {"dangling_records_removed", r.dangling_records_removed()},
                      {"temp_files_removed", r.temp_files_removed()},
                      {"metrics_address", r.metrics_address()},
@@ -563,7 +592,8 @@ class Ctl {
         {"uptime_seconds",
          absl::StrFormat("%.1f (%s)", r.uptime_seconds(),
                          absl::FormatDuration(absl::Seconds(std::floor(r.uptime_seconds()))))},
-        {"orphan_files_removed", absl::StrCat(r.orphan_files_removed())},
+        {"orphan_files_quarantined", absl::StrCat(r.orphan_files_quarantined())},
+        {"files_quarantined", absl::StrCat(r.files_quarantined())},
         {"dangling_records_removed", absl::StrCat(r.dangling_records_removed())},
         {"temp_files_removed", absl::StrCat(r.temp_files_removed())},
         {"gpu", OrDash(r.gpu())},
@@ -980,6 +1010,45 @@ class Ctl {
 
 }  // namespace
 
+// `repair`: the offline index rebuild (daemon/store/repair.h); no daemon.
+int Repair(const Options& o) {
+  ckpt::RepairOptions ro;
+  ro.owner_uid = o.owner_uid.value_or(0);
+  absl::StatusOr<ckpt::RepairReport> r = ckpt::RepairDataDir(o.data_dir, ckpt::DefaultFileSystem(), ro);
+  if (!r.ok()) {
+    std::fprintf(stderr, "ckptctl: %s: repair of %s: %s\n",
+                 absl::StatusCodeToString(r.status().code()).c_str(), o.data_dir.c_str(),
+                 std::string(r.status().message()).c_str());
+    return kExitLocalError;
+  }
+  if (o.json) {
+    PrintJson(Json{{"index_rebuilt", r->index_rebuilt},
+                   {"damaged_index", r->damaged_index},
+                   {"open_error", r->open_error},
+                   {"files_checked", r->files_checked},
+                   {"records_kept", r->records_kept},
+                   {"records_added", r->records_added},
+                   {"files_unquarantined", r->files_unquarantined},
+                   {"events_added", r->events_added},
+                   {"ranks_added", r->ranks_added},
+                   {"jobs_added", r->jobs_added},
+                   {"skipped", r->skipped}});
+    return kExitOk;
+  }
+  PrintKv({{"index_rebuilt", r->index_rebuilt ? "yes (old index kept as " + r->damaged_index + ")"
+                                              : std::string("no")},
+           {"files_checked", absl::StrCat(r->files_checked)},
+           {"records_kept", absl::StrCat(r->records_kept)},
+           {"records_added", absl::StrCat(r->records_added)},
+           {"files_unquarantined", absl::StrCat(r->files_unquarantined)},
+           {"events_added", absl::StrCat(r->events_added)},
+           {"ranks_added", absl::StrCat(r->ranks_added)},
+           {"jobs_added", absl::StrCat(r->jobs_added)},
+           {"files_left_in_place", absl::StrCat(r->skipped.size())}});
+  for (const std::string& s : r->skipped) std::printf("left in place: %s\n", s.c_str());
+  return kExitOk;
+}
+
 // `help COMMAND`: the command's entry of the usage text, or a usage error.
 static int HelpFor(const std::string& command) {
   // An entry starts with "  COMMAND" at two spaces and runs until the next
@@ -1012,5 +1081,6 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   if (int rc = ValidateCommand(o); rc != kExitOk) return rc;
+  if (o.command == "repair") return Repair(o);
   return Ctl(o).Run();
 }

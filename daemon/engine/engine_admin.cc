@@ -27,7 +27,8 @@ v1::StatusReply Engine::GetStatus() {
   s.set_snapshots_skipped(snapshots_skipped_.load(std::memory_order_relaxed));
   s.set_write_errors(write_errors_.load(std::memory_order_relaxed));
   s.set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
-  s.set_orphan_files_removed(reconcile_.orphan_files_removed);
+  s.set_orphan_files_quarantined(reconcile_.orphan_files_quarantined);
+  s.set_files_quarantined(reconcile_.files_quarantined);
   s.set_dangling_records_removed(reconcile_.dangling_records_removed);
   s.set_temp_files_removed(reconcile_.temp_files_removed);
   s.set_gpu(gpu_support_);

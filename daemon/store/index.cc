@@ -187,6 +187,17 @@ absl::StatusOr<uint64_t> Index::NextGeneration() {
   return next;
 }
 
+absl::Status Index::RaiseGeneration(uint64_t used) {
+  absl::MutexLock lock(&g_generation_mu);
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get("m/generation"));
+  uint64_t next = 1;
+  if (v.has_value() && !absl::SimpleAtoi(*v, &next)) {
+    return absl::DataLossError("index generation counter is corrupt");
+  }
+  if (next > used) return absl::OkStatus();
+  return Put("m/generation", absl::StrCat(used + 1));
+}
+
 absl::Status Index::PutJob(const std::string& job, const store::JobRecord& rec) {
   return Put(absl::StrCat("j/", job), rec.SerializeAsString());
 }

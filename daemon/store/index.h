@@ -67,6 +67,9 @@ class Index {
 
   // Returns a generation never handed out before (persisted counter).
   absl::StatusOr<uint64_t> NextGeneration();
+  // Makes every later NextGeneration() return more than `used` (repair: the
+  // generations named by layer files an index rebuild found).
+  absl::Status RaiseGeneration(uint64_t used);
 
   absl::Status PutJob(const std::string& job, const store::JobRecord& rec);
   absl::StatusOr<std::optional<store::JobRecord>> GetJob(const std::string& job);

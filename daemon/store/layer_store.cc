@@ -18,7 +18,6 @@ namespace ckpt {
 
 static_assert(kChunkAlignment % kDirectAlignment == 0,
               "staging chunks are written with O_DIRECT");
-namespace {
 
 std::string RankDirName(uint32_t rank) { return absl::StrFormat("rank-%08x", rank); }
 
@@ -37,6 +36,15 @@ bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step) {
   return absl::SimpleHexAtoi(n.substr(1, 8), layer) && absl::SimpleHexAtoi(n.substr(11, 16), step);
 }
 
+namespace {
+
+// `s` with `path` in front of its message (same code), so a start-up
+// failure names where in the data directory it happened.
+absl::Status AtPath(const absl::Status& s, const std::string& path) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+}
+
 }  // namespace
 
 LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool use_direct_io)
@@ -45,12 +53,14 @@ LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool 
 absl::StatusOr<uint64_t> LayerStore::FreeBytes() { return fs_->FreeBytes(jobs_dir_.get()); }
 
 absl::Status LayerStore::Init() {
-  CKPT_ASSIGN_OR_RETURN(UniqueFd data_dir, fs_->MakeDirs(data_dir_));
-  CKPT_ASSIGN_OR_RETURN(jobs_dir_, fs_->OpenSubdir(data_dir.get(), "jobs", /*create=*/true));
+  CKPT_ASSIGN_OR_RETURN(data_dir_fd_, fs_->MakeDirs(data_dir_));
+  absl::StatusOr<UniqueFd> jobs = fs_->OpenSubdir(data_dir_fd_.get(), "jobs", /*create=*/true);
+  if (!jobs.ok()) return AtPath(jobs.status(), data_dir_ + "/jobs");
+  jobs_dir_ = std::move(jobs).value();
   // An fsync inside jobs/ does not make jobs/ itself durable: without this a
   // power loss can take the whole tree (and the index directory, created
   // before Init) away from under records that name its files.
-  CKPT_RETURN_IF_ERROR(fs_->SyncDir(data_dir.get()));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(data_dir_fd_.get()));
   return absl::OkStatus();
 }
 
@@ -58,9 +68,21 @@ std::string LayerStore::FileName(const VersionKey& key, uint64_t generation) {
   return absl::StrFormat("L%08x-S%016x-G%016x.ckv", key.layer, key.step, generation);
 }
 
-absl::StatusOr<std::string> LayerStore::RankDirPath(const std::string& job, uint32_t rank) {
-  CKPT_RETURN_IF_ERROR(RankDir(job, rank, /*create=*/true).status());
+std::string LayerStore::RankDirPath(const std::string& job, uint32_t rank) const {
   return absl::StrCat(data_dir_, "/jobs/", job, "/", RankDirName(rank));
+}
+
+absl::StatusOr<UniqueFd> LayerStore::OpenSideFile(const std::string& job, uint32_t rank,
+                                                  const std::string& name) {
+  absl::StatusOr<int> dir = RankDir(job, rank, /*create=*/true);
+  if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
+  absl::StatusOr<UniqueFd> fd = fs_->OpenForAppend(*dir, name);
+  if (!fd.ok()) return AtPath(fd.status(), RankDirPath(job, rank));
+  return fd;
+}
+
+absl::Status LayerStore::AppendSideFile(int fd, absl::string_view data) {
+  return fs_->Append(fd, data);
 }
 
 absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, bool create) {
@@ -233,17 +255,20 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
       CKPT_LOG(WARNING) << "reconcile: ignoring unexpected entry jobs/" << job_dirs[i];
       continue;
     }
-    CKPT_ASSIGN_OR_RETURN(UniqueFd jd, fs_->OpenSubdir(jobs_dir_.get(), job_dirs[i], false));
+    const std::string job_path = absl::StrCat(data_dir_, "/jobs/", job_dirs[i]);
+    absl::StatusOr<UniqueFd> jd = fs_->OpenSubdir(jobs_dir_.get(), job_dirs[i], false);
+    if (!jd.ok()) return AtPath(jd.status(), job_path);
     std::vector<bool> rank_is_dir;
-    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> rank_dirs, fs_->List(jd.get(), &rank_is_dir));
-    for (size_t j = 0; j < rank_dirs.size(); ++j) {
+    absl::StatusOr<std::vector<std::string>> rank_dirs = fs_->List(jd->get(), &rank_is_dir);
+    if (!rank_dirs.ok()) return AtPath(rank_dirs.status(), job_path);
+    for (size_t j = 0; j < rank_dirs->size(); ++j) {
       uint32_t r;
-      if (rank_is_dir[j] && ParseRankDirName(rank_dirs[j], &r)) ranks.emplace(job_dirs[i], r);
+      if (rank_is_dir[j] && ParseRankDirName((*rank_dirs)[j], &r)) ranks.emplace(job_dirs[i], r);
     }
   }
   for (const auto& [job, rank] : ranks) {
     absl::StatusOr<int> dir = RankDir(job, rank, /*create=*/true);
-    if (!dir.ok()) return dir.status();
+    if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
     CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, *dir, &report));
   }
   return report;
@@ -279,10 +304,20 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
         }
         return true;
       }));
-  CKPT_RETURN_IF_ERROR(stat_error);
+  CKPT_RETURN_IF_ERROR(AtPath(stat_error, RankDirPath(job, rank)));
   for (auto& [k, rec] : drop_uncommitted) {
-    CKPT_RETURN_IF_ERROR(Remove(k, rec));
+    // Record first: a crash before the move leaves an orphan, which the next
+    // start quarantines in turn.
+    CKPT_RETURN_IF_ERROR(index_->DeleteVersion(k));
     ++report->uncommitted_versions_removed;
+    absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
+    if (size.ok()) {
+      CKPT_RETURN_IF_ERROR(Quarantine(job, rank, dir, rec.file(),
+                                      "its step is after the rank's last checkpoint event"));
+      ++report->files_quarantined;
+    } else if (!absl::IsNotFound(size.status())) {
+      return AtPath(size.status(), RankDirPath(job, rank));
+    }
   }
   for (auto& [k, rec] : drop_dangling) {
     CKPT_LOG(ERROR) << "reconcile: BUG ALARM: index names " << rec.file() << " (job " << job
@@ -293,7 +328,9 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
     ++report->dangling_records_removed;
   }
   // 2. File side: temp files and files no record names.
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->List(dir));
+  absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
+  if (!listed.ok()) return AtPath(listed.status(), RankDirPath(job, rank));
+  const std::vector<std::string>& names = *listed;
   bool changed = false;
   for (const std::string& name : names) {
     uint32_t layer;
@@ -303,12 +340,45 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
       ++report->temp_files_removed;
       changed = true;
     } else if (ParseFileName(name, &layer, &step) && named.count(name) == 0) {
-      CKPT_RETURN_IF_ERROR(fs_->Unlink(dir, name));
-      ++report->orphan_files_removed;
-      changed = true;
+      // No record names it: a version whose commit died between rename and
+      // index write -- or an acknowledged one whose record a damaged index
+      // lost. Only `ckptctl repair` can tell; never delete it here.
+      CKPT_RETURN_IF_ERROR(Quarantine(job, rank, dir, name, "no index record names it"));
+      ++report->orphan_files_quarantined;
+      ++report->files_quarantined;
     }
   }
   if (changed) CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir));
+  return absl::OkStatus();
+}
+
+absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int dir,
+                                    const std::string& name, const char* why) {
+  const std::string qpath = absl::StrCat(data_dir_, "/", kQuarantineDir, "/", job, "/",
+                                         RankDirName(rank));
+  absl::StatusOr<UniqueFd> q = fs_->OpenSubdir(data_dir_fd_.get(), kQuarantineDir, true);
+  if (!q.ok()) return AtPath(q.status(), absl::StrCat(data_dir_, "/", kQuarantineDir));
+  absl::StatusOr<UniqueFd> qjob = fs_->OpenSubdir(q->get(), job, true);
+  if (!qjob.ok()) return AtPath(qjob.status(), qpath);
+  absl::StatusOr<UniqueFd> qrank = fs_->OpenSubdir(qjob->get(), RankDirName(rank), true);
+  if (!qrank.ok()) return AtPath(qrank.status(), qpath);
+  // The new directories' entries first, so the moved file cannot vanish
+  // with a directory a power loss forgets.
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(qjob->get()));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(q->get()));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(data_dir_fd_.get()));
+  std::string target = name;
+  for (int n = 1;; ++n) {
+    absl::Status s = fs_->MoveNoReplace(dir, name, qrank->get(), target);
+    if (s.ok()) break;
+    if (!absl::IsAlreadyExists(s) || n > 1000) return AtPath(s, RankDirPath(job, rank));
+    target = absl::StrCat(name, ".", n);
+  }
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(qrank->get()));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir));
+  CKPT_LOG(WARNING) << "reconcile: quarantined " << RankDirPath(job, rank) << "/" << name
+                    << " -> " << qpath << "/" << target << " (" << why
+                    << "); `ckptctl repair` restores it to the index";
   return absl::OkStatus();
 }
 

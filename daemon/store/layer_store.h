@@ -6,6 +6,9 @@
 //   <data_dir>/jobs/<job>/rank-<rank:8>/      one directory per rank
 //       L<layer:8>-S<step:16>-G<gen:16>.ckv   committed layer versions (format.h)
 //       tmp.<...>                             in-flight writes; removed at start
+//   <data_dir>/quarantine/<job>/rank-<rank:8>/  layer files start-up found
+//       without a record (or after the rank's last event); never deleted by
+//       ckptd, restored to the index by `ckptctl repair` (repair.h)
 //
 // Commit protocol for one layer version (SPEC §5, RELIABILITY §6.0):
 //   create tmp (O_EXCL, O_DIRECT) -> fallocate -> write every chunk and reap
@@ -53,6 +56,12 @@ class LeaseImage final : public ByteImage {
 };
 
 
+// Names of the directory layout above: "rank-<rank:8>" and
+// "L<layer:8>-S<step:16>-G<gen:16>.ckv" (the parsers accept exactly that).
+std::string RankDirName(uint32_t rank);
+bool ParseRankDirName(const std::string& name, uint32_t* rank);
+bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step);
+
 // One layer version in staging, ready to commit. `header` has every tensor's
 // metadata and layout offsets (PlanLayout); its checksums are filled in by
 // Commit from the staged bytes.
@@ -77,11 +86,18 @@ struct CommitTimings {
   double total_seconds = 0;  // temp file created .. index record written
 };
 
+// What start-up reconciliation did. Layer files are never deleted there: a
+// file the index does not name may be an acknowledged version whose record a
+// damaged index lost, so it is moved to <data_dir>/quarantine/ instead (and
+// `ckptctl repair` puts it back, repair.h).
 struct ReconcileReport {
-  uint64_t temp_files_removed = 0;
-  uint64_t orphan_files_removed = 0;      // files without a record
-  uint64_t dangling_records_removed = 0;  // records without a (whole) file
-  uint64_t uncommitted_versions_removed = 0;  // versions after the last event
+  uint64_t temp_files_removed = 0;          // tmp.* (never acknowledged)
+  uint64_t orphan_files_quarantined = 0;    // layer files without a record
+  uint64_t dangling_records_removed = 0;    // records without a (whole) file
+  uint64_t uncommitted_versions_removed = 0;  // records after the last event
+  // Files moved to quarantine/: the orphans and the files of the versions
+  // after the last event.
+  uint64_t files_quarantined = 0;
 };
 
 class LayerStore {
@@ -115,26 +131,45 @@ class LayerStore {
   // then fsync of the directory.
   absl::Status Remove(const VersionKey& key, const store::VersionRecord& rec);
 
-  // Start-up recovery: removes temp files, versions newer than their rank's
-  // last event (never acknowledged), files no record names, and records whose
-  // file is missing or of the wrong size (logged as a bug alarm).
+  // Start-up recovery: removes temp files and records whose file is missing
+  // or of the wrong size (logged as a bug alarm); removes the records of
+  // versions newer than their rank's last event and moves their files, and
+  // every layer file no record names, to <data_dir>/quarantine/ (each logged
+  // with its path). Layer files are never deleted here.
+  // FAILED_PRECONDITION naming the path when the data directory holds a
+  // symbolic link where ckptd opens a directory or a recorded file.
   absl::StatusOr<ReconcileReport> Reconcile();
 
   static std::string FileName(const VersionKey& key, uint64_t generation);
-  // The rank's directory (created when missing), for side files such as the
-  // drift trace.
-  absl::StatusOr<std::string> RankDirPath(const std::string& job, uint32_t rank);
+  // Opens (creating when missing) the side file `name` of the rank's
+  // directory for appending, such as the drift trace, through the
+  // FileSystem: never through a symbolic link (FAILED_PRECONDITION naming
+  // the path) and never outside the rank directory.
+  absl::StatusOr<UniqueFd> OpenSideFile(const std::string& job, uint32_t rank,
+                                        const std::string& name);
+  // Appends `data` to a side file from OpenSideFile.
+  absl::Status AppendSideFile(int fd, absl::string_view data);
+  // Path of the rank's directory (for messages).
+  std::string RankDirPath(const std::string& job, uint32_t rank) const;
+  // Name of the quarantine directory under the data directory.
+  static constexpr char kQuarantineDir[] = "quarantine";
   bool direct_io() const { return use_direct_io_; }
 
  private:
   absl::StatusOr<int> RankDir(const std::string& job, uint32_t rank, bool create);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileReport* report);
+  // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
+  // (a free name: `name`, else `name`.1, .2, ...), then fsyncs both
+  // directories. `why` goes into the log line.
+  absl::Status Quarantine(const std::string& job, uint32_t rank, int dir, const std::string& name,
+                          const char* why);
 
   const std::string data_dir_;
   FileSystem* const fs_;
   Index* const index_;
   const bool use_direct_io_;
+  UniqueFd data_dir_fd_;
   UniqueFd jobs_dir_;
 
   absl::Mutex mu_;

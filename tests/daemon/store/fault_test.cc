@@ -423,7 +423,7 @@ class PowerLossTest : public FaultTest {
     }
     (*f)["temps_in_images"] += temps;
     (*f)["temps_removed"] += rep->temp_files_removed;
-    (*f)["orphans_removed"] += rep->orphan_files_removed;
+    (*f)["orphans_quarantined"] += rep->orphan_files_quarantined;
     (*f)["unacked_versions_removed"] += rep->uncommitted_versions_removed;
     (*f)["dangling_records"] += rep->dangling_records_removed;
     EXPECT_EQ(rep->dangling_records_removed, 0u) << "bug alarm: a record named a missing file";

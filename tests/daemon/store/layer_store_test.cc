@@ -16,8 +16,10 @@
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/store/layer_store.h"
+#include "daemon/store/repair.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
+#include "tests/lib/fault_fs.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
@@ -26,6 +28,8 @@ namespace ckpt {
 namespace {
 
 using ::ckpt::testing::BackendParamName;
+using ::ckpt::testing::FaultClass;
+using ::ckpt::testing::FaultFileSystem;
 
 using ::ckpt::testing::PathExists;
 using ::ckpt::testing::TempDir;
@@ -73,7 +77,7 @@ class LayerStoreTest : public ::testing::TestWithParam<IoBackendKind> {
 
   // A fresh LayerStore over the same directory and index (a daemon restart).
   void NewStore() {
-    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(),
+    store_ = std::make_unique<LayerStore>(tmp_.path(), fs_, index_.get(),
                                           /*use_direct_io=*/true);
     CKPT_ASSERT_OK(store_->Init());
   }
@@ -103,6 +107,7 @@ class LayerStoreTest : public ::testing::TestWithParam<IoBackendKind> {
   }
 
   TempDir tmp_;
+  FileSystem* fs_ = DefaultFileSystem();
   std::unique_ptr<IoBackend> io_;
   std::unique_ptr<StagingPool> pool_;
   std::unique_ptr<Index> index_;
@@ -300,13 +305,21 @@ TEST_P(LayerStoreTest, ReconcileCleansUpAndKeepsCommittedVersions) {
   ASSERT_NO_FATAL_FAILURE(NewStore());  // as after a restart
   CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
   EXPECT_EQ(report.temp_files_removed, 1u);
-  EXPECT_EQ(report.orphan_files_removed, 1u);
+  EXPECT_EQ(report.orphan_files_quarantined, 1u);
   EXPECT_EQ(report.dangling_records_removed, 2u);
   EXPECT_EQ(report.uncommitted_versions_removed, 2u);
+  EXPECT_EQ(report.files_quarantined, 3u);
 
   EXPECT_EQ(ListDir(dir0), (std::vector<std::string>{good.file(), "notes.txt"}));
   EXPECT_EQ(ListDir(RankDir(job, 1)), std::vector<std::string>{});
   EXPECT_EQ(ListDir(RankDir(job, 2)), std::vector<std::string>{});
+  // Layer files are moved, never deleted: the orphan and the versions after
+  // their rank's last event wait in quarantine/ for `ckptctl repair`.
+  const std::string q = tmp_.Join("quarantine/" + job);
+  std::vector<std::string> q0{late.file(), orphan};
+  std::sort(q0.begin(), q0.end());
+  EXPECT_EQ(ListDir(q + "/rank-00000000"), q0);
+  EXPECT_EQ(ListDir(q + "/rank-00000002"), std::vector<std::string>{noevent.file()});
   CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(job, 0, 0, ~uint64_t{0}));
   ASSERT_TRUE(v.has_value());
   EXPECT_EQ(v->first, 1u);
@@ -323,7 +336,8 @@ TEST_P(LayerStoreTest, ReconcileCleansUpAndKeepsCommittedVersions) {
   // A second pass finds nothing to do.
   CKPT_ASSERT_OK_AND_ASSIGN(report, store_->Reconcile());
   EXPECT_EQ(report.temp_files_removed, 0u);
-  EXPECT_EQ(report.orphan_files_removed, 0u);
+  EXPECT_EQ(report.orphan_files_quarantined, 0u);
+  EXPECT_EQ(report.files_quarantined, 0u);
   EXPECT_EQ(report.dangling_records_removed, 0u);
   EXPECT_EQ(report.uncommitted_versions_removed, 0u);
 }
@@ -338,10 +352,157 @@ TEST_P(LayerStoreTest, ReconcileOfACleanStoreChangesNothing) {
   CKPT_ASSERT_OK(index_->PutRank(key.job, 0, store::RankRecord()));
   ASSERT_NO_FATAL_FAILURE(NewStore());
   CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
-  EXPECT_EQ(report.temp_files_removed + report.orphan_files_removed +
+  EXPECT_EQ(report.temp_files_removed + report.orphan_files_quarantined +
                 report.dangling_records_removed + report.uncommitted_versions_removed,
             0u);
   CKPT_EXPECT_OK(Read(key, rec));
+}
+
+// A damaged WAL or MANIFEST length field made RocksDB open an older index
+// state, and start-up reconciliation then deleted the newer versions' files
+// as orphans (and as versions after the last event): acknowledged data lost.
+// Now reconciliation quarantines them and RepairDataDir makes every one a
+// record again.
+TEST_P(LayerStoreTest, AnIndexRolledBackLosesNoFileAndRepairRestoresEveryVersion) {
+  const std::string job = "job-rb";
+  Staged s[4];
+  store::VersionRecord rec[4];
+  VersionKey keys[4];
+  for (uint32_t i = 0; i < 4; ++i) {
+    keys[i] = VersionKey{job, 0, i % 2, i + 1};
+    ASSERT_NO_FATAL_FAILURE(Commit(keys[i], 3, {3000, 700}, 50 + i, &s[i], &rec[i]));
+    s[i].version.lease = StagingLease();
+    store::EventRecord ev;
+    ev.add_layers(i % 2);
+    ev.set_aux("position " + std::to_string(i + 1));
+    CKPT_ASSERT_OK(index_->PutEvent(job, 0, i + 1, ev));
+  }
+  store::JobRecord owner;
+  owner.set_owner_uid(1234);
+  CKPT_ASSERT_OK(index_->PutJob(job, owner));
+  CKPT_ASSERT_OK(index_->PutRank(job, 0, store::RankRecord()));
+  // The index as RocksDB opened it: step 3's version record survived, its
+  // event and everything of step 4 did not.
+  CKPT_ASSERT_OK(index_->DeleteVersion(keys[3]));
+  CKPT_ASSERT_OK(index_->DeleteEvent(job, 0, 3));
+  CKPT_ASSERT_OK(index_->DeleteEvent(job, 0, 4));
+
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
+  EXPECT_EQ(report.uncommitted_versions_removed, 1u);
+  EXPECT_EQ(report.orphan_files_quarantined, 1u);
+  EXPECT_EQ(report.files_quarantined, 2u);
+  std::vector<std::string> q{rec[2].file(), rec[3].file()};
+  std::sort(q.begin(), q.end());
+  EXPECT_EQ(ListDir(tmp_.Join("quarantine/job-rb/rank-00000000")), q);
+
+  // Offline repair: the index's lock must be free.
+  store_.reset();
+  index_.reset();
+  CKPT_ASSERT_OK_AND_ASSIGN(RepairReport rep, RepairDataDir(tmp_.path(), fs_, RepairOptions()));
+  EXPECT_FALSE(rep.index_rebuilt);
+  EXPECT_EQ(rep.files_checked, 4u);
+  EXPECT_EQ(rep.records_kept, 2u);
+  EXPECT_EQ(rep.records_added, 2u);
+  EXPECT_EQ(rep.files_unquarantined, 2u);
+  EXPECT_EQ(rep.events_added, 2u);
+  EXPECT_TRUE(rep.skipped.empty());
+  EXPECT_TRUE(ListDir(tmp_.Join("quarantine/job-rb/rank-00000000")).empty());
+
+  CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  CKPT_ASSERT_OK_AND_ASSIGN(report, store_->Reconcile());
+  EXPECT_EQ(report.files_quarantined, 0u);
+  EXPECT_EQ(report.dangling_records_removed, 0u);
+  for (uint32_t i = 0; i < 4; ++i) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(job, 0, keys[i].layer, keys[i].step));
+    ASSERT_TRUE(v.has_value() && v->first == keys[i].step) << "step " << keys[i].step;
+    EXPECT_EQ(v->second.header_xxh3(), rec[i].header_xxh3());
+    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(keys[i], v->second));
+    for (int t = 0; t < 2; ++t) {
+      const store::TensorEntry& e = loaded.decoded.header.tensors(t);
+      EXPECT_TRUE(ImageBytes(loaded.lease, loaded.decoded.layout.header_bytes + e.offset(),
+                             e.nbytes()) == s[i].data[t])
+          << "step " << keys[i].step << " tensor " << t;
+    }
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last, index_->EventAtOrBefore(job, 0, ~uint64_t{0}));
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->first, 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto kept_owner, index_->GetJob(job));
+  ASSERT_TRUE(kept_owner.has_value());
+  EXPECT_EQ(kept_owner->owner_uid(), 1234u);
+  // A new registration's generation never names an existing file again.
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t gen, index_->NextGeneration());
+  EXPECT_GT(gen, 3u);
+}
+
+// The quarantine move goes through the FileSystem seam: a failing rename
+// fails start-up and leaves the file where it was (never deleted).
+TEST_P(LayerStoreTest, QuarantineGoesThroughTheFileSystemSeam) {
+  const std::string job = "job-q";
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 0, 0, 2}, 1, {4000}, 60, &s, &rec));
+  s.version.lease = StagingLease();
+  // No event: the version is after the rank's last event.
+  ASSERT_EQ(::mkdir(tmp_.Join("graveyard").c_str(), 0700), 0);
+  FaultFileSystem fault(DefaultFileSystem(), tmp_.Join("graveyard"), 1);
+  fs_ = &fault;
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  fault.FailNth(FaultClass::kRename, 1, EIO);
+  absl::StatusOr<ReconcileReport> failed = store_->Reconcile();
+  EXPECT_FALSE(failed.ok());
+  EXPECT_EQ(fault.injected(FaultClass::kRename), 1u);
+  EXPECT_TRUE(PathExists(RankDir(job, 0) + "/" + rec.file()));
+  fault.ClearFaults();
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport report, store_->Reconcile());
+  EXPECT_EQ(report.orphan_files_quarantined, 1u);
+  EXPECT_TRUE(PathExists(tmp_.Join("quarantine/job-q/rank-00000000/" + rec.file())));
+  store_.reset();
+  fs_ = DefaultFileSystem();
+}
+
+// A symbolic link where start-up opens a rank directory failed it with ELOOP
+// and a bare "open dir rank-00000000": ckptd crash-looped without saying
+// where. Now the error is FAILED_PRECONDITION with the full path.
+TEST_P(LayerStoreTest, ASymlinkInTheDataDirectoryIsRefusedWithItsPath) {
+  const std::string job = "job-l";
+  Staged s;
+  store::VersionRecord rec;
+  ASSERT_NO_FATAL_FAILURE(Commit({job, 0, 0, 1}, 1, {4000}, 61, &s, &rec));
+  s.version.lease = StagingLease();
+  CKPT_ASSERT_OK(index_->PutEvent(job, 0, 1, store::EventRecord()));
+  CKPT_ASSERT_OK(index_->PutJob(job, store::JobRecord()));  // a registered rank
+  CKPT_ASSERT_OK(index_->PutRank(job, 0, store::RankRecord()));
+  const std::string rank_dir = RankDir(job, 0);
+  ASSERT_EQ(::rename(rank_dir.c_str(), tmp_.Join("elsewhere").c_str()), 0);
+  ASSERT_EQ(::symlink(tmp_.Join("elsewhere").c_str(), rank_dir.c_str()), 0);
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  absl::StatusOr<ReconcileReport> report = store_->Reconcile();
+  ASSERT_FALSE(report.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(report.status())) << report.status();
+  EXPECT_TRUE(absl::StrContains(report.status().message(), rank_dir)) << report.status();
+  EXPECT_TRUE(absl::StrContains(report.status().message(), "symbolic link")) << report.status();
+  EXPECT_TRUE(PathExists(tmp_.Join("elsewhere/" + rec.file())));
+}
+
+// The drift trace was opened with std::ofstream by path, following a
+// symbolic link planted as drift.jsonl to wherever it pointed.
+TEST_P(LayerStoreTest, SideFilesAreNeverOpenedThroughASymlink) {
+  const std::string job = "job-t";
+  CKPT_ASSERT_OK_AND_ASSIGN(UniqueFd fd, store_->OpenSideFile(job, 0, "drift.jsonl"));
+  CKPT_ASSERT_OK(store_->AppendSideFile(fd.get(), "{\"step\":1}\n"));
+  EXPECT_EQ(::ckpt::testing::ReadFile(RankDir(job, 0) + "/drift.jsonl"), "{\"step\":1}\n");
+  const std::string target = tmp_.Join("target.txt");
+  WriteFile(target, "keep");
+  const std::string link = RankDir(job, 0) + "/link.jsonl";
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  absl::StatusOr<UniqueFd> opened = store_->OpenSideFile(job, 0, "link.jsonl");
+  ASSERT_FALSE(opened.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(opened.status())) << opened.status();
+  EXPECT_TRUE(absl::StrContains(opened.status().message(), RankDir(job, 0))) << opened.status();
+  EXPECT_EQ(::ckpt::testing::ReadFile(target), "keep");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LayerStoreTest,
