@@ -117,8 +117,7 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
   }
   r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
   if (spec.record_trace) {
-    CKPT_ASSIGN_OR_RETURN(std::string dir, store_->RankDirPath(r->job, r->rank));
-    r->trace = std::make_unique<std::ofstream>(dir + "/drift.jsonl", std::ios::app);
+    CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, "drift.jsonl"));
     nlohmann::json header;
     header["job"] = r->job;
     header["rank"] = r->rank;
@@ -134,8 +133,7 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
                         {"k_floor", config.k_floor}, {"s_max", config.s_max},
                         {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
                         {"full_every", config.full_every}};
-    *r->trace << header.dump() << "\n";
-    r->trace->flush();
+    CKPT_RETURN_IF_ERROR(store_->AppendSideFile(r->trace.get(), header.dump() + "\n"));
   }
   return absl::OkStatus();
 }
@@ -193,7 +191,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
         }
       }
     }
-    if (r->trace != nullptr) {
+    if (r->trace.valid()) {
       nlohmann::json line;
       line["step"] = task.step;
       line["lr"] = task.lr;
@@ -211,8 +209,11 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
   // The trace is written outside mu_. Only this rank's snapshot worker writes
   // it (one at a time per rank), so lines stay whole and in step order.
   if (!trace_line.empty()) {
-    *r->trace << trace_line << "\n";
-    r->trace->flush();
+    if (absl::Status s = store_->AppendSideFile(r->trace.get(), trace_line + "\n"); !s.ok()) {
+      CKPT_LOG(ERROR) << "drift trace of job " << r->job << " rank " << r->rank
+                      << " stopped: " << s;
+      r->trace = UniqueFd();
+    }
   }
   return true;
 }

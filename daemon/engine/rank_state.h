@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <deque>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -101,8 +100,9 @@ struct Engine::Rank {
   std::vector<double> drift_task_lr_scale;
   // drift.jsonl, when recorded. Written by Register before the rank is
   // published and then only by the rank's snapshot worker (one at a time per
-  // rank), outside every mutex.
-  std::unique_ptr<std::ofstream> trace;
+  // rank), outside every mutex. Opened and written through the store's
+  // FileSystem (never through a symbolic link); closed after a failed write.
+  UniqueFd trace;
 
   // Guards the rank's mutable state below. Lock order: Engine::job_mu_ ->
   // Engine::mu_ -> Rank::event_mu -> Rank::mu; nothing is taken while mu is

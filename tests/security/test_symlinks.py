@@ -1,0 +1,78 @@
+"""Symbolic links in ckptd's data directory are never followed.
+
+1. Drift trace: a LayerCheck rank with --record-trace whose drift.jsonl has
+   been replaced by a symbolic link to a file elsewhere. ckptd opened the
+   trace with std::ofstream by path and appended to the link's target; now
+   the registration fails naming the path and the target is untouched.
+2. Start-up: a rank directory replaced by a symbolic link (to a copy of it).
+   ckptd failed with a bare ELOOP ("open dir rank-00000000") and, under
+   systemd's Restart=on-failure, restarted forever. Now it exits with 78
+   (listed in the unit's RestartPreventExitStatus=) and a log line naming
+   the full path; the linked data is untouched.
+"""
+
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+import harness  # noqa: E402
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+LC = ["--layers=3", "--layer-bytes=32K", "--policy=layercheck", "--record-trace"]
+
+
+def main():
+    root = harness.tempdir("ckpt-symlink-")
+    d = harness.Daemon(os.path.join(root, "d"), extra=["--gc_interval_s=0"])
+    try:
+        d.start()
+        out = harness.run_trainer(d, "sl", "--steps=5", *LC)
+        assert out.returncode == 0, out.stdout + out.stderr
+        rank_dir = os.path.join(d.data, "jobs", "sl", "rank-00000000")
+        trace = os.path.join(rank_dir, "drift.jsonl")
+        assert os.path.getsize(trace) > 0, "no drift trace was written"
+
+        # 1. The drift trace through a planted link.
+        target = os.path.join(root, "elsewhere.txt")
+        with open(target, "w") as f:
+            f.write("not ckptd's\n")
+        os.unlink(trace)
+        os.symlink(target, trace)
+        out = harness.run_trainer(d, "sl", "--steps=3", *LC)
+        with open(target) as f:
+            written = f.read()
+        print("drift trace through a link: trainer exit %d, link target %s" % (
+            out.returncode, "untouched" if written == "not ckptd's\n" else "WRITTEN"))
+        assert written == "not ckptd's\n", "ckptd wrote through the link: %r" % written[:200]
+        assert out.returncode != 0, out.stdout
+        assert "drift.jsonl" in out.stderr and "symbolic link" in out.stderr, out.stderr
+        os.unlink(trace)
+        assert d.stop() == 0, d.log()
+
+        # 2. A rank directory that is a link.
+        moved = os.path.join(root, "rank-copy")
+        shutil.move(rank_dir, moved)
+        os.symlink(moved, rank_dir)
+        try:
+            d.start()
+            raise AssertionError("ckptd started with a symbolic link in its data directory")
+        except RuntimeError:
+            pass
+        log = d.log()
+        lines = [l for l in log.splitlines() if "symbolic link" in l]
+        print("start-up with a linked rank directory: exit %d; %s" % (
+            d.proc.returncode, lines[-1] if lines else "(no line)"))
+        assert d.proc.returncode == 78, (d.proc.returncode, log[-2000:])
+        assert any(rank_dir in l for l in lines), log[-2000:]
+        assert os.listdir(moved), "the linked directory was emptied"
+        with open(os.path.join(REPO, "deploy", "systemd", "ckptd.service")) as f:
+            assert "RestartPreventExitStatus=78" in f.read()
+        return 0
+    finally:
+        d.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
