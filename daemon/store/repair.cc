@@ -232,29 +232,21 @@ absl::StatusOr<RepairReport> RepairDataDir(const std::string& data_dir, FileSyst
     CKPT_ASSIGN_OR_RETURN(auto existing,
                           index->VersionAtOrBefore(f.job, f.rank, key.layer, key.step));
     const bool has_record = existing.has_value() && existing->first == key.step;
-    if (has_record && placed.count(id) == 0 && !f.quarantined &&
-        existing->second.file() == f.name &&
-        existing->second.header_xxh3() == f.record.header_xxh3()) {
+    // The file the record names, verified and matching it, in the rank dir.
+    bool record_intact = false;
+    for (const Found& g : found) {
+      record_intact |= has_record && !g.quarantined && g.job == f.job && g.rank == f.rank &&
+                       g.name == existing->second.file() &&
+                       g.record.header_xxh3() == existing->second.header_xxh3();
+    }
+    if (record_intact && !f.quarantined && existing->second.file() == f.name) {
       ++report.records_kept;
       placed.insert(id);
-    } else if (has_record && placed.count(id) == 0 && !f.quarantined &&
-               existing->second.file() != f.name) {
-      // The index names another file for this version: keep whichever is
-      // intact in the rank directory; the first one scanned wins.
-      bool other_here = false;
-      for (const Found& g : found) {
-        other_here |= !g.quarantined && g.job == f.job && g.rank == f.rank &&
-                      g.name == existing->second.file();
-      }
-      if (other_here) {
-        report.skipped.push_back(where + ": the index names another intact file for its version");
-        continue;
-      }
-      CKPT_RETURN_IF_ERROR(index->PutVersion(key, f.record));
-      ++report.records_added;
-      placed.insert(id);
-    } else if (placed.count(id) != 0 || (has_record && f.quarantined)) {
+    } else if (placed.count(id) != 0) {
       report.skipped.push_back(where + ": its version is already in the index");
+      continue;
+    } else if (record_intact) {
+      report.skipped.push_back(where + ": the index names another intact file for its version");
       continue;
     } else {
       if (f.quarantined) {
