@@ -89,6 +89,13 @@ Commands:
                           the same for one rank (default 0): for restoring a
                           rank that is not running (a running rank restores
                           through its client into its own buffers)
+  release JOB [--rank=R]  end the rank's registration without its trainer
+                          (one that exited, or is stuck): its memory is
+                          released after its staged versions are written
+  delete JOB              delete the job and its whole history (every version,
+                          event and rank); the job id is free again. Refused
+                          while a rank is registered by a running trainer
+                          (stop it or release the rank first)
   config                  the daemon's effective configuration
   verify JOB [--rank=R] [--deep]
                           check every committed version of the job (or of one
@@ -303,8 +310,11 @@ int ValidateCommand(const Options& o) {
   } else if (c == "plan") {
     want_args = 1;
     rank_ok = step_ok = true;
-  } else if (c == "gc") {
+  } else if (c == "gc" || c == "delete") {
     want_args = 1;
+  } else if (c == "release") {
+    want_args = 1;
+    rank_ok = true;
   } else if (c == "export" || c == "restore") {
     want_args = 1;
     rank_ok = step_ok = true;
@@ -512,6 +522,8 @@ class Ctl {
     if (c == "plan") return Plan();
     if (c == "verify") return Verify();
     if (c == "gc") return Gc();
+    if (c == "release") return Release();
+    if (c == "delete") return Delete();
     if (c == "export" || c == "restore") return Export(c == "restore");
     if (c == "config") return Config();
     return UsageError(absl::StrCat("unknown command '", c, "'"));
@@ -617,6 +629,7 @@ class Ctl {
         for (const v1::RankInfo& k : j.ranks()) {
           ranks.push_back(Json{{"rank", k.rank()},
                                {"registered", k.registered()},
+                               {"stale", k.stale()},
                                {"generation", k.generation()},
                                {"latest_durable_step", k.latest_durable_step()},
                                {"last_step_seen", k.last_step_seen()},
@@ -635,13 +648,14 @@ class Ctl {
       std::printf("no jobs\n");
       return kExitOk;
     }
-    Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "LATEST STEP", "VERSIONS", "BYTES"},
-            {false, true, true, true, true, true, true});
+    Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "VERSIONS", "BYTES"},
+            {false, true, true, true, true, true, true, true});
     for (const v1::JobInfo& j : r.jobs()) {
       // The job-wide latest step: the range over its ranks when they differ.
       uint64_t lo = UINT64_MAX, hi = 0;
-      int registered = 0;
+      int registered = 0, stale = 0;
       for (const v1::RankInfo& k : j.ranks()) {
+        stale += k.stale() ? 1 : 0;
         lo = std::min(lo, k.latest_durable_step());
         hi = std::max(hi, k.latest_durable_step());
         registered += k.registered() ? 1 : 0;
@@ -650,7 +664,8 @@ class Ctl {
                            : lo == hi        ? StepOrDash(lo)
                                              : absl::StrCat(StepOrDash(lo), "..", hi);
       t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
-             absl::StrCat(registered), latest, absl::StrCat(j.versions()), HumanBytes(j.bytes())});
+             absl::StrCat(registered), absl::StrCat(stale), latest, absl::StrCat(j.versions()),
+             HumanBytes(j.bytes())});
     }
     t.Print();
     return kExitOk;
@@ -828,6 +843,43 @@ class Ctl {
         {"kept", absl::StrCat(r.versions_kept(), " versions, ", BytesWithRaw(r.bytes_kept()))},
         {"restorable steps", absl::StrCat(r.retained_targets())},
         {"ranks busy (skipped)", absl::StrCat(r.ranks_busy())},
+    });
+    return kExitOk;
+  }
+
+  int Release() {
+    v1::ReleaseRankRequest req;
+    req.set_job_id(o_.positional[0]);
+    req.set_rank(o_.rank.value_or(0));
+    v1::ReleaseRankReply r;
+    if (int rc = Call(&v1::Admin::Stub::ReleaseRank, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      PrintJson(Json{{"job_id", req.job_id()}, {"rank", req.rank()}, {"generation", r.generation()}});
+      return kExitOk;
+    }
+    std::printf("released job %s rank %u (generation %llu)\n", TerminalSafe(req.job_id()).c_str(),
+                req.rank(), static_cast<unsigned long long>(r.generation()));
+    return kExitOk;
+  }
+
+  int Delete() {
+    v1::DeleteJobRequest req;
+    req.set_job_id(o_.positional[0]);
+    v1::DeleteJobReply r;
+    if (int rc = Call(&v1::Admin::Stub::DeleteJob, req, &r); rc != kExitOk) return rc;
+    if (o_.json) {
+      PrintJson(Json{{"job_id", req.job_id()},
+                     {"ranks", r.ranks()},
+                     {"versions_deleted", r.versions_deleted()},
+                     {"bytes_deleted", r.bytes_deleted()},
+                     {"events_deleted", r.events_deleted()}});
+      return kExitOk;
+    }
+    PrintKv({
+        {"deleted job", req.job_id()},
+        {"ranks", absl::StrCat(r.ranks())},
+        {"versions", absl::StrCat(r.versions_deleted(), ", ", BytesWithRaw(r.bytes_deleted()))},
+        {"events", absl::StrCat(r.events_deleted())},
     });
     return kExitOk;
   }

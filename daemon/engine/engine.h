@@ -105,6 +105,14 @@ struct Caller {
   pid_t pid = 0;
 };
 
+// What DeleteJob removed.
+struct JobDeleted {
+  uint32_t ranks = 0;
+  uint64_t versions = 0;
+  uint64_t bytes = 0;
+  uint64_t events = 0;
+};
+
 // What a Restore wrote.
 struct Restored {
   CompositePlan plan;
@@ -162,6 +170,18 @@ class Engine {
   // its staged versions to become durable.
   absl::Status Unregister(const RankRef& rank, bool drain, const Caller& caller,
                           absl::Time deadline);
+  // Ends a rank's registration on behalf of an operator (owner or root),
+  // without its generation: its memory is released and its staged versions
+  // are written first (bounded by drain_timeout). Returns the generation that
+  // ended. NOT_FOUND when the rank is not registered.
+  absl::StatusOr<uint64_t> ReleaseRank(const std::string& job, uint32_t rank,
+                                       const Caller& caller);
+  // Deletes the job's whole history (every version file, event, rank and
+  // the job record); the id is free again. Owner or root. FAILED_PRECONDITION
+  // while a rank of it is registered by a live trainer (ReleaseRank or stop
+  // it first); ABORTED while a rank of it is registering or being read by a
+  // restore, verify or export (retry).
+  absl::StatusOr<JobDeleted> DeleteJob(const std::string& job, const Caller& caller);
   // Multi-rank LayerCheck: the rank's partial per-layer sums of `step` (waits
   // until computed), and the all-reduced vector that lets the step proceed.
   absl::StatusOr<std::vector<drift::LayerSums>> DriftPartials(const RankRef& rank, uint64_t step,
@@ -214,6 +234,15 @@ class Engine {
   // Releases the memory (GPU mappings, memfd regions) of ranks whose trainer
   // process exited.
   void WatchTrainersLoop();
+  // Ends a registration: inactive, parked steps dropped, memory moved to
+  // `closing` (dropped by the caller once every lock is released).
+  void EndRegistrationLocked(Rank& r, const std::string& why,
+                             std::vector<std::shared_ptr<RankMemory>>* closing)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (until `deadline`) for what the ended registration `r` still has
+  // in flight, then forgets it.
+  absl::Status DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- snapshotter (engine_snapshot.cc): the StepDone queue, copy into
   //      staging, the fence and an abandoned fence ----
@@ -240,7 +269,9 @@ class Engine {
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
 
   // ---- admin (engine_admin.cc) ----
-  size_t ActiveRanksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registered ranks; with `stale_only`, those whose trainer exited (memory
+  // released).
+  size_t ActiveRanksLocked(bool stale_only = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- retention (engine_retention.cc) ----
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
@@ -282,6 +313,8 @@ class Engine {
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<RankKey> registering_ ABSL_GUARDED_BY(mu_);
+  // Jobs DeleteJob is deleting: registrations of them are refused.
+  std::set<std::string> deleting_jobs_ ABSL_GUARDED_BY(mu_);
 
   LeaseTable leases_;
   DiskBudget disk_;

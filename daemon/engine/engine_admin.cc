@@ -72,6 +72,7 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
       absl::MutexLock rank_lock(&r.mu);
       if (r.active) {
         ri->set_registered(true);
+        ri->set_stale(r.memory == nullptr);
         ri->set_generation(r.generation);
         ri->set_last_step_seen(r.last_step_seen);
       }
@@ -180,6 +181,7 @@ void Engine::CollectMetrics() {
   absl::MutexLock lock(&mu_);
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
   m->Set(Gauge::kRegisteredRanks, static_cast<double>(ActiveRanksLocked()));
+  m->Set(Gauge::kStaleRanks, static_cast<double>(ActiveRanksLocked(/*stale_only=*/true)));
   // Durability lag: staged but not yet durable, over every live rank.
   const absl::Time now = clock_->Now();
   double lag_bytes = 0, lag_seconds = 0;
@@ -201,13 +203,13 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
 }
 
-size_t Engine::ActiveRanksLocked() const {
-  size_t active = 0;
+size_t Engine::ActiveRanksLocked(bool stale_only) const {
+  size_t n = 0;
   for (const auto& [key, r] : ranks_) {
     absl::MutexLock rank_lock(&r->mu);
-    active += r->active ? 1 : 0;
+    n += r->active && (!stale_only || r->memory == nullptr) ? 1 : 0;
   }
-  return active;
+  return n;
 }
 
 }  // namespace ckpt

@@ -117,7 +117,7 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
   }
   r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
   if (spec.record_trace) {
-    CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, "drift.jsonl"));
+    CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, kDriftTraceFile));
     nlohmann::json header;
     header["job"] = r->job;
     header["rank"] = r->rank;

@@ -12,6 +12,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/validate.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/recovery/schema_convert.h"
 #include "daemon/gpu/ipc_memory.h"
@@ -55,9 +56,10 @@ void Engine::WatchTrainersLoop() {
 absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
-  if (!rec.has_value()) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
-  if (rec->owner_uid() != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  // Another user's job reads exactly like a missing one, so no uid learns
+  // which job ids exist.
+  if (!rec.has_value() || (rec->owner_uid() != caller.uid && !IsRoot(caller))) {
+    return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
   }
   return absl::OkStatus();
 }
@@ -79,9 +81,8 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& 
     absl::MutexLock rank_lock(&r->mu);
     if (!r->active) return not_registered;
   }
-  if (r->uid != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", ref.job, " belongs to another user"));
-  }
+  // Another user's registration reads like none at all.
+  if (r->uid != caller.uid && !IsRoot(caller)) return not_registered;
   if (r->generation != ref.generation) {
     return WithReason(absl::FailedPreconditionError(absl::StrCat(
                           "generation ", ref.generation, " of job ", ref.job, " rank ", ref.rank,
@@ -138,6 +139,9 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   const RankKey key(req.job, req.rank);
   {
     absl::MutexLock lock(&mu_);
+    if (deleting_jobs_.count(req.job) != 0) {
+      return absl::AbortedError(absl::StrCat("job ", req.job, " is being deleted; retry"));
+    }
     if (!registering_.insert(key).second) {
       return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
     }
@@ -231,21 +235,11 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
       if (old->uid != caller.uid && !IsRoot(caller)) {
         return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
       }
-      absl::MutexLock old_lock(&old->mu);
-      old->active = false;
-      old->ReleaseDeferred();
-      old->ReleaseMemory("the rank registered again", &closing);
+      EndRegistrationLocked(*old, "the rank registered again", &closing);
     }
   }
   if (old != nullptr) {
-    if (options_.metrics != nullptr) options_.metrics->RemoveRank(old->job, old->rank);
-    {
-      absl::MutexLock old_lock(&old->mu);
-      CKPT_RETURN_IF_ERROR(old->Drain(absl::Now() + options_.drain_timeout));
-    }
-    absl::MutexLock lock(&mu_);
-    auto it = ranks_.find(RankKey(r->job, r->rank));
-    if (it != ranks_.end() && it->second == old) ranks_.erase(it);
+    CKPT_RETURN_IF_ERROR(DrainAndForget(old, absl::Now() + options_.drain_timeout));
   }
 
   // 5. Create the job if it is new: check and creation are one step under
@@ -315,26 +309,66 @@ absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& c
   {
     absl::MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
-    absl::MutexLock rank_lock(&r->mu);
-    r->active = false;
-    r->ReleaseDeferred();
-    r->ReleaseMemory("unregistered", &closing);
+    EndRegistrationLocked(*r, "unregistered", &closing);
   }
-  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   // Without drain the rank stays (inactive) until its staged versions are
   // written: the next Register of it drains it first.
   if (drain) {
-    {
-      absl::MutexLock rank_lock(&r->mu);
-      CKPT_RETURN_IF_ERROR(r->Drain(deadline));
-    }
-    absl::MutexLock lock(&mu_);
-    auto it = ranks_.find(RankKey(r->job, r->rank));
-    if (it != ranks_.end() && it->second == r) ranks_.erase(it);
+    CKPT_RETURN_IF_ERROR(DrainAndForget(r, deadline));
+  } else if (options_.metrics != nullptr) {
+    options_.metrics->RemoveRank(r->job, r->rank);
   }
   CKPT_LOG(INFO) << "unregistered job " << r->job << " rank " << r->rank << " generation "
                  << r->generation;
   return absl::OkStatus();
+}
+
+void Engine::EndRegistrationLocked(Rank& r, const std::string& why,
+                                   std::vector<std::shared_ptr<RankMemory>>* closing) {
+  absl::MutexLock rank_lock(&r.mu);
+  r.active = false;
+  r.ReleaseDeferred();
+  r.ReleaseMemory(why, closing);
+}
+
+absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline) {
+  if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
+  {
+    absl::MutexLock rank_lock(&r->mu);
+    CKPT_RETURN_IF_ERROR(r->Drain(deadline));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(RankKey(r->job, r->rank));
+  if (it != ranks_.end() && it->second == r) ranks_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Engine::ReleaseRank(const std::string& job, uint32_t rank,
+                                             const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  std::shared_ptr<Rank> r;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return ShuttingDownError();
+    auto it = ranks_.find(RankKey(job, rank));
+    bool active = false;
+    if (it != ranks_.end()) {
+      absl::MutexLock rank_lock(&it->second->mu);
+      active = it->second->active;
+    }
+    if (!active) {
+      return absl::NotFoundError(absl::StrCat("job ", job, " rank ", rank, " is not registered"));
+    }
+    r = it->second;
+    EndRegistrationLocked(*r, absl::StrCat("released by uid ", caller.uid), &closing);
+  }
+  if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRanksReleased);
+  CKPT_SYNC_POINT("engine.release_rank.drain");
+  CKPT_RETURN_IF_ERROR(DrainAndForget(r, absl::Now() + options_.drain_timeout));
+  CKPT_LOG(INFO) << "released job " << job << " rank " << rank << " generation " << r->generation
+                 << " (by uid " << caller.uid << ")";
+  return r->generation;
 }
 
 }  // namespace ckpt

@@ -90,6 +90,118 @@ absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& c
   return reply;
 }
 
+absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  std::vector<std::shared_ptr<Rank>> ended;          // registrations whose trainer exited
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return ShuttingDownError();
+    if (deleting_jobs_.count(job) != 0) {
+      return absl::AbortedError(absl::StrCat("job ", job, " is being deleted already"));
+    }
+    for (const RankKey& key : registering_) {
+      if (key.first == job) {
+        return absl::AbortedError(
+            absl::StrCat("rank ", key.second, " of job ", job, " is registering; retry"));
+      }
+    }
+    for (const auto& [key, r] : ranks_) {
+      if (key.first != job) continue;
+      absl::MutexLock rank_lock(&r->mu);
+      if (r->active && r->memory != nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", key.second, " of job ", job,
+            " is registered by a running trainer; stop it or release the rank (ckptctl release ",
+            job, " ", key.second, ") first"));
+      }
+    }
+    for (const auto& [key, r] : ranks_) {
+      if (key.first != job) continue;
+      EndRegistrationLocked(*r, "the job is being deleted", &closing);
+      ended.push_back(r);
+    }
+    deleting_jobs_.insert(job);
+  }
+  struct Undelete {
+    Engine* e;
+    const std::string& job;
+    ~Undelete() {
+      absl::MutexLock lock(&e->mu_);
+      e->deleting_jobs_.erase(job);
+    }
+  } undelete{this, job};
+  for (const std::shared_ptr<Rank>& r : ended) {
+    CKPT_RETURN_IF_ERROR(DrainAndForget(r, absl::Now() + options_.drain_timeout));
+  }
+  // Every rank's GC turn, so no restore, verify or export reads what goes.
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
+  std::vector<RankKey> held;
+  auto release = [&] {
+    for (const RankKey& key : held) leases_.EndGc(key);
+  };
+  for (uint32_t rank : ranks) {
+    if (!leases_.TryBeginGc(RankKey(job, rank))) {
+      release();
+      return absl::AbortedError(absl::StrCat("rank ", rank, " of job ", job,
+                                             " is being read (restore, verify or export); retry"));
+    }
+    held.emplace_back(job, rank);
+  }
+  JobDeleted out;
+  absl::Status s;
+  for (uint32_t rank : ranks) {
+    // Events first, so no plan can target a step whose versions are going
+    // away; then each version (its record, then its file); then the rank.
+    std::vector<uint64_t> steps;
+    std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
+    s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
+                             [&](uint64_t step, const store::EventRecord&) {
+                               steps.push_back(step);
+                               return true;
+                             });
+    if (s.ok()) {
+      s = index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
+        versions.emplace_back(k, v);
+        return true;
+      });
+    }
+    for (size_t i = 0; s.ok() && i < steps.size(); ++i) {
+      s = index_->DeleteEvent(job, rank, steps[i]);
+      if (s.ok()) ++out.events;
+    }
+    for (size_t i = 0; s.ok() && i < versions.size(); ++i) {
+      s = store_->Remove(versions[i].first, versions[i].second);
+      if (!s.ok()) break;
+      ++out.versions;
+      out.bytes += versions[i].second.file_bytes();
+      disk_.Release(versions[i].second.file_bytes());
+    }
+    if (s.ok()) s = index_->DeleteRank(job, rank);
+    if (s.ok()) s = store_->RemoveRankDir(job, rank, {kDriftTraceFile});
+    if (!s.ok()) break;
+    ++out.ranks;
+  }
+  release();
+  // The job record last: until it goes, the owner can finish a deletion an
+  // error interrupted by deleting again.
+  if (s.ok()) s = index_->DeleteJob(job);
+  if (!s.ok()) {
+    CKPT_LOG(ERROR) << "deleting job " << job << " stopped after " << out.versions
+                    << " versions: " << s;
+    return s;
+  }
+  if (Metrics* m = options_.metrics) {
+    m->Inc(Counter::kJobsDeleted);
+    m->Inc(Counter::kGcVersionsDeleted, static_cast<double>(out.versions));
+    m->Inc(Counter::kGcDeletedBytes, static_cast<double>(out.bytes));
+  }
+  CKPT_LOG(INFO) << "deleted job " << job << " (by uid " << caller.uid << "): " << out.ranks
+                 << " ranks, " << out.versions << " versions, " << out.bytes << " bytes, "
+                 << out.events << " events";
+  return out;
+}
+
 void Engine::GcLoop() {
   Caller root;  // the daemon itself
   for (;;) {

@@ -30,6 +30,9 @@
 
 namespace ckpt {
 
+// The LayerCheck drift trace: a side file of the rank's directory.
+inline constexpr char kDriftTraceFile[] = "drift.jsonl";
+
 inline constexpr size_t kSnapResultsKept = 64;
 inline constexpr size_t kOutcomesKept = 64;  // per layer
 

@@ -60,6 +60,11 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_handover_accept_errors_total", "counter",
      "Times the handover socket could not accept (out of descriptors or memory) and paused "
      "accepting.", "", ""},
+    {"ckpt_ranks_released_total", "counter",
+     "Registrations ended by an operator (ckptctl release) rather than by their trainer.", "",
+     ""},
+    {"ckpt_jobs_deleted_total", "counter", "Jobs deleted with their whole history (ckptctl delete).",
+     "", ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -91,6 +96,10 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_uptime_seconds", "gauge", "Seconds since the daemon started.", "", ""},
     {"ckpt_handover_fds_held", "gauge",
      "Handed-over descriptors ckptd holds: unclaimed, or claimed by a Register still running.",
+     "", ""},
+    {"ckpt_stale_ranks", "gauge",
+     "Ranks still registered whose trainer process exited (their memory is released); the "
+     "trainer's next registration or ckptctl release ends them.",
      "", ""},
 };
 

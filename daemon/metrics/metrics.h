@@ -65,6 +65,8 @@ enum class Counter {
   kStalenessInvariantViolations,  // ckpt_staleness_invariant_violations_total
   kHandoverRefused,               // ckpt_handover_refused_total
   kHandoverAcceptErrors,          // ckpt_handover_accept_errors_total
+  kRanksReleased,                 // ckpt_ranks_released_total
+  kJobsDeleted,                   // ckpt_jobs_deleted_total
   kCount
 };
 
@@ -85,6 +87,7 @@ enum class Gauge {
   kLayerAccumulatedDrift,  // ckpt_layer_accumulated_drift{ckpt_job,rank,layer}: SetLayer() only
   kUptimeSeconds,          // ckpt_uptime_seconds: refreshed at every scrape
   kHandoverFdsHeld,        // ckpt_handover_fds_held
+  kStaleRanks,             // ckpt_stale_ranks
   kCount
 };
 

@@ -151,6 +151,15 @@ v1::RestoreReply ToProto(const Restored& restored) {
   return reply;
 }
 
+v1::DeleteJobReply ToProto(const JobDeleted& deleted) {
+  v1::DeleteJobReply reply;
+  reply.set_ranks(deleted.ranks);
+  reply.set_versions_deleted(deleted.versions);
+  reply.set_bytes_deleted(deleted.bytes);
+  reply.set_events_deleted(deleted.events);
+  return reply;
+}
+
 StepReport StepReportOf(const v1::StepDoneRequest& req) {
   StepReport r;
   r.rank = RankRefOf(req);

@@ -28,6 +28,7 @@ absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req);
 GpuHandover GpuHandoverOf(const v1::GpuHandover& gpu);
 v1::RegisterReply ToProto(const Registered& registered);
 v1::RestoreReply ToProto(const Restored& restored);
+v1::DeleteJobReply ToProto(const JobDeleted& deleted);
 
 StepReport StepReportOf(const v1::StepDoneRequest& req);
 std::vector<drift::LayerSums> LayerSumsOf(

@@ -224,6 +224,12 @@ absl::Status Index::PutRank(const std::string& job, uint32_t rank, const store::
   return Put(absl::StrFormat("r/%s/%08x", job, rank), rec.SerializeAsString());
 }
 
+absl::Status Index::DeleteJob(const std::string& job) { return Delete(absl::StrCat("j/", job)); }
+
+absl::Status Index::DeleteRank(const std::string& job, uint32_t rank) {
+  return Delete(absl::StrFormat("r/%s/%08x", job, rank));
+}
+
 absl::StatusOr<std::optional<store::RankRecord>> Index::GetRank(const std::string& job,
                                                                uint32_t rank) {
   const std::string key = absl::StrFormat("r/%s/%08x", job, rank);

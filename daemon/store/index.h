@@ -78,6 +78,10 @@ class Index {
   absl::Status PutRank(const std::string& job, uint32_t rank, const store::RankRecord& rec);
   absl::StatusOr<std::optional<store::RankRecord>> GetRank(const std::string& job, uint32_t rank);
   absl::StatusOr<std::vector<uint32_t>> ListRanks(const std::string& job);
+  // The job's and a rank's own records (job deletion; their versions and
+  // events are deleted one by one first).
+  absl::Status DeleteJob(const std::string& job);
+  absl::Status DeleteRank(const std::string& job, uint32_t rank);
 
   // The commit point of one layer version.
   absl::Status PutVersion(const VersionKey& key, const store::VersionRecord& rec);

@@ -81,6 +81,35 @@ absl::StatusOr<UniqueFd> LayerStore::OpenSideFile(const std::string& job, uint32
   return fd;
 }
 
+absl::Status LayerStore::RemoveRankDir(const std::string& job, uint32_t rank,
+                                       const std::vector<std::string>& side_files) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  absl::MutexLock lock(&mu_);
+  rank_dirs_.erase(std::make_pair(job, rank));
+  absl::StatusOr<UniqueFd> job_dir = fs_->OpenSubdir(jobs_dir_.get(), job, /*create=*/false);
+  if (absl::IsNotFound(job_dir.status())) return absl::OkStatus();
+  if (!job_dir.ok()) return AtPath(job_dir.status(), RankDirPath(job, rank));
+  absl::StatusOr<UniqueFd> rank_dir = fs_->OpenSubdir(job_dir->get(), RankDirName(rank), false);
+  if (rank_dir.ok()) {
+    for (const std::string& name : side_files) {
+      absl::Status s = fs_->Unlink(rank_dir->get(), name);
+      if (!s.ok() && !absl::IsNotFound(s)) return AtPath(s, RankDirPath(job, rank));
+    }
+    *rank_dir = UniqueFd();
+    if (absl::Status s = fs_->RemoveDir(job_dir->get(), RankDirName(rank)); !s.ok()) {
+      CKPT_LOG(WARNING) << "kept " << RankDirPath(job, rank) << ": " << s;
+      return absl::OkStatus();
+    }
+  } else if (!absl::IsNotFound(rank_dir.status())) {
+    return AtPath(rank_dir.status(), RankDirPath(job, rank));
+  }
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir->get()));
+  *job_dir = UniqueFd();
+  // The job's directory goes once its last rank's has.
+  if (fs_->RemoveDir(jobs_dir_.get(), job).ok()) CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
+  return absl::OkStatus();
+}
+
 absl::Status LayerStore::AppendSideFile(int fd, absl::string_view data) {
   return fs_->Append(fd, data);
 }

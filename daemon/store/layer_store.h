@@ -149,6 +149,12 @@ class LayerStore {
                                         const std::string& name);
   // Appends `data` to a side file from OpenSideFile.
   absl::Status AppendSideFile(int fd, absl::string_view data);
+  // After a rank's versions were removed (job deletion): unlinks its side
+  // files `side_files` and removes the rank's directory and, once empty, the
+  // job's. A directory still holding anything else stays (logged, not an
+  // error): ckptd never deletes a file it does not know.
+  absl::Status RemoveRankDir(const std::string& job, uint32_t rank,
+                             const std::vector<std::string>& side_files);
   // Path of the rank's directory (for messages).
   std::string RankDirPath(const std::string& job, uint32_t rank) const;
   // Name of the quarantine directory under the data directory.

@@ -55,6 +55,7 @@ def main():
         return 77
     root = harness.tempdir("ckpt-prom-")
     procs = []
+    d = None
     try:
         d = harness.Daemon(root).start()
         address = d.ctl("status")["metrics_address"]
@@ -112,6 +113,8 @@ def main():
         for p in procs:
             p.kill()
             p.wait()
+        if d is not None:
+            d.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -110,10 +110,17 @@ def main():
         out = os.path.join(work, "stolen")
         for args in (["layers", "owned"], ["plan", "owned"], ["history", "owned"],
                      ["verify", "owned"], ["restore", "owned", "--out=" + out],
-                     ["export", "owned", "--out=" + out + ".st"], ["gc", "owned"]):
-            tally.refused("uid %d: ckptctl %s" % (INTRUDER, " ".join(args[:2])),
-                          as_user(INTRUDER, GROUP, ctl + args), "another user",
+                     ["export", "owned", "--out=" + out + ".st"], ["gc", "owned"],
+                     ["release", "owned"], ["delete", "owned"]):
+            p = as_user(INTRUDER, GROUP, ctl + args)
+            tally.refused("uid %d: ckptctl %s" % (INTRUDER, " ".join(args[:2])), p,
                           "does not exist")
+            # Word for word what a job that does not exist gets: the refusal
+            # does not tell the intruder that the id is in use.
+            missing = as_user(INTRUDER, GROUP, ctl + [args[0], "nosuchjob"] + args[2:])
+            assert (p.returncode, (p.stdout + p.stderr).replace("owned", "JOB")) == \
+                (missing.returncode, (missing.stdout + missing.stderr).replace("nosuchjob", "JOB")), \
+                (p.stderr, missing.stderr)
         assert not os.path.exists(out) and not os.path.exists(out + ".st"), "bytes were written"
         p = as_user(INTRUDER, GROUP, ctl + ["--json", "jobs"])
         assert p.returncode == 0 and "owned" not in p.stdout, p.stdout

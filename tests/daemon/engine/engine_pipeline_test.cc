@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -496,6 +497,111 @@ TEST_F(EnginePipelineTest, ARefusedRegistrationCreatesNoJob) {
   EXPECT_EQ(jobs.jobs(0).owner_uid(), other.uid);
   // And the first user is now refused.
   CKPT_EXPECT_CODE(Register(&r).status(), kPermissionDenied);
+}
+
+// Another user's job must read exactly like a job that does not exist:
+// NOT_FOUND with the same words, for the admin queries and the per-step
+// calls alike, so no uid learns which job ids are in use.
+TEST_F(EnginePipelineTest, AnotherUsersJobReadsLikeAMissingOne) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("hidden", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+  const Caller other{owner_.uid + 1, 0};
+  auto words = [](const absl::Status& s, const std::string& job) {
+    std::string m(s.message());
+    const size_t at = m.find(job);
+    if (at != std::string::npos) m.replace(at, job.size(), "JOB");
+    return m;
+  };
+  const absl::Status theirs = engine_->Plan("hidden", 0, 0, other).status();
+  const absl::Status missing = engine_->Plan("nosuchjob", 0, 0, other).status();
+  CKPT_EXPECT_CODE(theirs, kNotFound);
+  CKPT_EXPECT_CODE(missing, kNotFound);
+  EXPECT_EQ(words(theirs, "hidden"), words(missing, "nosuchjob"));
+  CKPT_EXPECT_CODE(engine_->DeleteJob("hidden", other).status(), kNotFound);
+  CKPT_EXPECT_CODE(engine_->ReleaseRank("hidden", 0, other).status(), kNotFound);
+  StepReport report;
+  report.rank = Ref(r);
+  report.step = 2;
+  const absl::Status step = engine_->StepDone(report, other);
+  CKPT_EXPECT_CODE(step, kNotFound);
+  EXPECT_EQ(ReasonOf(step), ErrorReason::kNotRegistered);
+  // The owner still sees it all.
+  CKPT_EXPECT_OK(engine_->Plan("hidden", 0, 0, owner_).status());
+}
+
+// ReleaseRank ends a registration without its generation (an operator's
+// `ckptctl release`): what was staged is written first, later calls of the
+// registration find it gone, and it can be released only once.
+TEST_F(EnginePipelineTest, ReleaseRankEndsTheRegistrationAfterItsStagedVersions) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("released", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  // The writer holds step 1 (staged, not yet committed) until the release
+  // has ended the registration and is draining it.
+  sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"},
+                       {"engine.release_rank.drain", kReleaseWriter}});
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitSnapshot(r, 1).status());
+  absl::StatusOr<uint64_t> gen;
+  std::thread release([&] { gen = engine_->ReleaseRank("released", 0, owner_); });
+  CKPT_SYNC_POINT(kReleaseWriter);
+  release.join();
+  sp_->LoadDependency({});
+  CKPT_ASSERT_OK(gen.status());
+  EXPECT_EQ(*gen, r.generation);
+  // Step 1 was written before the registration ended.
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 1));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{1, 1}));
+  const absl::Status gone = StepDone(r, 2);
+  CKPT_EXPECT_CODE(gone, kNotFound);
+  EXPECT_EQ(ReasonOf(gone), ErrorReason::kNotRegistered);
+  CKPT_EXPECT_CODE(engine_->ReleaseRank("released", 0, owner_).status(), kNotFound);
+  Caller root;
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply jobs, engine_->Jobs(root));
+  ASSERT_EQ(jobs.jobs_size(), 1);
+  EXPECT_FALSE(jobs.jobs(0).ranks(0).registered());
+  // The trainer registers again and goes on.
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK(WaitDurable(r, 2).status());
+}
+
+// DeleteJob removes every version file, event and record of the job and
+// frees its id; it refuses while a trainer holds a rank.
+TEST_F(EnginePipelineTest, DeleteJobRemovesTheWholeHistoryAndFreesTheId) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("doomed", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  for (uint64_t step = 1; step <= 3; ++step) CKPT_ASSERT_OK(StepDone(r, step));
+  CKPT_ASSERT_OK(WaitDurable(r, 3).status());
+  CKPT_EXPECT_CODE(engine_->DeleteJob("doomed", owner_).status(), kFailedPrecondition);
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(r), /*drain=*/true, owner_, absl::Now() + kWait));
+  const std::string rank_dir = store_->RankDirPath("doomed", 0);
+  ASSERT_TRUE(std::filesystem::exists(rank_dir));
+  const uint64_t disk_before = engine_->disk_bytes_used();
+  CKPT_ASSERT_OK_AND_ASSIGN(JobDeleted deleted, engine_->DeleteJob("doomed", owner_));
+  EXPECT_EQ(deleted.ranks, 1u);
+  EXPECT_EQ(deleted.versions, 6u);  // 2 layers x 3 steps
+  EXPECT_EQ(deleted.events, 3u);
+  EXPECT_EQ(engine_->disk_bytes_used(), disk_before - deleted.bytes);
+  EXPECT_FALSE(std::filesystem::exists(rank_dir));
+  EXPECT_FALSE(std::filesystem::exists(tmp_.Join("jobs/doomed")));
+  CKPT_EXPECT_CODE(Plan(r, 0).status(), kNotFound);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::optional<store::JobRecord> rec, index_->GetJob("doomed"));
+  EXPECT_FALSE(rec.has_value());
+  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<uint32_t> ranks, index_->ListRanks("doomed"));
+  EXPECT_TRUE(ranks.empty());
+  // The id is free: another user takes it, with no history.
+  const Caller other{owner_.uid + 1, 0};
+  TestRank theirs = MakeRank("doomed", 2);
+  std::vector<UniqueFd> fds;
+  fds.emplace_back(::fcntl(theirs.region.fd(), F_DUPFD_CLOEXEC, 0));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
+                            engine_->Register(RegistrationOf(theirs), std::move(fds), other));
+  EXPECT_EQ(reg.latest_durable_step, 0u);
 }
 
 }  // namespace
