@@ -8,9 +8,18 @@ each restart the checker requires, for every layer, plan(latest).step >= the
 acknowledged step (lost = 0), and at the end every visible version must verify
 (torn = 0). Seeds are printed; --seed and --kills reproduce a run.
 
+The kills start once the ack log holds an acknowledged step: until then a
+ckptd that died at an armed kill point is started again (a new life, so a new
+kill seed), and the driver waits for the trainer's next acknowledgement, not
+for a time.
+
 Modes:
   blackbox (default)  SIGKILL at uniform random moments in [min-delay, max-delay].
-  --kill-points       also armed to die at random kill points (CKPT_KILL_ODDS).
+  --kill-points       also armed to die at random kill points (CKPT_KILL_ODDS);
+                      every life of ckptd gets its own CKPT_KILL_SEED (the
+                      run's seed * 1000 + the life's number), so one life
+                      that dies before its first acknowledgement does not
+                      make every later life die at the same hit.
   --whitebox          every kill names its kill point (CKPT_KILL_AT=point:n,
                       n random in 1..5), going round every kill point compiled
                       into ckptd (found in the sources), so all are covered;
@@ -48,6 +57,25 @@ def kill_points():
                 with open(os.path.join(dirpath, f)) as src:
                     names.update(re.findall(r'CKPT_KILL_POINT\("([^"]+)"\)', src.read()))
     return sorted(names)
+
+
+class CrashDaemon(harness.Daemon):
+    """A ckptd whose every start is a new life: armed with CKPT_KILL_ODDS, a
+    life gets CKPT_KILL_SEED = kill_seed * 1000 + its number. One seed for
+    every life would make every life die at the same hit of a kill point, so a
+    run whose seed dies within the first step's hits would never acknowledge
+    a step at all."""
+
+    def __init__(self, *args, kill_seed=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kill_seed = kill_seed
+        self.lives = 0
+
+    def start(self, timeout=30.0):
+        self.lives += 1
+        if self.env and "CKPT_KILL_ODDS" in self.env:
+            self.env = dict(self.env, CKPT_KILL_SEED=str(self.kill_seed * 1000 + self.lives))
+        return super().start(timeout)
 
 
 def start(daemon, attempts=20):
@@ -122,11 +150,10 @@ def main():
     env = {}
     extra = []
     if args.kill_points:
-        env = {"CKPT_KILL_ODDS": str(args.kill_odds), "CKPT_KILL_LOG": kill_log,
-               "CKPT_KILL_SEED": str(seed)}
+        env = {"CKPT_KILL_ODDS": str(args.kill_odds), "CKPT_KILL_LOG": kill_log}
     if args.whitebox:
         extra = ["--gc_interval_s=1", "--keep_last_events=3", "--keep_every_steps=0"]
-    daemon = harness.Daemon(root, pool_bytes=64 << 20, env=env, extra=extra)
+    daemon = CrashDaemon(root, pool_bytes=64 << 20, env=env, extra=extra, kill_seed=seed)
     not_reached = collections.Counter()
     trainer = None
     lost_total = 0
@@ -134,7 +161,7 @@ def main():
     restarts = 0
     point_deaths = 0
     try:
-        daemon.start()
+        start(daemon)
         trainer = subprocess.Popen(
             harness.trainer_cmd(daemon, job, "--layers=%d" % args.layers,
                                 "--layer-bytes=64K,256K,512K", "--steps=100000000",
@@ -145,12 +172,35 @@ def main():
                                 "--compute-ms=2", "--quiet" if not os.environ.get("CKPT_KEEP_TMP") else "--compute-ms=2", "--seed=%d" % (seed % 1000)),
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(oracle_dir, "trainer.err"), "w"),
             text=True)
-        # The first kill only once the trainer registered and saved a step.
-        deadline = time.time() + 60
-        while not harness.read_jsonl(ack_log) and time.time() < deadline:
+        # The first kill only once the trainer registered and a step was
+        # acknowledged. Armed with kill points, ckptd may die before that: it
+        # is started again (a new life, a new kill seed) and the trainer
+        # re-registers, rather than being left dead while the driver waits.
+        # The bound only stops a hang; deaths at kill points do not use it up.
+        first_lives = 0
+        deadline = time.time() + 300
+        while not harness.read_jsonl(ack_log):
             if trainer.poll() is not None:
-                break
-            time.sleep(0.05)
+                with open(os.path.join(oracle_dir, "trainer.err")) as f:
+                    raise AssertionError("trainer died (%s) before its first acknowledgement:\n%s" %
+                                         (trainer.returncode, f.read()[-3000:]))
+            if daemon.proc.poll() is not None:  # died at an armed kill point
+                if daemon.proc.returncode != -9:
+                    raise AssertionError("ckptd exited with %d before the first acknowledgement; log:\n%s"
+                                         % (daemon.proc.returncode, daemon.log()[-3000:]))
+                first_lives += 1
+                if first_lives > 50:  # about 6 % of lives die within the first two steps
+                    raise AssertionError("ckptd died at kill points %d lives in a row before any "
+                                         "acknowledgement (seed=%d)" % (first_lives, seed))
+                start(daemon)
+                deadline = time.time() + 300
+            elif time.time() > deadline:
+                raise AssertionError("no acknowledgement from a live ckptd in 300 s (a hang); log:\n%s"
+                                     % daemon.log()[-3000:])
+            time.sleep(0.02)
+        if first_lives:
+            print("  %d lives died at kill points before the first acknowledgement" % first_lives,
+                  flush=True)
         started = time.time()
         for i in range(args.kills):
             if args.minutes and time.time() - started > 60 * args.minutes:
