@@ -296,11 +296,12 @@ def main():
         if trainer is not None:
             trainer.kill()
         daemon.kill()
+        # No `return` here: it would swallow a failure and exit 0.
         if os.environ.get("CKPT_KEEP_TMP"):
             print("kept %s and %s" % (root, oracle_dir))
-            return
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(oracle_dir, ignore_errors=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(oracle_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
