@@ -142,6 +142,9 @@ Option Backend(const char* name, const char* help) {
 
 // Below this not even a Register of one small layer fits.
 constexpr uint64_t kMinMessageBytes = 4096;
+// Room in a StepDone beside its aux blob: the layer ids and drift sums of up
+// to 65536 layers (about 1.7 MiB encoded).
+constexpr uint64_t kStepListBytes = 2 << 20;
 
 const std::vector<Option>& Options() {
   static const std::vector<Option>* options = new std::vector<Option>{
@@ -174,8 +177,18 @@ const std::vector<Option>& Options() {
            CKPT_FIELD(engine.drain_timeout), absl::Milliseconds(1), 0, 3600 * 1000),
       Time("shutdown_grace_ms", "on SIGTERM, how long staged versions may still be written",
            CKPT_FIELD(shutdown_grace), absl::Milliseconds(1), 0, 3600 * 1000),
-      Num("max_message_bytes", "largest gRPC message accepted", CKPT_FIELD(rpc.max_message_bytes),
-          kMinMessageBytes, std::numeric_limits<int>::max()),
+      Num("max_message_bytes",
+          "largest gRPC message, i.e. the largest Register request (a model's tensor table); "
+          "gRPC refuses a larger one once it has received it",
+          CKPT_FIELD(rpc.max_message_bytes), kMinMessageBytes, std::numeric_limits<int>::max()),
+      Num("max_request_bytes",
+          "largest request of every method but Register; larger ones fail with "
+          "RESOURCE_EXHAUSTED (at least max_aux_bytes + 2 MiB; max_message_bytes caps it too)",
+          CKPT_FIELD(rpc.max_request_bytes), kMinMessageBytes, std::numeric_limits<int>::max()),
+      Num("max_large_calls",
+          "Register calls above max_request_bytes running at once, node-wide; more fail with "
+          "RESOURCE_EXHAUSTED",
+          CKPT_FIELD(rpc.max_large_calls), 1, 1 << 16),
       Num("max_calls_per_uid", "calls one user may have in flight; more fail with RESOURCE_EXHAUSTED",
           CKPT_FIELD(rpc.max_calls_per_uid), 1, 1 << 20),
       Num("max_heavy_calls", "verify, export and gc calls running at once, node-wide",
@@ -252,6 +265,11 @@ absl::Status DaemonConfig::Validate() const {
   }
   if (staging.budget_bytes < staging.chunk_bytes) {
     return absl::InvalidArgumentError("staging_pool_bytes must hold at least one chunk");
+  }
+  if (engine.max_aux_bytes + kStepListBytes > static_cast<uint64_t>(rpc.max_request_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_request_bytes must be at least max_aux_bytes + ", kStepListBytes,
+        " (a StepDone carries the aux blob and per-layer lists)"));
   }
   return absl::OkStatus();
 }

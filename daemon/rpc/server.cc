@@ -4,6 +4,8 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server_posix.h>
+#include <grpcpp/support/server_interceptor.h>
+#include <malloc.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -29,25 +31,77 @@ absl::Time DeadlineOf(const grpc::ServerContext& ctx) {
   return d < cap ? d : cap;
 }
 
-enum class Weight { kNormal, kHeavy };
+// kRegister: the one method whose request may exceed max_request_bytes.
+enum class Weight { kNormal, kHeavy, kRegister };
 
-// Runs `fn(caller)` with the caller's identity, within the caller's call
-// limits, converting errors.
+// The key of a call in RpcServer::NoteLargeRequest / FinishCall.
+const void* CallKey(const grpc::ServerContextBase* ctx) { return ctx; }
+
+// Runs `fn(caller)` with the caller's identity, within the request size cap
+// of its method and the caller's call limits, converting errors.
 template <typename Fn>
-grpc::Status WithCaller(RpcServer* server, grpc::ServerContext* ctx, Fn&& fn,
+grpc::Status WithCaller(RpcServer* server, grpc::ServerContext* ctx,
+                        const google::protobuf::MessageLite& req, Fn&& fn,
                         Weight weight = Weight::kNormal) {
+  const size_t bytes = req.ByteSizeLong();
+  const int max_request = server->options().max_request_bytes;
+  const bool large = bytes > static_cast<size_t>(max_request);
+  if (large) {
+    server->NoteLargeRequest(CallKey(ctx));
+    if (weight != Weight::kRegister) {
+      return ToGrpcStatus(absl::ResourceExhaustedError(
+          absl::StrCat(req.GetTypeName(), " of ", bytes, " bytes exceeds max_request_bytes (",
+                       max_request, "); only Register may be larger")));
+    }
+  }
   absl::StatusOr<Caller> caller = server->CallerOf(*ctx);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
   const bool heavy = weight == Weight::kHeavy;
-  if (absl::Status s = server->EnterCall(caller->uid, heavy); !s.ok()) return ToGrpcStatus(s);
+  if (absl::Status s = server->EnterCall(caller->uid, heavy, large); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   struct Leave {
     RpcServer* server;
     uid_t uid;
     bool heavy;
-    ~Leave() { server->LeaveCall(uid, heavy); }
-  } leave{server, caller->uid, heavy};
+    bool large;
+    ~Leave() { server->LeaveCall(uid, heavy, large); }
+  } leave{server, caller->uid, heavy, large};
   return ToGrpcStatus(fn(*caller));
 }
+
+// Tells the server when a call's request has been freed: the sync server
+// destroys the request right after the handler returns, then sends the
+// status, which passes this hook on the handler's thread.
+class FinishCallInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  FinishCallInterceptor(RpcServer* server, grpc::experimental::ServerRpcInfo* info)
+      : server_(server), info_(info) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      server_->FinishCall(CallKey(info_->server_context()));
+    }
+    methods->Proceed();
+  }
+
+ private:
+  RpcServer* const server_;
+  grpc::experimental::ServerRpcInfo* const info_;
+};
+
+class FinishCallInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit FinishCallInterceptorFactory(RpcServer* server) : server_(server) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new FinishCallInterceptor(server_, info);
+  }
+
+ private:
+  RpcServer* const server_;
+};
 
 template <typename T>
 absl::Status Assign(absl::StatusOr<T> v, T* out) {
@@ -59,7 +113,7 @@ absl::Status Assign(absl::StatusOr<T> v, T* out) {
 // Plan is served by both services.
 grpc::Status PlanCall(RpcServer* server, grpc::ServerContext* ctx, const v1::PlanRequest& req,
                       v1::Plan* reply) {
-  return WithCaller(server, ctx, [&](const Caller& c) -> absl::Status {
+  return WithCaller(server, ctx, req, [&](const Caller& c) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
                           server->engine()->Plan(req.job_id(), req.rank(), req.target_step(), c));
     *reply = ToApi(plan);
@@ -73,7 +127,7 @@ class TrainerService final : public v1::Trainer::Service {
 
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       // GPU registrations carry their IPC handles in the request itself.
       // The token is claimed first, so a refused request releases its
       // descriptors now rather than when the token expires; the claim keeps
@@ -88,16 +142,16 @@ class TrainerService final : public v1::Trainer::Service {
                             s_->engine()->Register(registration, claim.TakeFds(), c));
       *reply = ToProto(registered);
       return absl::OkStatus();
-    });
+    }, Weight::kRegister);
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
                         v1::StepDoneReply*) override {
-    return WithCaller(s_, ctx,
+    return WithCaller(s_, ctx, *req,
                       [&](const Caller& c) { return s_->engine()->StepDone(StepReportOf(*req), c); });
   }
   grpc::Status WaitSnapshot(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                             v1::WaitSnapshotReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(SnapshotTaken taken,
                             s_->engine()->WaitSnapshot(RankRefOf(*req), req->step(), c,
                                                        WaitDeadline(*req, DeadlineOf(*ctx))));
@@ -107,7 +161,7 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status WaitDurable(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                            v1::WaitDurableReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(uint64_t durable,
                             s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
                                                       WaitDeadline(*req, DeadlineOf(*ctx))));
@@ -117,7 +171,7 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status DriftPartials(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                              v1::DriftReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(std::vector<drift::LayerSums> sums,
                             s_->engine()->DriftPartials(RankRefOf(*req), req->step(), c,
                                                         WaitDeadline(*req, DeadlineOf(*ctx))));
@@ -127,7 +181,7 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status SetGlobalDrift(grpc::ServerContext* ctx, const v1::GlobalDriftRequest* req,
                               v1::GlobalDriftReply*) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
       return s_->engine()->SetGlobalDrift(RankRefOf(*req), req->step(), LayerSumsOf(req->layers()),
                                           c);
     });
@@ -137,7 +191,7 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                        v1::RestoreReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(Restored restored,
                             s_->engine()->Restore(RankRefOf(*req), req->target_step(), c));
       *reply = ToProto(restored);
@@ -146,7 +200,7 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status Unregister(grpc::ServerContext* ctx, const v1::UnregisterRequest* req,
                           v1::UnregisterReply*) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
       return s_->engine()->Unregister(RankRefOf(*req), req->drain(), c, DeadlineOf(*ctx));
     });
   }
@@ -159,23 +213,23 @@ class AdminService final : public v1::Admin::Service {
  public:
   explicit AdminService(RpcServer* server) : s_(server) {}
 
-  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
+  grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                       v1::StatusReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller&) {
+    return WithCaller(s_, ctx, *req, [&](const Caller&) {
       *reply = s_->engine()->GetStatus();
       return absl::OkStatus();
     });
   }
-  grpc::Status Jobs(grpc::ServerContext* ctx, const v1::JobsRequest*, v1::JobsReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Jobs(c), reply); });
+  grpc::Status Jobs(grpc::ServerContext* ctx, const v1::JobsRequest* req, v1::JobsReply* reply) override {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Jobs(c), reply); });
   }
   grpc::Status Layers(grpc::ServerContext* ctx, const v1::LayersRequest* req,
                       v1::LayersReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Layers(*req, c), reply); });
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Layers(*req, c), reply); });
   }
   grpc::Status History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
                        v1::HistoryReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->History(*req, c), reply); });
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->History(*req, c), reply); });
   }
   grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
     return PlanCall(s_, ctx, *req, reply);
@@ -183,18 +237,18 @@ class AdminService final : public v1::Admin::Service {
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req,
                       v1::VerifyReply* reply) override {
     return WithCaller(
-        s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); },
+        s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); },
         Weight::kHeavy);
   }
   grpc::Status Gc(grpc::ServerContext* ctx, const v1::GcRequest* req, v1::GcReply* reply) override {
     return WithCaller(
-        s_, ctx, [&](const Caller& c) { return Assign(s_->engine()->Gc(*req, c), reply); },
+        s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Gc(*req, c), reply); },
         Weight::kHeavy);
   }
   grpc::Status Export(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
     return WithCaller(
-        s_, ctx,
+        s_, ctx, *req,
         [&](const Caller& c) {
           return s_->engine()->Export(*req, c, [&](const v1::ExportChunk& chunk) {
             return !ctx->IsCancelled() && writer->Write(chunk);
@@ -202,9 +256,9 @@ class AdminService final : public v1::Admin::Service {
         },
         Weight::kHeavy);
   }
-  grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest*,
+  grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest* req,
                       v1::ConfigReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller&) {
+    return WithCaller(s_, ctx, *req, [&](const Caller&) {
       reply->set_text(s_->options().config_text);
       return absl::OkStatus();
     });
@@ -252,6 +306,9 @@ absl::Status RpcServer::Start() {
   builder.SetMaxSendMessageSize(options_.max_message_bytes);
   builder.RegisterService(trainer_service_.get());
   builder.RegisterService(admin_service_.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> hooks;
+  hooks.push_back(std::make_unique<FinishCallInterceptorFactory>(this));
+  builder.experimental().SetInterceptorCreators(std::move(hooks));
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) return absl::InternalError("gRPC server failed to start");
   CKPT_ASSIGN_OR_RETURN(listen_fd_, ListenUnixSocket(path, 0660));
@@ -297,7 +354,7 @@ void RpcServer::AcceptLoop() {
   }
 }
 
-absl::Status RpcServer::EnterCall(uid_t uid, bool heavy) {
+absl::Status RpcServer::EnterCall(uid_t uid, bool heavy, bool large) {
   absl::MutexLock lock(&mu_);
   int& calls = calls_by_uid_[uid];
   if (calls >= options_.max_calls_per_uid) {
@@ -308,16 +365,47 @@ absl::Status RpcServer::EnterCall(uid_t uid, bool heavy) {
     return absl::ResourceExhaustedError(absl::StrCat(
         heavy_calls_, " verify/export/gc calls are running (max_heavy_calls); retry later"));
   }
+  if (large && large_calls_ >= options_.max_large_calls) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(large_calls_, " Register calls above max_request_bytes are running ",
+                     "(max_large_calls); retry later"));
+  }
   ++calls;
   if (heavy) ++heavy_calls_;
+  if (large) ++large_calls_;
   return absl::OkStatus();
 }
 
-void RpcServer::LeaveCall(uid_t uid, bool heavy) {
+void RpcServer::LeaveCall(uid_t uid, bool heavy, bool large) {
   absl::MutexLock lock(&mu_);
   auto it = calls_by_uid_.find(uid);
   if (it != calls_by_uid_.end() && --it->second <= 0) calls_by_uid_.erase(it);
   if (heavy) --heavy_calls_;
+  if (large) --large_calls_;
+}
+
+void RpcServer::NoteLargeRequest(const void* call) {
+  absl::MutexLock lock(&mu_);
+  large_requests_.insert(call);
+}
+
+bool RpcServer::FinishCall(const void* call) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (large_requests_.erase(call) == 0 || !large_requests_.empty()) return false;
+    ++memory_releases_;
+  }
+  // glibc keeps freed memory in the arena of the thread that allocated it
+  // (gRPC's reads and the request's parse run on several threads); this
+  // returns the free pages of every arena to the kernel. It runs once per
+  // burst of large requests: when the last one still unfinished finishes.
+  ::malloc_trim(0);
+  return true;
+}
+
+uint64_t RpcServer::memory_releases() const {
+  absl::MutexLock lock(&mu_);
+  return memory_releases_;
 }
 
 absl::StatusOr<Caller> RpcServer::CallerOf(const grpc::ServerContext& ctx) const {

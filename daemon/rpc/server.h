@@ -7,8 +7,20 @@
 // is created 0660 (main.cc creates its directory 0750).
 //
 // Handlers are thin: validate, convert, call the Engine, convert the Status
-// back (status_convert.h). Messages above max_message_bytes are refused by
-// gRPC itself. Also served: the standard health service and reflection.
+// back (status_convert.h). Also served: the standard health service and
+// reflection.
+//
+// Request sizes (RpcServerOptions): gRPC refuses any message above
+// max_message_bytes, the Register cap, once it has received it (gRPC 1.51's
+// server applies one receive limit to every method and checks it on the
+// reassembled message; per-method limits of a service config apply only to
+// clients). Every other method's request is refused above max_request_bytes
+// with RESOURCE_EXHAUSTED naming the option, before it is looked at; Register
+// calls above max_request_bytes ("large") run at most max_large_calls at once
+// node-wide. After a call whose request was above max_request_bytes has freed
+// its request, and no other such call is in flight, the server returns free
+// heap memory to the kernel (malloc_trim) before the reply goes out, so the
+// memory of a burst of large requests does not stay resident.
 //
 // Thread-safety: Start/Shutdown from one thread; handlers run on gRPC threads.
 #pragma once
@@ -16,6 +28,7 @@
 #include <sys/types.h>
 
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,7 +51,15 @@ namespace ckpt {
 
 struct RpcServerOptions {
   std::string socket_path;  // DaemonConfig::socket
+  // The largest message gRPC accepts in either direction: the cap of a
+  // Register request, whose tensor table grows with the model.
   int max_message_bytes = 64 << 20;
+  // The cap of every other request (StepDone: aux of at most max_aux_bytes
+  // plus per-layer lists; waits, plans, admin calls: tiny).
+  int max_request_bytes = 4 << 20;
+  // Register calls with a request above max_request_bytes in their handler
+  // at once, node-wide; more fail at once with RESOURCE_EXHAUSTED.
+  int max_large_calls = 4;
   std::string config_text;  // the effective config, served by Admin.Config
   // Calls in flight at once: per uid over every method (so a flooding user
   // cannot take every server thread), and node-wide for the heavy admin
@@ -66,10 +87,23 @@ class RpcServer {
   HandoverServer* handover() const { return handover_; }
   const RpcServerOptions& options() const { return options_; }
 
-  // Admission of one call of `uid` (see RpcServerOptions); LeaveCall undoes
-  // a successful EnterCall.
-  absl::Status EnterCall(uid_t uid, bool heavy);
-  void LeaveCall(uid_t uid, bool heavy);
+  // Admission of one call of `uid` (see RpcServerOptions): `heavy` for
+  // Verify/Export/Gc, `large` for a Register above max_request_bytes.
+  // RESOURCE_EXHAUSTED naming the option when a cap is reached. LeaveCall
+  // undoes a successful EnterCall with the same arguments.
+  absl::Status EnterCall(uid_t uid, bool heavy, bool large = false);
+  void LeaveCall(uid_t uid, bool heavy, bool large = false);
+
+  // Release of memory after large requests. A handler calls NoteLargeRequest
+  // for a call whose request is above max_request_bytes; the server calls
+  // FinishCall for every call once the request is freed and before the
+  // status is sent. FinishCall returns free heap memory to the kernel when
+  // the call was noted and no other noted call is still unfinished, and
+  // returns whether it did. `call` only identifies the call.
+  void NoteLargeRequest(const void* call);
+  bool FinishCall(const void* call);
+  // How many times FinishCall released memory.
+  uint64_t memory_releases() const;
 
  private:
   void AcceptLoop();
@@ -88,6 +122,9 @@ class RpcServer {
   std::map<int, PeerCred> peers_ ABSL_GUARDED_BY(mu_);  // by connection fd
   std::map<uid_t, int> calls_by_uid_ ABSL_GUARDED_BY(mu_);
   int heavy_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int large_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<const void*> large_requests_ ABSL_GUARDED_BY(mu_);  // noted, not finished
+  uint64_t memory_releases_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ckpt

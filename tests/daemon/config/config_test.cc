@@ -211,5 +211,15 @@ TEST(ConfigTest, LoadConfigFile) {
   EXPECT_EQ(c.socket, "/s");
 }
 
+TEST(ConfigTest, StepDoneWithTheLargestAuxMustFitMaxRequestBytes) {
+  DaemonConfig c;
+  CKPT_ASSERT_OK(SetConfigOption("max_aux_bytes", "8388608", &c));
+  absl::Status s = c.Validate();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_TRUE(Contains(s.message(), "max_request_bytes must be at least max_aux_bytes")) << s;
+  CKPT_ASSERT_OK(SetConfigOption("max_request_bytes", "12582912", &c));
+  CKPT_EXPECT_OK(c.Validate());
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -1,4 +1,5 @@
-// Tests of daemon/rpc: call admission (RpcServerOptions limits).
+// Tests of daemon/rpc: call admission (RpcServerOptions limits) and the
+// release of memory after large requests.
 #include "daemon/rpc/server.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
@@ -40,6 +41,38 @@ TEST(CallLimitsTest, RefusedCallsTakeNoSlot) {
   for (int i = 0; i < 10; ++i) CKPT_EXPECT_CODE(server.EnterCall(7, true), kResourceExhausted);
   server.LeaveCall(7, true);
   CKPT_EXPECT_OK(server.EnterCall(7, true));
+}
+
+TEST(CallLimitsTest, LargeRegisterCallsAreCappedNodeWide) {
+  RpcServerOptions o = Limits(10, 2);
+  o.max_large_calls = 2;
+  RpcServer server(o, nullptr, nullptr);
+  CKPT_EXPECT_OK(server.EnterCall(1000, false, true));
+  CKPT_EXPECT_OK(server.EnterCall(1001, false, true));
+  absl::Status s = server.EnterCall(1002, false, true);
+  CKPT_EXPECT_CODE(s, kResourceExhausted);
+  EXPECT_NE(std::string(s.message()).find("max_large_calls"), std::string::npos) << s;
+  CKPT_EXPECT_OK(server.EnterCall(1002, false, false));  // small calls still pass
+  server.LeaveCall(1000, false, true);
+  CKPT_EXPECT_OK(server.EnterCall(1002, false, true));  // a slot came back
+}
+
+TEST(MemoryReleaseTest, ReleasesWhenTheLastLargeRequestOfABurstFinishes) {
+  RpcServer server(RpcServerOptions(), nullptr, nullptr);
+  int a, b, c, small;
+  server.NoteLargeRequest(&a);
+  server.NoteLargeRequest(&b);
+  EXPECT_FALSE(server.FinishCall(&small));  // not noted: nothing to release
+  EXPECT_FALSE(server.FinishCall(&a));      // b still holds its request
+  server.NoteLargeRequest(&c);
+  EXPECT_FALSE(server.FinishCall(&b));
+  EXPECT_EQ(server.memory_releases(), 0u);
+  EXPECT_TRUE(server.FinishCall(&c));  // the last one of the burst
+  EXPECT_EQ(server.memory_releases(), 1u);
+  EXPECT_FALSE(server.FinishCall(&c));  // finished once only
+  server.NoteLargeRequest(&a);
+  EXPECT_TRUE(server.FinishCall(&a));
+  EXPECT_EQ(server.memory_releases(), 2u);
 }
 
 }  // namespace
