@@ -265,7 +265,7 @@ class AdminService final : public v1::Admin::Service {
   }
   grpc::Status ReleaseRank(grpc::ServerContext* ctx, const v1::ReleaseRankRequest* req,
                            v1::ReleaseRankReply* reply) override {
-    return WithCaller(s_, ctx, [&](const Caller& c) -> absl::Status {
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(uint64_t generation,
                             s_->engine()->ReleaseRank(req->job_id(), req->rank(), c));
       reply->set_generation(generation);
@@ -275,7 +275,7 @@ class AdminService final : public v1::Admin::Service {
   grpc::Status DeleteJob(grpc::ServerContext* ctx, const v1::DeleteJobRequest* req,
                          v1::DeleteJobReply* reply) override {
     return WithCaller(
-        s_, ctx,
+        s_, ctx, *req,
         [&](const Caller& c) -> absl::Status {
           CKPT_ASSIGN_OR_RETURN(JobDeleted deleted, s_->engine()->DeleteJob(req->job_id(), c));
           *reply = ToProto(deleted);
