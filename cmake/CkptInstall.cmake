@@ -65,7 +65,7 @@ set_target_properties(ckpt_base PROPERTIES EXPORT_NAME base)
 set_target_properties(ckpt_proto PROPERTIES EXPORT_NAME proto)
 
 # An exported target may not name a source or build directory as an include
-# directory. ckpt_cc_library and ckpt_client already mark theirs
+# directory. ckpt_cc_library already marks its header trees
 # $<BUILD_INTERFACE:...>; ckpt_proto lists the generated and the source proto
 # directory plainly, so they are wrapped here. Installed, all headers are
 # under include/.
