@@ -1,6 +1,7 @@
 #include "daemon/store/index.h"
 
 #include <rocksdb/db.h>
+#include <rocksdb/env.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
@@ -18,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "base/logging.h"
 #include "base/status.h"
 
 namespace ckpt {
@@ -69,32 +71,35 @@ absl::StatusOr<Msg> ParseRecord(const rocksdb::Slice& v, absl::string_view key) 
 
 absl::Mutex g_generation_mu;
 
-// ThreadSanitizer builds serialise the index's writes. RocksDB groups
-// concurrent writers: a leader thread appends the followers' batches to one
-// it keeps for reuse and writes them all, handing over with atomics inside
-// the uninstrumented library. TSan sees only libstdc++'s string copies of
-// those batches on different threads, as races with no RocksDB frame to
-// suppress them by. With one writer at a time the hand-over is this mutex,
-// which TSan sees, and nothing in our own code needs a suppression.
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kSerializeWrites = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kSerializeWrites = true;
-#else
-constexpr bool kSerializeWrites = false;
-#endif
-#else
-constexpr bool kSerializeWrites = false;
-#endif
+absl::Status IndexClosed() {
+  return WithReason(absl::UnavailableError(
+                        "the index could not be reopened after a write failure; it is retried "
+                        "at the next write"),
+                    ErrorReason::kIndex);
+}
 
-}  // namespace
+// RocksDB's info log, into ckptd's log: warnings and errors only (background
+// errors, recovery), and never a file on the data file system (see index.h).
+class RocksLogger : public rocksdb::Logger {
+ public:
+  RocksLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    if (level < GetInfoLogLevel()) return;
+    char buf[1024];
+    std::vsnprintf(buf, sizeof(buf), format, ap);
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
+      CKPT_LOG(ERROR) << "rocksdb: " << buf;
+    } else {
+      CKPT_LOG(WARNING) << "rocksdb: " << buf;
+    }
+  }
+};
 
-Index::Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock)
-    : lock_(std::move(lock)), db_(std::move(db)) {}
-Index::~Index() = default;
-
-absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
+rocksdb::Options MakeOptions(rocksdb::Env* env, const std::shared_ptr<rocksdb::Logger>& logger) {
   rocksdb::Options options;
   options.create_if_missing = true;
   options.paranoid_checks = true;
@@ -106,6 +111,30 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
   options.max_background_jobs = 2;
   options.keep_log_file_num = 4;
   options.max_log_file_size = 8 << 20;
+  options.info_log = logger;
+  if (env != nullptr) options.env = env;
+  return options;
+}
+
+}  // namespace
+
+Index::Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock, std::string path, rocksdb::Env* env,
+             std::shared_ptr<rocksdb::Logger> logger)
+    : lock_(std::move(lock)),
+      path_(std::move(path)),
+      env_(env),
+      logger_(std::move(logger)),
+      db_(std::move(db)) {}
+
+Index::~Index() {
+  absl::MutexLock lock(&db_mu_);
+  if (db_ != nullptr) IgnoreError(FromRocks(db_->Close(), "close"), "nothing to do about it now");
+  db_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path, rocksdb::Env* env) {
+  std::shared_ptr<rocksdb::Logger> logger = std::make_shared<RocksLogger>();
+  const rocksdb::Options options = MakeOptions(env, logger);
   // One holder at a time. flock conflicts between two open file descriptions
   // even within one process, so a second Index of this process is refused as
   // well as another ckptd.
@@ -125,15 +154,70 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path) {
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("open ", path)));
-  std::unique_ptr<Index> index(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock)));
+  std::unique_ptr<Index> index(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock), path,
+                                         env, std::move(logger)));
   CKPT_RETURN_IF_ERROR(index->CheckSchema(path));
   return index;
 }
 
 absl::Status Index::Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
                           absl::string_view what) {
-  absl::MutexLockMaybe lock(kSerializeWrites ? &tsan_write_mu_ : nullptr);
-  return FromRocks(db_->Write(wo, batch), what);
+  // One write at a time: RocksDB would otherwise group concurrent writers and
+  // a follower's batch could reach a WAL that just failed (index.h). This
+  // also makes the hand-over between writers visible to ThreadSanitizer,
+  // which does not see the atomics inside the uninstrumented library.
+  absl::MutexLock lock(&write_mu_);
+  if (!broken_by_.ok()) CKPT_RETURN_IF_ERROR(ReopenLocked());
+  rocksdb::Status s;
+  {
+    absl::ReaderMutexLock db_lock(&db_mu_);
+    if (db_ == nullptr) return IndexClosed();
+    s = db_->Write(wo, batch);
+  }
+  absl::Status status = FromRocks(s, what);
+  if (!status.ok()) {
+    // RocksDB has stopped writes (a background error) or its WAL writer is
+    // spent: no write reaches it again before a reopen.
+    write_failures_.fetch_add(1, std::memory_order_relaxed);
+    broken_by_ = status;
+    degraded_.store(true, std::memory_order_relaxed);
+    CKPT_LOG(ERROR) << "index " << path_ << ": write failed; index writes are refused until it "
+                    << "reopens (reads go on): " << status;
+  }
+  return status;
+}
+
+absl::Status Index::ReopenLocked() {
+  const rocksdb::Options options = MakeOptions(env_, logger_);
+  absl::WriterMutexLock db_lock(&db_mu_);
+  if (db_ != nullptr) {
+    // The spent WAL writer is not flushed again (RocksDB skips a writer that
+    // saw an error); what it failed to write was never acknowledged.
+    IgnoreError(FromRocks(db_->Close(), "close"), "the failed write is reported already");
+    db_.reset();
+  }
+  rocksdb::DB* raw = nullptr;
+  absl::Status s = FromRocks(rocksdb::DB::Open(options, path_, &raw), "reopen");
+  if (s.ok()) {
+    db_.reset(raw);
+    read_only_ = false;
+    broken_by_ = absl::OkStatus();
+    degraded_.store(false, std::memory_order_relaxed);
+    recoveries_.fetch_add(1, std::memory_order_relaxed);
+    CKPT_LOG(WARNING) << "index " << path_ << ": reopened after a write failure; writable again";
+    return absl::OkStatus();
+  }
+  // Still no room (or another failure): keep serving reads from a read-only
+  // instance, which writes nothing.
+  raw = nullptr;
+  if (FromRocks(rocksdb::DB::OpenForReadOnly(options, path_, &raw), "open read-only").ok()) {
+    db_.reset(raw);
+    read_only_ = true;
+  }
+  return WithReason(absl::Status(s.code(), absl::StrCat("the index refuses writes since a write "
+                                                        "failed; reopening it failed: ",
+                                                        s.message())),
+                    ReasonOf(s) == ErrorReason::kUnspecified ? ErrorReason::kIndex : ReasonOf(s));
 }
 
 absl::Status Index::Put(const std::string& key, const std::string& value) {
@@ -154,6 +238,8 @@ absl::Status Index::Delete(const std::string& key) {
 
 absl::StatusOr<std::optional<std::string>> Index::Get(const std::string& key) {
   std::string v;
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), key, &v);
   if (s.IsNotFound()) return std::optional<std::string>();
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("get ", key)));
@@ -212,6 +298,8 @@ absl::StatusOr<std::optional<store::JobRecord>> Index::GetJob(const std::string&
 
 absl::StatusOr<std::vector<std::string>> Index::ListJobs() {
   std::vector<std::string> jobs;
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek("j/"); it->Valid() && it->key().starts_with("j/"); it->Next()) {
     jobs.push_back(it->key().ToString().substr(2));
@@ -242,6 +330,8 @@ absl::StatusOr<std::optional<store::RankRecord>> Index::GetRank(const std::strin
 absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
   std::vector<uint32_t> ranks;
   const std::string prefix = absl::StrCat("r/", job, "/");
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     uint32_t r;
@@ -263,6 +353,8 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::
     const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step) {
   using Result = std::optional<std::pair<uint64_t, store::VersionRecord>>;
   const std::string prefix = absl::StrFormat("v/%s/%08x/%08x/", job, rank, layer);
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   it->SeekForPrev(absl::StrFormat("%s%016x", prefix, max_step));
   if (!it->Valid() || !it->key().starts_with(prefix)) {
@@ -285,6 +377,8 @@ absl::Status Index::ForEachVersion(
                                        : absl::StrFormat("v/%s/%08x/%08x/", job, rank,
                                                          static_cast<uint32_t>(layer));
   const size_t rank_prefix = absl::StrFormat("v/%s/%08x/", job, rank).size();
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     absl::string_view k(it->key().data(), it->key().size());
@@ -323,6 +417,8 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::Ev
     const std::string& job, uint32_t rank, uint64_t max_step) {
   using Result = std::optional<std::pair<uint64_t, store::EventRecord>>;
   const std::string prefix = RankPrefix('e', job, rank);
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   it->SeekForPrev(EventKey(job, rank, max_step));
   if (!it->Valid() || !it->key().starts_with(prefix)) {
@@ -341,6 +437,8 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::Ev
 absl::Status Index::ForEachEvent(const std::string& job, uint32_t rank, bool newest_first,
                                  const std::function<bool(uint64_t, const store::EventRecord&)>& fn) {
   const std::string prefix = RankPrefix('e', job, rank);
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   if (newest_first) {
     it->SeekForPrev(EventKey(job, rank, ~uint64_t{0}));

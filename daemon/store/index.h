@@ -15,9 +15,28 @@
 // version of that step. The database is opened with paranoid checks; a
 // RocksDB error on a write is returned to the caller and never swallowed.
 //
-// Thread-safety: all methods are thread-safe (RocksDB is).
+// A full disk (ENOSPC) never takes ckptd down. Debian's librocksdb 7.8.3 is
+// built with assertions, and its WritableFileWriter asserts when a file that
+// already failed a write is written again: the info LOG after its own ENOSPC,
+// and the WAL after RocksDB cleared the background error without switching
+// to a new WAL (fixed upstream after 7.8). So:
+//   - RocksDB's info log goes to ckptd's log (warnings and errors), never to
+//     a file on the data file system;
+//   - writes are serialised, so a failed WAL write is seen before the next
+//     write reaches RocksDB;
+//   - after a failed write the index is *degraded*: reads go on, every write
+//     first closes and reopens the database (a new WAL; the torn tail record
+//     is dropped on replay), and fails without reaching RocksDB while that
+//     does not succeed. (The engine keeps writes away from a full disk, so
+//     reopens are rare.) When the read-write
+//     open fails (still no space), the database is opened read-only so reads
+//     keep working.
+//
+// Thread-safety: all methods are thread-safe. Callbacks of ForEachVersion and
+// ForEachEvent run with the database pinned and must not call the Index.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +52,8 @@
 
 namespace rocksdb {
 class DB;
+class Env;
+class Logger;
 class WriteBatch;
 struct WriteOptions;
 }
@@ -60,7 +81,10 @@ class Index {
   // FAILED_PRECONDITION when the index was written with a schema newer than
   // kIndexSchemaVersion (by a newer ckptd); an index without a schema version
   // is stamped with this one.
-  static absl::StatusOr<std::unique_ptr<Index>> Open(const std::string& path);
+  // `env` replaces RocksDB's default environment (tests inject faults with
+  // it); not owned, must outlive the Index.
+  static absl::StatusOr<std::unique_ptr<Index>> Open(const std::string& path,
+                                                     rocksdb::Env* env = nullptr);
   ~Index();
   Index(const Index&) = delete;
   Index& operator=(const Index&) = delete;
@@ -107,20 +131,45 @@ class Index {
                             const std::function<bool(uint64_t, const store::EventRecord&)>& fn);
   absl::Status DeleteEvent(const std::string& job, uint32_t rank, uint64_t step);
 
+  // True from a failed write until a reopen succeeded: writes are refused
+  // (RESOURCE_EXHAUSTED with kDiskFull after ENOSPC, else kIndex) while reads
+  // go on.
+  bool degraded() const { return degraded_.load(std::memory_order_relaxed); }
+  // Writes that failed inside RocksDB, and reopens that made the index
+  // writable again, since Open.
+  uint64_t write_failures() const { return write_failures_.load(std::memory_order_relaxed); }
+  uint64_t recoveries() const { return recoveries_.load(std::memory_order_relaxed); }
+
  private:
-  Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock);
+  Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock, std::string path, rocksdb::Env* env,
+        std::shared_ptr<rocksdb::Logger> logger);
   // Stamps a new index with kIndexSchemaVersion; refuses a newer one.
   absl::Status CheckSchema(const std::string& path);
   absl::Status Put(const std::string& key, const std::string& value);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
-  // Every RocksDB write goes through here (see index.cc: serialised under TSan).
+  // Every RocksDB write goes through here, one at a time.
   absl::Status Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
-                     absl::string_view what);
+                     absl::string_view what) ABSL_LOCKS_EXCLUDED(write_mu_, db_mu_);
+  // Closes and reopens a degraded database. OK when it is writable again.
+  absl::Status ReopenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) ABSL_LOCKS_EXCLUDED(db_mu_);
 
+  // Immutable.
   UniqueFd lock_;  // released after db_ is closed (declared first)
-  std::unique_ptr<rocksdb::DB> db_;
-  absl::Mutex tsan_write_mu_;  // taken only in ThreadSanitizer builds
+  const std::string path_;
+  rocksdb::Env* const env_;                        // null = RocksDB's default
+  const std::shared_ptr<rocksdb::Logger> logger_;  // RocksDB's info log -> ckptd's log
+
+  // Lock order: write_mu_ -> db_mu_. Readers and writers hold db_mu_ shared
+  // while they use db_; a reopen holds it exclusively.
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(db_mu_);
+  absl::Mutex db_mu_;
+  std::unique_ptr<rocksdb::DB> db_ ABSL_GUARDED_BY(db_mu_);  // null only if a reopen failed twice
+  bool read_only_ ABSL_GUARDED_BY(db_mu_) = false;
+  absl::Status broken_by_ ABSL_GUARDED_BY(write_mu_);  // the failed write; OK when writable
+  std::atomic<bool> degraded_{false};  // mirrors !broken_by_.ok(), for lock-free reads
+  std::atomic<uint64_t> write_failures_{0};
+  std::atomic<uint64_t> recoveries_{0};
 };
 
 }  // namespace ckpt
