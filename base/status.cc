@@ -41,6 +41,7 @@ const char* ReasonName(ErrorReason reason) {
     case ErrorReason::kIndex: return "index";
     case ErrorReason::kWrite: return "write";
     case ErrorReason::kSnapshotCopy: return "snapshot_copy";
+    case ErrorReason::kQuota: return "quota";
   }
   return "unspecified";
 }

@@ -55,8 +55,9 @@ enum class ErrorReason : int {
   kIndex = 6,             // the RocksDB index failed
   kWrite = 7,             // creating or writing a layer version's file failed
   kSnapshotCopy = 8,      // copying a snapshot out of the trainer's memory failed
+  kQuota = 9,             // the caller's uid reached one of its quotas (bytes or queued steps)
 };
-inline constexpr int kErrorReasonCount = 9;
+inline constexpr int kErrorReasonCount = 10;
 
 // `status` with `reason` attached (OK stays OK). Replaces an earlier reason.
 absl::Status WithReason(absl::Status status, ErrorReason reason);

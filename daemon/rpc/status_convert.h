@@ -16,7 +16,7 @@
 
 namespace ckpt {
 
-static_assert(static_cast<int>(ErrorReason::kSnapshotCopy) == v1::ERROR_REASON_SNAPSHOT_COPY &&
+static_assert(static_cast<int>(ErrorReason::kQuota) == v1::ERROR_REASON_QUOTA &&
                   kErrorReasonCount == v1::ErrorReason_ARRAYSIZE,
               "ErrorReason and ckpt.v1.ErrorReason must list the same reasons");
 
