@@ -245,6 +245,12 @@ absl::StatusOr<uint64_t> FileSystem::FreeBytes(int fd) {
   return static_cast<uint64_t>(sv.f_bavail) * sv.f_frsize;
 }
 
+absl::StatusOr<uint64_t> FileSystem::TotalBytes(int fd) {
+  struct statvfs sv;
+  if (::fstatvfs(fd, &sv) != 0) return ErrnoStatus(errno, "fstatvfs");
+  return static_cast<uint64_t>(sv.f_blocks) * sv.f_frsize;
+}
+
 FileSystem* DefaultFileSystem() {
   static FileSystem* fs = new FileSystem();
   return fs;

@@ -68,6 +68,8 @@ class FileSystem {
   virtual absl::StatusOr<uint64_t> FileSizeAt(int dir_fd, const std::string& name);
   // Free bytes on the file system holding `fd`.
   virtual absl::StatusOr<uint64_t> FreeBytes(int fd);
+  // The size of the file system holding `fd`.
+  virtual absl::StatusOr<uint64_t> TotalBytes(int fd);
 };
 
 // The process-wide default (real syscalls).

@@ -51,6 +51,7 @@ LayerStore::LayerStore(std::string data_dir, FileSystem* fs, Index* index, bool 
     : data_dir_(std::move(data_dir)), fs_(fs), index_(index), use_direct_io_(use_direct_io) {}
 
 absl::StatusOr<uint64_t> LayerStore::FreeBytes() { return fs_->FreeBytes(jobs_dir_.get()); }
+absl::StatusOr<uint64_t> LayerStore::TotalBytes() { return fs_->TotalBytes(jobs_dir_.get()); }
 
 absl::Status LayerStore::Init() {
   CKPT_ASSIGN_OR_RETURN(data_dir_fd_, fs_->MakeDirs(data_dir_));

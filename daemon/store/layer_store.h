@@ -110,8 +110,9 @@ class LayerStore {
   // entries of jobs/ and of the index directory (opened before) are durable.
   absl::Status Init();
 
-  // Free bytes on the file system of the data directory.
+  // Free bytes on, and the size of, the file system of the data directory.
   absl::StatusOr<uint64_t> FreeBytes();
+  absl::StatusOr<uint64_t> TotalBytes();
 
   // The commit protocol above. On success returns the record now in the index.
   absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io,

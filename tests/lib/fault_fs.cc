@@ -538,7 +538,25 @@ absl::StatusOr<uint64_t> FaultFileSystem::FileSizeAt(int dir_fd, const std::stri
 absl::StatusOr<uint64_t> FaultFileSystem::FreeBytes(int fd) {
   absl::MutexLock lock(&mu_);
   if (frozen_) return FrozenError("statvfs");
+  if (free_bytes_.has_value()) return *free_bytes_;
   return base_->FreeBytes(fd);
+}
+
+absl::StatusOr<uint64_t> FaultFileSystem::TotalBytes(int fd) {
+  absl::MutexLock lock(&mu_);
+  if (frozen_) return FrozenError("statvfs");
+  if (total_bytes_.has_value()) return *total_bytes_;
+  return base_->TotalBytes(fd);
+}
+
+void FaultFileSystem::SetFreeBytes(std::optional<uint64_t> free_bytes) {
+  absl::MutexLock lock(&mu_);
+  free_bytes_ = free_bytes;
+}
+
+void FaultFileSystem::SetTotalBytes(std::optional<uint64_t> total_bytes) {
+  absl::MutexLock lock(&mu_);
+  total_bytes_ = total_bytes;
 }
 
 // ---- crash images ----

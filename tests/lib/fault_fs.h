@@ -48,6 +48,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <random>
 #include <string>
@@ -198,6 +199,11 @@ class FaultFileSystem : public FileSystem {
   absl::StatusOr<uint64_t> FileSize(int fd) override;
   absl::StatusOr<uint64_t> FileSizeAt(int dir_fd, const std::string& name) override;
   absl::StatusOr<uint64_t> FreeBytes(int fd) override;
+  absl::StatusOr<uint64_t> TotalBytes(int fd) override;
+  // From now on FreeBytes and TotalBytes report these (a full or a small
+  // disk without filling one); nullopt goes back to the real figures.
+  void SetFreeBytes(std::optional<uint64_t> free_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void SetTotalBytes(std::optional<uint64_t> total_bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   friend class FaultIoBackend;
@@ -263,6 +269,8 @@ class FaultFileSystem : public FileSystem {
   bool short_writes_ ABSL_GUARDED_BY(mu_) = false;
   ReadFault read_fault_ ABSL_GUARDED_BY(mu_) = ReadFault::kError;
   bool frozen_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<uint64_t> free_bytes_ ABSL_GUARDED_BY(mu_);
+  std::optional<uint64_t> total_bytes_ ABSL_GUARDED_BY(mu_);
   uint64_t crash_countdown_ ABSL_GUARDED_BY(mu_) = 0;  // 0 = no crash armed
   TearMode tear_ ABSL_GUARDED_BY(mu_) = TearMode::kMixed;
   FaultClass crash_class_ ABSL_GUARDED_BY(mu_) = FaultClass::kNumClasses;  // any
