@@ -240,8 +240,25 @@ const std::vector<Option>& Options() {
           "bound on committed version bytes; past it new versions fail, counted (0 = none)",
           CKPT_FIELD(engine.max_disk_bytes), 0),
       Num("min_free_disk_bytes",
-          "new versions fail while the data file system has less free (RocksDB keeps room)",
+          "new versions fail while the data file system has less free; index records (events, "
+          "aux blobs) may use it down to a quarter of it, so RocksDB keeps room",
           CKPT_FIELD(engine.min_free_disk_bytes), 0),
+      Num("max_disk_bytes_per_uid",
+          "layer files plus index records one user's jobs may hold; past it that user's steps "
+          "and versions fail with RESOURCE_EXHAUSTED (0 = half the data file system)",
+          CKPT_FIELD(engine.max_disk_bytes_per_uid), 0),
+      Num("max_index_bytes_per_uid",
+          "index records (aux blobs, events, version records) one user's jobs may hold; past it "
+          "that user's steps fail with RESOURCE_EXHAUSTED (0 = none)",
+          CKPT_FIELD(engine.max_index_bytes_per_uid), 0),
+      Num("max_queued_steps_per_rank",
+          "steps of one rank queued or being written (each holds its aux blob); more fail with "
+          "RESOURCE_EXHAUSTED (0 = none)",
+          CKPT_FIELD(engine.max_queued_steps_per_rank), 0, 1 << 20),
+      Num("max_queued_steps_per_uid",
+          "steps of one user's ranks queued or being written; more fail with RESOURCE_EXHAUSTED "
+          "(0 = none)",
+          CKPT_FIELD(engine.max_queued_steps_per_uid), 0, 1 << 24),
       Str("metrics_address",
           "Prometheus endpoint host:port (empty = off; a bind failure is a warning); loopback "
           "by default, since it lists every user's jobs: bind 0.0.0.0 (or one interface) to "

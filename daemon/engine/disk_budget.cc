@@ -42,4 +42,16 @@ absl::Status DiskBudget::CheckFreeSpace(uint64_t file_bytes) {
                     ErrorReason::kDiskFull);
 }
 
+absl::Status DiskBudget::CheckIndexRoom(uint64_t index_bytes) {
+  if (min_free_bytes_ == 0) return absl::OkStatus();
+  absl::StatusOr<uint64_t> free = store_->FreeBytes();
+  if (!free.ok() || *free >= index_floor_bytes() + index_bytes) return absl::OkStatus();
+  return WithReason(absl::ResourceExhaustedError(absl::StrCat(
+                        "the data file system has ", *free, " bytes free; ", index_bytes,
+                        " bytes of index records would leave less than a quarter of "
+                        "min_free_disk_bytes (", index_floor_bytes(),
+                        "), which is kept for RocksDB (free space or run `ckptctl gc`)")),
+                    ErrorReason::kDiskFull);
+}
+
 }  // namespace ckpt

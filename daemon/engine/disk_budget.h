@@ -1,6 +1,9 @@
 // DiskBudget: the bytes of committed layer versions, the optional node-wide
 // bound on them (max_disk_bytes) and the free-space reserve kept for the
-// index (min_free_disk_bytes).
+// index (min_free_disk_bytes). Layer versions stop at the reserve; index
+// records (checkpoint events with their aux blobs, registrations) may use
+// the reserve down to a quarter of it (CheckIndexRoom), so RocksDB's WAL and
+// flushes never meet a full file system through ckptd's own writes.
 //
 // A writer reserves a version's file bytes before committing it and gives
 // them back when the commit fails; GC gives back what it deleted. The counter
@@ -41,6 +44,14 @@ class DiskBudget {
   // free space above the reserve. The configured bound when free space is
   // unknown.
   uint64_t EffectiveLimit();
+
+  // OK when `index_bytes` of index records may be written: the data file
+  // system keeps at least a quarter of min_free_bytes free after them.
+  // RESOURCE_EXHAUSTED (kDiskFull) otherwise; unknown free space counts as
+  // room.
+  absl::Status CheckIndexRoom(uint64_t index_bytes);
+  // The floor CheckIndexRoom keeps free.
+  uint64_t index_floor_bytes() const { return min_free_bytes_ / 4; }
 
  private:
   absl::Status CheckFreeSpace(uint64_t file_bytes);

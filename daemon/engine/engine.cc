@@ -38,20 +38,7 @@ absl::Status Engine::Start() {
   }
   io_backend_name_ = backends[0]->Name();
   if (options_.metrics != nullptr) options_.metrics->Set(Gauge::kIoBackendInfo, io_backend_name_, 1);
-  // Disk usage of committed versions, kept current by commits and GC.
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
-  uint64_t used = 0;
-  for (const std::string& job : jobs) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
-    for (uint32_t rank : ranks) {
-      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
-          job, rank, -1, [&used](const VersionKey&, const store::VersionRecord& rec) {
-            used += rec.file_bytes();
-            return true;
-          }));
-    }
-  }
-  disk_.Reset(used);
+  CKPT_RETURN_IF_ERROR(SeedUsage());
   if (options_.io_backend == IoBackendKind::kAuto && io_backend_name_ != "io_uring") {
     CKPT_LOG(WARNING) << "io_uring is unavailable (kernel or seccomp); writing with pwrite";
   }
@@ -63,6 +50,51 @@ absl::Status Engine::Start() {
   }
   if (options_.gc_interval > absl::ZeroDuration()) gc_thread_ = std::thread([this] { GcLoop(); });
   watch_thread_ = std::thread([this] { WatchTrainersLoop(); });
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SeedUsage() {
+  QuotaLimits limits;
+  limits.disk_bytes = options_.max_disk_bytes_per_uid;
+  if (limits.disk_bytes == 0) {
+    // Half the data file system: two users can never fill it alone.
+    absl::StatusOr<uint64_t> total = store_->TotalBytes();
+    if (total.ok()) limits.disk_bytes = std::max<uint64_t>(*total / 2, 1);
+  }
+  limits.index_bytes = options_.max_index_bytes_per_uid;
+  limits.queued_steps = options_.max_queued_steps_per_uid;
+  quota_.SetLimits(limits);
+  // Disk usage of committed versions (node-wide and per uid) and the index
+  // records of each uid, kept current by commits, events and GC.
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
+  uint64_t used = 0;
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> rec, index_->GetJob(job));
+    const uid_t uid = rec.has_value() ? rec->owner_uid() : 0;
+    uint64_t files = 0, index_bytes = 0;
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
+    for (uint32_t rank : ranks) {
+      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+          job, rank, -1, [&](const VersionKey&, const store::VersionRecord& v) {
+            files += v.file_bytes();
+            index_bytes += kVersionIndexBytes;
+            return true;
+          }));
+      CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
+          job, rank, /*newest_first=*/false, [&](uint64_t, const store::EventRecord& e) {
+            index_bytes += EventIndexBytes(e.aux().size());
+            return true;
+          }));
+    }
+    used += files;
+    quota_.Seed(uid, files, index_bytes);
+  }
+  disk_.Reset(used);
+  CKPT_LOG(INFO) << "per-uid quotas: max_disk_bytes_per_uid " << limits.disk_bytes
+                 << (options_.max_disk_bytes_per_uid == 0 ? " (half the data file system)" : "")
+                 << ", max_index_bytes_per_uid " << limits.index_bytes
+                 << ", max_queued_steps_per_uid " << limits.queued_steps
+                 << ", max_queued_steps_per_rank " << options_.max_queued_steps_per_rank;
   return absl::OkStatus();
 }
 

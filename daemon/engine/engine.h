@@ -51,6 +51,7 @@
 #include "daemon/common/clock.h"
 #include "daemon/engine/disk_budget.h"
 #include "daemon/engine/leases.h"
+#include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/step_types.h"
 #include "daemon/gpu/cuda_ipc.h"
@@ -87,6 +88,15 @@ struct EngineOptions {
   // Layer versions are refused while the data file system has less free than
   // this (plus the version), so RocksDB's WAL never meets a full disk.
   uint64_t min_free_disk_bytes = 64 << 20;
+  // Per-uid quotas (quota.h), each 0 = none. The disk quota counts a uid's
+  // layer files and index records; 0 here means half the size of the data
+  // file system, measured at start.
+  uint64_t max_disk_bytes_per_uid = 0;
+  uint64_t max_index_bytes_per_uid = uint64_t{1} << 30;  // aux blobs, events, version records
+  // Steps queued or being written (StepDone until the checkpoint event):
+  // per rank and per uid; each holds its aux blob in memory.
+  uint32_t max_queued_steps_per_rank = 64;
+  uint32_t max_queued_steps_per_uid = 256;
   Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::Minutes(5);  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
@@ -210,6 +220,9 @@ class Engine {
   // durability lag, disk, per-layer staleness and drift).
   void CollectMetrics();
   uint64_t disk_bytes_used() const { return disk_.used(); }
+  // The quotas in force (after Start) and what each uid holds.
+  QuotaLimits quota_limits() const { return quota_.limits(); }
+  QuotaTable::Usage quota_usage(uid_t uid) const { return quota_.Get(uid); }
   const char* io_backend_name() const { return io_backend_name_.c_str(); }
 
  private:
@@ -268,6 +281,9 @@ class Engine {
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
 
+  // Start-up: the per-uid quotas and what the index holds for each uid.
+  absl::Status SeedUsage();
+
   // ---- admin (engine_admin.cc) ----
   // Registered ranks; with `stale_only`, those whose trainer exited (memory
   // released).
@@ -297,6 +313,10 @@ class Engine {
   std::vector<std::thread> writer_threads_;
   std::thread gc_thread_;
   std::thread watch_thread_;
+
+  // Per-uid usage; declared before the ranks, whose queued steps hold
+  // charges against it, so that it outlives them.
+  QuotaTable quota_;
 
   // Locks. mu_ guards the engine-wide state below; each rank's mutable state
   // has its own mutex (Rank::mu, rank_state.h). Lock order:

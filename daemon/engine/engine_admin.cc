@@ -175,6 +175,14 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kStagingPoolInUseBytes, static_cast<double>(pool_->bytes_in_use()));
   m->Set(Gauge::kDiskUsedBytes, static_cast<double>(disk_.used()));
   m->Set(Gauge::kDiskLimitBytes, static_cast<double>(disk_.EffectiveLimit()));
+  const QuotaLimits quota = quota_.limits();
+  m->Set(Gauge::kUidDiskLimitBytes, static_cast<double>(quota.disk_bytes));
+  m->Set(Gauge::kUidIndexLimitBytes, static_cast<double>(quota.index_bytes));
+  for (const auto& [uid, u] : quota_.All()) {
+    m->Set(Gauge::kUidDiskUsedBytes, absl::StrCat(uid), static_cast<double>(u.file_bytes + u.index_bytes));
+    m->Set(Gauge::kUidIndexUsedBytes, absl::StrCat(uid), static_cast<double>(u.index_bytes));
+  }
+  m->Set(Gauge::kIndexDegraded, index_->degraded() ? 1 : 0);
   const GpuMappingStats gpu = OpenGpuMappings();
   m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));

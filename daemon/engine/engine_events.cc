@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "daemon/common/kill_point.h"
+#include "daemon/common/sync_point.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/engine/rank_state.h"
@@ -58,6 +59,7 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
 void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   absl::MutexLock order(&r->event_mu);
   std::vector<std::pair<uint64_t, store::EventRecord>> batch;
+  uint64_t batch_bytes = 0;  // what the events add to the index (quota.h)
   {
     absl::MutexLock rank_lock(&r->mu);
     for (const PendingStep& p : r->pending) {
@@ -65,20 +67,47 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
       store::EventRecord e = p.event;
       std::sort(e.mutable_layers()->begin(), e.mutable_layers()->end());
       e.set_unix_ms(absl::ToUnixMillis(clock_->Now()));
+      batch_bytes += EventIndexBytes(e.aux().size());
       batch.emplace_back(p.step, std::move(e));
     }
   }
   if (batch.empty()) return;
-  CKPT_KILL_POINT("event.before_put");
-  absl::Status s = index_->PutEvents(r->job, r->rank, batch);
-  CKPT_KILL_POINT("event.after_put");
+  // The free-space floor of the index first: a refusal writes nothing, so
+  // RocksDB's WAL never meets a full file system through these records.
+  absl::Status s = disk_.CheckIndexRoom(batch_bytes);
+  if (s.ok()) {
+    CKPT_KILL_POINT("event.before_put");
+    s = index_->PutEvents(r->job, r->rank, batch);
+    CKPT_KILL_POINT("event.after_put");
+  }
+  CKPT_SYNC_POINT("event.after_write");
   absl::MutexLock rank_lock(&r->mu);
   if (!s.ok()) {
-    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank
-                    << ": recording checkpoint events failed; durability stops here: " << s;
-    r->fatal = s;
-    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kIndex), 1);
+    // These steps are not durable; their versions stay (a later event covers
+    // them) and later steps are tried again: no step of the rank is given up
+    // for good, and the index recovers when there is room again (index.h).
+    if (r->event_failure.ok()) {  // once per run of failures
+      CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << ": checkpoint events of steps "
+                      << batch.front().first << ".." << batch.back().first
+                      << " not recorded; they are not durable: " << s;
+    }
+    r->event_failure = s;
+    r->event_failed_step = batch.back().first;
+    if (Metrics* m = options_.metrics) {
+      ErrorReason reason = ReasonOf(s);
+      if (reason == ErrorReason::kUnspecified) reason = ErrorReason::kIndex;
+      m->Inc(Counter::kErrors, ReasonName(reason), 1);
+      m->Inc(Counter::kEventsFailed, static_cast<double>(batch.size()));
+    }
+  } else {
+    if (!r->event_failure.ok()) {
+      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank
+                        << ": checkpoint events recorded again from step " << batch.front().first;
+    }
+    r->event_failure = absl::OkStatus();
+    for (size_t i = 0; i < batch.size(); ++i) r->pending[i].charge.Keep();
   }
+  // A refused step gives its queue slot and its reserved bytes back here.
   for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
   if (s.ok()) r->durable_step = batch.back().first;
 }
@@ -89,10 +118,15 @@ absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto durable = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
-    return r->durable_step >= step || !r->fatal.ok() || !r->active || r->stopping;
+    return r->durable_step >= step || r->event_failed_step >= step || !r->active || r->stopping;
   };
   r->mu.AwaitWithDeadline(absl::Condition(&durable), deadline);
-  if (!r->fatal.ok()) return r->fatal;
+  if (r->durable_step < step && r->event_failed_step >= step) {
+    // The event of this step (or of one after it) could not be written.
+    return r->event_failure.ok() ? absl::AbortedError(absl::StrCat(
+                                       "the checkpoint event of step ", step, " was not recorded"))
+                                 : r->event_failure;
+  }
   if (r->durable_step < step) {
     if (!r->active || r->stopping) {
       return RegistrationEndedError(r->stopping,

@@ -245,7 +245,9 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   // 5. Create the job if it is new: check and creation are one step under
   //    job_mu_ (two uids racing for a new id: the second is refused). Then
   //    persist the rank's table; take a fresh generation. LayerCheck's
-  //    reference learning rate carries over in the latest event.
+  //    reference learning rate carries over in the latest event. These
+  //    records stay above the index's free-space floor too.
+  CKPT_RETURN_IF_ERROR(disk_.CheckIndexRoom(r->table.ByteSizeLong() + 4096));
   {
     absl::MutexLock jobs_lock(&job_mu_);
     CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(r->job));

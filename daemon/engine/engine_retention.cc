@@ -23,11 +23,19 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   RetentionInput in;
   in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
   std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> records;
-  absl::Status s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
-                                        [&](uint64_t step, const store::EventRecord& e) {
-                                          in.events.emplace_back(step, e.unix_ms());
-                                          return true;
-                                        });
+  std::map<uint64_t, uint64_t> event_bytes;  // what each event counts for in its owner's quota
+  uid_t owner = 0;
+  absl::StatusOr<std::optional<store::JobRecord>> job_rec = index_->GetJob(job);
+  absl::Status s = job_rec.status();
+  if (s.ok() && job_rec->has_value()) owner = (*job_rec)->owner_uid();
+  if (s.ok()) {
+    s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
+                             [&](uint64_t step, const store::EventRecord& e) {
+                               in.events.emplace_back(step, e.unix_ms());
+                               event_bytes[step] = EventIndexBytes(e.aux().size());
+                               return true;
+                             });
+  }
   if (s.ok()) {
     s = index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
       in.versions[k.layer].push_back(k.step);
@@ -52,6 +60,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   for (uint64_t step : plan.delete_events) {
     if (!dry_run) s = index_->DeleteEvent(job, rank, step);
     if (!s.ok()) break;
+    if (!dry_run) quota_.ReleaseEvent(owner, event_bytes[step]);
     reply->set_events_deleted(reply->events_deleted() + 1);
   }
   for (const auto& [layer, step] : plan.delete_versions) {
@@ -66,6 +75,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
       reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
       if (!dry_run) {
         disk_.Release(rec.file_bytes());
+        quota_.ReleaseVersion(owner, rec.file_bytes());
         if (Metrics* m = options_.metrics) {
           m->Inc(Counter::kGcVersionsDeleted);
           m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));

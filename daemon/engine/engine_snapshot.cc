@@ -58,6 +58,28 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
                                                     static_cast<uint32_t>(r->layers.size()),
                                                     req.layers, r->never_persisted, r->retry));
   }
+  // Bounded memory and index per rank and per uid: the step is admitted only
+  // within the queue bounds and the owner's quotas (quota.h).
+  if (options_.max_queued_steps_per_rank > 0 &&
+      r->snap_queue.size() + r->pending.size() >= options_.max_queued_steps_per_rank) {
+    if (Metrics* m = options_.metrics) {
+      m->Inc(Counter::kQuotaRefused, QuotaKindName(QuotaKind::kQueuedSteps), 1);
+    }
+    return WithReason(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "job ", r->job, " rank ", r->rank, " has ", r->snap_queue.size() + r->pending.size(),
+            " steps queued or being written, max_queued_steps_per_rank = ",
+            options_.max_queued_steps_per_rank, " (wait for snapshots with WaitSnapshot)")),
+        ErrorReason::kQuota);
+  }
+  QuotaKind refused = QuotaKind::kDisk;
+  absl::StatusOr<StepCharge> charge =
+      quota_.AdmitStep(r->uid, EventIndexBytes(req.aux.size()), &refused);
+  if (!charge.ok()) {
+    if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
+    return charge.status();
+  }
+  task.charge = std::move(*charge);
   task.event.set_aux(std::move(req.aux));  // up to max_aux_bytes: moved, not copied
   task.event.set_lr(req.lr);
   task.group_steps = std::move(req.group_steps);
@@ -251,6 +273,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
     p.staged_at = clock_->Now();
     p.staged_bytes = staged_bytes;
+    p.charge = std::move(task.charge);
     r->pending.push_back(std::move(p));
     for (StagedVersion& v : staged) {
       auto w = std::make_unique<WriteTask>();

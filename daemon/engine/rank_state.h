@@ -22,6 +22,7 @@
 #include "base/status.h"
 #include "base/unique_fd.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/quota.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/policy/selection.h"
 #include "daemon/shm/rank_memory.h"
@@ -62,6 +63,7 @@ struct PendingStep {
   store::EventRecord event;
   absl::Time staged_at;    // for the durability lag
   uint64_t staged_bytes = 0;
+  StepCharge charge;       // the step's queue slot and event bytes (quota.h)
 };
 
 struct Engine::SnapTask {
@@ -75,6 +77,7 @@ struct Engine::SnapTask {
   Stage stage = Stage::kNew;
   std::vector<drift::LayerSums> client_drift;  // OPTIMIZER_CLIENT
   std::vector<drift::LayerSums> global;        // the vector the decision uses
+  StepCharge charge;  // the step's queue slot and event bytes; moves to PendingStep
 };
 
 struct Engine::WriteTask {
@@ -140,7 +143,12 @@ struct Engine::Rank {
   uint64_t fence_broken_step ABSL_GUARDED_BY(mu) = 0;
   // Per layer: newest committed step (0 = none).
   std::vector<uint64_t> last_committed ABSL_GUARDED_BY(mu);
-  absl::Status fatal ABSL_GUARDED_BY(mu);
+  // The newest checkpoint events that could not be written (quota, the
+  // index's free-space floor, a RocksDB error): up to this step nothing
+  // newer is durable, and WaitDurable reports `event_failure`. Later events
+  // are tried again; the first that is written makes its step durable.
+  uint64_t event_failed_step ABSL_GUARDED_BY(mu) = 0;
+  absl::Status event_failure ABSL_GUARDED_BY(mu);
   // LayerCheck: the partial sums of recent steps, the latest decisions.
   std::map<uint64_t, std::vector<drift::LayerSums>> partials ABSL_GUARDED_BY(mu);
   std::vector<LayerDecision> last_decisions ABSL_GUARDED_BY(mu);

@@ -37,9 +37,10 @@ constexpr MetricInfo kCounterTable[] = {
      "reason", "pool_full"},
     {"ckpt_errors_total", "counter",
      "I/O and integrity errors by kind: write, fsync, index (RocksDB), read, checksum, "
-     "snapshot_copy (a GPU copy failed).",
+     "snapshot_copy (a GPU copy failed), disk_full (bound, reserve or ENOSPC), quota (a per-uid "
+     "quota).",
      "kind",
-     "write,fsync,index,read,checksum,snapshot_copy"},
+     "write,fsync,index,read,checksum,snapshot_copy,disk_full,quota"},
     {"ckpt_restores_total", "counter",
      "Composite restores served: into a trainer's buffers, or exported (ckptctl restore/export, "
      "one per rank).", "", ""},
@@ -65,6 +66,13 @@ constexpr MetricInfo kCounterTable[] = {
      ""},
     {"ckpt_jobs_deleted_total", "counter", "Jobs deleted with their whole history (ckptctl delete).",
      "", ""},
+    {"ckpt_quota_refused_total", "counter",
+     "Steps and layer versions refused by a per-uid quota: disk (max_disk_bytes_per_uid), index "
+     "(max_index_bytes_per_uid) or queued_steps (max_queued_steps_per_rank/_per_uid).",
+     "kind", "disk,index,queued_steps"},
+    {"ckpt_events_failed_total", "counter",
+     "Checkpoint events not recorded (quota, the index's free-space floor, a RocksDB error); "
+     "their steps are not durable and later steps are tried again.", "", ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -101,6 +109,19 @@ constexpr MetricInfo kGaugeTable[] = {
      "Ranks still registered whose trainer process exited (their memory is released); the "
      "trainer's next registration or ckptctl release ends them.",
      "", ""},
+    {"ckpt_uid_disk_limit_bytes", "gauge",
+     "Per-uid quota on layer files plus index records: max_disk_bytes_per_uid, or half the "
+     "data file system when that is 0.", "", ""},
+    {"ckpt_uid_index_limit_bytes", "gauge",
+     "Per-uid quota on index records (aux blobs, events, version records): "
+     "max_index_bytes_per_uid; 0 = none.", "", ""},
+    {"ckpt_uid_disk_used_bytes", "gauge",
+     "Layer files plus index records held by each uid's jobs (bounded series count).", "uid", ""},
+    {"ckpt_uid_index_used_bytes", "gauge",
+     "Index records held or reserved by each uid's jobs (bounded series count).", "uid", ""},
+    {"ckpt_index_degraded", "gauge",
+     "1 while the RocksDB index refuses writes after a failed write (e.g. ENOSPC) and has not "
+     "reopened yet; reads go on.", "", ""},
 };
 
 constexpr MetricInfo kHistogramTable[] = {

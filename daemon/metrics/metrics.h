@@ -67,6 +67,8 @@ enum class Counter {
   kHandoverAcceptErrors,          // ckpt_handover_accept_errors_total
   kRanksReleased,                 // ckpt_ranks_released_total
   kJobsDeleted,                   // ckpt_jobs_deleted_total
+  kQuotaRefused,                  // ckpt_quota_refused_total{kind}
+  kEventsFailed,                  // ckpt_events_failed_total
   kCount
 };
 
@@ -88,6 +90,11 @@ enum class Gauge {
   kUptimeSeconds,          // ckpt_uptime_seconds: refreshed at every scrape
   kHandoverFdsHeld,        // ckpt_handover_fds_held
   kStaleRanks,             // ckpt_stale_ranks
+  kUidDiskLimitBytes,      // ckpt_uid_disk_limit_bytes
+  kUidIndexLimitBytes,     // ckpt_uid_index_limit_bytes
+  kUidDiskUsedBytes,       // ckpt_uid_disk_used_bytes{uid}
+  kUidIndexUsedBytes,      // ckpt_uid_index_used_bytes{uid}
+  kIndexDegraded,          // ckpt_index_degraded
   kCount
 };
 

@@ -1,0 +1,150 @@
+#include "daemon/engine/quota.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace ckpt {
+namespace {
+
+absl::Status QuotaError(std::string message) {
+  return WithReason(absl::ResourceExhaustedError(std::move(message)), ErrorReason::kQuota);
+}
+
+uint64_t Sub(uint64_t a, uint64_t b) { return a > b ? a - b : 0; }
+
+}  // namespace
+
+const char* QuotaKindName(QuotaKind kind) {
+  switch (kind) {
+    case QuotaKind::kDisk: return "disk";
+    case QuotaKind::kIndex: return "index";
+    case QuotaKind::kQueuedSteps: return "queued_steps";
+  }
+  return "disk";
+}
+
+StepCharge& StepCharge::operator=(StepCharge&& other) noexcept {
+  if (this != &other) {
+    Release();
+    table_ = std::exchange(other.table_, nullptr);
+    uid_ = other.uid_;
+    index_bytes_ = other.index_bytes_;
+    keep_ = other.keep_;
+  }
+  return *this;
+}
+
+void StepCharge::Release() {
+  if (table_ == nullptr) return;
+  std::exchange(table_, nullptr)->ReleaseStep(uid_, index_bytes_, keep_);
+}
+
+void QuotaTable::SetLimits(const QuotaLimits& limits) {
+  absl::MutexLock lock(&mu_);
+  limits_ = limits;
+}
+
+QuotaLimits QuotaTable::limits() const {
+  absl::MutexLock lock(&mu_);
+  return limits_;
+}
+
+absl::Status QuotaTable::CheckBytesLocked(uid_t uid, const Usage& u, uint64_t files,
+                                          uint64_t index, QuotaKind* refused) {
+  if (limits_.index_bytes > 0 && u.index_bytes + index > limits_.index_bytes) {
+    ++refused_[static_cast<int>(QuotaKind::kIndex)];
+    if (refused != nullptr) *refused = QuotaKind::kIndex;
+    return QuotaError(absl::StrCat(
+        "uid ", uid, " holds ", u.index_bytes, " bytes of index records (aux blobs, events, "
+        "versions); ", index, " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
+        " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise the option)"));
+  }
+  const uint64_t held = u.file_bytes + u.index_bytes;
+  if (limits_.disk_bytes > 0 && held + files + index > limits_.disk_bytes) {
+    ++refused_[static_cast<int>(QuotaKind::kDisk)];
+    if (refused != nullptr) *refused = QuotaKind::kDisk;
+    return QuotaError(absl::StrCat(
+        "uid ", uid, " holds ", held, " bytes of layer files and index records; ", files + index,
+        " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
+        " (run `ckptctl gc` on its jobs or raise the option)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepCharge> QuotaTable::AdmitStep(uid_t uid, uint64_t event_bytes,
+                                                 QuotaKind* refused) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  if (limits_.queued_steps > 0 && u.queued_steps >= limits_.queued_steps) {
+    ++refused_[static_cast<int>(QuotaKind::kQueuedSteps)];
+    if (refused != nullptr) *refused = QuotaKind::kQueuedSteps;
+    return QuotaError(absl::StrCat("uid ", uid, " has ", u.queued_steps,
+                                   " steps queued or being written, max_queued_steps_per_uid = ",
+                                   limits_.queued_steps,
+                                   " (wait for snapshots with WaitSnapshot, or raise the option)"));
+  }
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(uid, u, 0, event_bytes, refused));
+  u.index_bytes += event_bytes;
+  ++u.queued_steps;
+  StepCharge charge;
+  charge.table_ = this;
+  charge.uid_ = uid;
+  charge.index_bytes_ = event_bytes;
+  return charge;
+}
+
+void QuotaTable::ReleaseStep(uid_t uid, uint64_t index_bytes, bool keep) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  u.queued_steps = Sub(u.queued_steps, 1);
+  if (!keep) u.index_bytes = Sub(u.index_bytes, index_bytes);
+}
+
+absl::Status QuotaTable::ReserveVersion(uid_t uid, uint64_t file_bytes, QuotaKind* refused) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(uid, u, file_bytes, kVersionIndexBytes, refused));
+  u.file_bytes += file_bytes;
+  u.index_bytes += kVersionIndexBytes;
+  return absl::OkStatus();
+}
+
+void QuotaTable::ReleaseVersion(uid_t uid, uint64_t file_bytes) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  u.file_bytes = Sub(u.file_bytes, file_bytes);
+  u.index_bytes = Sub(u.index_bytes, kVersionIndexBytes);
+}
+
+void QuotaTable::ReleaseEvent(uid_t uid, uint64_t event_bytes) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  u.index_bytes = Sub(u.index_bytes, event_bytes);
+}
+
+void QuotaTable::Seed(uid_t uid, uint64_t file_bytes, uint64_t index_bytes) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  u.file_bytes += file_bytes;
+  u.index_bytes += index_bytes;
+}
+
+QuotaTable::Usage QuotaTable::Get(uid_t uid) const {
+  absl::MutexLock lock(&mu_);
+  auto it = usage_.find(uid);
+  return it == usage_.end() ? Usage() : it->second;
+}
+
+std::map<uid_t, QuotaTable::Usage> QuotaTable::All() const {
+  absl::MutexLock lock(&mu_);
+  return usage_;
+}
+
+uint64_t QuotaTable::refused(QuotaKind kind) const {
+  absl::MutexLock lock(&mu_);
+  return refused_[static_cast<int>(kind)];
+}
+
+}  // namespace ckpt

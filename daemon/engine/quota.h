@@ -1,0 +1,134 @@
+// QuotaTable: what each uid's jobs hold on the data file system and in
+// flight, against per-uid quotas, so that one user cannot fill the disk (with
+// layer files or with index records such as aux blobs) or the daemon's memory
+// (with queued steps) for everyone.
+//
+// Accounted per uid (the owner of the job):
+//   - file bytes: every committed layer version's file;
+//   - index bytes: what the uid's records add to RocksDB, as a fixed
+//     estimate: an event counts as its aux blob plus kEventIndexOverhead, a
+//     version record as kVersionIndexBytes;
+//   - queued steps: steps from StepDone until their checkpoint event is
+//     written or dropped.
+// Disk quota = file bytes + index bytes; index quota = index bytes alone.
+// The engine seeds the table from the index at start (so the figures survive
+// restarts), charges as it writes and releases what GC deletes.
+//
+// A step's index bytes and its queue slot are reserved at StepDone, before
+// anything is written, by a StepCharge that travels with the step; so
+// concurrent steps can never take a uid past its quota.
+//
+// Used by the engine (StepDone, the writers, the event sequencer, GC, admin).
+// Thread-safety: thread-safe; mu_ is a leaf mutex (taken under Rank::mu).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace ckpt {
+
+// Index bytes an event counts for beyond its aux blob (key, lr, layer list,
+// counters, RocksDB's per-entry overhead), and a version record in all.
+inline constexpr uint64_t kEventIndexOverhead = 512;
+inline constexpr uint64_t kVersionIndexBytes = 1024;
+inline uint64_t EventIndexBytes(uint64_t aux_bytes) { return aux_bytes + kEventIndexOverhead; }
+
+// Each bound is per uid; 0 = none.
+struct QuotaLimits {
+  uint64_t disk_bytes = 0;    // layer files + index bytes (max_disk_bytes_per_uid)
+  uint64_t index_bytes = 0;   // index bytes (max_index_bytes_per_uid)
+  uint64_t queued_steps = 0;  // steps in flight (max_queued_steps_per_uid)
+};
+
+// What a quota refused, for ckpt_quota_refused_total{kind}.
+enum class QuotaKind { kDisk = 0, kIndex = 1, kQueuedSteps = 2 };
+inline constexpr int kQuotaKindCount = 3;
+const char* QuotaKindName(QuotaKind kind);
+
+class QuotaTable;
+
+// One step's claim: a queue slot and its event's index bytes. Releases the
+// slot when destroyed, and the bytes too unless Keep() said the event was
+// written. Move-only; a default-constructed one holds nothing.
+class StepCharge {
+ public:
+  StepCharge() = default;
+  ~StepCharge() { Release(); }
+  StepCharge(StepCharge&& other) noexcept { *this = std::move(other); }
+  StepCharge& operator=(StepCharge&& other) noexcept;
+  StepCharge(const StepCharge&) = delete;
+  StepCharge& operator=(const StepCharge&) = delete;
+
+  // The step's event is in the index: its bytes stay charged (until GC).
+  void Keep() { keep_ = true; }
+
+ private:
+  friend class QuotaTable;
+  void Release();
+
+  QuotaTable* table_ = nullptr;
+  uid_t uid_ = 0;
+  uint64_t index_bytes_ = 0;
+  bool keep_ = false;
+};
+
+class QuotaTable {
+ public:
+  struct Usage {
+    uint64_t file_bytes = 0;
+    uint64_t index_bytes = 0;
+    uint64_t queued_steps = 0;
+  };
+
+  QuotaTable() = default;
+  QuotaTable(const QuotaTable&) = delete;
+  QuotaTable& operator=(const QuotaTable&) = delete;
+
+  // REQUIRES: called before any other method (Engine::Start, once the data
+  // file system's size is known).
+  void SetLimits(const QuotaLimits& limits) ABSL_LOCKS_EXCLUDED(mu_);
+  QuotaLimits limits() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Admits one more step of `uid` whose event will take `event_bytes` of
+  // index (EventIndexBytes). RESOURCE_EXHAUSTED with ErrorReason::kQuota,
+  // naming the option, when the uid has max_queued_steps_per_uid steps in
+  // flight or the bytes would pass its index or disk quota.
+  // On a refusal *refused (when given) says which quota it was.
+  absl::StatusOr<StepCharge> AdmitStep(uid_t uid, uint64_t event_bytes,
+                                       QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reserves a layer version's file and its record before it is written.
+  // RESOURCE_EXHAUSTED (kQuota) when it would pass the uid's disk or index
+  // quota; nothing is reserved then.
+  absl::Status ReserveVersion(uid_t uid, uint64_t file_bytes, QuotaKind* refused = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back a version (failed commit, GC) or an event (GC).
+  void ReleaseVersion(uid_t uid, uint64_t file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseEvent(uid_t uid, uint64_t event_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Start-up: what the index already holds for `uid`.
+  void Seed(uid_t uid, uint64_t file_bytes, uint64_t index_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  Usage Get(uid_t uid) const ABSL_LOCKS_EXCLUDED(mu_);
+  std::map<uid_t, Usage> All() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Refusals since start, by kind.
+  uint64_t refused(QuotaKind kind) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend class StepCharge;
+  void ReleaseStep(uid_t uid, uint64_t index_bytes, bool keep) ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `uid` may add `files` file bytes and `index` index bytes.
+  absl::Status CheckBytesLocked(uid_t uid, const Usage& u, uint64_t files, uint64_t index,
+                                QuotaKind* refused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  QuotaLimits limits_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  uint64_t refused_[kQuotaKindCount] ABSL_GUARDED_BY(mu_) = {};
+};
+
+}  // namespace ckpt
