@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "base/region.h"
 #include "base/status.h"
@@ -30,6 +32,8 @@
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 #include "gtest/gtest.h"
+#include "rocksdb/env.h"
+#include "rocksdb/file_system.h"
 #include "daemon/metrics/metrics.h"
 #include "tests/lib/fault_fs.h"
 #include "tests/lib/io_test_util.h"
@@ -87,10 +91,11 @@ class EnginePipelineTest : public ::testing::Test {
   // Starts an engine over a fresh data directory and a pool of `chunks`
   // chunks of kChunk bytes. `options` gets the data directory, the pwrite
   // backend and one writer unless it sets otherwise.
-  void StartEngine(EngineOptions options, size_t chunks, FileSystem* fs = DefaultFileSystem()) {
+  void StartEngine(EngineOptions options, size_t chunks, FileSystem* fs = DefaultFileSystem(),
+                   rocksdb::Env* index_env = nullptr) {
     pool_ = MakeTestPool(kChunk, chunks);
     ASSERT_NE(pool_, nullptr);
-    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index"), index_env));
     store_ = std::make_unique<LayerStore>(tmp_.path(), fs, index_.get(),
                                           /*use_direct_io=*/false);
     CKPT_ASSERT_OK(store_->Init());
@@ -141,10 +146,11 @@ class EnginePipelineTest : public ::testing::Test {
 
   // Registers `r` (handing over a duplicate of its region's fd); on success
   // `r` takes the new generation.
-  absl::StatusOr<Registered> Register(TestRank* r, Caller caller = Caller()) {
+  absl::StatusOr<Registered> Register(TestRank* r, Caller caller = Caller(),
+                                      std::optional<uid_t> uid = std::nullopt) {
     std::vector<UniqueFd> fds;
     fds.emplace_back(::fcntl(r->region.fd(), F_DUPFD_CLOEXEC, 0));
-    caller.uid = owner_.uid;
+    caller.uid = uid.value_or(owner_.uid);
     absl::StatusOr<Registered> reply = engine_->Register(RegistrationOf(*r), std::move(fds), caller);
     if (reply.ok()) r->generation = reply->generation;
     return reply;
@@ -157,6 +163,22 @@ class EnginePipelineTest : public ::testing::Test {
     report.lr = 0.1;
     report.layers = layers;
     return engine_->StepDone(report, owner_);
+  }
+
+  // StepDone as `uid` with an aux blob of `aux_bytes`.
+  absl::Status StepDoneAs(uid_t uid, const TestRank& r, uint64_t step, size_t aux_bytes,
+                          const std::vector<uint32_t>& layers = {}) {
+    StepReport report;
+    report.rank = Ref(r);
+    report.step = step;
+    report.lr = 0.1;
+    report.layers = layers;
+    report.aux.assign(aux_bytes, 'a');
+    return engine_->StepDone(report, Caller{uid, 0});
+  }
+
+  absl::StatusOr<uint64_t> WaitDurableAs(uid_t uid, const TestRank& r, uint64_t step) {
+    return engine_->WaitDurable(Ref(r), step, Caller{uid, 0}, absl::Now() + kWait);
   }
 
   static RankRef Ref(const TestRank& r) { return RankRef{r.job, 0, r.generation}; }
@@ -183,6 +205,7 @@ class EnginePipelineTest : public ::testing::Test {
 
   SyncPoint* const sp_ = SyncPoint::GetInstance();
   TempDir tmp_;
+  std::unique_ptr<rocksdb::Env> index_env_;  // outlives index_ (TearDown resets it first)
   std::unique_ptr<StagingPool> pool_;
   std::unique_ptr<Index> index_;
   std::unique_ptr<LayerStore> store_;
@@ -602,6 +625,263 @@ TEST_F(EnginePipelineTest, DeleteJobRemovesTheWholeHistoryAndFreesTheId) {
   CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
                             engine_->Register(RegistrationOf(theirs), std::move(fds), other));
   EXPECT_EQ(reg.latest_durable_step, 0u);
+}
+
+// The owner's quotas in force for this test: what a uid's usage reached.
+bool IsQuota(const absl::Status& s, absl::string_view option) {
+  return absl::IsResourceExhausted(s) && ReasonOf(s) == ErrorReason::kQuota &&
+         absl::StrContains(s.message(), option);
+}
+
+constexpr uid_t kUidA = 2001;
+constexpr uid_t kUidB = 2002;
+
+// Regression: aux blobs went into the index with no bound, so one user could
+// grow it without limit. Uid A floods 16 KiB aux blobs against an index quota
+// of four steps' records: its fifth step is refused with RESOURCE_EXHAUSTED
+// (kQuota, naming max_index_bytes_per_uid) and nothing of it is written;
+// uid B, under the same quota, keeps every step durable meanwhile.
+TEST_F(EnginePipelineTest, IndexQuotaOfOneUidLeavesAnotherUidsStepsDurable) {
+  constexpr size_t kAux = 16 << 10;
+  constexpr uint64_t kPerStep = kAux + kEventIndexOverhead + kVersionIndexBytes;  // 1 layer
+  EngineOptions o = OneWriter();
+  o.max_index_bytes_per_uid = 4 * kPerStep;
+  o.max_disk_bytes_per_uid = uint64_t{1} << 40;
+  Metrics metrics;
+  o.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("flood", 1);
+  TestRank b = MakeRank("victim", 1);
+  CKPT_ASSERT_OK(Register(&a, Caller(), kUidA).status());
+  CKPT_ASSERT_OK(Register(&b, Caller(), kUidB).status());
+  for (uint64_t t = 1; t <= 4; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidA, a, t, kAux));
+    CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, a, t));
+    EXPECT_EQ(durable, t);
+  }
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep);
+  const absl::Status refused = StepDoneAs(kUidA, a, 5, kAux);
+  EXPECT_TRUE(IsQuota(refused, "max_index_bytes_per_uid")) << refused;
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep) << "nothing was charged";
+  // A small aux blob does not fit either: the quota is full.
+  EXPECT_TRUE(IsQuota(StepDoneAs(kUidA, a, 5, 0), "max_index_bytes_per_uid"));
+
+  for (uint64_t t = 1; t <= 4; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidB, b, t, kAux));
+    CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidB, b, t));
+    EXPECT_EQ(durable, t) << "uid B's step " << t;
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last_a, index_->EventAtOrBefore("flood", 0, ~uint64_t{0}));
+  ASSERT_TRUE(last_a.has_value());
+  EXPECT_EQ(last_a->first, 4u) << "uid A's index holds four events";
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last_b, index_->EventAtOrBefore("victim", 0, ~uint64_t{0}));
+  ASSERT_TRUE(last_b.has_value());
+  EXPECT_EQ(last_b->first, 4u);
+  const std::string scrape = (engine_->CollectMetrics(), metrics.Scrape());
+  EXPECT_NE(scrape.find("ckpt_quota_refused_total{kind=\"index\"} 2"), std::string::npos) << scrape;
+  EXPECT_NE(scrape.find(absl::StrCat("ckpt_uid_index_limit_bytes ", 4 * kPerStep)),
+            std::string::npos) << scrape;
+}
+
+// The disk quota counts layer files too: uid A's third version passes it and
+// fails with kQuota (the previous version stays, the step is not durable),
+// while uid B's versions under the same quota are all written.
+TEST_F(EnginePipelineTest, DiskQuotaFailsOnlyThatUsersVersions) {
+  EngineOptions o = OneWriter();
+  o.max_disk_bytes_per_uid = 100 << 10;  // two 1-layer steps of ~34 KiB, not three
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("big", 1);
+  TestRank b = MakeRank("small", 1);
+  CKPT_ASSERT_OK(Register(&a, Caller(), kUidA).status());
+  CKPT_ASSERT_OK(Register(&b, Caller(), kUidB).status());
+  for (uint64_t t = 1; t <= 2; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidA, a, t, 0));
+    CKPT_ASSERT_OK(WaitDurableAs(kUidA, a, t).status());
+  }
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 3, 0));
+  CKPT_EXPECT_CODE(WaitDurableAs(kUidA, a, 3).status(), kAborted);
+  const QuotaTable::Usage ua = engine_->quota_usage(kUidA);
+  EXPECT_LE(ua.file_bytes + ua.index_bytes, uint64_t{100} << 10);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, engine_->Plan("big", 0, 3, Caller{kUidA, 0}));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{2})) << "the previous version stays";
+  for (uint64_t t = 1; t <= 2; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidB, b, t, 0));
+    CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidB, b, t));
+    EXPECT_EQ(durable, t);
+  }
+}
+
+// Regression: a rank's StepDone queue had no bound, so a trainer that never
+// waited for its snapshots held unbounded aux blobs in ckptd's memory. With
+// the snapshot worker held, rank a queues two steps and its third is refused
+// (max_queued_steps_per_rank); the uid's second rank is refused once the uid
+// has four steps in flight (max_queued_steps_per_uid); another uid is not
+// affected; and every admitted step becomes durable once the worker goes on.
+TEST_F(EnginePipelineTest, QueuedStepsBoundRefusesWithResourceExhausted) {
+  EngineOptions o = OneWriter();
+  o.max_queued_steps_per_rank = 2;
+  o.max_queued_steps_per_uid = 4;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  constexpr char kReleaseSnapshot[] = "PipelineTest:release_snapshot";
+  TestRank a = MakeRank("queue_a", 1);
+  TestRank b = MakeRank("queue_b", 1);
+  TestRank c = MakeRank("queue_c", 1);
+  CKPT_ASSERT_OK(Register(&a, Caller(), kUidA).status());
+  CKPT_ASSERT_OK(Register(&b, Caller(), kUidA).status());
+  CKPT_ASSERT_OK(Register(&c, Caller(), kUidB).status());
+  sp_->LoadDependency({{kReleaseSnapshot, "snapshot.before_publish"}});
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 1, 1024));
+  ASSERT_TRUE(sp_->WaitForArrivals("snapshot.before_publish", 1, absl::Now() + kWait));
+  // Step 1 is in the (held) worker; steps 2 and 3 wait in the queue.
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 2, 1024));
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 3, 1024));
+  const absl::Status rank_full = StepDoneAs(kUidA, a, 4, 1024);
+  EXPECT_TRUE(IsQuota(rank_full, "max_queued_steps_per_rank")) << rank_full;
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, b, 1, 1024));  // the uid's fourth step in flight
+  const absl::Status uid_full = StepDoneAs(kUidA, b, 2, 1024);
+  EXPECT_TRUE(IsQuota(uid_full, "max_queued_steps_per_uid")) << uid_full;
+  EXPECT_EQ(engine_->quota_usage(kUidA).queued_steps, 4u);
+  CKPT_ASSERT_OK(StepDoneAs(kUidB, c, 1, 1024));  // another user is not affected
+
+  CKPT_SYNC_POINT(kReleaseSnapshot);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, a, 3));
+  EXPECT_EQ(durable, 3u);
+  CKPT_ASSERT_OK(WaitDurableAs(kUidA, b, 1).status());
+  CKPT_ASSERT_OK(WaitDurableAs(kUidB, c, 1).status());
+  EXPECT_EQ(engine_->quota_usage(kUidA).queued_steps, 0u);
+  // The refused step may be sent again now.
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 4, 1024));
+  CKPT_ASSERT_OK(WaitDurableAs(kUidA, a, 4).status());
+}
+
+// Regression: the free-space reserve guarded layer files only, so events with
+// their aux blobs were written into a full file system. With the data file
+// system reporting 8 MiB free (below a quarter of the 64 MiB reserve) a
+// step's event is refused with RESOURCE_EXHAUSTED (kDiskFull) and not
+// written; the step after space returns is durable.
+TEST_F(EnginePipelineTest, IndexReserveRefusesEventsWithoutWritingThem) {
+  ::ckpt::testing::FaultFileSystem fs(DefaultFileSystem(), tmp_.Join("grave"), /*seed=*/11);
+  Metrics metrics;
+  EngineOptions o = OneWriter();
+  o.metrics = &metrics;
+  o.min_free_disk_bytes = 64 << 20;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16, &fs));
+  fs.SetFreeBytes(uint64_t{1} << 40);
+  // The explicit policy: a step without a layer list writes only its event.
+  TestRank r = MakeRank("reserve", 1, PolicyKind::kExplicit);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDoneAs(owner_.uid, r, 1, 4096, {0}));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+
+  fs.SetFreeBytes(8 << 20);
+  CKPT_ASSERT_OK(StepDoneAs(owner_.uid, r, 2, 4096));
+  const absl::Status refused = WaitDurable(r, 2).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused) && ReasonOf(refused) == ErrorReason::kDiskFull)
+      << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "min_free_disk_bytes")) << refused;
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last, index_->EventAtOrBefore("reserve", 0, ~uint64_t{0}));
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->first, 1u) << "step 2's event must not be in the index";
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).queued_steps, 0u);
+  const std::string scrape = metrics.Scrape();
+  EXPECT_NE(scrape.find("ckpt_events_failed_total 1"), std::string::npos) << scrape;
+
+  fs.SetFreeBytes(std::nullopt);
+  CKPT_ASSERT_OK(StepDoneAs(owner_.uid, r, 3, 4096));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 3));
+  EXPECT_EQ(durable, 3u);
+}
+
+// A RocksDB file system that fails, while armed, every append and every new
+// file with NoSpace: the index's file system is full.
+class FullRocksFs : public rocksdb::FileSystemWrapper {
+ public:
+  explicit FullRocksFs(std::atomic<bool>* full)
+      : rocksdb::FileSystemWrapper(rocksdb::FileSystem::Default()), full_(full) {}
+  const char* Name() const override { return "FullRocksFs"; }
+
+  rocksdb::IOStatus NewWritableFile(const std::string& name, const rocksdb::FileOptions& opts,
+                                    std::unique_ptr<rocksdb::FSWritableFile>* result,
+                                    rocksdb::IODebugContext* dbg) override {
+    if (full_->load()) return rocksdb::IOStatus::NoSpace("test: file system full");
+    std::unique_ptr<rocksdb::FSWritableFile> file;
+    rocksdb::IOStatus s = target()->NewWritableFile(name, opts, &file, dbg);
+    if (s.ok()) result->reset(new File(std::move(file), full_));
+    return s;
+  }
+
+ private:
+  class File : public rocksdb::FSWritableFileOwnerWrapper {
+   public:
+    File(std::unique_ptr<rocksdb::FSWritableFile>&& f, std::atomic<bool>* full)
+        : rocksdb::FSWritableFileOwnerWrapper(std::move(f)), full_(full) {}
+    rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                             rocksdb::IODebugContext* dbg) override {
+      if (full_->load()) return rocksdb::IOStatus::NoSpace("test: file system full");
+      return FSWritableFileOwnerWrapper::Append(data, o, dbg);
+    }
+    rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                             const rocksdb::DataVerificationInfo& v,
+                             rocksdb::IODebugContext* dbg) override {
+      if (full_->load()) return rocksdb::IOStatus::NoSpace("test: file system full");
+      return FSWritableFileOwnerWrapper::Append(data, o, v, dbg);
+    }
+
+   private:
+    std::atomic<bool>* full_;
+  };
+
+  std::atomic<bool>* full_;
+};
+
+// Regression: on a full file system RocksDB's own writes failed, Debian's
+// librocksdb (built with assertions) aborted ckptd on the next write of its
+// info log, and a failed event write stopped the rank's durability for
+// good. Now: the failing steps are reported (not durable), reads go on
+// (plan, history, verify), the index reports itself degraded, and once
+// space returns the next write reopens it and steps are durable again.
+TEST_F(EnginePipelineTest, EnospcFromTheIndexDoesNotCrashAndRecovers) {
+  std::atomic<bool> full{false};
+  auto rocks_fs = std::make_shared<FullRocksFs>(&full);
+  index_env_ = rocksdb::NewCompositeEnv(rocks_fs);
+  Metrics metrics;
+  EngineOptions o = OneWriter();
+  o.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16, DefaultFileSystem(), index_env_.get()));
+  TestRank r = MakeRank("nospc_index", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK(StepDone(r, 1));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+
+  full = true;
+  for (uint64_t t = 2; t <= 4; ++t) {
+    CKPT_ASSERT_OK(StepDone(r, t));
+    const absl::Status s = WaitDurable(r, t).status();
+    EXPECT_FALSE(s.ok()) << "step " << t << " cannot be durable on a full index";
+  }
+  EXPECT_TRUE(index_->degraded());
+  EXPECT_GE(index_->write_failures(), 1u);
+  engine_->CollectMetrics();
+  EXPECT_NE(metrics.Scrape().find("ckpt_index_degraded 1"), std::string::npos);
+  // Reads are served meanwhile.
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(r, 0));
+  EXPECT_EQ(plan.target_step, 1u);
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{1, 1}));
+  v1::VerifyRequest verify;
+  verify.set_job_id(r.job);
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::VerifyReply checked, engine_->Verify(verify, owner_));
+  EXPECT_EQ(checked.failures_size(), 0);
+
+  full = false;
+  CKPT_ASSERT_OK(StepDone(r, 5));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 5));
+  EXPECT_EQ(durable, 5u);
+  EXPECT_FALSE(index_->degraded());
+  EXPECT_EQ(index_->recoveries(), 1u);
+  engine_->CollectMetrics();
+  EXPECT_NE(metrics.Scrape().find("ckpt_index_degraded 0"), std::string::npos);
+  CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(r, 5));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{5, 5}));
 }
 
 }  // namespace
