@@ -15,12 +15,15 @@ layers every 10th step; once a few steps are durable the disk is filled to
 Needs root (mount); exits 77 (skipped) without it or when tmpfs cannot be
 mounted. The tmpfs is unmounted in every case.
 
-Not covered here: a file system filled to 100%, where RocksDB's own WAL
-append fails. Debian's librocksdb 7.8.3 is built with assertions and aborts
-the process on that write (WritableFileWriter::AssertFalseAndGetStatusForPrevError,
-fixed upstream by facebook/rocksdb#12448), so the test leaves the index its
-headroom: the free space left is less than one layer file, so layer writes
-fail at fallocate and never eat it."""
+Not covered here: a file system filled to 100%, where RocksDB's own writes
+fail. Debian's librocksdb 7.8.3 is built with assertions and used to abort
+ckptd there (its info LOG, then its WAL, written again after a failure); the
+index now keeps its info log in ckptd's log and reopens after a failed
+write, which tests/daemon/engine/engine_pipeline_test.cc
+(EnospcFromTheIndexDoesNotCrashAndRecovers) checks with RocksDB's file
+system failing every write. This test leaves the index its headroom: the
+free space left is less than one layer file, so layer writes fail at
+fallocate and never eat it."""
 
 import os
 import re
