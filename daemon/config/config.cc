@@ -252,12 +252,12 @@ const std::vector<Option>& Options() {
           "that user's steps fail with RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_index_bytes_per_uid), 0),
       Num("max_queued_steps_per_rank",
-          "steps of one rank queued or being written (each holds its aux blob); more fail with "
+          "steps of one rank queued for a snapshot (each holds its aux blob); more fail with "
           "RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_queued_steps_per_rank), 0, 1 << 20),
       Num("max_queued_steps_per_uid",
-          "steps of one user's ranks queued or being written; more fail with RESOURCE_EXHAUSTED "
-          "(0 = none)",
+          "steps of one user's ranks from StepDone until their checkpoint event is written; more "
+          "fail with RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_queued_steps_per_uid), 0, 1 << 24),
       Str("metrics_address",
           "Prometheus endpoint host:port (empty = off; a bind failure is a warning); loopback "

@@ -93,10 +93,12 @@ struct EngineOptions {
   // file system, measured at start.
   uint64_t max_disk_bytes_per_uid = 0;
   uint64_t max_index_bytes_per_uid = uint64_t{1} << 30;  // aux blobs, events, version records
-  // Steps queued or being written (StepDone until the checkpoint event):
-  // per rank and per uid; each holds its aux blob in memory.
+  // A rank's StepDone queue (steps not yet taken by a snapshot worker), and
+  // a uid's steps in flight (StepDone until the checkpoint event). Each
+  // holds its aux blob in memory; those bytes also count against
+  // max_index_bytes_per_uid while in flight.
   uint32_t max_queued_steps_per_rank = 64;
-  uint32_t max_queued_steps_per_uid = 256;
+  uint32_t max_queued_steps_per_uid = 1024;
   Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::Minutes(5);  // periodic GC of every job; 0 = off
   RegistrationLimits limits;

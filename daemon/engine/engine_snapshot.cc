@@ -59,16 +59,18 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
                                                     req.layers, r->never_persisted, r->retry));
   }
   // Bounded memory and index per rank and per uid: the step is admitted only
-  // within the queue bounds and the owner's quotas (quota.h).
+  // within the rank's StepDone queue bound and the owner's quotas (quota.h:
+  // steps in flight until their event, and their aux blobs, which count
+  // against the index quota from here on).
   if (options_.max_queued_steps_per_rank > 0 &&
-      r->snap_queue.size() + r->pending.size() >= options_.max_queued_steps_per_rank) {
+      r->snap_queue.size() >= options_.max_queued_steps_per_rank) {
     if (Metrics* m = options_.metrics) {
       m->Inc(Counter::kQuotaRefused, QuotaKindName(QuotaKind::kQueuedSteps), 1);
     }
     return WithReason(
         absl::ResourceExhaustedError(absl::StrCat(
-            "job ", r->job, " rank ", r->rank, " has ", r->snap_queue.size() + r->pending.size(),
-            " steps queued or being written, max_queued_steps_per_rank = ",
+            "job ", r->job, " rank ", r->rank, " has ", r->snap_queue.size(),
+            " steps queued for a snapshot, max_queued_steps_per_rank = ",
             options_.max_queued_steps_per_rank, " (wait for snapshots with WaitSnapshot)")),
         ErrorReason::kQuota);
   }

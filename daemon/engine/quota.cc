@@ -81,7 +81,8 @@ absl::StatusOr<StepCharge> QuotaTable::AdmitStep(uid_t uid, uint64_t event_bytes
     ++refused_[static_cast<int>(QuotaKind::kQueuedSteps)];
     if (refused != nullptr) *refused = QuotaKind::kQueuedSteps;
     return QuotaError(absl::StrCat("uid ", uid, " has ", u.queued_steps,
-                                   " steps queued or being written, max_queued_steps_per_uid = ",
+                                   " steps queued, being snapshotted or written, "
+                                   "max_queued_steps_per_uid = ",
                                    limits_.queued_steps,
                                    " (wait for snapshots with WaitSnapshot, or raise the option)"));
   }
