@@ -159,15 +159,18 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     held.emplace_back(job, rank);
   }
   JobDeleted out;
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
+  const uid_t owner = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
   absl::Status s;
   for (uint32_t rank : ranks) {
     // Events first, so no plan can target a step whose versions are going
     // away; then each version (its record, then its file); then the rank.
-    std::vector<uint64_t> steps;
+    // What each gives back to the owner's quota goes with it.
+    std::vector<std::pair<uint64_t, uint64_t>> steps;  // step, index bytes
     std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
     s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
-                             [&](uint64_t step, const store::EventRecord&) {
-                               steps.push_back(step);
+                             [&](uint64_t step, const store::EventRecord& e) {
+                               steps.emplace_back(step, EventIndexBytes(e.aux().size()));
                                return true;
                              });
     if (s.ok()) {
@@ -177,8 +180,10 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
       });
     }
     for (size_t i = 0; s.ok() && i < steps.size(); ++i) {
-      s = index_->DeleteEvent(job, rank, steps[i]);
-      if (s.ok()) ++out.events;
+      s = index_->DeleteEvent(job, rank, steps[i].first);
+      if (!s.ok()) break;
+      ++out.events;
+      quota_.ReleaseEvent(owner, steps[i].second);
     }
     for (size_t i = 0; s.ok() && i < versions.size(); ++i) {
       s = store_->Remove(versions[i].first, versions[i].second);
@@ -186,6 +191,7 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
       ++out.versions;
       out.bytes += versions[i].second.file_bytes();
       disk_.Release(versions[i].second.file_bytes());
+      quota_.ReleaseVersion(owner, versions[i].second.file_bytes());
     }
     if (s.ok()) s = index_->DeleteRank(job, rank);
     if (s.ok()) s = store_->RemoveRankDir(job, rank, {kDriftTraceFile});

@@ -605,7 +605,11 @@ TEST_F(EnginePipelineTest, DeleteJobRemovesTheWholeHistoryAndFreesTheId) {
   const std::string rank_dir = store_->RankDirPath("doomed", 0);
   ASSERT_TRUE(std::filesystem::exists(rank_dir));
   const uint64_t disk_before = engine_->disk_bytes_used();
+  ASSERT_GT(engine_->quota_usage(owner_.uid).file_bytes, 0u);
   CKPT_ASSERT_OK_AND_ASSIGN(JobDeleted deleted, engine_->DeleteJob("doomed", owner_));
+  // Everything the job held is given back to its owner's quota.
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes, 0u);
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).index_bytes, 0u);
   EXPECT_EQ(deleted.ranks, 1u);
   EXPECT_EQ(deleted.versions, 6u);  // 2 layers x 3 steps
   EXPECT_EQ(deleted.events, 3u);
