@@ -202,7 +202,11 @@ class Engine {
   absl::Status SetGlobalDrift(const RankRef& rank, uint64_t step,
                               const std::vector<drift::LayerSums>& global, const Caller& caller);
 
-  v1::StatusReply GetStatus();
+  // The daemon's state. Node-wide figures (pool, disk, counters, uptime) are
+  // the same for every caller; `jobs` and `registered_ranks` count only the
+  // caller's own unless the caller is root, so no uid learns how many jobs
+  // or trainers other users have.
+  v1::StatusReply GetStatus(const Caller& caller = Caller());
   absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
   absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
   absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);

@@ -12,7 +12,7 @@
 
 namespace ckpt {
 
-v1::StatusReply Engine::GetStatus() {
+v1::StatusReply Engine::GetStatus(const Caller& caller) {
   v1::StatusReply s;
   s.set_version(CKPT_VERSION);
   s.set_data_dir(options_.data_dir);
@@ -35,10 +35,25 @@ v1::StatusReply Engine::GetStatus() {
   const GpuMappingStats gpu = OpenGpuMappings();
   s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
   s.set_open_gpu_mapping_bytes(gpu.bytes);
+  const bool all = IsRoot(caller);
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
-  if (jobs.ok()) s.set_jobs(static_cast<uint32_t>(jobs->size()));
+  if (jobs.ok()) {
+    uint32_t visible = 0;
+    for (const std::string& job : *jobs) {
+      absl::StatusOr<std::optional<store::JobRecord>> rec =
+          all ? std::optional<store::JobRecord>() : index_->GetJob(job);
+      visible += all || (rec.ok() && rec->has_value() && (*rec)->owner_uid() == caller.uid);
+    }
+    s.set_jobs(visible);
+  }
   absl::MutexLock lock(&mu_);
-  s.set_registered_ranks(static_cast<uint32_t>(ActiveRanksLocked()));
+  uint32_t ranks = 0;
+  for (const auto& [key, r] : ranks_) {
+    if (!all && r->uid != caller.uid) continue;
+    absl::MutexLock rank_lock(&r->mu);
+    ranks += r->active ? 1 : 0;
+  }
+  s.set_registered_ranks(ranks);
   return s;
 }
 

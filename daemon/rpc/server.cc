@@ -215,8 +215,8 @@ class AdminService final : public v1::Admin::Service {
 
   grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                       v1::StatusReply* reply) override {
-    return WithCaller(s_, ctx, *req, [&](const Caller&) {
-      *reply = s_->engine()->GetStatus();
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
+      *reply = s_->engine()->GetStatus(c);
       return absl::OkStatus();
     });
   }

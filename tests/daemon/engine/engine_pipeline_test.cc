@@ -551,6 +551,12 @@ TEST_F(EnginePipelineTest, AnotherUsersJobReadsLikeAMissingOne) {
   const absl::Status step = engine_->StepDone(report, other);
   CKPT_EXPECT_CODE(step, kNotFound);
   EXPECT_EQ(ReasonOf(step), ErrorReason::kNotRegistered);
+  // Status counts only the caller's own jobs and trainers.
+  EXPECT_EQ(engine_->GetStatus(other).jobs(), 0u);
+  EXPECT_EQ(engine_->GetStatus(other).registered_ranks(), 0u);
+  EXPECT_EQ(engine_->GetStatus(owner_).jobs(), 1u);
+  EXPECT_EQ(engine_->GetStatus(owner_).registered_ranks(), 1u);
+  EXPECT_EQ(engine_->GetStatus(Caller{0, 0}).jobs(), 1u);  // root: every job
   // The owner still sees it all.
   CKPT_EXPECT_OK(engine_->Plan("hidden", 0, 0, owner_).status());
 }
