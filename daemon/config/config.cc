@@ -259,6 +259,10 @@ const std::vector<Option>& Options() {
           "steps of one user's ranks from StepDone until their checkpoint event is written; more "
           "fail with RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_queued_steps_per_uid), 0, 1 << 24),
+      Num("max_registrations_per_uid",
+          "ranks one user may have registered at once (each maps its memory and holds its "
+          "descriptors); more fail with RESOURCE_EXHAUSTED (0 = none)",
+          CKPT_FIELD(engine.max_registrations_per_uid), 0, 1 << 20),
       Str("metrics_address",
           "Prometheus endpoint host:port (empty = off; a bind failure is a warning); loopback "
           "by default, since it lists every user's jobs: bind 0.0.0.0 (or one interface) to "

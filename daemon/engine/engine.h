@@ -99,6 +99,8 @@ struct EngineOptions {
   // max_index_bytes_per_uid while in flight.
   uint32_t max_queued_steps_per_rank = 64;
   uint32_t max_queued_steps_per_uid = 1024;
+  // Ranks one uid may have registered at once (stale ones included); 0 = none.
+  uint32_t max_registrations_per_uid = 256;
   Metrics* metrics = nullptr;         // optional; not owned
   absl::Duration gc_interval = absl::Minutes(5);  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
@@ -338,7 +340,7 @@ class Engine {
   std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
-  std::set<RankKey> registering_ ABSL_GUARDED_BY(mu_);
+  std::map<RankKey, uid_t> registering_ ABSL_GUARDED_BY(mu_);  // rank -> registering uid
   // Jobs DeleteJob is deleting: registrations of them are refused.
   std::set<std::string> deleting_jobs_ ABSL_GUARDED_BY(mu_);
 

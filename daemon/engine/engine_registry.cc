@@ -139,10 +139,28 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   const RankKey key(req.job, req.rank);
   {
     absl::MutexLock lock(&mu_);
+    if (options_.max_registrations_per_uid > 0) {
+      // Live registrations of the caller, and those it is making now; a
+      // rank registering again replaces itself and is not counted twice.
+      size_t held = 0;
+      for (const auto& [k, r] : ranks_) {
+        if (r->uid != caller.uid || k == key) continue;
+        absl::MutexLock rank_lock(&r->mu);
+        held += r->active ? 1 : 0;
+      }
+      for (const auto& [k, uid] : registering_) held += uid == caller.uid && k != key;
+      if (held >= options_.max_registrations_per_uid) {
+        return WithReason(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "uid ", caller.uid, " has ", held,
+                " ranks registered (max_registrations_per_uid); unregister or release some")),
+            ErrorReason::kQuota);
+      }
+    }
     if (deleting_jobs_.count(req.job) != 0) {
       return absl::AbortedError(absl::StrCat("job ", req.job, " is being deleted; retry"));
     }
-    if (!registering_.insert(key).second) {
+    if (!registering_.emplace(key, caller.uid).second) {
       return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
     }
   }

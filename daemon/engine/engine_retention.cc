@@ -110,7 +110,7 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     if (deleting_jobs_.count(job) != 0) {
       return absl::AbortedError(absl::StrCat("job ", job, " is being deleted already"));
     }
-    for (const RankKey& key : registering_) {
+    for (const auto& [key, uid] : registering_) {
       if (key.first == job) {
         return absl::AbortedError(
             absl::StrCat("rank ", key.second, " of job ", job, " is registering; retry"));

@@ -561,6 +561,33 @@ TEST_F(EnginePipelineTest, AnotherUsersJobReadsLikeAMissingOne) {
   CKPT_EXPECT_OK(engine_->Plan("hidden", 0, 0, owner_).status());
 }
 
+// Regression: registrations had no per-uid bound, so one user could map
+// memory and hold descriptors for any number of ranks. The cap counts the
+// user's live registrations; re-registering a rank replaces it, and other
+// users are unaffected.
+TEST_F(EnginePipelineTest, RegistrationsPerUidAreCapped) {
+  EngineOptions o = OneWriter();
+  o.max_registrations_per_uid = 2;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("cap-a", 1), b = MakeRank("cap-b", 1), c = MakeRank("cap-c", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(Register(&b).status());
+  const absl::Status third = Register(&c).status();
+  CKPT_EXPECT_CODE(third, kResourceExhausted);
+  EXPECT_EQ(ReasonOf(third), ErrorReason::kQuota);
+  EXPECT_NE(std::string(third.message()).find("max_registrations_per_uid"), std::string::npos);
+  CKPT_EXPECT_OK(Register(&a).status());  // the same rank again: not a third
+  // Another user registers under its own bound.
+  const Caller other{owner_.uid + 1, 0};
+  TestRank theirs = MakeRank("cap-other", 1);
+  std::vector<UniqueFd> fds;
+  fds.emplace_back(::fcntl(theirs.region.fd(), F_DUPFD_CLOEXEC, 0));
+  CKPT_EXPECT_OK(engine_->Register(RegistrationOf(theirs), std::move(fds), other).status());
+  // Released, a slot comes back.
+  CKPT_ASSERT_OK(engine_->ReleaseRank("cap-b", 0, owner_).status());
+  CKPT_EXPECT_OK(Register(&c).status());
+}
+
 // ReleaseRank ends a registration without its generation (an operator's
 // `ckptctl release`): what was staged is written first, later calls of the
 // registration find it gone, and it can be released only once.
