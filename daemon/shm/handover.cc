@@ -25,15 +25,9 @@
 namespace ckpt {
 namespace {
 
-constexpr absl::Duration kMaxAcceptBackoff = absl::Seconds(1);
-constexpr absl::Duration kAcceptLogInterval = absl::Seconds(10);
 // Connections accepted per loop round, so a flood of connects cannot starve
 // the connections already open.
 constexpr int kAcceptsPerRound = 32;
-
-bool OutOfResources(int err) {
-  return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
-}
 
 int PollTimeoutMs(absl::Time now, absl::Time until) {
   if (until == absl::InfiniteFuture()) return 1000;  // only Stop() ends this wait
@@ -79,7 +73,7 @@ size_t HandoverServer::DefaultMaxFds(uint64_t nofile, size_t reserve) {
 }
 
 HandoverServer::HandoverServer(HandoverOptions options)
-    : options_(std::move(options)), backoff_(options_.accept_backoff) {}
+    : options_(std::move(options)), backoff_(options_.accept_backoff, "HandoverServer::AcceptBackoff") {}
 
 HandoverServer::~HandoverServer() { Stop(); }
 
@@ -155,11 +149,11 @@ void HandoverServer::Loop() {
     absl::Time wake_at = absl::InfiniteFuture();
     pfds.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
-    const bool accepting = now >= accept_resume_;
+    const bool accepting = backoff_.Accepting(now);
     if (accepting) {
       pfds.push_back({listen_fd_.get(), POLLIN, 0});
     } else {
-      wake_at = accept_resume_;
+      wake_at = backoff_.resume_at();
     }
     const size_t first_conn = pfds.size();
     for (const Conn& c : conns) {
@@ -192,37 +186,28 @@ void HandoverServer::AcceptSome(std::vector<Conn>* conns, std::map<uid_t, size_t
     if (fd < 0) {
       const int err = errno;
       if (err == EINTR || err == ECONNABORTED) continue;
-      if (!OutOfResources(err)) {
+      if (!AcceptBackoff::OutOfResources(err)) {
         if (err != EAGAIN && err != EWOULDBLOCK) {
           CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err);
         }
         return;
       }
-      // No descriptor (or memory) for the connection. Retrying at once would
-      // spin on the same readable backlog: pause accepting instead, longer
-      // each time it recurs.
-      const absl::Time now = absl::Now();
-      absl::Duration pause = backoff_;
-      accept_resume_ = now + pause;
-      backoff_ = std::min(backoff_ * 2, std::max(kMaxAcceptBackoff, options_.accept_backoff));
+      // No descriptor (or memory) for the connection: pause accepting.
       {
         absl::MutexLock lock(&mu_);
         ++accept_errors_;
       }
-      ++accept_errors_unlogged_;
-      if (now >= next_accept_log_) {
-        CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err) << " ("
-                          << accept_errors_unlogged_
+      const AcceptBackoff::Pause pause = backoff_.Fail(absl::Now());
+      if (pause.log) {
+        CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err) << " (and "
+                          << pause.unlogged
                           << " failures since the last report); not accepting for "
-                          << absl::FormatDuration(pause) << "; " << stats().fds_held
+                          << absl::FormatDuration(pause.length) << "; " << stats().fds_held
                           << " handed-over descriptors held";
-        accept_errors_unlogged_ = 0;
-        next_accept_log_ = now + kAcceptLogInterval;
       }
-      CKPT_SYNC_POINT_CALLBACK("HandoverServer::AcceptBackoff", &pause);
       return;
     }
-    backoff_ = options_.accept_backoff;
+    backoff_.Reset();
     UniqueFd conn(fd);
     absl::StatusOr<PeerCred> cred = GetPeerCred(conn.get());
     if (!cred.ok()) {

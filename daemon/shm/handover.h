@@ -42,6 +42,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/unique_fd.h"
+#include "daemon/common/accept_backoff.h"
 #include "daemon/common/clock.h"
 
 namespace ckpt {
@@ -179,10 +180,7 @@ class HandoverServer {
   std::thread thread_;
 
   // Loop thread only.
-  absl::Time accept_resume_ = absl::InfinitePast();  // no accept before this (back-off)
-  absl::Duration backoff_;
-  absl::Time next_accept_log_ = absl::InfinitePast();
-  uint64_t accept_errors_unlogged_ = 0;
+  AcceptBackoff backoff_;
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
