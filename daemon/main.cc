@@ -204,9 +204,14 @@ int main(int argc, char** argv) {
   ho.socket_path = config.HandoverSocketPath();
   HandoverServer handover(ho);
   if (absl::Status s = handover.Start(); !s.ok()) return Fail("handover socket", s);
+  RpcServerOptions ro = config.rpc;
+  ro.socket_path = config.socket;
+  ro.config_text = DumpConfig(config, ConfigTitle::kEffective);
+  RpcServer rpc(ro, &engine, &handover);
   // Hook runs are serialized, so the counters' last values need no lock.
   HandoverServer::Stats handover_seen;
-  metrics.SetCollectHook([&engine, &handover, &metrics, &handover_seen] {
+  RpcServer::ConnectionStats rpc_seen;
+  metrics.SetCollectHook([&engine, &handover, &rpc, &metrics, &handover_seen, &rpc_seen] {
     engine.CollectMetrics();
     const HandoverServer::Stats now = handover.stats();
     metrics.Set(Gauge::kHandoverFdsHeld, static_cast<double>(now.fds_held));
@@ -214,12 +219,14 @@ int main(int argc, char** argv) {
     metrics.Inc(Counter::kHandoverAcceptErrors,
                 static_cast<double>(now.accept_errors - handover_seen.accept_errors));
     handover_seen = now;
+    const RpcServer::ConnectionStats conns = rpc.connection_stats();
+    metrics.Inc(Counter::kRpcConnectionsRefused,
+                static_cast<double>(conns.refused - rpc_seen.refused));
+    metrics.Inc(Counter::kRpcAcceptErrors,
+                static_cast<double>(conns.accept_errors - rpc_seen.accept_errors));
+    rpc_seen = conns;
   });
 
-  RpcServerOptions ro = config.rpc;
-  ro.socket_path = config.socket;
-  ro.config_text = DumpConfig(config, ConfigTitle::kEffective);
-  RpcServer rpc(ro, &engine, &handover);
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
   CKPT_LOG(INFO) << "ckptd ready on " << config.socket << " (handover " << ho.socket_path << ")";
   NotifyReady("serving on " + config.socket);

@@ -61,6 +61,12 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_handover_accept_errors_total", "counter",
      "Times the handover socket could not accept (out of descriptors or memory) and paused "
      "accepting.", "", ""},
+    {"ckpt_rpc_connections_refused_total", "counter",
+     "gRPC connections closed as soon as accepted: their uid had max_connections_per_uid open "
+     "or ckptd had max_connections.", "", ""},
+    {"ckpt_rpc_accept_errors_total", "counter",
+     "Times the gRPC socket could not accept (out of descriptors or memory) and paused "
+     "accepting.", "", ""},
     {"ckpt_ranks_released_total", "counter",
      "Registrations ended by an operator (ckptctl release) rather than by their trainer.", "",
      ""},

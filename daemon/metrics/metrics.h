@@ -65,6 +65,8 @@ enum class Counter {
   kStalenessInvariantViolations,  // ckpt_staleness_invariant_violations_total
   kHandoverRefused,               // ckpt_handover_refused_total
   kHandoverAcceptErrors,          // ckpt_handover_accept_errors_total
+  kRpcConnectionsRefused,         // ckpt_rpc_connections_refused_total
+  kRpcAcceptErrors,               // ckpt_rpc_accept_errors_total
   kRanksReleased,                 // ckpt_ranks_released_total
   kJobsDeleted,                   // ckpt_jobs_deleted_total
   kQuotaRefused,                  // ckpt_quota_refused_total{kind}

@@ -8,6 +8,10 @@
 #include <malloc.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +20,8 @@
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/accept_backoff.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status_convert.h"
 
@@ -331,27 +337,102 @@ void RpcServer::Shutdown(absl::Duration grace) {
 }
 
 void RpcServer::AcceptLoop() {
+  AcceptBackoff backoff(options_.accept_backoff, "RpcServer::AcceptBackoff");
+  LogRateLimit refusal_log;
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
       if (stopping_) return;
     }
-    struct pollfd pfd = {listen_fd_.get(), POLLIN, 0};
-    if (::poll(&pfd, 1, 200) <= 0) continue;
-    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) continue;
-    absl::StatusOr<PeerCred> cred = GetPeerCred(fd);
-    if (!cred.ok()) {
-      ::close(fd);
+    const absl::Time now = absl::Now();
+    if (!backoff.Accepting(now)) {
+      // Paused; Shutdown is still seen within 200 ms.
+      absl::SleepFor(std::min(backoff.resume_at() - now, absl::Milliseconds(200)));
       continue;
     }
+    struct pollfd pfd = {listen_fd_.get(), POLLIN, 0};
+    if (::poll(&pfd, 1, 200) <= 0) continue;
+    const int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+      const int err = errno;
+      if (!AcceptBackoff::OutOfResources(err)) continue;  // EAGAIN, EINTR, ECONNABORTED...
+      // No descriptor (or memory) for the connection: retrying at once would
+      // spin on the same readable backlog, so pause accepting.
+      size_t open = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        ++accept_errors_;
+        open = peers_.size();
+      }
+      const AcceptBackoff::Pause pause = backoff.Fail(absl::Now());
+      if (pause.log) {
+        CKPT_LOG(WARNING) << "gRPC accept: " << std::strerror(err) << " (and " << pause.unlogged
+                          << " failures since the last report); not accepting for "
+                          << absl::FormatDuration(pause.length) << "; " << open
+                          << " connections open";
+      }
+      continue;
+    }
+    backoff.Reset();
+    UniqueFd conn(fd);
+    absl::StatusOr<PeerCred> cred = GetPeerCred(conn.get());
+    struct stat st;
+    if (!cred.ok() || ::fstat(conn.get(), &st) != 0) continue;  // closes the connection
+    std::string refusal;
     {
       absl::MutexLock lock(&mu_);
-      peers_[fd] = *cred;
+      PrunePeers();
+      const uid_t uid = cred->uid;
+      const int mine = static_cast<int>(std::count_if(
+          peers_.begin(), peers_.end(), [uid](const auto& p) { return p.second.cred.uid == uid; }));
+      if (mine >= options_.max_connections_per_uid) {
+        refusal = absl::StrCat("uid ", uid, " has ", mine, " connections open (limit ",
+                               options_.max_connections_per_uid, ", max_connections_per_uid)");
+      } else if (peers_.size() >= static_cast<size_t>(options_.max_connections)) {
+        refusal = absl::StrCat("ckptd has ", peers_.size(), " connections open (limit ",
+                               options_.max_connections, ", max_connections)");
+      }
+      if (!refusal.empty()) {
+        ++connections_refused_;
+      } else {
+        peers_[conn.get()] = Peer{*cred, st.st_dev, st.st_ino};
+      }
+    }
+    if (!refusal.empty()) {
+      uint64_t unlogged = 0;
+      if (refusal_log.Due(absl::Now(), &unlogged)) {
+        CKPT_LOG(WARNING) << "gRPC connection of pid " << cred->pid << " closed: " << refusal
+                          << " (and " << unlogged << " more since the last report)";
+      }
+      CKPT_SYNC_POINT("RpcServer::Refused");
+      continue;  // `conn` closes: the client sees its connection closed
     }
     // gRPC owns the fd from here on and closes it with the connection.
-    grpc::AddInsecureChannelFromFd(server_.get(), fd);
+    grpc::AddInsecureChannelFromFd(server_.get(), conn.release());
+    CKPT_SYNC_POINT("RpcServer::Accepted");
   }
+}
+
+void RpcServer::PrunePeers() const {
+  for (auto it = peers_.begin(); it != peers_.end();) {
+    struct stat st;
+    if (::fstat(it->first, &st) != 0 || st.st_dev != it->second.dev ||
+        st.st_ino != it->second.ino) {
+      it = peers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+RpcServer::ConnectionStats RpcServer::connection_stats() const {
+  absl::MutexLock lock(&mu_);
+  PrunePeers();
+  ConnectionStats s;
+  s.open = peers_.size();
+  s.refused = connections_refused_;
+  s.accept_errors = accept_errors_;
+  return s;
 }
 
 absl::Status RpcServer::EnterCall(uid_t uid, bool heavy, bool large) {
@@ -418,8 +499,8 @@ absl::StatusOr<Caller> RpcServer::CallerOf(const grpc::ServerContext& ctx) const
   auto it = peers_.find(fd);
   if (it == peers_.end()) return absl::UnauthenticatedError("connection identity unknown");
   Caller c;
-  c.uid = it->second.uid;
-  c.pid = it->second.pid;
+  c.uid = it->second.cred.uid;
+  c.pid = it->second.cred.pid;
   return c;
 }
 

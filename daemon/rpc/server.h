@@ -22,6 +22,15 @@
 // heap memory to the kernel (malloc_trim) before the reply goes out, so the
 // memory of a burst of large requests does not stay resident.
 //
+// Connections (RpcServerOptions): one uid may hold at most
+// max_connections_per_uid connections and ckptd at most max_connections;
+// a connection beyond either is closed as soon as it is accepted. gRPC closes
+// a connection's descriptor without telling us, so each accept first forgets
+// the connections whose descriptor no longer refers to the socket accepted
+// (fstat: device and inode). When accept fails for lack of descriptors or
+// memory the loop pauses (AcceptBackoff, sync point
+// "RpcServer::AcceptBackoff") instead of spinning on the readable socket.
+//
 // Thread-safety: Start/Shutdown from one thread; handlers run on gRPC threads.
 #pragma once
 
@@ -67,6 +76,12 @@ struct RpcServerOptions {
   // call fails at once with RESOURCE_EXHAUSTED.
   int max_calls_per_uid = 64;
   int max_heavy_calls = 4;
+  // Connections open at once, per uid and node-wide; one more is closed as
+  // soon as it is accepted (the client sees its connection closed).
+  int max_connections_per_uid = 64;
+  int max_connections = 1024;
+  // First pause of the accept loop after EMFILE/ENFILE; doubles up to 1 s.
+  absl::Duration accept_backoff = absl::Milliseconds(50);
 };
 
 class RpcServer {
@@ -105,8 +120,25 @@ class RpcServer {
   // How many times FinishCall released memory.
   uint64_t memory_releases() const;
 
+  struct ConnectionStats {
+    size_t open = 0;             // connections still open
+    uint64_t refused = 0;        // closed at once: a connection cap was reached
+    uint64_t accept_errors = 0;  // accept failures that started a back-off
+  };
+  // Forgets the connections gRPC has closed first, so `open` is current.
+  ConnectionStats connection_stats() const;
+
  private:
+  // A connection accepted by AcceptLoop and handed to gRPC.
+  struct Peer {
+    PeerCred cred;
+    dev_t dev = 0;  // the socket's identity, to tell a reused fd number
+    ino_t ino = 0;
+  };
+
   void AcceptLoop();
+  // Drops the peers whose fd gRPC has closed (or reused for another file).
+  void PrunePeers() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const RpcServerOptions options_;
   Engine* const engine_;
@@ -119,7 +151,9 @@ class RpcServer {
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<int, PeerCred> peers_ ABSL_GUARDED_BY(mu_);  // by connection fd
+  mutable std::map<int, Peer> peers_ ABSL_GUARDED_BY(mu_);  // by connection fd
+  uint64_t connections_refused_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t accept_errors_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uid_t, int> calls_by_uid_ ABSL_GUARDED_BY(mu_);
   int heavy_calls_ ABSL_GUARDED_BY(mu_) = 0;
   int large_calls_ ABSL_GUARDED_BY(mu_) = 0;
