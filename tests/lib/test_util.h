@@ -17,8 +17,27 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define CKPT_TEST_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define CKPT_TEST_SANITIZER 1
+#endif
+#endif
+
 namespace ckpt {
 namespace testing {
+
+// Built with ASan/UBSan or TSan (tests/sanitize.sh). Tests that take every
+// descriptor the process may open skip there: the sanitizer runtime opens
+// its report file (log_path) lazily and aborts when it cannot. Tests that
+// measure glibc's heap through RSS skip too: the sanitizer's allocator
+// keeps freed memory in quarantine by design.
+#ifdef CKPT_TEST_SANITIZER
+inline constexpr bool kSanitizerBuild = true;
+#else
+inline constexpr bool kSanitizerBuild = false;
+#endif
 
 inline ::testing::AssertionResult IsOk(const absl::Status& s) {
   if (s.ok()) return ::testing::AssertionSuccess();
