@@ -8,6 +8,7 @@
 #include <malloc.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -395,7 +396,7 @@ void RpcServer::AcceptLoop() {
       if (!refusal.empty()) {
         ++connections_refused_;
       } else {
-        peers_[conn.get()] = Peer{*cred, st.st_dev, st.st_ino};
+        peers_[conn.get()] = Peer{*cred, st.st_ino};
       }
     }
     if (!refusal.empty()) {
@@ -413,11 +414,19 @@ void RpcServer::AcceptLoop() {
   }
 }
 
+// Whether descriptor `fd` still names the socket with inode `ino`. Asked of
+// /proc by path, never through the descriptor: gRPC may have closed it and
+// another thread reused the number meanwhile.
+static bool StillTheSocket(int fd, ino_t ino) {
+  char link[64];
+  const ssize_t n = ::readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), link, sizeof(link));
+  return n > 0 && absl::string_view(link, static_cast<size_t>(n)) ==
+                      absl::StrCat("socket:[", static_cast<uint64_t>(ino), "]");
+}
+
 void RpcServer::PrunePeers() const {
   for (auto it = peers_.begin(); it != peers_.end();) {
-    struct stat st;
-    if (::fstat(it->first, &st) != 0 || st.st_dev != it->second.dev ||
-        st.st_ino != it->second.ino) {
+    if (!StillTheSocket(it->first, it->second.ino)) {
       it = peers_.erase(it);
     } else {
       ++it;

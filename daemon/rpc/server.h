@@ -132,8 +132,7 @@ class RpcServer {
   // A connection accepted by AcceptLoop and handed to gRPC.
   struct Peer {
     PeerCred cred;
-    dev_t dev = 0;  // the socket's identity, to tell a reused fd number
-    ino_t ino = 0;
+    ino_t ino = 0;  // the socket's inode, to tell a reused fd number
   };
 
   void AcceptLoop();
