@@ -1,6 +1,7 @@
 """Shared helpers for ckptd's integration tests: real daemon processes,
 real sockets, temporary data directories. Standard library only."""
 
+import atexit
 import json
 import os
 import signal
@@ -43,6 +44,8 @@ class Daemon:
                      "--shutdown_grace_ms=5000", "--metrics_address=127.0.0.1:0"] + list(extra)
         self.env = env
         self.proc = None
+        # A test that fails half-way must not leave its ckptd running.
+        atexit.register(self.kill)
 
     def start(self, timeout=30.0):
         os.makedirs(self.root, exist_ok=True)
