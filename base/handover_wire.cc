@@ -88,25 +88,31 @@ absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>
   return absl::OkStatus();
 }
 
+absl::Status ConnectUnix(int sock, const std::string& path) {
+  struct sockaddr_un addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": socket path too long"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (::connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return absl::UnavailableError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
                                         absl::Span<const int> fds, absl::Duration timeout) {
   if (fds.empty() || fds.size() > kMaxHandoverFds) {
     return absl::InvalidArgumentError(
         absl::StrCat("handover takes 1..", kMaxHandoverFds, " regions, got ", fds.size()));
   }
-  struct sockaddr_un addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sun_family = AF_UNIX;
-  if (socket_path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError("handover socket path too long");
-  }
-  std::memcpy(addr.sun_path, socket_path.data(), socket_path.size());
   UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) return ErrnoStatus(errno, "socket");
   CKPT_RETURN_IF_ERROR(SetSocketTimeout(sock.get(), timeout));
-  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("ckptd handover socket ", socket_path, ": ", std::strerror(errno)));
+  if (absl::Status s = ConnectUnix(sock.get(), socket_path); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("ckptd handover socket ", s.message()));
   }
   HandoverHeader h{kHandoverMagic, static_cast<uint32_t>(fds.size())};
   if (absl::Status s = SendWithFds(sock.get(), &h, sizeof(h), fds); !s.ok()) {

@@ -61,5 +61,8 @@ absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
 
 // Sets SO_RCVTIMEO and SO_SNDTIMEO.
 absl::Status SetSocketTimeout(int sock, absl::Duration timeout);
+// Connects the AF_UNIX stream socket `sock` to `path`. INVALID_ARGUMENT for a
+// path that does not fit a sockaddr_un; UNAVAILABLE when nothing accepts there.
+absl::Status ConnectUnix(int sock, const std::string& path);
 
 }  // namespace ckpt

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -128,6 +129,38 @@ bool WaitUntilThreadSleeps(pid_t tid, absl::Time deadline) {
     }
     if (absl::Now() >= deadline) return false;
     absl::SleepFor(absl::Milliseconds(1));  // between polls of a state; bounded by `deadline`
+  }
+}
+
+ExhaustedDescriptors::ExhaustedDescriptors(uint64_t limit) {
+  struct rlimit rl;
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  saved_limit_ = rl.rlim_cur;
+  rl.rlim_cur = limit;
+  if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+    error_ = "setrlimit";
+    return;
+  }
+  lowered_ = true;
+  for (;;) {
+    const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EMFILE) error_ = "filler open";
+      return;
+    }
+    filler_.push_back(fd);
+  }
+}
+
+void ExhaustedDescriptors::Release() {
+  for (int fd : filler_) ::close(fd);
+  filler_.clear();
+  if (lowered_) {
+    struct rlimit rl;
+    ::getrlimit(RLIMIT_NOFILE, &rl);
+    rl.rlim_cur = saved_limit_;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+    lowered_ = false;
   }
 }
 

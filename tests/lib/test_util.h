@@ -82,6 +82,28 @@ void FillRandom(std::mt19937_64* rng, void* buf, size_t n);
 // Entries of /proc/self/fd (including the one used to list it).
 size_t CountOpenFds();
 
+// Takes every descriptor the process may still open: lowers the soft
+// RLIMIT_NOFILE to `limit` and fills the table with /dev/null, so the next
+// open, socket or accept fails with EMFILE. Release() (or the destructor)
+// closes them and restores the limit. For a forked child: it changes the
+// whole process's limit.
+class ExhaustedDescriptors {
+ public:
+  explicit ExhaustedDescriptors(uint64_t limit = 256);
+  ~ExhaustedDescriptors() { Release(); }
+  ExhaustedDescriptors(const ExhaustedDescriptors&) = delete;
+  ExhaustedDescriptors& operator=(const ExhaustedDescriptors&) = delete;
+  // Empty when the table is full; otherwise what went wrong.
+  const std::string& error() const { return error_; }
+  void Release();
+
+ private:
+  uint64_t saved_limit_ = 0;
+  bool lowered_ = false;
+  std::vector<int> filler_;
+  std::string error_;
+};
+
 // Writes `data` to `path` (created or truncated); fails the test on error.
 void WriteFile(const std::string& path, const std::string& data);
 // The contents of `path`, or "<missing>" when it cannot be read.

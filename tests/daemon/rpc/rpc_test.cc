@@ -2,6 +2,7 @@
 // release of memory after large requests, and the accept loop (connection
 // caps, back-off when out of descriptors).
 #include "daemon/rpc/server.h"
+#include "base/handover_wire.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -42,12 +43,7 @@ constexpr absl::Duration kWait = absl::Seconds(20);
 // closed reads end-of-file or a reset (0).
 UniqueFd ConnectRaw(const std::string& path) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return fd;
-  struct sockaddr_un addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return UniqueFd();
+  if (!fd.valid() || !ConnectUnix(fd.get(), path).ok()) return UniqueFd();
   struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(kWait)), 0};
   ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   return fd;
@@ -140,28 +136,9 @@ TEST_F(AcceptLoopTest, BacksOffWhenOutOfDescriptors) {
     RpcServer server(o, nullptr, nullptr);
     if (!server.Start().ok()) fail(10, "start");
     UniqueFd client(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    struct rlimit saved;
-    ::getrlimit(RLIMIT_NOFILE, &saved);
-    struct rlimit low = saved;
-    low.rlim_cur = 256;
-    if (::setrlimit(RLIMIT_NOFILE, &low) != 0) fail(12, "setrlimit");
-    std::vector<UniqueFd> filler;
-    for (;;) {
-      UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-      if (!f.valid()) {
-        if (errno != EMFILE) fail(13, "filler open");
-        break;
-      }
-      filler.push_back(std::move(f));
-    }
-    struct sockaddr_un addr;
-    std::memset(&addr, 0, sizeof(addr));
-    addr.sun_family = AF_UNIX;
-    const std::string path = o.socket_path;
-    std::memcpy(addr.sun_path, path.data(), path.size());
-    if (::connect(client.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      fail(14, "connect");
-    }
+    testing::ExhaustedDescriptors exhausted;
+    if (!exhausted.error().empty()) fail(12, exhausted.error().c_str());
+    if (!ConnectUnix(client.get(), o.socket_path).ok()) fail(14, "connect");
     // Three pauses in a row, each twice the one before.
     if (!sp_->WaitForPasses("RpcServer::AcceptBackoff", 3, absl::Now() + kWait)) {
       fail(15, "no back-off: the accept loop never paused");
@@ -176,8 +153,7 @@ TEST_F(AcceptLoopTest, BacksOffWhenOutOfDescriptors) {
       // One failed accept per pause: a spinning loop fails thousands of times.
       if (errors > pauses.size() + 1) fail(17, "accept failed more often than it paused");
     }
-    filler.clear();
-    ::setrlimit(RLIMIT_NOFILE, &saved);
+    exhausted.Release();
     struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(kWait)), 0};
     ::setsockopt(client.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     if (Exchange(client.get()) <= 0) fail(18, "the waiting client was not served after the back-off");

@@ -305,12 +305,7 @@ class HandoverServerTest : public ::testing::Test {
 
   UniqueFd Connect() {
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    struct sockaddr_un addr;
-    std::memset(&addr, 0, sizeof(addr));
-    addr.sun_family = AF_UNIX;
-    std::memcpy(addr.sun_path, Path().data(), Path().size());
-    EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
-        << std::strerror(errno);
+    EXPECT_TRUE(::ckpt::testing::IsOk(ConnectUnix(fd.get(), Path())));
     EXPECT_TRUE(::ckpt::testing::IsOk(SetSocketTimeout(fd.get(), absl::Seconds(5))));
     return fd;
   }
@@ -532,11 +527,7 @@ class ChildAs {
 // A raw connection to `path`, or an invalid fd.
 UniqueFd ConnectTo(const std::string& path) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  struct sockaddr_un addr;
-  std::memset(&addr, 0, sizeof(addr));
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return UniqueFd();
+  if (!ConnectUnix(fd.get(), path).ok()) return UniqueFd();
   if (!SetSocketTimeout(fd.get(), kWait).ok()) return UniqueFd();
   return fd;
 }
@@ -800,28 +791,9 @@ TEST_F(HandoverLimitsTest, AcceptBacksOffWhenOutOfDescriptors) {
     absl::StatusOr<MemfdRegion> region = MemfdRegion::Create("emfile", kPage);
     if (!region.ok()) fail(11, "memfd");
     UniqueFd client(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    struct rlimit saved;
-    ::getrlimit(RLIMIT_NOFILE, &saved);
-    struct rlimit low = saved;
-    low.rlim_cur = 256;
-    if (::setrlimit(RLIMIT_NOFILE, &low) != 0) fail(12, "setrlimit");
-    std::vector<UniqueFd> filler;
-    for (;;) {
-      UniqueFd f(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-      if (!f.valid()) {
-        if (errno != EMFILE) fail(13, "filler open");
-        break;
-      }
-      filler.push_back(std::move(f));
-    }
-    struct sockaddr_un addr;
-    std::memset(&addr, 0, sizeof(addr));
-    addr.sun_family = AF_UNIX;
-    const std::string path = o.socket_path;
-    std::memcpy(addr.sun_path, path.data(), path.size());
-    if (::connect(client.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      fail(14, "connect");
-    }
+    testing::ExhaustedDescriptors exhausted;
+    if (!exhausted.error().empty()) fail(12, exhausted.error().c_str());
+    if (!ConnectUnix(client.get(), o.socket_path).ok()) fail(14, "connect");
     // Three pauses in a row, each twice the one before.
     if (!sp_->WaitForPasses("HandoverServer::AcceptBackoff", 3, absl::Now() + kWait)) {
       fail(15, "no back-off: the accept loop never paused");
@@ -837,8 +809,7 @@ TEST_F(HandoverLimitsTest, AcceptBacksOffWhenOutOfDescriptors) {
       // would have failed thousands of times.
       if (errors > pauses.size() + 1) fail(17, "accept failed more often than it paused");
     }
-    filler.clear();
-    ::setrlimit(RLIMIT_NOFILE, &saved);
+    exhausted.Release();
     HandoverHeader h{kHandoverMagic, 1};
     std::vector<int> fds = {region->fd()};
     if (!SetSocketTimeout(client.get(), kWait).ok()) fail(18, "timeout");
