@@ -44,6 +44,19 @@ void SyncPoint::EnableProcessing() {
   enabled_.store(true, std::memory_order_release);
 }
 
+void SyncPoint::StartTest(absl::Duration wait_timeout) {
+  LoadDependency({});
+  ClearAllCallBacks();
+  SetWaitTimeout(wait_timeout);
+  EnableProcessing();
+}
+
+void SyncPoint::EndTest() {
+  DisableProcessing();
+  LoadDependency({});
+  ClearAllCallBacks();
+}
+
 void SyncPoint::DisableProcessing() {
   absl::MutexLock lock(&mu_);
   enabled_locked_ = false;

@@ -91,6 +91,12 @@ class SyncPoint {
   void DisableProcessing();
   bool processing() const { return enabled_.load(std::memory_order_acquire); }
 
+  // A test's start: no dependencies, callbacks or trace, waits bounded by
+  // `wait_timeout`, processing on. A test's end: processing off (releasing
+  // any parked thread), and no dependency or callback left for the next one.
+  void StartTest(absl::Duration wait_timeout);
+  void EndTest();
+
   // Forgets which points were passed and the arrival and pass counts; keeps
   // the dependencies and callbacks.
   void ClearTrace();

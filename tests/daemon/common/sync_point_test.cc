@@ -21,15 +21,10 @@ class SyncPointTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS";
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
-    sp_->SetWaitTimeout(kLongWait);
-    sp_->EnableProcessing();
+    sp_->StartTest(kLongWait);
   }
   void TearDown() override {
-    sp_->DisableProcessing();
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
+    sp_->EndTest();
     sp_->SetWaitTimeout(kLongWait);
   }
 

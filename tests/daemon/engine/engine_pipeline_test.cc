@@ -67,10 +67,7 @@ class EnginePipelineTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
-    sp_->SetWaitTimeout(kWait);
-    sp_->EnableProcessing();
+    sp_->StartTest(kWait);
   }
 
   void TearDown() override {
@@ -84,8 +81,7 @@ class EnginePipelineTest : public ::testing::Test {
     store_.reset();
     index_.reset();
     pool_.reset();
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
+    sp_->EndTest();
   }
 
   // Starts an engine over a fresh data directory and a pool of `chunks`

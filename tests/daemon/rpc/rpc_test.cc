@@ -67,17 +67,13 @@ class AcceptLoopTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
-    sp_->SetWaitTimeout(kWait);
-    sp_->EnableProcessing();
+    sp_->StartTest(kWait);
   }
   void TearDown() override {
     if (!kSyncPointsCompiled) return;
     if (server_ != nullptr) server_->Shutdown(absl::ZeroDuration());
     EXPECT_EQ(sp_->timeouts(), 0u);
-    sp_->DisableProcessing();
-    sp_->ClearAllCallBacks();
+    sp_->EndTest();
   }
 
   std::string Path() const { return tmp_.path() + "/ckptd.sock"; }

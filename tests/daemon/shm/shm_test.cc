@@ -549,17 +549,13 @@ class HandoverLimitsTest : public HandoverServerTest {
  protected:
   void SetUp() override {
     if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
-    sp_->LoadDependency({});
-    sp_->ClearAllCallBacks();
-    sp_->SetWaitTimeout(kWait);
-    sp_->EnableProcessing();
+    sp_->StartTest(kWait);
   }
   void TearDown() override {
     if (!kSyncPointsCompiled) return;
     if (server_ != nullptr) server_->Stop();
     EXPECT_EQ(sp_->timeouts(), 0u);
-    sp_->DisableProcessing();
-    sp_->ClearAllCallBacks();
+    sp_->EndTest();
   }
 
   // Lets another uid reach the socket (the test's temp dir is 0700).
