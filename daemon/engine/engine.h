@@ -298,6 +298,26 @@ class Engine {
   size_t ActiveRanksLocked(bool stale_only = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- retention (engine_retention.cc) ----
+  // What a rank's history holds, as GC and DeleteJob need it: its events in
+  // step order and its versions by (layer, step).
+  struct RankHistory {
+    struct Event {
+      uint64_t step = 0;
+      int64_t unix_ms = 0;
+      uint64_t index_bytes = 0;  // what it counts for in its owner's quota
+    };
+    uid_t owner = 0;
+    std::vector<Event> events;
+    std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> versions;
+  };
+  absl::StatusOr<RankHistory> ReadRankHistory(const std::string& job, uint32_t rank);
+  // Deletes one event / one committed version (record, then file) of the
+  // rank and gives what it held back to the disk budget and the owner's
+  // quota.
+  absl::Status DeleteEvent(const RankHistory& h, const std::string& job, uint32_t rank,
+                           const RankHistory::Event& event);
+  absl::Status RemoveVersion(const RankHistory& h, const VersionKey& key,
+                             const store::VersionRecord& rec);
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
   void GcLoop();
 

@@ -12,6 +12,43 @@
 
 namespace ckpt {
 
+absl::StatusOr<Engine::RankHistory> Engine::ReadRankHistory(const std::string& job,
+                                                             uint32_t rank) {
+  RankHistory h;
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
+  if (job_rec.has_value()) h.owner = job_rec->owner_uid();
+  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
+      job, rank, /*newest_first=*/false, [&](uint64_t step, const store::EventRecord& e) {
+        h.events.push_back({step, e.unix_ms(), EventIndexBytes(e.aux().size())});
+        return true;
+      }));
+  CKPT_RETURN_IF_ERROR(
+      index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
+        h.versions[{k.layer, k.step}] = v;
+        return true;
+      }));
+  return h;
+}
+
+absl::Status Engine::DeleteEvent(const RankHistory& h, const std::string& job, uint32_t rank,
+                                 const RankHistory::Event& event) {
+  CKPT_RETURN_IF_ERROR(index_->DeleteEvent(job, rank, event.step));
+  quota_.ReleaseEvent(h.owner, event.index_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::RemoveVersion(const RankHistory& h, const VersionKey& key,
+                                   const store::VersionRecord& rec) {
+  CKPT_RETURN_IF_ERROR(store_->Remove(key, rec));
+  disk_.Release(rec.file_bytes());
+  quota_.ReleaseVersion(h.owner, rec.file_bytes());
+  if (Metrics* m = options_.metrics) {
+    m->Inc(Counter::kGcVersionsDeleted);
+    m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
                             v1::GcReply* reply) {
   const RankKey key(job, rank);
@@ -19,38 +56,24 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     reply->set_ranks_busy(reply->ranks_busy() + 1);
     return absl::OkStatus();
   }
-  auto release = [&] { leases_.EndGc(key); };
+  struct EndGc {
+    LeaseTable* leases;
+    const RankKey& key;
+    ~EndGc() { leases->EndGc(key); }
+  } end_gc{&leases_, key};
+  CKPT_ASSIGN_OR_RETURN(RankHistory h, ReadRankHistory(job, rank));
   RetentionInput in;
   in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
-  std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> records;
-  std::map<uint64_t, uint64_t> event_bytes;  // what each event counts for in its owner's quota
-  uid_t owner = 0;
-  absl::StatusOr<std::optional<store::JobRecord>> job_rec = index_->GetJob(job);
-  absl::Status s = job_rec.status();
-  if (s.ok() && job_rec->has_value()) owner = (*job_rec)->owner_uid();
-  if (s.ok()) {
-    s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
-                             [&](uint64_t step, const store::EventRecord& e) {
-                               in.events.emplace_back(step, e.unix_ms());
-                               event_bytes[step] = EventIndexBytes(e.aux().size());
-                               return true;
-                             });
+  std::map<uint64_t, const RankHistory::Event*> events;
+  for (const RankHistory::Event& e : h.events) {
+    in.events.emplace_back(e.step, e.unix_ms);
+    events[e.step] = &e;
   }
-  if (s.ok()) {
-    s = index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
-      in.versions[k.layer].push_back(k.step);
-      records[{k.layer, k.step}] = v;
-      return true;
-    });
-  }
-  if (!s.ok()) {
-    release();
-    return s;
-  }
+  for (const auto& [lk, rec] : h.versions) in.versions[lk.first].push_back(lk.second);
   RetentionPlan plan = PlanRetention(options_.retention, in);
   reply->set_retained_targets(reply->retained_targets() + plan.retained_targets.size());
   reply->set_versions_kept(reply->versions_kept() + plan.versions_kept);
-  for (const auto& [lk, rec] : records) {
+  for (const auto& [lk, rec] : h.versions) {
     if (std::find(plan.delete_versions.begin(), plan.delete_versions.end(), lk) ==
         plan.delete_versions.end()) {
       reply->set_bytes_kept(reply->bytes_kept() + rec.file_bytes());
@@ -58,33 +81,19 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   }
   // Events first, so no plan can target a step whose versions are going away.
   for (uint64_t step : plan.delete_events) {
-    if (!dry_run) s = index_->DeleteEvent(job, rank, step);
-    if (!s.ok()) break;
-    if (!dry_run) quota_.ReleaseEvent(owner, event_bytes[step]);
+    if (!dry_run) CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *events[step]));
     reply->set_events_deleted(reply->events_deleted() + 1);
   }
   for (const auto& [layer, step] : plan.delete_versions) {
-    if (!s.ok()) break;
-    const store::VersionRecord& rec = records[{layer, step}];
+    const store::VersionRecord& rec = h.versions[{layer, step}];
     if (!dry_run) {
       CKPT_KILL_POINT("gc.before_remove");
-      s = store_->Remove(VersionKey{job, rank, layer, step}, rec);
+      CKPT_RETURN_IF_ERROR(RemoveVersion(h, VersionKey{job, rank, layer, step}, rec));
     }
-    if (s.ok()) {
-      reply->set_versions_deleted(reply->versions_deleted() + 1);
-      reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
-      if (!dry_run) {
-        disk_.Release(rec.file_bytes());
-        quota_.ReleaseVersion(owner, rec.file_bytes());
-        if (Metrics* m = options_.metrics) {
-          m->Inc(Counter::kGcVersionsDeleted);
-          m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));
-        }
-      }
-    }
+    reply->set_versions_deleted(reply->versions_deleted() + 1);
+    reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
   }
-  release();
-  return s;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& caller) {
@@ -159,39 +168,23 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     held.emplace_back(job, rank);
   }
   JobDeleted out;
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
-  const uid_t owner = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
   absl::Status s;
   for (uint32_t rank : ranks) {
     // Events first, so no plan can target a step whose versions are going
     // away; then each version (its record, then its file); then the rank.
-    // What each gives back to the owner's quota goes with it.
-    std::vector<std::pair<uint64_t, uint64_t>> steps;  // step, index bytes
-    std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
-    s = index_->ForEachEvent(job, rank, /*newest_first=*/false,
-                             [&](uint64_t step, const store::EventRecord& e) {
-                               steps.emplace_back(step, EventIndexBytes(e.aux().size()));
-                               return true;
-                             });
-    if (s.ok()) {
-      s = index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
-        versions.emplace_back(k, v);
-        return true;
-      });
+    absl::StatusOr<RankHistory> h = ReadRankHistory(job, rank);
+    s = h.status();
+    for (size_t i = 0; s.ok() && i < h->events.size(); ++i) {
+      s = DeleteEvent(*h, job, rank, h->events[i]);
+      if (s.ok()) ++out.events;
     }
-    for (size_t i = 0; s.ok() && i < steps.size(); ++i) {
-      s = index_->DeleteEvent(job, rank, steps[i].first);
-      if (!s.ok()) break;
-      ++out.events;
-      quota_.ReleaseEvent(owner, steps[i].second);
-    }
-    for (size_t i = 0; s.ok() && i < versions.size(); ++i) {
-      s = store_->Remove(versions[i].first, versions[i].second);
-      if (!s.ok()) break;
-      ++out.versions;
-      out.bytes += versions[i].second.file_bytes();
-      disk_.Release(versions[i].second.file_bytes());
-      quota_.ReleaseVersion(owner, versions[i].second.file_bytes());
+    for (auto it = s.ok() ? h->versions.begin() : h->versions.end(); s.ok() && it != h->versions.end();
+         ++it) {
+      s = RemoveVersion(*h, VersionKey{job, rank, it->first.first, it->first.second}, it->second);
+      if (s.ok()) {
+        ++out.versions;
+        out.bytes += it->second.file_bytes();
+      }
     }
     if (s.ok()) s = index_->DeleteRank(job, rank);
     if (s.ok()) s = store_->RemoveRankDir(job, rank, {kDriftTraceFile});
@@ -207,11 +200,7 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
                     << " versions: " << s;
     return s;
   }
-  if (Metrics* m = options_.metrics) {
-    m->Inc(Counter::kJobsDeleted);
-    m->Inc(Counter::kGcVersionsDeleted, static_cast<double>(out.versions));
-    m->Inc(Counter::kGcDeletedBytes, static_cast<double>(out.bytes));
-  }
+  if (Metrics* m = options_.metrics) m->Inc(Counter::kJobsDeleted);
   CKPT_LOG(INFO) << "deleted job " << job << " (by uid " << caller.uid << "): " << out.ranks
                  << " ranks, " << out.versions << " versions, " << out.bytes << " bytes, "
                  << out.events << " events";
