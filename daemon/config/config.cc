@@ -255,6 +255,11 @@ const std::vector<Option>& Options() {
           "layer files plus index records one user's jobs may hold; past it that user's steps "
           "and versions fail with RESOURCE_EXHAUSTED (0 = half the data file system)",
           CKPT_FIELD(engine.max_disk_bytes_per_uid), 0),
+      Num("max_disk_bytes_per_job",
+          "layer files plus index records one job may hold, within its owner's "
+          "max_disk_bytes_per_uid; past it that job's steps and versions fail with "
+          "RESOURCE_EXHAUSTED (0 = none)",
+          CKPT_FIELD(engine.max_disk_bytes_per_job), 0),
       Num("max_index_bytes_per_uid",
           "index records (aux blobs, events, version records) one user's jobs may hold; past it "
           "that user's steps fail with RESOURCE_EXHAUSTED (0 = none)",

@@ -63,6 +63,7 @@ absl::Status Engine::SeedUsage() {
   }
   limits.index_bytes = options_.max_index_bytes_per_uid;
   limits.queued_steps = options_.max_queued_steps_per_uid;
+  limits.job_disk_bytes = options_.max_disk_bytes_per_job;
   quota_.SetLimits(limits);
   // Disk usage of committed versions (node-wide and per uid) and the index
   // records of each uid, kept current by commits, events and GC.
@@ -87,14 +88,15 @@ absl::Status Engine::SeedUsage() {
           }));
     }
     used += files;
-    quota_.Seed(uid, files, index_bytes);
+    quota_.Seed(QuotaOwner{uid, job}, files, index_bytes);
   }
   disk_.Reset(used);
   CKPT_LOG(INFO) << "per-uid quotas: max_disk_bytes_per_uid " << limits.disk_bytes
                  << (options_.max_disk_bytes_per_uid == 0 ? " (half the data file system)" : "")
                  << ", max_index_bytes_per_uid " << limits.index_bytes
                  << ", max_queued_steps_per_uid " << limits.queued_steps
-                 << ", max_queued_steps_per_rank " << options_.max_queued_steps_per_rank;
+                 << ", max_queued_steps_per_rank " << options_.max_queued_steps_per_rank
+                 << ", max_disk_bytes_per_job " << limits.job_disk_bytes;
   return absl::OkStatus();
 }
 

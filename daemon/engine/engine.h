@@ -93,6 +93,8 @@ struct EngineOptions {
   // file system, measured at start.
   uint64_t max_disk_bytes_per_uid = 0;
   uint64_t max_index_bytes_per_uid = uint64_t{1} << 30;  // aux blobs, events, version records
+  // One job's layer files and index records, whoever owns it; 0 = none.
+  uint64_t max_disk_bytes_per_job = 0;
   // A rank's StepDone queue (steps not yet taken by a snapshot worker), and
   // a uid's steps in flight (StepDone until the checkpoint event). Each
   // holds its aux blob in memory; those bytes also count against
@@ -231,6 +233,7 @@ class Engine {
   // The quotas in force (after Start) and what each uid holds.
   QuotaLimits quota_limits() const { return quota_.limits(); }
   QuotaTable::Usage quota_usage(uid_t uid) const { return quota_.Get(uid); }
+  QuotaTable::Usage job_quota_usage(std::string_view job) const { return quota_.GetJob(job); }
   const char* io_backend_name() const { return io_backend_name_.c_str(); }
 
  private:

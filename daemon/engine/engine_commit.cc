@@ -29,19 +29,19 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
     CommitTimings timings;
     // Reserve the bytes under the owner's quota and the disk bound before
     // writing (writers race).
-    const uid_t uid = task->rank->uid;
+    const QuotaOwner owner{task->rank->uid, task->rank->job};
     QuotaKind refused = QuotaKind::kDisk;
-    if (absl::Status quota = quota_.ReserveVersion(uid, file_bytes, &refused); !quota.ok()) {
+    if (absl::Status quota = quota_.ReserveVersion(owner, file_bytes, &refused); !quota.ok()) {
       if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
       rec = std::move(quota);
     } else if (absl::Status room = disk_.Reserve(file_bytes); !room.ok()) {
-      quota_.ReleaseVersion(uid, file_bytes);
+      quota_.ReleaseVersion(owner, file_bytes);
       rec = std::move(room);
     } else {
       rec = store_->Commit(&task->version, io.get(), &timings);
       if (!rec.ok()) {
         disk_.Release(file_bytes);
-        quota_.ReleaseVersion(uid, file_bytes);
+        quota_.ReleaseVersion(owner, file_bytes);
       }
     }
     if (rec.ok()) {

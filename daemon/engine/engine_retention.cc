@@ -33,7 +33,7 @@ absl::StatusOr<Engine::RankHistory> Engine::ReadRankHistory(const std::string& j
 absl::Status Engine::DeleteEvent(const RankHistory& h, const std::string& job, uint32_t rank,
                                  const RankHistory::Event& event) {
   CKPT_RETURN_IF_ERROR(index_->DeleteEvent(job, rank, event.step));
-  quota_.ReleaseEvent(h.owner, event.index_bytes);
+  quota_.ReleaseEvent(QuotaOwner{h.owner, job}, event.index_bytes);
   return absl::OkStatus();
 }
 
@@ -41,7 +41,7 @@ absl::Status Engine::RemoveVersion(const RankHistory& h, const VersionKey& key,
                                    const store::VersionRecord& rec) {
   CKPT_RETURN_IF_ERROR(store_->Remove(key, rec));
   disk_.Release(rec.file_bytes());
-  quota_.ReleaseVersion(h.owner, rec.file_bytes());
+  quota_.ReleaseVersion(QuotaOwner{h.owner, key.job}, rec.file_bytes());
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kGcVersionsDeleted);
     m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));

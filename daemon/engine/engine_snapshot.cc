@@ -76,7 +76,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   }
   QuotaKind refused = QuotaKind::kDisk;
   absl::StatusOr<StepCharge> charge =
-      quota_.AdmitStep(r->uid, EventIndexBytes(req.aux.size()), &refused);
+      quota_.AdmitStep(QuotaOwner{r->uid, r->job}, EventIndexBytes(req.aux.size()), &refused);
   if (!charge.ok()) {
     if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
     return charge.status();

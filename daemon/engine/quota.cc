@@ -30,6 +30,7 @@ StepCharge& StepCharge::operator=(StepCharge&& other) noexcept {
     Release();
     table_ = std::exchange(other.table_, nullptr);
     uid_ = other.uid_;
+    job_ = std::move(other.job_);
     index_bytes_ = other.index_bytes_;
     keep_ = other.keep_;
   }
@@ -38,7 +39,7 @@ StepCharge& StepCharge::operator=(StepCharge&& other) noexcept {
 
 void StepCharge::Release() {
   if (table_ == nullptr) return;
-  std::exchange(table_, nullptr)->ReleaseStep(uid_, index_bytes_, keep_);
+  std::exchange(table_, nullptr)->ReleaseStep(QuotaOwner{uid_, job_}, index_bytes_, keep_);
 }
 
 void QuotaTable::SetLimits(const QuotaLimits& limits) {
@@ -51,91 +52,131 @@ QuotaLimits QuotaTable::limits() const {
   return limits_;
 }
 
-absl::Status QuotaTable::CheckBytesLocked(uid_t uid, const Usage& u, uint64_t files,
+absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t files,
                                           uint64_t index, QuotaKind* refused) {
+  const Usage& u = usage_[owner.uid];
+  auto refuse = [&](QuotaKind kind, std::string message) {
+    ++refused_[static_cast<int>(kind)];
+    if (refused != nullptr) *refused = kind;
+    return QuotaError(std::move(message));
+  };
   if (limits_.index_bytes > 0 && u.index_bytes + index > limits_.index_bytes) {
-    ++refused_[static_cast<int>(QuotaKind::kIndex)];
-    if (refused != nullptr) *refused = QuotaKind::kIndex;
-    return QuotaError(absl::StrCat(
-        "uid ", uid, " holds ", u.index_bytes, " bytes of index records (aux blobs, events, "
-        "versions); ", index, " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
-        " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise the option)"));
+    return refuse(QuotaKind::kIndex,
+                  absl::StrCat("uid ", owner.uid, " holds ", u.index_bytes,
+                               " bytes of index records (aux blobs, events, versions); ", index,
+                               " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
+                               " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise "
+                               "the option)"));
   }
   const uint64_t held = u.file_bytes + u.index_bytes;
   if (limits_.disk_bytes > 0 && held + files + index > limits_.disk_bytes) {
-    ++refused_[static_cast<int>(QuotaKind::kDisk)];
-    if (refused != nullptr) *refused = QuotaKind::kDisk;
-    return QuotaError(absl::StrCat(
-        "uid ", uid, " holds ", held, " bytes of layer files and index records; ", files + index,
-        " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
-        " (run `ckptctl gc` on its jobs or raise the option)"));
+    return refuse(QuotaKind::kDisk,
+                  absl::StrCat("uid ", owner.uid, " holds ", held,
+                               " bytes of layer files and index records; ", files + index,
+                               " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
+                               " (run `ckptctl gc` on its jobs or raise the option)"));
+  }
+  if (limits_.job_disk_bytes > 0) {
+    auto it = jobs_.find(owner.job);
+    const uint64_t job_held =
+        it == jobs_.end() ? 0 : it->second.file_bytes + it->second.index_bytes;
+    if (job_held + files + index > limits_.job_disk_bytes) {
+      return refuse(QuotaKind::kDisk,
+                    absl::StrCat("job ", std::string(owner.job), " holds ", job_held,
+                                 " bytes of layer files and index records; ", files + index,
+                                 " more would pass max_disk_bytes_per_job = ",
+                                 limits_.job_disk_bytes,
+                                 " (run `ckptctl gc` on it or raise the option)"));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepCharge> QuotaTable::AdmitStep(uid_t uid, uint64_t event_bytes,
+void QuotaTable::ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files,
+                              uint64_t index) {
+  auto apply = [&](Usage& u) {
+    if (sign > 0) {
+      u.file_bytes += files;
+      u.index_bytes += index;
+    } else {
+      u.file_bytes = Sub(u.file_bytes, files);
+      u.index_bytes = Sub(u.index_bytes, index);
+    }
+  };
+  apply(usage_[owner.uid]);
+  auto it = jobs_.find(owner.job);
+  if (it == jobs_.end()) {
+    if (sign < 0) return;
+    it = jobs_.emplace(std::string(owner.job), Usage{}).first;
+  }
+  apply(it->second);
+  if (it->second.file_bytes == 0 && it->second.index_bytes == 0) jobs_.erase(it);
+}
+
+absl::StatusOr<StepCharge> QuotaTable::AdmitStep(const QuotaOwner& owner, uint64_t event_bytes,
                                                  QuotaKind* refused) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
+  Usage& u = usage_[owner.uid];
   if (limits_.queued_steps > 0 && u.queued_steps >= limits_.queued_steps) {
     ++refused_[static_cast<int>(QuotaKind::kQueuedSteps)];
     if (refused != nullptr) *refused = QuotaKind::kQueuedSteps;
-    return QuotaError(absl::StrCat("uid ", uid, " has ", u.queued_steps,
+    return QuotaError(absl::StrCat("uid ", owner.uid, " has ", u.queued_steps,
                                    " steps queued, being snapshotted or written, "
                                    "max_queued_steps_per_uid = ",
                                    limits_.queued_steps,
                                    " (wait for snapshots with WaitSnapshot, or raise the option)"));
   }
-  CKPT_RETURN_IF_ERROR(CheckBytesLocked(uid, u, 0, event_bytes, refused));
-  u.index_bytes += event_bytes;
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(owner, 0, event_bytes, refused));
+  ChargeLocked(owner, +1, 0, event_bytes);
   ++u.queued_steps;
   StepCharge charge;
   charge.table_ = this;
-  charge.uid_ = uid;
+  charge.uid_ = owner.uid;
+  charge.job_ = std::string(owner.job);
   charge.index_bytes_ = event_bytes;
   return charge;
 }
 
-void QuotaTable::ReleaseStep(uid_t uid, uint64_t index_bytes, bool keep) {
+void QuotaTable::ReleaseStep(const QuotaOwner& owner, uint64_t index_bytes, bool keep) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
+  Usage& u = usage_[owner.uid];
   u.queued_steps = Sub(u.queued_steps, 1);
-  if (!keep) u.index_bytes = Sub(u.index_bytes, index_bytes);
+  if (!keep) ChargeLocked(owner, -1, 0, index_bytes);
 }
 
-absl::Status QuotaTable::ReserveVersion(uid_t uid, uint64_t file_bytes, QuotaKind* refused) {
+absl::Status QuotaTable::ReserveVersion(const QuotaOwner& owner, uint64_t file_bytes,
+                                        QuotaKind* refused) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
-  CKPT_RETURN_IF_ERROR(CheckBytesLocked(uid, u, file_bytes, kVersionIndexBytes, refused));
-  u.file_bytes += file_bytes;
-  u.index_bytes += kVersionIndexBytes;
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(owner, file_bytes, kVersionIndexBytes, refused));
+  ChargeLocked(owner, +1, file_bytes, kVersionIndexBytes);
   return absl::OkStatus();
 }
 
-void QuotaTable::ReleaseVersion(uid_t uid, uint64_t file_bytes) {
+void QuotaTable::ReleaseVersion(const QuotaOwner& owner, uint64_t file_bytes) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
-  u.file_bytes = Sub(u.file_bytes, file_bytes);
-  u.index_bytes = Sub(u.index_bytes, kVersionIndexBytes);
+  ChargeLocked(owner, -1, file_bytes, kVersionIndexBytes);
 }
 
-void QuotaTable::ReleaseEvent(uid_t uid, uint64_t event_bytes) {
+void QuotaTable::ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
-  u.index_bytes = Sub(u.index_bytes, event_bytes);
+  ChargeLocked(owner, -1, 0, event_bytes);
 }
 
-void QuotaTable::Seed(uid_t uid, uint64_t file_bytes, uint64_t index_bytes) {
+void QuotaTable::Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t index_bytes) {
   absl::MutexLock lock(&mu_);
-  Usage& u = usage_[uid];
-  u.file_bytes += file_bytes;
-  u.index_bytes += index_bytes;
+  ChargeLocked(owner, +1, file_bytes, index_bytes);
 }
 
 QuotaTable::Usage QuotaTable::Get(uid_t uid) const {
   absl::MutexLock lock(&mu_);
   auto it = usage_.find(uid);
   return it == usage_.end() ? Usage() : it->second;
+}
+
+QuotaTable::Usage QuotaTable::GetJob(std::string_view job) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? Usage() : it->second;
 }
 
 std::map<uid_t, QuotaTable::Usage> QuotaTable::All() const {

@@ -1,16 +1,18 @@
 // QuotaTable: what each uid's jobs hold on the data file system and in
 // flight, against per-uid quotas, so that one user cannot fill the disk (with
 // layer files or with index records such as aux blobs) or the daemon's memory
-// (with queued steps) for everyone.
+// (with queued steps) for everyone; and what each job holds on disk, against
+// a per-job quota, so that one job of a user cannot take all of that user's.
 //
-// Accounted per uid (the owner of the job):
+// Accounted per uid (the owner of the job), and the bytes per job too:
 //   - file bytes: every committed layer version's file;
 //   - index bytes: what the uid's records add to RocksDB, as a fixed
 //     estimate: an event counts as its aux blob plus kEventIndexOverhead, a
 //     version record as kVersionIndexBytes;
 //   - queued steps: steps from StepDone until their checkpoint event is
 //     written or dropped.
-// Disk quota = file bytes + index bytes; index quota = index bytes alone.
+// Disk quota = file bytes + index bytes; index quota = index bytes alone;
+// per-job disk quota = the job's file bytes + index bytes.
 // The engine seeds the table from the index at start (so the figures survive
 // restarts), charges as it writes and releases what GC deletes.
 //
@@ -26,6 +28,8 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
+#include <string_view>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -39,11 +43,18 @@ inline constexpr uint64_t kEventIndexOverhead = 512;
 inline constexpr uint64_t kVersionIndexBytes = 1024;
 inline uint64_t EventIndexBytes(uint64_t aux_bytes) { return aux_bytes + kEventIndexOverhead; }
 
-// Each bound is per uid; 0 = none.
+// Each bound is per uid unless named per job; 0 = none.
 struct QuotaLimits {
-  uint64_t disk_bytes = 0;    // layer files + index bytes (max_disk_bytes_per_uid)
-  uint64_t index_bytes = 0;   // index bytes (max_index_bytes_per_uid)
-  uint64_t queued_steps = 0;  // steps in flight (max_queued_steps_per_uid)
+  uint64_t disk_bytes = 0;      // layer files + index bytes (max_disk_bytes_per_uid)
+  uint64_t index_bytes = 0;     // index bytes (max_index_bytes_per_uid)
+  uint64_t queued_steps = 0;    // steps in flight (max_queued_steps_per_uid)
+  uint64_t job_disk_bytes = 0;  // one job's layer files + index bytes (max_disk_bytes_per_job)
+};
+
+// Whose bytes: the job and the uid that owns it.
+struct QuotaOwner {
+  uid_t uid = 0;
+  std::string_view job;
 };
 
 // What a quota refused, for ckpt_quota_refused_total{kind}.
@@ -74,6 +85,7 @@ class StepCharge {
 
   QuotaTable* table_ = nullptr;
   uid_t uid_ = 0;
+  std::string job_;
   uint64_t index_bytes_ = 0;
   bool keep_ = false;
 };
@@ -95,39 +107,48 @@ class QuotaTable {
   void SetLimits(const QuotaLimits& limits) ABSL_LOCKS_EXCLUDED(mu_);
   QuotaLimits limits() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Admits one more step of `uid` whose event will take `event_bytes` of
+  // Admits one more step of `owner` whose event will take `event_bytes` of
   // index (EventIndexBytes). RESOURCE_EXHAUSTED with ErrorReason::kQuota,
   // naming the option, when the uid has max_queued_steps_per_uid steps in
-  // flight or the bytes would pass its index or disk quota.
+  // flight or the bytes would pass its index or disk quota or the job's.
   // On a refusal *refused (when given) says which quota it was.
-  absl::StatusOr<StepCharge> AdmitStep(uid_t uid, uint64_t event_bytes,
+  absl::StatusOr<StepCharge> AdmitStep(const QuotaOwner& owner, uint64_t event_bytes,
                                        QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Reserves a layer version's file and its record before it is written.
   // RESOURCE_EXHAUSTED (kQuota) when it would pass the uid's disk or index
-  // quota; nothing is reserved then.
-  absl::Status ReserveVersion(uid_t uid, uint64_t file_bytes, QuotaKind* refused = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // quota or the job's disk quota; nothing is reserved then.
+  absl::Status ReserveVersion(const QuotaOwner& owner, uint64_t file_bytes,
+                              QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives back a version (failed commit, GC) or an event (GC).
-  void ReleaseVersion(uid_t uid, uint64_t file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  void ReleaseEvent(uid_t uid, uint64_t event_bytes) ABSL_LOCKS_EXCLUDED(mu_);
-  // Start-up: what the index already holds for `uid`.
-  void Seed(uid_t uid, uint64_t file_bytes, uint64_t index_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseVersion(const QuotaOwner& owner, uint64_t file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Start-up: what the index already holds for `owner`.
+  void Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t index_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   Usage Get(uid_t uid) const ABSL_LOCKS_EXCLUDED(mu_);
+  // A job's bytes (queued_steps is not kept per job).
+  Usage GetJob(std::string_view job) const ABSL_LOCKS_EXCLUDED(mu_);
   std::map<uid_t, Usage> All() const ABSL_LOCKS_EXCLUDED(mu_);
   // Refusals since start, by kind.
   uint64_t refused(QuotaKind kind) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   friend class StepCharge;
-  void ReleaseStep(uid_t uid, uint64_t index_bytes, bool keep) ABSL_LOCKS_EXCLUDED(mu_);
-  // OK when `uid` may add `files` file bytes and `index` index bytes.
-  absl::Status CheckBytesLocked(uid_t uid, const Usage& u, uint64_t files, uint64_t index,
+  void ReleaseStep(const QuotaOwner& owner, uint64_t index_bytes, bool keep)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `owner` may add `files` file bytes and `index` index bytes.
+  absl::Status CheckBytesLocked(const QuotaOwner& owner, uint64_t files, uint64_t index,
                                 QuotaKind* refused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (or, with `sign` -1, takes away) bytes from the uid's and the job's
+  // usage; a job whose usage reaches zero is forgotten.
+  void ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files, uint64_t index)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   QuotaLimits limits_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Usage, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
   uint64_t refused_[kQuotaKindCount] ABSL_GUARDED_BY(mu_) = {};
 };
 

@@ -73,8 +73,9 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_jobs_deleted_total", "counter", "Jobs deleted with their whole history (ckptctl delete).",
      "", ""},
     {"ckpt_quota_refused_total", "counter",
-     "Steps and layer versions refused by a per-uid quota: disk (max_disk_bytes_per_uid), index "
-     "(max_index_bytes_per_uid) or queued_steps (max_queued_steps_per_rank/_per_uid).",
+     "Steps and layer versions refused by a per-uid quota: disk (max_disk_bytes_per_uid or "
+     "_per_job), index (max_index_bytes_per_uid) or queued_steps "
+     "(max_queued_steps_per_rank/_per_uid).",
      "kind", "disk,index,queued_steps"},
     {"ckpt_events_failed_total", "counter",
      "Checkpoint events not recorded (quota, the index's free-space floor, a RocksDB error); "

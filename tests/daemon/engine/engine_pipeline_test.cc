@@ -744,6 +744,44 @@ TEST_F(EnginePipelineTest, DiskQuotaFailsOnlyThatUsersVersions) {
   }
 }
 
+// max_disk_bytes_per_job: one job of a user passes its own quota while the
+// same user's other job, under the same per-uid quota, keeps writing; GC
+// gives the job's bytes back, after which it writes again.
+TEST_F(EnginePipelineTest, JobDiskQuotaFailsOnlyThatJobsVersions) {
+  EngineOptions o = OneWriter();
+  o.max_disk_bytes_per_job = 100 << 10;  // two 1-layer steps of ~34 KiB, not three
+  o.max_disk_bytes_per_uid = uint64_t{1} << 40;
+  o.retention.keep_last_events = 1;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("one", 1);
+  TestRank b = MakeRank("two", 1);
+  CKPT_ASSERT_OK(Register(&a, Caller(), kUidA).status());
+  CKPT_ASSERT_OK(Register(&b, Caller(), kUidA).status());
+  for (uint64_t t = 1; t <= 2; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidA, a, t, 0));
+    CKPT_ASSERT_OK(WaitDurableAs(kUidA, a, t).status());
+  }
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 3, 0));
+  const absl::Status third = WaitDurableAs(kUidA, a, 3).status();
+  CKPT_EXPECT_CODE(third, kAborted);
+  const QuotaTable::Usage job = engine_->job_quota_usage("one");
+  EXPECT_LE(job.file_bytes + job.index_bytes, uint64_t{100} << 10);
+  EXPECT_GT(job.file_bytes, 0u);
+  for (uint64_t t = 1; t <= 2; ++t) {
+    CKPT_ASSERT_OK(StepDoneAs(kUidA, b, t, 0));
+    CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, b, t));
+    EXPECT_EQ(durable, t) << "the other job of the same uid, step " << t;
+  }
+  // GC keeps one event of job "one": its bytes come back, and it writes again.
+  v1::GcRequest gc;
+  gc.set_job_id("one");
+  CKPT_ASSERT_OK(engine_->Gc(gc, Caller{kUidA, 0}).status());
+  EXPECT_LT(engine_->job_quota_usage("one").file_bytes, job.file_bytes);
+  CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 4, 0));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, a, 4));
+  EXPECT_EQ(durable, 4u);
+}
+
 // Regression: a rank's StepDone queue had no bound, so a trainer that never
 // waited for its snapshots held unbounded aux blobs in ckptd's memory. With
 // the snapshot worker held, rank a queues two steps and its third is refused
