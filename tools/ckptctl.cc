@@ -8,9 +8,13 @@
 #include <grpcpp/grpcpp.h>
 
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -531,12 +536,41 @@ class Ctl {
 
  private:
   // Runs one unary Admin call with the deadline; returns the exit code.
+  // A call that could not connect is tried again, until the deadline, while
+  // ckptd is there but busy: its listen queue full for a moment (another
+  // user connecting faster than ckptd accepts), or this connection closed at
+  // once for a connection cap. A socket nobody listens on fails at once.
   template <typename Req, typename Reply, typename Fn>
   int Call(Fn fn, const Req& req, Reply* reply) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::microseconds(static_cast<int64_t>(o_.timeout_seconds * 1e6)));
-    return Report((stub_.get()->*fn)(&ctx, req, reply));
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::chrono::microseconds(static_cast<int64_t>(o_.timeout_seconds * 1e6));
+    auto pause = std::chrono::milliseconds(20);
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(deadline);
+      const grpc::Status s = (stub_.get()->*fn)(&ctx, req, reply);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE || !DaemonListening() ||
+          std::chrono::system_clock::now() + pause >= deadline) {
+        return Report(s);
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(500));
+    }
+  }
+
+  // True when something listens on the socket, even with a full queue
+  // (a non-blocking connect then fails with EAGAIN).
+  bool DaemonListening() const {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (o_.socket.size() >= sizeof(addr.sun_path)) return false;
+    std::memcpy(addr.sun_path, o_.socket.data(), o_.socket.size());
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
+    const int err = errno;
+    ::close(fd);
+    return rc == 0 || err == EAGAIN;
   }
 
   // Prints a failed call's status; returns the exit code for it.

@@ -53,7 +53,10 @@ absl::StatusOr<UniqueFd> ListenUnixSocket(const std::string& path, mode_t mode) 
   ::umask(old);
   if (rc != 0) return ErrnoStatus(bind_errno, absl::StrCat("bind ", path));
   if (::chmod(path.c_str(), mode) != 0) return ErrnoStatus(errno, absl::StrCat("chmod ", path));
-  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, "listen");
+  // The longest queue the kernel allows (net.core.somaxconn): while one user
+  // connects faster than ckptd accepts (and closes what is over its caps),
+  // the queue is what keeps room for everyone else's connections.
+  if (::listen(fd.get(), SOMAXCONN) != 0) return ErrnoStatus(errno, "listen");
   return fd;
 }
 
