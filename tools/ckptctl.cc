@@ -718,7 +718,7 @@ class Ctl {
         Json j{{"layer", l.layer()},         {"name", l.name()},
                {"kind", KindName(l.kind())}, {"bytes", l.bytes()},
                {"last_step", l.last_step()}, {"staleness", l.staleness()},
-               {"versions", l.versions()}};
+               {"versions", l.versions()}, {"frozen", l.frozen()}};
         if (l.live()) {
           j["accumulated_drift"] = l.accumulated_drift();
           j["threshold"] = l.threshold();
@@ -756,7 +756,9 @@ class Ctl {
     Table t(head, right);
     for (const v1::LayerInfo& l : r.layers()) {
       bool never = l.last_step() == 0;
-      std::vector<std::string> row = {absl::StrCat(l.layer()), OrDash(l.name()), KindName(l.kind()),
+      const std::string kind =
+          l.frozen() ? absl::StrCat(KindName(l.kind()), " (frozen)") : KindName(l.kind());
+      std::vector<std::string> row = {absl::StrCat(l.layer()), OrDash(l.name()), kind,
                                       HumanBytes(l.bytes()), StepOrDash(l.last_step()),
                                       never ? "-" : absl::StrCat(l.staleness()),
                                       absl::StrCat(l.versions())};

@@ -113,6 +113,7 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
     li->set_layer(spec.id());
     li->set_name(spec.name());
     li->set_kind(ToApi(spec.kind()));
+    li->set_frozen(spec.frozen());
     for (const store::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
   }
   CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
@@ -125,7 +126,7 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
         return true;
       }));
   for (v1::LayerInfo& li : *reply.mutable_layers()) {
-    li.set_staleness(li.last_step() > 0 ? latest - li.last_step() : 0);
+    li.set_staleness(li.last_step() > 0 && !li.frozen() ? latest - li.last_step() : 0);
   }
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
@@ -215,7 +216,10 @@ void Engine::CollectMetrics() {
       lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
     }
     for (uint32_t l = 0; r->active && l < r->last_committed.size(); ++l) {
-      const double staleness = r->last_committed[l] > 0 && r->durable_step >= r->last_committed[l]
+      const bool frozen = l < static_cast<uint32_t>(r->table.layers_size()) &&
+                          r->table.layers(static_cast<int>(l)).frozen();
+      const double staleness = !frozen && r->last_committed[l] > 0 &&
+                                       r->durable_step >= r->last_committed[l]
                                    ? static_cast<double>(r->durable_step - r->last_committed[l])
                                    : 0.0;
       const double drift = r->layercheck != nullptr ? r->layercheck->accumulated(l) : 0.0;

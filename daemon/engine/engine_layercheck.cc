@@ -40,10 +40,13 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
     }
   };
   std::vector<LayerKind> kinds;
+  std::vector<bool> frozen;
   for (size_t l = 0; l < r->layers.size(); ++l) {
     const LayerDesc& layer = req.layers[l];
     kinds.push_back(layer.kind);
-    if (r->optimizer == OptimizerKind::kClient) continue;
+    frozen.push_back(layer.frozen);
+    // A frozen layer has no drift (and usually no optimizer state).
+    if (r->optimizer == OptimizerKind::kClient || layer.frozen) continue;
     bool has_master = false;
     for (const TensorDesc& t : layer.tensors) has_master |= t.role == TensorRole::kMaster;
     const TensorRole weight_role = has_master ? TensorRole::kMaster : TensorRole::kParam;
@@ -115,7 +118,7 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
           "layer ", l, " has no ", has_master ? "master" : "param", " tensor for drift accounting"));
     }
   }
-  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds));
+  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds), std::move(frozen));
   if (spec.record_trace) {
     CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, kDriftTraceFile));
     nlohmann::json header;
@@ -184,7 +187,8 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
       if (decisions[l].reason != PersistReason::kNone) task.layers.push_back(l);
       // The invariant (SPEC §4): after the base checkpoint no layer's newest
       // selected version is S_max or more steps old. Checked, never expected.
-      if (task.step >= lc.warmup && task.step - r->layercheck->last_persisted(l) >= lc.s_max) {
+      if (task.step >= lc.warmup && !r->layercheck->frozen(l) &&
+          task.step - r->layercheck->last_persisted(l) >= lc.s_max) {
         CKPT_LOG(ERROR) << "staleness invariant broken: job " << r->job << " layer " << l;
         if (options_.metrics != nullptr) {
           options_.metrics->Inc(Counter::kStalenessInvariantViolations);

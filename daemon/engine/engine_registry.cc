@@ -221,7 +221,10 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
   }
-  for (const LayerDesc& spec : req.layers) *r->table.add_layers() = TableEntryOf(spec);
+  for (const LayerDesc& spec : req.layers) {
+    *r->table.add_layers() = TableEntryOf(spec);
+    r->frozen.push_back(spec.frozen);
+  }
   r->table.set_world_size(req.world_size);
   r->world_size = req.world_size;
   if (policy.kind == PolicyKind::kLayerCheck) {

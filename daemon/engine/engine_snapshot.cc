@@ -56,7 +56,8 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
     // Validate the layer list now so that the caller sees the error.
     CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step,
                                                     static_cast<uint32_t>(r->layers.size()),
-                                                    req.layers, r->never_persisted, r->retry));
+                                                    req.layers, r->never_persisted, r->retry,
+                                                    r->frozen));
   }
   // Bounded memory and index per rank and per uid: the step is admitted only
   // within the rank's StepDone queue bound and the owner's quotas (quota.h:

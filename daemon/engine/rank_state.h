@@ -95,6 +95,7 @@ struct Engine::Rank {
   store::RankRecord table;
   PolicyConfig policy;
   std::vector<LayerTemplate> layers;
+  std::vector<bool> frozen;  // per layer: LayerDesc::frozen
   uint32_t world_size = 1;
   OptimizerKind optimizer = OptimizerKind::kUnspecified;
   // The kernel that reads `memory`: the engine's CPU kernel for host memory,

@@ -19,6 +19,7 @@ store::LayerSpec TableEntryOf(const LayerDesc& layer) {
   out.set_id(layer.id);
   out.set_name(layer.name);
   out.set_kind(ToStore(layer.kind));
+  out.set_frozen(layer.frozen);
   for (const TensorDesc& t : layer.tensors) {
     store::TensorSpec* s = out.add_tensors();
     s->set_name(t.name);

@@ -51,6 +51,9 @@ struct LayerDesc {
   std::string name;
   LayerKind kind = LayerKind::kUnspecified;
   std::vector<TensorDesc> tensors;
+  // Never changes while the rank trains: written once, never selected by a
+  // policy (ckpt.v1.LayerSpec.frozen).
+  bool frozen = false;
 };
 
 struct RegistrationPolicy {

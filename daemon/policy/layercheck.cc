@@ -35,9 +35,11 @@ const char* PersistReasonName(PersistReason r) {
   return "?";
 }
 
-LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds)
+LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds,
+                                   std::vector<bool> frozen)
     : config_(config),
       kinds_(std::move(kinds)),
+      frozen_(std::move(frozen)),
       last_persisted_(kinds_.size(), 0),
       accumulated_(kinds_.size(), 0.0),
       threshold_(kinds_.size(), 0.0) {}
@@ -77,6 +79,8 @@ std::vector<LayerDecision> LayerCheckPolicy::Decide(uint64_t step, double lr,
       dec.reason = PersistReason::kNever;
     } else if (l < forced.size() && forced[l]) {
       dec.reason = PersistReason::kForced;
+    } else if (frozen(l)) {
+      dec.reason = PersistReason::kNone;  // it never changes
     } else if (warmup_full) {
       dec.reason = PersistReason::kWarmup;
     } else if (in_warmup) {

@@ -76,7 +76,11 @@ struct LayerDecision {
 
 class LayerCheckPolicy {
  public:
-  LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds);
+  // `frozen[l]` (may be empty) marks a layer that never changes: it is
+  // persisted when never persisted or forced, and never for drift,
+  // staleness, warm-up or a periodic full checkpoint.
+  LayerCheckPolicy(const LayerCheckConfig& config, std::vector<LayerKind> kinds,
+                   std::vector<bool> frozen = {});
 
   // Feeds step t (> previous step) and returns the decision per layer.
   // `sums` has one entry per layer. `forced[l]` forces layer l (may be empty).
@@ -98,11 +102,13 @@ class LayerCheckPolicy {
   double threshold(size_t l) const { return threshold_[l]; }
   double lr_reference() const { return lr_ref_; }
   size_t layers() const { return kinds_.size(); }
+  bool frozen(size_t l) const { return l < frozen_.size() && frozen_[l]; }
   const LayerCheckConfig& config() const { return config_; }
 
  private:
   const LayerCheckConfig config_;
   const std::vector<LayerKind> kinds_;
+  const std::vector<bool> frozen_;
   double lr_ref_ = 0;  // 0 until the first step
   uint64_t last_step_ = 0;
   std::vector<uint64_t> last_persisted_;  // 0 = never

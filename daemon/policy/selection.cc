@@ -41,7 +41,8 @@ absl::StatusOr<std::vector<uint32_t>> SelectLayers(const PolicyConfig& config, u
                                                    uint32_t num_layers,
                                                    absl::Span<const uint32_t> explicit_layers,
                                                    const std::vector<bool>& never_persisted,
-                                                   const std::vector<bool>& retry) {
+                                                   const std::vector<bool>& retry,
+                                                   const std::vector<bool>& frozen) {
   if (!explicit_layers.empty() && config.kind != PolicyKind::kExplicit) {
     return absl::InvalidArgumentError(
         absl::StrCat("a layer list was given but the rank's policy is ", PolicyName(config.kind)));
@@ -71,7 +72,8 @@ absl::StatusOr<std::vector<uint32_t>> SelectLayers(const PolicyConfig& config, u
   std::vector<uint32_t> out;
   for (uint32_t l = 0; l < num_layers; ++l) {
     bool forced = (l < never_persisted.size() && never_persisted[l]) || (l < retry.size() && retry[l]);
-    if (pick[l] || forced) out.push_back(l);
+    const bool by_policy = pick[l] && !(l < frozen.size() && frozen[l]);
+    if (by_policy || forced) out.push_back(l);
   }
   return out;
 }

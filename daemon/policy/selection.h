@@ -8,7 +8,8 @@
 // Independently of the policy (except none), a layer is selected when it has
 // never been persisted (`never_persisted`) or when its last selected version
 // failed or was skipped (`retry`), so a composite plan is complete as early as
-// possible and a failure is repaired at the next step.
+// possible and a failure is repaired at the next step. A `frozen` layer (one
+// that never changes) is selected only then, never by the policy.
 //
 // Decisions are a pure function of the arguments. LayerCheck (drift-based
 // selection) plugs in here as another kind.
@@ -47,6 +48,7 @@ absl::StatusOr<std::vector<uint32_t>> SelectLayers(const PolicyConfig& config, u
                                                    uint32_t num_layers,
                                                    absl::Span<const uint32_t> explicit_layers,
                                                    const std::vector<bool>& never_persisted,
-                                                   const std::vector<bool>& retry);
+                                                   const std::vector<bool>& retry,
+                                                   const std::vector<bool>& frozen = {});
 
 }  // namespace ckpt

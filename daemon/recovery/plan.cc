@@ -42,7 +42,8 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
     }
     lp.has_version = true;
     lp.step = v->first;
-    lp.staleness = tau - v->first;
+    // A frozen layer's bytes at tau are those of its version.
+    lp.staleness = layer.frozen() ? 0 : tau - v->first;
     lp.bytes = v->second.payload_bytes();
     lp.file = v->second.file();
     for (const store::GroupStep& g : v->second.group_steps()) {

@@ -111,6 +111,7 @@ absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req) {
     d.id = l.id();
     d.name = l.name();
     d.kind = static_cast<LayerKind>(l.kind());
+    d.frozen = l.frozen();
     d.tensors.reserve(static_cast<size_t>(l.tensors_size()));
     for (const v1::TensorSpec& t : l.tensors()) d.tensors.push_back(TensorOf(t));
   }

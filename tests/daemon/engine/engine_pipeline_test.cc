@@ -61,6 +61,7 @@ struct TestRank {
   PolicyKind policy = PolicyKind::kAll;
   MemfdRegion region;
   uint64_t generation = 0;
+  std::vector<bool> frozen;  // per layer (may be empty)
 };
 
 class EnginePipelineTest : public ::testing::Test {
@@ -129,6 +130,7 @@ class EnginePipelineTest : public ::testing::Test {
       LayerDesc& layer = req.layers.emplace_back();
       layer.id = l;
       layer.name = absl::StrCat("layer", l);
+      layer.frozen = l < r.frozen.size() && r.frozen[l];
       TensorDesc& t = layer.tensors.emplace_back();
       t.name = absl::StrCat("layer", l, ".w");
       t.dtype = DType::kF32;
@@ -780,6 +782,44 @@ TEST_F(EnginePipelineTest, JobDiskQuotaFailsOnlyThatJobsVersions) {
   CKPT_ASSERT_OK(StepDoneAs(kUidA, a, 4, 0));
   CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, a, 4));
   EXPECT_EQ(durable, 4u);
+}
+
+// A frozen layer (weights that do not train) is written at the first step
+// and never again under policy all; the plan takes it from that step with
+// staleness 0. After a re-registration that does not restore, the first step
+// writes it once more (the trainer's bytes are unknown to ckptd); after one
+// that restores, not at all.
+TEST_F(EnginePipelineTest, FrozenLayersAreWrittenOncePerRegistration) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("lora", 3);
+  a.frozen = {false, true, false};
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 5; ++t) {
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, 0));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{5, 1, 5}));
+  EXPECT_EQ(plan.layers[1].staleness, 0u) << "a frozen layer is never stale";
+  EXPECT_EQ(plan.max_staleness, 0u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("lora", 0, 1, 5));
+  ASSERT_TRUE(v.has_value());
+  EXPECT_EQ(v->first, 1u);
+
+  CKPT_ASSERT_OK(Register(&a).status());  // a new process, no restore
+  CKPT_ASSERT_OK(StepDone(a, 6));
+  CKPT_ASSERT_OK(WaitDurable(a, 6).status());
+  CKPT_ASSERT_OK(StepDone(a, 7));
+  CKPT_ASSERT_OK(WaitDurable(a, 7).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(a, 0));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{7, 6, 7}));
+
+  CKPT_ASSERT_OK(Register(&a).status());  // a new process that restores
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 0, owner_).status());
+  CKPT_ASSERT_OK(StepDone(a, 8));
+  CKPT_ASSERT_OK(WaitDurable(a, 8).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(a, 0));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{8, 6, 8}));
 }
 
 // Regression: a rank's StepDone queue had no bound, so a trainer that never

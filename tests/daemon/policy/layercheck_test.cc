@@ -160,6 +160,34 @@ TEST(LayerCheck, ForcedLayersAndEmbeddingThreshold) {
   EXPECT_EQ(dec[1].reason, PersistReason::kNone);
 }
 
+// A frozen layer is persisted at its first step and when forced, and never
+// for warm-up, full checkpoints, staleness or drift, whatever its sums say.
+TEST(LayerCheck, FrozenLayersArePersistedOnlyWhenNeverPersistedOrForced) {
+  LayerCheckConfig c;
+  c.warmup = 4;
+  c.warmup_interval = 2;
+  c.s_max = 3;
+  c.full_every = 5;
+  LayerCheckPolicy p(c, Kinds(3), {false, true, false});
+  std::vector<drift::LayerSums> big(3, drift::LayerSums{1.0, 1.0});  // d = 1
+  std::vector<uint64_t> frozen_steps, other_steps;
+  for (uint64_t s = 1; s <= 30; ++s) {
+    std::vector<bool> forced(3, false);
+    forced[1] = s == 17;
+    std::vector<LayerDecision> d = p.Decide(s, 1e-3, big, forced);
+    if (d[1].reason != PersistReason::kNone) frozen_steps.push_back(s);
+    if (d[2].reason != PersistReason::kNone) other_steps.push_back(s);
+  }
+  EXPECT_EQ(frozen_steps, (std::vector<uint64_t>{1, 17}));
+  // The unfrozen layer, drifting by 1 a step, at every step but 3 (warm-up
+  // selects nothing between its interval steps 2 and 4).
+  std::vector<uint64_t> want;
+  for (uint64_t s = 1; s <= 30; ++s) {
+    if (s != 3) want.push_back(s);
+  }
+  EXPECT_EQ(other_steps, want);
+}
+
 TEST(LayerCheck, LowerLearningRateLowersTheThresholdDownToTheFloor) {
   LayerCheckConfig c;
   c.warmup = 0;

@@ -75,6 +75,20 @@ TEST(SelectLayersTest, NeverPersistedAndRetryForceLayers) {
   EXPECT_EQ(got, (Layers{0}));
 }
 
+TEST(SelectLayersTest, FrozenLayersAreSelectedOnlyWhenForced) {
+  const std::vector<bool> frozen = {false, true, false};
+  for (PolicyKind kind : {PolicyKind::kAll, PolicyKind::kEveryN}) {
+    CKPT_ASSERT_OK_AND_ASSIGN(Layers got, SelectLayers(Config(kind), 4, 3, {}, {}, {}, frozen));
+    EXPECT_EQ(got, (Layers{0, 2})) << PolicyName(kind);
+    CKPT_ASSERT_OK_AND_ASSIGN(
+        got, SelectLayers(Config(kind), 4, 3, {}, {false, true, false}, {}, frozen));
+    EXPECT_EQ(got, (Layers{0, 1, 2})) << "never persisted: " << PolicyName(kind);
+    CKPT_ASSERT_OK_AND_ASSIGN(
+        got, SelectLayers(Config(kind), 4, 3, {}, {}, {false, true, false}, frozen));
+    EXPECT_EQ(got, (Layers{0, 1, 2})) << "retry: " << PolicyName(kind);
+  }
+}
+
 TEST(SelectLayersTest, ExplicitIdOutOfRangeIsInvalid) {
   CKPT_EXPECT_CODE(Select(Config(PolicyKind::kExplicit), 1, 4, {0, 4}), kInvalidArgument);
   CKPT_EXPECT_CODE(Select(Config(PolicyKind::kExplicit), 1, 0, {0}), kInvalidArgument);
