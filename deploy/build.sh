@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Configures and builds ckptd. Usage: deploy/build.sh [BUILD_DIR] [extra cmake args...]
 # CUDA is used when /usr/local/cuda (or nvcc on PATH) exists; -DCKPT_WITH_CUDA=OFF disables it.
+# The Python module and the Python tests use the project's virtual environment
+# (<repo>/.venv or $CKPT_VENV, made by deploy/install_deps.sh) when it exists,
+# else /usr/bin/python3; $CKPT_PYTHON names another interpreter.
 #
 # Environment (all optional; unset, the whole tree is built with ninja's output on stdout):
 #   CKPT_BUILD_TARGETS  space-separated targets to build instead of all of them
@@ -22,12 +25,17 @@ if command -v ccache >/dev/null; then
   export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$top}
   export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-true}
 fi
+python=${CKPT_PYTHON:-}
+if [ -z "$python" ]; then
+  python=/usr/bin/python3
+  if [ -x "${CKPT_VENV:-$top/.venv}/bin/python" ]; then python=${CKPT_VENV:-$top/.venv}/bin/python; fi
+fi
 cuda=()
 if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
   cuda=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
 fi
 cmake -S "$top" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DPython3_EXECUTABLE=/usr/bin/python3 "${launcher[@]}" "${cuda[@]}" "$@" >"$build.configure.log" 2>&1 \
+  -DPython3_EXECUTABLE="$python" "${launcher[@]}" "${cuda[@]}" "$@" >"$build.configure.log" 2>&1 \
   || { cat "$build.configure.log"; exit 1; }
 grep -E "ckptd: CUDA support" "$build.configure.log" || true
 

@@ -1,35 +1,69 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages ckptd needs to build and test, skipping the
-# ones already present. Used by deploy/quickstart.sh and tests/run.sh.
+# Installs what ckptd needs to build and test, skipping what is present:
+#   1. Debian 12 packages (apt);
+#   2. the project's Python environment: a virtual environment (default
+#      <repo>/.venv, or $CKPT_VENV) made with Debian's /usr/bin/python3, with
+#      the pinned packages of deploy/requirements.txt from PyPI (PyTorch 2.x
+#      and its CUDA runtime wheels: about 6.7 GB, a few minutes to download;
+#      pip's cache is $PIP_CACHE_DIR, default ~/.cache/ckpt-pip). The Python
+#      module is built for this interpreter (deploy/build.sh).
+# CKPT_NO_VENV=1 skips step 2 (the Python module and its tests are then
+# built for /usr/bin/python3 and skipped where torch is missing).
+# Used by deploy/quickstart.sh and tests/run.sh.
 set -euo pipefail
+top=$(cd "$(dirname "$0")/.." && pwd)
 
 PACKAGES=(
   build-essential cmake ninja-build pkgconf ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   liburing-dev librocksdb-dev prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev nlohmann-json3-dev libsystemd-dev python3 fio
-  # the Python module ckpt (pybind11, for /usr/bin/python3)
-  pybind11-dev python3-dev
-  # tests: PyTorch generates the optimizer golden data and runs ckpt.torch
-  # (OpenBLAS keeps it fast), matplotlib draws the fidelity report, promtool
-  # checks metrics and alert rules, systemd-analyze lints the unit
-  python3-torch python3-numpy libopenblas0-openmp python3-matplotlib prometheus systemd
+  # the Python module ckpt (pybind11) and the project's virtual environment
+  pybind11-dev python3-dev python3-venv python3-pip
+  # tests: promtool checks metrics and alert rules, systemd-analyze lints the
+  # unit (PyTorch and matplotlib come from PyPI into the virtual environment)
+  prometheus systemd
   # fuzzing (libFuzzer needs clang's runtime)
   clang-14 libclang-rt-14-dev
 )
 
-missing=()
-for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
+install_packages() {
+  local missing=()
+  for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+      missing+=("$p")
+    fi
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    echo "install_deps: all ${#PACKAGES[@]} packages present"
+    return
   fi
-done
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install_deps: all ${#PACKAGES[@]} packages present"
-  exit 0
-fi
-echo "install_deps: installing ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  echo "install_deps: installing ${missing[*]}"
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+# The virtual environment is current when it was made from this very
+# requirements file (its hash is kept inside it).
+install_venv() {
+  local venv=${CKPT_VENV:-$top/.venv}
+  local req=$top/deploy/requirements.txt
+  local want
+  want=$(sha256sum "$req" | cut -d' ' -f1)
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ckpt-requirements" 2>/dev/null)" = "$want" ]; then
+    echo "install_deps: Python environment $venv is current"
+    return
+  fi
+  echo "install_deps: making the Python environment $venv (deploy/requirements.txt)"
+  local start=$SECONDS
+  /usr/bin/python3 -m venv "$venv"
+  export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/ckpt-pip}
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input -r "$req"
+  echo "$want" >"$venv/.ckpt-requirements"
+  echo "install_deps: Python environment ready in $((SECONDS - start)) s"
+}
+
+install_packages
+if [ "${CKPT_NO_VENV:-0}" != 1 ]; then install_venv; fi

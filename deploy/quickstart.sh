@@ -11,7 +11,8 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/ckpt-ccache}
-if [ "${CKPT_SKIP_DEPS:-0}" != 1 ]; then "$top/deploy/install_deps.sh"; fi
+# The quickstart's trainer is the C++ example: it needs no Python environment.
+if [ "${CKPT_SKIP_DEPS:-0}" != 1 ]; then CKPT_NO_VENV=1 "$top/deploy/install_deps.sh"; fi
 echo "== build (ckptd, ckptctl, ckpt_example_trainer)"
 start=$SECONDS
 CKPT_BUILD_TARGETS="ckptd ckptctl ckpt_example_trainer" CKPT_BUILD_QUIET=1 \

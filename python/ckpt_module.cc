@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -95,6 +96,7 @@ RankSpec SpecFromDict(const py::dict& d) {
     LayerDesc layer;
     layer.name = py::cast<std::string>(l["name"]);
     layer.kind = EnumFromName(l, "kind", v1::LayerKind_Parse, "LAYER_", v1::LAYER_BLOCK);
+    layer.frozen = Get<bool>(l, "frozen", false);
     for (const py::handle& th : py::list(l["tensors"])) {
       const py::dict t = py::reinterpret_borrow<py::dict>(th);
       TensorDesc td;
@@ -218,11 +220,13 @@ class PyClient {
     return Value(client_->WaitDurable(step));
   }
 
-  py::dict Plan(uint64_t target_step) {
+  py::dict Plan(uint64_t target_step, const std::optional<std::string>& job,
+               uint32_t rank) {
     v1::Plan plan;
     {
       py::gil_scoped_release release;
-      plan = Value(client_->Plan(target_step));
+      plan = Value(job.has_value() ? client_->Plan(*job, rank, target_step)
+                                   : client_->Plan(target_step));
     }
     return PlanToDict(plan);
   }
@@ -293,7 +297,8 @@ PYBIND11_MODULE(_ckpt, m) {
            py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{})
       .def("wait_snapshot", &PyClient::WaitSnapshot, py::arg("step"))
       .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
-      .def("plan", &PyClient::Plan, py::arg("target_step") = 0)
+      .def("plan", &PyClient::Plan, py::arg("target_step") = 0, py::arg("job_id") = py::none(),
+           py::arg("rank") = 0)
       .def("restore", &PyClient::Restore, py::arg("target_step") = 0)
       .def("unregister", &PyClient::Unregister, py::arg("drain") = true)
       .def_property_readonly("generation", &PyClient::generation)

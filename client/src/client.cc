@@ -169,6 +169,7 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
     ls->set_id(static_cast<uint32_t>(i));
     ls->set_name(l.name);
     ls->set_kind(l.kind);
+    ls->set_frozen(l.frozen);
     for (const TensorDesc& t : l.tensors) {
       v1::TensorSpec* ts = ls->add_tensors();
       ts->set_name(t.name);
@@ -380,9 +381,14 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
 }
 
 absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step) {
+  return Plan(spec_.job_id, spec_.rank, target_step);
+}
+
+absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank,
+                                      uint64_t target_step) {
   v1::PlanRequest req;
-  req.set_job_id(spec_.job_id);
-  req.set_rank(spec_.rank);
+  req.set_job_id(job);
+  req.set_rank(rank);
   req.set_target_step(target_step);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.call_timeout);

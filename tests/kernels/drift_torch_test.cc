@@ -1,7 +1,7 @@
 // The drift kernels against real PyTorch optimizer steps.
 //
-// tests/kernels/make_torch_golden.py (run with /usr/bin/python3) takes 3
-// AdamW / Adam / SGD steps on parameters of awkward sizes and dumps, after
+// tests/kernels/make_torch_golden.py (run with the tests' interpreter,
+// CKPT_PYTHON) takes 3 AdamW / Adam / SGD steps on parameters of awkward sizes and dumps, after
 // the last step, W_{t-1}, W_t and the optimizer state as raw f32. The kernel
 // reconstructs ΔW from (W_t, state) alone; the truth is Σ(W_t - W_{t-1})² in
 // f64 from the dumped weights. PyTorch updates in f32, so the two differ by
@@ -31,7 +31,7 @@ using testing::Array;
 using testing::Encode;
 using testing::RelErr;
 
-constexpr char kPython[] = "/usr/bin/python3";
+constexpr char kPython[] = CKPT_PYTHON;
 
 std::vector<float> ReadF32(const std::string& path, uint64_t n) {
   std::vector<float> v(n);

@@ -77,6 +77,9 @@ struct LayerDesc {
   std::string name;
   v1::LayerKind kind = v1::LAYER_BLOCK;
   std::vector<TensorDesc> tensors;
+  // Never changes while training (frozen weights): written once, never
+  // selected by the policy (ckpt.v1.LayerSpec.frozen).
+  bool frozen = false;
 };
 
 struct RankSpec {
@@ -164,8 +167,11 @@ class Client {
   // Returns the durable step (>= step) once every layer's newest version
   // selected at or before `step` is durable.
   absl::StatusOr<uint64_t> WaitDurable(uint64_t step);
-  // The composite plan for `target_step` (0 = latest durable).
+  // The composite plan for `target_step` (0 = latest durable) of the
+  // registered rank, or of `job` rank `rank` (also before Register: whether
+  // there is anything to restore). NOT_FOUND when there is no checkpoint.
   absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
+  absl::StatusOr<v1::Plan> Plan(const std::string& job, uint32_t rank, uint64_t target_step);
   // Restores the composite checkpoint into the registered buffers.
   absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0);
   // Ends the registration (after the staged steps are durable when `drain`).
