@@ -3,8 +3,9 @@
     import ckpt
     client = ckpt.Client("/run/ckptd/ckptd.sock")
 
-`ckpt.Client` is the C++ client library (ckpt/client.h) with dicts for its
-requests and replies; `ckpt.torch.attach` builds on it for PyTorch models.
+`ckpt.Client` is the C++ client library (ckpt/client.h); its requests and
+replies are typed dicts (see ckpt/_ckpt.pyi). `ckpt.torch.attach` builds on it
+for PyTorch models and returns typed results (dataclasses).
 Every failed call raises `ckpt.Error`, whose `code` is the status code name
 ("NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE", ...).
 """

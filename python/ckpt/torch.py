@@ -1,48 +1,73 @@
-"""ckpt.torch: protect a PyTorch training loop with ckptd in a few lines.
+"""ckpt.torch: protect a PyTorch 2.x training loop with ckptd.
 
     import ckpt
     from ckpt import torch as ckpt_torch
 
-    client = ckpt.Client("/run/ckptd/ckptd.sock")
-    run = ckpt_torch.attach(model, optimizer, client, job_id="llama-ft-7",
+    run = ckpt_torch.attach(model, optimizer, ckpt.Client(), job_id="llama-ft-7",
                             policy="layercheck", scheduler=scheduler)
-    if resuming:
-        plan = run.restore()                      # composite restore, in place
-        cursor = plan["data_position"]
+    resumed = run.resume()                  # the composite checkpoint, or None
+    cursor = resumed.data_position if resumed else 0
     for batch in data(cursor):
         loss = model(batch).backward()
-        run.set_data_position(cursor)             # saved with this step
-        optimizer.step()                          # fence before, StepDone after
+        run.set_data_position(cursor)       # saved with this step
+        optimizer.step()                    # hooks: fence before, StepDone after
         scheduler.step()
 
-attach() moves every parameter and its optimizer state (AdamW, Adam, SGD with
-momentum) into shared memory that ckptd maps once: each tensor keeps its
-identity (`param.data` is swapped), so the optimizer, hooks and references
-held elsewhere keep working. Parameters are grouped into layers by name
-(`*.layers.N.*`, `*.h.N.*`, `*.blocks.N.*`, embeddings, the final norm, the
-head; a tied head is one tensor) unless `layers` says otherwise.
+What is registered, and when. ckptd reads the tensors themselves, never a
+copy made per step:
+- parameters the optimizer steps, and their optimizer state (AdamW, Adam, SGD
+  with momentum; foreach and fused implementations alike);
+- parameters it does not step (``requires_grad=False``, or left out of the
+  optimizer, as in ``AdamW(p for p in model.parameters() if p.requires_grad)``):
+  frozen weights, in layers of their own marked frozen, written once and never
+  again (a LoRA fine-tune writes its adapters each step, never its base);
+- persistent module buffers (BatchNorm's running statistics), in the layer of
+  their module.
+Optimizer state is not created by ckpt.torch: the optimizer creates it at its
+first step, so the rank registers in the post-step hook of that step, and the
+first checkpoint is step 1, holding the weights and state after it. A
+restore() before the first step lets the optimizer create its state with a
+step of learning rate 0 (weights unchanged) and then overwrites everything.
 
-optimizer.step() is wrapped (torch 1.13 has no optimizer hooks): before the
-step it waits until ckptd has copied the previous step (the fence; normally
-the copy finished during forward/backward), after it it reports the step with
-a small aux blob: the torch and `random` (and numpy, when imported) RNG
-states, the learning rates, the optimizer step counts, the scheduler state,
-the data position and `extra_state`. restore() writes the composite
-checkpoint into the live tensors and puts all of that back, so training
-continues at plan["target_step"] + 1 exactly as it would have.
+CPU tensors move once, at registration, into shared memory ckptd maps (each
+tensor keeps its identity: its storage is replaced with ``Tensor.set_``).
+CUDA tensors stay where they are: ckptd opens them through CUDA IPC (memory
+of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` as exported
+descriptors, where the client supports it), and each StepDone records an
+event on the stream the optimizer step ran on. A rank registers the tensors
+of one device: a model split over CPU and GPU, or over two GPUs, is refused
+naming a tensor on each.
+
+The hooks. ``Optimizer.register_step_pre_hook`` waits until ckptd has copied
+the previous step (the fence; normally done during forward and backward);
+``register_step_post_hook`` reports the step with the state that is not in
+tensors: the torch (and CUDA), ``random`` and numpy RNG states, learning
+rates, optimizer step counts, the scheduler's state, the data position and
+``extra_state``. It is saved with ``torch.save`` and read back only with
+``torch.load(weights_only=True)``: nothing that comes back from ckptd can run
+code. restore() writes the composite checkpoint into the live tensors and
+puts all of that back, so training continues at ``target_step + 1`` exactly
+as it would have.
 """
 
-import pickle
+from __future__ import annotations
+
+import dataclasses
+import io
 import random
 import re
 import sys
 import time
+import warnings
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ckpt
 
-__all__ = ["Attached", "attach", "default_layer_of"]
+__all__ = ["Attached", "LayerPlan", "Plan", "Restored", "Stats", "attach", "default_layer_of"]
 
 _DTYPE_NAMES = {
     torch.float32: "F32",
@@ -52,22 +77,30 @@ _DTYPE_NAMES = {
     torch.int64: "I64",
     torch.int32: "I32",
     torch.uint8: "U8",
+    torch.bool: "U8",  # one byte each, stored as bytes
 }
-_ALIGN = 64  # every tensor starts on a cache line
-_AUX_VERSION = 1
+_ALIGN = 64  # every host tensor starts on a cache line
+_AUX_FORMAT = "ckpt.torch/2"
 
 _BLOCK = re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<kind>layers|h|blocks|block|layer)\.(?P<n>\d+)\.")
 _EMBEDDING = re.compile(r"(^|\.)(\w*emb\w*|wte|wpe)$")
 _NORM = re.compile(r"(^|\.)(ln_f|norm|norm_f|final_norm|final_layer_norm|final_layernorm)$")
 _HEAD = re.compile(r"(^|\.)(lm_head|head|output|classifier)$")
 
+_STATE_ROLES = {"exp_avg": "EXP_AVG", "exp_avg_sq": "EXP_AVG_SQ", "momentum_buffer": "MOMENTUM",
+                "max_exp_avg_sq": "OTHER"}
 
-def default_layer_of(param_name):
-    """(layer name, layer kind) of a parameter under the automatic grouping."""
-    m = _BLOCK.match(param_name)
+LayerOf = Callable[[str], Union[str, Tuple[str, str]]]
+
+
+def default_layer_of(name: str) -> Tuple[str, str]:
+    """(layer name, layer kind) of a parameter or buffer under the automatic
+    grouping: ``*.layers.N.*``, ``*.h.N.*``, ``*.blocks.N.*`` are blocks;
+    embeddings, the final norm and the head are layers of their own."""
+    m = _BLOCK.match(name)
     if m:
         return m.group("prefix") + m.group("kind") + "." + m.group("n"), "BLOCK"
-    module = param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+    module = name.rsplit(".", 1)[0] if "." in name else name
     if _EMBEDDING.search(module):
         return module, "EMBEDDING"
     if _NORM.search(module):
@@ -77,59 +110,73 @@ def default_layer_of(param_name):
     return module, "OTHER"
 
 
-def _optimizer_kind(optimizer):
+# ---- what restore() and plan() return ----
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """One layer of a composite plan: the step its version is from."""
+    name: str
+    step: int        # 0 when the layer has no version
+    staleness: int   # target step - step (0 for a frozen layer)
+    bytes: int
+    frozen: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A composite checkpoint: which version of each layer a restore uses."""
+    target_step: int
+    complete: bool
+    total_bytes: int
+    max_staleness: int
+    size_weighted_staleness: float
+    layers: Tuple[LayerPlan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored(Plan):
+    """What restore() wrote back, and the data position saved with it."""
+    data_position: Any = None
+    bytes_restored: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Trainer-visible cost per step, in seconds."""
+    fence_wait_s: Tuple[float, ...]
+    step_done_s: Tuple[float, ...]
+
+
+# ---- set-up helpers ----
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     # AdamW first: it is not an Adam subclass in every torch release.
     if isinstance(optimizer, torch.optim.AdamW):
-        return "ADAMW", ("exp_avg", "exp_avg_sq")
+        return "ADAMW"
     if isinstance(optimizer, torch.optim.Adam):
-        return "ADAM", ("exp_avg", "exp_avg_sq")
+        return "ADAM"
     if isinstance(optimizer, torch.optim.SGD):
-        return "SGD", ("momentum_buffer",)
+        return "SGD"
     raise TypeError(
         f"ckpt.torch supports torch.optim.AdamW, Adam and SGD, not {type(optimizer).__name__}")
 
 
-_STATE_ROLES = {"exp_avg": "EXP_AVG", "exp_avg_sq": "EXP_AVG_SQ", "momentum_buffer": "MOMENTUM",
-                "max_exp_avg_sq": "OTHER"}
-
-
-def _check_mappable(name, t):
+def _check_mappable(name: str, t: torch.Tensor) -> None:
     if t.layout != torch.strided:
         raise ValueError(f"tensor '{name}' is {t.layout}; ckptd maps only dense (strided) tensors")
     if t.device.type == "meta":
         raise ValueError(f"tensor '{name}' is a meta tensor (no data); materialize the model first")
-    if t.device.type != "cpu":
-        raise ValueError(f"tensor '{name}' is on {t.device}; ckpt.torch maps CPU tensors "
-                         "(GPU tensors go through ckpt.Client.add_gpu_tensor)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensor '{name}' is on {t.device}; ckpt.torch maps CPU and CUDA tensors")
     if not t.is_contiguous():
         raise ValueError(f"tensor '{name}' is not contiguous; make it contiguous before attach")
     if t.dtype not in _DTYPE_NAMES:
         raise ValueError(f"tensor '{name}' has dtype {t.dtype}, which ckptd does not store")
 
 
-def _init_state(optimizer, param, kind, state_names):
-    """Creates the optimizer state of `param` the way the optimizer's first
-    step would, so it can live in shared memory from the start."""
-    state = optimizer.state[param]
-    if len(state) > 0:
-        return
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    if kind in ("ADAMW", "ADAM"):
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        if group.get("amsgrad", False):
-            state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    elif kind == "SGD" and group.get("momentum", 0) != 0:
-        # With dampening 0 (the default) the first step then sets the buffer to
-        # the gradient, exactly like the lazily created one.
-        if group.get("dampening", 0) != 0:
-            raise ValueError("ckpt.torch needs SGD dampening=0 (the buffer is created up front)")
-        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
-def _parse_policy(policy, kind, layercheck, record_trace):
-    spec = {"record_trace": bool(record_trace)}
+def _parse_policy(policy: str, kind: str, layercheck: Optional[dict], record_trace: bool) -> dict:
+    spec: Dict[str, Any] = {"record_trace": bool(record_trace)}
     if policy.startswith("every_n:"):
         spec["kind"] = "EVERY_N"
         spec["every_n"] = int(policy.split(":", 1)[1])
@@ -143,224 +190,486 @@ def _parse_policy(policy, kind, layercheck, record_trace):
     return spec
 
 
+@dataclasses.dataclass
+class _Entry:
+    """One registered tensor: where it lives and how ckptd sees it."""
+    name: str
+    tensor: torch.Tensor
+    layer: str
+    spec: Dict[str, Any]
+
+
+# Live attachments, for the refusals of a second attach() and of steps by
+# an optimizer that was not attached.
+_LIVE: "weakref.WeakSet[Attached]" = weakref.WeakSet()
+_GUARD_HANDLE = None
+
+
+def _guard_other_optimizers(optimizer, args, kwargs):
+    """Global step pre-hook: an optimizer that steps parameters of an attached
+    model but is not the attached optimizer would change them unprotected."""
+    for run in list(_LIVE):
+        if optimizer is run.optimizer or run._closed:
+            continue
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in run._param_ids:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} steps parameters of the model attached to "
+                        f"job '{run.job_id}' rank {run.rank} through another optimizer, which "
+                        "ckptd would not see: close() that run and attach() this optimizer")
+
+
 class Attached:
     """A model and optimizer attached to ckptd (see attach())."""
 
-    def __init__(self, model, optimizer, client, job_id, rank, world_size, policy, layercheck,
-                 layers, scheduler, record_trace):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 client: "ckpt.Client", job_id: str, rank: int, world_size: int, policy: str,
+                 layercheck: Optional[dict], layers: Optional[LayerOf],
+                 scheduler: Any, record_trace: bool):
+        global _GUARD_HANDLE
+        if not isinstance(client, ckpt.Client):
+            raise TypeError("client must be a ckpt.Client")
         self.client = client
         self.job_id = job_id
         self.rank = rank
+        self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.extra_state = {}
-        self._data_position = None
+        self.extra_state: Dict[str, Any] = {}
+        self._world_size = world_size
+        self._kind = _optimizer_kind(optimizer)
+        self._policy = _parse_policy(policy, self._kind, layercheck, record_trace)
+        self._layer_of = layers
+        self._data_position: Any = None
         self._step = 0
-        self._fence_wait_s = []
-        self._step_done_s = []
-        kind, state_names = _optimizer_kind(optimizer)
-        self._kind = kind
-        self._spec, self._region = self._move_into_shared_memory(
-            model, optimizer, kind, state_names, layers)
-        self._spec.update(job_id=job_id, rank=rank, world_size=world_size,
-                          policy=_parse_policy(policy, kind, layercheck, record_trace))
-        client.register(self._spec)
-        self._original_step = optimizer.step
-        wrapped = self._wrap(optimizer.step)
-        optimizer.step = wrapped
+        self._registered = False
+        self._closed = False
+        self._internal = False  # the state-creating step of restore()
+        self._aux_checked = False
+        self._entries: List[_Entry] = []
+        self._frozen_layers: List[str] = []
+        self._layer_names: List[str] = []
+        self._state_keys = 0
+        self._fence_wait_s: List[float] = []
+        self._step_done_s: List[float] = []
+
+        self._params = self._collect_params()
+        self._param_ids = {id(p) for _, p, _ in self._params}
+        self._buffers = self._collect_buffers()
+        self._device = self._one_device()
+        for run in list(_LIVE):
+            if not run._closed and (run.optimizer is optimizer or run._param_ids & self._param_ids):
+                raise RuntimeError(
+                    f"this model or optimizer is already attached to job '{run.job_id}' rank "
+                    f"{run.rank}; call close() on that run before attaching again")
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
+                       optimizer.register_step_post_hook(self._post_step)]
+        if _GUARD_HANDLE is None:
+            _GUARD_HANDLE = register_optimizer_step_pre_hook(_guard_other_optimizers)
+        _LIVE.add(self)
 
     # ---- set-up ----
 
-    def _move_into_shared_memory(self, model, optimizer, kind, state_names, layer_of):
-        params = list(model.named_parameters())
-        names = {id(p): n for n, p in params}
-        group_of = {}
-        for gi, g in enumerate(optimizer.param_groups):
+    def _collect_params(self) -> List[Tuple[str, torch.nn.Parameter, Optional[int]]]:
+        """(name, parameter, optimizer group or None for frozen) in model order."""
+        group_of: Dict[int, int] = {}
+        for gi, g in enumerate(self.optimizer.param_groups):
             for p in g["params"]:
-                if id(p) not in names:
-                    raise ValueError("the optimizer holds a parameter that is not in the model")
                 group_of[id(p)] = gi
+        params = list(self.model.named_parameters())
+        names = {id(p) for _, p in params}
+        if any(i not in names for i in group_of):
+            raise ValueError("the optimizer holds a parameter that is not in the model")
+        out = []
         for name, p in params:
             _check_mappable(name, p.data)
-            if id(p) not in group_of:
-                raise ValueError(f"parameter '{name}' is not in the optimizer")
-        for name, p in params:
-            _init_state(optimizer, p, kind, state_names)
-        base_lr = optimizer.param_groups[0]["lr"] or 1.0
+            trains = id(p) in group_of and p.requires_grad
+            out.append((name, p, group_of[id(p)] if trains else None))
+        return out
 
-        # Layers in first-appearance order; every tensor at an aligned offset.
-        layers = {}
-        plan = []  # (holder, key, tensor, layer, tensor spec)
-        offset = 0
-        for name, p in params:
-            if layer_of is None:
-                lname, lkind = default_layer_of(name)
-            else:
-                got = layer_of(name)
-                lname, lkind = got if isinstance(got, tuple) else (got, "OTHER")
-            layer = layers.setdefault(lname, {"name": lname, "kind": lkind, "tensors": []})
-            g = optimizer.param_groups[group_of[id(p)]]
+    def _collect_buffers(self) -> List[Tuple[str, torch.Tensor]]:
+        """Persistent buffers (those a state_dict holds)."""
+        persistent = set(self.model.state_dict(keep_vars=True))
+        out = []
+        for name, b in self.model.named_buffers():
+            if b is None or name not in persistent:
+                continue
+            _check_mappable(name, b)
+            out.append((name, b))
+        return out
+
+    def _one_device(self) -> torch.device:
+        seen: Dict[torch.device, str] = {}
+        for name, t in [(n, p) for n, p, _ in self._params] + self._buffers:
+            seen.setdefault(t.device, name)
+        if len(seen) > 1:
+            where = ", ".join(f"'{n}' on {d}" for d, n in seen.items())
+            raise ValueError(
+                "ckpt.torch registers the tensors of one device per rank; this model has "
+                f"tensors on {len(seen)} devices ({where}): move it to one device, or give each "
+                "device its own rank")
+        return next(iter(seen)) if seen else torch.device("cpu")
+
+    def _layer(self, name: str) -> Tuple[str, str]:
+        if self._layer_of is None:
+            return default_layer_of(name)
+        got = self._layer_of(name)
+        return got if isinstance(got, tuple) else (got, "OTHER")
+
+    def _layout(self) -> Tuple[List[_Entry], Dict[str, dict]]:
+        """Every tensor to register, and the layers (in first-appearance
+        order; a frozen parameter goes to '<layer>.frozen')."""
+        layers: Dict[str, dict] = {}
+        entries: List[_Entry] = []
+        groups = self.optimizer.param_groups
+        base_lr = float(groups[0]["lr"]) or 1.0
+
+        def add(lname: str, kind: str, frozen: bool, name: str, t: torch.Tensor, spec: dict):
+            layer = layers.setdefault(lname, {"name": lname, "kind": kind, "frozen": frozen,
+                                              "tensors": []})
+            spec.update(name=name, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape) or [1])
+            entries.append(_Entry(name, t, lname, spec))
+            layer["tensors"].append(spec)
+
+        for name, p, gi in self._params:
+            lname, kind = self._layer(name)
+            if gi is None:
+                add(lname + ".frozen", kind, True, name, p, {"role": "PARAM"})
+                continue
+            g = groups[gi]
             betas = g.get("betas", (0.0, 0.0))
-            pspec = {"name": name, "role": "PARAM", "group": group_of[id(p)],
-                     "lr_scale": g["lr"] / base_lr, "weight_decay": g.get("weight_decay", 0.0),
-                     "beta1": betas[0], "beta2": betas[1], "eps": g.get("eps", 0.0)}
-            plan.append((p, None, p.data, layer, pspec))
-            state = optimizer.state[p]
+            add(lname, kind, False, name, p,
+                {"role": "PARAM", "group": gi, "lr_scale": float(g["lr"]) / base_lr,
+                 "weight_decay": g.get("weight_decay", 0.0), "beta1": float(betas[0]),
+                 "beta2": float(betas[1]), "eps": g.get("eps", 0.0)})
+            state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
                 if key == "step" or not torch.is_tensor(value) or value.shape != p.shape:
                     continue
                 _check_mappable(f"{name}.{key}", value)
-                sspec = {"name": f"{name}.{key}", "role": _STATE_ROLES.get(key, "OTHER"),
-                         "group": group_of[id(p)], "param": name}
-                plan.append((state, key, value, layer, sspec))
-        for _, _, t, _, _ in plan:
-            offset = (offset + _ALIGN - 1) // _ALIGN * _ALIGN + t.numel() * t.element_size()
+                add(lname, kind, False, f"{name}.{key}", value,
+                    {"role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name})
+        for name, b in self._buffers:
+            lname, kind = self._layer(name)
+            add(lname, kind, False, name, b, {"role": "OTHER"})
+        return entries, layers
+
+    def _count_state(self) -> int:
+        return sum(len(self.optimizer.state.get(p, {})) for _, p, gi in self._params
+                   if gi is not None)
+
+    def _register(self) -> None:
+        entries, layers = self._layout()
+        if self._device.type == "cpu":
+            self._share_host_memory(entries)
+        else:
+            self._place_gpu_tensors(entries)
+        spec = {"job_id": self.job_id, "rank": self.rank, "world_size": self._world_size,
+                "policy": self._policy, "layers": list(layers.values())}
+        self.client.register(spec)
+        self._entries = entries
+        self._layer_names = list(layers)
+        self._frozen_layers = [n for n, l in layers.items() if l["frozen"]]
+        self._state_keys = self._count_state()
+        self._registered = True
+
+    def _share_host_memory(self, entries: List[_Entry]) -> None:
+        """Moves every tensor into one region ckptd maps: the tensor keeps its
+        identity and its values; only its storage changes (Tensor.set_)."""
+        offset = 0
+        for e in entries:
+            offset = _aligned(offset) + e.tensor.numel() * e.tensor.element_size()
         region = self.client.allocate_region(max(offset, 1))
         offset = 0
-        for holder, key, t, layer, tspec in plan:
-            offset = (offset + _ALIGN - 1) // _ALIGN * _ALIGN
-            view = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset)
-            view = view.view(t.shape)
-            view.copy_(t)
-            if key is None:
-                holder.data = view  # the Parameter object stays the same
-            else:
-                holder[key] = view
-            tspec.update(dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), region=region.index,
-                         offset=offset)
-            layer["tensors"].append(tspec)
-            offset += t.numel() * t.element_size()
-        self._params = [p for _, p in params]
-        self._layer_names = list(layers)
-        return {"layers": list(layers.values())}, region
+        with torch.no_grad():
+            for e in entries:
+                t = e.tensor
+                offset = _aligned(offset)
+                view = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset)
+                view = view.view(t.shape)
+                view.copy_(t)
+                t.set_(view)
+                e.spec.update(region=region.index, offset=offset)
+                offset += t.numel() * t.element_size()
+        self._region = region
 
-    def _wrap(self, step_fn):
-        def step(*args, **kwargs):
-            if self._step > 0:
-                t0 = time.perf_counter()
-                self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
-                self._fence_wait_s.append(time.perf_counter() - t0)
-            result = step_fn(*args, **kwargs)
-            t = self._step + 1
-            aux = pickle.dumps(self._aux(t), protocol=4)
-            t0 = time.perf_counter()
-            self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), aux, [],
-                                  self._group_steps())
-            self._step_done_s.append(time.perf_counter() - t0)
-            self._step = t
-            return result
+    def _place_gpu_tensors(self, entries: List[_Entry]) -> None:
+        """Hands ckptd each CUDA tensor where it is (no copy)."""
+        for e in entries:
+            t = e.tensor
+            region, offset = self.client.add_gpu_tensor(t.data_ptr(), t.numel() * t.element_size(),
+                                                        e.name)
+            e.spec.update(region=region, offset=offset)
 
-        # LR schedulers check for this marker on optimizer.step.
-        if hasattr(step_fn, "_with_counter"):
-            step._with_counter = step_fn._with_counter
-        return step
+    def _create_optimizer_state(self) -> None:
+        """Lets the optimizer create its state with one step of learning rate
+        0 and zero gradients, which leaves every weight as it is (restore()
+        then overwrites the state and the step counts)."""
+        trained = [p for _, p, gi in self._params if gi is not None]
+        if all(len(self.optimizer.state.get(p, {})) > 0 for p in trained):
+            return
+        grads = [p.grad for p in trained]
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        try:
+            for p in trained:
+                p.grad = torch.zeros_like(p)
+            for g in self.optimizer.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            self._internal = True
+            self.optimizer.step()
+        finally:
+            self._internal = False
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
+            for p, grad in zip(trained, grads):
+                p.grad = grad
 
-    # ---- per step ----
+    # ---- hooks ----
 
-    def _group_steps(self):
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if self._internal or self._closed or not self._registered or self._step == 0:
+            return
+        t0 = time.perf_counter()
+        self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
+        self._fence_wait_s.append(time.perf_counter() - t0)
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if self._internal or self._closed:
+            return
+        if not self._registered:
+            self._register()  # the optimizer state exists now
+        elif self._count_state() != self._state_keys:
+            self._state_keys = self._count_state()
+            warnings.warn("optimizer state appeared after the first step for parameters that had "
+                          "no gradient then; ckptd does not see it until the rank registers again "
+                          "(close() and attach())", RuntimeWarning, stacklevel=3)
+        t = self._step + 1
+        aux = self._aux_blob(t)
+        if self._device.type == "cuda":
+            self.client.set_cuda_stream(torch.cuda.current_stream(self._device).cuda_stream)
+        t0 = time.perf_counter()
+        self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), aux, [],
+                              self._group_steps())
+        self._step_done_s.append(time.perf_counter() - t0)
+        self._step = t
+
+    # ---- the state saved with each step ----
+
+    def _group_steps(self) -> List[Tuple[int, int]]:
+        """(group, step count) from the first parameter of each group that
+        has one (a parameter that never stepped has none)."""
         steps = []
         for gi, g in enumerate(self.optimizer.param_groups):
             for p in g["params"]:
-                s = self.optimizer.state[p].get("step")
+                s = self.optimizer.state.get(p, {}).get("step")
                 if s is not None:
                     steps.append((gi, int(s.item() if torch.is_tensor(s) else s)))
                     break
         return steps
 
-    def _aux(self, step):
-        aux = {"version": _AUX_VERSION, "step": step,
-               "torch_rng": torch.get_rng_state(), "py_random": random.getstate(),
-               "lrs": [g["lr"] for g in self.optimizer.param_groups],
-               "group_steps": self._group_steps(),
-               "data_position": self._data_position, "extra": self.extra_state}
+    def _aux(self, step: int) -> dict:
+        rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self._device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self._device)
         if "numpy" in sys.modules:
-            aux["numpy_rng"] = sys.modules["numpy"].random.get_state()
-        if self.scheduler is not None:
-            aux["scheduler"] = self.scheduler.state_dict()
-        return aux
+            np = sys.modules["numpy"]
+            name, keys, pos, has_gauss, cached = np.random.get_state()
+            rng["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                            int(has_gauss), float(cached)]
+        return {"format": _AUX_FORMAT, "step": step, "rng": rng,
+                "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
+                "group_steps": self._group_steps(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "data_position": self._data_position, "extra": self.extra_state}
+
+    def _aux_blob(self, step: int) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self._aux(step), buf)
+        blob = buf.getvalue()
+        if not self._aux_checked:
+            # Once: what cannot be read back safely is refused now, not at
+            # restore time.
+            try:
+                _load_aux(blob, step)
+            except ckpt.Error as e:
+                raise TypeError(
+                    "the state saved with each step must be tensors, numbers, strings, None, "
+                    "lists, tuples and dicts (check set_data_position(), extra_state and the "
+                    f"scheduler's state_dict()): {e.message}") from None
+            self._aux_checked = True
+        return blob
+
+    def _apply_aux(self, aux: dict) -> None:
+        rng = aux["rng"]
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self._device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self._device)
+        random.setstate(_as_tuple(rng["python"]))
+        if "numpy" in rng and "numpy" in sys.modules:
+            np = sys.modules["numpy"]
+            name, keys, pos, has_gauss, cached = rng["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        for g, lr in zip(self.optimizer.param_groups, aux["lrs"]):
+            if torch.is_tensor(g["lr"]):
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+        for gi, s in aux["group_steps"]:
+            for p in self.optimizer.param_groups[gi]["params"]:
+                st = self.optimizer.state.get(p, {}).get("step")
+                if torch.is_tensor(st):
+                    st.fill_(s)
+                elif st is not None:
+                    self.optimizer.state[p]["step"] = s
+        if self.scheduler is not None and aux.get("scheduler") is not None:
+            # Saved after optimizer.step() and before the loop's
+            # scheduler.step(); replay that one.
+            self.scheduler.load_state_dict(aux["scheduler"])
+            self.scheduler.step()
+        self._data_position = aux["data_position"]
+        self.extra_state = aux["extra"]
 
     # ---- public ----
 
     @property
-    def step(self):
+    def step(self) -> int:
         """The last step reported to ckptd (0 before the first)."""
         return self._step
 
     @property
-    def layer_names(self):
+    def registered(self) -> bool:
+        """True once the rank is registered (after the first step or restore())."""
+        return self._registered
+
+    @property
+    def layer_names(self) -> List[str]:
         return list(self._layer_names)
 
-    def set_data_position(self, position):
-        """A small picklable object saved with the next step (a data cursor)."""
+    @property
+    def frozen_layers(self) -> List[str]:
+        """Layers of weights the optimizer does not step: written once."""
+        return list(self._frozen_layers)
+
+    def tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
+        """The registered tensors by layer: (name, the live tensor)."""
+        out: Dict[str, List[Tuple[str, torch.Tensor]]] = {}
+        for e in self._entries:
+            out.setdefault(e.layer, []).append((e.name, e.tensor))
+        return out
+
+    def set_data_position(self, position: Any) -> None:
+        """Where the data loader is (numbers, strings, lists, dicts or
+        tensors); saved with the next step and given back by restore()."""
         self._data_position = position
 
-    def plan(self, step=None):
-        """The composite plan for `step` (None = latest durable) as a dict."""
-        return self.client.plan(step or 0)
+    def plan(self, step: Optional[int] = None) -> Plan:
+        """The composite plan for `step` (None = the latest durable one).
+        Raises ckpt.Error NOT_FOUND when the job has no checkpoint."""
+        return self._plan_of(self.client.plan(step or 0, job_id=self.job_id, rank=self.rank))
 
-    def restore(self, step=None):
+    def restore(self, step: Optional[int] = None) -> Restored:
         """Restores the composite checkpoint for `step` (None = the latest
         durable one) into the live tensors, and the RNG states, learning
         rates, optimizer step counts, scheduler and data position saved with
-        it. Raises ckpt.Error NOT_FOUND when the job has no checkpoint."""
+        it. Raises ckpt.Error NOT_FOUND when the job has no checkpoint (and
+        then changes nothing)."""
+        if not self._registered:
+            self.plan(step)  # NOT_FOUND before anything is created
+            self._create_optimizer_state()
+            self._register()
         reply = self.client.restore(step or 0)
-        aux = pickle.loads(reply["aux"]) if reply["aux"] else {}
-        if aux.get("version") == _AUX_VERSION:
-            torch.set_rng_state(aux["torch_rng"])
-            random.setstate(aux["py_random"])
-            if "numpy_rng" in aux and "numpy" in sys.modules:
-                sys.modules["numpy"].random.set_state(aux["numpy_rng"])
-            for g, lr in zip(self.optimizer.param_groups, aux["lrs"]):
-                g["lr"] = lr
-            for gi, s in aux["group_steps"]:
-                for p in self.optimizer.param_groups[gi]["params"]:
-                    st = self.optimizer.state[p].get("step")
-                    if torch.is_tensor(st):
-                        st.fill_(s)
-                    elif st is not None:
-                        self.optimizer.state[p]["step"] = s
-            if self.scheduler is not None and "scheduler" in aux:
-                # Saved after optimizer.step() and before the loop's
-                # scheduler.step(); replay that one.
-                self.scheduler.load_state_dict(aux["scheduler"])
-                self.scheduler.step()
-            self._data_position = aux["data_position"]
-            self.extra_state = aux["extra"]
-        self._step = reply["target_step"]
-        return {"target_step": reply["target_step"], "max_staleness": reply["max_staleness"],
-                "size_weighted_staleness": reply["size_weighted_staleness"],
-                "data_position": self._data_position, "bytes_restored": reply["bytes_restored"],
-                "seconds": reply["seconds"],
-                "layers": [{"name": l["name"], "step": l["step"], "staleness": l["staleness"],
-                            "bytes": l["bytes"]} for l in reply["layers"]]}
+        target = reply["target_step"]
+        aux = _load_aux(reply["aux"], target)
+        if aux is not None:
+            self._apply_aux(aux)
+        self._step = target
+        plan = self._plan_of(reply)
+        return Restored(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
+                        data_position=self._data_position,
+                        bytes_restored=reply["bytes_restored"], seconds=reply["seconds"])
 
-    def wait_durable(self):
+    def resume(self) -> Optional[Restored]:
+        """restore() when the job has a checkpoint; None (nothing changed)
+        when it has none."""
+        try:
+            return self.restore()
+        except ckpt.Error as e:
+            if e.code == "NOT_FOUND":
+                return None
+            raise
+
+    def wait_durable(self) -> int:
         """Waits until everything reported so far is durable; returns that step."""
         return self.client.wait_durable(self._step)
 
-    def stats(self):
-        """Trainer-visible cost per step: fence waits and StepDone calls (seconds)."""
-        return {"fence_wait_s": list(self._fence_wait_s), "step_done_s": list(self._step_done_s)}
+    def stats(self) -> Stats:
+        return Stats(tuple(self._fence_wait_s), tuple(self._step_done_s))
 
-    def close(self, drain=True):
-        """Unregisters (after the staged steps are durable when `drain`) and
-        unwraps optimizer.step. The tensors stay in the shared memory."""
-        self.optimizer.step = self._original_step
-        self.client.unregister(drain)
+    def close(self, drain: bool = True) -> None:
+        """Removes the hooks and unregisters (after the staged steps are
+        durable when `drain`). CPU tensors stay in the shared memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        _LIVE.discard(self)
+        if self._registered:
+            self.client.unregister(drain)
+
+    def _plan_of(self, d: dict) -> Plan:
+        frozen = set(self._frozen_layers)
+        return Plan(target_step=d["target_step"], complete=d["complete"],
+                    total_bytes=d["total_bytes"], max_staleness=d["max_staleness"],
+                    size_weighted_staleness=d["size_weighted_staleness"],
+                    layers=tuple(LayerPlan(name=l["name"], step=l["step"],
+                                           staleness=l["staleness"], bytes=l["bytes"],
+                                           frozen=l["name"] in frozen)
+                                 for l in d["layers"]))
 
 
-def attach(model, optimizer, client, job_id, rank=0, world_size=1, policy="all",
-           layercheck=None, layers=None, scheduler=None, record_trace=False):
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _load_aux(blob: bytes, step: int) -> Optional[dict]:
+    """The state saved with `step`, read without running code."""
+    if not blob:
+        return None
+    if blob[:1] == b"\x80":
+        raise ckpt.Error("FAILED_PRECONDITION",
+                         f"the state saved with step {step} is a pickle (an older ckpt.torch); "
+                         "it is not loaded, since unpickling can run code")
+    try:
+        aux = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means a damaged blob
+        raise ckpt.Error("DATA_LOSS", f"the state saved with step {step} cannot be read "
+                         f"({type(e).__name__}: {e}); it is damaged or not from ckpt.torch") from None
+    if not isinstance(aux, dict) or aux.get("format") != _AUX_FORMAT:
+        raise ckpt.Error("DATA_LOSS", f"the state saved with step {step} is not ckpt.torch's "
+                         f"(format {aux.get('format') if isinstance(aux, dict) else type(aux)})")
+    return aux
+
+
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ckpt.Client",
+           job_id: str, rank: int = 0, world_size: int = 1, policy: str = "all",
+           layercheck: Optional[dict] = None, layers: Optional[LayerOf] = None,
+           scheduler: Any = None, record_trace: bool = False) -> Attached:
     """Attaches `model` and `optimizer` to ckptd through `client` and returns
-    an Attached. `policy`: "all", "every_n:K", "layercheck", "explicit" or
+    an Attached; the rank registers at the first optimizer step (or at
+    restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
     "none"; `layercheck`: its parameters (k0, k0_embedding, k_floor, s_max,
     warmup, warmup_interval, full_every); `layers`: None for the automatic
-    grouping, or a callable param_name -> layer name (or (name, kind)).
-    Raises ValueError naming the tensor for parameters ckptd cannot map
-    (sparse, meta, non-CPU, non-contiguous) and ckpt.Error for refusals by
-    ckptd."""
-    if not isinstance(client, ckpt.Client):
-        raise TypeError("client must be a ckpt.Client")
+    grouping, or a callable name -> layer name (or (name, kind)).
+    Raises ValueError naming the tensor for tensors ckptd cannot map (sparse,
+    meta, non-contiguous, another device than the rest), RuntimeError when
+    the model or optimizer is attached already, and ckpt.Error for refusals
+    by ckptd."""
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
                     layers, scheduler, record_trace)

@@ -56,17 +56,15 @@ def main():
     client = ckpt.Client(args.socket, call_timeout_s=10, wait_timeout_s=60,
                          on_daemon_loss=args.on_daemon_loss,
                          reconnect_interval_s=args.reconnect_ms / 1000.0)
-    # Runs inside ckpt.torch's wrapper, between the fence and StepDone.
-    inner_step = opt.step
+    # A post-step hook registered before attach() runs before ckpt.torch's:
+    # between the optimizer step (after the fence) and StepDone.
     counter = {"t": 0}
 
-    def optimizer_step(*a, **kw):
-        result = inner_step(*a, **kw)
+    def after_step(optimizer, args_, kwargs):
         counter["t"] += 1
         maybe_pause("before_step_done", counter["t"])
-        return result
 
-    opt.step = optimizer_step
+    opt.register_step_post_hook(after_step)
     run = ckpt_torch.attach(model, opt, client, job_id=args.job, policy="all")
     x = torch.randn(8, 16)
     y = torch.randn(8, 4)

@@ -1,14 +1,26 @@
-"""ckpt.torch against a real ckptd: a small GPT-style model trained with AdamW
-and an LR schedule, SIGKILLed mid-run, restored by a new process.
+"""ckpt.torch (PyTorch 2.x) against a real ckptd.
 
+A small GPT-style model trained with AdamW and an LR schedule, SIGKILLed
+mid-run, restored by a new process:
 - policy `all`: the restored run's losses and final weights equal a
   failure-free run's bit for bit (RNG, data position, LR schedule and
   optimizer step counts ride along with every step);
 - policy `layercheck`: the composite restore gives every layer exactly the
   bytes (weights and optimizer state) the killed process had at the step the
-  plan names for that layer;
-- bad input: sparse, meta and non-contiguous parameters are refused naming
-  the tensor; restoring a job without checkpoints is NOT_FOUND.
+  plan names for that layer.
+Then, in this process:
+- Adam, SGD with momentum, foreach and fused AdamW, bf16/f16: weights and
+  optimizer state restored exactly;
+- frozen weights and a LoRA fine-tune: the frozen base is written once, the
+  bytes per step are the adapters' share (printed);
+- the defects found on models of their own: a frozen first parameter, a
+  scheduler made after attach(), a second attach(), module buffers, an
+  optimizer made after attach() or over the trainable parameters only;
+- state that comes back is never unpickled: a pickled aux blob of a step is
+  refused without running it, a damaged one is a clear error;
+- bad input: sparse, meta and non-contiguous tensors are refused naming the
+  tensor; restoring a job without checkpoints is NOT_FOUND and changes
+  nothing.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 (skipped) when torch or
 the module is missing. `--worker` runs one trainer process.
@@ -17,13 +29,14 @@ the module is missing. `--worker` runs one trainer process.
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -91,15 +104,19 @@ def make_model():
     return model, opt, sched
 
 
+def tensor_bytes(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def layer_hashes(run):
-    """sha256 of every layer's registered tensors (weights and optimizer state)."""
+    """sha256 of every layer's registered tensors (weights, optimizer state,
+    buffers), as ckptd reads them."""
     out = {}
-    for layer in run._spec["layers"]:
+    for layer, tensors in run.tensors().items():
         h = hashlib.sha256()
-        for t in layer["tensors"]:
-            nbytes = math.prod(t["shape"]) * {"F32": 4, "F16": 2, "BF16": 2}[t["dtype"]]
-            h.update(memoryview(run._region)[t["offset"]:t["offset"] + nbytes])
-        out[layer["name"]] = h.hexdigest()
+        for _, t in tensors:
+            h.update(tensor_bytes(t))
+        out[layer] = h.hexdigest()
     return out
 
 
@@ -115,10 +132,10 @@ def worker(args):
         run = ckpt_torch.attach(model, opt, client, job_id=args.job, policy=args.policy,
                                 layercheck=lc, scheduler=sched)
         if args.restore:
-            plan = run.restore()
-            cursor = plan["data_position"]
-            log.write(json.dumps({"restored": plan["target_step"],
-                                  "layers": {l["name"]: l["step"] for l in plan["layers"]},
+            restored = run.restore()
+            cursor = restored.data_position
+            log.write(json.dumps({"restored": restored.target_step,
+                                  "layers": {l.name: l.step for l in restored.layers},
                                   "hashes": layer_hashes(run)}) + "\n")
             log.flush()
     step = run.step if run else 0
@@ -183,20 +200,27 @@ def bad_input(daemon):
     strided = nn.Module()
     strided.w = nn.Parameter(torch.ones(4, 6).t())
     refused(strided, "'w'")
+    buffered = nn.Linear(4, 4)
+    buffered.register_buffer("mask", torch.ones(4, 6).t())
+    refused(buffered, "'mask'")
 
     model, opt, sched = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     run = ckpt_torch.attach(model, opt, client, job_id="never-stepped")
     try:
         run.restore()
         raise AssertionError("restore of a job without checkpoints succeeded")
     except ckpt.Error as e:
         check(e.code == "NOT_FOUND", "restore without checkpoints: %s" % e)
+    check(run.resume() is None and not run.registered and len(opt.state) == 0 and
+          all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
+          "resume() of a job without checkpoints changes nothing (no state, no registration)")
     run.close()
 
 
 class StoredAs(nn.Module):
     """A linear layer whose parameters are stored in `dtype` and computed in
-    f32 (CPU torch 1.13 has no f16 matmul)."""
+    f32."""
 
     def __init__(self, n_in, n_out, dtype):
         super().__init__()
@@ -207,11 +231,52 @@ class StoredAs(nn.Module):
         return x @ self.weight.float().t() + self.bias.float()
 
 
+def state_tensors(model, opt):
+    """Every parameter, its optimizer state and the step counts, in order."""
+    out = []
+    for p in model.parameters():
+        out.append(p.detach().clone())
+        for k, v in sorted(opt.state.get(p, {}).items()):
+            out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
+    for b in model.buffers():
+        out.append(b.detach().clone())
+    return out
+
+
+def train_steps(model, opt, n, seed=0):
+    for i in range(n):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed + i))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def round_trip(daemon, name, build, steps=5):
+    """Trains `steps` steps attached, restores into a model built with other
+    weights, and returns (wanted, got, restored, model, opt)."""
+    model, opt = build(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=name)
+    train_steps(model, opt, steps)
+    run.wait_durable()
+    want = state_tensors(model, opt)
+    run.close()
+    model2, opt2 = build(2)  # other weights: the restore must overwrite them
+    run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id=name)
+    restored = run2.restore()
+    got = state_tensors(model2, opt2)
+    run2.close()
+    return want, got, restored, model2, opt2
+
+
 def other_optimizers_and_dtypes(daemon):
-    """Adam, SGD with momentum and a bf16/f16 model: what a restore writes back
-    equals what the optimizer had after the last durable step."""
+    """Adam, SGD with momentum, foreach and fused AdamW, a bf16/f16 model:
+    what a restore writes back (weights, state, step counts) equals what
+    the optimizer had after the last durable step."""
     cases = [("adam", torch.float32, lambda ps: torch.optim.Adam(ps, lr=1e-2)),
              ("sgd", torch.float32, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
+             ("adamw-foreach", torch.float32,
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True)),
+             ("adamw-fused", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)),
              ("adamw-bf16", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
              ("sgd-f16", torch.float16, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))]
     for name, dtype, make_opt in cases:
@@ -220,30 +285,244 @@ def other_optimizers_and_dtypes(daemon):
             model = nn.Sequential(StoredAs(8, 16, dtype), nn.Tanh(), StoredAs(16, 4, dtype))
             return model, make_opt(model.parameters())
 
-        model, opt = build(1)
-        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=name)
-        for i in range(5):
-            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-        run.wait_durable()
-        want = [t.clone() for p in model.parameters()
-                for t in [p.data] + [v for k, v in sorted(opt.state[p].items()) if k != "step"]]
-        run.close()
-
-        model2, opt2 = build(2)  # other weights: the restore must overwrite them
-        run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id=name)
-        plan = run2.restore()
-        got = [t for p in model2.parameters()
-               for t in [p.data] + [v for k, v in sorted(opt2.state[p].items()) if k != "step"]]
-        check(plan["target_step"] == 5 and len(got) == len(want) and
+        want, got, restored, _, _ = round_trip(daemon, name, build)
+        check(restored.target_step == 5 and len(got) == len(want) and
               all(torch.equal(a, b) for a, b in zip(got, want)),
-              "%s (%s): weights and optimizer state restored exactly" % (name, dtype))
-        steps = [int(opt2.state[p]["step"]) for p in model2.parameters() if "step" in opt2.state[p]]
-        if steps:  # Adam(W) counts steps per parameter; SGD keeps no count
-            check(all(s == 5 for s in steps), "%s: optimizer step counts restored" % name)
+              "%s (%s): weights, optimizer state and step counts restored exactly" % (name, dtype))
+
+
+def defects(daemon):
+    """Each defect found when ckpt.torch was tried on models of its own."""
+    # A frozen first parameter: AdamW over every parameter, [0].weight frozen.
+    # Its step count stays 0 and the others' are 5 after a restore (they
+    # used to be read from the first parameter and all restored to 0).
+    def frozen_first(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        model[0].weight.requires_grad_(False)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    want, got, restored, model, opt = round_trip(daemon, "frozen-first", frozen_first)
+    steps = [int(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else 0
+             for p in model.parameters()]
+    check(steps == [0, 5, 5, 5] and all(torch.equal(a, b) for a, b in zip(got, want)),
+          "a frozen first parameter: step counts %s restored, weights exact" % steps)
+
+    # A scheduler made after attach() (it used to crash on the wrapped step).
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    client = ckpt.Client(daemon.socket)
+    run = ckpt_torch.attach(model, opt, client, job_id="late-scheduler")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    run.scheduler = sched
+    for i in range(4):
+        train_steps(model, opt, 1, seed=i)
+        sched.step()
+    check(run.step == 4 and opt.param_groups[0]["lr"] == 1e-2 * 0.25,
+          "a scheduler made after attach() steps with it")
+
+    # A second attach() of the same model or optimizer is refused clearly.
+    for what, args in (("the same client", (model, opt, client)),
+                       ("a new client", (model, opt, ckpt.Client(daemon.socket))),
+                       ("another optimizer over the same model",
+                        (model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         ckpt.Client(daemon.socket)))):
+        try:
+            ckpt_torch.attach(*args, job_id="second")
+            raise AssertionError("a second attach() with %s was accepted" % what)
+        except RuntimeError as e:
+            check("already attached to job 'late-scheduler'" in str(e),
+                  "second attach() with %s refused: %s" % (what, e))
+
+    # An optimizer made after attach() that steps the attached parameters.
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 8)).sum().backward()
+    try:
+        other.step()
+        raise AssertionError("an optimizer made after attach() stepped unprotected")
+    except RuntimeError as e:
+        check("through another optimizer" in str(e) and
+              all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
+              "an optimizer made after attach() is refused before it steps: %s" % e)
+    run.close()
+    other.step()  # once the run is closed, any optimizer may step
+
+    # Module buffers (BatchNorm) are checkpointed with their layer.
+    def batchnorm(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    want, got, restored, model, _ = round_trip(daemon, "batchnorm", batchnorm)
+    bn = model[1]
+    check(all(torch.equal(a, b) for a, b in zip(got, want)) and
+          int(bn.num_batches_tracked) == 5,
+          "BatchNorm running_mean/var and num_batches_tracked (%d) restored"
+          % int(bn.num_batches_tracked))
+
+    # The usual idiom: an optimizer over the trainable parameters only. The
+    # others are frozen weights, registered once.
+    def trainable_only(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                        lr=1e-2)
+
+    want, got, restored, _, _ = round_trip(daemon, "trainable-only", trainable_only)
+    frozen = [l.name for l in restored.layers if l.frozen]
+    check(all(torch.equal(a, b) for a, b in zip(got, want)) and frozen == ["0.frozen"],
+          "an optimizer over the trainable parameters only: the rest is the frozen layer %s"
+          % frozen)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update B @ A."""
+
+    def __init__(self, n, rank):
+        super().__init__()
+        self.base = nn.Linear(n, n)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, n) / n)
+        self.lora_b = nn.Parameter(torch.zeros(n, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class LoRANet(nn.Module):
+    def __init__(self, n=256, rank=4, blocks=4):
+        super().__init__()
+        self.layers = nn.ModuleList([LoRALinear(n, rank) for _ in range(blocks)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def committed_bytes(address):
+    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
+    m = re.search(r"^ckpt_committed_bytes_total (\S+)$", body, re.M)
+    return float(m.group(1))
+
+
+def lora(daemon):
+    """A LoRA fine-tune writes its adapters (and their AdamW state) each step
+    and its frozen base once: bytes per step after the base checkpoint equal
+    the adapters' share; a restore is exact."""
+    address = daemon.ctl("status")["metrics_address"]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = LoRANet()
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                        lr=1e-3)
+
+    model, opt = build(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="lora")
+
+    def step(i):
+        x = torch.randn(8, 256, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    start = committed_bytes(address)
+    step(0)
+    run.wait_durable()
+    base_step = committed_bytes(address) - start
+    for i in range(1, 11):
+        step(i)
+    run.wait_durable()
+    per_step = (committed_bytes(address) - start - base_step) / 10
+    adapters = sum(t.numel() * t.element_size() for layer, ts in run.tensors().items()
+                   if layer not in run.frozen_layers for _, t in ts)
+    frozen = sum(t.numel() * t.element_size() for layer in run.frozen_layers
+                 for _, t in run.tensors()[layer])
+    print("FIGURES lora: first checkpoint %d bytes (frozen base %d, adapters and their AdamW "
+          "state %d); then %.0f bytes per step (%.2f %% of the model and its state)"
+          % (base_step, frozen, adapters, per_step, 100.0 * per_step / (frozen + adapters)))
+    check(frozen + adapters <= base_step < (frozen + adapters) * 1.2,
+          "the first checkpoint holds the base and the adapters")
+    check(adapters <= per_step < adapters * 1.2,
+          "bytes per step after the base (%.0f) are the adapters' share (%d of %d)"
+          % (per_step, adapters, frozen + adapters))
+    want = state_tensors(model, opt)
+    run.close()
+    model2, opt2 = build(2)
+    run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="lora")
+    restored = run2.restore()
+    check(restored.target_step == 11 and
+          all(torch.equal(a, b) for a, b in zip(state_tensors(model2, opt2), want)),
+          "the LoRA run restores exactly (base from step %d, adapters from step %d)"
+          % (min(l.step for l in restored.layers if l.frozen),
+             max(l.step for l in restored.layers)))
+    run2.close()
+
+
+def safe_state(daemon, root):
+    """Nothing that comes back from ckptd is unpickled: a pickle that would
+    create a file is refused at restore without running; a damaged blob is
+    a clear error; state that cannot be saved safely is refused at the first
+    step."""
+    planted = os.path.join(root, "pwned")
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (planted, "w"))
+
+    import pickle
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="evil")
+    good = run._aux_blob
+    run._aux_blob = lambda step: pickle.dumps(Payload())  # what a hostile writer could send
+    train_steps(model, opt, 1)
+    run._aux_blob = lambda step: good(step)[:200]  # a torn blob
+    train_steps(model, opt, 1)
+    run.wait_durable()
+    run.close()
+    for step, code in ((1, "FAILED_PRECONDITION"), (2, "DATA_LOSS")):
+        model2 = nn.Sequential(nn.Linear(8, 4))
+        opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+        run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="evil")
+        try:
+            run2.restore(step)
+            raise AssertionError("the aux blob of step %d was accepted" % step)
+        except ckpt.Error as e:
+            check(e.code == code and "step %d" % step in e.message and not os.path.exists(planted),
+                  "step %d: %s, nothing run: %s" % (step, code, e.message[:100]))
         run2.close()
+
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="unsafe-position")
+    run.set_data_position(Payload())
+    try:
+        train_steps(model, opt, 1)
+        raise AssertionError("a data position that cannot be loaded safely was saved")
+    except TypeError as e:
+        check("set_data_position" in str(e), "an unsafe data position is refused: %s"
+              % str(e)[:120])
+    run.close(drain=False)
+
+
+def source_rules():
+    """python/ has no pickle.loads, no assignment to param.data and no
+    monkeypatched optimizer step."""
+    src = os.path.join(HERE, "..", "..", "python")
+    bad = []
+    for dirpath, _, names in os.walk(src):
+        for n in names:
+            if n.endswith(".py"):
+                text = open(os.path.join(dirpath, n)).read()
+                for pattern in (r"pickle\.loads?\(", r"\.data\s*=[^=]", r"\.step\s*=[^=]"):
+                    bad += ["%s: %s" % (n, m.group(0)) for m in re.finditer(pattern, text)]
+    check(not bad, "python/: no pickle.loads, .data = or .step = (%s)" % bad)
 
 
 def main():
@@ -297,7 +576,11 @@ def main():
               "every layer holds exactly the bytes it had at its planned step")
 
         other_optimizers_and_dtypes(daemon)
+        defects(daemon)
+        lora(daemon)
+        safe_state(daemon, root)
         bad_input(daemon)
+        source_rules()
     finally:
         daemon.stop()
     shutil.rmtree(root, ignore_errors=True)
