@@ -1,0 +1,152 @@
+"""ckpt.hf: protect a Hugging Face Trainer fine-tune with ckptd.
+
+    import ckpt
+    from ckpt.hf import CkptCallback
+
+    protect = CkptCallback(ckpt.Client(), job_id="llama-ft-7")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[protect])
+    trainer.train(resume_from_checkpoint=protect.resume(trainer))
+
+Every optimizer step is a ckptd step (ckpt.torch's hooks on the Trainer's
+optimizer): the model (frozen weights once: a LoRA fine-tune writes its
+adapters), the optimizer state, the scheduler, the RNG states and the
+Trainer's step count ride along.
+
+resume(trainer), before train(): when the job has a checkpoint, it creates the
+Trainer's optimizer and scheduler, restores the composite checkpoint into
+them, the model and the RNG states, and returns a directory for
+``resume_from_checkpoint`` that tells the Trainer where it stands (its step
+count, from which it skips the data already seen, and the RNG states to take
+after skipping). The Trainer insists on reading the model's weights from that
+directory, so it holds one copy of them (written once, in a temporary
+directory under /dev/shm when there is one; removed by close()); the optimizer
+state is not written (the Trainer keeps the restored one). With no checkpoint
+it returns None and training starts from scratch, protected.
+
+Without resume(), the callback attaches at the start of training.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import tempfile
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback, TrainerState
+
+import ckpt
+from ckpt import torch as ckpt_torch
+
+__all__ = ["CkptCallback"]
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper, if any."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _unwrap_scheduler(scheduler: Any) -> Any:
+    return getattr(scheduler, "scheduler", scheduler)
+
+
+class CkptCallback(TrainerCallback):
+    """A TrainerCallback that makes every optimizer step a ckptd checkpoint;
+    ckpt.torch.attach's arguments pass through (policy, layercheck, layers,
+    rank, world_size)."""
+
+    def __init__(self, client: "ckpt.Client", job_id: str, **attach_args: Any):
+        self.client = client
+        self.job_id = job_id
+        self.attach_args = attach_args
+        self.run: Optional[ckpt_torch.Attached] = None
+        self.restored: Optional[ckpt_torch.Restored] = None
+        self._resume_dir: Optional[str] = None
+
+    # ---- resume ----
+
+    def resume(self, trainer: Any) -> Optional[str]:
+        """Restores the job's composite checkpoint into `trainer` (see the
+        module's doc) and returns the directory for
+        trainer.train(resume_from_checkpoint=...), or None when the job has
+        no checkpoint."""
+        if trainer.optimizer is None or trainer.lr_scheduler is None:
+            trainer.create_optimizer_and_scheduler(num_training_steps=self._max_steps(trainer))
+        self._attach(trainer.model, trainer.optimizer, trainer.lr_scheduler)
+        self.restored = self.run.resume()
+        if self.restored is None:
+            return None
+        position = self.restored.data_position or {}
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._resume_dir = tempfile.mkdtemp(prefix="ckpt-hf-resume-", dir=base)
+        state = TrainerState()
+        state.global_step = int(position.get("global_step", self.restored.target_step))
+        state.num_input_tokens_seen = int(position.get("num_input_tokens_seen", 0))
+        state.total_flos = float(position.get("total_flos", 0.0))
+        state.train_batch_size = position.get("train_batch_size")
+        state.save_to_json(os.path.join(self._resume_dir, "trainer_state.json"))
+        rng = {"python": random.getstate(), "cpu": torch.random.get_rng_state()}
+        if "numpy" in sys.modules:
+            rng["numpy"] = sys.modules["numpy"].random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.random.get_rng_state_all()
+        torch.save(rng, os.path.join(self._resume_dir, "rng_state.pth"))
+        from safetensors.torch import save_model
+        save_model(trainer.model, os.path.join(self._resume_dir, "model.safetensors"))
+        return self._resume_dir
+
+    @staticmethod
+    def _max_steps(trainer: Any) -> int:
+        args = trainer.args
+        if args.max_steps > 0:
+            return args.max_steps
+        per_epoch = max(len(trainer.get_train_dataloader()) // args.gradient_accumulation_steps, 1)
+        return int(per_epoch * args.num_train_epochs)
+
+    def _attach(self, model, optimizer, scheduler) -> None:
+        if self.run is None:
+            self.run = ckpt_torch.attach(model, _unwrap(optimizer), self.client, self.job_id,
+                                         scheduler=_unwrap_scheduler(scheduler),
+                                         **self.attach_args)
+
+    # ---- TrainerCallback ----
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None,
+                       lr_scheduler=None, **kwargs):
+        self._attach(model, optimizer, lr_scheduler)
+        scheduler = _unwrap_scheduler(lr_scheduler)
+        if scheduler is not None and scheduler is not self.run.scheduler:
+            # The Trainer made a new scheduler for this train() (it does not
+            # keep one made before it): give it the restored one's state and
+            # the learning rates it had set.
+            if self.restored is not None and self.run.scheduler is not None:
+                scheduler.load_state_dict(self.run.scheduler.state_dict())
+                for group, lr in zip(self.run.optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr
+            self.run.scheduler = scheduler
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # Saved with the step about to be taken: where the Trainer will be
+        # after it (its step count decides the data it skips on resume).
+        self.run.set_data_position({"global_step": state.global_step + 1,
+                                    "num_input_tokens_seen": int(state.num_input_tokens_seen),
+                                    "total_flos": float(state.total_flos),
+                                    "train_batch_size": state.train_batch_size})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self, drain: bool = True) -> None:
+        """Waits until every step is durable (with `drain`), unregisters and
+        removes the resume directory."""
+        if self.run is not None:
+            if drain and self.run.registered:
+                self.run.wait_durable()
+            self.run.close(drain)
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None

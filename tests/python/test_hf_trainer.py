@@ -1,0 +1,181 @@
+"""ckpt.hf: a Hugging Face Trainer fine-tune of a tiny randomly initialised
+GPT-2 (built from a config in code; nothing is downloaded) on the CPU,
+protected by CkptCallback with policy `all`, SIGKILLed in its second epoch
+and resumed by a new process from the composite checkpoint: every step after
+the restore and the final weights equal a failure-free run bit for bit
+(model, optimizer, scheduler, RNG, epoch and data position restored).
+A second run does the same with the base frozen and only the last block and
+the head trained (frozen layers, written once).
+
+Run by ctest (PYTHONPATH=<build>/python); exits 77 (skipped) when torch,
+transformers or the module is missing. `--worker` runs one trainer process.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import harness  # noqa: E402
+
+try:
+    import torch
+    from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                              TrainingArguments)
+    from transformers.utils import logging as hf_logging
+
+    import ckpt
+    from ckpt.hf import CkptCallback
+except ImportError as e:  # pragma: no cover - reported as a skip
+    print("skipping: %s" % e)
+    sys.exit(77)
+
+STEPS, PER_EPOCH = 30, 16  # 64 samples, batch 4: the kill falls in epoch 2
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(500 + i)
+        ids = torch.randint(0, 96, (24,), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def weights_hash(model):
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class StepLog(TrainerCallback):
+    """One line per optimizer step: the weights' hash after it; SIGKILL at
+    step `kill_at`."""
+
+    def __init__(self, path, kill_at):
+        self.log = open(path, "a")
+        self.kill_at = kill_at
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.log.write(json.dumps({"step": state.global_step, "hash": weights_hash(model)}) + "\n")
+        self.log.flush()
+        if state.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker(a):
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    torch.manual_seed(11)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)  # dropout 0.1: the RNG matters
+    if a.frozen_base:
+        for name, p in model.named_parameters():
+            if not name.startswith(("transformer.h.1.", "transformer.ln_f")):
+                p.requires_grad_(False)
+    args = TrainingArguments(output_dir=a.out, max_steps=STEPS, per_device_train_batch_size=4,
+                             learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4,
+                             weight_decay=0.01, logging_strategy="no", save_strategy="no",
+                             report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0,
+                             disable_tqdm=True)
+    callbacks = [StepLog(a.log, a.kill_at)]
+    protect = None
+    if a.socket:
+        protect = CkptCallback(ckpt.Client(a.socket, wait_timeout_s=60), a.job)
+        callbacks.append(protect)
+    trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
+    resume = protect.resume(trainer) if protect is not None and a.resume else None
+    if a.resume:
+        with open(a.log, "a") as f:
+            f.write(json.dumps({"resumed": protect.restored.target_step,
+                                "frozen_layers": protect.run.frozen_layers}) + "\n")
+    trainer.train(resume_from_checkpoint=resume)
+    with open(a.log, "a") as f:
+        f.write(json.dumps({"final": weights_hash(model)}) + "\n")
+
+
+def spawn(args, expect_kill=False):
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker"] + args,
+                       capture_output=True, text=True, timeout=600)
+    if expect_kill:
+        assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-3000:])
+    else:
+        assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok:", what)
+
+
+def case(daemon, root, name, extra, kill_at):
+    ref = os.path.join(root, name + "-ref.jsonl")
+    spawn(["--log", ref, "--out", os.path.join(root, name + "-ref")] + extra)
+    ref_rows = harness.read_jsonl(ref)
+    ref_hash = {r["step"]: r["hash"] for r in ref_rows if "step" in r}
+
+    log = os.path.join(root, name + ".jsonl")
+    common = ["--log", log, "--out", os.path.join(root, name), "--socket", daemon.socket,
+              "--job", name] + extra
+    spawn(common + ["--kill-at", str(kill_at)], expect_kill=True)
+    spawn(common + ["--resume"])
+    rows = harness.read_jsonl(log)
+    resumed = [r for r in rows if "resumed" in r][0]
+    restored = resumed["resumed"]
+    check(PER_EPOCH < restored <= kill_at,
+          "%s: resumed from durable step %d in epoch 2 (killed after %d)"
+          % (name, restored, kill_at))
+    after = [r for r in rows[rows.index(resumed):] if "step" in r]
+    check([r["step"] for r in after] == list(range(restored + 1, STEPS + 1)),
+          "%s: the Trainer continued at step %d" % (name, restored + 1))
+    check(all(r["hash"] == ref_hash[r["step"]] for r in after),
+          "%s: weights after every resumed step equal the failure-free run's" % name)
+    check(rows[-1]["final"] == ref_rows[-1]["final"],
+          "%s: final weights equal the failure-free run bit for bit" % name)
+    return resumed
+
+
+def main():
+    root = harness.tempdir("ckpt-hf-")
+    daemon = harness.Daemon(root).start()
+    try:
+        case(daemon, root, "gpt2", [], kill_at=21)
+        resumed = case(daemon, root, "gpt2-frozen", ["--frozen-base"], kill_at=19)
+        check(len(resumed["frozen_layers"]) > 0,
+              "frozen base: %d frozen layers %s" % (len(resumed["frozen_layers"]),
+                                                   resumed["frozen_layers"]))
+        layers = daemon.ctl("layers", "gpt2-frozen")["layers"]
+        frozen = [l for l in layers if l["frozen"]]
+        check(frozen and all(l["versions"] <= 2 for l in frozen),
+              "frozen layers have at most one version per registration (%s)"
+              % sorted(set(l["versions"] for l in frozen)))
+    finally:
+        daemon.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--worker", action="store_true")
+        p.add_argument("--socket")
+        p.add_argument("--job", default="job")
+        p.add_argument("--log", required=True)
+        p.add_argument("--out", required=True)
+        p.add_argument("--kill-at", type=int, default=0)
+        p.add_argument("--resume", action="store_true")
+        p.add_argument("--frozen-base", action="store_true")
+        worker(p.parse_args())
+    else:
+        main()
