@@ -6,7 +6,7 @@
 #   include/ckpt/client.h, include/ckpt/v1/      its public headers (+ ckpt.proto)
 #   lib/cmake/ckpt/                              find_package(ckpt CONFIG) -> ckpt::client
 #   lib/pkgconfig/ckpt.pc                        pkg-config --cflags --libs ckpt
-#   lib/python3.X/dist-packages/ckpt/            the Python module (ckpt, ckpt.torch)
+#   lib/python3.X/dist-packages/ckpt/            the Python module (ckpt, ckpt.torch, ckpt.hf)
 #   lib/systemd/system/ckptd.service             the unit, ExecStart at the installed paths
 #   etc/ckptd/ckptd.conf                         the config, only if none is there yet
 #   share/ckptd/ckptd.conf                       the default config, always refreshed
@@ -141,7 +141,8 @@ if(CKPT_HAVE_PYTHON_MODULE)
     COMPONENT python)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/ckpt/
     DESTINATION ${CKPT_PYTHON_INSTALL_DIR}/ckpt COMPONENT python
-    FILES_MATCHING PATTERN "*.py" PATTERN "__pycache__" EXCLUDE)
+    FILES_MATCHING PATTERN "*.py" PATTERN "*.pyi" PATTERN "py.typed"
+    PATTERN "__pycache__" EXCLUDE)
 endif()
 
 # ---- deploy files: config, systemd unit, Prometheus and Grafana ----
