@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Minimal reproduction: LayerCheck state after a composite restore.
 
 A 4-layer model, AdamW, an LR warm-up from 10% to 100% over 5 steps then
@@ -66,10 +66,10 @@ def worker(sock, restore):
                           record_trace=True)
     start = 1
     if restore:
-        plan = h.restore()
-        start = plan["target_step"] + 1
+        restored = h.restore()
+        start = restored.target_step + 1
         print("B: restored to step %d; per-layer steps %s" %
-              (plan["target_step"], [l["step"] for l in plan["layers"]]))
+              (restored.target_step, [l.step for l in restored.layers]))
     x = torch.randn(64, 32)
     for t in range(start, start + (20 if not restore else 5)):
         y = x

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Recovery-fidelity experiment for ckptd (SPEC.md section 9).
 
 A small GPT-style byte-level language model is pretrained on the Python
@@ -25,6 +25,7 @@ Standard library + torch + numpy + matplotlib (Debian: python3-matplotlib).
 """
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -47,7 +48,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
-PYTHON = sys.executable or "/usr/bin/python3"
+PYTHON = sys.executable or "python3"
 
 # --------------------------------------------------------------------------
 # Configuration
@@ -415,8 +416,9 @@ def worker_finetune(w):
         out.write(event="attach", seconds=attach_s, layers=getattr(h, "layer_names", None))
         if w.get("restore"):
             t0 = time.perf_counter()
-            plan = h.restore()
+            restored = h.restore()
             restore_s = time.perf_counter() - t0
+            plan = dataclasses.asdict(restored)
             start = int(plan["target_step"]) + 1
             cursor = plan["data_position"]
             rec = {k: v for k, v in plan.items() if k != "layers"}
