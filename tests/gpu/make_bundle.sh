@@ -11,6 +11,12 @@
 # load goes to .gpu-bundle/lib, except glibc's, libgcc_s, libstdc++ (the GPU
 # machine's are newer, hence compatible) and libcuda (the driver's own).
 # Fails when the bundle exceeds 60 MiB.
+#
+# It also carries the Python package `ckpt` built for the GPU machine's
+# interpreter (Python 3.12 there; .gpu-bundle/python/ckpt, for
+# tests/gpu/torch_gpu_check.py): compiled in BUILD_DIR-py with the headers of
+# $CKPT_BUNDLE_PYTHON (default: a python3.12 on PATH or pyenv's) and the
+# project's pybind11 (.venv). CKPT_BUNDLE_PYTHON=none leaves it out.
 set -euo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "${1:-$top/build}" && pwd)
@@ -54,6 +60,38 @@ for b in "${binaries[@]}"; do
     libs[$name]=$path
   done < <(ldd "$build/$b")
 done
+# The Python package for the GPU machine's interpreter.
+py=${CKPT_BUNDLE_PYTHON:-}
+if [ -z "$py" ]; then
+  # pyenv's shims answer for versions that are not selected: try each.
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 \
+                   "$(command -v python3.12 || true)"; do
+    if [ -x "$candidate" ] && "$candidate" -c 'import sys' 2>/dev/null; then
+      py=$candidate
+      break
+    fi
+  done
+fi
+if [ -n "$py" ] && [ "$py" != none ]; then
+  pybind11_dir=$("$top/.venv/bin/python" -m pybind11 --cmakedir)
+  CKPT_PYTHON=$py CKPT_BUILD_TARGETS=ckpt_python CKPT_BUILD_QUIET=1 \
+    "$top/deploy/build.sh" "$build-py" -DCKPT_BUILD_TESTS=OFF -Dpybind11_DIR="$pybind11_dir"
+  mkdir -p "$bundle/python"
+  cp -r "$build-py/python/ckpt" "$bundle/python/ckpt"
+  for so in "$bundle"/python/ckpt/_ckpt.*.so; do
+    strip --strip-unneeded "$so"
+    while read -r name arrow path _; do
+      [ "$arrow" = "=>" ] || continue
+      [[ "$name" =~ $skip ]] && continue
+      [ "$path" = "not" ] && { echo "make_bundle: the Python module needs $name" >&2; exit 1; }
+      libs[$name]=$path
+    done < <(ldd "$so")
+  done
+  echo "make_bundle: the Python package for $("$py" --version 2>&1)"
+elif [ "$py" != none ]; then
+  echo "make_bundle: no python3.12 here: the bundle has no Python package" \
+       "(set CKPT_BUNDLE_PYTHON)" >&2
+fi
 for name in "${!libs[@]}"; do
   strip --strip-unneeded -o "$bundle/lib/$name" "${libs[$name]}"
 done
@@ -63,6 +101,7 @@ done
        "($(git -C "$top" status --porcelain 2>/dev/null | wc -l) uncommitted changes)"
   echo "build dir $build, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   for b in "${binaries[@]}"; do echo "$b"; done
+  [ -d "$bundle/python/ckpt" ] && ls "$bundle/python/ckpt" | sed 's|^|python/ckpt/|'
   for name in "${!libs[@]}"; do echo "lib/$name <- ${libs[$name]}"; done | sort
 } >"$bundle/MANIFEST"
 
