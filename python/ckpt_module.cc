@@ -215,6 +215,25 @@ class PyClient {
     return d;
   }
 
+  // Multi-rank LayerCheck: this rank's per-layer drift sums of `step`, and
+  // the all-reduced sums handed back (client.h, ExchangeDrift).
+  std::vector<std::pair<double, double>> DriftPartials(uint64_t step) {
+    std::vector<LayerSums> sums;
+    {
+      py::gil_scoped_release release;
+      sums = Value(client_->DriftPartials(step));
+    }
+    std::vector<std::pair<double, double>> out;
+    for (const LayerSums& s : sums) out.emplace_back(s.dw2, s.w2);
+    return out;
+  }
+  void SetGlobalDrift(uint64_t step, const std::vector<std::pair<double, double>>& global) {
+    std::vector<LayerSums> sums;
+    for (const auto& [dw2, w2] : global) sums.push_back(LayerSums{dw2, w2});
+    py::gil_scoped_release release;
+    Check(client_->SetGlobalDrift(step, sums));
+  }
+
   uint64_t WaitDurable(uint64_t step) {
     py::gil_scoped_release release;
     return Value(client_->WaitDurable(step));
@@ -297,6 +316,8 @@ PYBIND11_MODULE(_ckpt, m) {
            py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{})
       .def("wait_snapshot", &PyClient::WaitSnapshot, py::arg("step"))
       .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
+      .def("drift_partials", &PyClient::DriftPartials, py::arg("step"))
+      .def("set_global_drift", &PyClient::SetGlobalDrift, py::arg("step"), py::arg("sums"))
       .def("plan", &PyClient::Plan, py::arg("target_step") = 0, py::arg("job_id") = py::none(),
            py::arg("rank") = 0)
       .def("restore", &PyClient::Restore, py::arg("target_step") = 0)

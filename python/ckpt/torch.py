@@ -52,7 +52,9 @@ as it would have.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import datetime
 import io
 import random
 import re
@@ -146,6 +148,9 @@ class Stats:
     """Trainer-visible cost per step, in seconds."""
     fence_wait_s: Tuple[float, ...]
     step_done_s: Tuple[float, ...]
+    # Multi-rank LayerCheck: each step's drift exchange (partials, the
+    # all-reduce, the global sums back), run beside the next forward/backward.
+    drift_exchange_s: Tuple[float, ...] = ()
 
 
 # ---- set-up helpers ----
@@ -220,13 +225,79 @@ def _guard_other_optimizers(optimizer, args, kwargs):
                         "ckptd would not see: close() that run and attach() this optimizer")
 
 
+class _DriftExchange:
+    """Multi-rank LayerCheck: after StepDone(t), this rank's per-layer drift
+    sums of step t are all-reduced over a gloo process group and handed back
+    to ckptd, so every rank selects the same layers at the same step. It runs
+    on one background thread (collectives in step order), overlapping the
+    next forward and backward; the next optimizer step waits for it before
+    its fence. A rank whose ckptd cannot answer still takes part with zeros,
+    so the others never wait for it."""
+
+    def __init__(self, client: "ckpt.Client", group: Any):
+        self._client = client
+        self._group = group
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-drift")
+        self._pending: Optional[concurrent.futures.Future] = None
+        self.seconds: List[float] = []
+
+    def submit(self, step: int, layers: int) -> None:
+        self._pending = self._pool.submit(self._exchange, step, layers)
+
+    def _exchange(self, step: int, layers: int) -> None:
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        error = None
+        try:
+            partial = self._client.drift_partials(step)
+        except ckpt.Error as e:
+            partial, error = [(0.0, 0.0)] * layers, e
+        flat = torch.tensor([x for pair in partial for x in pair], dtype=torch.float64)
+        dist.all_reduce(flat, group=self._group)
+        if error is None:
+            v = flat.tolist()
+            try:
+                self._client.set_global_drift(step, list(zip(v[0::2], v[1::2])))
+            except ckpt.Error as e:
+                error = e
+        # Training on unprotected (on_daemon_loss="continue") is not an error.
+        if error is not None and not self._client.unprotected:
+            raise error
+        self.seconds.append(time.perf_counter() - t0)
+
+    def join(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.join()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _drift_group(process_group: Any) -> Any:
+    import torch.distributed as dist
+    if process_group is not None:
+        return process_group
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "world_size > 1 with policy 'layercheck' all-reduces each step's layer drift over the "
+            "job's process group: initialize torch.distributed first (or pass process_group=)")
+    # A group of its own, on gloo (CPU tensors, never the training NCCL group
+    # from a background thread). new_group is collective: every rank
+    # attaches in the same order.
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=5))
+
+
 class Attached:
     """A model and optimizer attached to ckptd (see attach())."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  client: "ckpt.Client", job_id: str, rank: int, world_size: int, policy: str,
                  layercheck: Optional[dict], layers: Optional[LayerOf],
-                 scheduler: Any, record_trace: bool):
+                 scheduler: Any, record_trace: bool, process_group: Any = None):
         global _GUARD_HANDLE
         if not isinstance(client, ckpt.Client):
             raise TypeError("client must be a ckpt.Client")
@@ -263,6 +334,9 @@ class Attached:
                 raise RuntimeError(
                     f"this model or optimizer is already attached to job '{run.job_id}' rank "
                     f"{run.rank}; call close() on that run before attaching again")
+        self._exchange = None
+        if world_size > 1 and self._policy["kind"] == "LAYERCHECK":
+            self._exchange = _DriftExchange(client, _drift_group(process_group))
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]
         if _GUARD_HANDLE is None:
@@ -432,6 +506,8 @@ class Attached:
         if self._internal or self._closed or not self._registered or self._step == 0:
             return
         t0 = time.perf_counter()
+        if self._exchange is not None:
+            self._exchange.join()
         self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
         self._fence_wait_s.append(time.perf_counter() - t0)
 
@@ -454,6 +530,8 @@ class Attached:
                               self._group_steps())
         self._step_done_s.append(time.perf_counter() - t0)
         self._step = t
+        if self._exchange is not None:
+            self._exchange.submit(t, len(self._layer_names))
 
     # ---- the state saved with each step ----
 
@@ -602,10 +680,13 @@ class Attached:
 
     def wait_durable(self) -> int:
         """Waits until everything reported so far is durable; returns that step."""
+        if self._exchange is not None:
+            self._exchange.join()
         return self.client.wait_durable(self._step)
 
     def stats(self) -> Stats:
-        return Stats(tuple(self._fence_wait_s), tuple(self._step_done_s))
+        return Stats(tuple(self._fence_wait_s), tuple(self._step_done_s),
+                     tuple(self._exchange.seconds) if self._exchange is not None else ())
 
     def close(self, drain: bool = True) -> None:
         """Removes the hooks and unregisters (after the staged steps are
@@ -616,6 +697,8 @@ class Attached:
         for h in self._hooks:
             h.remove()
         _LIVE.discard(self)
+        if self._exchange is not None:
+            self._exchange.close()
         if self._registered:
             self.client.unregister(drain)
 
@@ -660,16 +743,21 @@ def _load_aux(blob: bytes, step: int) -> Optional[dict]:
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ckpt.Client",
            job_id: str, rank: int = 0, world_size: int = 1, policy: str = "all",
            layercheck: Optional[dict] = None, layers: Optional[LayerOf] = None,
-           scheduler: Any = None, record_trace: bool = False) -> Attached:
+           scheduler: Any = None, record_trace: bool = False,
+           process_group: Any = None) -> Attached:
     """Attaches `model` and `optimizer` to ckptd through `client` and returns
     an Attached; the rank registers at the first optimizer step (or at
     restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
     "none"; `layercheck`: its parameters (k0, k0_embedding, k_floor, s_max,
     warmup, warmup_interval, full_every); `layers`: None for the automatic
     grouping, or a callable name -> layer name (or (name, kind)).
+    With world_size > 1 and policy "layercheck", each step's layer drift is
+    all-reduced over `process_group` (default: a gloo group of the whole
+    world, made here, so every rank must attach in the same order) and every
+    rank selects the same layers.
     Raises ValueError naming the tensor for tensors ckptd cannot map (sparse,
     meta, non-contiguous, another device than the rest), RuntimeError when
     the model or optimizer is attached already, and ckpt.Error for refusals
     by ckptd."""
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
-                    layers, scheduler, record_trace)
+                    layers, scheduler, record_trace, process_group)
