@@ -129,5 +129,12 @@ def read_jsonl(path):
     return rows
 
 
+def check(cond, what):
+    """Fails the test with `what` unless `cond`; prints "ok: what" when it holds."""
+    if not cond:
+        raise AssertionError(what)
+    print("ok:", what)
+
+
 def tempdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("CKPT_TEST_TMP", "/tmp"))

@@ -23,6 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
+from harness import check  # noqa: E402
 
 try:
     import torch
@@ -111,12 +112,6 @@ def spawn(args, expect_kill=False):
         assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-3000:])
     else:
         assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
 
 
 def case(daemon, root, name, extra, kill_at):

@@ -41,6 +41,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
+from harness import check  # noqa: E402
 
 try:
     import torch
@@ -172,12 +173,6 @@ def spawn(args_list, expect_kill=False):
         assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr)
     else:
         assert p.returncode == 0, (p.returncode, p.stderr)
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
 
 
 def bad_input(daemon):

@@ -22,6 +22,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
+from harness import check  # noqa: E402
 
 try:
     import torch
@@ -63,12 +64,6 @@ def worker(a):
                       "exchanges": len(st.drift_exchange_s)}))
     run.close()
     dist.destroy_process_group()
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-    print("ok:", what)
 
 
 def main():
