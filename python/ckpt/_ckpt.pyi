@@ -70,9 +70,9 @@ class RestoreDict(PlanDict):
     seconds: float
 
 class SnapshotDict(TypedDict):
-    layers: List[int]
-    skipped: List[int]
-    lost: List[int]
+    layers: int      # layers selected at the step
+    skipped: int     # of them, not taken (staging full)
+    lost: bool       # the step was reported before ckptd restarted
 
 class Region:
     """A memfd region of the client, writable through the buffer protocol."""

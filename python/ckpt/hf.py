@@ -19,20 +19,25 @@ them, the model and the RNG states, and returns a directory for
 count, from which it skips the data already seen, and the RNG states to take
 after skipping). The Trainer insists on reading the model's weights from that
 directory, so it holds one copy of them (written once, in a temporary
-directory under /dev/shm when there is one; removed by close()); the optimizer
-state is not written (the Trainer keeps the restored one). With no checkpoint
-it returns None and training starts from scratch, protected.
+directory under /dev/shm when there is one; removed after the first step);
+the optimizer state is not written (the Trainer keeps the restored one). With
+no checkpoint it returns None and training starts from scratch, protected.
+The Trainer makes its own scheduler in train(); the callback loads the
+restored scheduler state into it. A CkptCallback protects one train() call.
+Not saved: an fp16 GradScaler's scale (bf16 needs none).
 
 Without resume(), the callback attaches at the start of training.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
 import sys
 import tempfile
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -104,8 +109,10 @@ class CkptCallback(TrainerCallback):
         args = trainer.args
         if args.max_steps > 0:
             return args.max_steps
-        per_epoch = max(len(trainer.get_train_dataloader()) // args.gradient_accumulation_steps, 1)
-        return int(per_epoch * args.num_train_epochs)
+        # The Trainer's own count (its scheduler replaces the one made here).
+        per_epoch = max(math.ceil(len(trainer.get_train_dataloader()) /
+                                  args.gradient_accumulation_steps), 1)
+        return math.ceil(per_epoch * args.num_train_epochs)
 
     def _attach(self, model, optimizer, scheduler) -> None:
         if self.run is None:
@@ -117,16 +124,22 @@ class CkptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):
+        if self.run is not None and self.run.closed:
+            raise RuntimeError("a CkptCallback protects one train() call; give another train() "
+                               "a new CkptCallback with a new ckpt.Client")
         self._attach(model, optimizer, lr_scheduler)
         scheduler = _unwrap_scheduler(lr_scheduler)
         if scheduler is not None and scheduler is not self.run.scheduler:
             # The Trainer made a new scheduler for this train() (it does not
-            # keep one made before it): give it the restored one's state and
-            # the learning rates it had set.
-            if self.restored is not None and self.run.scheduler is not None:
-                scheduler.load_state_dict(self.run.scheduler.state_dict())
-                for group, lr in zip(self.run.optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr
+            # keep one made before it, and sizes it itself): load the
+            # restored state into it and replay the step the Trainer takes
+            # after each optimizer step, with its own schedule.
+            if self.run.restored_scheduler_state is not None:
+                scheduler.load_state_dict(self.run.restored_scheduler_state)
+                if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        scheduler.step()
             self.run.scheduler = scheduler
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -137,16 +150,24 @@ class CkptCallback(TrainerCallback):
                                     "total_flos": float(state.total_flos),
                                     "train_batch_size": state.train_batch_size})
 
+    def on_step_end(self, args, state, control, **kwargs):
+        # The Trainer has read the resume directory (weights before the
+        # loop, RNG states before its first step): it is not needed again.
+        self._remove_resume_dir()
+
     def on_train_end(self, args, state, control, **kwargs):
         self.close()
+
+    def _remove_resume_dir(self) -> None:
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None
 
     def close(self, drain: bool = True) -> None:
         """Waits until every step is durable (with `drain`), unregisters and
         removes the resume directory."""
-        if self.run is not None:
+        if self.run is not None and not self.run.closed:
             if drain and self.run.registered:
                 self.run.wait_durable()
             self.run.close(drain)
-        if self._resume_dir is not None:
-            shutil.rmtree(self._resume_dir, ignore_errors=True)
-            self._resume_dir = None
+        self._remove_resume_dir()

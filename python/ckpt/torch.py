@@ -32,9 +32,9 @@ step of learning rate 0 (weights unchanged) and then overwrites everything.
 CPU tensors move once, at registration, into shared memory ckptd maps (each
 tensor keeps its identity: its storage is replaced with ``Tensor.set_``).
 CUDA tensors stay where they are: ckptd opens them through CUDA IPC (memory
-of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` as exported
-descriptors, where the client supports it), and each StepDone records an
-event on the stream the optimizer step ran on. A rank registers the tensors
+of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` cannot be opened
+that way and is refused at registration, naming the tensor), and each
+StepDone records an event on the stream the optimizer step ran on. A rank registers the tensors
 of one device: a model split over CPU and GPU, or over two GPUs, is refused
 naming a tensor on each.
 
@@ -44,8 +44,9 @@ the previous step (the fence; normally done during forward and backward);
 tensors: the torch (and CUDA), ``random`` and numpy RNG states, learning
 rates, optimizer step counts, the scheduler's state, the data position and
 ``extra_state``. It is saved with ``torch.save`` and read back only with
-``torch.load(weights_only=True)``: nothing that comes back from ckptd can run
-code. restore() writes the composite checkpoint into the live tensors and
+``torch.load(weights_only=True)``, PyTorch's restricted unpickler (2.6 or
+newer: older releases could be made to run code); a blob in any other format
+is not loaded at all. restore() writes the composite checkpoint into the live tensors and
 puts all of that back, so training continues at ``target_step + 1`` exactly
 as it would have.
 """
@@ -68,6 +69,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ckpt
+
+if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
+    # Older releases' torch.load(weights_only=True) could be made to run code.
+    raise ImportError(f"ckpt.torch needs PyTorch 2.6 or newer, not {torch.__version__}")
 
 __all__ = ["Attached", "LayerPlan", "Plan", "Restored", "Stats", "attach", "default_layer_of"]
 
@@ -297,17 +302,24 @@ class Attached:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  client: "ckpt.Client", job_id: str, rank: int, world_size: int, policy: str,
                  layercheck: Optional[dict], layers: Optional[LayerOf],
-                 scheduler: Any, record_trace: bool, process_group: Any = None):
+                 scheduler: Any, record_trace: bool, process_group: Any = None,
+                 scheduler_step: str = "optimizer"):
         global _GUARD_HANDLE
         if not isinstance(client, ckpt.Client):
             raise TypeError("client must be a ckpt.Client")
+        if scheduler_step not in ("optimizer", "manual"):
+            raise ValueError("scheduler_step must be 'optimizer' or 'manual'")
         self.client = client
         self.job_id = job_id
         self.rank = rank
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.scheduler_step = scheduler_step
         self.extra_state: Dict[str, Any] = {}
+        # The scheduler state restore() found, before any replay (ckpt.hf
+        # loads it into the Trainer's own scheduler).
+        self.restored_scheduler_state: Optional[dict] = None
         self._world_size = world_size
         self._kind = _optimizer_kind(optimizer)
         self._policy = _parse_policy(policy, self._kind, layercheck, record_trace)
@@ -317,11 +329,13 @@ class Attached:
         self._registered = False
         self._closed = False
         self._internal = False  # the state-creating step of restore()
-        self._aux_checked = False
+        self._aux_checked: Any = None  # the shape of the last state checked loadable
+        self._read_only_below = 0  # restore() of an older step: no training after it
         self._entries: List[_Entry] = []
         self._frozen_layers: List[str] = []
         self._layer_names: List[str] = []
         self._state_keys = 0
+        self._frozen_in_optimizer: List[Tuple[str, torch.nn.Parameter]] = []
         self._fence_wait_s: List[float] = []
         self._step_done_s: List[float] = []
 
@@ -334,6 +348,10 @@ class Attached:
                 raise RuntimeError(
                     f"this model or optimizer is already attached to job '{run.job_id}' rank "
                     f"{run.rank}; call close() on that run before attaching again")
+        if client.generation != 0 or any(run.client is client for run in _LIVE):
+            # A client keeps its regions and step count across registrations.
+            raise ValueError("this ckpt.Client was used by an earlier attach(); give each "
+                             "attach() a new ckpt.Client")
         self._exchange = None
         if world_size > 1 and self._policy["kind"] == "LAYERCHECK":
             self._exchange = _DriftExchange(client, _drift_group(process_group))
@@ -346,7 +364,7 @@ class Attached:
     # ---- set-up ----
 
     def _collect_params(self) -> List[Tuple[str, torch.nn.Parameter, Optional[int]]]:
-        """(name, parameter, optimizer group or None for frozen) in model order."""
+        """(name, parameter, optimizer group or None) in model order."""
         group_of: Dict[int, int] = {}
         for gi, g in enumerate(self.optimizer.param_groups):
             for p in g["params"]:
@@ -358,9 +376,13 @@ class Attached:
         out = []
         for name, p in params:
             _check_mappable(name, p.data)
-            trains = id(p) in group_of and p.requires_grad
-            out.append((name, p, group_of[id(p)] if trains else None))
+            out.append((name, p, group_of.get(id(p))))
         return out
+
+    def _trained(self) -> List[Tuple[str, torch.nn.Parameter, int]]:
+        """Parameters the optimizer steps: in it and requiring grad (decided
+        at registration; see _check_frozen)."""
+        return [(n, p, gi) for n, p, gi in self._params if gi is not None and p.requires_grad]
 
     def _collect_buffers(self) -> List[Tuple[str, torch.Tensor]]:
         """Persistent buffers (those a state_dict holds)."""
@@ -407,8 +429,10 @@ class Attached:
             layer["tensors"].append(spec)
 
         for name, p, gi in self._params:
+            if p.numel() == 0:
+                continue  # nothing to keep
             lname, kind = self._layer(name)
-            if gi is None:
+            if gi is None or not p.requires_grad:
                 add(lname + ".frozen", kind, True, name, p, {"role": "PARAM"})
                 continue
             g = groups[gi]
@@ -426,15 +450,22 @@ class Attached:
                 add(lname, kind, False, f"{name}.{key}", value,
                     {"role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name})
         for name, b in self._buffers:
+            if b.numel() == 0:
+                continue
             lname, kind = self._layer(name)
             add(lname, kind, False, name, b, {"role": "OTHER"})
         return entries, layers
 
     def _count_state(self) -> int:
-        return sum(len(self.optimizer.state.get(p, {})) for _, p, gi in self._params
-                   if gi is not None)
+        return sum(len(self.optimizer.state.get(p, {})) for _, p, _ in self._trained())
 
     def _register(self) -> None:
+        # Every trained parameter gets its state now, also one that had no
+        # gradient yet (a branch not taken, an expert not routed to): the
+        # layout must not change once registered.
+        self._create_missing_state()
+        self._frozen_in_optimizer = [(n, p) for n, p, gi in self._params
+                                     if gi is not None and not p.requires_grad]
         entries, layers = self._layout()
         if self._device.type == "cpu":
             self._share_host_memory(entries)
@@ -477,33 +508,68 @@ class Attached:
                                                         e.name)
             e.spec.update(region=region, offset=offset)
 
-    def _create_optimizer_state(self) -> None:
-        """Lets the optimizer create its state with one step of learning rate
-        0 and zero gradients, which leaves every weight as it is (restore()
-        then overwrites the state and the step counts)."""
-        trained = [p for _, p, gi in self._params if gi is not None]
-        if all(len(self.optimizer.state.get(p, {})) > 0 for p in trained):
+    def _create_missing_state(self) -> None:
+        """Lets the optimizer make the state of every trained parameter that
+        has none yet, exactly as its first step would leave it: one step
+        over those parameters alone, with zero gradients, learning rate 0 and
+        weight decay 0 (their weights do not move and their moments stay 0),
+        after which their step counts are set back to 0."""
+        missing = [p for _, p, _ in self._trained() if len(self.optimizer.state.get(p, {})) == 0]
+        if not missing:
             return
-        grads = [p.grad for p in trained]
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        ids = {id(p) for p in missing}
+        groups = self.optimizer.param_groups
+        grads = [(p, p.grad) for g in groups for p in g["params"]]
+        saved = [(g["lr"], g.get("weight_decay")) for g in groups]
         try:
-            for p in trained:
-                p.grad = torch.zeros_like(p)
-            for g in self.optimizer.param_groups:
+            for p, _ in grads:
+                p.grad = torch.zeros_like(p) if id(p) in ids else None
+            for g in groups:
                 g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+                if "weight_decay" in g:
+                    g["weight_decay"] = 0.0
             self._internal = True
             self.optimizer.step()
         finally:
             self._internal = False
-            for g, lr in zip(self.optimizer.param_groups, lrs):
+            for g, (lr, wd) in zip(groups, saved):
                 g["lr"] = lr
-            for p, grad in zip(trained, grads):
+                if wd is not None:
+                    g["weight_decay"] = wd
+            for p, grad in grads:
                 p.grad = grad
+        for p in missing:
+            step = self.optimizer.state[p].get("step")
+            if torch.is_tensor(step):
+                step.zero_()
+            elif step is not None:
+                self.optimizer.state[p]["step"] = 0
+
+    def _check_frozen(self) -> None:
+        """Before a step: a parameter registered as frozen that the optimizer
+        would now change (unfrozen after registration) is refused before it
+        changes: ckptd would keep its bytes from when it was written."""
+        for name, p in self._frozen_in_optimizer:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{name}' was frozen (requires_grad=False) when the rank "
+                    f"registered with ckptd and now requires grad: ckptd keeps frozen weights "
+                    "from when they were written. Unfreeze before the first optimizer step, or "
+                    "close() and attach() the model to a new job")
 
     # ---- hooks ----
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if self._internal or self._closed or not self._registered or self._step == 0:
+        if self._internal or self._closed or not self._registered:
+            return
+        if self._step < self._read_only_below:
+            raise RuntimeError(
+                f"job '{self.job_id}' was restored to step {self._step}, older than its step "
+                f"{self._read_only_below}: ckptd keeps a job's steps in order, so training cannot "
+                "go on from an older step under the same job id (restore() the latest step, or "
+                "attach to a new job)")
+        self._check_frozen()
+        if self._step == 0:
             return
         t0 = time.perf_counter()
         if self._exchange is not None:
@@ -517,10 +583,12 @@ class Attached:
         if not self._registered:
             self._register()  # the optimizer state exists now
         elif self._count_state() != self._state_keys:
+            # _register gave every trained parameter its state; more keys
+            # mean an optimizer that adds state later (none of the supported
+            # ones do).
             self._state_keys = self._count_state()
-            warnings.warn("optimizer state appeared after the first step for parameters that had "
-                          "no gradient then; ckptd does not see it until the rank registers again "
-                          "(close() and attach())", RuntimeWarning, stacklevel=3)
+            warnings.warn("the optimizer added state after the rank registered; ckptd does not "
+                          "see it", RuntimeWarning, stacklevel=3)
         t = self._step + 1
         aux = self._aux_blob(t)
         if self._device.type == "cuda":
@@ -547,6 +615,15 @@ class Attached:
                     break
         return steps
 
+    def _param_steps(self) -> List[int]:
+        """Each trained parameter's own step count (Adam keeps one per
+        parameter; one that had no gradient at a step did not count it)."""
+        out = []
+        for _, p, _ in self._trained():
+            s = self.optimizer.state.get(p, {}).get("step")
+            out.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
+        return out
+
     def _aux(self, step: int) -> dict:
         rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if self._device.type == "cuda":
@@ -558,7 +635,7 @@ class Attached:
                             int(has_gauss), float(cached)]
         return {"format": _AUX_FORMAT, "step": step, "rng": rng,
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
-                "group_steps": self._group_steps(),
+                "group_steps": self._group_steps(), "param_steps": self._param_steps(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "data_position": self._data_position, "extra": self.extra_state}
 
@@ -566,9 +643,11 @@ class Attached:
         buf = io.BytesIO()
         torch.save(self._aux(step), buf)
         blob = buf.getvalue()
-        if not self._aux_checked:
-            # Once: what cannot be read back safely is refused now, not at
-            # restore time.
+        shape = _type_shape([self._data_position, self.extra_state,
+                             self.scheduler.state_dict() if self.scheduler is not None else None])
+        if shape != self._aux_checked:
+            # Whenever the kinds of values saved change: what cannot be read
+            # back safely is refused now, not at restore time.
             try:
                 _load_aux(blob, step)
             except ckpt.Error as e:
@@ -576,7 +655,7 @@ class Attached:
                     "the state saved with each step must be tensors, numbers, strings, None, "
                     "lists, tuples and dicts (check set_data_position(), extra_state and the "
                     f"scheduler's state_dict()): {e.message}") from None
-            self._aux_checked = True
+            self._aux_checked = shape
         return blob
 
     def _apply_aux(self, aux: dict) -> None:
@@ -594,18 +673,28 @@ class Attached:
                 g["lr"].fill_(lr)
             else:
                 g["lr"] = lr
-        for gi, s in aux["group_steps"]:
-            for p in self.optimizer.param_groups[gi]["params"]:
-                st = self.optimizer.state.get(p, {}).get("step")
-                if torch.is_tensor(st):
-                    st.fill_(s)
-                elif st is not None:
-                    self.optimizer.state[p]["step"] = s
-        if self.scheduler is not None and aux.get("scheduler") is not None:
-            # Saved after optimizer.step() and before the loop's
-            # scheduler.step(); replay that one.
-            self.scheduler.load_state_dict(aux["scheduler"])
-            self.scheduler.step()
+        trained = self._trained()
+        steps = aux["param_steps"]
+        if len(steps) != len(trained):
+            raise ckpt.Error("FAILED_PRECONDITION",
+                             f"the checkpoint has step counts of {len(steps)} trained parameters, "
+                             f"the model {len(trained)}")
+        for (_, p, _), s in zip(trained, steps):
+            st = self.optimizer.state.get(p, {}).get("step")
+            if s < 0 or st is None:
+                continue
+            if torch.is_tensor(st):
+                st.fill_(s)
+            else:
+                self.optimizer.state[p]["step"] = s
+        self.restored_scheduler_state = aux.get("scheduler")
+        if self.scheduler is not None and self.restored_scheduler_state is not None:
+            self.scheduler.load_state_dict(self.restored_scheduler_state)
+            if self.scheduler_step == "optimizer" and not isinstance(
+                    self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                # Saved after optimizer.step() and before the loop's
+                # scheduler.step(); replay that one.
+                self.scheduler.step()
         self._data_position = aux["data_position"]
         self.extra_state = aux["extra"]
 
@@ -615,6 +704,10 @@ class Attached:
     def step(self) -> int:
         """The last step reported to ckptd (0 before the first)."""
         return self._step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def registered(self) -> bool:
@@ -653,15 +746,20 @@ class Attached:
         rates, optimizer step counts, scheduler and data position saved with
         it. Raises ckpt.Error NOT_FOUND when the job has no checkpoint (and
         then changes nothing)."""
+        # The plan first: NOT_FOUND before anything is created, and the saved
+        # state checked before any tensor is written.
+        plan = self.client.plan(step or 0, job_id=self.job_id, rank=self.rank)
+        target = plan["target_step"]
+        aux = _load_aux(plan["aux"], target)
+        latest = target if step is None else self.plan().target_step
         if not self._registered:
-            self.plan(step)  # NOT_FOUND before anything is created
-            self._create_optimizer_state()
             self._register()
-        reply = self.client.restore(step or 0)
-        target = reply["target_step"]
-        aux = _load_aux(reply["aux"], target)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # no queued kernel writes after the restore
+        reply = self.client.restore(target)
         if aux is not None:
             self._apply_aux(aux)
+        self._read_only_below = max(latest, self._step) if target < max(latest, self._step) else 0
         self._step = target
         plan = self._plan_of(reply)
         return Restored(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
@@ -721,14 +819,30 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def _type_shape(x: Any, depth: int = 0) -> Any:
+    """The kinds of values in `x` (types, dict keys, nesting), not the values:
+    what decides whether torch.load(weights_only=True) can read it back."""
+    if depth > 8:
+        return type(x)
+    if isinstance(x, dict):
+        return (dict, tuple((k, _type_shape(v, depth + 1)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_type_shape(v, depth + 1) for v in x))
+    if torch.is_tensor(x):
+        return (torch.Tensor, x.dtype)
+    return type(x)
+
+
 def _load_aux(blob: bytes, step: int) -> Optional[dict]:
-    """The state saved with `step`, read without running code."""
+    """The state saved with `step`, read with PyTorch's restricted unpickler
+    (weights_only): only tensors and plain containers and values."""
     if not blob:
         return None
-    if blob[:1] == b"\x80":
+    if not blob.startswith(b"PK\x03\x04"):  # torch.save's zip format
         raise ckpt.Error("FAILED_PRECONDITION",
-                         f"the state saved with step {step} is a pickle (an older ckpt.torch); "
-                         "it is not loaded, since unpickling can run code")
+                         f"the state saved with step {step} is not ckpt.torch's (a pickle from an "
+                         "older ckpt.torch, or anything else); it is not loaded, since unpickling "
+                         "can run code")
     try:
         aux = torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means a damaged blob
@@ -744,7 +858,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
            job_id: str, rank: int = 0, world_size: int = 1, policy: str = "all",
            layercheck: Optional[dict] = None, layers: Optional[LayerOf] = None,
            scheduler: Any = None, record_trace: bool = False,
-           process_group: Any = None) -> Attached:
+           process_group: Any = None, scheduler_step: str = "optimizer") -> Attached:
     """Attaches `model` and `optimizer` to ckptd through `client` and returns
     an Attached; the rank registers at the first optimizer step (or at
     restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
@@ -755,9 +869,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     all-reduced over `process_group` (default: a gloo group of the whole
     world, made here, so every rank must attach in the same order) and every
     rank selects the same layers.
+    `scheduler_step`: "optimizer" when the loop calls scheduler.step() after
+    every optimizer.step() (restore replays the one after the restored step),
+    "manual" when it steps the scheduler elsewhere (per epoch;
+    ReduceLROnPlateau is never replayed).
     Raises ValueError naming the tensor for tensors ckptd cannot map (sparse,
     meta, non-contiguous, another device than the rest), RuntimeError when
     the model or optimizer is attached already, and ckpt.Error for refusals
     by ckptd."""
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
-                    layers, scheduler, record_trace, process_group)
+                    layers, scheduler, record_trace, process_group, scheduler_step)

@@ -84,7 +84,12 @@ def worker(a):
         for name, p in model.named_parameters():
             if not name.startswith(("transformer.h.1.", "transformer.ln_f")):
                 p.requires_grad_(False)
-    args = TrainingArguments(output_dir=a.out, max_steps=STEPS, per_device_train_batch_size=4,
+    # Either max_steps, or epochs with gradient accumulation (the Trainer
+    # then sizes its schedule from the data: ceil(16 batches / 5) = 4 steps
+    # per epoch).
+    steps = dict(max_steps=STEPS) if not a.epochs else dict(
+        num_train_epochs=a.epochs, gradient_accumulation_steps=a.ga)
+    args = TrainingArguments(output_dir=a.out, **steps, per_device_train_batch_size=4,
                              learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4,
                              weight_decay=0.01, logging_strategy="no", save_strategy="no",
                              report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0,
@@ -114,11 +119,12 @@ def spawn(args, expect_kill=False):
         assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
 
 
-def case(daemon, root, name, extra, kill_at):
+def case(daemon, root, name, extra, kill_at, first_epoch_steps=PER_EPOCH):
     ref = os.path.join(root, name + "-ref.jsonl")
     spawn(["--log", ref, "--out", os.path.join(root, name + "-ref")] + extra)
     ref_rows = harness.read_jsonl(ref)
     ref_hash = {r["step"]: r["hash"] for r in ref_rows if "step" in r}
+    total = max(ref_hash)
 
     log = os.path.join(root, name + ".jsonl")
     common = ["--log", log, "--out", os.path.join(root, name), "--socket", daemon.socket,
@@ -128,11 +134,11 @@ def case(daemon, root, name, extra, kill_at):
     rows = harness.read_jsonl(log)
     resumed = [r for r in rows if "resumed" in r][0]
     restored = resumed["resumed"]
-    check(PER_EPOCH < restored <= kill_at,
+    check(first_epoch_steps < restored <= kill_at,
           "%s: resumed from durable step %d in epoch 2 (killed after %d)"
           % (name, restored, kill_at))
     after = [r for r in rows[rows.index(resumed):] if "step" in r]
-    check([r["step"] for r in after] == list(range(restored + 1, STEPS + 1)),
+    check([r["step"] for r in after] == list(range(restored + 1, total + 1)),
           "%s: the Trainer continued at step %d" % (name, restored + 1))
     check(all(r["hash"] == ref_hash[r["step"]] for r in after),
           "%s: weights after every resumed step equal the failure-free run's" % name)
@@ -150,6 +156,11 @@ def main():
         check(len(resumed["frozen_layers"]) > 0,
               "frozen base: %d frozen layers %s" % (len(resumed["frozen_layers"]),
                                                    resumed["frozen_layers"]))
+        # Epochs and gradient accumulation 5: the resumed Trainer's own
+        # scheduler takes the restored state (it used to be sized by a
+        # different count, and the first resumed step used lr 0).
+        case(daemon, root, "gpt2-ga5", ["--epochs", "2", "--ga", "5"], kill_at=6,
+             first_epoch_steps=4)
         layers = daemon.ctl("layers", "gpt2-frozen")["layers"]
         frozen = [l for l in layers if l["frozen"]]
         check(frozen and all(l["versions"] <= 2 for l in frozen),
@@ -171,6 +182,8 @@ if __name__ == "__main__":
         p.add_argument("--kill-at", type=int, default=0)
         p.add_argument("--resume", action="store_true")
         p.add_argument("--frozen-base", action="store_true")
+        p.add_argument("--epochs", type=int, default=0)
+        p.add_argument("--ga", type=int, default=1)
         worker(p.parse_args())
     else:
         main()

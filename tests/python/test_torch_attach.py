@@ -374,6 +374,140 @@ def defects(daemon):
           % frozen)
 
 
+class Branchy(nn.Module):
+    """Layer b is used from step `b_from` on: it has no gradient before."""
+
+    def __init__(self, b_from):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b_from = b_from
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        x = torch.tanh(self.a(x))
+        return self.b(x) if self.calls >= self.b_from else x
+
+
+def review_defects(daemon):
+    """Defects a review of ckpt.torch found, each reproduced first."""
+    # A parameter with no gradient at step 1 (a branch not taken yet) had
+    # no state when the rank registered: its state was never checkpointed
+    # and a new process could not restore (a tensor-count mismatch).
+    def branchy(seed):
+        torch.manual_seed(seed)
+        model = Branchy(b_from=3)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    want, got, restored, model, opt = round_trip(daemon, "late-state", branchy, steps=6)
+    steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters()}
+    check(all(torch.equal(a, b) for a, b in zip(got, want)) and
+          steps == {"a.weight": 6, "a.bias": 6, "b.weight": 4, "b.bias": 4},
+          "a parameter first stepped at step 3 restores exactly, with per-parameter step "
+          "counts %s" % steps)
+
+    # A parameter frozen when the rank registered and unfrozen later would
+    # keep its first bytes in ckptd: refused before the step changes it.
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="unfreeze")
+    train_steps(model, opt, 2)
+    model[0].weight.requires_grad_(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        train_steps(model, opt, 1, seed=9)
+        raise AssertionError("a parameter unfrozen after registration stepped")
+    except RuntimeError as e:
+        check("was frozen" in str(e) and
+              all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
+              "unfreezing after registration is refused before the step: %s" % str(e)[:90])
+    run.close()
+
+    # restore() of an older step, then training: ckptd keeps steps in order;
+    # refused before the optimizer changes anything.
+    model, opt = branchy(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="older")
+    train_steps(model, opt, 6)
+    run.wait_durable()
+    run.close()
+    model, opt = branchy(2)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="older")
+    check(run.restore(3).target_step == 3, "restore(3) of a job at step 6")
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        train_steps(model, opt, 1)
+        raise AssertionError("training went on from an older step")
+    except RuntimeError as e:
+        check("older than its step 6" in str(e) and
+              all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
+              "training after restore(older) is refused before the step: %s" % str(e)[:80])
+    client = run.client
+    run.close()
+
+    # A client reused by a second attach() kept its old step count and
+    # regions (fences returned at once, wait_durable failed).
+    model, opt = branchy(3)
+    try:
+        ckpt_torch.attach(model, opt, client, job_id="reuse")
+        raise AssertionError("a used client was accepted")
+    except ValueError as e:
+        check("used by an earlier attach()" in str(e), "a used client is refused: %s" % e)
+
+    # ReduceLROnPlateau (and per-epoch schedulers) are not stepped per
+    # optimizer step: restore replayed one step (a TypeError for plateau).
+    for name, make in (("plateau", lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(
+                           o, factor=0.5, patience=0)),
+                       ("epoch", lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))):
+        lrs = []
+        for seed in (1, 2):
+            model, opt = branchy(seed)
+            sched = make(opt)
+            run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="sched-" + name,
+                                    scheduler=sched, scheduler_step="manual")
+            if seed == 1:
+                for epoch in range(2):
+                    train_steps(model, opt, 4, seed=10 * epoch)
+                    sched.step(1.0) if name == "plateau" else sched.step()
+                train_steps(model, opt, 2, seed=50)  # mid-epoch
+                run.wait_durable()
+            else:
+                run.restore()
+            lrs.append(opt.param_groups[0]["lr"])
+            run.close()
+        check(lrs[0] == lrs[1], "%s scheduler (scheduler_step='manual'): lr %g restored as %g"
+              % (name, lrs[1], lrs[0]))
+
+    # What is saved with a step is checked whenever its kinds change, not
+    # only at the first step (a numpy scalar from step 2 on made every later
+    # checkpoint unreadable).
+    import numpy as np
+    model, opt = branchy(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="late-unsafe")
+    run.set_data_position(1)
+    train_steps(model, opt, 1)
+    run.set_data_position(np.int64(2))
+    try:
+        train_steps(model, opt, 1)
+        raise AssertionError("a numpy scalar data position was saved")
+    except TypeError as e:
+        check("set_data_position" in str(e), "a data position that turns unsafe at step 2 is "
+              "refused at step 2")
+    run.close(drain=False)
+
+    # A parameter with no elements failed in torch.frombuffer after the step.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 4))
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="empty")
+    train_steps(model, opt, 2)
+    check(run.wait_durable() == 2, "a parameter with no elements is skipped")
+    run.close()
+
+
 class LoRALinear(nn.Module):
     """A frozen base weight plus a trainable low-rank update B @ A."""
 
@@ -479,9 +613,11 @@ def safe_state(daemon, root):
     train_steps(model, opt, 1)
     run._aux_blob = lambda step: good(step)[:200]  # a torn blob
     train_steps(model, opt, 1)
+    run._aux_blob = lambda step: pickle.dumps(Payload(), protocol=0)  # no 0x80 opcode
+    train_steps(model, opt, 1)
     run.wait_durable()
     run.close()
-    for step, code in ((1, "FAILED_PRECONDITION"), (2, "DATA_LOSS")):
+    for step, code in ((1, "FAILED_PRECONDITION"), (2, "DATA_LOSS"), (3, "FAILED_PRECONDITION")):
         model2 = nn.Sequential(nn.Linear(8, 4))
         opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
         run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="evil")
@@ -572,6 +708,7 @@ def main():
 
         other_optimizers_and_dtypes(daemon)
         defects(daemon)
+        review_defects(daemon)
         lora(daemon)
         safe_state(daemon, root)
         bad_input(daemon)
