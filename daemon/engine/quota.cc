@@ -52,44 +52,47 @@ QuotaLimits QuotaTable::limits() const {
   return limits_;
 }
 
-absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t files,
-                                          uint64_t index, QuotaKind* refused) {
+absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t files, uint64_t index,
+                                          QuotaKind* refused) {
   const Usage& u = usage_[owner.uid];
-  auto refuse = [&](QuotaKind kind, std::string message) {
-    ++refused_[static_cast<int>(kind)];
-    if (refused != nullptr) *refused = kind;
-    return QuotaError(std::move(message));
-  };
   if (limits_.index_bytes > 0 && u.index_bytes + index > limits_.index_bytes) {
-    return refuse(QuotaKind::kIndex,
-                  absl::StrCat("uid ", owner.uid, " holds ", u.index_bytes,
-                               " bytes of index records (aux blobs, events, versions); ", index,
-                               " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
-                               " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise "
-                               "the option)"));
+    return RefuseLocked(
+        QuotaKind::kIndex, refused,
+        absl::StrCat("uid ", owner.uid, " holds ", u.index_bytes,
+                     " bytes of index records (aux blobs, events, versions); ", index,
+                     " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
+                     " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise "
+                     "the option)"));
   }
   const uint64_t held = u.file_bytes + u.index_bytes;
   if (limits_.disk_bytes > 0 && held + files + index > limits_.disk_bytes) {
-    return refuse(QuotaKind::kDisk,
-                  absl::StrCat("uid ", owner.uid, " holds ", held,
-                               " bytes of layer files and index records; ", files + index,
-                               " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
-                               " (run `ckptctl gc` on its jobs or raise the option)"));
+    return RefuseLocked(
+        QuotaKind::kDisk, refused,
+        absl::StrCat("uid ", owner.uid, " holds ", held,
+                     " bytes of layer files and index records; ", files + index,
+                     " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
+                     " (run `ckptctl gc` on its jobs or raise the option)"));
   }
   if (limits_.job_disk_bytes > 0) {
     auto it = jobs_.find(owner.job);
     const uint64_t job_held =
         it == jobs_.end() ? 0 : it->second.file_bytes + it->second.index_bytes;
     if (job_held + files + index > limits_.job_disk_bytes) {
-      return refuse(QuotaKind::kDisk,
-                    absl::StrCat("job ", std::string(owner.job), " holds ", job_held,
-                                 " bytes of layer files and index records; ", files + index,
-                                 " more would pass max_disk_bytes_per_job = ",
-                                 limits_.job_disk_bytes,
-                                 " (run `ckptctl gc` on it or raise the option)"));
+      return RefuseLocked(
+          QuotaKind::kDisk, refused,
+          absl::StrCat("job ", std::string(owner.job), " holds ", job_held,
+                       " bytes of layer files and index records; ", files + index,
+                       " more would pass max_disk_bytes_per_job = ", limits_.job_disk_bytes,
+                       " (run `ckptctl gc` on it or raise the option)"));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status QuotaTable::RefuseLocked(QuotaKind kind, QuotaKind* refused, std::string message) {
+  ++refused_[static_cast<int>(kind)];
+  if (refused != nullptr) *refused = kind;
+  return QuotaError(std::move(message));
 }
 
 void QuotaTable::ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files,

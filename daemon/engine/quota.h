@@ -140,6 +140,9 @@ class QuotaTable {
   // OK when `owner` may add `files` file bytes and `index` index bytes.
   absl::Status CheckBytesLocked(const QuotaOwner& owner, uint64_t files, uint64_t index,
                                 QuotaKind* refused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a refusal of `kind` and returns it as kQuota RESOURCE_EXHAUSTED.
+  absl::Status RefuseLocked(QuotaKind kind, QuotaKind* refused, std::string message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds (or, with `sign` -1, takes away) bytes from the uid's and the job's
   // usage; a job whose usage reaches zero is forgotten.
   void ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files, uint64_t index)
