@@ -129,6 +129,14 @@ def read_jsonl(path):
     return rows
 
 
+def kill_processes(procs):
+    """SIGKILLs and reaps every process in `procs` still running (None skipped)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def check(cond, what):
     """Fails the test with `what` unless `cond`; prints "ok: what" when it holds."""
     if not cond:

@@ -164,10 +164,7 @@ def main():
         assert d.stop() == 0, d.log()[-2000:]
         return 0
     finally:
-        for p in (flooder, victim):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        harness.kill_processes([flooder, victim])
         d.kill()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -299,10 +299,7 @@ def main():
     finally:
         with open(stop_file, "w"):
             pass
-        for _, p in attackers + [("victim", victim)]:
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        harness.kill_processes([p for _, p in attackers] + [victim])
         d.kill()
         shutil.rmtree(root, ignore_errors=True)
 
