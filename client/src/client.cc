@@ -293,7 +293,9 @@ absl::StatusOr<std::vector<LayerSums>> Client::DriftPartials(uint64_t step) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::DriftReply reply;
-  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->DriftPartials(&ctx, req, &reply)));
+  if (absl::Status s = FromGrpc(impl_->stub->DriftPartials(&ctx, req, &reply)); !s.ok()) {
+    return NoteDriftError(s);
+  }
   std::vector<LayerSums> out;
   for (const v1::LayerDrift& d : reply.layers()) out.push_back(LayerSums{d.dw2(), d.w2()});
   return out;
@@ -308,7 +310,17 @@ absl::Status Client::SetGlobalDrift(uint64_t step, const std::vector<LayerSums>&
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.call_timeout);
   v1::GlobalDriftReply reply;
-  return FromGrpc(impl_->stub->SetGlobalDrift(&ctx, req, &reply));
+  absl::Status s = FromGrpc(impl_->stub->SetGlobalDrift(&ctx, req, &reply));
+  return s.ok() ? s : NoteDriftError(s);
+}
+
+absl::Status Client::NoteDriftError(const absl::Status& s) {
+  // A lost daemon is noted like in every other call (unprotected(), the
+  // reconnect); the exchange itself has no result to give, so the error
+  // is returned in both loss modes.
+  bool reregistered = false;
+  OnCallError(s, &reregistered).IgnoreError();
+  return s;
 }
 
 absl::Status Client::ExchangeDrift(

@@ -316,6 +316,26 @@ void DaemonApiTest::CheckDaemonLossAndRecovery() {
   EXPECT_EQ(strict.client->WaitDurable(3).value(), 3u);
 }
 
+// The drift exchange of multi-rank LayerCheck can be the first call to meet
+// a lost ckptd (it runs beside the forward pass): it fails, and a lenient
+// rank is unprotected from then on (ckpt.torch then takes part in the
+// all-reduce with zeros and trains on). It used to fail without noting the
+// loss, so the rank raised and the other ranks waited for it.
+TEST_F(DaemonApiTest, DriftExchangeNotesALostDaemon) {
+  StartDaemon();
+  TestRank lenient = MakeRank(daemon_->socket(), "exchange", 1, 256, v1::POLICY_LAYERCHECK,
+                              OnDaemonLoss::kContinueUnprotected);
+  lenient.spec.world_size = 2;
+  lenient.spec.policy.set_optimizer(v1::OPTIMIZER_CLIENT);
+  ASSERT_TRUE(lenient.client->Register(lenient.spec).ok());
+  daemon_->Kill();
+  EXPECT_FALSE(lenient.client->unprotected());
+  EXPECT_FALSE(lenient.client->DriftPartials(1).ok());
+  EXPECT_TRUE(lenient.client->unprotected());
+  EXPECT_FALSE(lenient.client->SetGlobalDrift(1, {LayerSums{0, 1}}).ok());
+  EXPECT_TRUE(lenient.client->unprotected());
+}
+
 TEST_F(DaemonApiTest, DaemonLossIsAnErrorOrUnprotectedAndRecovers) {
   StartDaemon();
   CheckDaemonLossAndRecovery();

@@ -7,6 +7,11 @@ the fence (before, attach(world_size=2, policy="layercheck") waited at the
 first fence for global sums nobody sent). The per-step cost of the exchange
 is printed.
 
+Then two simulated nodes (one ckptd each) with on_daemon_loss="continue":
+rank 1's ckptd is SIGKILLed at step 15. Rank 1 trains on unprotected, rank 0
+stays protected, and neither waits for the other (rank 1 takes part in each
+exchange with zeros): both finish every step.
+
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
 is missing. `--worker` runs one rank.
 """
@@ -15,9 +20,11 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -46,40 +53,93 @@ def worker(a):
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run = ckpt_torch.attach(model, opt, ckpt.Client(a.socket, wait_timeout_s=60), job_id="mr",
+    client = ckpt.Client(a.socket, wait_timeout_s=60, on_daemon_loss=a.on_daemon_loss)
+    run = ckpt_torch.attach(model, opt, client, job_id=a.job,
                             rank=a.rank, world_size=WORLD, policy="layercheck",
                             layercheck={"k0": 2e-2, "warmup": 3, "warmup_interval": 3,
                                         "s_max": 15},
                             layers=lambda name: "l" + name.split(".")[0], record_trace=True)
     g = torch.Generator().manual_seed(100 + a.rank)  # different data per rank
-    for _ in range(STEPS):
+    for t in range(1, STEPS + 1):
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-    run.wait_durable()
+        if t == a.pause_at:
+            # A sync point with the test: it kills this rank's ckptd now.
+            open(os.path.join(a.sync, "reached"), "w").close()
+            while not os.path.exists(os.path.join(a.sync, "killed")):
+                time.sleep(0.01)
+    try:
+        durable = run.wait_durable()
+    except ckpt.Error as e:
+        if e.code != "ABORTED":  # a step lost with ckptd
+            raise
+        durable = None
     st = run.stats()
-    print(json.dumps({"rank": a.rank, "steps": run.step,
+    print(json.dumps({"rank": a.rank, "steps": run.step, "durable": durable,
+                      "unprotected": client.unprotected,
                       "exchange_s": statistics.median(st.drift_exchange_s),
                       "exchanges": len(st.drift_exchange_s)}))
     run.close()
     dist.destroy_process_group()
 
 
-def main():
-    root = harness.tempdir("ckpt-mr-")
-    daemon = harness.Daemon(root).start()
+def ranks(root, sockets, job, extra=(), on_sync=None):
+    """Runs the two ranks; returns their result lines. `on_sync` runs when a
+    rank reaches its pause step (see worker)."""
+    store = os.path.join(root, job + "-store")
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                               "--rank", str(r), "--socket", sockets[r], "--store", store,
+                               "--job", job, "--sync", root] + list(extra[r] if extra else []),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(WORLD)]
     try:
-        store = os.path.join(root, "store")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
-                                   "--rank", str(r), "--socket", daemon.socket, "--store", store],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for r in range(WORLD)]
+        if on_sync is not None:
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(root, "reached")):
+                assert time.time() < deadline and all(p.poll() is None for p in procs), \
+                    [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
+                time.sleep(0.01)
+            on_sync()
+            open(os.path.join(root, "killed"), "w").close()
         results = []
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-3000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        harness.kill_processes(procs)
+
+
+def daemon_loss(root):
+    """Two nodes; rank 1's ckptd dies at step 15."""
+    daemons = [harness.Daemon(os.path.join(root, "node%d" % r)).start() for r in range(WORLD)]
+    try:
+        def kill_node1():
+            daemons[1].proc.send_signal(signal.SIGKILL)
+            daemons[1].proc.wait(timeout=30)
+
+        results = ranks(root, [d.socket for d in daemons], "loss",
+                        extra=[["--on-daemon-loss", "continue"],
+                               ["--on-daemon-loss", "continue", "--pause-at", "15"]],
+                        on_sync=kill_node1)
+        check(all(r["steps"] == STEPS for r in results),
+              "both ranks trained all %d steps; none waited for the other" % STEPS)
+        check(results[0]["durable"] == STEPS and not results[0]["unprotected"],
+              "rank 0 stayed protected: every step durable on its ckptd")
+        check(results[1]["unprotected"], "rank 1 trained on unprotected after its ckptd died")
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def main():
+    root = harness.tempdir("ckpt-mr-")
+    daemon = harness.Daemon(root).start()
+    try:
+        results = ranks(root, [daemon.socket] * WORLD, "mr")
         check(all(r["steps"] == STEPS and r["exchanges"] == STEPS for r in results),
               "both ranks trained %d steps and exchanged drift at each" % STEPS)
         traces = []
@@ -100,6 +160,7 @@ def main():
               "next forward/backward)" % (results[0]["exchange_s"], results[1]["exchange_s"]))
     finally:
         daemon.stop()
+    daemon_loss(root)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -110,6 +171,10 @@ if __name__ == "__main__":
         p.add_argument("--rank", type=int, required=True)
         p.add_argument("--socket", required=True)
         p.add_argument("--store", required=True)
+        p.add_argument("--job", default="mr")
+        p.add_argument("--sync", required=True)
+        p.add_argument("--pause-at", type=int, default=0)
+        p.add_argument("--on-daemon-loss", default="error")
         worker(p.parse_args())
     else:
         main()

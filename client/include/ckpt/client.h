@@ -160,6 +160,9 @@ class Client {
   // trainer's process group (2 doubles per layer).
   absl::Status ExchangeDrift(uint64_t step,
                              const std::function<absl::Status(std::vector<double>*)>& allreduce_sum);
+  // A lost daemon makes both fail (and unprotected() true with
+  // on_daemon_loss = continue): a rank that cannot exchange still takes part
+  // in the all-reduce (with zeros), so that the other ranks do not wait.
   absl::StatusOr<std::vector<LayerSums>> DriftPartials(uint64_t step);
   absl::Status SetGlobalDrift(uint64_t step, const std::vector<LayerSums>& global);
   // The fence: returns when the snapshot of `step` is in staging.
@@ -191,6 +194,8 @@ class Client {
   // Handles a failed call: UNAVAILABLE / stale registration -> try to
   // re-register (rate-limited). Returns the status the caller should see.
   absl::Status OnCallError(const absl::Status& s, bool* reregistered);
+  // DriftPartials / SetGlobalDrift failed: OnCallError's bookkeeping, then `s`.
+  absl::Status NoteDriftError(const absl::Status& s);
 
   ClientOptions options_;
   std::unique_ptr<Impl> impl_;
