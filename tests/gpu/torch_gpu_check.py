@@ -341,9 +341,10 @@ def main():
         base = results["none"]["median_step_s"]
         for mode in ("all", "layercheck", "dcp"):
             r = results[mode]
-            line = ("FIGURES %s vs none: %.2f M parameters, bf16 autocast, fused AdamW, %d steps: "
+            line = ("FIGURES %s vs none: %.2f M parameters, bf16 autocast, %s AdamW, %d steps: "
                     "median step %.4f s vs %.4f s, overhead %+.2f %% (goal <= 1 %%)"
-                    % (mode, params / 1e6, steps, r["median_step_s"], base,
+                    % (mode, params / 1e6, "fused" if device.type == "cuda" else "for-loop",
+                       steps, r["median_step_s"], base,
                        100.0 * (r["median_step_s"] / base - 1)))
             if "stall_per_step_s" in r:
                 line += ", trainer-visible stall per step %.5f s" % r["stall_per_step_s"]
