@@ -250,11 +250,11 @@ class PyClient {
     return PlanToDict(plan);
   }
 
-  py::dict Restore(uint64_t target_step) {
+  py::dict Restore(uint64_t target_step, bool discard_later) {
     v1::RestoreReply reply;
     {
       py::gil_scoped_release release;
-      reply = Value(client_->Restore(target_step));
+      reply = Value(client_->Restore(target_step, discard_later));
     }
     py::dict d = PlanToDict(reply.plan());
     d["bytes_restored"] = reply.bytes_restored();
@@ -320,7 +320,8 @@ PYBIND11_MODULE(_ckpt, m) {
       .def("set_global_drift", &PyClient::SetGlobalDrift, py::arg("step"), py::arg("sums"))
       .def("plan", &PyClient::Plan, py::arg("target_step") = 0, py::arg("job_id") = py::none(),
            py::arg("rank") = 0)
-      .def("restore", &PyClient::Restore, py::arg("target_step") = 0)
+      .def("restore", &PyClient::Restore, py::arg("target_step") = 0,
+           py::arg("discard_later") = false)
       .def("unregister", &PyClient::Unregister, py::arg("drain") = true)
       .def_property_readonly("generation", &PyClient::generation)
       .def_property_readonly("latest_durable_step_at_register",

@@ -409,11 +409,12 @@ absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank,
   return plan;
 }
 
-absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step) {
+absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step, bool discard_later) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   v1::RestoreRequest req;
   Identify(spec_, generation_, &req);
   req.set_target_step(target_step);
+  req.set_discard_later(discard_later);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.restore_timeout);
   v1::RestoreReply reply;

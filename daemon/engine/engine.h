@@ -179,9 +179,12 @@ class Engine {
                                      const Caller& caller);
   // Writes the plan for `target_step` into the registration's buffers through
   // the verified restore loop (recovery/restore.h). FAILED_PRECONDITION while
-  // steps of this registration are still being snapshotted.
+  // steps of this registration are still being snapshotted. With
+  // `discard_later`, the rank's versions and events after the restored step
+  // are then deleted (versions first, so a crash in between leaves no later
+  // version under a surviving event), and the next step may be target + 1.
   absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
-                                   const Caller& caller);
+                                   const Caller& caller, bool discard_later = false);
   // Ends the registration; with `drain`, first waits (until `deadline`) for
   // its staged versions to become durable.
   absl::Status Unregister(const RankRef& rank, bool drain, const Caller& caller,
@@ -322,6 +325,9 @@ class Engine {
   absl::Status RemoveVersion(const RankHistory& h, const VersionKey& key,
                              const store::VersionRecord& rec);
   absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
+  // Restore(discard_later): deletes the rank's versions, then its events,
+  // after `step` (under the rank's lease).
+  absl::Status DiscardAfter(const std::string& job, uint32_t rank, uint64_t step);
   void GcLoop();
 
   // Immutable after construction (io_backend_name_ and reconcile_: after Start).

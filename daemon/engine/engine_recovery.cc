@@ -30,8 +30,29 @@ absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank
   return BuildPlan(index_, job, rank, target_step, *table);
 }
 
+absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(RankHistory h, ReadRankHistory(job, rank));
+  uint64_t versions = 0, events = 0;
+  for (auto it = h.versions.rbegin(); it != h.versions.rend(); ++it) {
+    if (it->first.second <= step) continue;
+    CKPT_RETURN_IF_ERROR(
+        RemoveVersion(h, VersionKey{job, rank, it->first.first, it->first.second}, it->second));
+    ++versions;
+  }
+  for (auto it = h.events.rbegin(); it != h.events.rend() && it->step > step; ++it) {
+    CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *it));
+    ++events;
+  }
+  if (versions + events > 0) {
+    CKPT_LOG(INFO) << "job " << job << " rank " << rank << " restored to step " << step
+                   << ": discarded " << versions << " later layer versions and " << events
+                   << " later events";
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
-                                         const Caller& caller) {
+                                         const Caller& caller, bool discard_later) {
   std::shared_ptr<Rank> r;
   std::shared_ptr<RankMemory> memory;
   {
@@ -73,6 +94,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
                     }));
     reply.bytes = stats.bytes;
     reply.seconds = stats.seconds;
+    if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r->job, r->rank, reply.plan.target_step));
     return reply;
   };
   absl::StatusOr<Restored> reply = restore();
@@ -81,6 +103,13 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     r->restoring = false;
     if (reply.ok()) {
       r->retry.assign(r->retry.size(), false);
+      if (discard_later) {
+        const uint64_t t = reply->plan.target_step;
+        r->last_step_seen = r->snapshot_step = r->durable_step = t;
+        for (const PlannedLayer& lp : reply->plan.layers) {
+          if (lp.layer < r->last_committed.size()) r->last_committed[lp.layer] = lp.step;
+        }
+      }
       if (r->layercheck != nullptr) {
         // The buffers now equal each layer's planned version: LayerCheck
         // continues from there instead of starting over.

@@ -200,7 +200,8 @@ class TrainerService final : public v1::Trainer::Service {
                        v1::RestoreReply* reply) override {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(Restored restored,
-                            s_->engine()->Restore(RankRefOf(*req), req->target_step(), c));
+                            s_->engine()->Restore(RankRefOf(*req), req->target_step(), c,
+                                                  req->discard_later()));
       *reply = ToProto(restored);
       return absl::OkStatus();
     });

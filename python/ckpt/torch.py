@@ -282,11 +282,15 @@ class _DriftExchange:
             self._pool.shutdown(wait=True)
 
 
-def _drift_group(process_group: Any) -> Any:
+def _agreement_group(process_group: Any, required: bool) -> Any:
+    """The gloo group the ranks agree over (drift sums, the durable step);
+    None when torch.distributed is not initialized and nothing requires it."""
     import torch.distributed as dist
     if process_group is not None:
         return process_group
     if not (dist.is_available() and dist.is_initialized()):
+        if not required:
+            return None
         raise ValueError(
             "world_size > 1 with policy 'layercheck' all-reduces each step's layer drift over the "
             "job's process group: initialize torch.distributed first (or pass process_group=)")
@@ -353,8 +357,12 @@ class Attached:
             raise ValueError("this ckpt.Client was used by an earlier attach(); give each "
                              "attach() a new ckpt.Client")
         self._exchange = None
-        if world_size > 1 and self._policy["kind"] == "LAYERCHECK":
-            self._exchange = _DriftExchange(client, _drift_group(process_group))
+        self._group = None
+        if world_size > 1:
+            layercheck_policy = self._policy["kind"] == "LAYERCHECK"
+            self._group = _agreement_group(process_group, required=layercheck_policy)
+            if layercheck_policy:
+                self._exchange = _DriftExchange(client, self._group)
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]
         if _GUARD_HANDLE is None:
@@ -740,12 +748,43 @@ class Attached:
         Raises ckpt.Error NOT_FOUND when the job has no checkpoint."""
         return self._plan_of(self.client.plan(step or 0, job_id=self.job_id, rank=self.rank))
 
+    def global_durable_step(self) -> int:
+        """The newest step durable on every rank of the job: each rank's
+        newest durable step, all-reduced (MIN) over the ranks' gloo group.
+        Collective: every rank calls it at the same point. With one rank (or
+        no torch.distributed), this rank's newest durable step; 0 for none."""
+        try:
+            own = self.client.plan(0, job_id=self.job_id, rank=self.rank)["target_step"]
+        except ckpt.Error as e:
+            if e.code != "NOT_FOUND":
+                raise
+            own = 0
+        if self._group is None:
+            return own
+        import torch.distributed as dist
+        if self._exchange is not None:
+            self._exchange.join()  # its collectives come first, on every rank
+        t = torch.tensor([own], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        return int(t.item())
+
     def restore(self, step: Optional[int] = None) -> Restored:
         """Restores the composite checkpoint for `step` (None = the latest
         durable one) into the live tensors, and the RNG states, learning
         rates, optimizer step counts, scheduler and data position saved with
         it. Raises ckpt.Error NOT_FOUND when the job has no checkpoint (and
-        then changes nothing)."""
+        then changes nothing).
+
+        With several ranks (torch.distributed initialized), `step` None is
+        the newest step durable on every rank (global_durable_step();
+        collective), and a rank whose ckptd holds later steps has them
+        deleted, so that every rank goes on from the same step."""
+        agreed = step is None and self._group is not None
+        if agreed:
+            step = self.global_durable_step()
+            if step == 0:
+                raise ckpt.Error("NOT_FOUND", f"job {self.job_id} has no step durable on every "
+                                 "rank")
         # The plan first: NOT_FOUND before anything is created, and the saved
         # state checked before any tensor is written.
         plan = self.client.plan(step or 0, job_id=self.job_id, rank=self.rank)
@@ -756,10 +795,11 @@ class Attached:
             self._register()
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # no queued kernel writes after the restore
-        reply = self.client.restore(target)
+        reply = self.client.restore(target, discard_later=agreed)
         if aux is not None:
             self._apply_aux(aux)
-        self._read_only_below = max(latest, self._step) if target < max(latest, self._step) else 0
+        behind = not agreed and target < max(latest, self._step)
+        self._read_only_below = max(latest, self._step) if behind else 0
         self._step = target
         plan = self._plan_of(reply)
         return Restored(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},

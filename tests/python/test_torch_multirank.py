@@ -12,11 +12,18 @@ rank 1's ckptd is SIGKILLed at step 15. Rank 1 trains on unprotected, rank 0
 stays protected, and neither waits for the other (rank 1 takes part in each
 exchange with zeros): both finish every step.
 
+Last, one agreed durable step: on two nodes (policy `all`), rank 0 stops
+after 20 steps and rank 1 after 25. Restarted, both restore the newest step
+durable on every rank (20, all-reduced MIN); rank 1's ckptd deletes its
+steps 21..25, its tensors hold exactly their step-20 bytes, and both ranks
+train on to step 30.
+
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
 is missing. `--worker` runs one rank.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -55,16 +62,32 @@ def worker(a):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     client = ckpt.Client(a.socket, wait_timeout_s=60, on_daemon_loss=a.on_daemon_loss)
     run = ckpt_torch.attach(model, opt, client, job_id=a.job,
-                            rank=a.rank, world_size=WORLD, policy="layercheck",
+                            rank=a.rank, world_size=WORLD, policy=a.policy,
                             layercheck={"k0": 2e-2, "warmup": 3, "warmup_interval": 3,
                                         "s_max": 15},
-                            layers=lambda name: "l" + name.split(".")[0], record_trace=True)
+                            layers=lambda name: "l" + name.split(".")[0],
+                            record_trace=a.policy == "layercheck")
+    log = open(a.log, "a") if a.log else None
+
+    def tensors_hash():
+        h = hashlib.sha256()
+        for _, ts in sorted(run.tensors().items()):
+            for _, t in ts:
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    first = 1
+    if a.restore:
+        first = run.restore().target_step + 1
+        log.write(json.dumps({"restored": first - 1, "hash": tensors_hash()}) + "\n")
     g = torch.Generator().manual_seed(100 + a.rank)  # different data per rank
-    for t in range(1, STEPS + 1):
+    for t in range(first, a.steps + 1):
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
+        if log:
+            log.write(json.dumps({"step": t, "hash": tensors_hash()}) + "\n")
         if t == a.pause_at:
             # A sync point with the test: it kills this rank's ckptd now.
             open(os.path.join(a.sync, "reached"), "w").close()
@@ -79,16 +102,16 @@ def worker(a):
     st = run.stats()
     print(json.dumps({"rank": a.rank, "steps": run.step, "durable": durable,
                       "unprotected": client.unprotected,
-                      "exchange_s": statistics.median(st.drift_exchange_s),
+                      "exchange_s": statistics.median(st.drift_exchange_s or [0.0]),
                       "exchanges": len(st.drift_exchange_s)}))
     run.close()
     dist.destroy_process_group()
 
 
-def ranks(root, sockets, job, extra=(), on_sync=None):
+def ranks(root, sockets, job, extra=(), on_sync=None, store_suffix=""):
     """Runs the two ranks; returns their result lines. `on_sync` runs when a
     rank reaches its pause step (see worker)."""
-    store = os.path.join(root, job + "-store")
+    store = os.path.join(root, job + "-store" + store_suffix)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                "--rank", str(r), "--socket", sockets[r], "--store", store,
                                "--job", job, "--sync", root] + list(extra[r] if extra else []),
@@ -135,6 +158,36 @@ def daemon_loss(root):
             d.kill()
 
 
+def agreed_restore(root):
+    """Rank 0 stops at step 20, rank 1 at 25; both restore step 20."""
+    daemons = [harness.Daemon(os.path.join(root, "agree%d" % r)).start() for r in range(WORLD)]
+    try:
+        logs = [os.path.join(root, "agree-rank%d.jsonl" % r) for r in range(WORLD)]
+        sockets = [d.socket for d in daemons]
+        common = [["--policy", "all", "--log", logs[r]] for r in range(WORLD)]
+        results = ranks(root, sockets, "agree",
+                        extra=[common[0] + ["--steps", "20"], common[1] + ["--steps", "25"]])
+        check([r["durable"] for r in results] == [20, 25], "rank 0 stopped at 20, rank 1 at 25")
+        before = [{row["step"]: row["hash"] for row in harness.read_jsonl(logs[r]) if "step" in row}
+                  for r in range(WORLD)]
+        results = ranks(root, sockets, "agree",
+                        extra=[common[r] + ["--steps", "30", "--restore"] for r in range(WORLD)],
+                        store_suffix="-again")
+        restored = [[row for row in harness.read_jsonl(logs[r]) if "restored" in row][0]
+                    for r in range(WORLD)]
+        check([row["restored"] for row in restored] == [20, 20],
+              "both ranks restored the newest step durable on both: 20")
+        check(all(restored[r]["hash"] == before[r][20] for r in range(WORLD)),
+              "each rank's tensors hold exactly their step-20 bytes")
+        check([r["durable"] for r in results] == [30, 30],
+              "both ranks trained on from step 21 to 30 (rank 1's ckptd let go of 21..25)")
+        events = daemons[1].ctl("history", "agree", "--rank=1")
+        print("rank 1 history after the restore: %s" % json.dumps(events)[:300])
+    finally:
+        for d in daemons:
+            d.kill()
+
+
 def main():
     root = harness.tempdir("ckpt-mr-")
     daemon = harness.Daemon(root).start()
@@ -161,6 +214,7 @@ def main():
     finally:
         daemon.stop()
     daemon_loss(root)
+    agreed_restore(root)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -175,6 +229,10 @@ if __name__ == "__main__":
         p.add_argument("--sync", required=True)
         p.add_argument("--pause-at", type=int, default=0)
         p.add_argument("--on-daemon-loss", default="error")
+        p.add_argument("--policy", default="layercheck")
+        p.add_argument("--steps", type=int, default=STEPS)
+        p.add_argument("--log")
+        p.add_argument("--restore", action="store_true")
         worker(p.parse_args())
     else:
         main()

@@ -176,7 +176,9 @@ class Client {
   absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
   absl::StatusOr<v1::Plan> Plan(const std::string& job, uint32_t rank, uint64_t target_step);
   // Restores the composite checkpoint into the registered buffers.
-  absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0);
+  // With `discard_later`, ckptd then deletes the rank's later steps, so that
+  // training goes on from the target (RestoreRequest.discard_later).
+  absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0, bool discard_later = false);
   // Ends the registration (after the staged steps are durable when `drain`).
   // When ckptd was lost (gone, stopping or restarted without this
   // registration): OK with kContinueUnprotected, UNAVAILABLE with kError.

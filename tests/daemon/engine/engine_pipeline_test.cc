@@ -822,6 +822,41 @@ TEST_F(EnginePipelineTest, FrozenLayersAreWrittenOncePerRegistration) {
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{8, 6, 8}));
 }
 
+// Restore with discard_later: the rank goes back to step 3 of 5 (another
+// rank of its job, or the job's agreed durable step, is there); its later
+// versions and events are deleted, and training goes on at step 4. Without
+// it, step 4 is refused (steps only increase).
+TEST_F(EnginePipelineTest, RestoreCanDiscardTheRanksLaterSteps) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("behind", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 5; ++t) {
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_).status());
+  CKPT_EXPECT_CODE(StepDone(a, 4), kFailedPrecondition);
+
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
+                            engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last, index_->EventAtOrBefore("behind", 0, ~uint64_t{0}));
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->first, 3u) << "the events of steps 4 and 5 are gone";
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("behind", 0, layer, ~uint64_t{0}));
+    ASSERT_TRUE(v.has_value());
+    EXPECT_EQ(v->first, 3u) << "layer " << layer;
+  }
+  CKPT_ASSERT_OK(StepDone(a, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(a, 4));
+  EXPECT_EQ(durable, 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, 0));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{4, 4}));
+}
+
 // Regression: a rank's StepDone queue had no bound, so a trainer that never
 // waited for its snapshots held unbounded aux blobs in ckptd's memory. With
 // the snapshot worker held, rank a queues two steps and its third is refused
