@@ -390,8 +390,8 @@ class Branchy(nn.Module):
         return self.b(x) if self.calls >= self.b_from else x
 
 
-def review_defects(daemon):
-    """Defects a review of ckpt.torch found, each reproduced first."""
+def more_defects(daemon):
+    """Defects found when ckpt.torch was used on more models, each reproduced first."""
     # A parameter with no gradient at step 1 (a branch not taken yet) had
     # no state when the rank registered: its state was never checkpointed
     # and a new process could not restore (a tensor-count mismatch).
@@ -708,7 +708,7 @@ def main():
 
         other_optimizers_and_dtypes(daemon)
         defects(daemon)
-        review_defects(daemon)
+        more_defects(daemon)
         lora(daemon)
         safe_state(daemon, root)
         bad_input(daemon)
