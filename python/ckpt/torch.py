@@ -340,6 +340,8 @@ class Attached:
         self._layer_names: List[str] = []
         self._state_keys = 0
         self._frozen_in_optimizer: List[Tuple[str, torch.nn.Parameter]] = []
+        self._trained_params: List[Tuple[str, torch.nn.Parameter, int]] = []
+        self._step_counts: List[int] = []
         self._fence_wait_s: List[float] = []
         self._step_done_s: List[float] = []
 
@@ -474,6 +476,8 @@ class Attached:
         self._create_missing_state()
         self._frozen_in_optimizer = [(n, p) for n, p, gi in self._params
                                      if gi is not None and not p.requires_grad]
+        self._trained_params = self._trained()
+        self._read_step_counts()
         entries, layers = self._layout()
         if self._device.type == "cpu":
             self._share_host_memory(entries)
@@ -589,8 +593,10 @@ class Attached:
         if self._internal or self._closed:
             return
         if not self._registered:
-            self._register()  # the optimizer state exists now
-        elif self._count_state() != self._state_keys:
+            self._register()  # the optimizer state exists now, counting this step
+        else:
+            self._count_step()
+        if self._count_state() != self._state_keys:
             # _register gave every trained parameter its state; more keys
             # mean an optimizer that adds state later (none of the supported
             # ones do).
@@ -611,26 +617,37 @@ class Attached:
 
     # ---- the state saved with each step ----
 
+    def _read_step_counts(self) -> None:
+        """Each trained parameter's step count from the optimizer state (-1:
+        the optimizer keeps none, like SGD). Read once, at registration:
+        a fused or capturable optimizer keeps them on the device, and
+        reading them every step would wait for the step to finish."""
+        counts = []
+        for _, p, _ in self._trained_params:
+            s = self.optimizer.state.get(p, {}).get("step")
+            counts.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
+        self._step_counts = counts
+
+    def _count_step(self) -> None:
+        """After an optimizer step: the optimizers count a parameter's step
+        exactly when it had a gradient."""
+        for i, (_, p, _) in enumerate(self._trained_params):
+            if self._step_counts[i] >= 0 and p.grad is not None:
+                self._step_counts[i] += 1
+
     def _group_steps(self) -> List[Tuple[int, int]]:
         """(group, step count) from the first parameter of each group that
         has one (a parameter that never stepped has none)."""
-        steps = []
-        for gi, g in enumerate(self.optimizer.param_groups):
-            for p in g["params"]:
-                s = self.optimizer.state.get(p, {}).get("step")
-                if s is not None:
-                    steps.append((gi, int(s.item() if torch.is_tensor(s) else s)))
-                    break
-        return steps
+        steps: Dict[int, int] = {}
+        for (_, _, gi), count in zip(self._trained_params, self._step_counts):
+            if count >= 0 and gi not in steps:
+                steps[gi] = count
+        return sorted(steps.items())
 
     def _param_steps(self) -> List[int]:
         """Each trained parameter's own step count (Adam keeps one per
         parameter; one that had no gradient at a step did not count it)."""
-        out = []
-        for _, p, _ in self._trained():
-            s = self.optimizer.state.get(p, {}).get("step")
-            out.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
-        return out
+        return list(self._step_counts)
 
     def _aux(self, step: int) -> dict:
         rng: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -681,7 +698,7 @@ class Attached:
                 g["lr"].fill_(lr)
             else:
                 g["lr"] = lr
-        trained = self._trained()
+        trained = self._trained_params
         steps = aux["param_steps"]
         if len(steps) != len(trained):
             raise ckpt.Error("FAILED_PRECONDITION",
@@ -695,6 +712,7 @@ class Attached:
                 st.fill_(s)
             else:
                 self.optimizer.state[p]["step"] = s
+        self._read_step_counts()
         self.restored_scheduler_state = aux.get("scheduler")
         if self.scheduler is not None and self.restored_scheduler_state is not None:
             self.scheduler.load_state_dict(self.restored_scheduler_state)
