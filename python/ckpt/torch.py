@@ -61,7 +61,6 @@ import random
 import re
 import sys
 import time
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -338,7 +337,6 @@ class Attached:
         self._entries: List[_Entry] = []
         self._frozen_layers: List[str] = []
         self._layer_names: List[str] = []
-        self._state_keys = 0
         self._frozen_in_optimizer: List[Tuple[str, torch.nn.Parameter]] = []
         self._trained_params: List[Tuple[str, torch.nn.Parameter, int]] = []
         self._step_counts: List[int] = []
@@ -466,9 +464,6 @@ class Attached:
             add(lname, kind, False, name, b, {"role": "OTHER"})
         return entries, layers
 
-    def _count_state(self) -> int:
-        return sum(len(self.optimizer.state.get(p, {})) for _, p, _ in self._trained())
-
     def _register(self) -> None:
         # Every trained parameter gets its state now, also one that had no
         # gradient yet (a branch not taken, an expert not routed to): the
@@ -489,7 +484,6 @@ class Attached:
         self._entries = entries
         self._layer_names = list(layers)
         self._frozen_layers = [n for n, l in layers.items() if l["frozen"]]
-        self._state_keys = self._count_state()
         self._registered = True
 
     def _share_host_memory(self, entries: List[_Entry]) -> None:
@@ -596,20 +590,14 @@ class Attached:
             self._register()  # the optimizer state exists now, counting this step
         else:
             self._count_step()
-        if self._count_state() != self._state_keys:
-            # _register gave every trained parameter its state; more keys
-            # mean an optimizer that adds state later (none of the supported
-            # ones do).
-            self._state_keys = self._count_state()
-            warnings.warn("the optimizer added state after the rank registered; ckptd does not "
-                          "see it", RuntimeWarning, stacklevel=3)
         t = self._step + 1
-        aux = self._aux_blob(t)
+        aux = self._aux(t)
+        blob = self._aux_blob(aux, t)
         if self._device.type == "cuda":
             self.client.set_cuda_stream(torch.cuda.current_stream(self._device).cuda_stream)
         t0 = time.perf_counter()
-        self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), aux, [],
-                              self._group_steps())
+        self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), blob, [],
+                              aux["group_steps"])
         self._step_done_s.append(time.perf_counter() - t0)
         self._step = t
         if self._exchange is not None:
@@ -664,12 +652,11 @@ class Attached:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "data_position": self._data_position, "extra": self.extra_state}
 
-    def _aux_blob(self, step: int) -> bytes:
+    def _aux_blob(self, aux: dict, step: int) -> bytes:
         buf = io.BytesIO()
-        torch.save(self._aux(step), buf)
+        torch.save(aux, buf)
         blob = buf.getvalue()
-        shape = _type_shape([self._data_position, self.extra_state,
-                             self.scheduler.state_dict() if self.scheduler is not None else None])
+        shape = _type_shape([aux["data_position"], aux["extra"], aux["scheduler"]])
         if shape != self._aux_checked:
             # Whenever the kinds of values saved change: what cannot be read
             # back safely is refused now, not at restore time.

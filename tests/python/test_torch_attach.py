@@ -609,11 +609,11 @@ def safe_state(daemon, root):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="evil")
     good = run._aux_blob
-    run._aux_blob = lambda step: pickle.dumps(Payload())  # what a hostile writer could send
+    run._aux_blob = lambda aux, step: pickle.dumps(Payload())  # what a hostile writer could send
     train_steps(model, opt, 1)
-    run._aux_blob = lambda step: good(step)[:200]  # a torn blob
+    run._aux_blob = lambda aux, step: good(aux, step)[:200]  # a torn blob
     train_steps(model, opt, 1)
-    run._aux_blob = lambda step: pickle.dumps(Payload(), protocol=0)  # no 0x80 opcode
+    run._aux_blob = lambda aux, step: pickle.dumps(Payload(), protocol=0)  # no 0x80 opcode
     train_steps(model, opt, 1)
     run.wait_durable()
     run.close()
