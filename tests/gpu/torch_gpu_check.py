@@ -37,13 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import harness  # noqa: E402
 
 
 # ---- a GPT in plain torch (no transformers on the GPU machine) ----
@@ -126,11 +127,7 @@ class Daemon:
         self.metrics = json.loads(subprocess.check_output(self.ctl + ["status"]))["metrics_address"]
 
     def metric(self, name):
-        body = urllib.request.urlopen("http://%s/metrics" % self.metrics, timeout=10).read()
-        for line in body.decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
+        return harness.metric(self.metrics, name) or 0.0
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)

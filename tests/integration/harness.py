@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 BUILD = os.environ.get("CKPT_BUILD_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "build")
@@ -127,6 +128,49 @@ def read_jsonl(path):
             except ValueError:
                 pass  # a line torn by SIGKILL
     return rows
+
+
+def scrape(address):
+    """{(name, labels): value} of every series ckptd's metrics endpoint
+    serves (labels as written between the braces, "" for none)."""
+    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            name, _, labels = key.partition("{")
+            out[(name, labels.rstrip("}"))] = float(value)
+    return out
+
+
+def metric(address, name, labels=""):
+    """The sum of the series of metric `name` whose labels contain
+    `labels`; None when there is none."""
+    values = [v for (n, l), v in scrape(address).items() if n == name and labels in l]
+    return sum(values) if values else None
+
+
+def rss_bytes(pid):
+    """The resident set size of process `pid`."""
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def dir_bytes(path, allocated=False):
+    """Bytes of the files under `path`: their sizes, or with `allocated`
+    the blocks they take on disk."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            try:
+                st = os.lstat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            total += st.st_blocks * 512 if allocated else st.st_size
+    return total
 
 
 def kill_processes(procs):

@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import harness
 
@@ -82,15 +81,6 @@ def wait_for(cond, timeout, what):
     raise AssertionError("timed out waiting for " + what)
 
 
-def metric(address, name, labels=""):
-    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
-    total = 0.0
-    for line in body.splitlines():
-        if line.startswith(name) and labels in line and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def files_under(path, pred):
     out = []
     for dirpath, _, names in os.walk(path):
@@ -125,8 +115,9 @@ def run(root, data):
         assert trainer.poll() is None, "the trainer stopped on a full disk"
         st = d.ctl("status")
         failed_versions = st["write_errors"]
-        disk_full = metric(st["metrics_address"], "ckpt_errors_total", 'kind="disk_full"')
-        failed_metric = metric(st["metrics_address"], "ckpt_versions_failed_total")
+        disk_full = harness.metric(st["metrics_address"], "ckpt_errors_total",
+                                   'kind="disk_full"') or 0.0
+        failed_metric = harness.metric(st["metrics_address"], "ckpt_versions_failed_total") or 0.0
         assert disk_full > 0 and failed_metric > 0, (disk_full, failed_metric)
         # Refused by the free-space reserve, or by fallocate when a version
         # slips under it.

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 
 import harness
 
@@ -65,33 +64,6 @@ def as_user(uid, cmd, **kw):
                              "--clear-groups", "--"] + cmd, **kw)
 
 
-def rss_bytes(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def dir_bytes(path):
-    total = 0
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, n))
-            except OSError:
-                pass
-    return total
-
-
-def metric(address, name, labels=""):
-    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith(name) and labels in line and not line.startswith("#"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def main():
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         print("skipping: needs root and setpriv")
@@ -119,7 +91,7 @@ def main():
     flooder = victim = None
     try:
         address = d.ctl("status")["metrics_address"]
-        rss_start = rss_bytes(d.proc.pid)
+        rss_start = harness.rss_bytes(d.proc.pid)
         flooder = as_user(FLOODER, [sys.executable, flood_py, os.path.join(harness.BUILD, "python"),
                                     d.socket, "15"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -131,8 +103,8 @@ def main():
         rss_max = index_max = 0
         index_dir = os.path.join(d.data, "index")
         while flooder.poll() is None or victim.poll() is None:
-            rss_max = max(rss_max, rss_bytes(d.proc.pid))
-            index_max = max(index_max, dir_bytes(index_dir))
+            rss_max = max(rss_max, harness.rss_bytes(d.proc.pid))
+            index_max = max(index_max, harness.dir_bytes(index_dir))
             time.sleep(0.1)
         fout, ferr = flooder.communicate(timeout=60)
         vout, verr = victim.communicate(timeout=60)
@@ -143,10 +115,10 @@ def main():
         missing = sorted(set(range(1, STEPS)) - set(acked))
         assert not missing, "victim steps not durable: %s" % missing[:20]
         assert flood["by_option"].get("max_index_bytes_per_uid", 0) > 0, flood
-        used = metric(address, "ckpt_uid_index_used_bytes", 'uid="%d"' % FLOODER)
-        limit = metric(address, "ckpt_uid_index_limit_bytes")
+        used = harness.metric(address, "ckpt_uid_index_used_bytes", 'uid="%d"' % FLOODER)
+        limit = harness.metric(address, "ckpt_uid_index_limit_bytes")
         assert used is not None and used <= INDEX_QUOTA and limit == INDEX_QUOTA, (used, limit)
-        refused_index = metric(address, "ckpt_quota_refused_total", 'kind="index"')
+        refused_index = harness.metric(address, "ckpt_quota_refused_total", 'kind="index"')
         # Bounds from the configuration: the flooder's records plus the
         # victim's (150 events, 600 versions) plus RocksDB's own files.
         index_bound = INDEX_QUOTA + (8 << 20)

@@ -36,7 +36,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -533,12 +532,6 @@ class LoRANet(nn.Module):
         return x
 
 
-def committed_bytes(address):
-    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
-    m = re.search(r"^ckpt_committed_bytes_total (\S+)$", body, re.M)
-    return float(m.group(1))
-
-
 def lora(daemon):
     """A LoRA fine-tune writes its adapters (and their AdamW state) each step
     and its frozen base once: bytes per step after the base checkpoint equal
@@ -560,14 +553,14 @@ def lora(daemon):
         model(x).pow(2).mean().backward()
         opt.step()
 
-    start = committed_bytes(address)
+    start = harness.metric(address, "ckpt_committed_bytes_total")
     step(0)
     run.wait_durable()
-    base_step = committed_bytes(address) - start
+    base_step = harness.metric(address, "ckpt_committed_bytes_total") - start
     for i in range(1, 11):
         step(i)
     run.wait_durable()
-    per_step = (committed_bytes(address) - start - base_step) / 10
+    per_step = (harness.metric(address, "ckpt_committed_bytes_total") - start - base_step) / 10
     adapters = sum(t.numel() * t.element_size() for layer, ts in run.tensors().items()
                    if layer not in run.frozen_layers for _, t in ts)
     frozen = sum(t.numel() * t.element_size() for layer in run.frozen_layers

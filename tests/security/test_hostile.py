@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
 import harness  # noqa: E402
@@ -90,39 +89,8 @@ def setpriv(uid):
     return ["setpriv", "--reuid=%d" % uid, "--regid=%d" % GROUP, "--clear-groups", "--"]
 
 
-def proc_status(pid, field):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def open_fds(pid):
     return len(os.listdir("/proc/%d/fd" % pid))
-
-
-def dir_bytes(path):
-    total = 0
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def metrics(address):
-    """{(name, labels): value} from ckptd's metrics endpoint."""
-    body = urllib.request.urlopen("http://%s/metrics" % address, timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            name, _, labels = key.partition("{")
-            out[(name, labels.rstrip("}"))] = float(value)
-    return out
 
 
 def verify_flood(d, stop_file):
@@ -183,7 +151,7 @@ def main():
     victim = None
     try:
         pid = d.proc.pid
-        rss0, fds0 = proc_status(pid, "VmRSS"), open_fds(pid)
+        rss0, fds0 = harness.rss_bytes(pid), open_fds(pid)
         # What each of the three uids can make ckptd hold (the victim's
         # share is a few connections and descriptors), the descriptors of
         # the one handover message being examined (up to 250, before a
@@ -220,11 +188,11 @@ def main():
         while victim.poll() is None:
             calls = next(flood)
             for _ in range(3):
-                peak["rss"] = max(peak["rss"], proc_status(pid, "VmRSS"))
+                peak["rss"] = max(peak["rss"], harness.rss_bytes(pid))
                 peak["fds"] = max(peak["fds"], open_fds(pid))
-                peak["disk"] = max(peak["disk"], dir_bytes(d.data))
+                peak["disk"] = max(peak["disk"], harness.dir_bytes(d.data, allocated=True))
                 time.sleep(0.1)
-            for (name, labels), value in metrics(address).items():
+            for (name, labels), value in harness.scrape(address).items():
                 for key, metric in (("uid_disk", "ckpt_uid_disk_used_bytes"),
                                     ("uid_index", "ckpt_uid_index_used_bytes")):
                     if name == metric:
@@ -265,7 +233,7 @@ def main():
               "peak %d bound %d; fds start %d peak %d bound %d; data dir peak %d bound %d"
               % (len(acked & set(range(1, STEPS + 1))), STEPS, rss0, peak["rss"], rss_bound,
                  fds0, peak["fds"], fd_bound, peak["disk"], disk_bound))
-        m = metrics(address)
+        m = harness.scrape(address)
         refused = {labels: int(v) for (name, labels), v in m.items()
                    if name == "ckpt_quota_refused_total"}
         print("per-uid peaks (metrics): disk %s (limit %d), index %s (limit %d); "
