@@ -81,6 +81,7 @@ v1::PolicySpec PolicyFromDict(const py::dict& p) {
     if (lc.contains("warmup")) l->set_warmup(py::cast<uint64_t>(lc["warmup"]));
     l->set_warmup_interval(Get<uint64_t>(lc, "warmup_interval", 0));
     l->set_full_every(Get<uint64_t>(lc, "full_every", 0));
+    l->set_local_drift(Get<bool>(lc, "local_drift", false));
   }
   return spec;
 }
@@ -186,9 +187,11 @@ class PyClient {
   }
 
   void StepDone(uint64_t step, double lr, const py::bytes& aux, const std::vector<uint32_t>& layers,
-                const std::vector<std::pair<uint32_t, uint64_t>>& group_steps) {
+                const std::vector<std::pair<uint32_t, uint64_t>>& group_steps,
+                std::optional<uint64_t> global_durable_step) {
     Client::StepInfo info;
     info.step = step;
+    info.global_durable_step = global_durable_step;
     info.lr = lr;
     info.aux = std::string(aux);
     info.layers = layers;
@@ -313,7 +316,8 @@ PYBIND11_MODULE(_ckpt, m) {
       .def("register", &PyClient::Register, py::arg("spec"))
       .def("step_done", &PyClient::StepDone, py::arg("step"), py::arg("lr"),
            py::arg("aux") = py::bytes(), py::arg("layers") = std::vector<uint32_t>{},
-           py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{})
+           py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{},
+           py::arg("global_durable_step") = py::none())
       .def("wait_snapshot", &PyClient::WaitSnapshot, py::arg("step"))
       .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
       .def("drift_partials", &PyClient::DriftPartials, py::arg("step"))

@@ -274,6 +274,7 @@ absl::Status Client::StepDone(const StepInfo& info) {
     for (uint32_t l : info.layers) req.add_layers(l);
     for (const v1::GroupStep& g : info.group_steps) *req.add_group_steps() = g;
     AddDrift(info.client_drift, req.mutable_client_drift());
+    if (info.global_durable_step.has_value()) req.set_global_durable_step(*info.global_durable_step);
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.call_timeout);
     v1::StepDoneReply reply;

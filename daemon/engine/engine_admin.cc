@@ -208,9 +208,14 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kStaleRanks, static_cast<double>(ActiveRanksLocked(/*stale_only=*/true)));
   // Durability lag: staged but not yet durable, over every live rank.
   const absl::Time now = clock_->Now();
-  double lag_bytes = 0, lag_seconds = 0;
+  double lag_bytes = 0, lag_seconds = 0, global_lag = 0;
   for (const auto& [key, r] : ranks_) {
     absl::MutexLock rank_lock(&r->mu);
+    if (r->active && r->global_durable_step.has_value()) {
+      global_lag = std::max(global_lag, static_cast<double>(
+                                            r->last_step_seen -
+                                            std::min(r->last_step_seen, *r->global_durable_step)));
+    }
     for (const PendingStep& p : r->pending) {
       lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
       lag_seconds = std::max(lag_seconds, absl::ToDoubleSeconds(now - p.staged_at));
@@ -228,6 +233,7 @@ void Engine::CollectMetrics() {
   }
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
+  m->Set(Gauge::kGlobalDurableLagSteps, global_lag);
 }
 
 size_t Engine::ActiveRanksLocked(bool stale_only) const {

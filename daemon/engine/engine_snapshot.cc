@@ -31,6 +31,10 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
         "step ", req.step, " is not above the last step ", r->last_step_seen, " of job ", r->job,
         " rank ", r->rank, " (restore the job, or use a new job id to start over)"));
   }
+  if (req.global_durable_step.value_or(0) > req.step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "global_durable_step ", *req.global_durable_step, " is above the step ", req.step));
+  }
   SnapTask task;
   task.step = req.step;
   task.lr = req.lr;
@@ -87,6 +91,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   task.event.set_lr(req.lr);
   task.group_steps = std::move(req.group_steps);
   r->last_step_seen = req.step;
+  if (req.global_durable_step.has_value()) r->global_durable_step = req.global_durable_step;
   r->snap_queue.push_back(std::move(task));
   if (!r->snap_busy) {
     r->snap_busy = true;

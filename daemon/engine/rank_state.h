@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -129,6 +130,9 @@ struct Engine::Rank {
   uint64_t last_step_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t snapshot_step ABSL_GUARDED_BY(mu) = 0;
   uint64_t durable_step ABSL_GUARDED_BY(mu) = 0;
+  // The job's newest step durable on every rank, as its ranks last agreed
+  // and reported with a StepDone (world_size > 1); unset: none reported.
+  std::optional<uint64_t> global_durable_step ABSL_GUARDED_BY(mu);
   std::deque<SnapTask> snap_queue ABSL_GUARDED_BY(mu);
   // A snapshot worker holds the rank, or it is queued in
   // Engine::snapshot_ready_ (changed with Engine::mu_ held as well).

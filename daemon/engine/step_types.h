@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@ struct StepReport {
   std::vector<uint32_t> layers;                // policy explicit: the layers to persist
   std::vector<GroupStep> group_steps;
   std::vector<drift::LayerSums> client_drift;  // optimizer client: one per layer
+  std::optional<uint64_t> global_durable_step;  // agreed by the job's ranks; unset: not agreed
 };
 
 // What WaitSnapshot reports once snapshot `step` is in staging.

@@ -129,6 +129,10 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_index_degraded", "gauge",
      "1 while the RocksDB index refuses writes after a failed write (e.g. ENOSPC) and has not "
      "reopened yet; reads go on.", "", ""},
+    {"ckpt_global_durable_lag_steps", "gauge",
+     "Largest gap, over this node's registered ranks of multi-rank jobs, between a rank's "
+     "newest step and the newest step its job's ranks last agreed is durable on every rank. "
+     "It grows when a rank of the job lost its ckptd or cannot keep up.", "", ""},
 };
 
 constexpr MetricInfo kHistogramTable[] = {

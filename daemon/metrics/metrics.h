@@ -97,6 +97,7 @@ enum class Gauge {
   kUidDiskUsedBytes,       // ckpt_uid_disk_used_bytes{uid}
   kUidIndexUsedBytes,      // ckpt_uid_index_used_bytes{uid}
   kIndexDegraded,          // ckpt_index_degraded
+  kGlobalDurableLagSteps,  // ckpt_global_durable_lag_steps
   kCount
 };
 

@@ -42,6 +42,9 @@ struct LayerCheckConfig {
   uint64_t warmup = 200;       // steps with selection off; full base at t == warmup
   uint64_t warmup_interval = 50;
   uint64_t full_every = 0;     // periodic full checkpoints after warm-up (0 = off)
+  // With world_size > 1: decide from this rank's sums alone (its layers are
+  // written by no other rank), without waiting for global sums.
+  bool local_drift = false;
 
   absl::Status Validate() const;
 };

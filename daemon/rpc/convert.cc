@@ -75,6 +75,7 @@ LayerCheckConfig LayerCheckOf(const v1::LayerCheckSpec& spec) {
   if (spec.has_warmup()) c.warmup = spec.warmup();
   if (spec.warmup_interval() > 0) c.warmup_interval = spec.warmup_interval();
   c.full_every = spec.full_every();
+  c.local_drift = spec.local_drift();
   return c;
 }
 
@@ -170,6 +171,7 @@ StepReport StepReportOf(const v1::StepDoneRequest& req) {
   r.layers.assign(req.layers().begin(), req.layers().end());
   for (const v1::GroupStep& g : req.group_steps()) r.group_steps.push_back({g.group(), g.step()});
   r.client_drift = LayerSumsOf(req.client_drift());
+  if (req.has_global_durable_step()) r.global_durable_step = req.global_durable_step();
   return r;
 }
 

@@ -30,7 +30,7 @@ restore() before the first step lets the optimizer create its state with a
 step of learning rate 0 (weights unchanged) and then overwrites everything.
 
 CPU tensors move once, at registration, into shared memory ckptd maps (each
-tensor keeps its identity: its storage is replaced with ``Tensor.set_``).
+tensor keeps its identity and its autograd hooks: its ``.data`` is replaced).
 CUDA tensors stay where they are: ckptd opens them through CUDA IPC (memory
 of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` cannot be opened
 that way and is refused at registration, naming the tensor), and each
@@ -155,6 +155,9 @@ class Stats:
     # Multi-rank LayerCheck: each step's drift exchange (partials, the
     # all-reduce, the global sums back), run beside the next forward/backward.
     drift_exchange_s: Tuple[float, ...] = ()
+    # Several ranks: each agreement on the durable step (every agree_every
+    # steps: this rank's durable step, the MIN all-reduce), off the step.
+    durable_agreement_s: Tuple[float, ...] = ()
 
 
 # ---- set-up helpers ----
@@ -184,6 +187,61 @@ def _check_mappable(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"tensor '{name}' has dtype {t.dtype}, which ckptd does not store")
 
 
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local shard (FSDP2's
+    fully_shard), else the tensor itself. The shard object is the one the
+    DTensor keeps, so moving its storage moves the DTensor's."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _fsdp_shards(model: torch.nn.Module) -> Dict[int, torch.Tensor]:
+    """id(sharded parameter) -> the padded flat shard FSDP2 keeps for it
+    (its all-gathers read that one; the parameter's local tensor views it)."""
+    out: Dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or ():
+            padded = getattr(fp, "_sharded_param_data", None)
+            if padded is not None:
+                out[id(fp.sharded_param)] = padded
+    return out
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, DistributedDataParallel)
+
+
+def _spread(layer_bytes: Dict[str, int], world_size: int) -> Dict[str, int]:
+    """Which rank writes each layer of a replicated (data-parallel) model:
+    the largest layers first, each to the rank with the fewest bytes so far
+    (ties to the lowest rank), so every rank writes about 1/world_size of the
+    bytes. A pure function of the layers and the world size: every replica
+    computes the same answer."""
+    load = [0] * world_size
+    owner: Dict[str, int] = {}
+    order = sorted(enumerate(layer_bytes.items()), key=lambda x: (-x[1][1], x[0]))
+    for _, (name, nbytes) in order:
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        owner[name] = r
+        load[r] += nbytes
+    return owner
+
+
 def _parse_policy(policy: str, kind: str, layercheck: Optional[dict], record_trace: bool) -> dict:
     spec: Dict[str, Any] = {"record_trace": bool(record_trace)}
     if policy.startswith("every_n:"):
@@ -206,6 +264,10 @@ class _Entry:
     tensor: torch.Tensor
     layer: str
     spec: Dict[str, Any]
+    # The flat tensor whose storage `tensor` views and which must move with
+    # it (FSDP2's padded shard, which its all-gathers read); None when the
+    # tensor owns its storage.
+    base: Optional[torch.Tensor] = None
 
 
 # Live attachments, for the refusals of a second attach() and of steps by
@@ -229,24 +291,77 @@ def _guard_other_optimizers(optimizer, args, kwargs):
                         "ckptd would not see: close() that run and attach() this optimizer")
 
 
-class _DriftExchange:
-    """Multi-rank LayerCheck: after StepDone(t), this rank's per-layer drift
-    sums of step t are all-reduced over a gloo process group and handed back
-    to ckptd, so every rank selects the same layers at the same step. It runs
-    on one background thread (collectives in step order), overlapping the
-    next forward and backward; the next optimizer step waits for it before
-    its fence. A rank whose ckptd cannot answer still takes part with zeros,
-    so the others never wait for it."""
+def _newest_durable(client: "ckpt.Client", job: str, rank: int,
+                    unknown: Optional[int]) -> int:
+    """The rank's newest durable step from its ckptd (its latest plan's
+    target): 0 when it has none, `unknown` when ckptd does not answer (None:
+    raise)."""
+    try:
+        return client.plan(0, job_id=job, rank=rank)["target_step"]
+    except ckpt.Error as e:
+        if e.code == "NOT_FOUND":
+            return 0
+        if unknown is not None and e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
+            return unknown
+        raise
 
-    def __init__(self, client: "ckpt.Client", group: Any):
+
+class _Agreement:
+    """What the ranks agree on, over a gloo process group, on one background
+    thread (collectives in step order on every rank), overlapping the next
+    forward and backward; the next optimizer step waits for it before its
+    fence.
+
+    - Multi-rank LayerCheck (`drift`): after StepDone(t), this rank's
+      per-layer drift sums of step t are all-reduced and handed back to
+      ckptd, so every rank selects the same layers at the same step.
+    - Every `every` steps, the agreed durable step: each rank's newest
+      durable step, all-reduced (MIN). The next StepDone reports it to
+      ckptd (ckpt_global_durable_lag_steps).
+
+    A rank whose ckptd cannot answer still takes part, so the others never
+    wait for it: with zeros in the drift sums, and with the newest durable
+    step it last heard of (its versions stay on its node's disk)."""
+
+    def __init__(self, client: "ckpt.Client", group: Any, drift: bool, every: int,
+                 job: str, rank: int):
         self._client = client
+        self._job = job
+        self._rank = rank
         self._group = group
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-drift")
+        self._drift = drift
+        self._every = every
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-agree")
         self._pending: Optional[concurrent.futures.Future] = None
-        self.seconds: List[float] = []
+        self._own_durable = 0
+        self.drift_seconds: List[float] = []
+        self.durable_seconds: List[float] = []
+        self.agreed: Optional[int] = None  # the last agreed durable step
 
     def submit(self, step: int, layers: int) -> None:
-        self._pending = self._pool.submit(self._exchange, step, layers)
+        if self._drift or (self._every and step % self._every == 0):
+            self._pending = self._pool.submit(self._run, step, layers)
+
+    def _run(self, step: int, layers: int) -> None:
+        if self._drift:
+            self._exchange(step, layers)
+        if self._every and step % self._every == 0:
+            self.agreed = self.durable_min()
+
+    def own_durable(self) -> int:
+        """This rank's newest durable step (the last one heard of when its
+        ckptd does not answer)."""
+        self._own_durable = _newest_durable(self._client, self._job, self._rank,
+                                            self._own_durable)
+        return self._own_durable
+
+    def durable_min(self) -> int:
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        t = torch.tensor([self.own_durable()], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        self.durable_seconds.append(time.perf_counter() - t0)
+        return int(t.item())
 
     def _exchange(self, step: int, layers: int) -> None:
         import torch.distributed as dist
@@ -267,7 +382,7 @@ class _DriftExchange:
         # Training on unprotected (on_daemon_loss="continue") is not an error.
         if error is not None and not self._client.unprotected:
             raise error
-        self.seconds.append(time.perf_counter() - t0)
+        self.drift_seconds.append(time.perf_counter() - t0)
 
     def join(self) -> None:
         pending, self._pending = self._pending, None
@@ -306,12 +421,15 @@ class Attached:
                  client: "ckpt.Client", job_id: str, rank: int, world_size: int, policy: str,
                  layercheck: Optional[dict], layers: Optional[LayerOf],
                  scheduler: Any, record_trace: bool, process_group: Any = None,
-                 scheduler_step: str = "optimizer"):
+                 scheduler_step: str = "optimizer", replicated: Optional[bool] = None,
+                 agree_every: int = 10):
         global _GUARD_HANDLE
         if not isinstance(client, ckpt.Client):
             raise TypeError("client must be a ckpt.Client")
         if scheduler_step not in ("optimizer", "manual"):
             raise ValueError("scheduler_step must be 'optimizer' or 'manual'")
+        if agree_every < 0:
+            raise ValueError("agree_every must be >= 0 (0: no periodic agreement)")
         self.client = client
         self.job_id = job_id
         self.rank = rank
@@ -324,8 +442,16 @@ class Attached:
         # loads it into the Trainer's own scheduler).
         self.restored_scheduler_state: Optional[dict] = None
         self._world_size = world_size
+        # Data-parallel replicas: each layer is written by one rank.
+        self._replicated = world_size > 1 and (_is_ddp(model) if replicated is None
+                                               else bool(replicated))
         self._kind = _optimizer_kind(optimizer)
         self._policy = _parse_policy(policy, self._kind, layercheck, record_trace)
+        if self._replicated and "layercheck" in self._policy:
+            # Each rank decides the layers it writes, from identical replicas.
+            self._policy["layercheck"]["local_drift"] = True
+        self._owners: Dict[str, int] = {}  # replicated: layer -> the rank writing it
+        self._placeholder: Optional[_Entry] = None
         self._layer_of = layers
         self._data_position: Any = None
         self._step = 0
@@ -356,13 +482,22 @@ class Attached:
             # A client keeps its regions and step count across registrations.
             raise ValueError("this ckpt.Client was used by an earlier attach(); give each "
                              "attach() a new ckpt.Client")
-        self._exchange = None
+        self._agreement: Optional[_Agreement] = None
         self._group = None
         if world_size > 1:
             layercheck_policy = self._policy["kind"] == "LAYERCHECK"
-            self._group = _agreement_group(process_group, required=layercheck_policy)
-            if layercheck_policy:
-                self._exchange = _DriftExchange(client, self._group)
+            self._group = _agreement_group(
+                process_group, required=layercheck_policy or self._replicated)
+            if self._group is not None:
+                import torch.distributed as dist
+                if dist.get_rank(self._group) != rank or dist.get_world_size(self._group) != world_size:
+                    raise ValueError(
+                        f"rank {rank} of {world_size} does not match the process group (rank "
+                        f"{dist.get_rank(self._group)} of {dist.get_world_size(self._group)})")
+            if self._group is not None:
+                self._agreement = _Agreement(client, self._group,
+                                             drift=layercheck_policy and not self._replicated,
+                                             every=agree_every, job=job_id, rank=rank)
         self._hooks = [optimizer.register_step_pre_hook(self._pre_step),
                        optimizer.register_step_post_hook(self._post_step)]
         if _GUARD_HANDLE is None:
@@ -383,7 +518,7 @@ class Attached:
             raise ValueError("the optimizer holds a parameter that is not in the model")
         out = []
         for name, p in params:
-            _check_mappable(name, p.data)
+            _check_mappable(name, _local(p))
             out.append((name, p, group_of.get(id(p))))
         return out
 
@@ -428,41 +563,61 @@ class Attached:
         entries: List[_Entry] = []
         groups = self.optimizer.param_groups
         base_lr = float(groups[0]["lr"]) or 1.0
+        shards = _fsdp_shards(self.model)
 
-        def add(lname: str, kind: str, frozen: bool, name: str, t: torch.Tensor, spec: dict):
+        def add(lname: str, kind: str, frozen: bool, name: str, t: torch.Tensor, spec: dict,
+                base: Optional[torch.Tensor] = None):
             layer = layers.setdefault(lname, {"name": lname, "kind": kind, "frozen": frozen,
                                               "tensors": []})
+            if t.numel() == 0:
+                return  # nothing to keep (a shard of a dimension smaller than the world)
             spec.update(name=name, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape) or [1])
-            entries.append(_Entry(name, t, lname, spec))
+            entries.append(_Entry(name, t, lname, spec, base))
             layer["tensors"].append(spec)
 
         for name, p, gi in self._params:
             if p.numel() == 0:
                 continue  # nothing to keep
             lname, kind = self._layer(name)
+            local = _local(p)
+            base = shards.get(id(p))
+            if base is not None and base.untyped_storage().data_ptr() != \
+                    local.untyped_storage().data_ptr():
+                base = None  # the shard owns its storage
             if gi is None or not p.requires_grad:
-                add(lname + ".frozen", kind, True, name, p, {"role": "PARAM"})
+                add(lname + ".frozen", kind, True, name, local, {"role": "PARAM"}, base)
                 continue
             g = groups[gi]
             betas = g.get("betas", (0.0, 0.0))
-            add(lname, kind, False, name, p,
+            add(lname, kind, False, name, local,
                 {"role": "PARAM", "group": gi, "lr_scale": float(g["lr"]) / base_lr,
                  "weight_decay": g.get("weight_decay", 0.0), "beta1": float(betas[0]),
-                 "beta2": float(betas[1]), "eps": g.get("eps", 0.0)})
+                 "beta2": float(betas[1]), "eps": g.get("eps", 0.0)}, base)
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
                 if key == "step" or not torch.is_tensor(value) or value.shape != p.shape:
                     continue
-                _check_mappable(f"{name}.{key}", value)
-                add(lname, kind, False, f"{name}.{key}", value,
+                _check_mappable(f"{name}.{key}", _local(value))
+                add(lname, kind, False, f"{name}.{key}", _local(value),
                     {"role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name})
         for name, b in self._buffers:
             if b.numel() == 0:
                 continue
             lname, kind = self._layer(name)
-            add(lname, kind, False, name, b, {"role": "OTHER"})
+            add(lname, kind, False, name, _local(b), {"role": "OTHER"})
+        for lname, layer in layers.items():
+            if not layer["tensors"]:
+                # Every tensor of the layer is an empty shard on this rank.
+                # The layer stays (every rank registers the same layers, in
+                # the same order, for the drift all-reduce) with one byte.
+                entries.append(self._pad_entry(lname, layer, lname + ".pad"))
         return entries, layers
+
+    def _pad_entry(self, lname: str, layer: dict, name: str) -> _Entry:
+        spec = {"name": name, "dtype": "U8", "shape": [1], "role": "OTHER"}
+        layer["tensors"].append(spec)
+        return _Entry(name, torch.zeros(1, dtype=torch.uint8, device=self._device), lname, spec)
 
     def _register(self) -> None:
         # Every trained parameter gets its state now, also one that had no
@@ -474,12 +629,27 @@ class Attached:
         self._trained_params = self._trained()
         self._read_step_counts()
         entries, layers = self._layout()
+        own_entries, own_layers = entries, layers
+        if self._replicated:
+            nbytes: Dict[str, int] = {name: 0 for name in layers}
+            for e in entries:
+                nbytes[e.layer] += e.tensor.numel() * e.tensor.element_size()
+            self._owners = _spread(nbytes, self._world_size)
+            own_layers = {n: l for n, l in layers.items() if self._owners[n] == self.rank}
+            own_entries = [e for e in entries if self._owners[e.layer] == self.rank]
+            if not own_layers:
+                # More replicas than layers: this rank writes no layer, only
+                # the state saved with each step (its RNG, data position).
+                lname = f"rank{self.rank}.state"
+                layer = {"name": lname, "kind": "OTHER", "frozen": True, "tensors": []}
+                self._placeholder = self._pad_entry(lname, layer, lname)
+                own_layers, own_entries = {lname: layer}, [self._placeholder]
         if self._device.type == "cpu":
-            self._share_host_memory(entries)
+            self._share_host_memory(own_entries)
         else:
-            self._place_gpu_tensors(entries)
+            self._place_gpu_tensors(own_entries)
         spec = {"job_id": self.job_id, "rank": self.rank, "world_size": self._world_size,
-                "policy": self._policy, "layers": list(layers.values())}
+                "policy": self._policy, "layers": list(own_layers.values())}
         self.client.register(spec)
         self._entries = entries
         self._layer_names = list(layers)
@@ -488,21 +658,39 @@ class Attached:
 
     def _share_host_memory(self, entries: List[_Entry]) -> None:
         """Moves every tensor into one region ckptd maps: the tensor keeps its
-        identity and its values; only its storage changes (Tensor.set_)."""
+        identity, its values and its hooks; only its storage changes (`.data =`)."""
+        def moved(e: _Entry) -> torch.Tensor:
+            return e.tensor if e.base is None else e.base
+
         offset = 0
         for e in entries:
-            offset = _aligned(offset) + e.tensor.numel() * e.tensor.element_size()
+            offset = _aligned(offset) + moved(e).numel() * moved(e).element_size()
         region = self.client.allocate_region(max(offset, 1))
         offset = 0
         with torch.no_grad():
             for e in entries:
-                t = e.tensor
+                t = moved(e)
                 offset = _aligned(offset)
                 view = torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=offset)
                 view = view.view(t.shape)
                 view.copy_(t)
-                t.set_(view)
-                e.spec.update(region=region.index, offset=offset)
+                shift = 0
+                if e.base is not None:
+                    # The shard views the padded base: both move, the view
+                    # keeping its place in the base.
+                    v = e.tensor
+                    shift = (v.storage_offset() - t.storage_offset()) * v.element_size()
+                    t.data = view
+                    v.data = torch.empty(0, dtype=v.dtype).set_(
+                        view.untyped_storage(), view.storage_offset() + shift // v.element_size(),
+                        v.shape, v.stride())
+                else:
+                    # `.data =`, not Tensor.set_: set_ gives a parameter a new
+                    # gradient accumulator, and the hooks on the old one
+                    # (DistributedDataParallel's, post-accumulate-grad hooks)
+                    # would never run again.
+                    t.data = view
+                e.spec.update(region=region.index, offset=offset + shift)
                 offset += t.numel() * t.element_size()
         self._region = region
 
@@ -578,8 +766,8 @@ class Attached:
         if self._step == 0:
             return
         t0 = time.perf_counter()
-        if self._exchange is not None:
-            self._exchange.join()
+        if self._agreement is not None:
+            self._agreement.join()
         self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
         self._fence_wait_s.append(time.perf_counter() - t0)
 
@@ -596,12 +784,13 @@ class Attached:
         if self._device.type == "cuda":
             self.client.set_cuda_stream(torch.cuda.current_stream(self._device).cuda_stream)
         t0 = time.perf_counter()
+        agreed = self._agreement.agreed if self._agreement is not None else None
         self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), blob, [],
-                              aux["group_steps"])
+                              aux["group_steps"], global_durable_step=agreed)
         self._step_done_s.append(time.perf_counter() - t0)
         self._step = t
-        if self._exchange is not None:
-            self._exchange.submit(t, len(self._layer_names))
+        if self._agreement is not None:
+            self._agreement.submit(t, len(self._layer_names))
 
     # ---- the state saved with each step ----
 
@@ -650,7 +839,8 @@ class Attached:
                 "lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
                 "group_steps": self._group_steps(), "param_steps": self._param_steps(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "data_position": self._data_position, "extra": self.extra_state}
+                "data_position": self._data_position, "extra": self.extra_state,
+                "world_size": self._world_size, "replicated": self._replicated}
 
     def _aux_blob(self, aux: dict, step: int) -> bytes:
         buf = io.BytesIO()
@@ -758,20 +948,22 @@ class Attached:
         newest durable step, all-reduced (MIN) over the ranks' gloo group.
         Collective: every rank calls it at the same point. With one rank (or
         no torch.distributed), this rank's newest durable step; 0 for none."""
-        try:
-            own = self.client.plan(0, job_id=self.job_id, rank=self.rank)["target_step"]
-        except ckpt.Error as e:
-            if e.code != "NOT_FOUND":
-                raise
-            own = 0
+        own = _newest_durable(self.client, self.job_id, self.rank, unknown=None)
         if self._group is None:
             return own
         import torch.distributed as dist
-        if self._exchange is not None:
-            self._exchange.join()  # its collectives come first, on every rank
+        if self._agreement is not None:
+            self._agreement.join()  # its collectives come first, on every rank
         t = torch.tensor([own], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
         return int(t.item())
+
+    @property
+    def agreed_durable_step(self) -> Optional[int]:
+        """The newest step durable on every rank, as the ranks last agreed
+        (every agree_every steps, in the background); None before the first
+        agreement or with one rank."""
+        return self._agreement.agreed if self._agreement is not None else None
 
     def restore(self, step: Optional[int] = None) -> Restored:
         """Restores the composite checkpoint for `step` (None = the latest
@@ -795,12 +987,16 @@ class Attached:
         plan = self.client.plan(step or 0, job_id=self.job_id, rank=self.rank)
         target = plan["target_step"]
         aux = _load_aux(plan["aux"], target)
+        if aux is not None:
+            self._check_layout(aux, plan)
         latest = target if step is None else self.plan().target_step
         if not self._registered:
             self._register()
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)  # no queued kernel writes after the restore
         reply = self.client.restore(target, discard_later=agreed)
+        if self._replicated:
+            self._broadcast_layers()
         if aux is not None:
             self._apply_aux(aux)
         behind = not agreed and target < max(latest, self._step)
@@ -810,6 +1006,58 @@ class Attached:
         return Restored(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)},
                         data_position=self._data_position,
                         bytes_restored=reply["bytes_restored"], seconds=reply["seconds"])
+
+    def _check_layout(self, aux: dict, plan: dict) -> None:
+        """Refuses, before anything is written, a checkpoint whose ranks held
+        other parts of the model than this world's ranks do."""
+        saved = aux.get("world_size", 1)
+        if saved == self._world_size and aux.get("replicated", False) == self._replicated:
+            return
+        layer = plan["layers"][0]["name"] if plan["layers"] else "?"
+        how = "replicated (each layer written by one rank)" if aux.get("replicated") else \
+            "held rank by rank (sharded or per-rank)"
+        raise ckpt.Error(
+            "FAILED_PRECONDITION",
+            f"job '{self.job_id}' step {plan['target_step']} was saved by {saved} ranks, its "
+            f"layers {how}; this run has {self._world_size} ranks"
+            f"{', replicated' if self._replicated else ''}, so layer '{layer}' of rank "
+            f"{self.rank} cannot be put back as saved")
+
+    def _broadcast_layers(self) -> None:
+        """Replicated ranks after their own restore: each layer goes from the
+        rank that wrote it to every other rank, over the ranks' gloo group
+        (no shared file system: each rank read only its own ckptd)."""
+        import torch.distributed as dist
+        by_layer: Dict[str, List[_Entry]] = {}
+        for e in self._entries:
+            by_layer.setdefault(e.layer, []).append(e)
+        with torch.no_grad():
+            for lname, es in by_layer.items():
+                owner = self._owners[lname]
+                sizes = [e.tensor.numel() * e.tensor.element_size() for e in es]
+                if owner == self.rank:
+                    flat = torch.cat([e.tensor.detach().reshape(-1).view(torch.uint8).cpu()
+                                      for e in es])
+                else:
+                    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                dist.broadcast(flat, src=dist.get_global_rank(self._group, owner),
+                               group=self._group)
+                if owner == self.rank:
+                    continue
+                off = 0
+                for e, n in zip(es, sizes):
+                    e.tensor.reshape(-1).view(torch.uint8).copy_(flat[off:off + n])
+                    off += n
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    @property
+    def owned_layers(self) -> List[str]:
+        """The layers this rank writes: all of them, except with replicated
+        (data-parallel) ranks, which each write about 1/world_size."""
+        if not self._replicated:
+            return list(self._layer_names)
+        return [n for n in self._layer_names if self._owners.get(n) == self.rank]
 
     def resume(self) -> Optional[Restored]:
         """restore() when the job has a checkpoint; None (nothing changed)
@@ -823,13 +1071,15 @@ class Attached:
 
     def wait_durable(self) -> int:
         """Waits until everything reported so far is durable; returns that step."""
-        if self._exchange is not None:
-            self._exchange.join()
+        if self._agreement is not None:
+            self._agreement.join()
         return self.client.wait_durable(self._step)
 
     def stats(self) -> Stats:
+        a = self._agreement
         return Stats(tuple(self._fence_wait_s), tuple(self._step_done_s),
-                     tuple(self._exchange.seconds) if self._exchange is not None else ())
+                     tuple(a.drift_seconds) if a is not None else (),
+                     tuple(a.durable_seconds) if a is not None else ())
 
     def close(self, drain: bool = True) -> None:
         """Removes the hooks and unregisters (after the staged steps are
@@ -840,8 +1090,8 @@ class Attached:
         for h in self._hooks:
             h.remove()
         _LIVE.discard(self)
-        if self._exchange is not None:
-            self._exchange.close()
+        if self._agreement is not None:
+            self._agreement.close()
         if self._registered:
             self.client.unregister(drain)
 
@@ -903,7 +1153,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
            job_id: str, rank: int = 0, world_size: int = 1, policy: str = "all",
            layercheck: Optional[dict] = None, layers: Optional[LayerOf] = None,
            scheduler: Any = None, record_trace: bool = False,
-           process_group: Any = None, scheduler_step: str = "optimizer") -> Attached:
+           process_group: Any = None, scheduler_step: str = "optimizer",
+           replicated: Optional[bool] = None, agree_every: int = 10) -> Attached:
     """Attaches `model` and `optimizer` to ckptd through `client` and returns
     an Attached; the rank registers at the first optimizer step (or at
     restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
@@ -914,6 +1165,17 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     all-reduced over `process_group` (default: a gloo group of the whole
     world, made here, so every rank must attach in the same order) and every
     rank selects the same layers.
+    `replicated`: the ranks are data-parallel replicas with identical
+    parameters and optimizer state (default: True when `model` is a
+    DistributedDataParallel): each layer is written by one rank, the layers
+    spread so that each rank writes about 1/world_size of the bytes, and
+    restore() hands each layer from its writer to the others over the
+    process group. FSDP2 (fully_shard) models register each rank's local
+    shards (DTensor local tensors) and need no flag.
+    `agree_every`: with several ranks, every that many steps the ranks agree
+    (in the background, MIN all-reduce) on the newest step durable on all of
+    them; `agreed_durable_step` holds it and ckptd exports how far each rank
+    is ahead of it (ckpt_global_durable_lag_steps). 0 turns it off.
     `scheduler_step`: "optimizer" when the loop calls scheduler.step() after
     every optimizer.step() (restore replays the one after the restored step),
     "manual" when it steps the scheduler elsewhere (per epoch;
@@ -923,4 +1185,5 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     the model or optimizer is attached already, and ckpt.Error for refusals
     by ckptd."""
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
-                    layers, scheduler, record_trace, process_group, scheduler_step)
+                    layers, scheduler, record_trace, process_group, scheduler_step, replicated,
+                    agree_every)

@@ -515,6 +515,52 @@ TEST_F(DaemonApiTest, RanksAgreeThroughTheGlobalDriftVector) {
   ExpectAlive();
 }
 
+// A data-parallel rank that writes layers no other rank holds (local_drift)
+// decides from its own sums with world_size > 1: WaitSnapshot returns without
+// any exchange, and the decisions are the policy's function of the rank's
+// own vector.
+TEST_F(DaemonApiTest, LocalDriftRankDecidesWithoutAnExchange) {
+  StartDaemon();
+  constexpr int kLayers = 3;
+  constexpr uint64_t kSteps = 20;
+  TestRank r = MakeRank(daemon_->socket(), "dp", kLayers, 256, v1::POLICY_LAYERCHECK);
+  r.spec.rank = 1;
+  r.spec.world_size = 4;
+  r.spec.policy.set_optimizer(v1::OPTIMIZER_CLIENT);
+  r.spec.policy.mutable_layercheck()->set_warmup(0);
+  r.spec.policy.mutable_layercheck()->set_s_max(10);
+  r.spec.policy.mutable_layercheck()->set_local_drift(true);
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  LayerCheckConfig config;
+  config.warmup = 0;
+  config.s_max = 10;
+  LayerCheckPolicy want_policy(config, std::vector<LayerKind>(kLayers, LayerKind::kBlock));
+  for (uint64_t t = 1; t <= kSteps; ++t) {
+    Client::StepInfo info;
+    info.step = t;
+    info.lr = 1e-3;
+    std::vector<drift::LayerSums> sums;
+    for (int l = 0; l < kLayers; ++l) {
+      const double d = l == 1 ? 2e-3 : 1e-5;
+      info.client_drift.push_back(LayerSums{d * d, 1.0});
+      sums.push_back(drift::LayerSums{d * d, 1.0});
+    }
+    ASSERT_TRUE(r.client->StepDone(info).ok());
+    absl::StatusOr<SnapshotInfo> snap = r.client->WaitSnapshot(t);
+    ASSERT_TRUE(snap.ok()) << "step " << t << ": " << snap.status();
+    std::vector<uint32_t> want;
+    std::vector<LayerDecision> d = want_policy.Decide(t, 1e-3, sums, {});
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      if (d[l].reason != PersistReason::kNone) want.push_back(l);
+    }
+    EXPECT_EQ(snap->layers, want) << "step " << t;
+  }
+  // Nothing waits for global sums, so none are taken.
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      r.client->SetGlobalDrift(kSteps, std::vector<LayerSums>(kLayers))));
+  ExpectAlive();
+}
+
 // The standard health service answers SERVING, and reflection lists our
 // services (both driven with raw bytes through a generic stub).
 // Found by the fidelity experiment: after a composite restore LayerCheck

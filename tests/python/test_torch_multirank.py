@@ -10,7 +10,10 @@ is printed.
 Then two simulated nodes (one ckptd each) with on_daemon_loss="continue":
 rank 1's ckptd is SIGKILLed at step 15. Rank 1 trains on unprotected, rank 0
 stays protected, and neither waits for the other (rank 1 takes part in each
-exchange with zeros): both finish every step.
+exchange with zeros): both finish every step. The durable step the ranks
+agree on every 10 steps stops advancing, and rank 0's ckptd exports the lag
+(ckpt_global_durable_lag_steps); rank 1's ckptd is started again at step 25,
+rank 1 re-registers and the agreed step catches up.
 
 Last, one agreed durable step: on two nodes (policy `all`), rank 0 stops
 after 20 steps and rank 1 after 25. Restarted, both restore the newest step
@@ -60,7 +63,10 @@ def worker(a):
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    client = ckpt.Client(a.socket, wait_timeout_s=60, on_daemon_loss=a.on_daemon_loss)
+    # reconnect_interval_s=0: a ckptd that is back is re-registered with at
+    # the next step (the test orders the restart by a sync point, not time).
+    client = ckpt.Client(a.socket, wait_timeout_s=60, on_daemon_loss=a.on_daemon_loss,
+                         reconnect_interval_s=0)
     run = ckpt_torch.attach(model, opt, client, job_id=a.job,
                             rank=a.rank, world_size=WORLD, policy=a.policy,
                             layercheck={"k0": 2e-2, "warmup": 3, "warmup_interval": 3,
@@ -87,11 +93,14 @@ def worker(a):
         model(x).pow(2).mean().backward()
         opt.step()
         if log:
-            log.write(json.dumps({"step": t, "hash": tensors_hash()}) + "\n")
-        if t == a.pause_at:
-            # A sync point with the test: it kills this rank's ckptd now.
-            open(os.path.join(a.sync, "reached"), "w").close()
-            while not os.path.exists(os.path.join(a.sync, "killed")):
+            log.write(json.dumps({"step": t, "hash": tensors_hash(),
+                                  "agreed": run.agreed_durable_step}) + "\n")
+            log.flush()
+        if t in a.pause_at:
+            # A sync point with the test: it kills or restarts this rank's
+            # ckptd now.
+            open(os.path.join(a.sync, "reached-%d" % t), "w").close()
+            while not os.path.exists(os.path.join(a.sync, "go-%d" % t)):
                 time.sleep(0.01)
     try:
         durable = run.wait_durable()
@@ -109,8 +118,8 @@ def worker(a):
 
 
 def ranks(root, sockets, job, extra=(), on_sync=None, store_suffix=""):
-    """Runs the two ranks; returns their result lines. `on_sync` runs when a
-    rank reaches its pause step (see worker)."""
+    """Runs the two ranks; returns their result lines. `on_sync` maps a
+    pause step to what runs when a rank reaches it (see worker)."""
     store = os.path.join(root, job + "-store" + store_suffix)
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
                                "--rank", str(r), "--socket", sockets[r], "--store", store,
@@ -118,14 +127,14 @@ def ranks(root, sockets, job, extra=(), on_sync=None, store_suffix=""):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(WORLD)]
     try:
-        if on_sync is not None:
+        for step, action in sorted((on_sync or {}).items()):
             deadline = time.time() + 120
-            while not os.path.exists(os.path.join(root, "reached")):
+            while not os.path.exists(os.path.join(root, "reached-%d" % step)):
                 assert time.time() < deadline and all(p.poll() is None for p in procs), \
                     [p.stderr.read()[-2000:] for p in procs if p.poll() is not None]
                 time.sleep(0.01)
-            on_sync()
-            open(os.path.join(root, "killed"), "w").close()
+            action()
+            open(os.path.join(root, "go-%d" % step), "w").close()
         results = []
         for p in procs:
             out, err = p.communicate(timeout=300)
@@ -137,22 +146,46 @@ def ranks(root, sockets, job, extra=(), on_sync=None, store_suffix=""):
 
 
 def daemon_loss(root):
-    """Two nodes; rank 1's ckptd dies at step 15."""
+    """Two nodes; rank 1's ckptd dies at step 15 and is back at step 25."""
     daemons = [harness.Daemon(os.path.join(root, "node%d" % r)).start() for r in range(WORLD)]
+    logs = [os.path.join(root, "loss-rank%d.jsonl" % r) for r in range(WORLD)]
+    lag = []
     try:
         def kill_node1():
             daemons[1].proc.send_signal(signal.SIGKILL)
             daemons[1].proc.wait(timeout=30)
 
+        def restart_node1():
+            # Rank 0 waits for rank 1 at the next drift all-reduce: its
+            # newest step is 25 or 26 now, and its agreed step is stuck.
+            address = daemons[0].ctl("status")["metrics_address"]
+            lag.append(harness.metric(address, "ckpt_global_durable_lag_steps"))
+            daemons[1].start()
+
         results = ranks(root, [d.socket for d in daemons], "loss",
-                        extra=[["--on-daemon-loss", "continue"],
-                               ["--on-daemon-loss", "continue", "--pause-at", "15"]],
-                        on_sync=kill_node1)
+                        extra=[["--on-daemon-loss", "continue", "--log", logs[0]],
+                               ["--on-daemon-loss", "continue", "--pause-at", "15,25",
+                                "--log", logs[1]]],
+                        on_sync={15: kill_node1, 25: restart_node1})
         check(all(r["steps"] == STEPS for r in results),
               "both ranks trained all %d steps; none waited for the other" % STEPS)
         check(results[0]["durable"] == STEPS and not results[0]["unprotected"],
               "rank 0 stayed protected: every step durable on its ckptd")
-        check(results[1]["unprotected"], "rank 1 trained on unprotected after its ckptd died")
+        agreed = [{row["step"]: row["agreed"] for row in harness.read_jsonl(p)} for p in logs]
+        check(agreed[0] == agreed[1], "both ranks hold the same agreed durable step at every "
+              "step")
+        stuck = [agreed[0][t] for t in range(20, 26)]
+        check(all(a is not None and a <= 15 for a in stuck),
+              "with rank 1's ckptd gone, the agreed durable step stayed at or below 15 "
+              "(%s at steps 20..25)" % stuck)
+        check(lag[0] is not None and lag[0] >= 10,
+              "rank 0's ckptd exports the lag: ckpt_global_durable_lag_steps %s at step 25"
+              % lag[0])
+        check(results[1]["durable"] == STEPS and not results[1]["unprotected"],
+              "rank 1 re-registered with its restarted ckptd and is protected again")
+        check(agreed[0][STEPS] > 25,
+              "the job caught up: the agreed durable step is %d at step %d (agreed at step "
+              "30, after rank 1's ckptd came back at 25)" % (agreed[0][STEPS], STEPS))
     finally:
         for d in daemons:
             d.kill()
@@ -227,7 +260,8 @@ if __name__ == "__main__":
         p.add_argument("--store", required=True)
         p.add_argument("--job", default="mr")
         p.add_argument("--sync", required=True)
-        p.add_argument("--pause-at", type=int, default=0)
+        p.add_argument("--pause-at", type=lambda v: [int(x) for x in v.split(",")],
+                       default=[])
         p.add_argument("--on-daemon-loss", default="error")
         p.add_argument("--policy", default="layercheck")
         p.add_argument("--steps", type=int, default=STEPS)

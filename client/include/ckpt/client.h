@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -151,6 +152,7 @@ class Client {
     std::vector<uint32_t> layers;
     std::vector<v1::GroupStep> group_steps;
     std::vector<LayerSums> client_drift;  // one per layer (Σ‖ΔW‖², Σ‖W‖²)
+    std::optional<uint64_t> global_durable_step;  // as the job's ranks last agreed; unset: not agreed
   };
   absl::Status StepDone(const StepInfo& info);
 

@@ -980,6 +980,48 @@ class FullRocksFs : public rocksdb::FileSystemWrapper {
   std::atomic<bool>* full_;
 };
 
+// ckpt_global_durable_lag_steps: a rank's newest step minus the step its
+// job's ranks last agreed is durable everywhere (reported with StepDone);
+// ranks that report none do not count, and a report above the step is
+// refused.
+TEST_F(EnginePipelineTest, GlobalDurableLagGauge) {
+  Metrics metrics;
+  EngineOptions o = OneWriter();
+  o.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank alone = MakeRank("lag_alone", 1), agreed = MakeRank("lag_agreed", 1);
+  CKPT_ASSERT_OK(Register(&alone).status());
+  CKPT_ASSERT_OK(Register(&agreed).status());
+  auto step = [&](const TestRank& r, uint64_t t, std::optional<uint64_t> global) {
+    StepReport report;
+    report.rank = Ref(r);
+    report.step = t;
+    report.lr = 0.1;
+    report.global_durable_step = global;
+    return engine_->StepDone(report, owner_);
+  };
+  auto lag = [this, &metrics] {
+    engine_->CollectMetrics();
+    const std::string text = metrics.Scrape();
+    const std::string key = "\nckpt_global_durable_lag_steps ";
+    const size_t at = text.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + key.size()));
+  };
+  for (uint64_t t = 1; t <= 30; ++t) CKPT_ASSERT_OK(step(alone, t, std::nullopt));
+  EXPECT_EQ(lag(), 0) << "a rank that reports no agreed step is not lagging";
+  for (uint64_t t = 1; t <= 12; ++t) CKPT_ASSERT_OK(step(agreed, t, t < 10 ? 0 : 10));
+  EXPECT_EQ(lag(), 2);
+  for (uint64_t t = 13; t <= 20; ++t) CKPT_ASSERT_OK(step(agreed, t, 10));
+  EXPECT_EQ(lag(), 10) << "the agreed step stopped advancing";
+  EXPECT_TRUE(absl::IsInvalidArgument(step(agreed, 21, 22)));
+  CKPT_ASSERT_OK(step(agreed, 21, 20));
+  EXPECT_EQ(lag(), 1);
+  // The engine goes before `metrics`, which its writers update.
+  CKPT_ASSERT_OK(WaitDurable(alone, 30).status());
+  CKPT_ASSERT_OK(WaitDurable(agreed, 21).status());
+  engine_.reset();
+}
+
 // Regression: on a full file system RocksDB's own writes failed, Debian's
 // librocksdb (built with assertions) aborted ckptd on the next write of its
 // info log, and a failed event write stopped the rank's durability for

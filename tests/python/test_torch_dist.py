@@ -1,0 +1,327 @@
+"""Data-parallel (DDP) and sharded (FSDP2) jobs on four CPU ranks (gloo):
+two simulated nodes, one ckptd each with its own data directory; ranks 0
+and 1 talk to node 0's ckptd, ranks 2 and 3 to node 1's. A small GPT
+(token and position embeddings, four blocks, final norm, head) trains with
+policy `all`.
+
+For each of DDP and FSDP2 (fully_shard per block and at the root):
+- a failure-free run of 16 steps records a hash of every rank's tensors
+  (parameters and optimizer state; the rank's shards under FSDP2) after each
+  step;
+- a second job trains the same steps and every rank is SIGKILLed at step 10
+  (a sync point: all four have reported step 10). Restarted, the ranks
+  restore the newest step durable on every rank (all-reduced), and each
+  rank's tensors and every later step match the failure-free run bit for bit.
+DDP: each layer is written by one rank only (the replicas hold identical
+layers), so each rank's ckptd receives about a quarter of the bytes (the
+per-rank figures are printed), the four ranks together write exactly one
+replica, and restore hands each layer from its writer to the others over
+the process group: no rank reads another node's data directory.
+FSDP2: each rank registers its local shards; the shards together are one
+replica.
+
+Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
+is missing. `--worker` runs one rank.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import harness  # noqa: E402
+from harness import check  # noqa: E402
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import ckpt
+    from ckpt import torch as ckpt_torch
+except ImportError as e:  # pragma: no cover - reported as a skip
+    print("skipping: %s" % e)
+    sys.exit(77)
+
+WORLD, STEPS, KILL_AT = 4, 16, 10
+VOCAB, DIM, CTX, BLOCKS = 96, 32, 16, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.attn = nn.MultiheadAttention(DIM, 4, batch_first=True)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.wpe = nn.Embedding(CTX, DIM)
+        self.h = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def rank_order_mean(_, bucket):
+    """DDP comm hook: the mean of the ranks' gradients summed in rank order.
+    Gloo's ring all-reduce sums each element in an order that depends on
+    where it lies in its bucket, and DDP rebuilds its buckets after the
+    first iteration of a process, so a run restored at step 10 (its first
+    iteration is step 11) would round differently from one that was not.
+    This makes the result a function of the gradients alone."""
+    t = bucket.buffer()
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    fut = dist.all_gather(parts, t, async_op=True).get_future()
+
+    def mean(f):
+        got = f.value()
+        total = got[0].clone()
+        for x in got[1:]:
+            total += x
+        return total / WORLD
+
+    return fut.then(mean)
+
+
+def worker(a):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
+                            world_size=WORLD)
+    torch.manual_seed(7)  # the same initial weights on every rank
+    model = GPT()
+    if a.mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        model.register_comm_hook(None, rank_order_mean)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for b in model.h:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    client = ckpt.Client(a.socket, wait_timeout_s=120)
+    run = ckpt_torch.attach(model, opt, client, job_id=a.job, rank=a.rank, world_size=WORLD,
+                            policy=a.policy, record_trace=a.policy == "layercheck",
+                            layercheck={"k0": 2e-2, "warmup": 3, "warmup_interval": 3,
+                                        "s_max": 8})
+    log = open(a.log, "a")
+
+    def tensors_hash():
+        h = hashlib.sha256()
+        for _, ts in sorted(run.tensors().items()):
+            for name, t in ts:
+                h.update(name.encode())
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    first = 1
+    if a.restore:
+        r = run.restore()
+        first = r.target_step + 1
+        log.write(json.dumps({"restored": r.target_step, "hash": tensors_hash()}) + "\n")
+        log.flush()
+    for t in range(first, a.steps + 1):
+        g = torch.Generator().manual_seed(1000 * a.rank + t)  # each rank's own batch
+        idx = torch.randint(0, VOCAB, (4, CTX + 1), generator=g)
+        opt.zero_grad()
+        logits = model(idx[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
+        opt.step()
+        log.write(json.dumps({"step": t, "hash": tensors_hash()}) + "\n")
+        log.flush()
+        if t == a.pause_at:
+            # A sync point with the test: it SIGKILLs every rank now.
+            open(os.path.join(a.sync, "reached-%d" % a.rank), "w").close()
+            time.sleep(600)
+    durable = run.wait_durable()
+    # The bytes this rank's ckptd holds for the newest step (its layer files'
+    # tensors, each at a 64-byte boundary), and the bytes of every tensor
+    # the rank holds (under DDP, a whole replica).
+    plan = run.plan()
+    own = plan.total_bytes
+    whole = sum(t.numel() * t.element_size() for ts in run.tensors().values() for _, t in ts)
+    count = sum(len(ts) for ts in run.tensors().values())
+    print(json.dumps({"rank": a.rank, "durable": durable, "plan_bytes": own,
+                      "replica_bytes": whole, "tensors": count, "owned": run.owned_layers,
+                      "layers": len(run.layer_names)}))
+    run.close()
+    dist.destroy_process_group()
+
+
+def ranks(root, daemons, job, mode, extra=(), kill_at=0, tag=""):
+    store = os.path.join(root, "%s%s-store" % (job, tag))
+    sync = os.path.join(root, job + tag + "-sync")
+    os.makedirs(sync, exist_ok=True)
+    logs = [os.path.join(root, "%s-rank%d.jsonl" % (job, r)) for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
+                               "--rank", str(r), "--socket", daemons[r // 2].socket,
+                               "--store", store, "--job", job, "--mode", mode, "--sync", sync,
+                               "--log", logs[r], "--pause-at", str(kill_at)] + list(extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(WORLD)]
+    try:
+        if kill_at:
+            deadline = time.time() + 300
+            while len(os.listdir(sync)) < WORLD:
+                assert time.time() < deadline and all(p.poll() is None for p in procs), \
+                    [p.stderr.read()[-3000:] for p in procs if p.poll() is not None]
+                time.sleep(0.02)
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            for p in procs:
+                p.wait(timeout=60)
+            return logs, None
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-4000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return logs, results
+    finally:
+        harness.kill_processes(procs)
+
+
+def hashes(path):
+    return {row["step"]: row["hash"] for row in harness.read_jsonl(path) if "step" in row}
+
+
+def scenario(root, mode):
+    daemons = [harness.Daemon(os.path.join(root, "%s-node%d" % (mode, n))).start()
+               for n in range(2)]
+    try:
+        ref_logs, ref = ranks(root, daemons, mode + "-ref", mode, ["--steps", str(STEPS)])
+        check(all(r["durable"] == STEPS for r in ref), "%s: the failure-free run made all %d "
+              "steps durable on every rank" % (mode, STEPS))
+        want = [hashes(p) for p in ref_logs]
+        logs, _ = ranks(root, daemons, mode + "-run", mode, ["--steps", str(STEPS)],
+                        kill_at=KILL_AT)
+        check(all(max(hashes(p)) == KILL_AT for p in logs),
+              "%s: every rank reported step %d and was SIGKILLed" % (mode, KILL_AT))
+        logs, res = ranks(root, daemons, mode + "-run", mode,
+                          ["--steps", str(STEPS), "--restore"], tag="-again")
+        restored = [[row for row in harness.read_jsonl(p) if "restored" in row][-1]
+                    for p in logs]
+        target = restored[0]["restored"]
+        check(all(row["restored"] == target for row in restored) and 1 <= target <= KILL_AT,
+              "%s: all ranks restored the same agreed step (%d)" % (mode, target))
+        check(all(row["hash"] == want[r][target] for r, row in enumerate(restored)),
+              "%s: each rank's tensors after the restore equal the failure-free run's at step "
+              "%d, bit for bit" % (mode, target))
+        got = [hashes(p) for p in logs]
+        check(all(got[r][t] == want[r][t] for r in range(WORLD)
+                  for t in range(KILL_AT + 1, STEPS + 1)),
+              "%s: every step after the restore equals the failure-free run's on every rank"
+              % mode)
+        check(all(r["durable"] == STEPS for r in res), "%s: training went on to step %d" %
+              (mode, STEPS))
+        total = sum(r["plan_bytes"] for r in ref)
+        if mode == "ddp":
+            # Every rank holds the whole replica; the layers are spread.
+            replica, tensors = ref[0]["replica_bytes"], ref[0]["tensors"]
+        else:
+            # Each rank holds its shards; together they are one replica.
+            replica = sum(r["replica_bytes"] for r in ref)
+            tensors = sum(r["tensors"] for r in ref)
+        print("FIGURES %s bytes written per rank for step %d: %s; together %d; one replica %d "
+              "bytes" % (mode, STEPS, [r["plan_bytes"] for r in ref], total, replica))
+        check(replica <= total <= replica + 64 * tensors,
+              "%s: the four ranks together wrote one replica (%d bytes of tensors, %d with "
+              "the layer files' 64-byte alignment), each part once" % (mode, replica, total))
+        share = [r["plan_bytes"] / (total / WORLD) for r in ref]
+        check(max(share) <= 1.5 and min(share) >= 0.5,
+              "%s: each rank wrote about 1/%d of the bytes (%s of an even share)"
+              % (mode, WORLD, ", ".join("%.2f" % x for x in share)))
+        if mode == "ddp":
+            owned = sorted(l for r in ref for l in r["owned"])
+            check(len(owned) == ref[0]["layers"] and len(set(owned)) == len(owned),
+                  "ddp: every layer has exactly one writer (%s)" % [r["owned"] for r in ref])
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def layercheck(root, mode):
+    """Policy layercheck: FSDP2 ranks all-reduce their shards' drift and
+    select the same layers at every step; DDP ranks each decide the layers
+    they write, alone (identical replicas: nothing to all-reduce)."""
+    daemons = [harness.Daemon(os.path.join(root, "%s-lc-node%d" % (mode, n))).start()
+               for n in range(2)]
+    try:
+        steps = 24
+        _, res = ranks(root, daemons, mode + "-lc", mode,
+                       ["--steps", str(steps), "--policy", "layercheck"])
+        check(all(r["durable"] == steps for r in res),
+              "%s layercheck: every rank trained and made all %d steps durable" % (mode, steps))
+        traces = []
+        for r in range(WORLD):
+            path = os.path.join(daemons[r // 2].data, "jobs", mode + "-lc", "rank-%08x" % r,
+                                "drift.jsonl")
+            rows = [json.loads(line) for line in open(path)]
+            traces.append({row["step"]: row["persist"] for row in rows if "step" in row})
+        check(all(sorted(t) == list(range(1, steps + 1)) for t in traces),
+              "%s layercheck: every rank decided every step" % mode)
+        if mode == "fsdp2":
+            differ = [s for s in range(1, steps + 1) if any(traces[r][s] != traces[0][s]
+                                                            for r in range(WORLD))]
+            partial = [s for s in range(1, steps + 1) if 0 < len(traces[0][s]) < res[0]["layers"]]
+            check(not differ, "fsdp2 layercheck: the four ranks selected the same layers at "
+                  "every step (%d of %d steps selected some layers but not all)"
+                  % (len(partial), steps))
+            check(partial, "fsdp2 layercheck: LayerCheck did select per layer")
+    finally:
+        for d in daemons:
+            d.kill()
+
+
+def main():
+    root = harness.tempdir("ckpt-dist-")
+    modes = sys.argv[1:] or ["ddp", "fsdp2"]
+    for mode in modes:
+        scenario(root, mode)
+        layercheck(root, mode)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--worker", action="store_true")
+        p.add_argument("--rank", type=int, required=True)
+        p.add_argument("--socket", required=True)
+        p.add_argument("--store", required=True)
+        p.add_argument("--job", required=True)
+        p.add_argument("--mode", required=True)
+        p.add_argument("--sync", required=True)
+        p.add_argument("--log", required=True)
+        p.add_argument("--pause-at", type=int, default=0)
+        p.add_argument("--steps", type=int, default=STEPS)
+        p.add_argument("--restore", action="store_true")
+        p.add_argument("--policy", default="all")
+        worker(p.parse_args())
+    else:
+        main()
