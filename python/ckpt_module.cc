@@ -9,6 +9,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -253,6 +255,63 @@ class PyClient {
     return PlanToDict(plan);
   }
 
+  // Copies each tensor of `job` rank `rank`'s composite checkpoint into
+  // dests[tensor name] (a writable buffer of exactly its size); returns the
+  // plan. Every tensor of the checkpoint needs a destination and every
+  // destination a tensor, or nothing is claimed to be restored.
+  py::dict ExportInto(const std::string& job, uint32_t rank, uint64_t target_step,
+                      const py::dict& dests) {
+    struct Dest {
+      char* ptr;
+      uint64_t size;
+      bool filled = false;
+    };
+    std::map<std::string, Dest> out;
+    std::vector<py::buffer_info> held;  // keeps every buffer valid without the GIL
+    for (const auto& [k, v] : dests) {
+      py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request(/*writable=*/true);
+      out[py::cast<std::string>(k)] =
+          Dest{static_cast<char*>(info.ptr), static_cast<uint64_t>(info.size * info.itemsize)};
+      held.push_back(std::move(info));
+    }
+    v1::Plan plan;
+    Client::ExportSink sink;
+    sink.header = [&](const v1::ExportHeader& h) -> absl::Status {
+      plan = h.plan();
+      for (const v1::ExportTensor& t : h.tensors()) {
+        auto it = out.find(t.name());
+        if (it == out.end()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "tensor '", t.name(), "' of layer '", t.layer_name(), "' of job ", job, " rank ",
+              rank, " has no place in this model"));
+        }
+        if (it->second.size != t.nbytes()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "tensor '", t.name(), "' has ", t.nbytes(), " bytes in the checkpoint and ",
+              it->second.size, " in this model"));
+        }
+        it->second.filled = true;
+      }
+      for (const auto& [name, d] : out) {
+        if (!d.filled) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "tensor '", name, "' is not in job ", job, " rank ", rank, "'s checkpoint"));
+        }
+      }
+      return absl::OkStatus();
+    };
+    sink.data = [&](const v1::ExportTensor& t, uint64_t offset,
+                    std::string_view piece) -> absl::Status {
+      std::memcpy(out[t.name()].ptr + offset, piece.data(), piece.size());
+      return absl::OkStatus();
+    };
+    {
+      py::gil_scoped_release release;
+      Check(client_->Export(job, rank, target_step, sink));
+    }
+    return PlanToDict(plan);
+  }
+
   py::dict Restore(uint64_t target_step, bool discard_later) {
     v1::RestoreReply reply;
     {
@@ -322,6 +381,8 @@ PYBIND11_MODULE(_ckpt, m) {
       .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
       .def("drift_partials", &PyClient::DriftPartials, py::arg("step"))
       .def("set_global_drift", &PyClient::SetGlobalDrift, py::arg("step"), py::arg("sums"))
+      .def("export_into", &PyClient::ExportInto, py::arg("job_id"), py::arg("rank"),
+           py::arg("target_step"), py::arg("dests"))
       .def("plan", &PyClient::Plan, py::arg("target_step") = 0, py::arg("job_id") = py::none(),
            py::arg("rank") = 0)
       .def("restore", &PyClient::Restore, py::arg("target_step") = 0,

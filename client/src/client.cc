@@ -79,6 +79,7 @@ void AddDrift(const std::vector<LayerSums>& sums,
 struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Trainer::Stub> stub;
+  std::unique_ptr<v1::Admin::Stub> admin;
   std::vector<MemfdRegion> regions;
   std::unique_ptr<internal::GpuExport> gpu;  // GPU tensors, instead of regions
 
@@ -96,6 +97,7 @@ struct Client::Impl {
     channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(),
                                         args);
     stub = v1::Trainer::NewStub(channel);
+    admin = v1::Admin::NewStub(channel);
   }
 };
 
@@ -408,6 +410,68 @@ absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank,
   v1::Plan plan;
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Plan(&ctx, req, &plan)));
   return plan;
+}
+
+absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t target_step,
+                            const ExportSink& sink) {
+  v1::ExportRequest req;
+  req.set_job_id(job);
+  req.set_rank(rank);
+  req.set_target_step(target_step);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.restore_timeout);
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = impl_->admin->Export(&ctx, req);
+  absl::Status local;
+  bool have_header = false;
+  v1::ExportHeader header;
+  int tensor = 0;
+  uint64_t offset = 0;
+  v1::ExportChunk chunk;
+  while (local.ok() && reader->Read(&chunk)) {
+    if (chunk.has_header()) {
+      if (have_header) {
+        local = absl::DataLossError("the export stream sent a second header");
+        break;
+      }
+      header = std::move(*chunk.mutable_header());
+      have_header = true;
+      local = sink.header(header);
+      continue;
+    }
+    if (!have_header) {
+      local = absl::DataLossError("the export stream sent data before its header");
+      break;
+    }
+    std::string_view piece = chunk.data();
+    while (local.ok() && !piece.empty()) {
+      while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
+        ++tensor;
+        offset = 0;
+      }
+      if (tensor == header.tensors_size()) {
+        local = absl::DataLossError("the export stream sent more bytes than its header lists");
+        break;
+      }
+      const v1::ExportTensor& t = header.tensors(tensor);
+      const uint64_t n = std::min<uint64_t>(piece.size(), t.nbytes() - offset);
+      local = sink.data(t, offset, piece.substr(0, n));
+      offset += n;
+      piece.remove_prefix(n);
+    }
+  }
+  if (!local.ok()) ctx.TryCancel();
+  const absl::Status s = FromGrpc(reader->Finish());
+  if (!local.ok()) return local;
+  CKPT_RETURN_IF_ERROR(s);
+  if (!have_header) return absl::DataLossError("the export stream ended without a header");
+  while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
+    ++tensor;
+    offset = 0;
+  }
+  if (tensor != header.tensors_size()) {
+    return absl::DataLossError("the export stream ended before the bytes of every tensor");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step, bool discard_later) {

@@ -311,6 +311,7 @@ class Engine {
       uint64_t step = 0;
       int64_t unix_ms = 0;
       uint64_t index_bytes = 0;  // what it counts for in its owner's quota
+      uint64_t agreed_step = 0;  // EventRecord::agreed_step
     };
     uid_t owner = 0;
     std::vector<Event> events;

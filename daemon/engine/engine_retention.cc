@@ -19,7 +19,7 @@ absl::StatusOr<Engine::RankHistory> Engine::ReadRankHistory(const std::string& j
   if (job_rec.has_value()) h.owner = job_rec->owner_uid();
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
       job, rank, /*newest_first=*/false, [&](uint64_t step, const store::EventRecord& e) {
-        h.events.push_back({step, e.unix_ms(), EventIndexBytes(e.aux().size())});
+        h.events.push_back({step, e.unix_ms(), EventIndexBytes(e.aux().size()), e.agreed_step()});
         return true;
       }));
   CKPT_RETURN_IF_ERROR(
@@ -69,6 +69,8 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     in.events.emplace_back(e.step, e.unix_ms);
     events[e.step] = &e;
   }
+  // The newest event knows the newest agreement.
+  if (!h.events.empty()) in.agreed_step = h.events.back().agreed_step;
   for (const auto& [lk, rec] : h.versions) in.versions[lk.first].push_back(lk.second);
   RetentionPlan plan = PlanRetention(options_.retention, in);
   reply->set_retained_targets(reply->retained_targets() + plan.retained_targets.size());

@@ -89,6 +89,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   task.charge = std::move(*charge);
   task.event.set_aux(std::move(req.aux));  // up to max_aux_bytes: moved, not copied
   task.event.set_lr(req.lr);
+  task.event.set_agreed_step(req.global_durable_step.value_or(0));
   task.group_steps = std::move(req.group_steps);
   r->last_step_seen = req.step;
   if (req.global_durable_step.has_value()) r->global_durable_step = req.global_durable_step;

@@ -18,12 +18,17 @@ RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput&
                        static_cast<__int128>(policy.keep_hours) * 3600000;
     horizon_ms = h < INT64_MIN ? INT64_MIN : static_cast<int64_t>(h);
   }
+  // The newest event at or below the agreed step (n when none).
+  size_t agreed = n;
+  for (size_t i = 0; in.agreed_step > 0 && i < n && in.events[i].first <= in.agreed_step; ++i) {
+    agreed = i;
+  }
   std::vector<bool> keep(n, false);
   for (size_t i = 0; i < n; ++i) {
     const auto& [step, ms] = in.events[i];
     keep[i] = i + 1 == n || (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
               (policy.keep_every_steps > 0 && step % policy.keep_every_steps == 0) ||
-              ms >= horizon_ms;
+              ms >= horizon_ms || i == agreed;
     (keep[i] ? plan.retained_targets : plan.delete_events).push_back(step);
   }
   for (const auto& [layer, steps] : in.versions) {

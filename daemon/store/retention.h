@@ -3,7 +3,8 @@
 // A retained target is a step whose composite plan must stay valid. Retained:
 // the latest event always; the last `keep_last_events` events; events at
 // steps that are multiples of `keep_every_steps`; events younger than
-// `keep_hours`. A version is needed when it is, for some retained target τ,
+// `keep_hours`; the newest event at or below the job's agreed durable step
+// (several ranks). A version is needed when it is, for some retained target τ,
 // its layer's newest version with step <= τ. GC deletes every other version
 // at or below the latest event and every event that is not retained.
 // Versions above the latest event (being committed, not yet durable as a
@@ -30,6 +31,9 @@ struct RetentionInput {
   std::vector<std::pair<uint64_t, int64_t>> events;   // (step, unix_ms), ascending steps
   std::map<uint32_t, std::vector<uint64_t>> versions;  // layer -> ascending steps
   int64_t now_unix_ms = 0;
+  // The job's agreed durable step (several ranks; 0 = none): the newest
+  // event at or below it is retained too, since every rank restores it.
+  uint64_t agreed_step = 0;
 };
 
 struct RetentionPlan {

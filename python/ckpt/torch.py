@@ -87,6 +87,7 @@ _DTYPE_NAMES = {
 }
 _ALIGN = 64  # every host tensor starts on a cache line
 _AUX_FORMAT = "ckpt.torch/2"
+_MAX_SOURCE_RANKS = 4096  # restore(from_job=): old ranks probed for the old world
 
 _BLOCK = re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<kind>layers|h|blocks|block|layer)\.(?P<n>\d+)\.")
 _EMBEDDING = re.compile(r"(^|\.)(\w*emb\w*|wte|wpe)$")
@@ -460,6 +461,9 @@ class Attached:
         self._internal = False  # the state-creating step of restore()
         self._aux_checked: Any = None  # the shape of the last state checked loadable
         self._read_only_below = 0  # restore() of an older step: no training after it
+        # The first step this job reports to ckptd (restore(from_job=) starts
+        # a job at the old job's step + 1).
+        self._first_reported = 1
         self._entries: List[_Entry] = []
         self._frozen_layers: List[str] = []
         self._layer_names: List[str] = []
@@ -763,8 +767,8 @@ class Attached:
                 "go on from an older step under the same job id (restore() the latest step, or "
                 "attach to a new job)")
         self._check_frozen()
-        if self._step == 0:
-            return
+        if self._step <= self._first_reported - 1:
+            return  # no step reported to ckptd yet: nothing to fence
         t0 = time.perf_counter()
         if self._agreement is not None:
             self._agreement.join()
@@ -840,7 +844,8 @@ class Attached:
                 "group_steps": self._group_steps(), "param_steps": self._param_steps(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "data_position": self._data_position, "extra": self.extra_state,
-                "world_size": self._world_size, "replicated": self._replicated}
+                "world_size": self._world_size, "replicated": self._replicated,
+                "sharded": any(_is_dtensor(p) for _, p, _ in self._params)}
 
     def _aux_blob(self, aux: dict, step: int) -> bytes:
         buf = io.BytesIO()
@@ -965,7 +970,7 @@ class Attached:
         agreement or with one rank."""
         return self._agreement.agreed if self._agreement is not None else None
 
-    def restore(self, step: Optional[int] = None) -> Restored:
+    def restore(self, step: Optional[int] = None, from_job: Optional[str] = None) -> Restored:
         """Restores the composite checkpoint for `step` (None = the latest
         durable one) into the live tensors, and the RNG states, learning
         rates, optimizer step counts, scheduler and data position saved with
@@ -975,7 +980,18 @@ class Attached:
         With several ranks (torch.distributed initialized), `step` None is
         the newest step durable on every rank (global_durable_step();
         collective), and a rank whose ckptd holds later steps has them
-        deleted, so that every rank goes on from the same step."""
+        deleted, so that every rank goes on from the same step.
+
+        `from_job`: restore another job's checkpoint into this (new) job,
+        also onto another world size: each rank reads the old ranks' layers
+        its node's ckptd holds and hands them to the others over the
+        process group (no shared file system). A replicated (DDP)
+        checkpoint restores onto any number of ranks, one rank's onto any;
+        sharded (FSDP2) layers are refused naming one. The RNG states and
+        data position are old rank 0's; this job's first step is then
+        `target_step + 1`."""
+        if from_job is not None:
+            return self._restore_from(from_job, step)
         agreed = step is None and self._group is not None
         if agreed:
             step = self.global_durable_step()
@@ -1021,19 +1037,22 @@ class Attached:
             f"job '{self.job_id}' step {plan['target_step']} was saved by {saved} ranks, its "
             f"layers {how}; this run has {self._world_size} ranks"
             f"{', replicated' if self._replicated else ''}, so layer '{layer}' of rank "
-            f"{self.rank} cannot be put back as saved")
+            f"{self.rank} cannot be put back as saved (restore(from_job='{self.job_id}') in a "
+            "new job restores a replicated checkpoint onto another world size)")
 
-    def _broadcast_layers(self) -> None:
-        """Replicated ranks after their own restore: each layer goes from the
-        rank that wrote it to every other rank, over the ranks' gloo group
-        (no shared file system: each rank read only its own ckptd)."""
+    def _broadcast_layers(self, owners: Optional[Dict[str, int]] = None) -> None:
+        """After each rank restored what its own ckptd holds: each layer goes
+        from the rank that read it (`owners`; default: the replicated
+        layers' writers) to every other rank, over the ranks' gloo group (no
+        shared file system: each rank read only its own ckptd)."""
         import torch.distributed as dist
+        owners = self._owners if owners is None else owners
         by_layer: Dict[str, List[_Entry]] = {}
         for e in self._entries:
             by_layer.setdefault(e.layer, []).append(e)
         with torch.no_grad():
             for lname, es in by_layer.items():
-                owner = self._owners[lname]
+                owner = owners[lname]
                 sizes = [e.tensor.numel() * e.tensor.element_size() for e in es]
                 if owner == self.rank:
                     flat = torch.cat([e.tensor.detach().reshape(-1).view(torch.uint8).cpu()
@@ -1050,6 +1069,135 @@ class Attached:
                     off += n
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+
+    def _all_gather(self, obj: Any) -> List[Any]:
+        if self._group is None:
+            return [obj]
+        import torch.distributed as dist
+        out: List[Any] = [None] * self._world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _restore_from(self, source: str, step: Optional[int]) -> Restored:
+        """restore(from_job=source): see restore()."""
+        t0 = time.perf_counter()
+        if source == self.job_id:
+            raise ValueError("from_job names this job; restore() it without from_job")
+        if self._registered and self._step > 0:
+            raise RuntimeError(f"job '{self.job_id}' has trained steps already: restore from "
+                               f"'{source}' into a new job, before its first step")
+        # The source's world: the aux of any of its ranks this node holds.
+        found: Optional[dict] = None
+        for k in range(_MAX_SOURCE_RANKS):
+            try:
+                found = self.client.plan(step or 0, job_id=source, rank=k)
+                break
+            except ckpt.Error as e:
+                if e.code != "NOT_FOUND":
+                    raise
+        aux0 = _load_aux(found["aux"], found["target_step"]) if found else None
+        worlds = {a for a in self._all_gather(
+            None if aux0 is None else (aux0.get("world_size", 1), aux0.get("replicated", False),
+                                       aux0.get("sharded", False))) if a is not None}
+        if not worlds:
+            raise ckpt.Error("NOT_FOUND", f"job {source} has no checkpoint on any rank's ckptd")
+        if len(worlds) > 1:
+            raise ckpt.Error("FAILED_PRECONDITION", f"the ranks of job {source} disagree on its "
+                             f"world: {sorted(worlds)}")
+        old_world, replicated, sharded = worlds.pop()
+        names = self._layer_names_unregistered()
+        if sharded or (old_world > 1 and not replicated):
+            raise ckpt.Error(
+                "FAILED_PRECONDITION",
+                f"layer '{names[0]}' of job {source} was saved "
+                f"{'as shards' if sharded else 'by each'} of {old_world} ranks; only replicated "
+                f"(DDP) checkpoints, or one rank's, restore onto another world ({self._world_size}"
+                " ranks)")
+        # Which old ranks this node holds, and their newest durable steps.
+        local: Dict[int, int] = {}
+        for k in range(old_world):
+            try:
+                local[k] = self.client.plan(step or 0, job_id=source, rank=k)["target_step"]
+            except ckpt.Error as e:
+                if e.code != "NOT_FOUND":
+                    raise
+        held = self._all_gather(local)
+        reader: Dict[int, int] = {}
+        newest: Dict[int, int] = {}
+        for r, d in enumerate(held):
+            for k, t in d.items():
+                # Spread the reading: old rank k to the new rank k % world
+                # when it holds it, else to the first that does.
+                if k not in reader or r == k % self._world_size:
+                    reader[k] = r
+                newest[k] = t
+        missing = [k for k in range(old_world) if k not in reader]
+        if missing:
+            raise ckpt.Error("NOT_FOUND", f"job {source}: the checkpoint of rank {missing[0]} is "
+                             "on no node of this job's ranks")
+        target = step if step else min(newest.values())
+        if not self._registered:
+            self._register()
+        # The old layout's writers (ranks are replicas of one model).
+        nbytes: Dict[str, int] = {n: 0 for n in self._layer_names}
+        by_layer: Dict[str, List[_Entry]] = {}
+        for e in self._entries:
+            nbytes[e.layer] += e.tensor.numel() * e.tensor.element_size()
+            by_layer.setdefault(e.layer, []).append(e)
+        writer = _spread(nbytes, old_world) if old_world > 1 else {n: 0 for n in nbytes}
+        owners = {n: reader[writer[n]] for n in nbytes}
+        steps: Dict[str, int] = {}
+        aux_blob = b""
+        with torch.no_grad():
+            for k in sorted(k for k, r in reader.items() if r == self.rank):
+                mine = [n for n in self._layer_names if writer[n] == k]
+                dests: Dict[str, Any] = {}
+                staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+                for n in mine:
+                    for e in by_layer[n]:
+                        t = e.tensor
+                        if t.device.type != "cpu":
+                            host = torch.empty(t.numel(), dtype=t.dtype)
+                            staged.append((host, t))
+                            t = host
+                        dests[e.name] = t.detach().reshape(-1).view(torch.uint8).numpy()
+                if not mine:
+                    dests[f"rank{k}.state"] = bytearray(1)  # an owner of no layer
+                plan = self.client.export_into(source, k, target, dests)
+                for host, t in staged:
+                    t.copy_(host.view(t.shape))
+                steps.update({l["name"]: l["step"] for l in plan["layers"]})
+                if k == 0:
+                    aux_blob = plan["aux"]
+        if self._group is not None:
+            import torch.distributed as dist
+            self._broadcast_layers(owners)
+            box = [aux_blob]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, reader[0]),
+                                       group=self._group)
+            aux_blob = box[0]
+        steps = {n: s for d in self._all_gather(steps) for n, s in d.items()}
+        aux = _load_aux(aux_blob, target)
+        if aux is not None:
+            self._apply_aux(aux)
+        self._step = target
+        self._first_reported = target + 1
+        # This job's first StepDone is target + 1 (it has no steps: ckptd
+        # takes any first step, and persists every layer at it).
+        layers = tuple(LayerPlan(name=n, step=steps.get(n, 0), staleness=target - steps.get(n, 0),
+                                 bytes=nbytes[n], frozen=n in self._frozen_layers)
+                       for n in self._layer_names)
+        worst = max((l.staleness for l in layers if not l.frozen), default=0)
+        total = sum(nbytes.values())
+        return Restored(target_step=target, complete=all(l.step for l in layers),
+                        total_bytes=total, max_staleness=worst,
+                        size_weighted_staleness=sum(l.staleness * l.bytes for l in layers) /
+                        max(total, 1), layers=layers, data_position=self._data_position,
+                        bytes_restored=sum(nbytes[n] for n in owners if owners[n] == self.rank),
+                        seconds=time.perf_counter() - t0)
+
+    def _layer_names_unregistered(self) -> List[str]:
+        return self._layer_names or [self._layer(n)[0] for n, _, _ in self._params] or ["?"]
 
     @property
     def owned_layers(self) -> List[str]:

@@ -17,8 +17,13 @@ layers), so each rank's ckptd receives about a quarter of the bytes (the
 per-rank figures are printed), the four ranks together write exactly one
 replica, and restore hands each layer from its writer to the others over
 the process group: no rank reads another node's data directory.
+The 4-rank DDP checkpoint is then restored on 2 ranks (one per node) into
+a new job with restore(from_job=): each new rank reads the old ranks its
+node holds, bit for bit, and the 2 ranks train on.
 FSDP2: each rank registers its local shards; the shards together are one
-replica.
+replica. Restoring them on 2 ranks (re-slicing) is refused naming a layer.
+Policy `layercheck`: the FSDP2 ranks select the same layers at every step;
+the DDP writers decide alone.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
 is missing. `--worker` runs one rank.
@@ -108,6 +113,8 @@ def rank_order_mean(_, bucket):
 
 
 def worker(a):
+    global WORLD
+    WORLD = a.world
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
                             world_size=WORLD)
@@ -124,9 +131,11 @@ def worker(a):
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    client = ckpt.Client(a.socket, wait_timeout_s=120)
+    client = ckpt.Client(a.socket, wait_timeout_s=120, on_daemon_loss=a.on_daemon_loss,
+                         reconnect_interval_s=0)
     run = ckpt_torch.attach(model, opt, client, job_id=a.job, rank=a.rank, world_size=WORLD,
                             policy=a.policy, record_trace=a.policy == "layercheck",
+                            agree_every=a.agree_every,
                             layercheck={"k0": 2e-2, "warmup": 3, "warmup_interval": 3,
                                         "s_max": 8})
     log = open(a.log, "a")
@@ -140,10 +149,18 @@ def worker(a):
         return h.hexdigest()
 
     first = 1
-    if a.restore:
-        r = run.restore()
+    if a.expect_refusal:
+        try:
+            run.restore(from_job=a.from_job)
+        except ckpt.Error as e:
+            print(json.dumps({"rank": a.rank, "refused": e.code, "message": e.message,
+                              "registered": run.registered}))
+            return
+    if a.restore or a.from_job:
+        r = run.restore(from_job=a.from_job)
         first = r.target_step + 1
-        log.write(json.dumps({"restored": r.target_step, "hash": tensors_hash()}) + "\n")
+        log.write(json.dumps({"restored": r.target_step, "hash": tensors_hash(),
+                              "layers": {l.name: l.step for l in r.layers}}) + "\n")
         log.flush()
     for t in range(first, a.steps + 1):
         g = torch.Generator().manual_seed(1000 * a.rank + t)  # each rank's own batch
@@ -152,13 +169,24 @@ def worker(a):
         logits = model(idx[:, :-1])
         nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
         opt.step()
-        log.write(json.dumps({"step": t, "hash": tensors_hash()}) + "\n")
+        log.write(json.dumps({"step": t, "hash": tensors_hash(),
+                              "agreed": run.agreed_durable_step}) + "\n")
         log.flush()
         if t == a.pause_at:
             # A sync point with the test: it SIGKILLs every rank now.
             open(os.path.join(a.sync, "reached-%d" % a.rank), "w").close()
             time.sleep(600)
-    durable = run.wait_durable()
+    try:
+        durable = run.wait_durable()
+    except ckpt.Error as e:
+        if e.code != "ABORTED" or not client.unprotected:
+            raise
+        durable = None  # steps lost with a ckptd killed on the way
+    if client.unprotected:
+        print(json.dumps({"rank": a.rank, "durable": durable, "unprotected": True}))
+        run.close(drain=False)
+        dist.destroy_process_group()
+        return
     # The bytes this rank's ckptd holds for the newest step (its layer files'
     # tensors, each at a 64-byte boundary), and the bytes of every tensor
     # the rank holds (under DDP, a whole replica).
@@ -173,21 +201,22 @@ def worker(a):
     dist.destroy_process_group()
 
 
-def ranks(root, daemons, job, mode, extra=(), kill_at=0, tag=""):
+def ranks(root, daemons, job, mode, extra=(), kill_at=0, tag="", world=WORLD):
     store = os.path.join(root, "%s%s-store" % (job, tag))
     sync = os.path.join(root, job + tag + "-sync")
     os.makedirs(sync, exist_ok=True)
-    logs = [os.path.join(root, "%s-rank%d.jsonl" % (job, r)) for r in range(WORLD)]
+    logs = [os.path.join(root, "%s-rank%d.jsonl" % (job, r)) for r in range(world)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker",
-                               "--rank", str(r), "--socket", daemons[r // 2].socket,
+                               "--world", str(world), "--rank", str(r),
+                               "--socket", daemons[r * len(daemons) // world].socket,
                                "--store", store, "--job", job, "--mode", mode, "--sync", sync,
                                "--log", logs[r], "--pause-at", str(kill_at)] + list(extra),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(WORLD)]
+             for r in range(world)]
     try:
         if kill_at:
             deadline = time.time() + 300
-            while len(os.listdir(sync)) < WORLD:
+            while len(os.listdir(sync)) < world:
                 assert time.time() < deadline and all(p.poll() is None for p in procs), \
                     [p.stderr.read()[-3000:] for p in procs if p.poll() is not None]
                 time.sleep(0.02)
@@ -256,13 +285,40 @@ def scenario(root, mode):
         check(max(share) <= 1.5 and min(share) >= 0.5,
               "%s: each rank wrote about 1/%d of the bytes (%s of an even share)"
               % (mode, WORLD, ", ".join("%.2f" % x for x in share)))
+        if mode == "fsdp2":
+            _, res = ranks(root, daemons, "fsdp2-2", "fsdp2",
+                           ["--from-job", "fsdp2-ref", "--expect-refusal"], world=2)
+            check(all(r["refused"] == "FAILED_PRECONDITION" and "layer 'wte'" in r["message"]
+                      and "shards" in r["message"] and not r["registered"] for r in res),
+                  "fsdp2: restoring its 4-rank shards on 2 ranks is refused before anything "
+                  "is registered or written, naming a layer: %s" % res[0]["message"])
         if mode == "ddp":
+            resize(root, daemons, want)
             owned = sorted(l for r in ref for l in r["owned"])
             check(len(owned) == ref[0]["layers"] and len(set(owned)) == len(owned),
                   "ddp: every layer has exactly one writer (%s)" % [r["owned"] for r in ref])
     finally:
         for d in daemons:
             d.kill()
+
+
+def resize(root, daemons, want):
+    """The 4-rank DDP checkpoint restored on 2 ranks (one per node) into a
+    new job: each rank reads the layers of the old ranks its node's ckptd
+    holds (old ranks 0-1 on node 0, 2-3 on node 1) and the ranks exchange
+    them; then training goes on, protected, on 2 ranks."""
+    logs, res = ranks(root, daemons, "ddp-2", "ddp",
+                      ["--steps", str(STEPS + 3), "--from-job", "ddp-ref"], world=2)
+    restored = [[r for r in harness.read_jsonl(p) if "restored" in r][-1] for p in logs]
+    check(all(r["restored"] == STEPS for r in restored) and
+          all(r["hash"] == want[0][STEPS] for r in restored),
+          "ddp: a 4-rank checkpoint restored on 2 ranks: both hold step %d of the 4-rank run, "
+          "bit for bit" % STEPS)
+    check(all(r["durable"] == STEPS + 3 for r in res) and
+          sorted(l for r in res for l in r["owned"]) == sorted(set(l for r in res
+                                                                  for l in r["owned"])),
+          "ddp: the 2 ranks trained on to step %d, each layer written once (%s)"
+          % (STEPS + 3, [r["owned"] for r in res]))
 
 
 def layercheck(root, mode):
@@ -322,6 +378,11 @@ if __name__ == "__main__":
         p.add_argument("--steps", type=int, default=STEPS)
         p.add_argument("--restore", action="store_true")
         p.add_argument("--policy", default="all")
+        p.add_argument("--on-daemon-loss", default="error")
+        p.add_argument("--agree-every", type=int, default=10)
+        p.add_argument("--world", type=int, default=WORLD)
+        p.add_argument("--from-job")
+        p.add_argument("--expect-refusal", action="store_true")
         worker(p.parse_args())
     else:
         main()

@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -177,6 +178,21 @@ class Client {
   // there is anything to restore). NOT_FOUND when there is no checkpoint.
   absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
   absl::StatusOr<v1::Plan> Plan(const std::string& job, uint32_t rank, uint64_t target_step);
+  // Reads the composite checkpoint of `job` rank `rank` at `target_step` (0 =
+  // latest durable) without registering, through ckptd's Export stream
+  // (owner or root; every layer verified before it is sent): `header` gets
+  // the plan and the tensors in the order their bytes follow, then `data`
+  // gets each tensor's bytes in pieces, in order (`offset` within the
+  // tensor). A callback's error cancels the stream and is returned. Another
+  // world size restores this way: ckpt.torch reads each old rank's layers
+  // on the node that holds them and hands them to the new ranks.
+  struct ExportSink {
+    std::function<absl::Status(const v1::ExportHeader&)> header;
+    std::function<absl::Status(const v1::ExportTensor&, uint64_t offset, std::string_view piece)>
+        data;
+  };
+  absl::Status Export(const std::string& job, uint32_t rank, uint64_t target_step,
+                      const ExportSink& sink);
   // Restores the composite checkpoint into the registered buffers.
   // With `discard_later`, ckptd then deletes the rank's later steps, so that
   // training goes on from the target (RestoreRequest.discard_later).

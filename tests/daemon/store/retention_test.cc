@@ -43,6 +43,13 @@ TEST_P(RetentionProperties, RetainedPlansSurviveAndNewerVersionsAreUntouched) {
     }
   }
   for (const auto& [l, set] : have) in.versions[l].assign(set.begin(), set.end());
+  // Half the histories belong to a rank of a job whose ranks agreed on a
+  // durable step somewhere in the history.
+  in.agreed_step = rng() % 2 ? rng() % (steps + 1) : 0;
+  uint64_t agreed_event = 0;  // the newest event at or below it
+  for (const auto& [s, ms] : in.events) {
+    if (in.agreed_step > 0 && s <= in.agreed_step) agreed_event = s;
+  }
 
   RetentionPlan plan = PlanRetention(policy, in);
 
@@ -58,7 +65,8 @@ TEST_P(RetentionProperties, RetainedPlansSurviveAndNewerVersionsAreUntouched) {
     const bool must = i + 1 == in.events.size() ||
                       in.events.size() - i <= policy.keep_last_events ||
                       (policy.keep_every_steps && s % policy.keep_every_steps == 0) ||
-                      (policy.keep_hours && in.events[i].second >= in.now_unix_ms - 3'600'000);
+                      (policy.keep_hours && in.events[i].second >= in.now_unix_ms - 3'600'000) ||
+                      s == agreed_event;
     EXPECT_EQ(retained.count(s) > 0, must) << "event " << s;
   }
 
@@ -104,6 +112,24 @@ TEST(Retention, KeepsOnlyWhatTheLatestPlanNeedsWhenNothingElseIsRetained) {
   EXPECT_EQ(plan.delete_versions,
             (std::vector<std::pair<uint32_t, uint64_t>>{{0, 1}, {0, 4}, {1, 1}}));
   EXPECT_EQ(plan.versions_kept, 3u);
+}
+
+// A rank of a job whose other ranks lag: the newest event at or below the
+// agreed durable step stays a retained target (every rank restores it),
+// even when keep_last_events alone would let it go.
+TEST(Retention, KeepsThePlanOfTheAgreedDurableStep) {
+  RetentionPolicy p;
+  p.keep_last_events = 2;
+  p.keep_every_steps = 0;
+  RetentionInput in;
+  for (uint64_t s : {1, 2, 4, 6, 8, 9, 10}) in.events.emplace_back(s, 0);
+  in.versions[0] = {1, 3, 5, 9};
+  in.agreed_step = 5;  // no event at 5: the newest at or below it is 4
+  RetentionPlan plan = PlanRetention(p, in);
+  EXPECT_EQ(plan.retained_targets, (std::vector<uint64_t>{4, 9, 10}));
+  EXPECT_EQ(plan.delete_versions, (std::vector<std::pair<uint32_t, uint64_t>>{{0, 1}, {0, 5}}));
+  in.agreed_step = 0;  // none agreed: only the last two
+  EXPECT_EQ(PlanRetention(p, in).retained_targets, (std::vector<uint64_t>{9, 10}));
 }
 
 // Regression (found by tests/fuzz/index_fuzzer.cc under UBSan): keep_hours *
