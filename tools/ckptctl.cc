@@ -667,6 +667,7 @@ class Ctl {
                                {"generation", k.generation()},
                                {"latest_durable_step", k.latest_durable_step()},
                                {"last_step_seen", k.last_step_seen()},
+                               {"agreed_step", k.agreed_step()},
                                {"layers", k.layers()}});
         }
         jobs.push_back(Json{{"job_id", j.job_id()},
@@ -682,13 +683,15 @@ class Ctl {
       std::printf("no jobs\n");
       return kExitOk;
     }
-    Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "VERSIONS", "BYTES"},
-            {false, true, true, true, true, true, true, true});
+    Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "AGREED STEP",
+             "VERSIONS", "BYTES"},
+            {false, true, true, true, true, true, true, true, true});
     for (const v1::JobInfo& j : r.jobs()) {
       // The job-wide latest step: the range over its ranks when they differ.
-      uint64_t lo = UINT64_MAX, hi = 0;
+      uint64_t lo = UINT64_MAX, hi = 0, agreed = 0;
       int registered = 0, stale = 0;
       for (const v1::RankInfo& k : j.ranks()) {
+        agreed = std::max(agreed, k.agreed_step());  // the newest agreement any rank reported
         stale += k.stale() ? 1 : 0;
         lo = std::min(lo, k.latest_durable_step());
         hi = std::max(hi, k.latest_durable_step());
@@ -698,8 +701,8 @@ class Ctl {
                            : lo == hi        ? StepOrDash(lo)
                                              : absl::StrCat(StepOrDash(lo), "..", hi);
       t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
-             absl::StrCat(registered), absl::StrCat(stale), latest, absl::StrCat(j.versions()),
-             HumanBytes(j.bytes())});
+             absl::StrCat(registered), absl::StrCat(stale), latest, StepOrDash(agreed),
+             absl::StrCat(j.versions()), HumanBytes(j.bytes())});
     }
     t.Print();
     return kExitOk;

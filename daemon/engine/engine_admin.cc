@@ -73,7 +73,10 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
       CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
       if (table.has_value()) ri->set_layers(static_cast<uint32_t>(table->layers_size()));
       CKPT_ASSIGN_OR_RETURN(auto ev, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
-      if (ev.has_value()) ri->set_latest_durable_step(ev->first);
+      if (ev.has_value()) {
+        ri->set_latest_durable_step(ev->first);
+        ri->set_agreed_step(ev->second.agreed_step());
+      }
       CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
           job, rank, -1, [info](const VersionKey&, const store::VersionRecord& v) {
             info->set_versions(info->versions() + 1);

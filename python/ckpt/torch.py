@@ -227,6 +227,14 @@ def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def _dim0_rows(rows: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """[begin, end) of the rows FSDP2 gives `rank` of a dimension of `rows`
+    (torch.chunk: ceil(rows / world_size) each, the last ones shorter or
+    empty)."""
+    c = -(-rows // world_size)
+    return min(rows, rank * c), min(rows, (rank + 1) * c)
+
+
 def _spread(layer_bytes: Dict[str, int], world_size: int) -> Dict[str, int]:
     """Which rank writes each layer of a replicated (data-parallel) model:
     the largest layers first, each to the rank with the fewest bytes so far
@@ -986,8 +994,9 @@ class Attached:
         also onto another world size: each rank reads the old ranks' layers
         its node's ckptd holds and hands them to the others over the
         process group (no shared file system). A replicated (DDP)
-        checkpoint restores onto any number of ranks, one rank's onto any;
-        sharded (FSDP2) layers are refused naming one. The RNG states and
+        checkpoint restores onto any number of ranks, one rank's onto any,
+        FSDP2 dim-0 shards onto any number of FSDP2 ranks (re-sliced); other
+        layouts are refused naming a layer. The RNG states and
         data position are old rank 0's; this job's first step is then
         `target_step + 1`."""
         if from_job is not None:
@@ -1106,13 +1115,14 @@ class Attached:
                              f"world: {sorted(worlds)}")
         old_world, replicated, sharded = worlds.pop()
         names = self._layer_names_unregistered()
-        if sharded or (old_world > 1 and not replicated):
+        if sharded:
+            self._check_reslicable(source, old_world)
+        elif old_world > 1 and not replicated:
             raise ckpt.Error(
                 "FAILED_PRECONDITION",
-                f"layer '{names[0]}' of job {source} was saved "
-                f"{'as shards' if sharded else 'by each'} of {old_world} ranks; only replicated "
-                f"(DDP) checkpoints, or one rank's, restore onto another world ({self._world_size}"
-                " ranks)")
+                f"layer '{names[0]}' of job {source} was saved by each of {old_world} ranks "
+                "separately; only replicated (DDP) checkpoints, FSDP2 dim-0 shards or one "
+                f"rank's restore onto another world ({self._world_size} ranks)")
         # Which old ranks this node holds, and their newest durable steps.
         local: Dict[int, int] = {}
         for k in range(old_world):
@@ -1148,8 +1158,11 @@ class Attached:
         owners = {n: reader[writer[n]] for n in nbytes}
         steps: Dict[str, int] = {}
         aux_blob = b""
+        if sharded:
+            steps, aux_blob, read = self._reslice(source, old_world, reader, target)
+            owners = {}  # every rank wrote its own new shards
         with torch.no_grad():
-            for k in sorted(k for k, r in reader.items() if r == self.rank):
+            for k in sorted(k for k, r in reader.items() if r == self.rank and not sharded):
                 mine = [n for n in self._layer_names if writer[n] == k]
                 dests: Dict[str, Any] = {}
                 staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -1171,7 +1184,8 @@ class Attached:
                     aux_blob = plan["aux"]
         if self._group is not None:
             import torch.distributed as dist
-            self._broadcast_layers(owners)
+            if not sharded:
+                self._broadcast_layers(owners)
             box = [aux_blob]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, reader[0]),
                                        group=self._group)
@@ -1193,8 +1207,117 @@ class Attached:
                         total_bytes=total, max_staleness=worst,
                         size_weighted_staleness=sum(l.staleness * l.bytes for l in layers) /
                         max(total, 1), layers=layers, data_position=self._data_position,
-                        bytes_restored=sum(nbytes[n] for n in owners if owners[n] == self.rank),
+                        bytes_restored=read if sharded else sum(
+                            nbytes[n] for n in owners if owners[n] == self.rank),
                         seconds=time.perf_counter() - t0)
+
+    def _model_tensors(self) -> List[Tuple[str, torch.Tensor, str]]:
+        """(name, tensor, layer) of every tensor the rank registers, in
+        registration order, each whole: a DTensor (its global shape) for FSDP2
+        parameters and their optimizer state."""
+        out = []
+        for name, p, gi in self._params:
+            if p.numel() == 0:
+                continue
+            lname, _ = self._layer(name)
+            if gi is None or not p.requires_grad:
+                out.append((name, p, lname + ".frozen"))
+                continue
+            out.append((name, p, lname))
+            state = self.optimizer.state.get(p, {})
+            for key in sorted(state):
+                v = state[key]
+                if key != "step" and torch.is_tensor(v) and v.shape == p.shape:
+                    out.append((f"{name}.{key}", v, lname))
+        for name, b in self._buffers:
+            if b.numel() > 0:
+                out.append((name, b, self._layer(name)[0]))
+        return out
+
+    def _check_reslicable(self, source: str, old_world: int) -> None:
+        """Before anything is registered or written: FSDP2 shards restore
+        onto another world when this model is sharded too, on dim 0."""
+        for name, p, _ in self._params:
+            layer = self._layer(name)[0]
+            if not _is_dtensor(p):
+                raise ckpt.Error(
+                    "FAILED_PRECONDITION",
+                    f"layer '{layer}' of job {source} was saved as shards of {old_world} ranks and "
+                    f"'{name}' is not sharded here: fully_shard the model first")
+            if any(not (pl.is_shard() and pl.dim == 0) for pl in p.placements):
+                raise ckpt.Error(
+                    "FAILED_PRECONDITION",
+                    f"layer '{layer}' tensor '{name}' is placed {p.placements}: only dim-0 "
+                    "shards re-slice onto another number of ranks")
+
+    def _reslice(self, source: str, old_world: int, reader: Dict[int, int],
+                 target: int) -> Tuple[Dict[str, int], bytes, int]:
+        """FSDP2 shards of `old_world` ranks onto this world: each reader
+        takes its old ranks' shards from its node's ckptd; then, tensor by
+        tensor, every old shard goes to every rank (one whole tensor in
+        memory at a time) and each rank keeps its new dim-0 rows. Returns the
+        layers' steps, old rank 0's saved state and the bytes read here."""
+        import torch.distributed as dist
+        tensors = self._model_tensors()
+        scratch: Dict[Tuple[int, str], torch.Tensor] = {}
+        steps: Dict[str, int] = {}
+        aux_blob = b""
+        read = 0
+        for k in sorted(k for k, r in reader.items() if r == self.rank):
+            dests: Dict[str, Any] = {}
+            filled: Dict[str, bool] = {}
+            for name, t, layer in tensors:
+                filled.setdefault(layer, False)
+                shape = tuple(t.shape)
+                if _is_dtensor(t):
+                    a, b = _dim0_rows(shape[0], old_world, k)
+                    if a == b:
+                        continue  # an empty shard: not registered
+                    shape = (b - a,) + shape[1:]
+                buf = torch.empty(shape, dtype=t.dtype)
+                if _is_dtensor(t) or k == 0:  # buffers: rank 0's
+                    scratch[(k, name)] = buf
+                dests[name] = buf.reshape(-1).view(torch.uint8).numpy()
+                filled[layer] = True
+                read += buf.numel() * buf.element_size()
+            for layer, nonempty in filled.items():
+                if not nonempty:
+                    dests[layer + ".pad"] = bytearray(1)
+            plan = self.client.export_into(source, k, target, dests)
+            steps.update({l["name"]: l["step"] for l in plan["layers"]})
+            if k == 0:
+                aux_blob = plan["aux"]
+        entries = {e.name: e for e in self._entries}
+        with torch.no_grad():
+            for name, t, _ in tensors:
+                e = entries.get(name)
+                shape = tuple(t.shape)
+                parts = ([(k,) + _dim0_rows(shape[0], old_world, k) for k in range(old_world)]
+                         if _is_dtensor(t) else [(0, 0, 0)])
+                whole = torch.empty(shape, dtype=t.dtype) if _is_dtensor(t) else None
+                for k, a, b in parts:
+                    if whole is not None and a == b:
+                        continue
+                    part = scratch.pop((k, name), None)
+                    if part is None:
+                        part = torch.empty((b - a,) + shape[1:] if whole is not None else shape,
+                                           dtype=t.dtype)
+                    if self._group is not None:
+                        dist.broadcast(part, src=dist.get_global_rank(self._group, reader[k]),
+                                       group=self._group)
+                    if whole is None:
+                        whole = part
+                    else:
+                        whole[a:b].copy_(part)
+                if e is None:
+                    continue  # this rank's new shard of it is empty
+                if _is_dtensor(t):
+                    a, b = _dim0_rows(shape[0], self._world_size, self.rank)
+                    whole = whole[a:b]
+                e.tensor.copy_(whole.reshape(e.tensor.shape))
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return steps, aux_blob, read
 
     def _layer_names_unregistered(self) -> List[str]:
         return self._layer_names or [self._layer(n)[0] for n, _, _ in self._params] or ["?"]

@@ -12,7 +12,9 @@
 #   6. tests/gpu/torch_gpu_check.py (when the bundle has the Python package
 #      and python3 has torch with CUDA): ckpt.torch on CUDA tensors, bit-exact
 #      SIGKILL/restore with both allocator modes, a GPT-2-small loop with
-#      ckptd all/layercheck and DCP async_save against no checkpointing
+#      ckptd all/layercheck and DCP async_save against no checkpointing;
+#      then tests/python/test_torch_dist.py --device=cuda (DDP and FSDP2
+#      ranks with CUDA tensors on the one GPU, gloo, two ckptd)
 #   7. a summary with the three targets:
 #        D2H snapshot throughput / cudaMemcpyAsync pinned peak   >= 0.8
 #        GPU drift kernel bytes/s / D2D copy bytes/s             >= 0.6
@@ -134,6 +136,12 @@ if [ -d "$bin/python/ckpt" ] && python3 -c 'import torch; assert torch.cuda.is_a
   run torch_gpu_check 240 env PYTHONPATH="$bin/python" python3 "$top/tests/gpu/torch_gpu_check.py" \
     --build-dir "$bin"
   grep -E "^(FIGURES|torch_gpu_check)" "$logs/torch_gpu_check.log"
+  # Many ranks with CUDA tensors: four DDP and four FSDP2 ranks on the one
+  # GPU (gloo between them: NCCL refuses two ranks on one device), two ckptd;
+  # SIGKILL, agreed restore bit-exact, DDP bytes per rank, restore on 2 ranks.
+  run torch_dist_cuda 150 env PYTHONPATH="$bin/python" CKPT_BUILD_DIR="$bin" OMP_NUM_THREADS=1 \
+    python3 "$top/tests/python/test_torch_dist.py" --device=cuda
+  grep -E "^(FIGURES|ok:|AssertionError)" "$logs/torch_dist_cuda.log" | tail -40
 else
   echo "== torch_gpu_check: skipped (no $bin/python/ckpt, or python3 has no torch with CUDA)"
 fi
@@ -177,6 +185,7 @@ fence_after=$(jget "$tb" fence_pct_after_checkpoint)
   echo "ckpt_gpu_bench:     $(status_of gpu_bench)  (CPU check max rel diff $(jget "$gb" cpu_check_max_rel_diff))"
   echo "trainer bench:      $(status_of trainer_bench)"
   echo "torch_gpu_check:    $(status_of torch_gpu_check)"
+  echo "torch_dist (cuda):  $(status_of torch_dist_cuda)"
   echo "D2H snapshot:       $(gbs "$snap") GB/s vs cudaMemcpyAsync pinned peak $(gbs "$peak") GB/s:" \
        "ratio $(num "$snap_ratio" %.3f) (target >= 0.8) $(verdict "$snap_ratio" 0.8 ge)"
   echo "GPU drift kernel:   $(gbs "$drift") GB/s read vs D2D copy $(gbs "$d2d") GB/s read+written:" \

@@ -32,6 +32,34 @@ def socket_accepts(path):
         s.close()
 
 
+def require_torch(*modules):
+    """For the scripts run with the project's PyTorch: exits 77 (ctest's
+    skip) when torch, the ckpt module or one of `modules` cannot be
+    imported, so that the script's own imports that follow succeed."""
+    import importlib
+    for name in ("torch", "ckpt", "ckpt.torch") + modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # pragma: no cover - reported as a skip
+            print("skipping: %s" % e)
+            sys.exit(77)
+
+
+def rank_parser(steps):
+    """The arguments of one rank of a multi-rank test script (`--worker`):
+    its rank, its node's ckptd socket, torch.distributed's file store, the
+    directory of the test's sync-point files and the steps to train."""
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--sync", required=True)
+    p.add_argument("--steps", type=int, default=steps)
+    return p
+
+
 class Daemon:
     """One ckptd process on a private socket and data directory."""
 

@@ -25,17 +25,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
 from harness import check  # noqa: E402
 
-try:
-    import torch
-    from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                              TrainingArguments)
-    from transformers.utils import logging as hf_logging
+harness.require_torch("transformers", "transformers.utils")
+import torch  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments)
+from transformers.utils import logging as hf_logging  # noqa: E402
 
-    import ckpt
-    from ckpt.hf import CkptCallback
-except ImportError as e:  # pragma: no cover - reported as a skip
-    print("skipping: %s" % e)
-    sys.exit(77)
+import ckpt  # noqa: E402
+from ckpt.hf import CkptCallback  # noqa: E402
 
 STEPS, PER_EPOCH = 30, 16  # 64 samples, batch 4: the kill falls in epoch 2
 

@@ -42,15 +42,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
 from harness import check  # noqa: E402
 
-try:
-    import torch
-    import torch.nn as nn
+harness.require_torch()
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
-    import ckpt
-    from ckpt import torch as ckpt_torch
-except ImportError as e:  # pragma: no cover - reported as a skip
-    print("skipping: %s" % e)
-    sys.exit(77)
+import ckpt  # noqa: E402
+from ckpt import torch as ckpt_torch  # noqa: E402
 
 VOCAB, CONTEXT, WIDTH, BLOCKS, BATCH = 64, 16, 32, 3, 4
 

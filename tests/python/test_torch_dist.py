@@ -21,18 +21,21 @@ The 4-rank DDP checkpoint is then restored on 2 ranks (one per node) into
 a new job with restore(from_job=): each new rank reads the old ranks its
 node holds, bit for bit, and the 2 ranks train on.
 FSDP2: each rank registers its local shards; the shards together are one
-replica. Restoring them on 2 ranks (re-slicing) is refused naming a layer.
+replica. The 4-rank shards restore on 2 ranks too (re-sliced on dim 0):
+the whole all-gathered state equals the 4-rank run's, bit for bit; into a
+model that is not sharded they are refused naming a layer.
 Policy `layercheck`: the FSDP2 ranks select the same layers at every step;
 the DDP writers decide alone.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
-is missing. `--worker` runs one rank.
+is missing. `--worker` runs one rank. Arguments: the modes to run (ddp,
+fsdp2; default both) and `--device=cuda` to put every rank's model on the
+one GPU (the GPU machine's check, tests/gpu/run_on_gpu.sh: CUDA tensors
+registered in place, gloo between the ranks).
 """
 
-import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -45,18 +48,16 @@ sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
 from harness import check  # noqa: E402
 
-try:
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
+harness.require_torch()
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
-    import ckpt
-    from ckpt import torch as ckpt_torch
-except ImportError as e:  # pragma: no cover - reported as a skip
-    print("skipping: %s" % e)
-    sys.exit(77)
+import ckpt  # noqa: E402
+from ckpt import torch as ckpt_torch  # noqa: E402
 
 WORLD, STEPS, KILL_AT = 4, 16, 10
+DEVICE = "cpu"  # --device=cuda: every rank on the one GPU (gloo: NCCL refuses that)
 VOCAB, DIM, CTX, BLOCKS = 96, 32, 16, 4
 
 
@@ -70,7 +71,8 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.ln1(x)
-        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool,
+                                     device=x.device), 1)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
 
@@ -85,7 +87,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.h:
             x = b(x)
         return self.lm_head(self.ln_f(x))
@@ -119,14 +121,18 @@ def worker(a):
     dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
                             world_size=WORLD)
     torch.manual_seed(7)  # the same initial weights on every rank
-    model = GPT()
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = GPT().to(device)
     if a.mode == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index or 0] if device.type == "cuda" else None)
         model.register_comm_hook(None, rank_order_mean)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device.type, (WORLD,))
         for b in model.h:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -145,7 +151,22 @@ def worker(a):
         for _, ts in sorted(run.tensors().items()):
             for name, t in ts:
                 h.update(name.encode())
-                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+                         .tobytes())
+        return h.hexdigest()
+
+    def full_hash():
+        """FSDP2: the whole (all-gathered) parameters and optimizer state,
+        the same on every rank and under any world size. Collective."""
+        if a.mode != "fsdp2":
+            return None
+        h = hashlib.sha256()
+        for name, p in model.named_parameters():
+            for key, v in [("", p)] + sorted(opt.state[p].items()):
+                v = v.full_tensor() if hasattr(v, "full_tensor") else v
+                h.update((name + key).encode())
+                h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+                         .tobytes())
         return h.hexdigest()
 
     first = 1
@@ -160,16 +181,17 @@ def worker(a):
         r = run.restore(from_job=a.from_job)
         first = r.target_step + 1
         log.write(json.dumps({"restored": r.target_step, "hash": tensors_hash(),
+                              "full": full_hash(),
                               "layers": {l.name: l.step for l in r.layers}}) + "\n")
         log.flush()
     for t in range(first, a.steps + 1):
         g = torch.Generator().manual_seed(1000 * a.rank + t)  # each rank's own batch
-        idx = torch.randint(0, VOCAB, (4, CTX + 1), generator=g)
+        idx = torch.randint(0, VOCAB, (4, CTX + 1), generator=g).to(device)
         opt.zero_grad()
         logits = model(idx[:, :-1])
         nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1)).backward()
         opt.step()
-        log.write(json.dumps({"step": t, "hash": tensors_hash(),
+        log.write(json.dumps({"step": t, "hash": tensors_hash(), "full": full_hash(),
                               "agreed": run.agreed_durable_step}) + "\n")
         log.flush()
         if t == a.pause_at:
@@ -210,7 +232,8 @@ def ranks(root, daemons, job, mode, extra=(), kill_at=0, tag="", world=WORLD):
                                "--world", str(world), "--rank", str(r),
                                "--socket", daemons[r * len(daemons) // world].socket,
                                "--store", store, "--job", job, "--mode", mode, "--sync", sync,
-                               "--log", logs[r], "--pause-at", str(kill_at)] + list(extra),
+                               "--log", logs[r], "--pause-at", str(kill_at),
+                               "--device", DEVICE] + list(extra),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     try:
@@ -286,14 +309,19 @@ def scenario(root, mode):
               "%s: each rank wrote about 1/%d of the bytes (%s of an even share)"
               % (mode, WORLD, ", ".join("%.2f" % x for x in share)))
         if mode == "fsdp2":
-            _, res = ranks(root, daemons, "fsdp2-2", "fsdp2",
+            full = {row["step"]: row["full"] for row in harness.read_jsonl(ref_logs[0])
+                    if "step" in row}
+            resize(root, daemons, "fsdp2", full[STEPS])
+            _, res = ranks(root, daemons, "ddp-from-fsdp2", "ddp",
                            ["--from-job", "fsdp2-ref", "--expect-refusal"], world=2)
-            check(all(r["refused"] == "FAILED_PRECONDITION" and "layer 'wte'" in r["message"]
-                      and "shards" in r["message"] and not r["registered"] for r in res),
-                  "fsdp2: restoring its 4-rank shards on 2 ranks is refused before anything "
-                  "is registered or written, naming a layer: %s" % res[0]["message"])
+            check(all(r["refused"] == "FAILED_PRECONDITION" and not r["registered"] and
+                      "layer 'module.wte'" in r["message"] and "not sharded" in r["message"]
+                      for r in res),
+                  "fsdp2: its shards restored into a model that is not sharded are refused "
+                  "before anything is registered or written, naming a layer: %s"
+                  % res[0]["message"])
         if mode == "ddp":
-            resize(root, daemons, want)
+            resize(root, daemons, "ddp", want[0][STEPS])
             owned = sorted(l for r in ref for l in r["owned"])
             check(len(owned) == ref[0]["layers"] and len(set(owned)) == len(owned),
                   "ddp: every layer has exactly one writer (%s)" % [r["owned"] for r in ref])
@@ -302,23 +330,28 @@ def scenario(root, mode):
             d.kill()
 
 
-def resize(root, daemons, want):
-    """The 4-rank DDP checkpoint restored on 2 ranks (one per node) into a
-    new job: each rank reads the layers of the old ranks its node's ckptd
-    holds (old ranks 0-1 on node 0, 2-3 on node 1) and the ranks exchange
-    them; then training goes on, protected, on 2 ranks."""
-    logs, res = ranks(root, daemons, "ddp-2", "ddp",
-                      ["--steps", str(STEPS + 3), "--from-job", "ddp-ref"], world=2)
+def resize(root, daemons, mode, want):
+    """The 4-rank checkpoint restored on 2 ranks (one per node) into a new
+    job: each rank reads the old ranks its node's ckptd holds (old ranks 0-1
+    on node 0, 2-3 on node 1) and the ranks exchange them (DDP: each layer
+    from its reader; FSDP2: every old shard, each rank keeping its new dim-0
+    rows); then training goes on, protected, on 2 ranks. `want`: the hash
+    of the 4-rank run's step (DDP: a replica's tensors; FSDP2: the whole
+    all-gathered state)."""
+    logs, res = ranks(root, daemons, mode + "-2", mode,
+                      ["--steps", str(STEPS + 3), "--from-job", mode + "-ref"], world=2)
     restored = [[r for r in harness.read_jsonl(p) if "restored" in r][-1] for p in logs]
+    key = "full" if mode == "fsdp2" else "hash"
     check(all(r["restored"] == STEPS for r in restored) and
-          all(r["hash"] == want[0][STEPS] for r in restored),
-          "ddp: a 4-rank checkpoint restored on 2 ranks: both hold step %d of the 4-rank run, "
-          "bit for bit" % STEPS)
-    check(all(r["durable"] == STEPS + 3 for r in res) and
-          sorted(l for r in res for l in r["owned"]) == sorted(set(l for r in res
-                                                                  for l in r["owned"])),
-          "ddp: the 2 ranks trained on to step %d, each layer written once (%s)"
-          % (STEPS + 3, [r["owned"] for r in res]))
+          all(r[key] == want for r in restored),
+          "%s: a 4-rank checkpoint restored on 2 ranks holds step %d of the 4-rank run, bit "
+          "for bit" % (mode, STEPS))
+    check(all(r["durable"] == STEPS + 3 for r in res), "%s: the 2 ranks trained on to step %d"
+          % (mode, STEPS + 3))
+    if mode == "ddp":
+        owned = [l for r in res for l in r["owned"]]
+        check(sorted(owned) == sorted(set(owned)),
+              "ddp: on 2 ranks each layer is written once (%s)" % [r["owned"] for r in res])
 
 
 def layercheck(root, mode):
@@ -356,7 +389,10 @@ def layercheck(root, mode):
 
 def main():
     root = harness.tempdir("ckpt-dist-")
-    modes = sys.argv[1:] or ["ddp", "fsdp2"]
+    global DEVICE
+    devices = [x.split("=", 1)[1] for x in sys.argv[1:] if x.startswith("--device=")]
+    DEVICE = devices[-1] if devices else "cpu"
+    modes = [x for x in sys.argv[1:] if not x.startswith("--")] or ["ddp", "fsdp2"]
     for mode in modes:
         scenario(root, mode)
         layercheck(root, mode)
@@ -365,17 +401,12 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        p = argparse.ArgumentParser()
-        p.add_argument("--worker", action="store_true")
-        p.add_argument("--rank", type=int, required=True)
-        p.add_argument("--socket", required=True)
-        p.add_argument("--store", required=True)
+        p = harness.rank_parser(STEPS)
         p.add_argument("--job", required=True)
         p.add_argument("--mode", required=True)
-        p.add_argument("--sync", required=True)
         p.add_argument("--log", required=True)
         p.add_argument("--pause-at", type=int, default=0)
-        p.add_argument("--steps", type=int, default=STEPS)
+        p.add_argument("--device", default="cpu")
         p.add_argument("--restore", action="store_true")
         p.add_argument("--policy", default="all")
         p.add_argument("--on-daemon-loss", default="error")

@@ -33,12 +33,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "crash"))
 import harness  # noqa: E402
 from harness import check  # noqa: E402
 
-try:
-    import test_torch_dist as job  # noqa: E402  (exits 77 without torch)
-    from crash_driver import kill_points  # noqa: E402
-except ImportError as e:  # pragma: no cover
-    print("skipping: %s" % e)
-    sys.exit(77)
+harness.require_torch()
+import test_torch_dist as job  # noqa: E402
+from crash_driver import kill_points  # noqa: E402
 
 STEPS = 12
 COMMON = ["--steps", str(STEPS), "--agree-every", "2", "--on-daemon-loss", "continue"]

@@ -25,7 +25,6 @@ Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch or the module
 is missing. `--worker` runs one rank.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -41,16 +40,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import harness  # noqa: E402
 from harness import check  # noqa: E402
 
-try:
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
+harness.require_torch()
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
-    import ckpt
-    from ckpt import torch as ckpt_torch
-except ImportError as e:  # pragma: no cover - reported as a skip
-    print("skipping: %s" % e)
-    sys.exit(77)
+import ckpt  # noqa: E402
+from ckpt import torch as ckpt_torch  # noqa: E402
 
 STEPS, WORLD = 40, 2
 
@@ -186,6 +182,10 @@ def daemon_loss(root):
         check(agreed[0][STEPS] > 25,
               "the job caught up: the agreed durable step is %d at step %d (agreed at step "
               "30, after rank 1's ckptd came back at 25)" % (agreed[0][STEPS], STEPS))
+        jobs = {j["job_id"]: j for j in daemons[0].ctl("jobs")["jobs"]}
+        check(jobs["loss"]["ranks"][0]["agreed_step"] == agreed[0][STEPS],
+              "ckptctl jobs shows the agreed step rank 0 reported with its last step (%d)"
+              % agreed[0][STEPS])
     finally:
         for d in daemons:
             d.kill()
@@ -253,18 +253,12 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        p = argparse.ArgumentParser()
-        p.add_argument("--worker", action="store_true")
-        p.add_argument("--rank", type=int, required=True)
-        p.add_argument("--socket", required=True)
-        p.add_argument("--store", required=True)
+        p = harness.rank_parser(STEPS)
         p.add_argument("--job", default="mr")
-        p.add_argument("--sync", required=True)
         p.add_argument("--pause-at", type=lambda v: [int(x) for x in v.split(",")],
                        default=[])
         p.add_argument("--on-daemon-loss", default="error")
         p.add_argument("--policy", default="layercheck")
-        p.add_argument("--steps", type=int, default=STEPS)
         p.add_argument("--log")
         p.add_argument("--restore", action="store_true")
         worker(p.parse_args())

@@ -154,12 +154,14 @@ class EnginePipelineTest : public ::testing::Test {
     return reply;
   }
 
-  absl::Status StepDone(const TestRank& r, uint64_t step, const std::vector<uint32_t>& layers = {}) {
+  absl::Status StepDone(const TestRank& r, uint64_t step, const std::vector<uint32_t>& layers = {},
+                        std::optional<uint64_t> global_durable_step = std::nullopt) {
     StepReport report;
     report.rank = Ref(r);
     report.step = step;
     report.lr = 0.1;
     report.layers = layers;
+    report.global_durable_step = global_durable_step;
     return engine_->StepDone(report, owner_);
   }
 
@@ -992,13 +994,8 @@ TEST_F(EnginePipelineTest, GlobalDurableLagGauge) {
   TestRank alone = MakeRank("lag_alone", 1), agreed = MakeRank("lag_agreed", 1);
   CKPT_ASSERT_OK(Register(&alone).status());
   CKPT_ASSERT_OK(Register(&agreed).status());
-  auto step = [&](const TestRank& r, uint64_t t, std::optional<uint64_t> global) {
-    StepReport report;
-    report.rank = Ref(r);
-    report.step = t;
-    report.lr = 0.1;
-    report.global_durable_step = global;
-    return engine_->StepDone(report, owner_);
+  auto step = [this](const TestRank& r, uint64_t t, std::optional<uint64_t> global) {
+    return StepDone(r, t, {}, global);
   };
   auto lag = [this, &metrics] {
     engine_->CollectMetrics();
