@@ -270,6 +270,16 @@ class PyClient {
     std::vector<py::buffer_info> held;  // keeps every buffer valid without the GIL
     for (const auto& [k, v] : dests) {
       py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request(/*writable=*/true);
+      // The bytes are copied to [ptr, ptr + size * itemsize): only a
+      // C-contiguous buffer is that range.
+      py::ssize_t expect = info.itemsize;
+      for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+        if (info.shape[d] > 1 && info.strides[d] != expect) {
+          throw py::value_error(absl::StrCat("the destination of '", py::cast<std::string>(k),
+                                             "' is not a contiguous buffer"));
+        }
+        expect *= info.shape[d];
+      }
       out[py::cast<std::string>(k)] =
           Dest{static_cast<char*>(info.ptr), static_cast<uint64_t>(info.size * info.itemsize)};
       held.push_back(std::move(info));

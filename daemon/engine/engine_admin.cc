@@ -214,7 +214,8 @@ void Engine::CollectMetrics() {
   double lag_bytes = 0, lag_seconds = 0, global_lag = 0;
   for (const auto& [key, r] : ranks_) {
     absl::MutexLock rank_lock(&r->mu);
-    if (r->active && r->global_durable_step.has_value()) {
+    // 0 is "none agreed yet" (a job whose ranks have no common durable step).
+    if (r->active && r->global_durable_step.value_or(0) > 0) {
       global_lag = std::max(global_lag, static_cast<double>(
                                             r->last_step_seen -
                                             std::min(r->last_step_seen, *r->global_durable_step)));

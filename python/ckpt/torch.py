@@ -227,6 +227,14 @@ def _is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def _check_step(plan: dict, source: str, rank: int, target: int) -> None:
+    if plan["target_step"] != target:
+        raise ckpt.Error("FAILED_PRECONDITION",
+                         f"job {source} rank {rank} has no checkpoint of step {target} (its "
+                         f"newest at or below is {plan['target_step']}): its ranks do not share "
+                         "that step")
+
+
 def _dim0_rows(rows: int, world_size: int, rank: int) -> Tuple[int, int]:
     """[begin, end) of the rows FSDP2 gives `rank` of a dimension of `rows`
     (torch.chunk: ceil(rows / world_size) each, the last ones shorter or
@@ -310,8 +318,8 @@ def _newest_durable(client: "ckpt.Client", job: str, rank: int,
     except ckpt.Error as e:
         if e.code == "NOT_FOUND":
             return 0
-        if unknown is not None and e.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED"):
-            return unknown
+        if unknown is not None:
+            return unknown  # any failure: the agreement goes on without a new figure
         raise
 
 
@@ -352,10 +360,18 @@ class _Agreement:
             self._pending = self._pool.submit(self._run, step, layers)
 
     def _run(self, step: int, layers: int) -> None:
+        # Every collective runs on every rank whatever fails on this one;
+        # the error is raised after the last.
+        error: Optional[BaseException] = None
         if self._drift:
-            self._exchange(step, layers)
+            try:
+                self._exchange(step, layers)
+            except ckpt.Error as e:
+                error = e
         if self._every and step % self._every == 0:
             self.agreed = self.durable_min()
+        if error is not None:
+            raise error
 
     def own_durable(self) -> int:
         """This rank's newest durable step (the last one heard of when its
@@ -797,6 +813,8 @@ class Attached:
             self.client.set_cuda_stream(torch.cuda.current_stream(self._device).cuda_stream)
         t0 = time.perf_counter()
         agreed = self._agreement.agreed if self._agreement is not None else None
+        if agreed is not None:
+            agreed = min(agreed, t)
         self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), blob, [],
                               aux["group_steps"], global_durable_step=agreed)
         self._step_done_s.append(time.perf_counter() - t0)
@@ -999,6 +1017,9 @@ class Attached:
         layouts are refused naming a layer. The RNG states and
         data position are old rank 0's; this job's first step is then
         `target_step + 1`."""
+        if self._agreement is not None:
+            self._agreement.join()  # its collectives first, on every rank
+            self._agreement.agreed = None  # agreed before the restore: no longer true
         if from_job is not None:
             return self._restore_from(from_job, step)
         agreed = step is None and self._group is not None
@@ -1035,7 +1056,9 @@ class Attached:
     def _check_layout(self, aux: dict, plan: dict) -> None:
         """Refuses, before anything is written, a checkpoint whose ranks held
         other parts of the model than this world's ranks do."""
-        saved = aux.get("world_size", 1)
+        if "world_size" not in aux:
+            return  # saved before ckpt.torch recorded the layout: as before, not checked
+        saved = aux["world_size"]
         if saved == self._world_size and aux.get("replicated", False) == self._replicated:
             return
         layer = plan["layers"][0]["name"] if plan["layers"] else "?"
@@ -1092,6 +1115,10 @@ class Attached:
         t0 = time.perf_counter()
         if source == self.job_id:
             raise ValueError("from_job names this job; restore() it without from_job")
+        if self._world_size > 1 and self._group is None:
+            raise ValueError("restore(from_job=) with several ranks exchanges what each read over "
+                             "the process group: initialize torch.distributed first (or pass "
+                             "process_group=)")
         if self._registered and self._step > 0:
             raise RuntimeError(f"job '{self.job_id}' has trained steps already: restore from "
                                f"'{source}' into a new job, before its first step")
@@ -1117,6 +1144,11 @@ class Attached:
         names = self._layer_names_unregistered()
         if sharded:
             self._check_reslicable(source, old_world)
+        elif any(_is_dtensor(p) for _, p, _ in self._params):
+            raise ckpt.Error(
+                "FAILED_PRECONDITION",
+                f"layer '{names[0]}' of job {source} holds whole tensors and this model is "
+                "sharded (fully_shard): restore it into an unsharded model")
         elif old_world > 1 and not replicated:
             raise ckpt.Error(
                 "FAILED_PRECONDITION",
@@ -1145,7 +1177,9 @@ class Attached:
         if missing:
             raise ckpt.Error("NOT_FOUND", f"job {source}: the checkpoint of rank {missing[0]} is "
                              "on no node of this job's ranks")
-        target = step if step else min(newest.values())
+        # The newest step every old rank has (at or below `step`): each
+        # rank's plan for it must be of exactly that step, checked below.
+        target = min(newest.values())
         if not self._registered:
             self._register()
         # The old layout's writers (ranks are replicas of one model).
@@ -1177,6 +1211,7 @@ class Attached:
                 if not mine:
                     dests[f"rank{k}.state"] = bytearray(1)  # an owner of no layer
                 plan = self.client.export_into(source, k, target, dests)
+                _check_step(plan, source, k, target)
                 for host, t in staged:
                     t.copy_(host.view(t.shape))
                 steps.update({l["name"]: l["step"] for l in plan["layers"]})
@@ -1284,6 +1319,7 @@ class Attached:
                 if not nonempty:
                     dests[layer + ".pad"] = bytearray(1)
             plan = self.client.export_into(source, k, target, dests)
+            _check_step(plan, source, k, target)
             steps.update({l["name"]: l["step"] for l in plan["layers"]})
             if k == 0:
                 aux_blob = plan["aux"]

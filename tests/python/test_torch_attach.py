@@ -174,6 +174,16 @@ def spawn(args_list, expect_kill=False):
 def bad_input(daemon):
     client = ckpt.Client(daemon.socket)
 
+    # export_into copies each tensor into [ptr, ptr + size): a strided
+    # destination (a reversed view) was written past its end.
+    reversed_view = torch.zeros(64, dtype=torch.uint8).numpy()[::-1]
+    try:
+        client.export_into("any-job", 0, 0, {"w": reversed_view})
+        check(False, "a strided export destination is refused")
+    except ValueError as e:
+        check("not a contiguous buffer" in str(e), "a strided export destination is refused "
+              "before anything is read: %s" % e)
+
     def refused(model, needle):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         try:

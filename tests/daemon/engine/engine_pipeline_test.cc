@@ -984,8 +984,8 @@ class FullRocksFs : public rocksdb::FileSystemWrapper {
 
 // ckpt_global_durable_lag_steps: a rank's newest step minus the step its
 // job's ranks last agreed is durable everywhere (reported with StepDone);
-// ranks that report none do not count, and a report above the step is
-// refused.
+// ranks that report none (or 0, none agreed yet) do not count, and a report
+// above the step is refused.
 TEST_F(EnginePipelineTest, GlobalDurableLagGauge) {
   Metrics metrics;
   EngineOptions o = OneWriter();
@@ -1006,7 +1006,9 @@ TEST_F(EnginePipelineTest, GlobalDurableLagGauge) {
   };
   for (uint64_t t = 1; t <= 30; ++t) CKPT_ASSERT_OK(step(alone, t, std::nullopt));
   EXPECT_EQ(lag(), 0) << "a rank that reports no agreed step is not lagging";
-  for (uint64_t t = 1; t <= 12; ++t) CKPT_ASSERT_OK(step(agreed, t, t < 10 ? 0 : 10));
+  for (uint64_t t = 1; t <= 9; ++t) CKPT_ASSERT_OK(step(agreed, t, 0));
+  EXPECT_EQ(lag(), 0) << "0 is none agreed yet";
+  for (uint64_t t = 10; t <= 12; ++t) CKPT_ASSERT_OK(step(agreed, t, 10));
   EXPECT_EQ(lag(), 2);
   for (uint64_t t = 13; t <= 20; ++t) CKPT_ASSERT_OK(step(agreed, t, 10));
   EXPECT_EQ(lag(), 10) << "the agreed step stopped advancing";
