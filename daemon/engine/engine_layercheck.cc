@@ -170,7 +170,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     }
     CKPT_KILL_POINT("snapshot.drift");
     task.global = std::move(sums);  // this rank's partial sums until SetGlobalDrift
-    if (r->world_size > 1 && !r->layercheck->config().local_drift) {
+    if (r->world_size > 1 && !r->local_drift) {
       task.stage = SnapTask::Stage::kAwaitingGlobal;
       return false;  // SnapshotLoop publishes them and parks the task
     }

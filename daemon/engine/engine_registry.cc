@@ -227,6 +227,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   }
   r->table.set_world_size(req.world_size);
   r->world_size = req.world_size;
+  r->local_drift = req.policy.layercheck.local_drift;
   if (policy.kind == PolicyKind::kLayerCheck) {
     CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, memory.get(), r.get()));
   }

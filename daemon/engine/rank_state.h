@@ -98,6 +98,8 @@ struct Engine::Rank {
   std::vector<LayerTemplate> layers;
   std::vector<bool> frozen;  // per layer: LayerDesc::frozen
   uint32_t world_size = 1;
+  // LayerCheck decides from this rank's sums alone (LayerCheckConfig::local_drift).
+  bool local_drift = false;
   OptimizerKind optimizer = OptimizerKind::kUnspecified;
   // The kernel that reads `memory`: the engine's CPU kernel for host memory,
   // a CUDA kernel on the rank's device (owned here) for GPU memory.
