@@ -426,6 +426,12 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
   v1::ExportHeader header;
   int tensor = 0;
   uint64_t offset = 0;
+  auto skip_finished = [&] {  // on to the next tensor whose bytes are still due
+    while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
+      ++tensor;
+      offset = 0;
+    }
+  };
   v1::ExportChunk chunk;
   while (local.ok() && reader->Read(&chunk)) {
     if (chunk.has_header()) {
@@ -444,10 +450,7 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
     }
     std::string_view piece = chunk.data();
     while (local.ok() && !piece.empty()) {
-      while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
-        ++tensor;
-        offset = 0;
-      }
+      skip_finished();
       if (tensor == header.tensors_size()) {
         local = absl::DataLossError("the export stream sent more bytes than its header lists");
         break;
@@ -464,10 +467,7 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
   if (!local.ok()) return local;
   CKPT_RETURN_IF_ERROR(s);
   if (!have_header) return absl::DataLossError("the export stream ended without a header");
-  while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
-    ++tensor;
-    offset = 0;
-  }
+  skip_finished();
   if (tensor != header.tensors_size()) {
     return absl::DataLossError("the export stream ended before the bytes of every tensor");
   }

@@ -56,13 +56,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import importlib
 import io
 import random
 import re
 import sys
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -188,12 +189,17 @@ def _check_mappable(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"tensor '{name}' has dtype {t.dtype}, which ckptd does not store")
 
 
-def _is_dtensor(t: Any) -> bool:
+def _instance_of(obj: Any, module: str, name: str) -> bool:
+    """isinstance(obj, module.name) for a class a torch build may lack."""
     try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # pragma: no cover - torch without distributed
         return False
-    return isinstance(t, DTensor)
+    return isinstance(obj, cls)
+
+
+def _is_dtensor(t: Any) -> bool:
+    return _instance_of(t, "torch.distributed.tensor", "DTensor")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -217,14 +223,6 @@ def _fsdp_shards(model: torch.nn.Module) -> Dict[int, torch.Tensor]:
             if padded is not None:
                 out[id(fp.sharded_param)] = padded
     return out
-
-
-def _is_ddp(model: torch.nn.Module) -> bool:
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, DistributedDataParallel)
 
 
 def _check_step(plan: dict, source: str, rank: int, target: int) -> None:
@@ -274,6 +272,16 @@ def _parse_policy(policy: str, kind: str, layercheck: Optional[dict], record_tra
     return spec
 
 
+class _ModelTensor(NamedTuple):
+    """A tensor of the model or its optimizer, whole, before registration."""
+    name: str
+    tensor: torch.Tensor
+    layer: str
+    kind: str
+    frozen: bool
+    spec: Dict[str, Any]  # role, optimizer group and hyper-parameters
+
+
 @dataclasses.dataclass
 class _Entry:
     """One registered tensor: where it lives and how ckptd sees it."""
@@ -321,6 +329,14 @@ def _newest_durable(client: "ckpt.Client", job: str, rank: int,
         if unknown is not None:
             return unknown  # any failure: the agreement goes on without a new figure
         raise
+
+
+def _min_over(group: Any, value: int) -> int:
+    """The smallest of every rank's `value` (all-reduce MIN over `group`)."""
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 class _Agreement:
@@ -381,12 +397,10 @@ class _Agreement:
         return self._own_durable
 
     def durable_min(self) -> int:
-        import torch.distributed as dist
         t0 = time.perf_counter()
-        t = torch.tensor([self.own_durable()], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        agreed = _min_over(self._group, self.own_durable())
         self.durable_seconds.append(time.perf_counter() - t0)
-        return int(t.item())
+        return agreed
 
     def _exchange(self, step: int, layers: int) -> None:
         import torch.distributed as dist
@@ -468,15 +482,17 @@ class Attached:
         self.restored_scheduler_state: Optional[dict] = None
         self._world_size = world_size
         # Data-parallel replicas: each layer is written by one rank.
-        self._replicated = world_size > 1 and (_is_ddp(model) if replicated is None
-                                               else bool(replicated))
+        ddp = _instance_of(model, "torch.nn.parallel", "DistributedDataParallel")
+        self._replicated = world_size > 1 and (ddp if replicated is None else bool(replicated))
         self._kind = _optimizer_kind(optimizer)
         self._policy = _parse_policy(policy, self._kind, layercheck, record_trace)
         if self._replicated and "layercheck" in self._policy:
             # Each rank decides the layers it writes, from identical replicas.
             self._policy["layercheck"]["local_drift"] = True
         self._owners: Dict[str, int] = {}  # replicated: layer -> the rank writing it
-        self._placeholder: Optional[_Entry] = None
+        # After registration: every entry of each layer, and each layer's bytes.
+        self._by_layer: Dict[str, List[_Entry]] = {}
+        self._layer_bytes: Dict[str, int] = {}
         self._layer_of = layers
         self._data_position: Any = None
         self._step = 0
@@ -499,6 +515,7 @@ class Attached:
 
         self._params = self._collect_params()
         self._param_ids = {id(p) for _, p, _ in self._params}
+        self._sharded = any(_is_dtensor(p) for _, p, _ in self._params)  # FSDP2
         self._buffers = self._collect_buffers()
         self._device = self._one_device()
         for run in list(_LIVE):
@@ -585,55 +602,26 @@ class Attached:
         return got if isinstance(got, tuple) else (got, "OTHER")
 
     def _layout(self) -> Tuple[List[_Entry], Dict[str, dict]]:
-        """Every tensor to register, and the layers (in first-appearance
-        order; a frozen parameter goes to '<layer>.frozen')."""
+        """Every tensor to register (this rank's part of each), and the
+        layers in first-appearance order."""
         layers: Dict[str, dict] = {}
         entries: List[_Entry] = []
-        groups = self.optimizer.param_groups
-        base_lr = float(groups[0]["lr"]) or 1.0
         shards = _fsdp_shards(self.model)
-
-        def add(lname: str, kind: str, frozen: bool, name: str, t: torch.Tensor, spec: dict,
-                base: Optional[torch.Tensor] = None):
-            layer = layers.setdefault(lname, {"name": lname, "kind": kind, "frozen": frozen,
-                                              "tensors": []})
-            if t.numel() == 0:
-                return  # nothing to keep (a shard of a dimension smaller than the world)
-            spec.update(name=name, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape) or [1])
-            entries.append(_Entry(name, t, lname, spec, base))
-            layer["tensors"].append(spec)
-
-        for name, p, gi in self._params:
-            if p.numel() == 0:
-                continue  # nothing to keep
-            lname, kind = self._layer(name)
-            local = _local(p)
-            base = shards.get(id(p))
+        for m in self._model_tensors():
+            layer = layers.setdefault(m.layer, {"name": m.layer, "kind": m.kind,
+                                                "frozen": m.frozen, "tensors": []})
+            local = _local(m.tensor)
+            if local.numel() == 0:
+                continue  # an empty shard (a dimension smaller than the world)
+            _check_mappable(m.name, local)
+            base = shards.get(id(m.tensor))
             if base is not None and base.untyped_storage().data_ptr() != \
                     local.untyped_storage().data_ptr():
                 base = None  # the shard owns its storage
-            if gi is None or not p.requires_grad:
-                add(lname + ".frozen", kind, True, name, local, {"role": "PARAM"}, base)
-                continue
-            g = groups[gi]
-            betas = g.get("betas", (0.0, 0.0))
-            add(lname, kind, False, name, local,
-                {"role": "PARAM", "group": gi, "lr_scale": float(g["lr"]) / base_lr,
-                 "weight_decay": g.get("weight_decay", 0.0), "beta1": float(betas[0]),
-                 "beta2": float(betas[1]), "eps": g.get("eps", 0.0)}, base)
-            state = self.optimizer.state.get(p, {})
-            for key in sorted(state):
-                value = state[key]
-                if key == "step" or not torch.is_tensor(value) or value.shape != p.shape:
-                    continue
-                _check_mappable(f"{name}.{key}", _local(value))
-                add(lname, kind, False, f"{name}.{key}", _local(value),
-                    {"role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name})
-        for name, b in self._buffers:
-            if b.numel() == 0:
-                continue
-            lname, kind = self._layer(name)
-            add(lname, kind, False, name, _local(b), {"role": "OTHER"})
+            spec = dict(m.spec, name=m.name, dtype=_DTYPE_NAMES[local.dtype],
+                        shape=list(local.shape) or [1])
+            entries.append(_Entry(m.name, local, m.layer, spec, base))
+            layer["tensors"].append(spec)
         for lname, layer in layers.items():
             if not layer["tensors"]:
                 # Every tensor of the layer is an empty shard on this rank.
@@ -657,12 +645,14 @@ class Attached:
         self._trained_params = self._trained()
         self._read_step_counts()
         entries, layers = self._layout()
+        by_layer: Dict[str, List[_Entry]] = {name: [] for name in layers}
+        for e in entries:
+            by_layer[e.layer].append(e)
+        layer_bytes = {name: sum(e.tensor.numel() * e.tensor.element_size() for e in es)
+                       for name, es in by_layer.items()}
         own_entries, own_layers = entries, layers
         if self._replicated:
-            nbytes: Dict[str, int] = {name: 0 for name in layers}
-            for e in entries:
-                nbytes[e.layer] += e.tensor.numel() * e.tensor.element_size()
-            self._owners = _spread(nbytes, self._world_size)
+            self._owners = _spread(layer_bytes, self._world_size)
             own_layers = {n: l for n, l in layers.items() if self._owners[n] == self.rank}
             own_entries = [e for e in entries if self._owners[e.layer] == self.rank]
             if not own_layers:
@@ -670,8 +660,7 @@ class Attached:
                 # the state saved with each step (its RNG, data position).
                 lname = f"rank{self.rank}.state"
                 layer = {"name": lname, "kind": "OTHER", "frozen": True, "tensors": []}
-                self._placeholder = self._pad_entry(lname, layer, lname)
-                own_layers, own_entries = {lname: layer}, [self._placeholder]
+                own_layers, own_entries = {lname: layer}, [self._pad_entry(lname, layer, lname)]
         if self._device.type == "cpu":
             self._share_host_memory(own_entries)
         else:
@@ -680,6 +669,8 @@ class Attached:
                 "policy": self._policy, "layers": list(own_layers.values())}
         self.client.register(spec)
         self._entries = entries
+        self._by_layer = by_layer
+        self._layer_bytes = layer_bytes
         self._layer_names = list(layers)
         self._frozen_layers = [n for n, l in layers.items() if l["frozen"]]
         self._registered = True
@@ -791,7 +782,7 @@ class Attached:
                 "go on from an older step under the same job id (restore() the latest step, or "
                 "attach to a new job)")
         self._check_frozen()
-        if self._step <= self._first_reported - 1:
+        if self._step < self._first_reported:
             return  # no step reported to ckptd yet: nothing to fence
         t0 = time.perf_counter()
         if self._agreement is not None:
@@ -871,7 +862,7 @@ class Attached:
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                 "data_position": self._data_position, "extra": self.extra_state,
                 "world_size": self._world_size, "replicated": self._replicated,
-                "sharded": any(_is_dtensor(p) for _, p, _ in self._params)}
+                "sharded": self._sharded}
 
     def _aux_blob(self, aux: dict, step: int) -> bytes:
         buf = io.BytesIO()
@@ -959,10 +950,7 @@ class Attached:
 
     def tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
         """The registered tensors by layer: (name, the live tensor)."""
-        out: Dict[str, List[Tuple[str, torch.Tensor]]] = {}
-        for e in self._entries:
-            out.setdefault(e.layer, []).append((e.name, e.tensor))
-        return out
+        return {layer: [(e.name, e.tensor) for e in es] for layer, es in self._by_layer.items()}
 
     def set_data_position(self, position: Any) -> None:
         """Where the data loader is (numbers, strings, lists, dicts or
@@ -982,12 +970,9 @@ class Attached:
         own = _newest_durable(self.client, self.job_id, self.rank, unknown=None)
         if self._group is None:
             return own
-        import torch.distributed as dist
         if self._agreement is not None:
             self._agreement.join()  # its collectives come first, on every rank
-        t = torch.tensor([own], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
-        return int(t.item())
+        return _min_over(self._group, own)
 
     @property
     def agreed_durable_step(self) -> Optional[int]:
@@ -1079,11 +1064,8 @@ class Attached:
         shared file system: each rank read only its own ckptd)."""
         import torch.distributed as dist
         owners = self._owners if owners is None else owners
-        by_layer: Dict[str, List[_Entry]] = {}
-        for e in self._entries:
-            by_layer.setdefault(e.layer, []).append(e)
         with torch.no_grad():
-            for lname, es in by_layer.items():
+            for lname, es in self._by_layer.items():
                 owner = owners[lname]
                 sizes = [e.tensor.numel() * e.tensor.element_size() for e in es]
                 if owner == self.rank:
@@ -1144,7 +1126,7 @@ class Attached:
         names = self._layer_names_unregistered()
         if sharded:
             self._check_reslicable(source, old_world)
-        elif any(_is_dtensor(p) for _, p, _ in self._params):
+        elif self._sharded:
             raise ckpt.Error(
                 "FAILED_PRECONDITION",
                 f"layer '{names[0]}' of job {source} holds whole tensors and this model is "
@@ -1182,45 +1164,12 @@ class Attached:
         target = min(newest.values())
         if not self._registered:
             self._register()
-        # The old layout's writers (ranks are replicas of one model).
-        nbytes: Dict[str, int] = {n: 0 for n in self._layer_names}
-        by_layer: Dict[str, List[_Entry]] = {}
-        for e in self._entries:
-            nbytes[e.layer] += e.tensor.numel() * e.tensor.element_size()
-            by_layer.setdefault(e.layer, []).append(e)
-        writer = _spread(nbytes, old_world) if old_world > 1 else {n: 0 for n in nbytes}
-        owners = {n: reader[writer[n]] for n in nbytes}
-        steps: Dict[str, int] = {}
-        aux_blob = b""
         if sharded:
             steps, aux_blob, read = self._reslice(source, old_world, reader, target)
-            owners = {}  # every rank wrote its own new shards
-        with torch.no_grad():
-            for k in sorted(k for k, r in reader.items() if r == self.rank and not sharded):
-                mine = [n for n in self._layer_names if writer[n] == k]
-                dests: Dict[str, Any] = {}
-                staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-                for n in mine:
-                    for e in by_layer[n]:
-                        t = e.tensor
-                        if t.device.type != "cpu":
-                            host = torch.empty(t.numel(), dtype=t.dtype)
-                            staged.append((host, t))
-                            t = host
-                        dests[e.name] = t.detach().reshape(-1).view(torch.uint8).numpy()
-                if not mine:
-                    dests[f"rank{k}.state"] = bytearray(1)  # an owner of no layer
-                plan = self.client.export_into(source, k, target, dests)
-                _check_step(plan, source, k, target)
-                for host, t in staged:
-                    t.copy_(host.view(t.shape))
-                steps.update({l["name"]: l["step"] for l in plan["layers"]})
-                if k == 0:
-                    aux_blob = plan["aux"]
+        else:
+            steps, aux_blob, read = self._read_replicated(source, old_world, reader, target)
         if self._group is not None:
             import torch.distributed as dist
-            if not sharded:
-                self._broadcast_layers(owners)
             box = [aux_blob]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, reader[0]),
                                        group=self._group)
@@ -1233,6 +1182,7 @@ class Attached:
         self._first_reported = target + 1
         # This job's first StepDone is target + 1 (it has no steps: ckptd
         # takes any first step, and persists every layer at it).
+        nbytes = self._layer_bytes
         layers = tuple(LayerPlan(name=n, step=steps.get(n, 0), staleness=target - steps.get(n, 0),
                                  bytes=nbytes[n], frozen=n in self._frozen_layers)
                        for n in self._layer_names)
@@ -1242,31 +1192,78 @@ class Attached:
                         total_bytes=total, max_staleness=worst,
                         size_weighted_staleness=sum(l.staleness * l.bytes for l in layers) /
                         max(total, 1), layers=layers, data_position=self._data_position,
-                        bytes_restored=read if sharded else sum(
-                            nbytes[n] for n in owners if owners[n] == self.rank),
+                        bytes_restored=read,
                         seconds=time.perf_counter() - t0)
 
-    def _model_tensors(self) -> List[Tuple[str, torch.Tensor, str]]:
-        """(name, tensor, layer) of every tensor the rank registers, in
-        registration order, each whole: a DTensor (its global shape) for FSDP2
-        parameters and their optimizer state."""
-        out = []
+    def _read_replicated(self, source: str, old_world: int, reader: Dict[int, int],
+                         target: int) -> Tuple[Dict[str, int], bytes, int]:
+        """Replicated layers (or one rank's) onto this world: each reader
+        takes the layers its old ranks wrote straight into the registered
+        tensors, then each layer goes from its reader to every rank. Returns
+        the layers' steps, old rank 0's saved state and the bytes read here."""
+        # The old layout's writers: the ranks were replicas of this model.
+        writer = (_spread(self._layer_bytes, old_world) if old_world > 1
+                  else {n: 0 for n in self._layer_names})
+        steps: Dict[str, int] = {}
+        aux_blob = b""
+        read = 0
+        with torch.no_grad():
+            for k in sorted(k for k, r in reader.items() if r == self.rank):
+                mine = [n for n in self._layer_names if writer[n] == k]
+                dests: Dict[str, Any] = {}
+                staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+                for e in (e for n in mine for e in self._by_layer[n]):
+                    t = e.tensor
+                    if t.device.type != "cpu":
+                        host = torch.empty(t.numel(), dtype=t.dtype)
+                        staged.append((host, t))
+                        t = host
+                    dests[e.name] = t.detach().reshape(-1).view(torch.uint8).numpy()
+                if not mine:
+                    dests[f"rank{k}.state"] = bytearray(1)  # an owner of no layer
+                plan = self.client.export_into(source, k, target, dests)
+                _check_step(plan, source, k, target)
+                for host, t in staged:
+                    t.copy_(host.view(t.shape))
+                steps.update({l["name"]: l["step"] for l in plan["layers"]})
+                read += sum(self._layer_bytes[n] for n in mine)
+                if k == 0:
+                    aux_blob = plan["aux"]
+        if self._group is not None:
+            self._broadcast_layers({n: reader[writer[n]] for n in self._layer_names})
+        return steps, aux_blob, read
+
+    def _model_tensors(self) -> List["_ModelTensor"]:
+        """Every tensor the rank registers, in registration order, each whole
+        (a DTensor, of its global shape, for FSDP2 parameters and their
+        optimizer state), with its layer and what ckptd is told about it. A
+        frozen parameter goes to '<layer>.frozen'."""
+        groups = self.optimizer.param_groups
+        base_lr = float(groups[0]["lr"]) or 1.0
+        out: List[_ModelTensor] = []
         for name, p, gi in self._params:
             if p.numel() == 0:
-                continue
-            lname, _ = self._layer(name)
+                continue  # nothing to keep
+            lname, kind = self._layer(name)
             if gi is None or not p.requires_grad:
-                out.append((name, p, lname + ".frozen"))
+                out.append(_ModelTensor(name, p, lname + ".frozen", kind, True, {"role": "PARAM"}))
                 continue
-            out.append((name, p, lname))
+            g = groups[gi]
+            betas = g.get("betas", (0.0, 0.0))
+            out.append(_ModelTensor(name, p, lname, kind, False, {
+                "role": "PARAM", "group": gi, "lr_scale": float(g["lr"]) / base_lr,
+                "weight_decay": g.get("weight_decay", 0.0), "beta1": float(betas[0]),
+                "beta2": float(betas[1]), "eps": g.get("eps", 0.0)}))
             state = self.optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
                 if key != "step" and torch.is_tensor(v) and v.shape == p.shape:
-                    out.append((f"{name}.{key}", v, lname))
+                    out.append(_ModelTensor(f"{name}.{key}", v, lname, kind, False, {
+                        "role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name}))
         for name, b in self._buffers:
             if b.numel() > 0:
-                out.append((name, b, self._layer(name)[0]))
+                lname, kind = self._layer(name)
+                out.append(_ModelTensor(name, b, lname, kind, False, {"role": "OTHER"}))
         return out
 
     def _check_reslicable(self, source: str, old_world: int) -> None:
@@ -1301,7 +1298,7 @@ class Attached:
         for k in sorted(k for k, r in reader.items() if r == self.rank):
             dests: Dict[str, Any] = {}
             filled: Dict[str, bool] = {}
-            for name, t, layer in tensors:
+            for name, t, layer, *_ in tensors:
                 filled.setdefault(layer, False)
                 shape = tuple(t.shape)
                 if _is_dtensor(t):
@@ -1325,7 +1322,7 @@ class Attached:
                 aux_blob = plan["aux"]
         entries = {e.name: e for e in self._entries}
         with torch.no_grad():
-            for name, t, _ in tensors:
+            for name, t, *_ in tensors:
                 e = entries.get(name)
                 shape = tuple(t.shape)
                 parts = ([(k,) + _dim0_rows(shape[0], old_world, k) for k in range(old_world)]
