@@ -25,6 +25,11 @@ PACKAGES=(
   prometheus systemd
   # fuzzing (libFuzzer needs clang's runtime)
   clang-14 libclang-rt-14-dev
+  # the remote tier: S3 over libcurl with OpenSSL (SigV4); the tests run a
+  # real one-node Ceph cluster with radosgw and compare the signer with
+  # botocore's
+  libcurl4-openssl-dev libssl-dev
+  ceph-mon ceph-osd radosgw ceph-common uuid-runtime python3-boto3
 )
 
 install_packages() {

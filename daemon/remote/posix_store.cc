@@ -1,0 +1,271 @@
+#include "daemon/remote/posix_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/status.h"
+
+namespace ckpt::remote {
+namespace {
+
+constexpr char kTempPrefix[] = ".tmp.";
+constexpr size_t kCopyBuffer = 1 << 20;
+
+absl::Status CheckKey(const std::string& key) {
+  if (key.empty() || key.front() == '/' || key.back() == '/') {
+    return absl::InvalidArgumentError(absl::StrCat("bad object key \"", key, "\""));
+  }
+  for (absl::string_view part : absl::StrSplit(key, '/')) {
+    if (part.empty() || part == "." || part == ".." || absl::StartsWith(part, kTempPrefix)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad object key \"", key, "\""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> OpenDir(int parent, const std::string& name, bool create) {
+  if (create && mkdirat(parent, name.c_str(), 0750) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
+  }
+  int fd = openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ELOOP || errno == ENOTDIR) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(name, " in the remote directory is not a directory (or is a symbolic link)"));
+    }
+    return ErrnoStatus(errno, absl::StrCat("open directory ", name));
+  }
+  return UniqueFd(fd);
+}
+
+absl::Status WriteAll(int fd, const char* p, size_t n, off_t off) {
+  while (n > 0) {
+    ssize_t w = pwrite(fd, p, n, off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "write");
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    off += w;
+  }
+  return absl::OkStatus();
+}
+
+// Copies `size` bytes from `in` to `out`, both from offset 0. With `limit`,
+// INVALID_ARGUMENT once more than `limit` bytes would be copied.
+absl::StatusOr<uint64_t> Copy(int in, int out, uint64_t size) {
+  std::string buf(kCopyBuffer, '\0');
+  uint64_t done = 0;
+  while (done < size) {
+    size_t want = static_cast<size_t>(std::min<uint64_t>(kCopyBuffer, size - done));
+    ssize_t r = pread(in, buf.data(), want, static_cast<off_t>(done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "read");
+    }
+    if (r == 0) {
+      return absl::DataLossError(absl::StrCat("short read: ", done, " of ", size, " bytes"));
+    }
+    CKPT_RETURN_IF_ERROR(WriteAll(out, buf.data(), static_cast<size_t>(r), static_cast<off_t>(done)));
+    done += static_cast<uint64_t>(r);
+  }
+  return done;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PosixStore>> PosixStore::Open(const std::string& root) {
+  if (root.empty()) return absl::InvalidArgumentError("the remote directory is not set");
+  if (mkdir(root.c_str(), 0750) != 0 && errno != EEXIST) {
+    return ErrnoStatus(errno, absl::StrCat("mkdir ", root));
+  }
+  int fd = open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOTDIR) {
+      return absl::FailedPreconditionError(absl::StrCat(root, " is not a directory"));
+    }
+    return ErrnoStatus(errno, absl::StrCat("open ", root));
+  }
+  return std::unique_ptr<PosixStore>(new PosixStore(root, UniqueFd(fd)));
+}
+
+std::string PosixStore::Describe() const { return absl::StrCat("posix ", root_); }
+
+absl::StatusOr<UniqueFd> PosixStore::OpenParent(const std::string& key, bool create,
+                                                std::string* name) const {
+  CKPT_RETURN_IF_ERROR(CheckKey(key));
+  std::vector<std::string> parts = absl::StrSplit(key, '/');
+  *name = parts.back();
+  parts.pop_back();
+  UniqueFd dir(dup(root_fd_.get()));
+  if (!dir.valid()) return ErrnoStatus(errno, "dup");
+  for (const std::string& part : parts) {
+    CKPT_ASSIGN_OR_RETURN(dir, OpenDir(dir.get(), part, create));
+  }
+  return dir;
+}
+
+absl::Status PosixStore::Publish(int dir, const std::string& name, bool if_absent,
+                                 const std::function<absl::Status(int fd)>& write) const {
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = absl::StrCat(kTempPrefix, name, ".", getpid(), ".",
+                                       counter.fetch_add(1, std::memory_order_relaxed));
+  int fd = openat(dir, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0640);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("create ", tmp));
+  UniqueFd out(fd);
+  absl::Status s = write(out.get());
+  if (s.ok() && fsync(out.get()) != 0) s = ErrnoStatus(errno, absl::StrCat("fsync ", tmp));
+  if (s.ok()) {
+    if (if_absent) {
+      // link() fails on an existing name, so a second writer never replaces
+      // the first one's object.
+      if (linkat(dir, tmp.c_str(), dir, name.c_str(), 0) != 0) {
+        s = errno == EEXIST ? absl::AlreadyExistsError(absl::StrCat(name, " exists"))
+                            : ErrnoStatus(errno, absl::StrCat("link ", name));
+      }
+      unlinkat(dir, tmp.c_str(), 0);
+    } else if (renameat(dir, tmp.c_str(), dir, name.c_str()) != 0) {
+      s = ErrnoStatus(errno, absl::StrCat("rename ", name));
+    }
+  }
+  if (!s.ok()) {
+    unlinkat(dir, tmp.c_str(), 0);
+    return s;
+  }
+  if (fsync(dir) != 0) return ErrnoStatus(errno, absl::StrCat("fsync the directory of ", name));
+  return absl::OkStatus();
+}
+
+absl::Status PosixStore::PutFile(const std::string& key, int fd, uint64_t size) {
+  std::string name;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/true, &name));
+  return Publish(dir.get(), name, /*if_absent=*/false, [&](int out) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(uint64_t copied, Copy(fd, out, size));
+    (void)copied;
+    return absl::OkStatus();
+  });
+}
+
+absl::Status PosixStore::PutBytes(const std::string& key, std::string_view data, bool if_absent) {
+  std::string name;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/true, &name));
+  return Publish(dir.get(), name, if_absent,
+                 [&](int out) { return WriteAll(out, data.data(), data.size(), 0); });
+}
+
+absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd,
+                                               uint64_t max_bytes) {
+  std::string name;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/false, &name));
+  int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (in < 0) return ErrnoStatus(errno, absl::StrCat("open ", key));
+  UniqueFd src(in);
+  struct stat st;
+  if (fstat(in, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", key));
+  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(key, " is not a file"));
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(key, " holds ", size, " bytes, more than the ", max_bytes, " expected"));
+  }
+  return Copy(in, fd, size);
+}
+
+absl::StatusOr<std::string> PosixStore::GetBytes(const std::string& key, uint64_t max_bytes) {
+  std::string name;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/false, &name));
+  int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (in < 0) return ErrnoStatus(errno, absl::StrCat("open ", key));
+  UniqueFd src(in);
+  struct stat st;
+  if (fstat(in, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", key));
+  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(key, " is not a file"));
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(key, " holds ", st.st_size,
+                                                   " bytes, more than the ", max_bytes, " expected"));
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < out.size()) {
+    ssize_t r = pread(in, out.data() + done, out.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return ErrnoStatus(errno, absl::StrCat("read ", key));
+    if (r == 0) return absl::DataLossError(absl::StrCat(key, " shrank while being read"));
+    done += static_cast<size_t>(r);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& prefix) {
+  std::vector<ObjectInfo> out;
+  // Walks the directories the prefix can reach: the prefix's directory part
+  // fixes where to start.
+  const size_t slash = prefix.rfind('/');
+  const std::string start = slash == std::string::npos ? "" : prefix.substr(0, slash);
+  UniqueFd dir(dup(root_fd_.get()));
+  if (!dir.valid()) return ErrnoStatus(errno, "dup");
+  if (!start.empty()) {
+    for (absl::string_view part : absl::StrSplit(start, '/')) {
+      if (part.empty() || part == "." || part == "..") return out;
+      absl::StatusOr<UniqueFd> sub = OpenDir(dir.get(), std::string(part), /*create=*/false);
+      if (absl::IsNotFound(sub.status())) return out;
+      if (!sub.ok()) return sub.status();
+      dir = std::move(*sub);
+    }
+  }
+  std::function<absl::Status(int, const std::string&)> walk = [&](int fd, const std::string& base) {
+    UniqueFd copy(dup(fd));
+    if (!copy.valid()) return ErrnoStatus(errno, "dup");
+    DIR* d = fdopendir(copy.get());
+    if (d == nullptr) return ErrnoStatus(errno, "opendir");
+    copy.release();
+    std::vector<std::pair<std::string, bool>> entries;
+    while (dirent* e = readdir(d)) {
+      std::string n = e->d_name;
+      if (n == "." || n == ".." || absl::StartsWith(n, kTempPrefix)) continue;
+      entries.emplace_back(n, e->d_type == DT_DIR);
+    }
+    closedir(d);
+    for (const auto& [n, is_dir] : entries) {
+      const std::string key = base.empty() ? n : absl::StrCat(base, "/", n);
+      if (is_dir) {
+        if (!absl::StartsWith(key, prefix.substr(0, std::min(prefix.size(), key.size()))) ) continue;
+        absl::StatusOr<UniqueFd> sub = OpenDir(fd, n, /*create=*/false);
+        if (!sub.ok()) continue;  // went away or is a link: not an object
+        CKPT_RETURN_IF_ERROR(walk(sub->get(), key));
+      } else if (absl::StartsWith(key, prefix)) {
+        struct stat st;
+        if (fstatat(fd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
+        out.push_back({key, static_cast<uint64_t>(st.st_size)});
+      }
+    }
+    return absl::OkStatus();
+  };
+  CKPT_RETURN_IF_ERROR(walk(dir.get(), start));
+  std::sort(out.begin(), out.end(),
+            [](const ObjectInfo& a, const ObjectInfo& b) { return a.key < b.key; });
+  return out;
+}
+
+absl::Status PosixStore::Delete(const std::string& key) {
+  std::string name;
+  absl::StatusOr<UniqueFd> dir = OpenParent(key, /*create=*/false, &name);
+  if (absl::IsNotFound(dir.status())) return absl::OkStatus();
+  if (!dir.ok()) return dir.status();
+  if (unlinkat(dir->get(), name.c_str(), 0) != 0 && errno != ENOENT) {
+    return ErrnoStatus(errno, absl::StrCat("unlink ", key));
+  }
+  if (fsync(dir->get()) != 0) return ErrnoStatus(errno, absl::StrCat("fsync the directory of ", key));
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt::remote

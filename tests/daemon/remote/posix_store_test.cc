@@ -1,0 +1,140 @@
+// PosixStore on a temporary directory, and FaultyStore over it.
+#include "daemon/remote/posix_store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "daemon/remote/faulty_store.h"
+#include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt::remote {
+namespace {
+
+using ::ckpt::testing::TempDir;
+
+UniqueFd TempFileWith(const std::string& dir, const std::string& data) {
+  std::string path = dir + "/src.XXXXXX";
+  int fd = mkstemp(path.data());
+  EXPECT_GE(fd, 0);
+  unlink(path.c_str());
+  EXPECT_EQ(pwrite(fd, data.data(), data.size(), 0), static_cast<ssize_t>(data.size()));
+  return UniqueFd(fd);
+}
+
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[4096];
+  off_t off = 0;
+  for (;;) {
+    ssize_t n = pread(fd, buf, sizeof(buf), off);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    off += n;
+  }
+  return out;
+}
+
+TEST(PosixStore, PutGetListDeleteRoundTrip) {
+  TempDir dir;
+  auto store = PosixStore::Open(dir.path() + "/remote");
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::string big(3 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 131 + 7);
+  UniqueFd src = TempFileWith(dir.path(), big);
+  ASSERT_TRUE((*store)->PutFile("jobs/j/rank-00000000/v/a", src.get(), big.size()).ok());
+  ASSERT_TRUE((*store)->PutBytes("jobs/j/rank-00000000/m/S1", "manifest", false).ok());
+  ASSERT_TRUE((*store)->PutBytes("jobs/k/rank-00000001/m/S2", "other", false).ok());
+
+  UniqueFd dst = TempFileWith(dir.path(), "");
+  auto got = (*store)->GetToFile("jobs/j/rank-00000000/v/a", dst.get(), big.size());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, big.size());
+  EXPECT_EQ(ReadAll(dst.get()), big);
+  auto small = (*store)->GetBytes("jobs/j/rank-00000000/m/S1", 100);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(*small, "manifest");
+
+  auto listed = (*store)->List("jobs/j/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0].key, "jobs/j/rank-00000000/m/S1");
+  EXPECT_EQ((*listed)[1].key, "jobs/j/rank-00000000/v/a");
+  EXPECT_EQ((*listed)[1].size, big.size());
+  auto all = (*store)->List("jobs/");
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 3u);
+  auto none = (*store)->List("jobs/zzz/");
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+
+  ASSERT_TRUE((*store)->Delete("jobs/j/rank-00000000/m/S1").ok());
+  EXPECT_TRUE((*store)->Delete("jobs/j/rank-00000000/m/S1").ok());  // missing is fine
+  EXPECT_TRUE(absl::IsNotFound((*store)->GetBytes("jobs/j/rank-00000000/m/S1", 100).status()));
+}
+
+TEST(PosixStore, ConditionalCreateRefusesAnExistingObject) {
+  TempDir dir;
+  auto store = PosixStore::Open(dir.path());
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->PutBytes("m/S1", "first", true).ok());
+  absl::Status again = (*store)->PutBytes("m/S1", "second", true);
+  EXPECT_TRUE(absl::IsAlreadyExists(again)) << again;
+  EXPECT_EQ(*(*store)->GetBytes("m/S1", 100), "first");
+  // No temp file is left behind by the refused create.
+  auto listed = (*store)->List("m/");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ(listed->size(), 1u);
+}
+
+TEST(PosixStore, RefusesBadKeysOversizedReadsAndSymlinks) {
+  TempDir dir;
+  auto store = PosixStore::Open(dir.path() + "/r");
+  ASSERT_TRUE(store.ok());
+  for (const char* bad : {"", "/abs", "a/../b", "a//b", "a/./b", "dir/", ".tmp.x"}) {
+    EXPECT_TRUE(absl::IsInvalidArgument((*store)->PutBytes(bad, "x", false))) << bad;
+  }
+  ASSERT_TRUE((*store)->PutBytes("a/b", "0123456789", false).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument((*store)->GetBytes("a/b", 5).status()));
+  UniqueFd dst = TempFileWith(dir.path(), "");
+  EXPECT_TRUE(absl::IsInvalidArgument((*store)->GetToFile("a/b", dst.get(), 5).status()));
+  EXPECT_EQ(ReadAll(dst.get()), "");  // nothing written past the bound
+  // A symbolic link where a directory of a key would be is never followed.
+  ASSERT_EQ(mkdir((dir.path() + "/elsewhere").c_str(), 0700), 0);
+  ASSERT_EQ(symlink((dir.path() + "/elsewhere").c_str(), (dir.path() + "/r/link").c_str()), 0);
+  absl::Status s = (*store)->PutBytes("link/x", "y", false);
+  EXPECT_FALSE(s.ok());
+  struct stat st;
+  EXPECT_NE(stat((dir.path() + "/elsewhere/x").c_str(), &st), 0);
+}
+
+TEST(FaultyStore, DownFailsEveryCallAndCountsThem) {
+  TempDir dir;
+  auto base = PosixStore::Open(dir.path());
+  ASSERT_TRUE(base.ok());
+  FaultyStore faulty(base->get());
+  ASSERT_TRUE(faulty.PutBytes("a", "1", false).ok());
+  faulty.set_down(true);
+  EXPECT_TRUE(absl::IsUnavailable(faulty.PutBytes("b", "2", false)));
+  EXPECT_TRUE(absl::IsUnavailable(faulty.GetBytes("a", 10).status()));
+  EXPECT_TRUE(absl::IsUnavailable(faulty.List("").status()));
+  faulty.set_down(false);
+  faulty.FailPuts(1, absl::PermissionDeniedError("denied"));
+  EXPECT_TRUE(absl::IsPermissionDenied(faulty.PutBytes("b", "2", false)));
+  EXPECT_TRUE(faulty.PutBytes("b", "2", false).ok());
+  std::string seen;
+  faulty.set_before_put([&](const std::string& key) {
+    seen = key;
+    faulty.set_down(true);  // stopped mid-upload
+  });
+  EXPECT_TRUE(absl::IsUnavailable(faulty.PutBytes("c", "3", false)));
+  EXPECT_EQ(seen, "c");
+  EXPECT_EQ(faulty.puts(), 5u);
+  EXPECT_TRUE(absl::IsNotFound((*base)->GetBytes("c", 10).status()));
+}
+
+}  // namespace
+}  // namespace ckpt::remote
