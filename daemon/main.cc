@@ -1,5 +1,7 @@
 // ckptd: the node-local checkpoint daemon. Flags, config and wiring only.
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -8,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
+#include "base/status.h"
 #include "daemon/common/kill_point.h"
 #include "base/logging.h"
 #include "daemon/common/systemd_notify.h"
@@ -16,6 +19,8 @@
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/remote/posix_store.h"
+#include "daemon/remote/s3_store.h"
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/server.h"
 #include "daemon/shm/handover.h"
@@ -34,6 +39,45 @@ constexpr char kUsage[] =
 // index, a symbolic link in the data directory): EX_CONFIG, which the
 // systemd unit lists in RestartPreventExitStatus= so ckptd does not loop.
 constexpr int kExitNeedsOperator = 78;
+
+// The remote tier the config names; null for none. A store that refuses
+// ckptd's credentials or does not answer is logged and kept: training and
+// local checkpoints go on, and the uploader retries (docs/remote.md).
+absl::StatusOr<std::unique_ptr<ckpt::remote::RemoteStore>> OpenRemote(
+    const ckpt::RemoteConfig& rc) {
+  using ckpt::remote::RemoteStore;
+  if (rc.kind == "posix") {
+    absl::StatusOr<std::unique_ptr<ckpt::remote::PosixStore>> s =
+        ckpt::remote::PosixStore::Open(rc.path);
+    if (!s.ok()) return s.status();
+    return std::unique_ptr<RemoteStore>(std::move(*s));
+  }
+  if (rc.kind != "s3") return std::unique_ptr<RemoteStore>();
+  ckpt::remote::S3Options o;
+  o.endpoint = rc.endpoint;
+  o.bucket = rc.bucket;
+  o.region = rc.region;
+  o.prefix = rc.prefix;
+  o.path_style = rc.path_style;
+  o.ca_file = rc.ca_file;
+  o.part_bytes = rc.part_bytes;
+  o.parallel_parts = rc.parallel_parts;
+  // The secret will be in this process's memory: no core dump (and no
+  // ptrace by the same uid) may carry it out.
+  const rlimit no_core{0, 0};
+  if (setrlimit(RLIMIT_CORE, &no_core) != 0 || prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+    return ckpt::ErrnoStatus(errno, "turning core dumps off before reading credentials");
+  }
+  if (absl::Status s = ckpt::remote::ReadS3Credentials(rc.credentials_file, &o); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<ckpt::remote::S3Store>> store =
+      ckpt::remote::S3Store::Create(std::move(o));
+  if (!store.ok()) return store.status();
+  if (absl::Status s = (*store)->CheckAccess(); !s.ok()) {
+    CKPT_LOG(ERROR) << "remote tier " << (*store)->Describe()
+                    << " does not accept ckptd yet (uploads are retried): " << s;
+  }
+  return std::unique_ptr<RemoteStore>(std::move(*store));
+}
 
 int Fail(const std::string& what, const absl::Status& s) {
   CKPT_LOG(ERROR) << what << ": " << s;
@@ -179,7 +223,12 @@ int main(int argc, char** argv) {
     }
   }
 
+  absl::StatusOr<std::unique_ptr<remote::RemoteStore>> remote_store = OpenRemote(config.remote);
+  if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
+  if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
+
   EngineOptions eo = config.engine;
+  eo.remote = remote_store->get();
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.metrics_address = metrics_address;

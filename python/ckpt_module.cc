@@ -239,9 +239,12 @@ class PyClient {
     Check(client_->SetGlobalDrift(step, sums));
   }
 
-  uint64_t WaitDurable(uint64_t step) {
+  uint64_t WaitDurable(uint64_t step, const std::string& tier) {
+    if (tier != "local" && tier != "remote") {
+      throw py::value_error("tier must be 'local' or 'remote'");
+    }
     py::gil_scoped_release release;
-    return Value(client_->WaitDurable(step));
+    return Value(client_->WaitDurable(step, tier == "remote"));
   }
 
   py::dict Plan(uint64_t target_step, const std::optional<std::string>& job,
@@ -388,7 +391,7 @@ PYBIND11_MODULE(_ckpt, m) {
            py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{},
            py::arg("global_durable_step") = py::none())
       .def("wait_snapshot", &PyClient::WaitSnapshot, py::arg("step"))
-      .def("wait_durable", &PyClient::WaitDurable, py::arg("step"))
+      .def("wait_durable", &PyClient::WaitDurable, py::arg("step"), py::arg("tier") = "local")
       .def("drift_partials", &PyClient::DriftPartials, py::arg("step"))
       .def("set_global_drift", &PyClient::SetGlobalDrift, py::arg("step"), py::arg("sums"))
       .def("export_into", &PyClient::ExportInto, py::arg("job_id"), py::arg("rank"),

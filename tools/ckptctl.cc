@@ -616,7 +616,11 @@ class Ctl {
                      {"disk_bytes_limit", r.disk_bytes_limit()},
                      {"gpu", r.gpu()},
                      {"open_gpu_mappings", r.open_gpu_mappings()},
-                     {"open_gpu_mapping_bytes", r.open_gpu_mapping_bytes()}});
+                     {"open_gpu_mapping_bytes", r.open_gpu_mapping_bytes()},
+                     {"remote", r.remote()},
+                     {"remote_lag_steps", r.remote_lag_steps()},
+                     {"remote_lag_bytes", r.remote_lag_bytes()},
+                     {"remote_error", r.remote_error()}});
       return kExitOk;
     }
     std::string in_use = BytesWithRaw(r.pool_bytes_in_use());
@@ -649,6 +653,10 @@ class Ctl {
         {"disk_bytes_used", BytesWithRaw(r.disk_bytes_used())},
         {"disk_bytes_limit", r.disk_bytes_limit() == 0 ? "- (no bound)"
                                                        : BytesWithRaw(r.disk_bytes_limit())},
+        {"remote", OrDash(r.remote())},
+        {"remote_lag", absl::StrCat(r.remote_lag_steps(), " steps, ",
+                                    BytesWithRaw(r.remote_lag_bytes()))},
+        {"remote_error", r.remote_error().empty() ? "-" : r.remote_error()},
     });
     return kExitOk;
   }
@@ -668,6 +676,7 @@ class Ctl {
                                {"latest_durable_step", k.latest_durable_step()},
                                {"last_step_seen", k.last_step_seen()},
                                {"agreed_step", k.agreed_step()},
+                               {"remote_step", k.remote_step()},
                                {"layers", k.layers()}});
         }
         jobs.push_back(Json{{"job_id", j.job_id()},
@@ -684,14 +693,15 @@ class Ctl {
       return kExitOk;
     }
     Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "AGREED STEP",
-             "VERSIONS", "BYTES"},
-            {false, true, true, true, true, true, true, true, true});
+             "REMOTE STEP", "VERSIONS", "BYTES"},
+            {false, true, true, true, true, true, true, true, true, true});
     for (const v1::JobInfo& j : r.jobs()) {
       // The job-wide latest step: the range over its ranks when they differ.
-      uint64_t lo = UINT64_MAX, hi = 0, agreed = 0;
+      uint64_t lo = UINT64_MAX, hi = 0, agreed = 0, remote = UINT64_MAX;
       int registered = 0, stale = 0;
       for (const v1::RankInfo& k : j.ranks()) {
         agreed = std::max(agreed, k.agreed_step());  // the newest agreement any rank reported
+        remote = std::min(remote, k.remote_step());  // the step every rank has remotely
         stale += k.stale() ? 1 : 0;
         lo = std::min(lo, k.latest_durable_step());
         hi = std::max(hi, k.latest_durable_step());
@@ -702,7 +712,8 @@ class Ctl {
                                              : absl::StrCat(StepOrDash(lo), "..", hi);
       t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
              absl::StrCat(registered), absl::StrCat(stale), latest, StepOrDash(agreed),
-             absl::StrCat(j.versions()), HumanBytes(j.bytes())});
+             StepOrDash(j.ranks().empty() ? 0 : remote), absl::StrCat(j.versions()),
+             HumanBytes(j.bytes())});
     }
     t.Print();
     return kExitOk;
@@ -792,7 +803,8 @@ class Ctl {
                               {"layers", std::move(layers)},
                               {"bytes", e.bytes()},
                               {"failed", e.failed()},
-                              {"skipped", e.skipped()}});
+                              {"skipped", e.skipped()},
+                              {"remote", e.remote()}});
       }
       PrintJson(Json{{"events", std::move(events)}});
       return kExitOk;
@@ -801,10 +813,11 @@ class Ctl {
       std::printf("no events\n");
       return kExitOk;
     }
-    Table t({"STEP", "LAYERS", "BYTES", "FAILED", "SKIPPED"}, {true, false, true, true, true});
+    Table t({"STEP", "LAYERS", "BYTES", "FAILED", "SKIPPED", "REMOTE"},
+            {true, false, true, true, true, false});
     for (const v1::HistoryEvent& e : r.events()) {
       t.Add({absl::StrCat(e.step()), LayerList(e.layers(), 40), HumanBytes(e.bytes()),
-             absl::StrCat(e.failed()), absl::StrCat(e.skipped())});
+             absl::StrCat(e.failed()), absl::StrCat(e.skipped()), e.remote() ? "yes" : "-"});
     }
     t.Print();
     return kExitOk;

@@ -370,16 +370,17 @@ absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
   return info;
 }
 
-absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step) {
+absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, bool remote) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
-  if (step <= registered_after_step_) {
+  if (step <= registered_after_step_ && !remote) {
     // Reported to an earlier registration: durable exactly when the daemon
     // said so at registration (a restored target always is).
     if (step <= latest_durable_at_register_) return latest_durable_at_register_;
     return absl::AbortedError(
         absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
   }
-  const v1::WaitRequest req = WaitFor(spec_, generation_, step);
+  v1::WaitRequest req = WaitFor(spec_, generation_, step);
+  if (remote) req.set_tier(v1::TIER_REMOTE);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::WaitDurableReply reply;

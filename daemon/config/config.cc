@@ -283,6 +283,40 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(metrics_address)),
       Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
           CKPT_FIELD(max_layer_series), 0),
+      Str("remote_kind",
+          "the remote tier every durable step is copied to in the background: none, s3 (an "
+          "S3-compatible object store) or posix (a shared directory); docs/remote.md",
+          CKPT_FIELD(remote.kind)),
+      Str("remote_path", "posix remote tier: the shared directory (Lustre, GPFS, CephFS, NFS)",
+          CKPT_FIELD(remote.path)),
+      Str("remote_endpoint", "s3 remote tier: http(s)://host[:port] of the object store",
+          CKPT_FIELD(remote.endpoint)),
+      Str("remote_bucket", "s3 remote tier: the bucket (it must exist)", CKPT_FIELD(remote.bucket)),
+      Str("remote_region", "s3 remote tier: the region the requests are signed for",
+          CKPT_FIELD(remote.region)),
+      Str("remote_prefix", "s3 remote tier: a prefix for every key (one bucket, many clusters)",
+          CKPT_FIELD(remote.prefix)),
+      Str("remote_credentials_file",
+          "s3 remote tier: a file only ckptd's user may read, with lines access_key_id = ... and "
+          "secret_access_key = ... (systemd: LoadCredential=, then "
+          "%d/<name>); never logged or shown",
+          CKPT_FIELD(remote.credentials_file)),
+      Bool("remote_path_style",
+           "s3 remote tier: address objects as endpoint/bucket/key (RGW, MinIO) rather than "
+           "bucket.host/key", CKPT_FIELD(remote.path_style)),
+      Str("remote_ca_file", "s3 remote tier over https: a CA bundle (empty = the system's)",
+          CKPT_FIELD(remote.ca_file)),
+      Num("remote_part_bytes", "s3 remote tier: multipart part size; larger objects go in parts",
+          CKPT_FIELD(remote.part_bytes), uint64_t{5} << 20, uint64_t{5} << 30),
+      Num("remote_parallel_parts", "s3 remote tier: parts of one object uploaded at once",
+          CKPT_FIELD(remote.parallel_parts), 1, 64),
+      Num("remote_upload_threads", "layer versions uploaded to the remote tier at once",
+          CKPT_FIELD(engine.remote_upload_threads), 1, 64),
+      Num("remote_max_pending_events",
+          "per rank, the oldest checkpoint events not yet uploaded that local GC keeps for the "
+          "uploader; beyond them (a long outage) the ordinary retention applies and the "
+          "uploader skips to the events that are left",
+          CKPT_FIELD(engine.remote_max_pending_events), 1, 1 << 20),
   };
   return *options;
 }
@@ -299,6 +333,17 @@ absl::Status DaemonConfig::Validate() const {
   }
   if (staging.budget_bytes < staging.chunk_bytes) {
     return absl::InvalidArgumentError("staging_pool_bytes must hold at least one chunk");
+  }
+  if (remote.kind != "none" && remote.kind != "s3" && remote.kind != "posix") {
+    return absl::InvalidArgumentError("remote_kind must be none, s3 or posix");
+  }
+  if (remote.kind == "posix" && remote.path.empty()) {
+    return absl::InvalidArgumentError("remote_kind posix needs remote_path");
+  }
+  if (remote.kind == "s3" &&
+      (remote.endpoint.empty() || remote.bucket.empty() || remote.credentials_file.empty())) {
+    return absl::InvalidArgumentError(
+        "remote_kind s3 needs remote_endpoint, remote_bucket and remote_credentials_file");
   }
   if (engine.max_aux_bytes + kStepListBytes > static_cast<uint64_t>(rpc.max_request_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -29,6 +29,21 @@
 
 namespace ckpt {
 
+// The remote tier (docs/remote.md): where main() points ckptd's RemoteStore.
+struct RemoteConfig {
+  std::string kind = "none";  // none, s3 or posix
+  std::string path;           // posix: the shared directory
+  std::string endpoint;       // s3: http(s)://host[:port]
+  std::string bucket;
+  std::string region = "us-east-1";
+  std::string prefix;         // s3: prepended to every key
+  std::string credentials_file;  // s3: access_key_id / secret_access_key (mode 0600)
+  bool path_style = true;     // s3: endpoint/bucket/key rather than bucket.host/key
+  std::string ca_file;        // s3 over https: a CA bundle instead of the system's
+  uint64_t part_bytes = uint64_t{16} << 20;  // s3 multipart part size
+  uint32_t parallel_parts = 4;               // s3 parts in flight per object
+};
+
 struct DaemonConfig {
   // The daemon's own settings.
   std::string socket = "/run/ckptd/ckptd.sock";
@@ -45,6 +60,7 @@ struct DaemonConfig {
   EngineOptions engine;
   HandoverOptions handover;
   RpcServerOptions rpc;
+  RemoteConfig remote;
 
   absl::Status Validate() const;
   std::string HandoverSocketPath() const {

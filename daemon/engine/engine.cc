@@ -50,6 +50,10 @@ absl::Status Engine::Start() {
   }
   if (options_.gc_interval > absl::ZeroDuration()) gc_thread_ = std::thread([this] { GcLoop(); });
   watch_thread_ = std::thread([this] { WatchTrainersLoop(); });
+  if (options_.remote != nullptr) {
+    if (Metrics* m = options_.metrics) m->Set(Gauge::kRemoteUp, 1);
+    upload_thread_ = std::thread([this] { UploadLoop(); });
+  }
   return absl::OkStatus();
 }
 
@@ -119,6 +123,14 @@ void Engine::Shutdown(absl::Duration grace) {
   snapshot_threads_.clear();
   if (gc_thread_.joinable()) gc_thread_.join();
   if (watch_thread_.joinable()) watch_thread_.join();
+  {
+    // The uploader stops between two objects; what is not uploaded yet is
+    // uploaded after the next start.
+    absl::MutexLock lock(&remote_mu_);
+    remote_stop_ = true;
+    remote_cv_.SignalAll();
+  }
+  if (upload_thread_.joinable()) upload_thread_.join();
   {
     // Let the writers finish what is staged, within the grace period.
     absl::MutexLock lock(&mu_);

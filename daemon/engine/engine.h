@@ -60,6 +60,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/remote/remote_store.h"
 #include "kernels/drift.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
@@ -114,6 +115,16 @@ struct EngineOptions {
   Clock* clock = nullptr;
   // How often the exit of trainers holding GPU mappings is checked.
   absl::Duration trainer_watch_interval = absl::Milliseconds(200);
+  // The remote tier (engine_remote.cc, docs/remote.md); null = none. Not
+  // owned.
+  remote::RemoteStore* remote = nullptr;
+  unsigned remote_upload_threads = 4;  // versions uploaded at once
+  // Per rank, the oldest events not yet uploaded that local GC keeps.
+  uint32_t remote_max_pending_events = 64;
+  // The uploader's back-off after a failure: doubles from the first value
+  // up to the second.
+  absl::Duration remote_retry_min = absl::Seconds(1);
+  absl::Duration remote_retry_max = absl::Seconds(30);
 };
 
 struct Caller {
@@ -171,8 +182,11 @@ class Engine {
   // The durable step once every layer's newest version selected at or before
   // `step` is durable. ABORTED when some of them failed (they are retried
   // next step).
+  // With `remote`, the step must also be remote-durable (its manifest in
+  // the remote tier): FAILED_PRECONDITION without a remote tier,
+  // DEADLINE_EXCEEDED when the upload has not finished at `deadline`.
   absl::StatusOr<uint64_t> WaitDurable(const RankRef& rank, uint64_t step, const Caller& caller,
-                                       absl::Time deadline);
+                                       absl::Time deadline, bool remote = false);
   // The composite plan of the rank for `target_step` (0 = its latest
   // durable step); recovery/plan.h says what it holds and when NOT_FOUND.
   absl::StatusOr<CompositePlan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
@@ -227,6 +241,20 @@ class Engine {
   // Reads back every committed version of the job (or one rank) and checks
   // every checksum; failures are listed in the reply, not returned as errors.
   absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);
+
+  // A replacement node: when the index holds no checkpoint event of the rank
+  // and the remote tier has manifests of it, copies the newest manifest
+  // (and those at or above the job's agreed step it records) with every
+  // version they name into the local store, each checked before it becomes
+  // visible (LayerStore::Adopt); corrupt or missing objects make that
+  // manifest unusable and an older one is tried. PERMISSION_DENIED when
+  // the job belongs to another uid; OK (nothing done) without a remote tier
+  // or when there is nothing to pull. Register, Plan and Export call it.
+  absl::Status PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller);
+  // Jobs of the caller (every job for root) that the remote tier holds,
+  // with their ranks' newest remote-durable steps; empty without a remote
+  // tier.
+  absl::StatusOr<std::vector<v1::JobInfo>> RemoteJobs(const Caller& caller);
 
   void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
   // Refreshes the gauges that are read at scrape time (pool, queue,
@@ -331,6 +359,34 @@ class Engine {
   absl::Status DiscardAfter(const std::string& job, uint32_t rank, uint64_t step);
   void GcLoop();
 
+  // ---- remote tier (engine_remote.cc): the uploader, remote retention ----
+  struct RemoteRank {
+    uid_t owner = 0;
+    uint64_t local_step = 0;   // newest local checkpoint event
+    uint64_t remote_step = 0;  // newest manifest in the remote tier
+    bool seeded = false;       // objects and manifests listed from the store
+    std::map<std::string, uint64_t> objects;  // version files there -> bytes
+    struct Manifest {
+      int64_t unix_ms = 0;
+      uint64_t agreed_step = 0;
+    };
+    std::map<uint64_t, Manifest> manifests;
+    std::map<uint64_t, uint64_t> pending;  // local events not uploaded: step -> bytes
+    absl::Time retry_at = absl::InfinitePast();
+    absl::Duration backoff = absl::ZeroDuration();
+  };
+  void UploadLoop();
+  // Reads the remote tier's objects and manifests of the rank into `out`.
+  absl::Status SeedRemote(const RankKey& key, RemoteRank* out);
+  // Uploads the rank's oldest local event above its remote step: its plan's
+  // versions not there yet, then its manifest.
+  absl::Status UploadNext(const RankKey& key);
+  absl::Status RemoteGc(const RankKey& key);
+  // Called after the rank's checkpoint events of `steps` were written.
+  void NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
+                       const std::vector<std::pair<uint64_t, uint64_t>>& steps_bytes);
+  void NoteRemoteFailure(const absl::Status& s, const char* what);
+
   // Immutable after construction (io_backend_name_ and reconcile_: after Start).
   const EngineOptions options_;
   Index* const index_;
@@ -376,6 +432,16 @@ class Engine {
 
   LeaseTable leases_;
   DiskBudget disk_;
+
+  // The remote tier's state; remote_mu_ is a leaf (nothing is called out
+  // while it is held).
+  absl::Mutex remote_mu_;
+  absl::CondVar remote_cv_;  // new local events, or stopping
+  std::map<RankKey, RemoteRank> remote_ ABSL_GUARDED_BY(remote_mu_);
+  std::set<RankKey> pulling_ ABSL_GUARDED_BY(remote_mu_);
+  absl::Status remote_error_ ABSL_GUARDED_BY(remote_mu_);
+  bool remote_stop_ ABSL_GUARDED_BY(remote_mu_) = false;
+  std::thread upload_thread_;
 
   // Counters (relaxed; read by GetStatus and the metrics).
   std::atomic<uint64_t> versions_committed_{0};

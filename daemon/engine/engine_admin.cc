@@ -46,6 +46,16 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
     }
     s.set_jobs(visible);
   }
+  s.set_remote(options_.remote == nullptr ? "none" : options_.remote->Describe());
+  {
+    absl::MutexLock lock(&remote_mu_);
+    for (const auto& [key, rr] : remote_) {
+      if (!all && rr.owner != caller.uid) continue;
+      s.set_remote_lag_steps(std::max(s.remote_lag_steps(), rr.local_step - std::min(rr.local_step, rr.remote_step)));
+      for (const auto& [step, bytes] : rr.pending) s.set_remote_lag_bytes(s.remote_lag_bytes() + bytes);
+    }
+    if (!remote_error_.ok()) s.set_remote_error(std::string(remote_error_.message()));
+  }
   absl::MutexLock lock(&mu_);
   uint32_t ranks = 0;
   for (const auto& [key, r] : ranks_) {
@@ -77,6 +87,11 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
         ri->set_latest_durable_step(ev->first);
         ri->set_agreed_step(ev->second.agreed_step());
       }
+      {
+        absl::MutexLock lock(&remote_mu_);
+        auto it = remote_.find(RankKey(job, rank));
+        if (it != remote_.end()) ri->set_remote_step(it->second.remote_step);
+      }
       CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
           job, rank, -1, [info](const VersionKey&, const store::VersionRecord& v) {
             info->set_versions(info->versions() + 1);
@@ -93,6 +108,16 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
         ri->set_stale(r.memory == nullptr);
         ri->set_generation(r.generation);
         ri->set_last_step_seen(r.last_step_seen);
+      }
+    }
+  }
+  // Jobs only the remote tier holds (a replacement node before the first
+  // pull); a remote tier that does not answer leaves them out.
+  absl::StatusOr<std::vector<v1::JobInfo>> remote_jobs = RemoteJobs(caller);
+  if (remote_jobs.ok()) {
+    for (v1::JobInfo& info : *remote_jobs) {
+      if (std::find(jobs.begin(), jobs.end(), info.job_id()) == jobs.end()) {
+        *reply.add_jobs() = std::move(info);
       }
     }
   }
@@ -168,6 +193,14 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
     }
   }
   v1::HistoryReply reply;
+  std::set<uint64_t> remote;  // steps whose manifest is in the remote tier
+  {
+    absl::MutexLock lock(&remote_mu_);
+    auto it = remote_.find(RankKey(req.job_id(), req.rank()));
+    if (it != remote_.end()) {
+      for (const auto& [step, m] : it->second.manifests) remote.insert(step);
+    }
+  }
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
       req.job_id(), req.rank(), /*newest_first=*/true,
       [&](uint64_t step, const store::EventRecord& e) {
@@ -182,6 +215,7 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
         h->set_bytes(e.bytes());
         h->set_failed(e.failed());
         h->set_skipped(e.skipped());
+        h->set_remote(remote.count(step) > 0);
         return req.limit() == 0 || static_cast<uint32_t>(reply.events_size()) < req.limit();
       }));
   return reply;
@@ -238,6 +272,17 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
   m->Set(Gauge::kGlobalDurableLagSteps, global_lag);
+  double remote_lag_steps = 0, remote_lag_bytes = 0;
+  {
+    absl::MutexLock remote_lock(&remote_mu_);
+    for (const auto& [key, rr] : remote_) {
+      remote_lag_steps = std::max(
+          remote_lag_steps, static_cast<double>(rr.local_step - std::min(rr.local_step, rr.remote_step)));
+      for (const auto& [step, bytes] : rr.pending) remote_lag_bytes += static_cast<double>(bytes);
+    }
+  }
+  m->Set(Gauge::kRemoteLagSteps, remote_lag_steps);
+  m->Set(Gauge::kRemoteLagBytes, remote_lag_bytes);
 }
 
 size_t Engine::ActiveRanksLocked(bool stale_only) const {

@@ -109,12 +109,42 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   }
   // A refused step gives its queue slot and its reserved bytes back here.
   for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
-  if (s.ok()) r->durable_step = batch.back().first;
+  if (s.ok()) {
+    r->durable_step = batch.back().first;
+    std::vector<std::pair<uint64_t, uint64_t>> steps_bytes;
+    for (const auto& [step, e] : batch) steps_bytes.emplace_back(step, e.bytes());
+    NoteLocalEvents(r->job, r->rank, r->uid, steps_bytes);
+  }
 }
 
 absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
-                                             const Caller& caller, absl::Time deadline) {
+                                             const Caller& caller, absl::Time deadline,
+                                             bool remote) {
+  if (remote && options_.remote == nullptr) {
+    return absl::FailedPreconditionError(
+        "ckptd has no remote tier configured (remote_kind); wait for local durability");
+  }
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
+  if (remote) {
+    // Locally durable first (its errors are the same), then the manifest.
+    CKPT_ASSIGN_OR_RETURN(uint64_t local, WaitDurable(rank, step, caller, deadline));
+    (void)local;
+    const RankKey key(rank.job, rank.rank);
+    absl::MutexLock lock(&remote_mu_);
+    auto there = [this, &key, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(remote_mu_) {
+      auto it = remote_.find(key);
+      return remote_stop_ || (it != remote_.end() && it->second.remote_step >= step);
+    };
+    remote_mu_.AwaitWithDeadline(absl::Condition(&there), deadline);
+    auto it = remote_.find(key);
+    if (it == remote_.end() || it->second.remote_step < step) {
+      if (remote_stop_) return ShuttingDownError();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "step ", step, " is durable on this node but not yet in the remote tier",
+          remote_error_.ok() ? "" : absl::StrCat(" (", remote_error_.message(), ")")));
+    }
+    return it->second.remote_step;
+  }
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto durable = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {

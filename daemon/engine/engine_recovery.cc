@@ -22,6 +22,7 @@ constexpr absl::Duration kLeaseWait = absl::Seconds(30);
 
 absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank,
                                            uint64_t target_step, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(PullFromRemote(job, rank, caller));
   CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
   if (!table.has_value()) {
@@ -168,6 +169,7 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
 
 absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
                             const std::function<bool(const v1::ExportChunk&)>& sink) {
+  CKPT_RETURN_IF_ERROR(PullFromRemote(req.job_id(), req.rank(), caller));
   CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
   if (!table.has_value()) {

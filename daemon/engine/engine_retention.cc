@@ -71,6 +71,14 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   }
   // The newest event knows the newest agreement.
   if (!h.events.empty()) in.agreed_step = h.events.back().agreed_step;
+  if (options_.remote != nullptr) {
+    // Keep what the uploader has yet to copy; a rank it has not listed yet
+    // counts as having nothing there.
+    absl::MutexLock lock(&remote_mu_);
+    auto it = remote_.find(key);
+    in.pending_after = it != remote_.end() && it->second.seeded ? it->second.remote_step : 0;
+    in.max_pending_events = options_.remote_max_pending_events;
+  }
   for (const auto& [lk, rec] : h.versions) in.versions[lk.first].push_back(lk.second);
   RetentionPlan plan = PlanRetention(options_.retention, in);
   reply->set_retained_targets(reply->retained_targets() + plan.retained_targets.size());
@@ -203,6 +211,14 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     return s;
   }
   if (Metrics* m = options_.metrics) m->Inc(Counter::kJobsDeleted);
+  {
+    // Its remote copy stays (docs/remote.md); this node stops uploading it.
+    absl::MutexLock lock(&remote_mu_);
+    for (auto it = remote_.lower_bound(RankKey(job, 0));
+         it != remote_.end() && it->first.first == job;) {
+      it = remote_.erase(it);
+    }
+  }
   CKPT_LOG(INFO) << "deleted job " << job << " (by uid " << caller.uid << "): " << out.ranks
                  << " ranks, " << out.versions << " versions, " << out.bytes << " bytes, "
                  << out.events << " events";

@@ -80,6 +80,23 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_events_failed_total", "counter",
      "Checkpoint events not recorded (quota, the index's free-space floor, a RocksDB error); "
      "their steps are not durable and later steps are tried again.", "", ""},
+    {"ckpt_remote_uploaded_versions_total", "counter",
+     "Layer versions copied to the remote tier.", "", ""},
+    {"ckpt_remote_uploaded_bytes_total", "counter",
+     "Bytes of layer versions copied to the remote tier (its upload throughput is the rate).",
+     "", ""},
+    {"ckpt_remote_manifests_total", "counter",
+     "Step manifests written to the remote tier: each makes one rank's step remote-durable.", "",
+     ""},
+    {"ckpt_remote_failures_total", "counter",
+     "Failed remote-tier operations by reason: unavailable (unreachable, 5xx, throttled after "
+     "retries), denied (credentials refused), timeout, corrupt (a checksum did not match), "
+     "local (reading the local copy failed), other.",
+     "reason", "unavailable,denied,timeout,corrupt,local,other"},
+    {"ckpt_remote_pulled_bytes_total", "counter",
+     "Bytes of layer versions read back from the remote tier (a replacement node).", "", ""},
+    {"ckpt_remote_gc_deleted_objects_total", "counter",
+     "Objects (versions and manifests) remote retention deleted.", "", ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -133,6 +150,14 @@ constexpr MetricInfo kGaugeTable[] = {
      "Largest gap, over this node's registered ranks of multi-rank jobs, between a rank's "
      "newest step and the newest step its job's ranks last agreed is durable on every rank. "
      "It grows when a rank of the job lost its ckptd or cannot keep up.", "", ""},
+    {"ckpt_remote_lag_steps", "gauge",
+     "Largest gap, over this node's ranks, between a rank's newest locally durable step and its "
+     "newest remote-durable step (0 without a remote tier).", "", ""},
+    {"ckpt_remote_lag_bytes", "gauge",
+     "Bytes of committed layer versions not yet in the remote tier.", "", ""},
+    {"ckpt_remote_up", "gauge",
+     "0 from a failed remote-tier operation until the next one succeeds, else 1 (also 1 "
+     "without a remote tier).", "", ""},
 };
 
 constexpr MetricInfo kHistogramTable[] = {
@@ -146,6 +171,9 @@ constexpr MetricInfo kHistogramTable[] = {
      "Time to copy one step's selected layers into staging.", "", ""},
     {"ckpt_drift_seconds", "histogram", "Time to compute one step's layer drift.", "", ""},
     {"ckpt_restore_seconds", "histogram", "Time of one composite restore.", "", ""},
+    {"ckpt_remote_upload_seconds", "histogram",
+     "Time to upload one rank's step to the remote tier (its versions, then its manifest).", "",
+     ""},
 };
 
 static_assert(std::size(kCounterTable) == kNumCounters, "one row per Counter");

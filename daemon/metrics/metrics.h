@@ -71,6 +71,12 @@ enum class Counter {
   kJobsDeleted,                   // ckpt_jobs_deleted_total
   kQuotaRefused,                  // ckpt_quota_refused_total{kind}
   kEventsFailed,                  // ckpt_events_failed_total
+  kRemoteUploadedVersions,        // ckpt_remote_uploaded_versions_total
+  kRemoteUploadedBytes,           // ckpt_remote_uploaded_bytes_total
+  kRemoteManifests,               // ckpt_remote_manifests_total
+  kRemoteFailures,                // ckpt_remote_failures_total{reason}
+  kRemotePulledBytes,             // ckpt_remote_pulled_bytes_total
+  kRemoteGcDeletedObjects,        // ckpt_remote_gc_deleted_objects_total
   kCount
 };
 
@@ -98,6 +104,9 @@ enum class Gauge {
   kUidIndexUsedBytes,      // ckpt_uid_index_used_bytes{uid}
   kIndexDegraded,          // ckpt_index_degraded
   kGlobalDurableLagSteps,  // ckpt_global_durable_lag_steps
+  kRemoteLagSteps,         // ckpt_remote_lag_steps
+  kRemoteLagBytes,         // ckpt_remote_lag_bytes
+  kRemoteUp,               // ckpt_remote_up
   kCount
 };
 
@@ -111,6 +120,7 @@ enum class Histogram {
   kSnapshotCopySeconds,  // ckpt_snapshot_copy_seconds
   kDriftSeconds,         // ckpt_drift_seconds
   kRestoreSeconds,       // ckpt_restore_seconds
+  kRemoteUploadSeconds,  // ckpt_remote_upload_seconds
   kCount
 };
 

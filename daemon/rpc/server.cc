@@ -171,7 +171,8 @@ class TrainerService final : public v1::Trainer::Service {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(uint64_t durable,
                             s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
-                                                      WaitDeadline(*req, DeadlineOf(*ctx))));
+                                                      WaitDeadline(*req, DeadlineOf(*ctx)),
+                                                      req->tier() == v1::TIER_REMOTE));
       reply->set_durable_step(durable);
       return absl::OkStatus();
     });

@@ -124,6 +124,21 @@ class LayerStore {
   absl::StatusOr<LoadedVersion> Read(const VersionKey& key, const store::VersionRecord& rec,
                                      IoBackend* io, StagingPool* pool, absl::Time deadline);
 
+  // The committed file of `rec`, opened for reading (buffered) after
+  // checking its size: what the remote tier uploads. DATA_LOSS when it is
+  // missing or of the wrong size.
+  absl::StatusOr<UniqueFd> OpenCommitted(const VersionKey& key, const store::VersionRecord& rec);
+
+  // Commits a version whose whole file image comes from elsewhere (the
+  // remote tier, on a replacement node): `fill` writes rec.file_bytes()
+  // bytes into the temp file and returns how many it wrote; the file is
+  // synced, then checked like Read checks it (header checksum, the record's
+  // header_xxh3, job/rank/layer/step, every tensor checksum) before it is
+  // renamed and its record put. DATA_LOSS when the bytes are not the version
+  // `rec` names (nothing is then visible).
+  absl::Status Adopt(const VersionKey& key, const store::VersionRecord& rec,
+                     const std::function<absl::StatusOr<uint64_t>(int fd)>& fill);
+
   // Cheap check: the file of `rec` exists with the recorded size (DATA_LOSS
   // otherwise). Read() is the deep check.
   absl::Status CheckFile(const VersionKey& key, const store::VersionRecord& rec);

@@ -23,10 +23,15 @@ RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput&
   for (size_t i = 0; in.agreed_step > 0 && i < n && in.events[i].first <= in.agreed_step; ++i) {
     agreed = i;
   }
+  // The oldest `max_pending_events` events above pending_after: the remote
+  // tier's uploader still needs them.
+  uint64_t pending_left = in.max_pending_events;
   std::vector<bool> keep(n, false);
   for (size_t i = 0; i < n; ++i) {
     const auto& [step, ms] = in.events[i];
-    keep[i] = i + 1 == n || (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
+    const bool pending = step > in.pending_after && pending_left > 0;
+    if (pending) --pending_left;
+    keep[i] = i + 1 == n || pending || (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
               (policy.keep_every_steps > 0 && step % policy.keep_every_steps == 0) ||
               ms >= horizon_ms || i == agreed;
     (keep[i] ? plan.retained_targets : plan.delete_events).push_back(step);

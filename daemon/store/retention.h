@@ -4,7 +4,10 @@
 // the latest event always; the last `keep_last_events` events; events at
 // steps that are multiples of `keep_every_steps`; events younger than
 // `keep_hours`; the newest event at or below the job's agreed durable step
-// (several ranks). A version is needed when it is, for some retained target τ,
+// (several ranks); with a remote tier, the oldest `max_pending_events`
+// events above the rank's newest remote-durable step, which the uploader has
+// yet to copy (beyond that bound, the ordinary rules apply and the uploader
+// skips the events GC took). A version is needed when it is, for some retained target τ,
 // its layer's newest version with step <= τ. GC deletes every other version
 // at or below the latest event and every event that is not retained.
 // Versions above the latest event (being committed, not yet durable as a
@@ -34,6 +37,11 @@ struct RetentionInput {
   // The job's agreed durable step (several ranks; 0 = none): the newest
   // event at or below it is retained too, since every rank restores it.
   uint64_t agreed_step = 0;
+  // The remote tier: events above `pending_after` are not uploaded yet; the
+  // oldest `max_pending_events` of them are retained. UINT64_MAX: no remote
+  // tier.
+  uint64_t pending_after = UINT64_MAX;
+  uint64_t max_pending_events = 0;
 };
 
 struct RetentionPlan {

@@ -1373,11 +1373,12 @@ class Attached:
                 return None
             raise
 
-    def wait_durable(self) -> int:
-        """Waits until everything reported so far is durable; returns that step."""
+    def wait_durable(self, tier: str = "local") -> int:
+        """Waits until everything reported so far is durable; returns that step.
+        tier="remote": until it is in ckptd's remote tier too (docs/remote.md)."""
         if self._agreement is not None:
             self._agreement.join()
-        return self.client.wait_durable(self._step)
+        return self.client.wait_durable(self._step, tier)
 
     def stats(self) -> Stats:
         a = self._agreement

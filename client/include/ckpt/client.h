@@ -171,8 +171,11 @@ class Client {
   // The fence: returns when the snapshot of `step` is in staging.
   absl::StatusOr<SnapshotInfo> WaitSnapshot(uint64_t step);
   // Returns the durable step (>= step) once every layer's newest version
-  // selected at or before `step` is durable.
-  absl::StatusOr<uint64_t> WaitDurable(uint64_t step);
+  // selected at or before `step` is durable. With `remote`, once the step is
+  // in ckptd's remote tier too (its manifest written; docs/remote.md):
+  // FAILED_PRECONDITION when ckptd has no remote tier, DEADLINE_EXCEEDED
+  // while the upload lags behind.
+  absl::StatusOr<uint64_t> WaitDurable(uint64_t step, bool remote = false);
   // The composite plan for `target_step` (0 = latest durable) of the
   // registered rank, or of `job` rank `rank` (also before Register: whether
   // there is anything to restore). NOT_FOUND when there is no checkpoint.

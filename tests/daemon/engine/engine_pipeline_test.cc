@@ -29,6 +29,9 @@
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
 #include "daemon/io/file_system.h"
+#include "daemon/remote/faulty_store.h"
+#include "daemon/remote/posix_store.h"
+#include "daemon/remote/remote_layout.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 #include "gtest/gtest.h"
@@ -201,6 +204,33 @@ class EnginePipelineTest : public ::testing::Test {
     std::vector<uint64_t> steps;
     for (const PlannedLayer& lp : plan.layers) steps.push_back(lp.has_version ? lp.step : 0);
     return steps;
+  }
+
+  // The node is lost: the engine stops and its whole data directory goes;
+  // a fresh engine starts on an empty one with `options`.
+  void ReplaceNode(EngineOptions options) {
+    engine_->Shutdown(absl::Seconds(10));
+    engine_.reset();
+    store_.reset();
+    index_.reset();
+    std::filesystem::remove_all(tmp_.Join("index"));
+    std::filesystem::remove_all(tmp_.Join("jobs"));
+    ASSERT_NO_FATAL_FAILURE(StartEngine(options, /*chunks=*/16));
+  }
+
+  // Fills every layer of `r` with values derived from `step`.
+  static void WriteStep(TestRank& r, uint64_t step) {
+    float* p = static_cast<float*>(r.region.data());
+    for (uint64_t i = 0; i < r.layers * kLayerFloats; ++i) {
+      p[i] = static_cast<float>(step * 1000003 + i);
+    }
+  }
+  static bool HoldsStep(const TestRank& r, uint64_t step) {
+    const float* p = static_cast<const float*>(r.region.data());
+    for (uint64_t i = 0; i < r.layers * kLayerFloats; ++i) {
+      if (p[i] != static_cast<float>(step * 1000003 + i)) return false;
+    }
+    return true;
   }
 
   SyncPoint* const sp_ = SyncPoint::GetInstance();
@@ -1069,6 +1099,164 @@ TEST_F(EnginePipelineTest, EnospcFromTheIndexDoesNotCrashAndRecovers) {
   EXPECT_NE(metrics.Scrape().find("ckpt_index_degraded 0"), std::string::npos);
   CKPT_ASSERT_OK_AND_ASSIGN(plan, Plan(r, 5));
   EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{5, 5}));
+}
+
+}  // namespace
+}  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+class RemoteTierTest : public EnginePipelineTest {
+ protected:
+  void SetUp() override {
+    EnginePipelineTest::SetUp();
+    CKPT_ASSERT_OK_AND_ASSIGN(posix_, remote::PosixStore::Open(remote_dir_.path()));
+    faulty_ = std::make_unique<remote::FaultyStore>(posix_.get());
+  }
+  void TearDown() override {
+    EnginePipelineTest::TearDown();  // the engine stops before the stores go
+    faulty_.reset();
+    posix_.reset();
+  }
+  EngineOptions WithRemote() {
+    EngineOptions o = OneWriter();
+    o.remote = faulty_.get();
+    o.remote_retry_min = absl::Milliseconds(10);
+    o.remote_retry_max = absl::Milliseconds(50);
+    return o;
+  }
+  absl::StatusOr<uint64_t> WaitRemote(const TestRank& r, uint64_t step,
+                                      absl::Duration timeout = kWait) {
+    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, /*remote=*/true);
+  }
+  // Trains `r` through steps [from, to], each durable locally.
+  void Train(TestRank& r, uint64_t from, uint64_t to) {
+    for (uint64_t t = from; t <= to; ++t) {
+      WriteStep(r, t);
+      CKPT_ASSERT_OK(StepDone(r, t));
+      CKPT_ASSERT_OK(WaitSnapshot(r, t).status());
+      CKPT_ASSERT_OK(WaitDurable(r, t).status());
+    }
+  }
+
+  TempDir remote_dir_;
+  std::unique_ptr<remote::PosixStore> posix_;
+  std::unique_ptr<remote::FaultyStore> faulty_;
+};
+
+// Node loss: every step goes to the remote tier; the data directory is
+// deleted; a fresh engine on an empty one pulls the job when the rank
+// registers and restores the newest remote-durable step bit-exact.
+TEST_F(RemoteTierTest, ReplacementNodeRestoresTheNewestRemoteDurableStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("lost", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 4));
+  EXPECT_EQ(remote_step, 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("lost", 0)));
+  EXPECT_FALSE(manifests.empty());
+
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply jobs_before, engine_->Jobs(owner_));
+  ASSERT_EQ(jobs_before.jobs_size(), 1) << "the job is listed from the remote tier";
+  EXPECT_EQ(jobs_before.jobs(0).ranks(0).remote_step(), 4u);
+  WriteStep(a, 999);  // what a fresh trainer holds
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 4u);
+  EXPECT_TRUE(HoldsStep(a, 4)) << "restored bytes differ from step 4's";
+  // Another uid cannot pull it.
+  CKPT_EXPECT_CODE(engine_->Plan("lost", 1, 0, Caller{2000, 0}).status(), kNotFound);
+  // Training goes on from there and keeps uploading.
+  ASSERT_NO_FATAL_FAILURE(Train(a, 5, 6));
+  CKPT_ASSERT_OK_AND_ASSIGN(remote_step, WaitRemote(a, 6));
+  EXPECT_EQ(remote_step, 6u);
+}
+
+// The remote tier down: local checkpoints go on, WaitDurable(remote) times
+// out naming the failure, GC keeps the steps not uploaded yet, and every
+// step is uploaded once the store is back.
+TEST_F(RemoteTierTest, RemoteOutageNeverStopsTrainingAndCatchesUp) {
+  EngineOptions o = WithRemote();
+  o.retention.keep_last_events = 1;
+  o.retention.keep_every_steps = 0;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("outage", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  faulty_->set_down(true);
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  absl::StatusOr<uint64_t> r = WaitRemote(a, 6, absl::Milliseconds(300));
+  CKPT_EXPECT_CODE(r.status(), kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "down")) << r.status();
+  v1::GcRequest gc;
+  gc.set_job_id("outage");
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply reply, engine_->Gc(gc, owner_));
+  EXPECT_EQ(reply.events_deleted(), 0u) << "events not uploaded yet are kept";
+  EXPECT_EQ(engine_->GetStatus(owner_).remote_lag_steps(), 6u);
+  faulty_->set_down(false);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 6));
+  EXPECT_EQ(remote_step, 6u);
+  EXPECT_EQ(engine_->GetStatus(owner_).remote_lag_steps(), 0u);
+  // Once uploaded, local retention applies again.
+  CKPT_ASSERT_OK_AND_ASSIGN(reply, engine_->Gc(gc, owner_));
+  EXPECT_EQ(reply.events_deleted(), 5u);
+  // Remote retention too: one manifest is left, and the objects it names.
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("outage", 0)));
+  EXPECT_EQ(manifests.size(), 1u);
+}
+
+// A damaged object is detected on the pull and never served: the newest
+// manifest that reads back whole is restored instead.
+TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("bitrot", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
+  CKPT_ASSERT_OK(WaitRemote(a, 3).status());
+  // Flip one payload byte of a version of step 3.
+  CKPT_ASSERT_OK_AND_ASSIGN(auto objects, posix_->List(remote::RankPrefix("bitrot", 0) + "v/"));
+  std::string victim;
+  for (const remote::ObjectInfo& o : objects) {
+    if (absl::StrContains(o.key, "-S0000000000000003-")) victim = o.key;
+  }
+  ASSERT_FALSE(victim.empty());
+  {
+    std::fstream f(remote_dir_.Join(victim), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8192 + 100);
+    f.put('\x7f');
+  }
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 2u);
+  EXPECT_TRUE(HoldsStep(a, 2));
+}
+
+// A manifest is written only after every version it names.
+TEST_F(RemoteTierTest, ManifestFollowsItsObjects) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("order", 3);
+  std::atomic<int> puts{0};
+  std::atomic<bool> manifest_before_all{false};
+  faulty_->set_before_put([&](const std::string& key) {
+    if (absl::StrContains(key, "/m/") && puts.load() < 3) manifest_before_all = true;
+    if (absl::StrContains(key, "/v/")) ++puts;
+  });
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitRemote(a, 1).status());
+  EXPECT_FALSE(manifest_before_all.load());
+  EXPECT_EQ(puts.load(), 3);
+}
+
+TEST_F(RemoteTierTest, WaitForRemoteWithoutARemoteTierIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("plain", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_EXPECT_CODE(WaitRemote(a, 1).status(), kFailedPrecondition);
 }
 
 }  // namespace

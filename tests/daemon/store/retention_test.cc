@@ -132,6 +132,26 @@ TEST(Retention, KeepsThePlanOfTheAgreedDurableStep) {
   EXPECT_EQ(PlanRetention(p, in).retained_targets, (std::vector<uint64_t>{9, 10}));
 }
 
+// The remote tier: the oldest max_pending_events events above the newest
+// remote-durable step stay, with their plans, until they are uploaded.
+TEST(Retention, KeepsTheOldestEventsNotUploadedYet) {
+  RetentionPolicy p;
+  p.keep_last_events = 1;
+  p.keep_every_steps = 0;
+  RetentionInput in;
+  for (uint64_t s = 1; s <= 8; ++s) in.events.emplace_back(s, 0);
+  in.versions[0] = {1, 2, 3, 4, 5, 6, 7, 8};
+  in.pending_after = 3;
+  in.max_pending_events = 2;  // steps 4 and 5; 8 is the latest anyway
+  RetentionPlan plan = PlanRetention(p, in);
+  EXPECT_EQ(plan.retained_targets, (std::vector<uint64_t>{4, 5, 8}));
+  EXPECT_EQ(plan.delete_events, (std::vector<uint64_t>{1, 2, 3, 6, 7}));
+  in.max_pending_events = 100;  // every event above 3
+  EXPECT_EQ(PlanRetention(p, in).retained_targets, (std::vector<uint64_t>{4, 5, 6, 7, 8}));
+  in.pending_after = UINT64_MAX;  // no remote tier: only the latest
+  EXPECT_EQ(PlanRetention(p, in).retained_targets, (std::vector<uint64_t>{8}));
+}
+
 // Regression (found by tests/fuzz/index_fuzzer.cc under UBSan): keep_hours *
 // 3600000 overflowed int64 for large configured values (undefined behaviour;
 // 2^62 hours wrapped to a horizon of "now", so every old event was deleted).
