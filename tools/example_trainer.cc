@@ -289,9 +289,11 @@ int main(int argc, char** argv) {
                   lp.staleness(), lp.bytes());
     }
     std::printf("  total %" PRIu64 " bytes, max staleness %" PRIu64
-                ", size-weighted staleness %.2f, restore time %.3f s (%.2f GB/s)\n",
+                ", size-weighted staleness %.2f, restore time %.3f s (%.2f GB/s), %" PRIu64
+                " bytes from the memory tier\n",
                 r->bytes_restored(), plan.max_staleness(), plan.size_weighted_staleness(), r->seconds(),
-                r->seconds() > 0 ? r->bytes_restored() / r->seconds() / 1e9 : 0.0);
+                r->seconds() > 0 ? r->bytes_restored() / r->seconds() / 1e9 : 0.0,
+                r->bytes_from_memory());
     if (!a.verify_log.empty()) {
       std::map<uint64_t, std::vector<uint64_t>> logged;
       std::ifstream in(a.verify_log);

@@ -283,6 +283,11 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(metrics_address)),
       Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
           CKPT_FIELD(max_layer_series), 0),
+      Num("memory_tier_bytes",
+          "staging-pool bytes that keep the newest committed version of each layer in memory, "
+          "so a restore after a trainer crash reads no disk (0 = off); at most "
+          "staging_pool_bytes, and snapshots take room back from it first",
+          CKPT_FIELD(engine.memory_tier_bytes), 0),
       Str("remote_kind",
           "the remote tier every durable step is copied to in the background: none, s3 (an "
           "S3-compatible object store) or posix (a shared directory); docs/remote.md",
@@ -333,6 +338,10 @@ absl::Status DaemonConfig::Validate() const {
   }
   if (staging.budget_bytes < staging.chunk_bytes) {
     return absl::InvalidArgumentError("staging_pool_bytes must hold at least one chunk");
+  }
+  if (engine.memory_tier_bytes > staging.budget_bytes) {
+    return absl::InvalidArgumentError(
+        "memory_tier_bytes must be at most staging_pool_bytes (the tier keeps pool chunks)");
   }
   if (remote.kind != "none" && remote.kind != "s3" && remote.kind != "posix") {
     return absl::InvalidArgumentError("remote_kind must be none, s3 or posix");

@@ -21,7 +21,8 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)),
       cuda_ipc_(options_.cuda_ipc),
       gpu_support_(CudaSupport()),
-      disk_(options_.max_disk_bytes, options_.min_free_disk_bytes, store) {
+      disk_(options_.max_disk_bytes, options_.min_free_disk_bytes, store),
+      memory_tier_(options_.memory_tier_bytes) {
   if (cuda_ipc_ == nullptr) {
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();

@@ -51,6 +51,7 @@
 #include "daemon/common/clock.h"
 #include "daemon/engine/disk_budget.h"
 #include "daemon/engine/leases.h"
+#include "daemon/engine/memory_tier.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/step_types.h"
@@ -115,6 +116,9 @@ struct EngineOptions {
   Clock* clock = nullptr;
   // How often the exit of trainers holding GPU mappings is checked.
   absl::Duration trainer_watch_interval = absl::Milliseconds(200);
+  // The memory tier (memory_tier.h): staging-pool bytes that keep the
+  // newest committed version of each layer for restores; 0 = off.
+  uint64_t memory_tier_bytes = 0;
   // The remote tier (engine_remote.cc, docs/remote.md); null = none. Not
   // owned.
   remote::RemoteStore* remote = nullptr;
@@ -144,6 +148,7 @@ struct JobDeleted {
 struct Restored {
   CompositePlan plan;
   uint64_t bytes = 0;
+  uint64_t memory_bytes = 0;  // of `bytes`, served from the memory tier
   double seconds = 0;
 };
 
@@ -432,6 +437,9 @@ class Engine {
 
   LeaseTable leases_;
   DiskBudget disk_;
+  // Declared after pool_ is set (the pool outlives the engine): its images
+  // are pool chunks.
+  MemoryTier memory_tier_;
 
   // The remote tier's state; remote_mu_ is a leaf (nothing is called out
   // while it is held).

@@ -281,6 +281,7 @@ void Engine::CollectMetrics() {
       for (const auto& [step, bytes] : rr.pending) remote_lag_bytes += static_cast<double>(bytes);
     }
   }
+  m->Set(Gauge::kMemoryTierBytes, static_cast<double>(memory_tier_.bytes()));
   m->Set(Gauge::kRemoteLagSteps, remote_lag_steps);
   m->Set(Gauge::kRemoteLagBytes, remote_lag_bytes);
 }

@@ -54,7 +54,12 @@ void Engine::WriterLoop(std::unique_ptr<IoBackend> io) {
     const uint64_t step = task->version.key.step;
     const uint32_t layer = task->version.key.layer;
     std::shared_ptr<Rank> r = std::move(task->rank);
-    task.reset();  // returns the staging chunks
+    if (rec.ok() && memory_tier_.enabled()) {
+      // The committed image stays in memory for restores (memory_tier.h).
+      memory_tier_.Put(RankKey(r->job, r->rank), layer, step, rec->file(),
+                       std::move(task->version.lease));
+    }
+    task.reset();  // returns the staging chunks (those the memory tier did not keep)
     FinishVersion(r, step, layer, rec, bytes);
     AdvanceEvents(r);
     absl::MutexLock lock(&mu_);

@@ -92,8 +92,12 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
                     [this] { return shutting_down_.load(std::memory_order_relaxed); },
                     [&memory](char* dst, const char* src, uint64_t n) {
                       return memory->CopyIn(dst, src, n);
+                    },
+                    [this, &key](const VersionKey& vk, const store::VersionRecord& rec) {
+                      return memory_tier_.Find(key, vk.layer, vk.step, rec.file());
                     }));
     reply.bytes = stats.bytes;
+    reply.memory_bytes = stats.memory_bytes;
     reply.seconds = stats.seconds;
     if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r->job, r->rank, reply.plan.target_step));
     return reply;
@@ -126,6 +130,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     if (reply.ok()) {
       m->Inc(Counter::kRestores);
       m->Inc(Counter::kRestoredBytes, static_cast<double>(reply->bytes));
+      m->Inc(Counter::kMemoryTierRestoredBytes, static_cast<double>(reply->memory_bytes));
       m->Observe(Histogram::kRestoreSeconds, reply->seconds);
     } else if (absl::IsDataLoss(reply.status())) {
       m->Inc(Counter::kErrors, "checksum", 1);  // no ErrorReason: DATA_LOSS says it
@@ -137,7 +142,8 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     return reply.status();
   }
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
-                 << reply->plan.target_step << ": " << reply->bytes << " bytes in "
+                 << reply->plan.target_step << ": " << reply->bytes << " bytes ("
+                 << reply->memory_bytes << " from the memory tier) in "
                  << reply->seconds << " s, max staleness " << reply->plan.max_staleness;
   return reply;
 }

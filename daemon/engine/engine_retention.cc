@@ -212,6 +212,7 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
   }
   if (Metrics* m = options_.metrics) m->Inc(Counter::kJobsDeleted);
   {
+    memory_tier_.DropJob(job);
     // Its remote copy stays (docs/remote.md); this node stops uploading it.
     absl::MutexLock lock(&remote_mu_);
     for (auto it = remote_.lower_bound(RankKey(job, 0));

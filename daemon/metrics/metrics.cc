@@ -97,6 +97,9 @@ constexpr MetricInfo kCounterTable[] = {
      "Bytes of layer versions read back from the remote tier (a replacement node).", "", ""},
     {"ckpt_remote_gc_deleted_objects_total", "counter",
      "Objects (versions and manifests) remote retention deleted.", "", ""},
+    {"ckpt_memory_tier_restored_bytes_total", "counter",
+     "Restored bytes served from the memory tier (checksums verified) instead of the disk.", "",
+     ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -158,6 +161,9 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_remote_up", "gauge",
      "0 from a failed remote-tier operation until the next one succeeds, else 1 (also 1 "
      "without a remote tier).", "", ""},
+    {"ckpt_memory_tier_bytes", "gauge",
+     "Staging-pool bytes the memory tier holds: the newest committed version of layers, kept "
+     "for restores (memory_tier_bytes bounds it).", "", ""},
 };
 
 constexpr MetricInfo kHistogramTable[] = {

@@ -77,6 +77,7 @@ enum class Counter {
   kRemoteFailures,                // ckpt_remote_failures_total{reason}
   kRemotePulledBytes,             // ckpt_remote_pulled_bytes_total
   kRemoteGcDeletedObjects,        // ckpt_remote_gc_deleted_objects_total
+  kMemoryTierRestoredBytes,       // ckpt_memory_tier_restored_bytes_total
   kCount
 };
 
@@ -107,6 +108,7 @@ enum class Gauge {
   kRemoteLagSteps,         // ckpt_remote_lag_steps
   kRemoteLagBytes,         // ckpt_remote_lag_bytes
   kRemoteUp,               // ckpt_remote_up
+  kMemoryTierBytes,        // ckpt_memory_tier_bytes
   kCount
 };
 

@@ -13,7 +13,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled,
-                                         const CopyToDestination& copy) {
+                                         const CopyToDestination& copy, const MemorySource& memory) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
@@ -34,14 +34,28 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
                                              " vanished during the restore; plan again"));
     }
     VersionKey key{plan.job, plan.rank, lp.layer, lp.step};
-    absl::StatusOr<LoadedVersion> loaded = store->Read(key, rec->second, io, pool, deadline);
-    if (!loaded.ok()) {
-      return absl::Status(loaded.status().code(),
-                          absl::StrCat("layer ", lp.layer, " (", lp.name, ") step ", lp.step,
-                                       ": ", loaded.status().message()));
+    // From memory when the image there checks, else from disk.
+    std::shared_ptr<const StagingLease> image = memory ? memory(key, rec->second) : nullptr;
+    absl::StatusOr<DecodedHeader> decoded = absl::NotFoundError("not in memory");
+    if (image != nullptr) {
+      decoded = CheckImage(key, rec->second, LeaseImage(*image));
+      if (!decoded.ok()) image = nullptr;
     }
+    absl::StatusOr<LoadedVersion> loaded = absl::NotFoundError("not read");
+    if (image == nullptr) {
+      loaded = store->Read(key, rec->second, io, pool, deadline);
+      if (!loaded.ok()) {
+        return absl::Status(loaded.status().code(),
+                            absl::StrCat("layer ", lp.layer, " (", lp.name, ") step ", lp.step,
+                                         ": ", loaded.status().message()));
+      }
+      decoded = loaded->decoded;
+    } else {
+      ++stats.memory_layers;
+    }
+    const StagingLease& src = image != nullptr ? *image : loaded->lease;
     std::map<std::string, const store::TensorEntry*> stored;
-    for (const store::TensorEntry& t : loaded->decoded.header.tensors()) stored[t.name()] = &t;
+    for (const store::TensorEntry& t : decoded->header.tensors()) stored[t.name()] = &t;
     if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
       return absl::FailedPreconditionError(
           absl::StrCat("layer ", lp.layer, " has ", stored.size(), " tensors in the checkpoint and ",
@@ -61,10 +75,10 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
       const store::TensorEntry* t = stored[spec.tensors(i).name()];
       char* out = dest(lp.layer, static_cast<uint32_t>(i));
       if (copy == nullptr) {
-        loaded->lease.CopyOut(loaded->decoded.layout.header_bytes + t->offset(), out, t->nbytes());
+        src.CopyOut(decoded->layout.header_bytes + t->offset(), out, t->nbytes());
       } else {
         absl::Status s;
-        loaded->lease.ForEachPiece(loaded->decoded.layout.header_bytes + t->offset(), t->nbytes(),
+        src.ForEachPiece(decoded->layout.header_bytes + t->offset(), t->nbytes(),
                                    [&](const char* piece, uint64_t n) {
                                      if (s.ok()) s = copy(out, piece, n);
                                      out += n;
@@ -72,6 +86,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
         CKPT_RETURN_IF_ERROR(s);
       }
       stats.bytes += t->nbytes();
+      if (image != nullptr) stats.memory_bytes += t->nbytes();
     }
   }
   stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -35,13 +36,24 @@ using CopyToDestination = std::function<absl::Status(char* dst, const char* src,
 
 struct RestoreStats {
   uint64_t bytes = 0;
+  uint64_t memory_bytes = 0;  // of `bytes`, served from a MemorySource
+  uint64_t memory_layers = 0;
   double seconds = 0;
 };
+
+// The committed file image of a version held in memory (the engine's memory
+// tier), or null when it is not there. It is checked like a file read from
+// disk (every checksum, the record's header_xxh3, job/rank/layer/step)
+// before a byte is copied out; an image that does not check is not used and
+// the version is read from disk instead.
+using MemorySource = std::function<std::shared_ptr<const StagingLease>(
+    const VersionKey& key, const store::VersionRecord& rec)>;
 
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
                                          IoBackend* io, StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled = nullptr,
-                                         const CopyToDestination& copy = nullptr);
+                                         const CopyToDestination& copy = nullptr,
+                                         const MemorySource& memory = nullptr);
 
 }  // namespace ckpt

@@ -150,6 +150,7 @@ v1::RestoreReply ToProto(const Restored& restored) {
   *reply.mutable_plan() = ToApi(restored.plan);
   reply.set_bytes_restored(restored.bytes);
   reply.set_seconds(restored.seconds);
+  reply.set_bytes_from_memory(restored.memory_bytes);
   return reply;
 }
 

@@ -238,14 +238,20 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
                                  std::min(out.lease.chunk_bytes(), size - off), off});
   }
   CKPT_RETURN_IF_ERROR(io->ReadAll(fd->get(), segments));
-  CKPT_ASSIGN_OR_RETURN(out.decoded, DecodeHeader(LeaseImage(out.lease), size));
-  const store::LayerFileHeader& h = out.decoded.header;
-  if (out.decoded.body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
+  CKPT_ASSIGN_OR_RETURN(out.decoded, CheckImage(key, rec, LeaseImage(out.lease)));
+  return out;
+}
+
+absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,
+                                         const ByteImage& image) {
+  CKPT_ASSIGN_OR_RETURN(DecodedHeader decoded, DecodeHeader(image, rec.file_bytes()));
+  const store::LayerFileHeader& h = decoded.header;
+  if (decoded.body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
       h.layer() != key.layer || h.step() != key.step) {
     return absl::DataLossError(absl::StrCat("file ", rec.file(), " does not match its index record"));
   }
-  CKPT_RETURN_IF_ERROR(VerifyPayload(out.decoded, LeaseImage(out.lease)));
-  return out;
+  CKPT_RETURN_IF_ERROR(VerifyPayload(decoded, image));
+  return decoded;
 }
 
 absl::StatusOr<UniqueFd> LayerStore::OpenCommitted(const VersionKey& key,
@@ -325,15 +331,9 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
     if (!rd.ok()) return fail(rd.status());
     absl::StatusOr<std::unique_ptr<MappedFile>> image = MappedFile::Map(rd->get(), rec.file_bytes());
     if (!image.ok()) return fail(image.status());
-    absl::StatusOr<DecodedHeader> decoded = DecodeHeader(**image, rec.file_bytes());
-    if (!decoded.ok()) return fail(decoded.status());
-    const store::LayerFileHeader& h = decoded->header;
-    if (decoded->body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
-        h.layer() != key.layer || h.step() != key.step) {
-      return fail(absl::DataLossError(
-          absl::StrCat("version ", rec.file(), " does not match the record that names it")));
+    if (absl::StatusOr<DecodedHeader> d = CheckImage(key, rec, **image); !d.ok()) {
+      return fail(d.status());
     }
-    if (absl::Status s = VerifyPayload(*decoded, **image); !s.ok()) return fail(s);
   }
   if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
   if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, rec.file()); !s.ok()) return fail(s);

@@ -73,6 +73,12 @@ struct StagedVersion {
   StagingLease lease;
 };
 
+// Checks the first rec.file_bytes() of `image` as the file of `key` named by
+// `rec`: the header checksum, the record's header_xxh3, job/rank/layer/step,
+// and every tensor's checksum. DATA_LOSS naming what does not match.
+absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,
+                                         const ByteImage& image);
+
 // A committed version read back and verified.
 struct LoadedVersion {
   DecodedHeader decoded;

@@ -1261,3 +1261,60 @@ TEST_F(RemoteTierTest, WaitForRemoteWithoutARemoteTierIsRefused) {
 
 }  // namespace
 }  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+// A trainer crash: the rank registers again and restores. With the memory
+// tier on, the plan's versions come from memory with every checksum checked:
+// the layer files are deleted first, so a read of the disk would fail.
+TEST_F(EnginePipelineTest, MemoryTierServesARestoreWithoutTheDisk) {
+  EngineOptions o = OneWriter();
+  o.memory_tier_bytes = 8 * kChunk;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("crashy", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    WriteStep(a, t);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  for (const auto& f : std::filesystem::directory_iterator(tmp_.Join("jobs/crashy/rank-00000000"))) {
+    std::filesystem::remove(f.path());
+  }
+  WriteStep(a, 77);  // the new trainer's fresh memory
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  EXPECT_EQ(restored.memory_bytes, restored.bytes);
+  EXPECT_TRUE(HoldsStep(a, 3));
+}
+
+// A tier that holds only some layers: those come from memory, the rest from
+// the disk; both byte-exact. Snapshots take room back from the tier.
+TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
+  EngineOptions o = OneWriter();
+  o.memory_tier_bytes = 2 * kChunk;  // two of the four layers
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/6));
+  TestRank a = MakeRank("partial", 4);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 4; ++t) {
+    WriteStep(a, t);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+    // Every step's four layers were admitted although the tier held two
+    // chunks of a six-chunk pool: it gave them back.
+    CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, t));
+    EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{t, t, t, t}));
+  }
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_GT(restored.memory_bytes, 0u);
+  EXPECT_LT(restored.memory_bytes, restored.bytes);
+  EXPECT_TRUE(HoldsStep(a, 4));
+  EXPECT_LE(pool_->bytes_in_use(), 2 * kChunk);
+}
+
+}  // namespace
+}  // namespace ckpt

@@ -1,0 +1,80 @@
+#include "daemon/engine/memory_tier.h"
+
+#include <vector>
+
+namespace ckpt {
+
+void MemoryTier::EvictLocked(uint64_t target,
+                             std::vector<std::shared_ptr<const StagingLease>>* out) {
+  while (bytes_ > target && !by_stamp_.empty()) {
+    auto oldest = by_stamp_.begin();
+    auto it = entries_.find(oldest->second);
+    bytes_ -= it->second.bytes;
+    out->push_back(std::move(it->second.image));
+    entries_.erase(it);
+    by_stamp_.erase(oldest);
+  }
+}
+
+void MemoryTier::Put(const RankKey& rank, uint32_t layer, uint64_t step, const std::string& file,
+                     StagingLease image) {
+  std::vector<std::shared_ptr<const StagingLease>> released;
+  const uint64_t size = image.capacity();
+  if (size > budget_) return;  // `image` returns its chunks here
+  auto shared = std::make_shared<const StagingLease>(std::move(image));
+  absl::MutexLock lock(&mu_);
+  const Key key(rank, layer);
+  auto it = entries_.find(key);
+  if (it != entries_.end()) {
+    if (it->second.step > step) return;  // an older version never replaces a newer one
+    bytes_ -= it->second.bytes;
+    by_stamp_.erase(it->second.stamp);
+    released.push_back(std::move(it->second.image));
+    entries_.erase(it);
+  }
+  EvictLocked(budget_ - size, &released);
+  Entry& e = entries_[key];
+  e.step = step;
+  e.file = file;
+  e.image = std::move(shared);
+  e.bytes = size;
+  e.stamp = next_stamp_++;
+  by_stamp_[e.stamp] = key;
+  bytes_ += size;
+}
+
+std::shared_ptr<const StagingLease> MemoryTier::Find(const RankKey& rank, uint32_t layer,
+                                                     uint64_t step, const std::string& file) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(Key(rank, layer));
+  if (it == entries_.end() || it->second.step != step || it->second.file != file) return nullptr;
+  return it->second.image;
+}
+
+void MemoryTier::Shrink(uint64_t bytes) {
+  std::vector<std::shared_ptr<const StagingLease>> released;
+  absl::MutexLock lock(&mu_);
+  EvictLocked(bytes_ > bytes ? bytes_ - bytes : 0, &released);
+}
+
+void MemoryTier::DropJob(const std::string& job) {
+  std::vector<std::shared_ptr<const StagingLease>> released;
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->first.first.first == job) {
+      bytes_ -= it->second.bytes;
+      by_stamp_.erase(it->second.stamp);
+      released.push_back(std::move(it->second.image));
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+uint64_t MemoryTier::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+}  // namespace ckpt

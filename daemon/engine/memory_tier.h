@@ -1,0 +1,83 @@
+// MemoryTier: the newest committed version of each layer of each rank, kept
+// in host memory so that the most common failure (the trainer crashes, the
+// node is fine) restores without reading the disk (docs/remote.md, "Memory
+// tier").
+//
+// An entry is the committed file image itself: the staging-pool chunks the
+// writer wrote it from (pinned, pre-faulted, counted in the pool), kept
+// after the commit instead of being returned. So the tier costs no copy and
+// its bytes are pool bytes: it holds at most `budget_bytes` of them, and
+// the snapshot stage takes room back (Shrink) before a snapshot would have
+// to wait for the pool. A newer version of a layer replaces the older one;
+// over the budget, the least recently stored layers go first.
+//
+// Readers get a shared reference: an entry evicted while a restore reads it
+// returns its chunks when the restore is done. A restore checks every
+// checksum of an entry (recovery/restore.h) before a byte is copied out.
+//
+// Used by the engine's commit (Put), snapshot (Shrink), recovery (Find) and
+// retention (DropJob) stages.
+// Thread-safety: thread-safe; one mutex of its own, a leaf (chunks are
+// returned to the pool after it is released).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "daemon/engine/leases.h"
+#include "daemon/staging/staging_pool.h"
+
+namespace ckpt {
+
+class MemoryTier {
+ public:
+  explicit MemoryTier(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  MemoryTier(const MemoryTier&) = delete;
+  MemoryTier& operator=(const MemoryTier&) = delete;
+
+  bool enabled() const { return budget_ > 0; }
+
+  // Keeps `image` (the committed file `file` of `layer` at `step`) in place
+  // of the layer's older entry. Dropped at once when it alone exceeds the
+  // budget or the tier is off.
+  void Put(const RankKey& rank, uint32_t layer, uint64_t step, const std::string& file,
+           StagingLease image);
+
+  // The entry of exactly that version (same step and file), or null.
+  std::shared_ptr<const StagingLease> Find(const RankKey& rank, uint32_t layer, uint64_t step,
+                                           const std::string& file);
+
+  // Gives back at least `bytes` (oldest entries first), or everything.
+  void Shrink(uint64_t bytes);
+  void DropJob(const std::string& job);
+
+  uint64_t bytes() const;
+  uint64_t budget_bytes() const { return budget_; }
+
+ private:
+  struct Entry {
+    uint64_t step = 0;
+    std::string file;
+    std::shared_ptr<const StagingLease> image;
+    uint64_t bytes = 0;
+    uint64_t stamp = 0;  // order of Put: the smallest is evicted first
+  };
+  using Key = std::pair<RankKey, uint32_t>;  // rank, layer
+  // Removes entries (oldest first) until at most `target` bytes are held;
+  // moves their images to `out`, released by the caller after unlocking.
+  void EvictLocked(uint64_t target, std::vector<std::shared_ptr<const StagingLease>>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint64_t budget_;
+  mutable absl::Mutex mu_;
+  std::map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Key> by_stamp_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_stamp_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace ckpt

@@ -1,0 +1,67 @@
+// MemoryTier over a real staging pool: replacement, eviction order, budget,
+// Shrink and DropJob, and that evicted images return their chunks.
+#include "daemon/engine/memory_tier.h"
+
+#include "gtest/gtest.h"
+#include "tests/lib/io_test_util.h"
+
+namespace ckpt {
+namespace {
+
+constexpr uint64_t kChunk = 64 << 10;
+
+StagingLease Take(StagingPool* pool, uint64_t chunks) {
+  absl::StatusOr<StagingLease> l = pool->Acquire(chunks * kChunk, absl::Now() + absl::Seconds(5));
+  EXPECT_TRUE(l.ok()) << l.status();
+  return std::move(*l);
+}
+
+TEST(MemoryTier, KeepsTheNewestVersionOfEachLayerWithinItsBudget) {
+  std::unique_ptr<StagingPool> pool = testing::MakeTestPool(kChunk, 16);
+  MemoryTier tier(4 * kChunk);
+  const RankKey r("j", 0);
+  tier.Put(r, 0, 1, "a1", Take(pool.get(), 1));
+  tier.Put(r, 1, 1, "b1", Take(pool.get(), 2));
+  EXPECT_EQ(tier.bytes(), 3 * kChunk);
+  // A newer version of layer 0 replaces the older one (its chunk returns).
+  tier.Put(r, 0, 2, "a2", Take(pool.get(), 1));
+  EXPECT_EQ(tier.bytes(), 3 * kChunk);
+  EXPECT_EQ(pool->bytes_in_use(), 3 * kChunk);
+  EXPECT_EQ(tier.Find(r, 0, 1, "a1"), nullptr);
+  EXPECT_NE(tier.Find(r, 0, 2, "a2"), nullptr);
+  EXPECT_EQ(tier.Find(r, 0, 2, "other-file"), nullptr);
+  // An older version never replaces a newer one.
+  tier.Put(r, 0, 1, "a1", Take(pool.get(), 1));
+  EXPECT_NE(tier.Find(r, 0, 2, "a2"), nullptr);
+  // Over the budget, the oldest entry (layer 1) goes.
+  tier.Put(r, 2, 1, "c1", Take(pool.get(), 2));
+  EXPECT_EQ(tier.Find(r, 1, 1, "b1"), nullptr);
+  EXPECT_EQ(tier.bytes(), 3 * kChunk);
+  // Larger than the whole budget: not kept.
+  tier.Put(r, 3, 1, "d1", Take(pool.get(), 5));
+  EXPECT_EQ(tier.Find(r, 3, 1, "d1"), nullptr);
+  EXPECT_EQ(pool->bytes_in_use(), 3 * kChunk);
+}
+
+TEST(MemoryTier, ShrinkAndDropJobReturnChunksOnceReadersAreDone) {
+  std::unique_ptr<StagingPool> pool = testing::MakeTestPool(kChunk, 16);
+  MemoryTier tier(8 * kChunk);
+  tier.Put(RankKey("j", 0), 0, 1, "a", Take(pool.get(), 2));
+  tier.Put(RankKey("j", 1), 0, 1, "b", Take(pool.get(), 2));
+  tier.Put(RankKey("k", 0), 0, 1, "c", Take(pool.get(), 2));
+  std::shared_ptr<const StagingLease> reading = tier.Find(RankKey("j", 0), 0, 1, "a");
+  ASSERT_NE(reading, nullptr);
+  tier.Shrink(kChunk);  // the oldest entry ("a") goes
+  EXPECT_EQ(tier.bytes(), 4 * kChunk);
+  EXPECT_EQ(pool->bytes_in_use(), 6 * kChunk) << "a reader still holds the evicted image";
+  reading.reset();
+  EXPECT_EQ(pool->bytes_in_use(), 4 * kChunk);
+  tier.DropJob("j");
+  EXPECT_EQ(tier.bytes(), 2 * kChunk);
+  EXPECT_NE(tier.Find(RankKey("k", 0), 0, 1, "c"), nullptr);
+  MemoryTier off(0);
+  EXPECT_FALSE(off.enabled());
+}
+
+}  // namespace
+}  // namespace ckpt
