@@ -125,14 +125,6 @@ void Engine::Shutdown(absl::Duration grace) {
   if (gc_thread_.joinable()) gc_thread_.join();
   if (watch_thread_.joinable()) watch_thread_.join();
   {
-    // The uploader stops between two objects; what is not uploaded yet is
-    // uploaded after the next start.
-    absl::MutexLock lock(&remote_mu_);
-    remote_stop_ = true;
-    remote_cv_.SignalAll();
-  }
-  if (upload_thread_.joinable()) upload_thread_.join();
-  {
     // Let the writers finish what is staged, within the grace period.
     absl::MutexLock lock(&mu_);
     auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -146,6 +138,16 @@ void Engine::Shutdown(absl::Duration grace) {
   }
   for (auto& t : writer_threads_) t.join();
   writer_threads_.clear();
+  {
+    // After the writers (their grace period first): the uploader stops
+    // before its next object; what is not uploaded yet is uploaded after the
+    // next start.
+    absl::MutexLock lock(&remote_mu_);
+    remote_stop_ = true;
+    remote_stopping_.store(true);
+    remote_cv_.SignalAll();
+  }
+  if (upload_thread_.joinable()) upload_thread_.join();
   // Mappings and the ranks themselves (a GPU rank's drift kernel synchronizes
   // its stream) are destroyed after the locks are released.
   std::vector<std::shared_ptr<RankMemory>> closing;

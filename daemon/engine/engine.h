@@ -249,13 +249,21 @@ class Engine {
 
   // A replacement node: when the index holds no checkpoint event of the rank
   // and the remote tier has manifests of it, copies the newest manifest
-  // (and those at or above the job's agreed step it records) with every
-  // version they name into the local store, each checked before it becomes
-  // visible (LayerStore::Adopt); corrupt or missing objects make that
-  // manifest unusable and an older one is tried. PERMISSION_DENIED when
-  // the job belongs to another uid; OK (nothing done) without a remote tier
-  // or when there is nothing to pull. Register, Plan and Export call it.
-  absl::Status PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller);
+  // whose objects are all whole (and, several ranks, those down to the
+  // job's agreed step it records) with every version they name into the
+  // local store, each checked before it becomes visible
+  // (LayerStore::Adopt). A missing or damaged manifest or object makes that
+  // step unusable and an older one is tried; nothing of a failed pull stays
+  // in the index. PERMISSION_DENIED when the job belongs to another uid; OK
+  // (nothing done) without a remote tier or when there is nothing there.
+  // With `must_know` (Plan, Restore, Export), a remote tier that cannot be
+  // listed, or whose every step is damaged, is an error (UNAVAILABLE,
+  // DATA_LOSS, ...): the caller must not take "no checkpoint" for an answer.
+  // Without it (Register), that is logged and the call goes on, so a new
+  // job trains while the remote tier is down; Register skips the remote
+  // tier at once while its last operation failed.
+  absl::Status PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller,
+                              bool must_know);
   // Jobs of the caller (every job for root) that the remote tier holds,
   // with their ranks' newest remote-durable steps; empty without a remote
   // tier.
@@ -374,15 +382,26 @@ class Engine {
     struct Manifest {
       int64_t unix_ms = 0;
       uint64_t agreed_step = 0;
+      std::vector<std::string> files;  // the version objects it names
     };
     std::map<uint64_t, Manifest> manifests;
     std::map<uint64_t, uint64_t> pending;  // local events not uploaded: step -> bytes
+    // The rank went back (a restore that discarded later steps, or a pull
+    // that fell back past damaged steps): manifests above this step belong
+    // to a discarded history and are deleted before anything is uploaded.
+    std::optional<uint64_t> discard_above;
+    // The remote tier holds this rank for another uid: nothing of it is
+    // uploaded or deleted by this node.
+    bool foreign = false;
     absl::Time retry_at = absl::InfinitePast();
     absl::Duration backoff = absl::ZeroDuration();
   };
   void UploadLoop();
-  // Reads the remote tier's objects and manifests of the rank into `out`.
+  // Reads the remote tier's objects and manifests of the rank into `out`
+  // (manifests that do not read back whole are left out).
   absl::Status SeedRemote(const RankKey& key, RemoteRank* out);
+  // The rank's history was cut back to `step` (DiscardAfter, a pull).
+  void NoteRewind(const std::string& job, uint32_t rank, uint64_t step);
   // Uploads the rank's oldest local event above its remote step: its plan's
   // versions not there yet, then its manifest.
   absl::Status UploadNext(const RankKey& key);
@@ -390,7 +409,9 @@ class Engine {
   // Called after the rank's checkpoint events of `steps` were written.
   void NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
                        const std::vector<std::pair<uint64_t, uint64_t>>& steps_bytes);
-  void NoteRemoteFailure(const absl::Status& s, const char* what);
+  // Counts and records a failed remote operation; `owner` is the uid whose
+  // job it concerns (the error is shown to that uid and root only).
+  void NoteRemoteFailure(const absl::Status& s, const std::string& what, uid_t owner = 0);
 
   // Immutable after construction (io_backend_name_ and reconcile_: after Start).
   const EngineOptions options_;
@@ -448,7 +469,16 @@ class Engine {
   std::map<RankKey, RemoteRank> remote_ ABSL_GUARDED_BY(remote_mu_);
   std::set<RankKey> pulling_ ABSL_GUARDED_BY(remote_mu_);
   absl::Status remote_error_ ABSL_GUARDED_BY(remote_mu_);
+  uid_t remote_error_uid_ ABSL_GUARDED_BY(remote_mu_) = 0;  // whose job it concerns
   bool remote_stop_ ABSL_GUARDED_BY(remote_mu_) = false;
+  std::atomic<bool> remote_stopping_{false};  // mirrors remote_stop_ for the upload workers
+  // RemoteJobs' listing of the remote tier, kept for a while (each listing
+  // reads every key under jobs/): job -> (owner, rank -> newest manifest).
+  struct RemoteJobsCache {
+    absl::Time at = absl::InfinitePast();
+    std::map<std::string, std::pair<uid_t, std::map<uint32_t, uint64_t>>> jobs;
+  };
+  RemoteJobsCache remote_jobs_cache_ ABSL_GUARDED_BY(remote_mu_);
   std::thread upload_thread_;
 
   // Counters (relaxed; read by GetStatus and the metrics).

@@ -54,7 +54,12 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
       s.set_remote_lag_steps(std::max(s.remote_lag_steps(), rr.local_step - std::min(rr.local_step, rr.remote_step)));
       for (const auto& [step, bytes] : rr.pending) s.set_remote_lag_bytes(s.remote_lag_bytes() + bytes);
     }
-    if (!remote_error_.ok()) s.set_remote_error(std::string(remote_error_.message()));
+    // It may name a job: only its owner and root see it.
+    if (!remote_error_.ok()) {
+      s.set_remote_error(all || remote_error_uid_ == caller.uid
+                             ? std::string(remote_error_.message())
+                             : "another user's job failed to upload (root sees why)");
+    }
   }
   absl::MutexLock lock(&mu_);
   uint32_t ranks = 0;

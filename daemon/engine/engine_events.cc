@@ -131,13 +131,16 @@ absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
     (void)local;
     const RankKey key(rank.job, rank.rank);
     absl::MutexLock lock(&remote_mu_);
+    // The rank's remote state exists once its first event is written; it
+    // goes only with the job (DeleteJob), which ends the wait.
     auto there = [this, &key, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(remote_mu_) {
       auto it = remote_.find(key);
-      return remote_stop_ || (it != remote_.end() && it->second.remote_step >= step);
+      return remote_stop_ || it == remote_.end() || it->second.remote_step >= step;
     };
     remote_mu_.AwaitWithDeadline(absl::Condition(&there), deadline);
     auto it = remote_.find(key);
-    if (it == remote_.end() || it->second.remote_step < step) {
+    if (it == remote_.end()) return absl::AbortedError("the job was deleted");
+    if (it->second.remote_step < step) {
       if (remote_stop_) return ShuttingDownError();
       return absl::DeadlineExceededError(absl::StrCat(
           "step ", step, " is durable on this node but not yet in the remote tier",

@@ -18,11 +18,18 @@ namespace {
 // How long a restore, verify or export waits for GC of its rank to finish.
 constexpr absl::Duration kLeaseWait = absl::Seconds(30);
 
+// Another user's job reads exactly like a missing one (CheckOwner), in the
+// remote tier too.
+absl::Status OwnerOnly(absl::Status s, const std::string& job) {
+  if (absl::IsPermissionDenied(s)) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
+  return s;
+}
+
 }  // namespace
 
 absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank,
                                            uint64_t target_step, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(PullFromRemote(job, rank, caller));
+  CKPT_RETURN_IF_ERROR(OwnerOnly(PullFromRemote(job, rank, caller, /*must_know=*/true), job));
   CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
   if (!table.has_value()) {
@@ -44,6 +51,9 @@ absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_
     CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *it));
     ++events;
   }
+  // The remote tier follows: manifests above `step` are of a discarded
+  // history now.
+  NoteRewind(job, rank, step);
   if (versions + events > 0) {
     CKPT_LOG(INFO) << "job " << job << " rank " << rank << " restored to step " << step
                    << ": discarded " << versions << " later layer versions and " << events
@@ -54,6 +64,10 @@ absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_
 
 absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
                                          const Caller& caller, bool discard_later) {
+  // A replacement node: the rank's history comes from the remote tier; a
+  // remote tier that cannot be read is an error here, never "nothing to
+  // restore".
+  CKPT_RETURN_IF_ERROR(PullFromRemote(ref.job, ref.rank, caller, /*must_know=*/true));
   std::shared_ptr<Rank> r;
   std::shared_ptr<RankMemory> memory;
   {
@@ -175,7 +189,8 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
 
 absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
                             const std::function<bool(const v1::ExportChunk&)>& sink) {
-  CKPT_RETURN_IF_ERROR(PullFromRemote(req.job_id(), req.rank(), caller));
+  CKPT_RETURN_IF_ERROR(
+      OwnerOnly(PullFromRemote(req.job_id(), req.rank(), caller, /*must_know=*/true), req.job_id()));
   CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
   if (!table.has_value()) {

@@ -131,7 +131,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   //    (step 5), so a refused registration leaves no job behind.
   //    On a replacement node, the rank's history comes from the remote tier
   //    first (checked against the caller's uid).
-  CKPT_RETURN_IF_ERROR(PullFromRemote(req.job, req.rank, caller));
+  CKPT_RETURN_IF_ERROR(PullFromRemote(req.job, req.rank, caller, /*must_know=*/false));
   CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(req.job));
   if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
     return absl::PermissionDeniedError(absl::StrCat("job ", req.job, " belongs to another user"));

@@ -2,15 +2,17 @@
 // pulling a job onto a replacement node (docs/remote.md).
 //
 // One uploader thread walks the ranks round-robin. For a rank whose newest
-// local event is above its newest manifest, it takes the oldest such event
-// (under the rank's lease, so local GC leaves its versions alone), uploads
-// every version of that step's composite plan that the remote tier does not
-// hold yet (remote_upload_threads at once), then writes the step's manifest:
-// the step is remote-durable once the manifest exists. A failure backs the
-// rank off (remote_retry_min doubling to remote_retry_max) and the same step
-// is tried again; training and local checkpoints never wait for any of it.
+// local event is above its newest manifest, it takes the oldest such event;
+// under the rank's lease (local GC keeps off meanwhile) it plans the step and
+// opens the local files of the plan's versions that the remote tier does not
+// hold yet, then lets the lease go and uploads them (remote_upload_threads at
+// once) from the open descriptors, then writes the step's manifest: the step
+// is remote-durable once the manifest exists. A failure backs the rank off
+// (remote_retry_min doubling to remote_retry_max) and the same step is tried
+// again; training and local checkpoints never wait for any of it.
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <optional>
 #include <set>
 
@@ -19,8 +21,8 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/sync_point.h"
-#include "daemon/engine/engine.h"
 #include "daemon/common/validate.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/remote/remote_layout.h"
 
@@ -44,17 +46,45 @@ const char* RemoteReason(const absl::Status& s) {
   }
 }
 
+// A manifest or object that is not there whole: the step it belongs to is
+// not usable, but the store itself answered.
+bool Unusable(const absl::Status& s) {
+  return absl::IsDataLoss(s) || absl::IsNotFound(s) || absl::IsInvalidArgument(s);
+}
+
+// The manifest of `key`, checked.
+absl::StatusOr<store::RemoteManifest> ReadManifest(remote::RemoteStore* store,
+                                                   const std::string& job, uint32_t rank,
+                                                   uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(std::string bytes, store->GetBytes(remote::ManifestKey(job, rank, step),
+                                                           remote::kMaxManifestBytes));
+  CKPT_ASSIGN_OR_RETURN(store::RemoteManifest m, remote::DecodeManifest(bytes));
+  if (m.job_id() != job || m.rank() != rank || m.step() != step) {
+    return absl::DataLossError(absl::StrCat("the manifest of step ", step, " names another step"));
+  }
+  return m;
+}
+
+std::vector<std::string> FilesOf(const store::RemoteManifest& m) {
+  std::vector<std::string> files;
+  for (const store::RemoteVersion& v : m.versions()) files.push_back(v.record().file());
+  return files;
+}
+
 // How long a pull or an upload waits for GC of the rank to finish.
 constexpr absl::Duration kLeaseWait = absl::Seconds(30);
 // Newest pending events remembered per rank for the lag in bytes.
 constexpr size_t kMaxPendingTracked = 100000;
-// Manifests a pull copies at most (the newest, and those at or above the
-// job's agreed step).
+// Manifests a pull copies at most (the newest, and those down to the job's
+// agreed step), and how many it reads looking for whole ones.
 constexpr size_t kMaxPulledManifests = 64;
+constexpr size_t kMaxTriedManifests = 256;
+// How long RemoteJobs reuses a listing of the remote tier.
+constexpr absl::Duration kRemoteJobsCacheTtl = absl::Seconds(30);
 
 }  // namespace
 
-void Engine::NoteRemoteFailure(const absl::Status& s, const char* what) {
+void Engine::NoteRemoteFailure(const absl::Status& s, const std::string& what, uid_t owner) {
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kRemoteFailures, RemoteReason(s), 1);
     m->Set(Gauge::kRemoteUp, 0);
@@ -62,6 +92,7 @@ void Engine::NoteRemoteFailure(const absl::Status& s, const char* what) {
   absl::MutexLock lock(&remote_mu_);
   if (remote_error_.ok()) CKPT_LOG(WARNING) << "remote tier: " << what << ": " << s;
   remote_error_ = absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  remote_error_uid_ = owner;
 }
 
 void Engine::NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
@@ -78,6 +109,22 @@ void Engine::NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
   remote_cv_.Signal();
 }
 
+void Engine::NoteRewind(const std::string& job, uint32_t rank, uint64_t step) {
+  if (options_.remote == nullptr) return;
+  absl::MutexLock lock(&remote_mu_);
+  RemoteRank& rr = remote_[RankKey(job, rank)];
+  rr.discard_above = std::min(rr.discard_above.value_or(step), step);
+  rr.local_step = step;
+  // Until the manifests above it are gone, nothing above `step` counts as
+  // remote-durable.
+  rr.remote_step = 0;
+  for (auto it = rr.manifests.begin(); it != rr.manifests.end() && it->first <= step; ++it) {
+    rr.remote_step = it->first;
+  }
+  rr.pending.erase(rr.pending.upper_bound(step), rr.pending.end());
+  remote_cv_.Signal();
+}
+
 absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
   const auto& [job, rank] = key;
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
@@ -88,18 +135,18 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
     if (remote::ParseVersionObjectKey(o.key, job, rank, &file)) {
       out->objects[file] = o.size;
     } else if (remote::ParseManifestKey(o.key, job, rank, &step)) {
-      absl::StatusOr<std::string> bytes = options_.remote->GetBytes(o.key, remote::kMaxManifestBytes);
-      absl::StatusOr<store::RemoteManifest> m =
-          bytes.ok() ? remote::DecodeManifest(*bytes) : absl::StatusOr<store::RemoteManifest>(bytes.status());
+      absl::StatusOr<store::RemoteManifest> m = ReadManifest(options_.remote, job, rank, step);
       if (!m.ok()) {
-        if (!absl::IsDataLoss(m.status())) return m.status();
+        if (!Unusable(m.status())) return m.status();
         // A damaged manifest does not make its step remote-durable; the
         // step is uploaded again if it is still local.
         CKPT_LOG(WARNING) << "remote tier: manifest " << o.key << " is unusable: " << m.status();
         if (Metrics* mm = options_.metrics) mm->Inc(Counter::kRemoteFailures, "corrupt", 1);
         continue;
       }
-      out->manifests[step] = RemoteRank::Manifest{m->event().unix_ms(), m->event().agreed_step()};
+      if (m->owner_uid() != out->owner) out->foreign = true;
+      out->manifests[step] =
+          RemoteRank::Manifest{m->event().unix_ms(), m->event().agreed_step(), FilesOf(*m)};
     }
   }
   out->remote_step = out->manifests.empty() ? 0 : out->manifests.rbegin()->first;
@@ -110,74 +157,111 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
 absl::Status Engine::UploadNext(const RankKey& key) {
   const auto& [job, rank] = key;
   remote::RemoteStore* const store = options_.remote;
-  bool seeded;
-  uint64_t remote_step;
-  uid_t owner;
+  RemoteRank state;  // a copy of what is needed below
   {
     absl::MutexLock lock(&remote_mu_);
     const RemoteRank& rr = remote_[key];
-    seeded = rr.seeded;
-    remote_step = rr.remote_step;
-    owner = rr.owner;
+    state.owner = rr.owner;
+    state.seeded = rr.seeded;
+    state.remote_step = rr.remote_step;
+    state.discard_above = rr.discard_above;
+    state.objects = rr.objects;
   }
-  if (!seeded) {
+  const std::string rank_name = absl::StrCat("job ", job, " rank ", rank);
+  if (!state.seeded) {
     RemoteRank fresh;
+    fresh.owner = state.owner;
     CKPT_RETURN_IF_ERROR(SeedRemote(key, &fresh));
     absl::MutexLock lock(&remote_mu_);
     RemoteRank& rr = remote_[key];
-    rr.objects = std::move(fresh.objects);
+    rr.objects = fresh.objects;
     rr.manifests = std::move(fresh.manifests);
+    rr.foreign = fresh.foreign;
     rr.remote_step = fresh.remote_step;
+    if (rr.discard_above.has_value()) {
+      rr.remote_step = 0;
+      for (const auto& [s, m] : rr.manifests) {
+        if (s <= *rr.discard_above) rr.remote_step = s;
+      }
+    }
     rr.seeded = true;
-    remote_step = rr.remote_step;
-    for (auto it = rr.pending.begin(); it != rr.pending.end() && it->first <= remote_step;) {
-      it = rr.pending.erase(it);
+    rr.pending.erase(rr.pending.begin(), rr.pending.upper_bound(rr.remote_step));
+    state.remote_step = rr.remote_step;
+    state.objects = std::move(fresh.objects);
+  }
+  {
+    absl::MutexLock lock(&remote_mu_);
+    if (remote_[key].foreign) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "the remote tier holds ", rank_name,
+          " for another user; this node neither uploads nor deletes anything of it"));
     }
   }
-  // The oldest local event above the remote step.
-  CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
-  std::optional<ScopedLease> lease;
-  lease.emplace(&leases_, key);
-  uint64_t step = 0;
-  uint64_t newest_local = 0;
-  store::EventRecord event;
-  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
-      job, rank, /*newest_first=*/false, [&](uint64_t s, const store::EventRecord& e) {
-        newest_local = s;
-        if (step == 0 && s > remote_step) {
-          step = s;
-          event = e;
-        }
-        return true;
-      }));
-  if (step == 0) {
-    absl::MutexLock lock(&remote_mu_);
-    RemoteRank& rr = remote_[key];
-    rr.local_step = newest_local;
-    rr.pending.clear();
-    return absl::OkStatus();
-  }
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
-  if (!table.has_value()) return absl::OkStatus();  // the rank is being deleted
-  const absl::Time start = absl::Now();
-  store::RemoteManifest manifest;
-  manifest.set_job_id(job);
-  manifest.set_rank(rank);
-  manifest.set_step(step);
-  manifest.set_owner_uid(owner);
-  *manifest.mutable_event() = event;
-  *manifest.mutable_table() = *table;
-  struct Upload {
-    VersionKey key;
-    store::VersionRecord rec;
-  };
-  std::vector<Upload> uploads;
-  {
-    std::set<std::string> there;
+  if (state.discard_above.has_value()) {
+    // Manifests of the discarded history go first: a replacement node must
+    // never restore a step this rank went back before.
+    std::vector<uint64_t> stale;
     {
       absl::MutexLock lock(&remote_mu_);
-      for (const auto& [file, bytes] : remote_[key].objects) there.insert(file);
+      for (const auto& [s, m] : remote_[key].manifests) {
+        if (s > *state.discard_above) stale.push_back(s);
+      }
     }
+    for (uint64_t s : stale) {
+      CKPT_RETURN_IF_ERROR(store->Delete(remote::ManifestKey(job, rank, s)));
+      absl::MutexLock lock(&remote_mu_);
+      remote_[key].manifests.erase(s);
+    }
+    if (!stale.empty()) {
+      CKPT_LOG(WARNING) << "remote tier: " << rank_name << " went back to step "
+                        << *state.discard_above << "; deleted the manifests of " << stale.size()
+                        << " later steps of the discarded history";
+    }
+    absl::MutexLock lock(&remote_mu_);
+    RemoteRank& rr = remote_[key];
+    if (rr.discard_above == state.discard_above) rr.discard_above.reset();
+    rr.remote_step = rr.manifests.empty() ? 0 : rr.manifests.rbegin()->first;
+    state.remote_step = rr.remote_step;
+  }
+
+  // Under the lease: the oldest local event above the remote step, its plan,
+  // and the local files to upload, opened.
+  struct Upload {
+    store::VersionRecord rec;
+    UniqueFd fd;
+  };
+  std::vector<Upload> uploads;
+  store::RemoteManifest manifest;
+  uint64_t step = 0;
+  uint64_t newest_local = 0;
+  {
+    CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
+    ScopedLease lease(&leases_, key);
+    store::EventRecord event;
+    CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
+        job, rank, /*newest_first=*/false, [&](uint64_t s, const store::EventRecord& e) {
+          newest_local = s;
+          if (step == 0 && s > state.remote_step) {
+            step = s;
+            event = e;
+          }
+          return true;
+        }));
+    if (step == 0) {
+      absl::MutexLock lock(&remote_mu_);
+      RemoteRank& rr = remote_[key];
+      rr.local_step = newest_local;
+      rr.pending.clear();
+      return absl::OkStatus();
+    }
+    CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
+    if (!table.has_value()) return absl::OkStatus();  // the rank is being deleted
+    manifest.set_job_id(job);
+    manifest.set_rank(rank);
+    manifest.set_step(step);
+    manifest.set_owner_uid(state.owner);
+    *manifest.mutable_event() = event;
+    *manifest.mutable_table() = *table;
     for (const store::LayerSpec& layer : table->layers()) {
       CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(job, rank, layer.id(), step));
       if (!v.has_value()) continue;
@@ -185,13 +269,28 @@ absl::Status Engine::UploadNext(const RankKey& key) {
       rv->set_layer(layer.id());
       rv->set_step(v->first);
       *rv->mutable_record() = v->second;
-      if (there.count(v->second.file()) == 0) {
-        uploads.push_back({VersionKey{job, rank, layer.id(), v->first}, v->second});
+      if (state.objects.count(v->second.file()) > 0) continue;
+      absl::StatusOr<UniqueFd> fd =
+          store_->OpenCommitted(VersionKey{job, rank, layer.id(), v->first}, v->second);
+      if (!fd.ok()) {
+        if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
+        return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", v->second.file(),
+                                                             ": ", fd.status().message()));
       }
+      uploads.push_back({v->second, std::move(*fd)});
     }
   }
-  // The versions, remote_upload_threads at once; the first failure stops
-  // the step.
+  // The lease is gone: local GC may run while the bytes travel (the open
+  // descriptors keep them readable).
+  const std::string encoded = remote::EncodeManifest(manifest);
+  if (encoded.size() > remote::kMaxManifestBytes) {
+    // It could never be read back; refuse it here rather than wedge a pull.
+    if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the manifest of step ", step, " would be ", encoded.size(), " bytes, more than the ",
+        remote::kMaxManifestBytes, " a pull reads (a smaller aux blob or fewer layers)"));
+  }
+  const absl::Time start = absl::Now();
   std::atomic<size_t> next{0};
   absl::Mutex err_mu;
   absl::Status first_error;
@@ -203,16 +302,13 @@ absl::Status Engine::UploadNext(const RankKey& key) {
         absl::MutexLock l(&err_mu);
         if (!first_error.ok()) return;
       }
+      absl::Status s = remote_stopping_.load()
+                           ? absl::CancelledError("ckptd is stopping")
+                           : absl::OkStatus();
       const Upload& u = uploads[i];
-      absl::Status s;
-      absl::StatusOr<UniqueFd> fd = store_->OpenCommitted(u.key, u.rec);
-      if (!fd.ok()) {
-        s = absl::Status(fd.status().code(),
-                         absl::StrCat("local copy of ", u.rec.file(), ": ", fd.status().message()));
-        if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
-      } else {
+      if (s.ok()) {
         CKPT_SYNC_POINT("remote.before_put_version");
-        s = store->PutFile(remote::VersionObjectKey(job, rank, u.rec.file()), fd->get(),
+        s = store->PutFile(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
                            u.rec.file_bytes());
       }
       if (s.ok()) {
@@ -235,33 +331,32 @@ absl::Status Engine::UploadNext(const RankKey& key) {
     worker();
     for (std::thread& t : threads) t.join();
   }
+  uploads.clear();
   if (!first_error.ok()) return first_error;
   // The manifest last, with a conditional create: it makes the step
   // remote-durable, after every object it names.
-  manifest.set_uploaded_unix_ms(absl::ToUnixMillis(absl::Now()));
   const std::string mkey = remote::ManifestKey(job, rank, step);
-  const std::string encoded = remote::EncodeManifest(manifest);
   CKPT_SYNC_POINT("remote.before_put_manifest");
   absl::Status put = store->PutBytes(mkey, encoded, /*if_absent=*/true);
   if (absl::IsAlreadyExists(put)) {
-    // Written before ckptd restarted, or a step the rank went back before
-    // (a restore that discarded later steps): this node's history is the
-    // rank's truth, so a different manifest is replaced.
-    absl::StatusOr<std::string> have = store->GetBytes(mkey, remote::kMaxManifestBytes);
-    absl::StatusOr<store::RemoteManifest> old =
-        have.ok() ? remote::DecodeManifest(*have) : absl::StatusOr<store::RemoteManifest>(have.status());
-    bool same = old.ok() && old->versions_size() == manifest.versions_size();
-    for (int i = 0; same && i < manifest.versions_size(); ++i) {
-      same = old->versions(i).record().file() == manifest.versions(i).record().file();
+    // Written before ckptd restarted (the same files), or left by a history
+    // this rank went back before: this node holds the rank, so its step
+    // replaces it, unless it is another user's.
+    absl::StatusOr<store::RemoteManifest> old = ReadManifest(store, job, rank, step);
+    if (old.ok() && old->owner_uid() != state.owner) {
+      absl::MutexLock lock(&remote_mu_);
+      remote_[key].foreign = true;
+      return absl::PermissionDeniedError(
+          absl::StrCat("the remote tier holds ", rank_name, " for another user"));
     }
+    const bool same = old.ok() && FilesOf(*old) == FilesOf(manifest);
     put = same ? absl::OkStatus() : store->PutBytes(mkey, encoded, /*if_absent=*/false);
     if (!same && put.ok()) {
-      CKPT_LOG(WARNING) << "remote tier: replaced the manifest of job " << job << " rank " << rank
-                        << " step " << step << " (this node's history differs)";
+      CKPT_LOG(WARNING) << "remote tier: replaced the manifest of " << rank_name << " step "
+                        << step << " (it named other versions)";
     }
   }
   CKPT_RETURN_IF_ERROR(put);
-  lease.reset();  // local GC may collect the rank again
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kRemoteManifests);
     m->Observe(Histogram::kRemoteUploadSeconds, absl::ToDoubleSeconds(absl::Now() - start));
@@ -270,16 +365,17 @@ absl::Status Engine::UploadNext(const RankKey& key) {
   {
     absl::MutexLock lock(&remote_mu_);
     RemoteRank& rr = remote_[key];
-    rr.remote_step = std::max(rr.remote_step, step);
-    rr.local_step = std::max(rr.local_step, newest_local);
-    rr.manifests[step] = RemoteRank::Manifest{event.unix_ms(), event.agreed_step()};
-    for (auto it = rr.pending.begin(); it != rr.pending.end() && it->first <= step;) {
-      it = rr.pending.erase(it);
+    rr.manifests[step] = RemoteRank::Manifest{manifest.event().unix_ms(),
+                                              manifest.event().agreed_step(), FilesOf(manifest)};
+    // A rewind that came meanwhile deletes this manifest first (next turn).
+    if (!rr.discard_above.has_value() || step <= *rr.discard_above) {
+      rr.remote_step = std::max(rr.remote_step, step);
     }
+    rr.local_step = std::max(rr.local_step, newest_local);
+    rr.pending.erase(rr.pending.begin(), rr.pending.upper_bound(rr.remote_step));
     remote_error_ = absl::OkStatus();
     remote_cv_.SignalAll();
   }
-  CKPT_SYNC_POINT("remote.after_manifest");
   return absl::OkStatus();
 }
 
@@ -287,20 +383,28 @@ absl::Status Engine::RemoteGc(const RankKey& key) {
   const auto& [job, rank] = key;
   RetentionInput in;
   in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
-  std::map<std::pair<uint32_t, uint64_t>, std::vector<std::string>> files;
+  std::map<uint64_t, std::vector<std::string>> manifest_files;
+  std::vector<std::string> objects;
   {
     absl::MutexLock lock(&remote_mu_);
     const RemoteRank& rr = remote_[key];
-    for (const auto& [step, m] : rr.manifests) in.events.emplace_back(step, m.unix_ms);
-    if (!rr.manifests.empty()) in.agreed_step = rr.manifests.rbegin()->second.agreed_step;
-    for (const auto& [file, bytes] : rr.objects) {
-      uint32_t layer = 0;
-      uint64_t step = 0;
-      if (ParseFileName(file, &layer, &step)) files[{layer, step}].push_back(file);
+    if (rr.foreign || rr.discard_above.has_value()) return absl::OkStatus();
+    for (const auto& [step, m] : rr.manifests) {
+      in.events.emplace_back(step, m.unix_ms);
+      manifest_files[step] = m.files;
     }
+    if (!rr.manifests.empty()) in.agreed_step = rr.manifests.rbegin()->second.agreed_step;
+    for (const auto& [file, bytes] : rr.objects) objects.push_back(file);
   }
-  for (const auto& [ls, names] : files) in.versions[ls.first].push_back(ls.second);
+  if (in.events.empty()) return absl::OkStatus();
+  const uint64_t newest = in.events.back().first;
   const RetentionPlan plan = PlanRetention(options_.retention, in);
+  // What the kept manifests name, exactly (not recomputed from the listing:
+  // objects of two histories may share the prefix).
+  std::set<std::string> needed;
+  for (uint64_t step : plan.retained_targets) {
+    for (const std::string& f : manifest_files[step]) needed.insert(f);
+  }
   // Manifests first, so no manifest ever names a deleted object.
   for (uint64_t step : plan.delete_events) {
     CKPT_RETURN_IF_ERROR(options_.remote->Delete(remote::ManifestKey(job, rank, step)));
@@ -308,14 +412,17 @@ absl::Status Engine::RemoteGc(const RankKey& key) {
     absl::MutexLock lock(&remote_mu_);
     remote_[key].manifests.erase(step);
   }
-  for (const auto& ls : plan.delete_versions) {
-    for (const std::string& file : files[ls]) {
-      CKPT_RETURN_IF_ERROR(options_.remote->Delete(remote::VersionObjectKey(job, rank, file)));
-      if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
-      absl::MutexLock lock(&remote_mu_);
-      remote_[key].objects.erase(file);
-    }
+  for (const std::string& file : objects) {
+    uint32_t layer = 0;
+    uint64_t step = 0;
+    // Objects above the newest manifest belong to a step being uploaded.
+    if (needed.count(file) > 0 || !ParseFileName(file, &layer, &step) || step > newest) continue;
+    CKPT_RETURN_IF_ERROR(options_.remote->Delete(remote::VersionObjectKey(job, rank, file)));
+    if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
+    absl::MutexLock lock(&remote_mu_);
+    remote_[key].objects.erase(file);
   }
+  CKPT_SYNC_POINT("remote.after_gc");
   return absl::OkStatus();
 }
 
@@ -339,20 +446,22 @@ void Engine::UploadLoop() {
   RankKey last;
   for (;;) {
     RankKey key;
+    uid_t owner = 0;
     {
       absl::MutexLock lock(&remote_mu_);
       if (remote_stop_) return;
       // Round-robin from the rank after the last one served.
       const absl::Time now = absl::Now();
       auto due = [&](const RemoteRank& rr) {
-        return (!rr.seeded || rr.local_step > rr.remote_step) && now >= rr.retry_at;
+        return !rr.foreign && now >= rr.retry_at &&
+               (!rr.seeded || rr.discard_above.has_value() || rr.local_step > rr.remote_step);
       };
       bool found = false;
       for (auto it = remote_.upper_bound(last); it != remote_.end() && !found; ++it) {
-        if (due(it->second)) key = it->first, found = true;
+        if (due(it->second)) key = it->first, owner = it->second.owner, found = true;
       }
       for (auto it = remote_.begin(); it != remote_.end() && !found && it->first <= last; ++it) {
-        if (due(it->second)) key = it->first, found = true;
+        if (due(it->second)) key = it->first, owner = it->second.owner, found = true;
       }
       if (!found) {
         remote_cv_.WaitWithTimeout(&remote_mu_, absl::Milliseconds(500));
@@ -362,6 +471,7 @@ void Engine::UploadLoop() {
     }
     absl::Status s = UploadNext(key);
     if (s.ok()) s = RemoteGc(key);
+    if (absl::IsCancelled(s)) return;  // stopping
     absl::MutexLock lock(&remote_mu_);
     auto it = remote_.find(key);
     if (it == remote_.end()) continue;
@@ -376,19 +486,22 @@ void Engine::UploadLoop() {
                      : std::min(rr.backoff * 2, options_.remote_retry_max);
     rr.retry_at = absl::Now() + rr.backoff;
     remote_mu_.Unlock();
-    NoteRemoteFailure(s, absl::StrCat("uploading job ", key.first, " rank ", key.second).c_str());
+    NoteRemoteFailure(s, absl::StrCat("uploading job ", key.first, " rank ", key.second), owner);
     remote_mu_.Lock();
   }
 }
 
-absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller) {
+absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller,
+                                    bool must_know) {
   remote::RemoteStore* const store = options_.remote;
   if (store == nullptr) return absl::OkStatus();
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   const RankKey key(job, rank);
   {
-    // One pull of a rank at a time; a second caller waits for the first.
     absl::MutexLock lock(&remote_mu_);
+    // Register does not wait for a remote tier that is failing.
+    if (!must_know && !remote_error_.ok()) return absl::OkStatus();
+    // One pull of a rank at a time; a second caller waits for the first.
     auto free = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(remote_mu_) {
       return pulling_.count(key) == 0 || remote_stop_;
     };
@@ -408,14 +521,23 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
   } done{this, key};
   CKPT_ASSIGN_OR_RETURN(auto local, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
   if (local.has_value()) return absl::OkStatus();  // this node has the rank's history
+  // What a pull that cannot finish does: an error for a caller that must
+  // know, else a warning (the rank starts without a checkpoint).
+  auto give_up = [&](const absl::Status& s) {
+    if (must_know) return s;
+    CKPT_LOG(WARNING) << "remote tier: could not look for a checkpoint of job " << job << " rank "
+                      << rank << " (" << s << "); registering without one";
+    return absl::OkStatus();
+  };
   const absl::Time start = absl::Now();
   absl::StatusOr<std::vector<remote::ObjectInfo>> listed =
       store->List(remote::ManifestPrefix(job, rank));
   if (!listed.ok()) {
-    NoteRemoteFailure(listed.status(), "listing manifests");
-    return absl::Status(listed.status().code(),
-                        absl::StrCat("the remote tier (", store->Describe(), "): ",
-                                     listed.status().message()));
+    NoteRemoteFailure(listed.status(), "listing manifests", caller.uid);
+    return give_up(absl::Status(
+        listed.status().code(),
+        absl::StrCat("cannot look for a checkpoint of job ", job, " in the remote tier (",
+                     store->Describe(), "): ", listed.status().message())));
   }
   std::vector<uint64_t> steps;
   for (const remote::ObjectInfo& o : *listed) {
@@ -424,34 +546,45 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
   }
   if (steps.empty()) return absl::OkStatus();
   std::sort(steps.rbegin(), steps.rend());
+
+  // Every version this pull puts in the index, removed again unless a
+  // usable step needs it: nothing of a failed pull stays.
+  std::vector<std::pair<VersionKey, store::VersionRecord>> adopted;
+  uid_t owner = 0;
+  auto remove_adopted = [&](uint64_t above) {
+    RankHistory h;
+    h.owner = owner;
+    uint64_t removed = 0;
+    for (const auto& [vk, rec] : adopted) {
+      if (vk.step <= above) continue;
+      IgnoreError(RemoveVersion(h, vk, rec), "a leftover is quarantined at the next start");
+      removed += rec.file_bytes();
+    }
+    return removed;
+  };
+  struct Cleanup {
+    std::function<uint64_t(uint64_t)> fn;
+    bool armed = true;
+    ~Cleanup() {
+      if (armed) fn(0);
+    }
+  } cleanup{remove_adopted};
+
   // Newest first: the newest manifest whose objects all read back whole,
-  // then (several ranks) those down to the agreed step it records, so every
-  // rank can restore the step the job agrees on. A manifest or an object
-  // that is missing or damaged makes that step unusable, never served.
+  // then (several ranks) those down to the agreed step it records, and one
+  // at or below it, so every rank can restore the step the job agrees on.
   std::vector<store::RemoteManifest> usable;
   std::set<std::string> have;
-  // Versions put from manifests that turned out unusable: removed again
-  // below when no usable step needs them.
-  std::vector<std::pair<VersionKey, store::VersionRecord>> adopted;
   uint64_t floor = 0, pulled_bytes = 0;
-  uid_t owner = 0;
   size_t tried = 0;
   for (uint64_t step : steps) {
-    if (usable.size() >= kMaxPulledManifests || ++tried > 2 * kMaxPulledManifests ||
-        (!usable.empty() && step < floor)) {
-      break;
-    }
-    absl::StatusOr<std::string> bytes =
-        store->GetBytes(remote::ManifestKey(job, rank, step), remote::kMaxManifestBytes);
-    absl::StatusOr<store::RemoteManifest> m =
-        bytes.ok() ? remote::DecodeManifest(*bytes) : absl::StatusOr<store::RemoteManifest>(bytes.status());
-    if (m.ok() && (m->job_id() != job || m->rank() != rank || m->step() != step)) {
-      m = absl::DataLossError("the manifest names another step");
-    }
+    if (!usable.empty() && usable.back().step() <= floor) break;  // the agreed step is covered
+    if (usable.size() >= kMaxPulledManifests || ++tried > kMaxTriedManifests) break;
+    absl::StatusOr<store::RemoteManifest> m = ReadManifest(store, job, rank, step);
     if (!m.ok()) {
-      NoteRemoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step).c_str());
-      if (absl::IsDataLoss(m.status()) || absl::IsNotFound(m.status())) continue;
-      return m.status();
+      NoteRemoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step), caller.uid);
+      if (Unusable(m.status())) continue;
+      return give_up(m.status());
     }
     if (m->owner_uid() != caller.uid && !IsRoot(caller)) {
       return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
@@ -462,12 +595,6 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
     absl::Status ok;
     for (const store::RemoteVersion& v : m->versions()) {
       if (have.count(v.record().file()) > 0) continue;
-      CKPT_ASSIGN_OR_RETURN(auto existing, index_->VersionAtOrBefore(job, rank, v.layer(), v.step()));
-      if (existing.has_value() && existing->first == v.step() &&
-          existing->second.file() == v.record().file()) {
-        have.insert(v.record().file());
-        continue;
-      }
       const uint64_t n = v.record().file_bytes();
       CKPT_RETURN_IF_ERROR(quota_.ReserveVersion(quota_owner, n));
       if (absl::Status room = disk_.Reserve(n); !room.ok()) {
@@ -475,17 +602,18 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
         return room;
       }
       const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
-      ok = store_->Adopt(VersionKey{job, rank, v.layer(), v.step()}, v.record(),
-                         [&](int fd) { return store->GetToFile(okey, fd, n); });
+      const VersionKey vk{job, rank, v.layer(), v.step()};
+      ok = store_->Adopt(vk, v.record(), [&](int fd) { return store->GetToFile(okey, fd, n); });
       if (!ok.ok()) {
         disk_.Release(n);
         quota_.ReleaseVersion(quota_owner, n);
-        NoteRemoteFailure(ok, absl::StrCat("reading ", okey).c_str());
-        if (!absl::IsDataLoss(ok) && !absl::IsNotFound(ok) && !absl::IsInvalidArgument(ok)) return ok;
+        NoteRemoteFailure(ok, absl::StrCat("reading ", okey), caller.uid);
+        if (!Unusable(ok)) return give_up(ok);
         break;
       }
       have.insert(v.record().file());
-      adopted.emplace_back(VersionKey{job, rank, v.layer(), v.step()}, v.record());
+      if (usable.empty()) owner = m->owner_uid();
+      adopted.emplace_back(vk, v.record());
       pulled_bytes += n;
       if (Metrics* mm = options_.metrics) mm->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
     }
@@ -501,22 +629,13 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
     usable.push_back(*std::move(m));
   }
   if (usable.empty()) {
-    return absl::DataLossError(absl::StrCat("job ", job, " rank ", rank,
-                                            ": every manifest in the remote tier is damaged or "
-                                            "names an object that is missing or damaged"));
+    return give_up(absl::DataLossError(
+        absl::StrCat("job ", job, " rank ", rank,
+                     ": every manifest in the remote tier is damaged or names an object that is "
+                     "missing or damaged")));
   }
   const QuotaOwner quota_owner{owner, job};
-  {
-    // A version above the newest usable step belongs to a step that is not
-    // restorable; left in the index, a later plan could pick it up.
-    RankHistory h;
-    h.owner = owner;
-    for (const auto& [vk, rec] : adopted) {
-      if (vk.step <= usable.front().step()) continue;
-      CKPT_RETURN_IF_ERROR(RemoveVersion(h, vk, rec));
-      pulled_bytes -= rec.file_bytes();
-    }
-  }
+  const uint64_t newest = usable.front().step();
   {
     absl::MutexLock jobs_lock(&job_mu_);
     CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(job));
@@ -533,19 +652,28 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
   CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
   if (!table.has_value()) CKPT_RETURN_IF_ERROR(index_->PutRank(job, rank, usable.front().table()));
   std::vector<std::pair<uint64_t, store::EventRecord>> events;
+  uint64_t event_bytes = 0;
   for (auto it = usable.rbegin(); it != usable.rend(); ++it) {
     events.emplace_back(it->step(), it->event());
-    quota_.Seed(quota_owner, 0, EventIndexBytes(it->event().aux().size()));
+    event_bytes += EventIndexBytes(it->event().aux().size());
   }
   CKPT_RETURN_IF_ERROR(index_->PutEvents(job, rank, events));
+  quota_.Seed(quota_owner, 0, event_bytes);
+  // The steps are durable here now. A version above the newest usable step
+  // belongs to a step that is not restorable: left in the index, a later
+  // plan could pick it up.
+  cleanup.armed = false;
+  pulled_bytes -= remove_adopted(newest);
   {
-    // The remote tier holds these steps already.
+    // The remote tier holds these steps already; any above them are
+    // damaged and go (NoteRewind) before this node uploads anything.
     absl::MutexLock lock(&remote_mu_);
     RemoteRank& rr = remote_[key];
     rr.owner = owner;
-    rr.local_step = std::max(rr.local_step, events.back().first);
+    rr.local_step = std::max(rr.local_step, newest);
     rr.seeded = false;  // listed afresh by the uploader
   }
+  if (steps.front() > newest) NoteRewind(job, rank, newest);
   CKPT_LOG(INFO) << "pulled job " << job << " rank " << rank << " from the remote tier ("
                  << store->Describe() << "): steps " << events.front().first << ".."
                  << events.back().first << ", " << pulled_bytes << " bytes in "
@@ -556,31 +684,47 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
 absl::StatusOr<std::vector<v1::JobInfo>> Engine::RemoteJobs(const Caller& caller) {
   std::vector<v1::JobInfo> out;
   if (options_.remote == nullptr) return out;
-  CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
-                        options_.remote->List(remote::JobsPrefix()));
-  std::map<std::string, std::map<uint32_t, uint64_t>> newest;  // job -> rank -> step
-  for (const remote::ObjectInfo& o : objects) {
-    std::string job;
-    uint32_t rank = 0;
-    uint64_t step = 0;
-    if (!remote::ParseRankOfKey(o.key, &job, &rank)) continue;
-    if (remote::ParseManifestKey(o.key, job, rank, &step)) {
-      uint64_t& n = newest[job][rank];
+  RemoteJobsCache cache;
+  {
+    absl::MutexLock lock(&remote_mu_);
+    cache = remote_jobs_cache_;
+  }
+  if (absl::Now() - cache.at > kRemoteJobsCacheTtl) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
+                          options_.remote->List(remote::JobsPrefix()));
+    cache.jobs.clear();
+    for (const remote::ObjectInfo& o : objects) {
+      std::string job;
+      uint32_t rank = 0;
+      uint64_t step = 0;
+      if (!remote::ParseRankOfKey(o.key, &job, &rank) ||
+          !remote::ParseManifestKey(o.key, job, rank, &step)) {
+        continue;
+      }
+      uint64_t& n = cache.jobs[job].second[rank];
       n = std::max(n, step);
     }
+    for (auto it = cache.jobs.begin(); it != cache.jobs.end();) {
+      // The owner is in every manifest: the newest of the first rank says it.
+      const auto& [rank, step] = *it->second.second.begin();
+      absl::StatusOr<store::RemoteManifest> m = ReadManifest(options_.remote, it->first, rank, step);
+      if (!m.ok()) {
+        it = cache.jobs.erase(it);
+        continue;
+      }
+      it->second.first = m->owner_uid();
+      ++it;
+    }
+    cache.at = absl::Now();
+    absl::MutexLock lock(&remote_mu_);
+    remote_jobs_cache_ = cache;
   }
-  for (const auto& [job, ranks] : newest) {
-    // The owner is in every manifest; the newest of rank 0 (or the first
-    // rank) says it.
-    const auto& [rank, step] = *ranks.begin();
-    absl::StatusOr<std::string> bytes =
-        options_.remote->GetBytes(remote::ManifestKey(job, rank, step), remote::kMaxManifestBytes);
-    if (!bytes.ok()) continue;
-    absl::StatusOr<store::RemoteManifest> m = remote::DecodeManifest(*bytes);
-    if (!m.ok() || (m->owner_uid() != caller.uid && !IsRoot(caller))) continue;
+  for (const auto& [job, owner_ranks] : cache.jobs) {
+    const auto& [owner, ranks] = owner_ranks;
+    if (owner != caller.uid && !IsRoot(caller)) continue;
     v1::JobInfo& info = out.emplace_back();
     info.set_job_id(job);
-    info.set_owner_uid(m->owner_uid());
+    info.set_owner_uid(owner);
     for (const auto& [r, s] : ranks) {
       v1::RankInfo* ri = info.add_ranks();
       ri->set_rank(r);

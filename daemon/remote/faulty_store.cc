@@ -45,10 +45,24 @@ absl::Status FaultyStore::PutBytes(const std::string& key, std::string_view data
   return base_->PutBytes(key, data, if_absent);
 }
 
+void FaultyStore::FailGetAfter(int skip, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  get_skip_ = skip;
+  get_status_ = std::move(status);
+}
+
 absl::StatusOr<uint64_t> FaultyStore::GetToFile(const std::string& key, int fd,
                                                 uint64_t max_bytes) {
   gets_.fetch_add(1);
   if (absl::Status s = CheckUp(); !s.ok()) return s;
+  {
+    absl::MutexLock lock(&mu_);
+    if (get_skip_ == 0) {
+      get_skip_ = -1;
+      return get_status_;
+    }
+    if (get_skip_ > 0) --get_skip_;
+  }
   return base_->GetToFile(key, fd, max_bytes);
 }
 

@@ -27,6 +27,9 @@ class FaultyStore final : public RemoteStore {
   // The next `n` PutFile/PutBytes calls fail with `status` (not reaching the
   // base).
   void FailPuts(int n, absl::Status status);
+  // The `skip`+1-th next GetToFile fails with `status`, after `skip` that
+  // go through (not reaching the base).
+  void FailGetAfter(int skip, absl::Status status);
   // Called with the key before every PutFile/PutBytes that reaches the base.
   void set_before_put(std::function<void(const std::string& key)> hook);
 
@@ -55,6 +58,8 @@ class FaultyStore final : public RemoteStore {
   int fail_puts_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fail_status_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> before_put_ ABSL_GUARDED_BY(mu_);
+  int get_skip_ ABSL_GUARDED_BY(mu_) = -1;  // -1: no get failure armed
+  absl::Status get_status_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckpt::remote

@@ -32,8 +32,13 @@ absl::Status CheckKey(const std::string& key) {
 }
 
 absl::StatusOr<UniqueFd> OpenDir(int parent, const std::string& name, bool create) {
-  if (create && mkdirat(parent, name.c_str(), 0750) != 0 && errno != EEXIST) {
-    return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
+  if (create) {
+    if (mkdirat(parent, name.c_str(), 0750) == 0) {
+      // The new entry itself must survive a crash before anything in it.
+      if (fsync(parent) != 0) return ErrnoStatus(errno, absl::StrCat("fsync the parent of ", name));
+    } else if (errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("mkdir ", name));
+    }
   }
   int fd = openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
@@ -228,25 +233,38 @@ absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& pref
     DIR* d = fdopendir(copy.get());
     if (d == nullptr) return ErrnoStatus(errno, "opendir");
     copy.release();
-    std::vector<std::pair<std::string, bool>> entries;
-    while (dirent* e = readdir(d)) {
+    // A listing must be whole: a caller takes a missing manifest for "no
+    // checkpoint". Errors are returned, never read as the end.
+    std::vector<std::string> names;
+    for (;;) {
+      errno = 0;
+      dirent* e = readdir(d);
+      if (e == nullptr) break;
       std::string n = e->d_name;
       if (n == "." || n == ".." || absl::StartsWith(n, kTempPrefix)) continue;
-      entries.emplace_back(n, e->d_type == DT_DIR);
+      names.push_back(std::move(n));
     }
+    const int err = errno;
     closedir(d);
-    for (const auto& [n, is_dir] : entries) {
+    if (err != 0) return ErrnoStatus(err, absl::StrCat("readdir ", base.empty() ? "." : base));
+    for (const std::string& n : names) {
       const std::string key = base.empty() ? n : absl::StrCat(base, "/", n);
-      if (is_dir) {
-        if (!absl::StartsWith(key, prefix.substr(0, std::min(prefix.size(), key.size()))) ) continue;
+      // d_type may be DT_UNKNOWN (NFS, XFS without ftype): stat every entry.
+      struct stat st;
+      if (fstatat(fd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno == ENOENT) continue;  // went away meanwhile
+        return ErrnoStatus(errno, absl::StrCat("stat ", key));
+      }
+      if (S_ISDIR(st.st_mode)) {
+        if (!absl::StartsWith(key, prefix.substr(0, std::min(prefix.size(), key.size())))) continue;
         absl::StatusOr<UniqueFd> sub = OpenDir(fd, n, /*create=*/false);
-        if (!sub.ok()) continue;  // went away or is a link: not an object
+        if (absl::IsNotFound(sub.status())) continue;
+        if (!sub.ok()) return sub.status();
         CKPT_RETURN_IF_ERROR(walk(sub->get(), key));
-      } else if (absl::StartsWith(key, prefix)) {
-        struct stat st;
-        if (fstatat(fd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) continue;
+      } else if (S_ISREG(st.st_mode) && absl::StartsWith(key, prefix)) {
         out.push_back({key, static_cast<uint64_t>(st.st_size)});
       }
+      // Anything else (a symbolic link, a device) is not an object.
     }
     return absl::OkStatus();
   };

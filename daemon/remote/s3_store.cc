@@ -174,6 +174,8 @@ constexpr unsigned kMaxParallelParts = 64;
 constexpr long kLowSpeedBytesPerSecond = 1024;
 constexpr absl::Duration kLowSpeedTime = absl::Seconds(30);
 constexpr uint64_t kMaxListPageBytes = uint64_t{32} << 20;
+// Pages one List reads at most (10 million keys at 1000 a page).
+constexpr size_t kMaxListPages = 10000;
 
 // ---- libcurl once per process ----
 
@@ -875,7 +877,7 @@ absl::Status S3Store::Classify(const Request& request, Transfer* transfer, int c
       const std::string code = ElementText(t.body, "Code").value_or("(no code)");
       const std::string message = ElementText(t.body, "Message").value_or("");
       detail =
-          absl::StrCat(status, " with an error: ", Sanitize(code), ": ", Redact(Sanitize(message)));
+          absl::StrCat(status, " with an error: ", Sanitize(code), ": ", Sanitize(Redact(std::string(message))));
       // Mapped by the code alone, as for a 400 answer: InternalError and
       // SlowDown are retried, a refused part list is not.
       return absl::Status(CodeForHttp(400, code, retryable), absl::StrCat(op, ": ", detail));
@@ -896,7 +898,7 @@ absl::Status S3Store::Classify(const Request& request, Transfer* transfer, int c
   t.s3_code = code;
   detail = absl::StrCat(status);
   if (!code.empty()) absl::StrAppend(&detail, " ", code);
-  if (!message.empty()) absl::StrAppend(&detail, ": ", Redact(Sanitize(message)));
+  if (!message.empty()) absl::StrAppend(&detail, ": ", Sanitize(Redact(std::string(message))));
   return absl::Status(CodeForHttp(status, code, retryable), absl::StrCat(op, ": ", detail));
 }
 
@@ -1247,7 +1249,13 @@ absl::StatusOr<std::vector<ObjectInfo>> S3Store::List(const std::string& prefix)
   const std::string full_prefix = absl::StrCat(options_.prefix, prefix);
   std::vector<ObjectInfo> out;
   std::string token;
-  for (;;) {
+  for (size_t page = 0;; ++page) {
+    // A server that never stops paging must not grow ckptd without bound.
+    if (page >= kMaxListPages) {
+      return absl::UnavailableError(absl::StrCat("S3 list at ", options_.endpoint, " bucket ",
+                                                 options_.bucket, ": more than ", kMaxListPages,
+                                                 " pages under one prefix"));
+    }
     Request request;
     request.method = "GET";
     request.query = {{"list-type", "2"},

@@ -1159,6 +1159,12 @@ TEST_F(RemoteTierTest, ReplacementNodeRestoresTheNewestRemoteDurableStep) {
   EXPECT_FALSE(manifests.empty());
 
   ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  // Another uid neither sees nor pulls it, and leaves nothing behind.
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply others, engine_->Jobs(Caller{2000, 0}));
+  EXPECT_EQ(others.jobs_size(), 0);
+  CKPT_EXPECT_CODE(engine_->Plan("lost", 0, 0, Caller{2000, 0}).status(), kNotFound);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto job_record, index_->GetJob("lost"));
+  EXPECT_FALSE(job_record.has_value());
   CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply jobs_before, engine_->Jobs(owner_));
   ASSERT_EQ(jobs_before.jobs_size(), 1) << "the job is listed from the remote tier";
   EXPECT_EQ(jobs_before.jobs(0).ranks(0).remote_step(), 4u);
@@ -1167,8 +1173,6 @@ TEST_F(RemoteTierTest, ReplacementNodeRestoresTheNewestRemoteDurableStep) {
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 4u);
   EXPECT_TRUE(HoldsStep(a, 4)) << "restored bytes differ from step 4's";
-  // Another uid cannot pull it.
-  CKPT_EXPECT_CODE(engine_->Plan("lost", 1, 0, Caller{2000, 0}).status(), kNotFound);
   // Training goes on from there and keeps uploading.
   ASSERT_NO_FATAL_FAILURE(Train(a, 5, 6));
   CKPT_ASSERT_OK_AND_ASSIGN(remote_step, WaitRemote(a, 6));
@@ -1202,9 +1206,17 @@ TEST_F(RemoteTierTest, RemoteOutageNeverStopsTrainingAndCatchesUp) {
   // Once uploaded, local retention applies again.
   CKPT_ASSERT_OK_AND_ASSIGN(reply, engine_->Gc(gc, owner_));
   EXPECT_EQ(reply.events_deleted(), 5u);
-  // Remote retention too: one manifest is left, and the objects it names.
-  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("outage", 0)));
+  // Remote retention too (it runs right after the upload): one manifest is
+  // left, and the objects it names.
+  std::vector<remote::ObjectInfo> manifests, objects;
+  for (absl::Time deadline = absl::Now() + kWait; absl::Now() < deadline;) {
+    CKPT_ASSERT_OK_AND_ASSIGN(manifests, posix_->List(remote::ManifestPrefix("outage", 0)));
+    CKPT_ASSERT_OK_AND_ASSIGN(objects, posix_->List(remote::RankPrefix("outage", 0) + "v/"));
+    if (manifests.size() == 1 && objects.size() == 2) break;
+    absl::SleepFor(absl::Milliseconds(5));  // a poll with a deadline
+  }
   EXPECT_EQ(manifests.size(), 1u);
+  EXPECT_EQ(objects.size(), 2u);
 }
 
 // A damaged object is detected on the pull and never served: the newest
@@ -1249,6 +1261,85 @@ TEST_F(RemoteTierTest, ManifestFollowsItsObjects) {
   CKPT_ASSERT_OK(WaitRemote(a, 1).status());
   EXPECT_FALSE(manifest_before_all.load());
   EXPECT_EQ(puts.load(), 3);
+}
+
+// Regression: a rank that went back (a restore discarding later steps) kept
+// its higher remote step, so its new steps were never uploaded, WaitDurable
+// (remote) answered at once, and a replacement node restored the discarded
+// history. Now the manifests above the restored step go first.
+TEST_F(RemoteTierTest, GoingBackDeletesTheDiscardedHistoryInTheRemoteTier) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("rewind", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  CKPT_ASSERT_OK(WaitRemote(a, 6).status());
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true).status());
+  // A new history from step 4 on (other bytes than the first one's).
+  ASSERT_NO_FATAL_FAILURE(Train(a, 104, 104));
+  absl::StatusOr<uint64_t> early = WaitRemote(a, 4, absl::Milliseconds(1));
+  if (early.ok()) EXPECT_NE(*early, 6u) << "the discarded step 6 does not count";
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 104));
+  EXPECT_EQ(remote_step, 104u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("rewind", 0)));
+  std::vector<std::string> names;
+  for (const auto& m : manifests) names.push_back(m.key.substr(m.key.size() - 4));
+  EXPECT_EQ(names, (std::vector<std::string>{"0001", "0002", "0003", "0104"}));
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 104u);
+  EXPECT_TRUE(HoldsStep(a, 104));
+}
+
+// Regression: with the remote tier down, Register of a new job failed (it
+// had to list the remote tier first). Now the job registers and trains; only
+// a restore, which must know whether a checkpoint exists there, fails.
+TEST_F(RemoteTierTest, RemoteDownNewJobsTrainAndRestoreSaysItCannotTell) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  faulty_->set_down(true);
+  TestRank a = MakeRank("fresh", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  TestRank b = MakeRank("elsewhere", 2);
+  CKPT_ASSERT_OK(Register(&b).status());
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(b), 0, owner_).status(), kUnavailable);
+  faulty_->set_down(false);
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(b), 0, owner_).status(), kNotFound);  // truly none
+}
+
+// Regression: a pull that failed half-way left the versions it had put in
+// the index (without events), charged to the owner's quota and the disk.
+TEST_F(RemoteTierTest, AFailedPullLeavesNothingBehind) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("halfway", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitRemote(a, 1).status());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  auto expect_nothing_left = [&] {
+    uint64_t versions = 0;
+    CKPT_ASSERT_OK(index_->ForEachVersion("halfway", 0, -1, [&](const VersionKey&,
+                                                                 const store::VersionRecord&) {
+      ++versions;
+      return true;
+    }));
+    EXPECT_EQ(versions, 0u);
+    EXPECT_EQ(engine_->disk_bytes_used(), 0u);
+    EXPECT_EQ(engine_->job_quota_usage("halfway").file_bytes, 0u);
+  };
+  // The second object of the pull fails: Register goes on without it...
+  faulty_->FailGetAfter(1, absl::UnavailableError("the store went away (injected)"));
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(expect_nothing_left());
+  // ...and a restore, which must know, says so.
+  faulty_->FailGetAfter(1, absl::UnavailableError("the store went away (injected)"));
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(a), 0, owner_).status(), kUnavailable);
+  ASSERT_NO_FATAL_FAILURE(expect_nothing_left());
+  // The store back, the same restore succeeds.
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 1u);
 }
 
 TEST_F(RemoteTierTest, WaitForRemoteWithoutARemoteTierIsRefused) {
