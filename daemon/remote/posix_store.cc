@@ -167,8 +167,8 @@ absl::Status PosixStore::PutBytes(const std::string& key, std::string_view data,
                  [&](int out) { return WriteAll(out, data.data(), data.size(), 0); });
 }
 
-absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd,
-                                               uint64_t max_bytes) {
+absl::StatusOr<UniqueFd> PosixStore::OpenObject(const std::string& key, uint64_t max_bytes,
+                                                uint64_t* size) const {
   std::string name;
   CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/false, &name));
   int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
@@ -177,31 +177,28 @@ absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd,
   struct stat st;
   if (fstat(in, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", key));
   if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(key, " is not a file"));
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size > max_bytes) {
+  *size = static_cast<uint64_t>(st.st_size);
+  if (*size > max_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(key, " holds ", size, " bytes, more than the ", max_bytes, " expected"));
+        absl::StrCat(key, " holds ", *size, " bytes, more than the ", max_bytes, " expected"));
   }
-  return Copy(in, fd, size);
+  return src;
+}
+
+absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd,
+                                               uint64_t max_bytes) {
+  uint64_t size = 0;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd src, OpenObject(key, max_bytes, &size));
+  return Copy(src.get(), fd, size);
 }
 
 absl::StatusOr<std::string> PosixStore::GetBytes(const std::string& key, uint64_t max_bytes) {
-  std::string name;
-  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/false, &name));
-  int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (in < 0) return ErrnoStatus(errno, absl::StrCat("open ", key));
-  UniqueFd src(in);
-  struct stat st;
-  if (fstat(in, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", key));
-  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(key, " is not a file"));
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(key, " holds ", st.st_size,
-                                                   " bytes, more than the ", max_bytes, " expected"));
-  }
-  std::string out(static_cast<size_t>(st.st_size), '\0');
+  uint64_t size = 0;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd src, OpenObject(key, max_bytes, &size));
+  std::string out(static_cast<size_t>(size), '\0');
   size_t done = 0;
   while (done < out.size()) {
-    ssize_t r = pread(in, out.data() + done, out.size() - done, static_cast<off_t>(done));
+    ssize_t r = pread(src.get(), out.data() + done, out.size() - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return ErrnoStatus(errno, absl::StrCat("read ", key));
     if (r == 0) return absl::DataLossError(absl::StrCat(key, " shrank while being read"));

@@ -41,6 +41,10 @@ class PosixStore final : public RemoteStore {
   // The directory holding `key` (created when `create`) and the key's last
   // component.
   absl::StatusOr<UniqueFd> OpenParent(const std::string& key, bool create, std::string* name) const;
+  // The object `key` opened for reading, with its size; INVALID_ARGUMENT
+  // when larger than `max_bytes`.
+  absl::StatusOr<UniqueFd> OpenObject(const std::string& key, uint64_t max_bytes,
+                                      uint64_t* size) const;
   // Writes a temp file in `dir` with `write` filling it, fsyncs it and
   // publishes it as `name`.
   absl::Status Publish(int dir, const std::string& name, bool if_absent,

@@ -815,23 +815,24 @@ absl::Status S3Store::Prepare(const Request& request, Transfer* t) {
   curl_easy_setopt(easy, CURLOPT_PRIVATE, t);
 
   t->upload = request.body;
+  // A body (PUT, POST) is read through OnRead and rewound through OnSeek.
+  auto send_body = [easy, t] {
+    curl_easy_setopt(easy, CURLOPT_READFUNCTION, &OnRead);
+    curl_easy_setopt(easy, CURLOPT_READDATA, t);
+    curl_easy_setopt(easy, CURLOPT_SEEKFUNCTION, &OnSeek);
+    curl_easy_setopt(easy, CURLOPT_SEEKDATA, t);
+  };
   if (request.method == "GET") {
     curl_easy_setopt(easy, CURLOPT_HTTPGET, 1L);
   } else if (request.method == "HEAD") {
     curl_easy_setopt(easy, CURLOPT_NOBODY, 1L);
   } else if (request.method == "PUT") {
     curl_easy_setopt(easy, CURLOPT_UPLOAD, 1L);
-    curl_easy_setopt(easy, CURLOPT_READFUNCTION, &OnRead);
-    curl_easy_setopt(easy, CURLOPT_READDATA, t);
-    curl_easy_setopt(easy, CURLOPT_SEEKFUNCTION, &OnSeek);
-    curl_easy_setopt(easy, CURLOPT_SEEKDATA, t);
+    send_body();
     curl_easy_setopt(easy, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
   } else if (request.method == "POST") {
     curl_easy_setopt(easy, CURLOPT_POST, 1L);
-    curl_easy_setopt(easy, CURLOPT_READFUNCTION, &OnRead);
-    curl_easy_setopt(easy, CURLOPT_READDATA, t);
-    curl_easy_setopt(easy, CURLOPT_SEEKFUNCTION, &OnSeek);
-    curl_easy_setopt(easy, CURLOPT_SEEKDATA, t);
+    send_body();
     curl_easy_setopt(easy, CURLOPT_POSTFIELDSIZE_LARGE,
                      static_cast<curl_off_t>(request.body.size()));
   } else {
