@@ -29,7 +29,11 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
   }
 }
 
-Engine::~Engine() { Shutdown(absl::ZeroDuration()); }
+Engine::~Engine() {
+  Shutdown(absl::ZeroDuration());
+  // The pool outlives the engine; its memory tier does not.
+  if (memory_tier_.enabled()) pool_->SetReclaimer(nullptr);
+}
 
 absl::Status Engine::Start() {
   std::vector<std::unique_ptr<IoBackend>> backends;
@@ -51,8 +55,14 @@ absl::Status Engine::Start() {
   }
   if (options_.gc_interval > absl::ZeroDuration()) gc_thread_ = std::thread([this] { GcLoop(); });
   watch_thread_ = std::thread([this] { WatchTrainersLoop(); });
+  if (memory_tier_.enabled()) {
+    // Every user of the pool (snapshots, restores, verify) gets room back
+    // from the memory tier before it would wait.
+    pool_->SetReclaimer([this](uint64_t bytes) { memory_tier_.Shrink(bytes); });
+  }
   if (options_.remote != nullptr) {
     if (Metrics* m = options_.metrics) m->Set(Gauge::kRemoteUp, 1);
+    LoadRemoteRanks();  // before any call: WaitDurable(remote) finds every rank
     upload_thread_ = std::thread([this] { UploadLoop(); });
   }
   return absl::OkStatus();

@@ -378,7 +378,12 @@ class Engine {
     uint64_t local_step = 0;   // newest local checkpoint event
     uint64_t remote_step = 0;  // newest manifest in the remote tier
     bool seeded = false;       // objects and manifests listed from the store
-    std::map<std::string, uint64_t> objects;  // version files there -> bytes
+    // Version objects known whole there: named by a manifest that reads
+    // back, or uploaded by this node since (file -> bytes). Names repeat
+    // across histories of a rank, so a listed object that no manifest names
+    // is never trusted: it is uploaded again (over it) when needed.
+    std::map<std::string, uint64_t> objects;
+    std::set<std::string> stray;  // listed, not trusted; remote GC may delete them
     struct Manifest {
       int64_t unix_ms = 0;
       uint64_t agreed_step = 0;
@@ -390,16 +395,22 @@ class Engine {
     // that fell back past damaged steps): manifests above this step belong
     // to a discarded history and are deleted before anything is uploaded.
     std::optional<uint64_t> discard_above;
-    // The remote tier holds this rank for another uid: nothing of it is
-    // uploaded or deleted by this node.
-    bool foreign = false;
+    // Why this node neither uploads nor deletes anything of the rank (empty:
+    // it does): the remote tier holds it for another uid, or holds another
+    // history of it than this node's (started without restoring from it).
+    std::string blocked;
     absl::Time retry_at = absl::InfinitePast();
     absl::Duration backoff = absl::ZeroDuration();
   };
+  // The ranks the index holds, with their newest event and owner (Start).
+  void LoadRemoteRanks();
   void UploadLoop();
   // Reads the remote tier's objects and manifests of the rank into `out`
   // (manifests that do not read back whole are left out).
   absl::Status SeedRemote(const RankKey& key, RemoteRank* out);
+  // After seeding: whether the remote tier's newest step is of this node's
+  // history of the rank; the reason to block it otherwise ("" = it is).
+  absl::StatusOr<std::string> CheckRemoteHistory(const RankKey& key);
   // The rank's history was cut back to `step` (DiscardAfter, a pull).
   void NoteRewind(const std::string& job, uint32_t rank, uint64_t step);
   // Uploads the rank's oldest local event above its remote step: its plan's

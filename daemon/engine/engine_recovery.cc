@@ -64,9 +64,10 @@ absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_
 
 absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
                                          const Caller& caller, bool discard_later) {
-  // A replacement node: the rank's history comes from the remote tier; a
-  // remote tier that cannot be read is an error here, never "nothing to
-  // restore".
+  // A replacement node: the rank's history comes from the remote tier (for
+  // the rank's registered owner only); a remote tier that cannot be read is
+  // an error here, never "nothing to restore".
+  CKPT_RETURN_IF_ERROR(Find(ref, caller).status());
   CKPT_RETURN_IF_ERROR(PullFromRemote(ref.job, ref.rank, caller, /*must_know=*/true));
   std::shared_ptr<Rank> r;
   std::shared_ptr<RankMemory> memory;

@@ -100,7 +100,11 @@ void Engine::NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
   if (options_.remote == nullptr || steps_bytes.empty()) return;
   absl::MutexLock lock(&remote_mu_);
   RemoteRank& rr = remote_[RankKey(job, rank)];
-  rr.owner = owner;
+  if (rr.owner != owner) {
+    // The id was deleted and made again by another uid: start over.
+    rr = RemoteRank();
+    rr.owner = owner;
+  }
   for (const auto& [step, bytes] : steps_bytes) {
     rr.local_step = std::max(rr.local_step, step);
     if (step > rr.remote_step) rr.pending[step] = bytes;
@@ -122,6 +126,20 @@ void Engine::NoteRewind(const std::string& job, uint32_t rank, uint64_t step) {
     rr.remote_step = it->first;
   }
   rr.pending.erase(rr.pending.upper_bound(step), rr.pending.end());
+  // The rank's next steps reuse the file names of the discarded ones: those
+  // objects are no longer trusted (they are uploaded again, over them).
+  for (auto it = rr.objects.begin(); it != rr.objects.end();) {
+    uint32_t layer = 0;
+    uint64_t s = 0;
+    if (ParseFileName(it->first, &layer, &s) && s > step) {
+      rr.stray.insert(it->first);
+      it = rr.objects.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Going back on purpose settles a history conflict (not another owner).
+  if (rr.blocked.rfind("history:", 0) == 0) rr.blocked.clear();
   remote_cv_.Signal();
 }
 
@@ -129,11 +147,12 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
   const auto& [job, rank] = key;
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
                         options_.remote->List(remote::RankPrefix(job, rank)));
+  std::map<std::string, uint64_t> listed;  // version objects there -> bytes
   for (const remote::ObjectInfo& o : objects) {
     std::string file;
     uint64_t step = 0;
     if (remote::ParseVersionObjectKey(o.key, job, rank, &file)) {
-      out->objects[file] = o.size;
+      listed[file] = o.size;
     } else if (remote::ParseManifestKey(o.key, job, rank, &step)) {
       absl::StatusOr<store::RemoteManifest> m = ReadManifest(options_.remote, job, rank, step);
       if (!m.ok()) {
@@ -144,9 +163,22 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
         if (Metrics* mm = options_.metrics) mm->Inc(Counter::kRemoteFailures, "corrupt", 1);
         continue;
       }
-      if (m->owner_uid() != out->owner) out->foreign = true;
+      if (m->owner_uid() != out->owner) {
+        out->blocked = absl::StrCat("owner: the remote tier holds job ", job, " rank ", rank,
+                                    " for another user");
+      }
       out->manifests[step] =
           RemoteRank::Manifest{m->event().unix_ms(), m->event().agreed_step(), FilesOf(*m)};
+    }
+  }
+  // Trusted: what a readable manifest names.
+  std::set<std::string> named;
+  for (const auto& [s, m] : out->manifests) named.insert(m.files.begin(), m.files.end());
+  for (const auto& [file, size] : listed) {
+    if (named.count(file) > 0) {
+      out->objects[file] = size;
+    } else {
+      out->stray.insert(file);
     }
   }
   out->remote_step = out->manifests.empty() ? 0 : out->manifests.rbegin()->first;
@@ -154,48 +186,101 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> Engine::CheckRemoteHistory(const RankKey& key) {
+  const auto& [job, rank] = key;
+  uint64_t newest = 0;
+  std::vector<std::string> files;
+  {
+    absl::MutexLock lock(&remote_mu_);
+    auto it = remote_.find(key);
+    if (it == remote_.end() || it->second.manifests.empty()) return std::string();
+    newest = it->second.manifests.rbegin()->first;
+    files = it->second.manifests.rbegin()->second.files;
+  }
+  CKPT_ASSIGN_OR_RETURN(auto local, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+  const uint64_t local_head = local.has_value() ? local->first : 0;
+  if (newest > local_head) {
+    return absl::StrCat("history: the remote tier holds job ", job, " rank ", rank, " up to step ",
+                        newest, ", this node only up to ", local_head,
+                        " (started without restoring from it?); restore from it, or delete it there");
+  }
+  // Where this node still has the step, its plan must name the same files.
+  CKPT_ASSIGN_OR_RETURN(auto at, index_->EventAtOrBefore(job, rank, newest));
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
+  if (!at.has_value() || at->first != newest || !table.has_value()) return std::string();
+  std::vector<std::string> local_files;
+  for (const store::LayerSpec& layer : table->layers()) {
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(job, rank, layer.id(), newest));
+    if (v.has_value()) local_files.push_back(v->second.file());
+  }
+  std::sort(local_files.begin(), local_files.end());
+  std::sort(files.begin(), files.end());
+  if (local_files != files) {
+    return absl::StrCat("history: the remote tier's step ", newest, " of job ", job, " rank ", rank,
+                        " is of another history than this node's; restore from it, or delete it "
+                        "there");
+  }
+  return std::string();
+}
+
 absl::Status Engine::UploadNext(const RankKey& key) {
   const auto& [job, rank] = key;
   remote::RemoteStore* const store = options_.remote;
+  const std::string rank_name = absl::StrCat("job ", job, " rank ", rank);
+  // A rank DeleteJob dropped ends the turn: it is not brought back.
+  const absl::Status gone = absl::AbortedError(absl::StrCat(rank_name, " was deleted"));
   RemoteRank state;  // a copy of what is needed below
   {
     absl::MutexLock lock(&remote_mu_);
-    const RemoteRank& rr = remote_[key];
-    state.owner = rr.owner;
-    state.seeded = rr.seeded;
-    state.remote_step = rr.remote_step;
-    state.discard_above = rr.discard_above;
-    state.objects = rr.objects;
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return gone;
+    state.owner = it->second.owner;
+    state.seeded = it->second.seeded;
+    state.discard_above = it->second.discard_above;
   }
-  const std::string rank_name = absl::StrCat("job ", job, " rank ", rank);
   if (!state.seeded) {
     RemoteRank fresh;
     fresh.owner = state.owner;
     CKPT_RETURN_IF_ERROR(SeedRemote(key, &fresh));
-    absl::MutexLock lock(&remote_mu_);
-    RemoteRank& rr = remote_[key];
-    rr.objects = fresh.objects;
-    rr.manifests = std::move(fresh.manifests);
-    rr.foreign = fresh.foreign;
-    rr.remote_step = fresh.remote_step;
-    if (rr.discard_above.has_value()) {
-      rr.remote_step = 0;
-      for (const auto& [s, m] : rr.manifests) {
-        if (s <= *rr.discard_above) rr.remote_step = s;
+    {
+      absl::MutexLock lock(&remote_mu_);
+      auto it = remote_.find(key);
+      if (it == remote_.end()) return gone;
+      RemoteRank& rr = it->second;
+      rr.objects = std::move(fresh.objects);
+      rr.stray = std::move(fresh.stray);
+      rr.manifests = std::move(fresh.manifests);
+      rr.blocked = fresh.blocked;
+      rr.seeded = true;
+      remote_error_ = absl::OkStatus();  // the store answered
+    }
+    if (!state.discard_above.has_value()) {
+      CKPT_ASSIGN_OR_RETURN(std::string conflict, CheckRemoteHistory(key));
+      if (!conflict.empty()) {
+        absl::MutexLock lock(&remote_mu_);
+        auto it = remote_.find(key);
+        if (it != remote_.end() && it->second.blocked.empty()) it->second.blocked = conflict;
       }
     }
-    rr.seeded = true;
-    rr.pending.erase(rr.pending.begin(), rr.pending.upper_bound(rr.remote_step));
-    state.remote_step = rr.remote_step;
-    state.objects = std::move(fresh.objects);
   }
   {
     absl::MutexLock lock(&remote_mu_);
-    if (remote_[key].foreign) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "the remote tier holds ", rank_name,
-          " for another user; this node neither uploads nor deletes anything of it"));
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return gone;
+    RemoteRank& rr = it->second;
+    if (!rr.blocked.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(rr.blocked.substr(rr.blocked.find(':') + 2),
+                       "; this node neither uploads nor deletes anything of it"));
     }
+    state.discard_above = rr.discard_above;
+    rr.remote_step = 0;
+    for (const auto& [s, m] : rr.manifests) {
+      if (!rr.discard_above.has_value() || s <= *rr.discard_above) rr.remote_step = s;
+    }
+    rr.pending.erase(rr.pending.begin(), rr.pending.upper_bound(rr.remote_step));
+    state.remote_step = rr.remote_step;
+    state.objects = rr.objects;
   }
   if (state.discard_above.has_value()) {
     // Manifests of the discarded history go first: a replacement node must
@@ -203,14 +288,18 @@ absl::Status Engine::UploadNext(const RankKey& key) {
     std::vector<uint64_t> stale;
     {
       absl::MutexLock lock(&remote_mu_);
-      for (const auto& [s, m] : remote_[key].manifests) {
+      auto it = remote_.find(key);
+      if (it == remote_.end()) return gone;
+      for (const auto& [s, m] : it->second.manifests) {
         if (s > *state.discard_above) stale.push_back(s);
       }
     }
     for (uint64_t s : stale) {
       CKPT_RETURN_IF_ERROR(store->Delete(remote::ManifestKey(job, rank, s)));
       absl::MutexLock lock(&remote_mu_);
-      remote_[key].manifests.erase(s);
+      auto it = remote_.find(key);
+      if (it == remote_.end()) return gone;
+      it->second.manifests.erase(s);
     }
     if (!stale.empty()) {
       CKPT_LOG(WARNING) << "remote tier: " << rank_name << " went back to step "
@@ -218,14 +307,13 @@ absl::Status Engine::UploadNext(const RankKey& key) {
                         << " later steps of the discarded history";
     }
     absl::MutexLock lock(&remote_mu_);
-    RemoteRank& rr = remote_[key];
-    if (rr.discard_above == state.discard_above) rr.discard_above.reset();
-    rr.remote_step = rr.manifests.empty() ? 0 : rr.manifests.rbegin()->first;
-    state.remote_step = rr.remote_step;
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return gone;
+    if (it->second.discard_above == state.discard_above) it->second.discard_above.reset();
   }
 
-  // Under the lease: the oldest local event above the remote step, its plan,
-  // and the local files to upload, opened.
+  // Under the lease: the local event to upload, its plan, and the local
+  // files the remote tier does not hold yet, opened.
   struct Upload {
     store::VersionRecord rec;
     UniqueFd fd;
@@ -237,25 +325,48 @@ absl::Status Engine::UploadNext(const RankKey& key) {
   {
     CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
     ScopedLease lease(&leases_, key);
-    store::EventRecord event;
+    // The oldest event above the remote step; when more than
+    // remote_max_pending_events wait (a long outage), the newest instead
+    // (several ranks: the newest at or below the job's agreed step, which
+    // every rank has), so catching up costs one step, not the backlog.
+    std::vector<std::pair<uint64_t, uint64_t>> pending;  // step, agreed step
+    std::map<uint64_t, store::EventRecord> events;
     CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
         job, rank, /*newest_first=*/false, [&](uint64_t s, const store::EventRecord& e) {
           newest_local = s;
-          if (step == 0 && s > state.remote_step) {
-            step = s;
-            event = e;
+          if (s > state.remote_step) {
+            pending.emplace_back(s, e.agreed_step());
+            events[s] = e;
           }
           return true;
         }));
-    if (step == 0) {
+    if (pending.empty()) {
       absl::MutexLock lock(&remote_mu_);
-      RemoteRank& rr = remote_[key];
-      rr.local_step = newest_local;
-      rr.pending.clear();
+      auto it = remote_.find(key);
+      if (it == remote_.end()) return gone;
+      it->second.local_step = newest_local;
+      it->second.pending.clear();
       return absl::OkStatus();
     }
+    step = pending.front().first;
+    if (pending.size() > options_.remote_max_pending_events) {
+      const uint64_t agreed = pending.back().second;
+      for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+        if (agreed == 0 || it->first <= agreed) {
+          step = std::max(step, it->first);
+          break;
+        }
+      }
+      if (step != pending.front().first) {
+        CKPT_LOG(INFO) << "remote tier: " << rank_name << " is " << pending.size()
+                       << " steps behind; uploading step " << step
+                       << " and skipping the steps before it";
+      }
+    }
+    const store::EventRecord event = events[step];
+    events.clear();
     CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
-    if (!table.has_value()) return absl::OkStatus();  // the rank is being deleted
+    if (!table.has_value()) return gone;
     manifest.set_job_id(job);
     manifest.set_rank(rank);
     manifest.set_step(step);
@@ -317,7 +428,11 @@ absl::Status Engine::UploadNext(const RankKey& key) {
           m->Inc(Counter::kRemoteUploadedBytes, static_cast<double>(u.rec.file_bytes()));
         }
         absl::MutexLock lock(&remote_mu_);
-        remote_[key].objects[u.rec.file()] = u.rec.file_bytes();
+        auto it = remote_.find(key);
+        if (it != remote_.end()) {
+          it->second.objects[u.rec.file()] = u.rec.file_bytes();
+          it->second.stray.erase(u.rec.file());
+        }
       } else {
         absl::MutexLock l(&err_mu);
         if (first_error.ok()) first_error = s;
@@ -339,17 +454,27 @@ absl::Status Engine::UploadNext(const RankKey& key) {
   CKPT_SYNC_POINT("remote.before_put_manifest");
   absl::Status put = store->PutBytes(mkey, encoded, /*if_absent=*/true);
   if (absl::IsAlreadyExists(put)) {
-    // Written before ckptd restarted (the same files), or left by a history
-    // this rank went back before: this node holds the rank, so its step
-    // replaces it, unless it is another user's.
+    // Written before ckptd restarted (the same records: kept), or left by a
+    // history this rank went back before (replaced). Another user's, or one
+    // that cannot be read right now, is never replaced.
     absl::StatusOr<store::RemoteManifest> old = ReadManifest(store, job, rank, step);
+    if (!old.ok() && !Unusable(old.status())) return old.status();
     if (old.ok() && old->owner_uid() != state.owner) {
       absl::MutexLock lock(&remote_mu_);
-      remote_[key].foreign = true;
-      return absl::PermissionDeniedError(
+      auto it = remote_.find(key);
+      if (it != remote_.end()) {
+        it->second.blocked =
+            absl::StrCat("owner: the remote tier holds ", rank_name, " for another user");
+      }
+      return absl::FailedPreconditionError(
           absl::StrCat("the remote tier holds ", rank_name, " for another user"));
     }
-    const bool same = old.ok() && FilesOf(*old) == FilesOf(manifest);
+    auto records = [](const store::RemoteManifest& m) {
+      std::string out;
+      for (const store::RemoteVersion& v : m.versions()) out += v.SerializeAsString();
+      return out;
+    };
+    const bool same = old.ok() && records(*old) == records(manifest);
     put = same ? absl::OkStatus() : store->PutBytes(mkey, encoded, /*if_absent=*/false);
     if (!same && put.ok()) {
       CKPT_LOG(WARNING) << "remote tier: replaced the manifest of " << rank_name << " step "
@@ -364,7 +489,9 @@ absl::Status Engine::UploadNext(const RankKey& key) {
   }
   {
     absl::MutexLock lock(&remote_mu_);
-    RemoteRank& rr = remote_[key];
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return gone;
+    RemoteRank& rr = it->second;
     rr.manifests[step] = RemoteRank::Manifest{manifest.event().unix_ms(),
                                               manifest.event().agreed_step(), FilesOf(manifest)};
     // A rewind that came meanwhile deletes this manifest first (next turn).
@@ -387,14 +514,17 @@ absl::Status Engine::RemoteGc(const RankKey& key) {
   std::vector<std::string> objects;
   {
     absl::MutexLock lock(&remote_mu_);
-    const RemoteRank& rr = remote_[key];
-    if (rr.foreign || rr.discard_above.has_value()) return absl::OkStatus();
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return absl::OkStatus();
+    const RemoteRank& rr = it->second;
+    if (!rr.blocked.empty() || rr.discard_above.has_value()) return absl::OkStatus();
     for (const auto& [step, m] : rr.manifests) {
       in.events.emplace_back(step, m.unix_ms);
       manifest_files[step] = m.files;
     }
     if (!rr.manifests.empty()) in.agreed_step = rr.manifests.rbegin()->second.agreed_step;
     for (const auto& [file, bytes] : rr.objects) objects.push_back(file);
+    objects.insert(objects.end(), rr.stray.begin(), rr.stray.end());
   }
   if (in.events.empty()) return absl::OkStatus();
   const uint64_t newest = in.events.back().first;
@@ -410,7 +540,9 @@ absl::Status Engine::RemoteGc(const RankKey& key) {
     CKPT_RETURN_IF_ERROR(options_.remote->Delete(remote::ManifestKey(job, rank, step)));
     if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
     absl::MutexLock lock(&remote_mu_);
-    remote_[key].manifests.erase(step);
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return absl::OkStatus();
+    it->second.manifests.erase(step);
   }
   for (const std::string& file : objects) {
     uint32_t layer = 0;
@@ -420,14 +552,16 @@ absl::Status Engine::RemoteGc(const RankKey& key) {
     CKPT_RETURN_IF_ERROR(options_.remote->Delete(remote::VersionObjectKey(job, rank, file)));
     if (Metrics* m = options_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
     absl::MutexLock lock(&remote_mu_);
-    remote_[key].objects.erase(file);
+    auto it = remote_.find(key);
+    if (it == remote_.end()) return absl::OkStatus();
+    it->second.objects.erase(file);
+    it->second.stray.erase(file);
   }
   CKPT_SYNC_POINT("remote.after_gc");
   return absl::OkStatus();
 }
 
-void Engine::UploadLoop() {
-  // Every rank the index knows: its newest event and owner.
+void Engine::LoadRemoteRanks() {
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
   for (const std::string& job : jobs.ok() ? *jobs : std::vector<std::string>()) {
     absl::StatusOr<std::optional<store::JobRecord>> jr = index_->GetJob(job);
@@ -443,6 +577,9 @@ void Engine::UploadLoop() {
       rr.local_step = std::max(rr.local_step, (*e)->first);
     }
   }
+}
+
+void Engine::UploadLoop() {
   RankKey last;
   for (;;) {
     RankKey key;
@@ -453,7 +590,7 @@ void Engine::UploadLoop() {
       // Round-robin from the rank after the last one served.
       const absl::Time now = absl::Now();
       auto due = [&](const RemoteRank& rr) {
-        return !rr.foreign && now >= rr.retry_at &&
+        return rr.blocked.empty() && now >= rr.retry_at &&
                (!rr.seeded || rr.discard_above.has_value() || rr.local_step > rr.remote_step);
       };
       bool found = false;
@@ -472,6 +609,7 @@ void Engine::UploadLoop() {
     absl::Status s = UploadNext(key);
     if (s.ok()) s = RemoteGc(key);
     if (absl::IsCancelled(s)) return;  // stopping
+    if (absl::IsAborted(s)) continue;  // the job was deleted meanwhile
     absl::MutexLock lock(&remote_mu_);
     auto it = remote_.find(key);
     if (it == remote_.end()) continue;
@@ -603,12 +741,20 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
       }
       const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
       const VersionKey vk{job, rank, v.layer(), v.step()};
-      ok = store_->Adopt(vk, v.record(), [&](int fd) { return store->GetToFile(okey, fd, n); });
+      absl::Status fetched;  // what the store said, apart from the local checks
+      ok = store_->Adopt(vk, v.record(), [&](int fd) -> absl::StatusOr<uint64_t> {
+        absl::StatusOr<uint64_t> got = store->GetToFile(okey, fd, n);
+        fetched = got.status();
+        return got;
+      });
       if (!ok.ok()) {
         disk_.Release(n);
         quota_.ReleaseVersion(quota_owner, n);
         NoteRemoteFailure(ok, absl::StrCat("reading ", okey), caller.uid);
-        if (!Unusable(ok)) return give_up(ok);
+        // Unusable only when the object is missing or did not check; a
+        // flaky store or a local error is no reason to give the step up.
+        const bool damaged = fetched.ok() ? absl::IsDataLoss(ok) : absl::IsNotFound(fetched);
+        if (!damaged) return give_up(ok);
         break;
       }
       have.insert(v.record().file());
@@ -663,7 +809,45 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
   // belongs to a step that is not restorable: left in the index, a later
   // plan could pick it up.
   cleanup.armed = false;
-  pulled_bytes -= remove_adopted(newest);
+  {
+    // What no usable step names (versions of a manifest that turned out
+    // unusable) goes again.
+    std::set<std::string> named;
+    for (const store::RemoteManifest& m : usable) {
+      for (const std::string& f : FilesOf(m)) named.insert(f);
+    }
+    std::vector<std::pair<VersionKey, store::VersionRecord>> keep;
+    for (auto& a : adopted) {
+      if (named.count(a.second.file()) > 0) keep.push_back(a);
+    }
+    for (const auto& a : keep) {
+      adopted.erase(std::find_if(adopted.begin(), adopted.end(), [&](const auto& x) {
+        return x.second.file() == a.second.file();
+      }));
+    }
+    pulled_bytes -= remove_adopted(0);
+  }
+  {
+    // This node's next versions must not reuse a file name any node wrote
+    // for the rank: generations continue above every one there.
+    uint64_t highest = 0;
+    absl::StatusOr<std::vector<remote::ObjectInfo>> versions =
+        store->List(remote::RankPrefix(job, rank) + "v/");
+    for (const remote::ObjectInfo& o : versions.ok() ? *versions : std::vector<remote::ObjectInfo>()) {
+      std::string file;
+      uint64_t gen = 0;
+      if (remote::ParseVersionObjectKey(o.key, job, rank, &file) &&
+          remote::GenerationOfFile(file, &gen)) {
+        highest = std::max(highest, gen);
+      }
+    }
+    for (const store::RemoteManifest& m : usable) {
+      for (const store::RemoteVersion& v : m.versions()) {
+        highest = std::max(highest, v.record().generation());
+      }
+    }
+    CKPT_RETURN_IF_ERROR(index_->RaiseGeneration(highest));
+  }
   {
     // The remote tier holds these steps already; any above them are
     // damaged and go (NoteRewind) before this node uploads anything.
@@ -672,6 +856,7 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
     rr.owner = owner;
     rr.local_step = std::max(rr.local_step, newest);
     rr.seeded = false;  // listed afresh by the uploader
+    remote_error_ = absl::OkStatus();  // the store answered
   }
   if (steps.front() > newest) NoteRewind(job, rank, newest);
   CKPT_LOG(INFO) << "pulled job " << job << " rank " << rank << " from the remote tier ("

@@ -201,11 +201,6 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     // Step, generation and group counters change the header's size, so each
     // version gets its own layout.
     absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
-    if (layout.ok() && memory_tier_.enabled()) {
-      // Snapshots come before the memory tier: it gives pool room back first.
-      const uint64_t free = pool_->budget_bytes() - std::min(pool_->budget_bytes(), pool_->bytes_in_use());
-      if (free < layout->file_bytes) memory_tier_.Shrink(layout->file_bytes - free);
-    }
     absl::StatusOr<StagingLease> lease =
         layout.ok() ? pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout)
                     : absl::StatusOr<StagingLease>(layout.status());

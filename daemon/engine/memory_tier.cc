@@ -20,17 +20,21 @@ void MemoryTier::Put(const RankKey& rank, uint32_t layer, uint64_t step, const s
                      StagingLease image) {
   std::vector<std::shared_ptr<const StagingLease>> released;
   const uint64_t size = image.capacity();
-  if (size > budget_) return;  // `image` returns its chunks here
   auto shared = std::make_shared<const StagingLease>(std::move(image));
   absl::MutexLock lock(&mu_);
   const Key key(rank, layer);
   auto it = entries_.find(key);
   if (it != entries_.end()) {
-    if (it->second.step > step) return;  // an older version never replaces a newer one
+    // The layer's entry goes whatever follows: it is older than this
+    // version, or of a history the rank went back before.
     bytes_ -= it->second.bytes;
     by_stamp_.erase(it->second.stamp);
     released.push_back(std::move(it->second.image));
     entries_.erase(it);
+  }
+  if (size > budget_) {
+    released.push_back(std::move(shared));  // too large to keep
+    return;
   }
   EvictLocked(budget_ - size, &released);
   Entry& e = entries_[key];

@@ -42,8 +42,9 @@ class MemoryTier {
   bool enabled() const { return budget_ > 0; }
 
   // Keeps `image` (the committed file `file` of `layer` at `step`) in place
-  // of the layer's older entry. Dropped at once when it alone exceeds the
-  // budget or the tier is off.
+  // of the layer's entry (older, or of a history the rank went back
+  // before: the newest commit wins). Dropped at once, with the old entry,
+  // when it alone exceeds the budget.
   void Put(const RankKey& rank, uint32_t layer, uint64_t step, const std::string& file,
            StagingLease image);
 

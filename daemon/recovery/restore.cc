@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/logging.h"
 #include "base/status.h"
 
 namespace ckpt {
@@ -39,7 +40,11 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
     absl::StatusOr<DecodedHeader> decoded = absl::NotFoundError("not in memory");
     if (image != nullptr) {
       decoded = CheckImage(key, rec->second, LeaseImage(*image));
-      if (!decoded.ok()) image = nullptr;
+      if (!decoded.ok()) {
+        CKPT_LOG(ERROR) << "memory tier: layer " << lp.layer << " step " << lp.step
+                        << " does not check (" << decoded.status() << "); read from disk";
+        image = nullptr;
+      }
     }
     absl::StatusOr<LoadedVersion> loaded = absl::NotFoundError("not read");
     if (image == nullptr) {

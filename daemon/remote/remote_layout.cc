@@ -55,6 +55,13 @@ bool ParseVersionObjectKey(const std::string& key, const std::string& job, uint3
   return ParseFileName(*file, &layer, &step);
 }
 
+bool GenerationOfFile(const std::string& file, uint64_t* generation) {
+  uint32_t layer = 0;
+  uint64_t step = 0;
+  if (!ParseFileName(file, &layer, &step)) return false;
+  return absl::SimpleHexAtoi(absl::string_view(file).substr(29, 16), generation);
+}
+
 bool ParseRankOfKey(const std::string& key, std::string* job, uint32_t* rank) {
   if (!absl::StartsWith(key, "jobs/")) return false;
   const size_t job_end = key.find('/', 5);

@@ -40,6 +40,8 @@ bool ParseManifestKey(const std::string& key, const std::string& job, uint32_t r
                       uint64_t* step);
 bool ParseVersionObjectKey(const std::string& key, const std::string& job, uint32_t rank,
                            std::string* file);
+// The generation in a version file's name (L...-S...-G<gen>.ckv).
+bool GenerationOfFile(const std::string& file, uint64_t* generation);
 // "jobs/<job>/rank-<rank:8>/..." -> job and rank; false for anything else.
 bool ParseRankOfKey(const std::string& key, std::string* job, uint32_t* rank);
 

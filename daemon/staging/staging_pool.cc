@@ -102,6 +102,16 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
         "a version of ", bytes, " bytes does not fit the staging pool of ", budget_bytes(),
         " bytes; raise staging_pool_bytes"));
   }
+  std::shared_ptr<std::function<void(uint64_t)>> reclaimer;
+  uint64_t missing = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (free_.size() < need) {
+      reclaimer = reclaimer_;
+      missing = (need - free_.size()) * chunk_bytes_;
+    }
+  }
+  if (reclaimer != nullptr) (*reclaimer)(missing);
   absl::MutexLock lock(&mu_);
   auto enough = [this, need]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= need; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&enough), deadline)) {
@@ -114,6 +124,12 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
   lease.chunks_.assign(free_.end() - static_cast<ptrdiff_t>(need), free_.end());
   free_.resize(free_.size() - need);
   return lease;
+}
+
+void StagingPool::SetReclaimer(std::function<void(uint64_t bytes)> reclaimer) {
+  absl::MutexLock lock(&mu_);
+  reclaimer_ = reclaimer ? std::make_shared<std::function<void(uint64_t)>>(std::move(reclaimer))
+                         : nullptr;
 }
 
 void StagingPool::Release(std::vector<char*>* chunks) {

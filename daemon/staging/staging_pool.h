@@ -18,6 +18,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -92,7 +94,13 @@ class StagingPool {
   StagingPool& operator=(const StagingPool&) = delete;
 
   // Chunks for `bytes` (rounded up), all or nothing, waiting until `deadline`.
+  // When too few are free, the reclaimer (if any) is asked for the missing
+  // bytes first, without the pool's lock held.
   absl::StatusOr<StagingLease> Acquire(uint64_t bytes, absl::Time deadline);
+  // What gives pool bytes back on demand (the engine's memory tier, which
+  // keeps committed versions in pool chunks); null = none. The reclaimer
+  // must not call Acquire.
+  void SetReclaimer(std::function<void(uint64_t bytes)> reclaimer);
 
   uint64_t budget_bytes() const { return chunk_bytes_ * total_chunks_; }
   uint64_t chunk_bytes() const { return chunk_bytes_; }
@@ -113,6 +121,7 @@ class StagingPool {
 
   mutable absl::Mutex mu_;
   std::vector<char*> free_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<std::function<void(uint64_t)>> reclaimer_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckpt

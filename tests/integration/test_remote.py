@@ -40,7 +40,7 @@ def ctl_jobs(d):
     return {j["job_id"]: j for j in d.ctl("jobs")["jobs"]}
 
 
-def wait_remote(d, jobs, timeout=240):
+def wait_remote(d, jobs, timeout=600):
     """Waits until each job's every rank has its newest local step remotely."""
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -1293,6 +1293,53 @@ TEST_F(RemoteTierTest, GoingBackDeletesTheDiscardedHistoryInTheRemoteTier) {
   EXPECT_TRUE(HoldsStep(a, 104));
 }
 
+// Regression: going back without registering again keeps the rank's
+// generation, so its new steps reuse the file names of the discarded ones;
+// the remote tier took those objects as already there and the new
+// manifests named the old bytes. Now they are uploaded again, over them.
+TEST_F(RemoteTierTest, GoingBackOnTheSameGenerationUploadsTheNewBytes) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("samegen", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 5));
+  CKPT_ASSERT_OK(WaitRemote(a, 5).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true).status());
+  for (uint64_t t = 4; t <= 5; ++t) {  // steps 4 and 5 again, with other bytes
+    WriteStep(a, t + 1000);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  CKPT_ASSERT_OK(WaitRemote(a, 5).status());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 5u);
+  EXPECT_TRUE(HoldsStep(a, 1005)) << "the bytes of the new step 5, not the discarded one's";
+}
+
+// A rank that registered while the remote tier was down and started over
+// must not take the remote tier's older history for its own: it uploads
+// nothing there and says why.
+TEST_F(RemoteTierTest, AnotherHistoryInTheRemoteTierIsNeitherOverwrittenNorTrusted) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("twice", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  CKPT_ASSERT_OK(WaitRemote(a, 6).status());
+  faulty_->set_down(true);
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  CKPT_ASSERT_OK(Register(&a).status());  // could not pull: starts over
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  faulty_->set_down(false);
+  absl::StatusOr<uint64_t> r = WaitRemote(a, 2, absl::Seconds(2));
+  CKPT_EXPECT_CODE(r.status(), kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(engine_->GetStatus(owner_).remote_error(), "up to step 6"))
+      << engine_->GetStatus(owner_).remote_error();
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("twice", 0)));
+  EXPECT_EQ(manifests.size(), 6u) << "the remote history is untouched";
+}
+
 // Regression: with the remote tier down, Register of a new job failed (it
 // had to list the remote tier first). Now the job registers and trains; only
 // a restore, which must know whether a checkpoint exists there, fails.
@@ -1381,30 +1428,40 @@ TEST_F(EnginePipelineTest, MemoryTierServesARestoreWithoutTheDisk) {
   EXPECT_TRUE(HoldsStep(a, 3));
 }
 
-// A tier that holds only some layers: those come from memory, the rest from
-// the disk; both byte-exact. Snapshots take room back from the tier.
+// A tier as large as the whole pool: snapshots, and restores that read the
+// disk, take room back from it (before, only snapshots did, and a restore
+// of an older step waited out its deadline); layers it still holds come
+// from memory, the rest from the disk, both byte-exact.
 TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
   EngineOptions o = OneWriter();
-  o.memory_tier_bytes = 2 * kChunk;  // two of the four layers
-  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/6));
+  o.memory_tier_bytes = 4 * kChunk;
+  o.restore_timeout = absl::Seconds(5);
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/4));
   TestRank a = MakeRank("partial", 4);
   CKPT_ASSERT_OK(Register(&a).status());
   for (uint64_t t = 1; t <= 4; ++t) {
     WriteStep(a, t);
     CKPT_ASSERT_OK(StepDone(a, t));
     CKPT_ASSERT_OK(WaitDurable(a, t).status());
-    // Every step's four layers were admitted although the tier held two
-    // chunks of a six-chunk pool: it gave them back.
+    // Every step's four layers were admitted although the tier held the
+    // whole pool: it gave it back.
     CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, t));
     EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{t, t, t, t}));
   }
+  EXPECT_EQ(pool_->bytes_in_use(), 4 * kChunk) << "the tier holds step 4";
+  // An older step: every layer from the disk, through a full pool.
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored older, engine_->Restore(Ref(a), 2, owner_));
+  EXPECT_EQ(older.memory_bytes, 0u);
+  EXPECT_TRUE(HoldsStep(a, 2));
+  // The newest step: what the tier kept from memory, the rest from disk.
   WriteStep(a, 0);
   CKPT_ASSERT_OK(Register(&a).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
   EXPECT_GT(restored.memory_bytes, 0u);
   EXPECT_LT(restored.memory_bytes, restored.bytes);
   EXPECT_TRUE(HoldsStep(a, 4));
-  EXPECT_LE(pool_->bytes_in_use(), 2 * kChunk);
 }
 
 }  // namespace

@@ -30,17 +30,20 @@ TEST(MemoryTier, KeepsTheNewestVersionOfEachLayerWithinItsBudget) {
   EXPECT_EQ(tier.Find(r, 0, 1, "a1"), nullptr);
   EXPECT_NE(tier.Find(r, 0, 2, "a2"), nullptr);
   EXPECT_EQ(tier.Find(r, 0, 2, "other-file"), nullptr);
-  // An older version never replaces a newer one.
+  // The newest commit wins, even of an older step (the rank went back).
   tier.Put(r, 0, 1, "a1", Take(pool.get(), 1));
-  EXPECT_NE(tier.Find(r, 0, 2, "a2"), nullptr);
+  EXPECT_EQ(tier.Find(r, 0, 2, "a2"), nullptr);
+  EXPECT_NE(tier.Find(r, 0, 1, "a1"), nullptr);
   // Over the budget, the oldest entry (layer 1) goes.
   tier.Put(r, 2, 1, "c1", Take(pool.get(), 2));
   EXPECT_EQ(tier.Find(r, 1, 1, "b1"), nullptr);
   EXPECT_EQ(tier.bytes(), 3 * kChunk);
-  // Larger than the whole budget: not kept.
-  tier.Put(r, 3, 1, "d1", Take(pool.get(), 5));
-  EXPECT_EQ(tier.Find(r, 3, 1, "d1"), nullptr);
-  EXPECT_EQ(pool->bytes_in_use(), 3 * kChunk);
+  // Larger than the whole budget: not kept, and the layer's older entry
+  // goes with it.
+  tier.Put(r, 2, 2, "c2", Take(pool.get(), 5));
+  EXPECT_EQ(tier.Find(r, 2, 2, "c2"), nullptr);
+  EXPECT_EQ(tier.Find(r, 2, 1, "c1"), nullptr);
+  EXPECT_EQ(pool->bytes_in_use(), 1 * kChunk);
 }
 
 TEST(MemoryTier, ShrinkAndDropJobReturnChunksOnceReadersAreDone) {
