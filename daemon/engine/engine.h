@@ -9,6 +9,8 @@
 //   engine_recovery.cc   Plan, Restore, Verify, Export (over recovery/)
 //   engine_retention.cc  GC under leases (leases.h)
 //   engine_admin.cc      Status, Jobs, Layers, History, metrics collection
+//   engine_remote.cc     the remote tier: uploader, remote GC, pulls
+//   memory_tier.h        the memory tier restores read from
 //   rank_state.h         the per-rank state these stages share
 //
 //   StepDone(t) --queue--> snapshot worker: select layers, copy them from the
