@@ -105,7 +105,10 @@ def worker(a):
             raise
         durable = None
     st = run.stats()
+    # After wait_durable, whose join ends the background agreements: the
+    # last agreed step, the same on every rank.
     print(json.dumps({"rank": a.rank, "steps": run.step, "durable": durable,
+                      "agreed": run.agreed_durable_step,
                       "unprotected": client.unprotected,
                       "exchange_s": statistics.median(st.drift_exchange_s or [0.0]),
                       "exchanges": len(st.drift_exchange_s)}))
@@ -168,8 +171,17 @@ def daemon_loss(root):
         check(results[0]["durable"] == STEPS and not results[0]["unprotected"],
               "rank 0 stayed protected: every step durable on its ckptd")
         agreed = [{row["step"]: row["agreed"] for row in harness.read_jsonl(p)} for p in logs]
-        check(agreed[0] == agreed[1], "both ranks hold the same agreed durable step at every "
-              "step")
+        # Each rank logs the agreement its background thread last finished,
+        # so at a given step one rank may still show the previous one (a
+        # flake under load compared them step by step). What must hold: each
+        # rank's agreements only move forward, never past the last one, and
+        # both ranks end on the same one.
+        final = results[0]["agreed"]
+        seen = [[v for _, v in sorted(a.items()) if v is not None] for a in agreed]
+        check(final is not None and results[1]["agreed"] == final and
+              all(s == sorted(s) and all(v <= final for v in s) for s in seen),
+              "both ranks' agreed durable steps moved forward only and ended on the same one "
+              "(%s, %s)" % (final, results[1]["agreed"]))
         stuck = [agreed[0][t] for t in range(20, 26)]
         check(all(a is not None and a <= 15 for a in stuck),
               "with rank 1's ckptd gone, the agreed durable step stayed at or below 15 "
@@ -179,13 +191,13 @@ def daemon_loss(root):
               % lag[0])
         check(results[1]["durable"] == STEPS and not results[1]["unprotected"],
               "rank 1 re-registered with its restarted ckptd and is protected again")
-        check(agreed[0][STEPS] > 25,
-              "the job caught up: the agreed durable step is %d at step %d (agreed at step "
-              "30, after rank 1's ckptd came back at 25)" % (agreed[0][STEPS], STEPS))
+        check(results[0]["agreed"] > 25,
+              "the job caught up: the agreed durable step is %d at the end (agreed at step "
+              "30, after rank 1's ckptd came back at 25)" % results[0]["agreed"])
         jobs = {j["job_id"]: j for j in daemons[0].ctl("jobs")["jobs"]}
-        check(jobs["loss"]["ranks"][0]["agreed_step"] == agreed[0][STEPS],
-              "ckptctl jobs shows the agreed step rank 0 reported with its last step (%d)"
-              % agreed[0][STEPS])
+        reported = jobs["loss"]["ranks"][0]["agreed_step"]
+        check(reported > 25 and reported in seen[0] + [results[0]["agreed"]],
+              "ckptctl jobs shows an agreed step rank 0 reported with its steps (%d)" % reported)
     finally:
         for d in daemons:
             d.kill()
