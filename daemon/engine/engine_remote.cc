@@ -144,7 +144,8 @@ void Engine::NoteRewind(const std::string& job, uint32_t rank, uint64_t step) {
 }
 
 absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
-  const auto& [job, rank] = key;
+  const std::string& job = key.first;
+  const uint32_t rank = key.second;
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
                         options_.remote->List(remote::RankPrefix(job, rank)));
   std::map<std::string, uint64_t> listed;  // version objects there -> bytes
@@ -187,7 +188,8 @@ absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
 }
 
 absl::StatusOr<std::string> Engine::CheckRemoteHistory(const RankKey& key) {
-  const auto& [job, rank] = key;
+  const std::string& job = key.first;
+  const uint32_t rank = key.second;
   uint64_t newest = 0;
   std::vector<std::string> files;
   {
@@ -224,7 +226,8 @@ absl::StatusOr<std::string> Engine::CheckRemoteHistory(const RankKey& key) {
 }
 
 absl::Status Engine::UploadNext(const RankKey& key) {
-  const auto& [job, rank] = key;
+  const std::string& job = key.first;
+  const uint32_t rank = key.second;
   remote::RemoteStore* const store = options_.remote;
   const std::string rank_name = absl::StrCat("job ", job, " rank ", rank);
   // A rank DeleteJob dropped ends the turn: it is not brought back.
@@ -507,7 +510,8 @@ absl::Status Engine::UploadNext(const RankKey& key) {
 }
 
 absl::Status Engine::RemoteGc(const RankKey& key) {
-  const auto& [job, rank] = key;
+  const std::string& job = key.first;
+  const uint32_t rank = key.second;
   RetentionInput in;
   in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
   std::map<uint64_t, std::vector<std::string>> manifest_files;
