@@ -155,7 +155,7 @@ void Engine::Shutdown(absl::Duration grace) {
     absl::MutexLock lock(&remote_mu_);
     remote_stop_ = true;
     remote_stopping_.store(true);
-    remote_cv_.SignalAll();
+    ++remote_wakeups_;
   }
   if (upload_thread_.joinable()) upload_thread_.join();
   // Mappings and the ranks themselves (a GPU rank's drift kernel synchronizes

@@ -478,7 +478,10 @@ class Engine {
   // The remote tier's state; remote_mu_ is a leaf (nothing is called out
   // while it is held).
   absl::Mutex remote_mu_;
-  absl::CondVar remote_cv_;  // new local events, or stopping
+  // Bumped on new local events, a rewind and stopping: the uploader waits for
+  // a change (an absl::Condition, not a CondVar: TSan's view of Debian's
+  // uninstrumented absl follows Lock/Unlock/Await only).
+  uint64_t remote_wakeups_ ABSL_GUARDED_BY(remote_mu_) = 0;
   std::map<RankKey, RemoteRank> remote_ ABSL_GUARDED_BY(remote_mu_);
   std::set<RankKey> pulling_ ABSL_GUARDED_BY(remote_mu_);
   absl::Status remote_error_ ABSL_GUARDED_BY(remote_mu_);

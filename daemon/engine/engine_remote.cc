@@ -110,7 +110,7 @@ void Engine::NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
     if (step > rr.remote_step) rr.pending[step] = bytes;
   }
   while (rr.pending.size() > kMaxPendingTracked) rr.pending.erase(rr.pending.begin());
-  remote_cv_.Signal();
+  ++remote_wakeups_;
 }
 
 void Engine::NoteRewind(const std::string& job, uint32_t rank, uint64_t step) {
@@ -140,7 +140,7 @@ void Engine::NoteRewind(const std::string& job, uint32_t rank, uint64_t step) {
   }
   // Going back on purpose settles a history conflict (not another owner).
   if (rr.blocked.rfind("history:", 0) == 0) rr.blocked.clear();
-  remote_cv_.Signal();
+  ++remote_wakeups_;
 }
 
 absl::Status Engine::SeedRemote(const RankKey& key, RemoteRank* out) {
@@ -504,7 +504,7 @@ absl::Status Engine::UploadNext(const RankKey& key) {
     rr.local_step = std::max(rr.local_step, newest_local);
     rr.pending.erase(rr.pending.begin(), rr.pending.upper_bound(rr.remote_step));
     remote_error_ = absl::OkStatus();
-    remote_cv_.SignalAll();
+    ++remote_wakeups_;
   }
   return absl::OkStatus();
 }
@@ -605,7 +605,12 @@ void Engine::UploadLoop() {
         if (due(it->second)) key = it->first, owner = it->second.owner, found = true;
       }
       if (!found) {
-        remote_cv_.WaitWithTimeout(&remote_mu_, absl::Milliseconds(500));
+        const uint64_t seen = remote_wakeups_;
+        auto woken = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(remote_mu_) {
+          return remote_stop_ || remote_wakeups_ != seen;
+        };
+        // Bounded: a rank's back-off ends without a wake-up.
+        remote_mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Milliseconds(500));
         continue;
       }
       last = key;
@@ -614,22 +619,22 @@ void Engine::UploadLoop() {
     if (s.ok()) s = RemoteGc(key);
     if (absl::IsCancelled(s)) return;  // stopping
     if (absl::IsAborted(s)) continue;  // the job was deleted meanwhile
-    absl::MutexLock lock(&remote_mu_);
-    auto it = remote_.find(key);
-    if (it == remote_.end()) continue;
-    if (s.ok()) {
-      it->second.backoff = absl::ZeroDuration();
-      it->second.retry_at = absl::InfinitePast();
-      continue;
+    {
+      absl::MutexLock lock(&remote_mu_);
+      auto it = remote_.find(key);
+      if (it == remote_.end()) continue;
+      RemoteRank& rr = it->second;
+      if (s.ok()) {
+        rr.backoff = absl::ZeroDuration();
+        rr.retry_at = absl::InfinitePast();
+        continue;
+      }
+      rr.backoff = rr.backoff == absl::ZeroDuration()
+                       ? options_.remote_retry_min
+                       : std::min(rr.backoff * 2, options_.remote_retry_max);
+      rr.retry_at = absl::Now() + rr.backoff;
     }
-    RemoteRank& rr = it->second;
-    rr.backoff = rr.backoff == absl::ZeroDuration()
-                     ? options_.remote_retry_min
-                     : std::min(rr.backoff * 2, options_.remote_retry_max);
-    rr.retry_at = absl::Now() + rr.backoff;
-    remote_mu_.Unlock();
     NoteRemoteFailure(s, absl::StrCat("uploading job ", key.first, " rank ", key.second), owner);
-    remote_mu_.Lock();
   }
 }
 
