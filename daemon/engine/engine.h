@@ -404,6 +404,9 @@ class Engine {
     absl::Time retry_at = absl::InfinitePast();
     absl::Duration backoff = absl::ZeroDuration();
   };
+  // The largest remote lag in steps and the bytes not uploaded, over the
+  // ranks of `owner` (every rank when null).
+  std::pair<uint64_t, uint64_t> RemoteLag(const uid_t* owner);
   // The ranks the index holds, with their newest event and owner (Start).
   void LoadRemoteRanks();
   void UploadLoop();

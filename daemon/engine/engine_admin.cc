@@ -47,13 +47,11 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
     s.set_jobs(visible);
   }
   s.set_remote(options_.remote == nullptr ? "none" : options_.remote->Describe());
+  const auto [lag_steps, lag_bytes] = RemoteLag(all ? nullptr : &caller.uid);
+  s.set_remote_lag_steps(lag_steps);
+  s.set_remote_lag_bytes(lag_bytes);
   {
     absl::MutexLock lock(&remote_mu_);
-    for (const auto& [key, rr] : remote_) {
-      if (!all && rr.owner != caller.uid) continue;
-      s.set_remote_lag_steps(std::max(s.remote_lag_steps(), rr.local_step - std::min(rr.local_step, rr.remote_step)));
-      for (const auto& [step, bytes] : rr.pending) s.set_remote_lag_bytes(s.remote_lag_bytes() + bytes);
-    }
     // It may name a job: only its owner and root see it.
     if (!remote_error_.ok()) {
       s.set_remote_error(all || remote_error_uid_ == caller.uid
@@ -277,18 +275,10 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
   m->Set(Gauge::kGlobalDurableLagSteps, global_lag);
-  double remote_lag_steps = 0, remote_lag_bytes = 0;
-  {
-    absl::MutexLock remote_lock(&remote_mu_);
-    for (const auto& [key, rr] : remote_) {
-      remote_lag_steps = std::max(
-          remote_lag_steps, static_cast<double>(rr.local_step - std::min(rr.local_step, rr.remote_step)));
-      for (const auto& [step, bytes] : rr.pending) remote_lag_bytes += static_cast<double>(bytes);
-    }
-  }
+  const auto [remote_lag_steps, remote_lag_bytes] = RemoteLag(nullptr);
   m->Set(Gauge::kMemoryTierBytes, static_cast<double>(memory_tier_.bytes()));
-  m->Set(Gauge::kRemoteLagSteps, remote_lag_steps);
-  m->Set(Gauge::kRemoteLagBytes, remote_lag_bytes);
+  m->Set(Gauge::kRemoteLagSteps, static_cast<double>(remote_lag_steps));
+  m->Set(Gauge::kRemoteLagBytes, static_cast<double>(remote_lag_bytes));
 }
 
 size_t Engine::ActiveRanksLocked(bool stale_only) const {

@@ -95,6 +95,17 @@ void Engine::NoteRemoteFailure(const absl::Status& s, const std::string& what, u
   remote_error_uid_ = owner;
 }
 
+std::pair<uint64_t, uint64_t> Engine::RemoteLag(const uid_t* owner) {
+  uint64_t steps = 0, bytes = 0;
+  absl::MutexLock lock(&remote_mu_);
+  for (const auto& [key, rr] : remote_) {
+    if (owner != nullptr && rr.owner != *owner) continue;
+    steps = std::max(steps, rr.local_step - std::min(rr.local_step, rr.remote_step));
+    for (const auto& [step, b] : rr.pending) bytes += b;
+  }
+  return {steps, bytes};
+}
+
 void Engine::NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
                              const std::vector<std::pair<uint64_t, uint64_t>>& steps_bytes) {
   if (options_.remote == nullptr || steps_bytes.empty()) return;
@@ -332,15 +343,13 @@ absl::Status Engine::UploadNext(const RankKey& key) {
     // remote_max_pending_events wait (a long outage), the newest instead
     // (several ranks: the newest at or below the job's agreed step, which
     // every rank has), so catching up costs one step, not the backlog.
+    // Steps and agreed steps only: the chosen event (with its aux blob) is
+    // read once below, not every pending one copied.
     std::vector<std::pair<uint64_t, uint64_t>> pending;  // step, agreed step
-    std::map<uint64_t, store::EventRecord> events;
     CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
         job, rank, /*newest_first=*/false, [&](uint64_t s, const store::EventRecord& e) {
           newest_local = s;
-          if (s > state.remote_step) {
-            pending.emplace_back(s, e.agreed_step());
-            events[s] = e;
-          }
+          if (s > state.remote_step) pending.emplace_back(s, e.agreed_step());
           return true;
         }));
     if (pending.empty()) {
@@ -366,15 +375,15 @@ absl::Status Engine::UploadNext(const RankKey& key) {
                        << " and skipping the steps before it";
       }
     }
-    const store::EventRecord event = events[step];
-    events.clear();
+    CKPT_ASSIGN_OR_RETURN(auto event, index_->EventAtOrBefore(job, rank, step));
+    if (!event.has_value() || event->first != step) return gone;
     CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
     if (!table.has_value()) return gone;
     manifest.set_job_id(job);
     manifest.set_rank(rank);
     manifest.set_step(step);
     manifest.set_owner_uid(state.owner);
-    *manifest.mutable_event() = event;
+    *manifest.mutable_event() = std::move(event->second);
     *manifest.mutable_table() = *table;
     for (const store::LayerSpec& layer : table->layers()) {
       CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(job, rank, layer.id(), step));
@@ -825,15 +834,9 @@ absl::Status Engine::PullFromRemote(const std::string& job, uint32_t rank, const
     for (const store::RemoteManifest& m : usable) {
       for (const std::string& f : FilesOf(m)) named.insert(f);
     }
-    std::vector<std::pair<VersionKey, store::VersionRecord>> keep;
-    for (auto& a : adopted) {
-      if (named.count(a.second.file()) > 0) keep.push_back(a);
-    }
-    for (const auto& a : keep) {
-      adopted.erase(std::find_if(adopted.begin(), adopted.end(), [&](const auto& x) {
-        return x.second.file() == a.second.file();
-      }));
-    }
+    adopted.erase(std::remove_if(adopted.begin(), adopted.end(),
+                                 [&](const auto& a) { return named.count(a.second.file()) > 0; }),
+                  adopted.end());
     pulled_bytes -= remove_adopted(0);
   }
   {

@@ -1,18 +1,22 @@
 #include "daemon/engine/memory_tier.h"
 
+#include <iterator>
 #include <vector>
 
 namespace ckpt {
 
+std::map<MemoryTier::Key, MemoryTier::Entry>::iterator MemoryTier::EraseLocked(
+    std::map<Key, Entry>::iterator it, std::vector<std::shared_ptr<const StagingLease>>* out) {
+  bytes_ -= it->second.bytes;
+  by_stamp_.erase(it->second.stamp);
+  out->push_back(std::move(it->second.image));
+  return entries_.erase(it);
+}
+
 void MemoryTier::EvictLocked(uint64_t target,
                              std::vector<std::shared_ptr<const StagingLease>>* out) {
   while (bytes_ > target && !by_stamp_.empty()) {
-    auto oldest = by_stamp_.begin();
-    auto it = entries_.find(oldest->second);
-    bytes_ -= it->second.bytes;
-    out->push_back(std::move(it->second.image));
-    entries_.erase(it);
-    by_stamp_.erase(oldest);
+    EraseLocked(entries_.find(by_stamp_.begin()->second), out);
   }
 }
 
@@ -27,10 +31,7 @@ void MemoryTier::Put(const RankKey& rank, uint32_t layer, uint64_t step, const s
   if (it != entries_.end()) {
     // The layer's entry goes whatever follows: it is older than this
     // version, or of a history the rank went back before.
-    bytes_ -= it->second.bytes;
-    by_stamp_.erase(it->second.stamp);
-    released.push_back(std::move(it->second.image));
-    entries_.erase(it);
+    EraseLocked(it, &released);
   }
   if (size > budget_) {
     released.push_back(std::move(shared));  // too large to keep
@@ -65,14 +66,7 @@ void MemoryTier::DropJob(const std::string& job) {
   std::vector<std::shared_ptr<const StagingLease>> released;
   absl::MutexLock lock(&mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->first.first.first == job) {
-      bytes_ -= it->second.bytes;
-      by_stamp_.erase(it->second.stamp);
-      released.push_back(std::move(it->second.image));
-      it = entries_.erase(it);
-    } else {
-      ++it;
-    }
+    it = it->first.first.first == job ? EraseLocked(it, &released) : std::next(it);
   }
 }
 

@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "daemon/engine/leases.h"
@@ -68,6 +69,11 @@ class MemoryTier {
     uint64_t stamp = 0;  // order of Put: the smallest is evicted first
   };
   using Key = std::pair<RankKey, uint32_t>;  // rank, layer
+  // Removes one entry; its image goes to `out` (released by the caller
+  // after unlocking). Returns the next entry.
+  std::map<Key, Entry>::iterator EraseLocked(std::map<Key, Entry>::iterator it,
+                                             std::vector<std::shared_ptr<const StagingLease>>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes entries (oldest first) until at most `target` bytes are held;
   // moves their images to `out`, released by the caller after unlocking.
   void EvictLocked(uint64_t target, std::vector<std::shared_ptr<const StagingLease>>* out)
