@@ -95,14 +95,17 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     ScopedLease lease(&leases_, key);
     Restored reply;
     CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r->job, r->rank, target_step, r->table));
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
+    // Two readers: one file's last reads overlap the next file's first.
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io0,
+                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io1,
                           MakeIoBackend(options_.io_backend, options_.io_queue_depth));
     TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
       return r->layers[layer].src[tensor];
     };
     CKPT_ASSIGN_OR_RETURN(
         RestoreStats stats,
-        RestoreInto(reply.plan, r->table, dest, index_, store_, io.get(), pool_,
+        RestoreInto(reply.plan, r->table, dest, index_, store_, {io0.get(), io1.get()}, pool_,
                     options_.restore_timeout,
                     [this] { return shutting_down_.load(std::memory_order_relaxed); },
                     [&memory](char* dst, const char* src, uint64_t n) {

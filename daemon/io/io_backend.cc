@@ -79,10 +79,14 @@ class UringBackend final : public IoBackend {
   const char* Name() const override { return "io_uring"; }
 
   absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
-    return Run(fd, segments, /*write=*/true);
+    return Run(fd, segments, /*write=*/true, nullptr);
+  }
+  absl::Status WriteAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                  const std::function<void()>& overlap) override {
+    return Run(fd, segments, /*write=*/true, &overlap);
   }
   absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
-    return Run(fd, segments, /*write=*/false);
+    return Run(fd, segments, /*write=*/false, nullptr);
   }
 
  private:
@@ -96,7 +100,8 @@ class UringBackend final : public IoBackend {
   // for its remainder. On a hard error it stops submitting, reaps everything
   // still in flight (the buffers must not be reused while the kernel owns
   // them) and returns the first error.
-  absl::Status Run(int fd, absl::Span<const IoSegment> segments, bool write) {
+  absl::Status Run(int fd, absl::Span<const IoSegment> segments, bool write,
+                   const std::function<void()>* overlap) {
     std::deque<Op> todo;
     for (const IoSegment& s : segments) {
       if (s.len > 0) todo.push_back(Op{static_cast<char*>(s.buf), s.len, s.offset});
@@ -142,6 +147,11 @@ class UringBackend final : public IoBackend {
           return DrainAfterFailure(in_flight, first_error);
         }
       }
+      if (overlap != nullptr) {
+        // Once, while the first writes are in flight.
+        (*overlap)();
+        overlap = nullptr;
+      }
       if (in_flight == 0) {
         if (unsubmitted > 0) continue;  // transient submit failure: retry
         break;
@@ -178,6 +188,7 @@ class UringBackend final : public IoBackend {
       }
       free_slots.push_back(slot);
     }
+    if (overlap != nullptr && first_error.ok()) (*overlap)();  // nothing was submitted
     return first_error;
   }
 

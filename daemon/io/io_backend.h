@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -34,6 +35,15 @@ class IoBackend {
   virtual ~IoBackend() = default;
   virtual const char* Name() const = 0;
   virtual absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) = 0;
+  // WriteAll that runs `overlap` on the calling thread while the writes are
+  // in flight (io_uring: after the first submission, before the first wait;
+  // the pwrite twin runs it first). `overlap` may read the bytes being
+  // written, never change them. It has run when the call returns OK.
+  virtual absl::Status WriteAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                          const std::function<void()>& overlap) {
+    overlap();
+    return WriteAll(fd, segments);
+  }
   // A read that hits end of file before a segment is full is DATA_LOSS.
   virtual absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) = 0;
 };

@@ -60,7 +60,7 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
       return buffer.data() + offsets[tensor];
     };
     CKPT_RETURN_IF_ERROR(
-        RestoreInto(one, table, dest, index, store, io, pool, timeout, cancelled).status());
+        RestoreInto(one, table, dest, index, store, {io}, pool, timeout, cancelled).status());
     for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
       v1::ExportChunk chunk;
       chunk.set_data(buffer.substr(off, kExportPieceBytes));

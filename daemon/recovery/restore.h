@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/staging/staging_pool.h"
@@ -49,9 +50,13 @@ struct RestoreStats {
 using MemorySource = std::function<std::shared_ptr<const StagingLease>(
     const VersionKey& key, const store::VersionRecord& rec)>;
 
+// `io` holds one backend per reader: with two or more, the next versions'
+// files are read while the current one's last reads complete (one backend
+// per thread; RestoreInto uses each on one thread of its own).
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const TensorDestination& dest, Index* index, LayerStore* store,
-                                         IoBackend* io, StagingPool* pool, absl::Duration timeout,
+                                         absl::Span<IoBackend* const> io, StagingPool* pool,
+                                         absl::Duration timeout,
                                          const std::function<bool()>& cancelled = nullptr,
                                          const CopyToDestination& copy = nullptr,
                                          const MemorySource& memory = nullptr);

@@ -126,6 +126,19 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
   return lease;
 }
 
+std::optional<StagingLease> StagingPool::TryAcquire(uint64_t bytes) {
+  if (bytes > budget_bytes()) return std::nullopt;
+  const size_t need = std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
+  absl::MutexLock lock(&mu_);
+  if (free_.size() < need) return std::nullopt;
+  StagingLease lease;
+  lease.pool_ = this;
+  lease.chunk_bytes_ = chunk_bytes_;
+  lease.chunks_.assign(free_.end() - static_cast<ptrdiff_t>(need), free_.end());
+  free_.resize(free_.size() - need);
+  return lease;
+}
+
 void StagingPool::SetReclaimer(std::function<void(uint64_t bytes)> reclaimer) {
   absl::MutexLock lock(&mu_);
   reclaimer_ = reclaimer ? std::make_shared<std::function<void(uint64_t)>>(std::move(reclaimer))

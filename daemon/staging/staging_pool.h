@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -97,6 +98,10 @@ class StagingPool {
   // When too few are free, the reclaimer (if any) is asked for the missing
   // bytes first, without the pool's lock held.
   absl::StatusOr<StagingLease> Acquire(uint64_t bytes, absl::Time deadline);
+  // Chunks for `bytes` when that many are free now; else nullopt, without
+  // waiting and without asking the reclaimer (for work that is only worth
+  // doing in free room, such as a restore's read-ahead).
+  std::optional<StagingLease> TryAcquire(uint64_t bytes);
   // What gives pool bytes back on demand (the engine's memory tier, which
   // keeps committed versions in pool chunks); null = none. The reclaimer
   // must not call Acquire.

@@ -68,6 +68,13 @@ absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {
 
 absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
                                       const VersionLayout& layout, ByteImage* image) {
+  absl::StatusOr<uint64_t> body_hash = EncodeHeaderRegion(header, layout, image);
+  if (body_hash.ok()) ZeroPayloadGaps(header, layout, image);
+  return body_hash;
+}
+
+absl::StatusOr<uint64_t> EncodeHeaderRegion(const store::LayerFileHeader& header,
+                                            const VersionLayout& layout, ByteImage* image) {
   std::string body;
   if (!header.SerializeToString(&body)) return absl::InternalError("header serialization failed");
   if (kPrefixBytes + body.size() > layout.header_bytes) {
@@ -86,6 +93,11 @@ absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
   image->CopyIn(0, prefix, kPrefixBytes);
   image->CopyIn(kPrefixBytes, body.data(), body.size());
   image->Zero(kPrefixBytes + body.size(), layout.header_bytes - kPrefixBytes - body.size());
+  return body_hash;
+}
+
+void ZeroPayloadGaps(const store::LayerFileHeader& header, const VersionLayout& layout,
+                     ByteImage* image) {
   // Alignment gaps between tensors and the tail up to the 4096 boundary.
   uint64_t prev_end = 0;
   for (const store::TensorEntry& t : header.tensors()) {
@@ -93,7 +105,6 @@ absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
     prev_end = t.offset() + t.nbytes();
   }
   image->Zero(layout.header_bytes + prev_end, layout.file_bytes - layout.header_bytes - prev_end);
-  return body_hash;
 }
 
 absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file_bytes) {

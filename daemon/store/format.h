@@ -60,6 +60,15 @@ uint64_t HashBytes(const void* data, uint64_t len);
 // REQUIRES: tensors' data already copied; layout from PlanLayout(header).
 absl::StatusOr<uint64_t> EncodeHeader(const store::LayerFileHeader& header,
                                       const VersionLayout& layout, ByteImage* image);
+// EncodeHeader in two halves, for a writer that sends the payload while the
+// checksums the header holds are being computed: ZeroPayloadGaps touches
+// only the payload region (the alignment gaps between tensors and the tail;
+// it needs the tensors' offsets and sizes, not their checksums),
+// EncodeHeaderRegion only [0, layout.header_bytes).
+void ZeroPayloadGaps(const store::LayerFileHeader& header, const VersionLayout& layout,
+                     ByteImage* image);
+absl::StatusOr<uint64_t> EncodeHeaderRegion(const store::LayerFileHeader& header,
+                                            const VersionLayout& layout, ByteImage* image);
 
 // Parses and checks the prefix and body at the start of a file image.
 // DATA_LOSS on a wrong magic, version, checksum or size.

@@ -39,6 +39,20 @@ bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step) {
 
 namespace {
 
+// The I/O segments of [begin, end) of a lease's image, one per chunk piece
+// (4096-aligned wherever begin and end are).
+std::vector<IoSegment> LeaseSegments(const StagingLease& lease, uint64_t begin, uint64_t end) {
+  std::vector<IoSegment> segments;
+  const uint64_t chunk = lease.chunk_bytes();
+  for (uint64_t off = begin; off < end;) {
+    const uint64_t in = off % chunk;
+    const uint64_t n = std::min(chunk - in, end - off);
+    segments.push_back(IoSegment{lease.chunk(off / chunk) + in, n, off});
+    off += n;
+  }
+  return segments;
+}
+
 // `s` with `path` in front of its message (same code), so a start-up
 // failure names where in the data directory it happened.
 absl::Status AtPath(const absl::Status& s, const std::string& path) {
@@ -141,13 +155,10 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   const absl::Time start = absl::Now();
   CKPT_ASSIGN_OR_RETURN(int dir, RankDir(v->key.job, v->key.rank, /*create=*/true));
 
-  // Checksums come from the staged bytes: exactly what is written.
-  for (store::TensorEntry& t : *v->header.mutable_tensors()) {
-    t.set_xxh3(HashImage(LeaseImage(v->lease), v->layout.header_bytes + t.offset(), t.nbytes()));
-  }
-  v->header.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  // The payload's padding is final before a byte of it is written; its
+  // checksums go into the header, written last (below).
   LeaseImage image(v->lease);
-  CKPT_ASSIGN_OR_RETURN(uint64_t body_hash, EncodeHeader(v->header, v->layout, &image));
+  ZeroPayloadGaps(v->header, v->layout, &image);
 
   uint64_t nonce = 0;
   if (::getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = absl::ToUnixNanos(absl::Now());
@@ -171,14 +182,32 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   if (absl::Status s = fs_->Allocate(fd.get(), v->layout.file_bytes); !s.ok()) return fail(s);
   CKPT_KILL_POINT("commit.before_write");
 
-  std::vector<IoSegment> segments;
-  for (uint64_t off = 0; off < v->layout.file_bytes; off += v->lease.chunk_bytes()) {
-    size_t i = off / v->lease.chunk_bytes();
-    segments.push_back(IoSegment{v->lease.chunk(i),
-                                 std::min(v->lease.chunk_bytes(), v->layout.file_bytes - off), off});
-  }
+  // Checksums come from the staged bytes: exactly what is written. They are
+  // computed while the payload is on its way to the disk (reading the bytes
+  // the kernel is writing), so the disk does not wait for the CPU; the
+  // header that holds them follows. Before, hashing came first and took
+  // about 14 % of a commit's time on the development VM.
   const absl::Time write_start = absl::Now();
-  if (absl::Status s = io->WriteAll(fd.get(), segments); !s.ok()) return fail(s);
+  absl::StatusOr<uint64_t> body_hash = absl::UnknownError("not encoded");
+  auto hash = [&] {
+    const absl::Time hash_start = absl::Now();
+    for (store::TensorEntry& t : *v->header.mutable_tensors()) {
+      t.set_xxh3(HashImage(image, v->layout.header_bytes + t.offset(), t.nbytes()));
+    }
+    v->header.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+    body_hash = EncodeHeaderRegion(v->header, v->layout, &image);
+    timings->hash_seconds = absl::ToDoubleSeconds(absl::Now() - hash_start);
+  };
+  if (absl::Status s = io->WriteAllOverlapped(
+          fd.get(), LeaseSegments(v->lease, v->layout.header_bytes, v->layout.file_bytes), hash);
+      !s.ok()) {
+    return fail(s);
+  }
+  if (!body_hash.ok()) return fail(body_hash.status());
+  if (absl::Status s = io->WriteAll(fd.get(), LeaseSegments(v->lease, 0, v->layout.header_bytes));
+      !s.ok()) {
+    return fail(s);
+  }
   const absl::Time sync_start = absl::Now();
   timings->write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
   CKPT_KILL_POINT("commit.after_write");
@@ -201,7 +230,7 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   rec.set_file(final_name);
   rec.set_file_bytes(v->layout.file_bytes);
   rec.set_payload_bytes(v->layout.payload_bytes);
-  rec.set_header_xxh3(body_hash);
+  rec.set_header_xxh3(*body_hash);
   rec.set_generation(v->generation);
   *rec.mutable_group_steps() = v->header.group_steps();
   rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
@@ -216,6 +245,15 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
 absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
                                                const store::VersionRecord& rec, IoBackend* io,
                                                StagingPool* pool, absl::Time deadline) {
+  LoadedVersion out;
+  CKPT_ASSIGN_OR_RETURN(out.lease, pool->Acquire(rec.file_bytes(), deadline));
+  CKPT_RETURN_IF_ERROR(ReadUnchecked(key, rec, io, out.lease));
+  CKPT_ASSIGN_OR_RETURN(out.decoded, CheckImage(key, rec, LeaseImage(out.lease)));
+  return out;
+}
+
+absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec,
+                                       IoBackend* io, const StagingLease& lease) {
   CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
   bool direct_used = false;
   absl::StatusOr<UniqueFd> fd = fs_->OpenForRead(dir, rec.file(), use_direct_io_, &direct_used);
@@ -230,16 +268,11 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
     return absl::DataLossError(absl::StrCat("file ", rec.file(), " has ", size, " bytes; the index says ",
                                             rec.file_bytes()));
   }
-  LoadedVersion out;
-  CKPT_ASSIGN_OR_RETURN(out.lease, pool->Acquire(size, deadline));
-  std::vector<IoSegment> segments;
-  for (uint64_t off = 0; off < size; off += out.lease.chunk_bytes()) {
-    segments.push_back(IoSegment{out.lease.chunk(off / out.lease.chunk_bytes()),
-                                 std::min(out.lease.chunk_bytes(), size - off), off});
+  if (lease.capacity() < size) {
+    return absl::InvalidArgumentError(absl::StrCat("a lease of ", lease.capacity(),
+                                                   " bytes cannot hold ", rec.file(), " (", size, ")"));
   }
-  CKPT_RETURN_IF_ERROR(io->ReadAll(fd->get(), segments));
-  CKPT_ASSIGN_OR_RETURN(out.decoded, CheckImage(key, rec, LeaseImage(out.lease)));
-  return out;
+  return io->ReadAll(fd->get(), LeaseSegments(lease, 0, size));
 }
 
 absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,

@@ -87,6 +87,7 @@ struct LoadedVersion {
 
 // Where a commit spent its time (for the latency histograms).
 struct CommitTimings {
+  double hash_seconds = 0;   // checksums and the header
   double write_seconds = 0;  // data written and every completion reaped
   double sync_seconds = 0;   // fdatasync of the data
   double total_seconds = 0;  // temp file created .. index record written
@@ -129,6 +130,13 @@ class LayerStore {
   // comes from `pool` (waiting until `deadline`).
   absl::StatusOr<LoadedVersion> Read(const VersionKey& key, const store::VersionRecord& rec,
                                      IoBackend* io, StagingPool* pool, absl::Time deadline);
+  // The bytes of `rec`'s file, unchecked, into `lease` (at least
+  // rec.file_bytes() long; the caller took it from the pool): Read() without
+  // CheckImage, for a caller that checks them elsewhere (a restore checks on
+  // the thread that copies them out). DATA_LOSS when the file is missing or
+  // its size is not the record's.
+  absl::Status ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec, IoBackend* io,
+                             const StagingLease& lease);
 
   // The committed file of `rec`, opened for reading (buffered) after
   // checking its size: what the remote tier uploads. DATA_LOSS when it is

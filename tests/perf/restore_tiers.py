@@ -65,6 +65,7 @@ def restore(d, args, steps):
 def fio_read(files):
     drop_caches()
     out = subprocess.run(["fio", "--name=raw", "--rw=read", "--bs=4M", "--iodepth=16",
+                          "--file_service_type=sequential",
                           "--ioengine=io_uring", "--direct=1", "--output-format=json",
                           "--filename=" + ":".join(files)], capture_output=True, text=True,
                          check=True)

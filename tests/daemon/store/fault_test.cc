@@ -907,7 +907,7 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
     fs_->SetReadFault(ReadFault::kMixed);
     fs_->FailOneIn(FaultClass::kRead, 2, EIO);
     absl::StatusOr<RestoreStats> st = RestoreInto(plan, table, dest, index_.get(), store_.get(),
-                                                  io_.get(), pool_.get(), absl::Seconds(30));
+                                                  {io_.get()}, pool_.get(), absl::Seconds(30));
     fs_->ClearFaults();
     if (!st.ok()) {
       ++f["restores_failed_closed"];

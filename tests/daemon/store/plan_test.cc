@@ -1,4 +1,6 @@
 // Tests of daemon/recovery/plan: composite plans and restore.
+#include <unistd.h>
+
 #include <map>
 #include <memory>
 #include <string>
@@ -33,6 +35,7 @@ class PlanTest : public ::testing::Test {
  protected:
   void SetUp() override {
     io_ = MakePwriteBackend();
+    io2_ = MakePwriteBackend();
     pool_ = MakeTestPool(8192, 64);
     ASSERT_NE(pool_, nullptr);
     CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
@@ -81,7 +84,8 @@ class PlanTest : public ::testing::Test {
   }
 
   absl::StatusOr<RestoreStats> Restore(const CompositePlan& plan, const store::RankRecord& table,
-                                       std::map<std::pair<uint32_t, uint32_t>, std::string>* out) {
+                                       std::map<std::pair<uint32_t, uint32_t>, std::string>* out,
+                                       const MemorySource& memory = nullptr) {
     for (const store::LayerSpec& l : table.layers()) {
       for (int i = 0; i < l.tensors_size(); ++i) {
         (*out)[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
@@ -90,12 +94,40 @@ class PlanTest : public ::testing::Test {
     TensorDestination dest = [out](uint32_t layer, uint32_t tensor) {
       return (*out)[{layer, tensor}].data();
     };
-    return RestoreInto(plan, table, dest, index_.get(), store_.get(), io_.get(), pool_.get(),
-                       absl::Seconds(30));
+    return RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
+                       pool_.get(), absl::Seconds(30), nullptr, nullptr, memory);
+  }
+
+  // `layers` layers of one 5000-byte tensor each, committed at step 10:
+  // every plan of step 10 reads `layers` files.
+  void CommitWide(uint32_t layers, store::RankRecord* table) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      Staged st;
+      const VersionKey key{kJob, 0, l, 10};
+      ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), key, 1, {5000}, l * 7 + 1, &st));
+      CKPT_ASSERT_OK_AND_ASSIGN(store::VersionRecord rec, store_->Commit(&st.version, io_.get()));
+      data_[{l, 10}] = st.data;
+      files_[{l, 10}] = rec.file();
+      store::LayerSpec* spec = table->add_layers();
+      spec->set_id(l);
+      spec->set_name(absl::StrCat("layer", l));
+      store::TensorSpec* t = spec->add_tensors();
+      t->set_name(TensorName(0));
+      t->set_dtype(store::DTYPE_U8);
+      t->add_shape(5000);
+      t->set_nbytes(5000);
+    }
+    table->set_world_size(1);
+    ASSERT_NO_FATAL_FAILURE(PutEvent(10));
+  }
+
+  std::string FilePath(uint32_t layer, uint64_t step) {
+    return absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/", files_[{layer, step}]);
   }
 
   TempDir tmp_;
   std::unique_ptr<IoBackend> io_;
+  std::unique_ptr<IoBackend> io2_;
   std::unique_ptr<StagingPool> pool_;
   std::unique_ptr<Index> index_;
   std::unique_ptr<LayerStore> store_;
@@ -192,8 +224,8 @@ TEST_F(PlanTest, RestoreStopsWhenCancelled) {
   };
   plan.complete = true;  // reach the per-layer loop
   absl::StatusOr<RestoreStats> stats =
-      RestoreInto(plan, table_, dest, index_.get(), store_.get(), io_.get(), pool_.get(),
-                  absl::Seconds(30), [] { return true; });
+      RestoreInto(plan, table_, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
+                  pool_.get(), absl::Seconds(30), [] { return true; });
   EXPECT_TRUE(absl::IsCancelled(stats.status())) << stats.status();
 }
 
@@ -267,6 +299,76 @@ TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
   absl::StatusOr<RestoreStats> stats = Restore(plan, table_, &out);
   CKPT_EXPECT_CODE(stats, kDataLoss);
   EXPECT_NE(stats.status().message().find("layer 1"), absl::string_view::npos) << stats.status();
+}
+
+// Two readers and a pool with room for one version at a time: versions take
+// their leases in plan order, so the one the copier waits for is never
+// starved by a later one (a deadlock would end at the 30 s deadline).
+TEST_F(PlanTest, RestoreWithTwoReadersNeedsRoomForOneVersionOnly) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(12, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  ASSERT_EQ(plan.layers.size(), 12u);
+  pool_ = MakeTestPool(8192, 2);  // one file: 4096 header + 5000 payload
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, Restore(plan, table, &out));
+  EXPECT_EQ(stats.bytes, 12u * 5000u);
+  for (uint32_t l = 0; l < 12; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+}
+
+// Versions served from memory take their turn too (else the disk version
+// after one would wait for a turn that never comes).
+TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(9, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  // Even layers from memory: their committed images, read from disk now.
+  std::unique_ptr<StagingPool> images = MakeTestPool(8192, 16);
+  std::map<uint32_t, std::shared_ptr<const StagingLease>> memory;
+  for (uint32_t l = 0; l < 9; l += 2) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, l, 10));
+    ASSERT_TRUE(rec.has_value());
+    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion v,
+                              store_->Read(VersionKey{kJob, 0, l, 10}, rec->second, io_.get(),
+                                           images.get(), absl::Now() + absl::Seconds(5)));
+    memory[l] = std::make_shared<const StagingLease>(std::move(v.lease));
+  }
+  pool_ = MakeTestPool(8192, 2);
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      RestoreStats stats,
+      Restore(plan, table, &out,
+              [&memory](const VersionKey& key, const store::VersionRecord&) {
+                auto it = memory.find(key.layer);
+                return it == memory.end() ? nullptr : it->second;
+              }));
+  EXPECT_EQ(stats.memory_layers, 5u);
+  EXPECT_EQ(stats.memory_bytes, 5u * 5000u);
+  EXPECT_EQ(stats.bytes, 9u * 5000u);
+  for (uint32_t l = 0; l < 9; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+}
+
+// The error is the first failing version in plan order, whichever thread
+// found which first: layer 3 does not check (found by the copier), layer 4's
+// file is gone (found by a reader, possibly earlier).
+TEST_F(PlanTest, RestoreReportsTheFirstFailureInPlanOrder) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(8, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  std::string file = ::ckpt::testing::ReadFile(FilePath(3, 10));
+  file[4096 + 17] = static_cast<char>(file[4096 + 17] ^ 0x40);
+  ::ckpt::testing::WriteFile(FilePath(3, 10), file);
+  ASSERT_EQ(::unlink(FilePath(4, 10).c_str()), 0);
+  for (int i = 0; i < 20; ++i) {
+    std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+    absl::StatusOr<RestoreStats> stats = Restore(plan, table, &out);
+    CKPT_EXPECT_CODE(stats, kDataLoss);
+    EXPECT_NE(stats.status().message().find("layer 3"), absl::string_view::npos) << stats.status();
+    EXPECT_EQ(pool_->bytes_in_use(), 0u);
+    // Layers before the failure arrived.
+    for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+  }
 }
 
 }  // namespace
