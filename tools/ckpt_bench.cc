@@ -1,17 +1,29 @@
-// ckpt_bench: write-path benchmark. In one process and on one directory it
-// alternates rounds of
+// ckpt_bench: write-path and restore-path benchmark. In one process and on
+// one directory it alternates rounds of
 //   A  the daemon's real commit path (LayerStore::Commit from a StagingPool:
 //      checksums, header, O_DIRECT writes, fdatasync, rename, dir fsync,
-//      RocksDB sync put) with `writers` versions in flight, and
+//      RocksDB sync put) with `writers` versions in flight, the versions
+//      spread over `ranks` ranks, and
 //   B  a raw baseline: the same bytes written sequentially with O_DIRECT by
 //      `writers` threads, one file each, through the same IoBackend kind,
-//      chunk size and queue depth, then fdatasync,
-// and reports the median throughput of each and the median per-round ratio.
+//      chunk size and queue depth, then fdatasync;
+// then, on the versions A committed,
+//   C  the daemon's restore path (RestoreInto: index lookups, O_DIRECT reads,
+//      every checksum, copies into a freshly mapped memfd per rank, as after
+//      a trainer's new registration), one restore per rank at once, and
+//   D  a raw baseline: B's files read back with O_DIRECT by one thread per
+//      rank, each a contiguous share, through the same IoBackend kind, chunk
+//      size and queue depth (one queue kept full across a whole share: the
+//      most a reader gets from this disk);
+// and reports the median throughput of each and the median per-round ratios.
 // Staging buffers are filled before the clock starts; cleanup is not timed.
+#include <fcntl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,10 +39,14 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/region.h"
 #include "base/status.h"
 #include "base/unique_fd.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/recovery/plan.h"
+#include "daemon/recovery/restore.h"
+#include "daemon/shm/rank_memory.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/format.h"
 #include "daemon/store/index.h"
@@ -44,21 +60,25 @@ using Json = nlohmann::json;
 
 constexpr char kUsage[] =
     R"(usage: ckpt_bench --dir=PATH [--total-bytes=SIZE] [--layer-bytes=SIZE] [--writers=N]
-                  [--queue-depth=N] [--chunk-bytes=SIZE] [--backend=auto|io_uring|pwrite]
-                  [--rounds=N] [--json]
+                  [--ranks=N] [--queue-depth=N] [--chunk-bytes=SIZE]
+                  [--backend=auto|io_uring|pwrite] [--rounds=N] [--no-restore] [--json]
 
 Compares ckptd's layer-version commit path with raw O_DIRECT writes of the
-same bytes on the same directory (created when missing; the benchmark removes
+same bytes, and ckptd's restore path with raw O_DIRECT reads of the files it
+wrote, on the same directory (created when missing; the benchmark removes
 what it writes). SIZE takes a K, M or G suffix (powers of 1024).
 
   --dir=PATH          directory on the disk under test (required)
   --total-bytes=SIZE  bytes written per path per round (default 2G)
   --layer-bytes=SIZE  payload of one layer version (default 64M)
   --writers=N         layer versions / raw files in flight (default 2)
+  --ranks=N           ranks the versions belong to; restores run one per rank
+                      at once (default 1)
   --queue-depth=N     I/O queue depth per writer (default 16)
   --chunk-bytes=SIZE  staging chunk = I/O segment size, multiple of 4096 (default 4M)
   --backend=KIND      auto, io_uring or pwrite (default auto)
   --rounds=N          A/B rounds, alternating which path goes first (default 3)
+  --no-restore        measure the write paths only
   --json              one JSON object on stdout
 
 GB/s are 10^9 payload bytes per second. Exit: 0 ok, 1 benchmark failed, 2 usage.
@@ -73,6 +93,8 @@ struct Args {
   uint64_t chunk_bytes = uint64_t{4} << 20;
   std::string backend = "auto";
   uint32_t rounds = 3;
+  uint32_t ranks = 1;
+  bool restore = true;
   bool json = false;
 };
 
@@ -127,6 +149,10 @@ absl::Status ParseArgs(int argc, char** argv, Args* a, bool* help) {
       a->json = true;
       continue;
     }
+    if (arg == "--no-restore") {
+      a->restore = false;
+      continue;
+    }
     size_t eq = arg.find('=');
     if (!absl::StartsWith(arg, "--") || eq == absl::string_view::npos) {
       return absl::InvalidArgumentError(absl::StrCat("unknown argument '", arg, "'"));
@@ -143,6 +169,8 @@ absl::Status ParseArgs(int argc, char** argv, Args* a, bool* help) {
            a->layer_bytes <= (uint64_t{1} << 40);
     } else if (k == "--writers") {
       ok = ParseCount(v, 1, 256, &a->writers);
+    } else if (k == "--ranks") {
+      ok = ParseCount(v, 1, 64, &a->ranks);
     } else if (k == "--queue-depth") {
       ok = ParseCount(v, 1, 4096, &a->queue_depth);
     } else if (k == "--chunk-bytes") {
@@ -162,6 +190,9 @@ absl::Status ParseArgs(int argc, char** argv, Args* a, bool* help) {
   if (a->dir.empty()) return absl::InvalidArgumentError("--dir is required");
   if (a->total_bytes < a->layer_bytes) {
     return absl::InvalidArgumentError("--total-bytes must be at least --layer-bytes");
+  }
+  if (a->total_bytes / a->layer_bytes < a->ranks) {
+    return absl::InvalidArgumentError("--total-bytes must hold one --layer-bytes version per rank");
   }
   return absl::OkStatus();
 }
@@ -236,7 +267,10 @@ class Bench {
     const uint64_t lease_bytes = AlignUp(layout_.file_bytes, a_.chunk_bytes);
     ckpt::StagingPoolOptions po;
     po.chunk_bytes = a_.chunk_bytes;
-    po.budget_bytes = uint64_t{2} * a_.writers * lease_bytes;
+    // Writers hold two leases each; a restore holds up to kRestoreLeases per
+    // rank (read ahead, checking, copying) and a raw reader one.
+    po.budget_bytes = (uint64_t{2} * a_.writers + uint64_t{kRestoreLeases + 1} * a_.ranks) *
+                      lease_bytes;
     po.lock_memory = false;  // locking does not change write speed; avoids RLIMIT noise
     CKPT_ASSIGN_OR_RETURN(pool_, ckpt::StagingPool::Create(po));
     for (uint32_t w = 0; w < a_.writers; ++w) {
@@ -263,6 +297,7 @@ class Bench {
       absl::Status s = fs_->Unlink(dir_fd_.get(), RawName(w));
       if (!s.ok() && !absl::IsNotFound(s)) return s;
     }
+    if (a_.restore) CKPT_RETURN_IF_ERROR(SetupRestore(lease_bytes));
 
     // Whether the disk takes O_DIRECT (tmpfs does not; both paths then fall back).
     CKPT_ASSIGN_OR_RETURN(ckpt::UniqueFd probe,
@@ -271,28 +306,37 @@ class Bench {
     return fs_->Unlink(dir_fd_.get(), "bench.probe");
   }
 
-  // Path A: `versions_` commits through LayerStore, `writers` at a time.
+  // Path A: `versions_` commits through LayerStore, `writers` at a time;
+  // version i is layer i / ranks of rank i % ranks. They stay until
+  // RemoveVersions().
   absl::StatusOr<absl::Duration> RunStore(uint32_t round) {
     std::vector<ckpt::StagedVersion> vs(versions_);
     for (uint64_t i = 0; i < versions_; ++i) {
       ckpt::StagedVersion& v = vs[i];
-      v.key = ckpt::VersionKey{"bench", 0, static_cast<uint32_t>(i), round * uint64_t{100000} + i};
+      v.key = ckpt::VersionKey{"bench", static_cast<uint32_t>(i % a_.ranks),
+                               static_cast<uint32_t>(i / a_.ranks), round * uint64_t{100000} + i};
       v.generation = 1;
       v.header = header_;
+      v.header.set_rank(v.key.rank);
       v.header.set_layer(v.key.layer);
       v.header.set_layer_name(absl::StrCat("bench.", i));
       v.header.set_step(v.key.step);
       v.layout = layout_;
     }
-    std::vector<ckpt::store::VersionRecord> recs(versions_);
-    std::vector<char> committed(versions_, 0);  // not vector<bool>: written concurrently
+    keys_.assign(versions_, ckpt::VersionKey{});
+    recs_.assign(versions_, ckpt::store::VersionRecord{});
+    committed_.assign(versions_, 0);
+    timings_.assign(versions_, ckpt::CommitTimings{});
     std::atomic<uint64_t> next{0};
     absl::Mutex mu;
     absl::Status first_error;
     absl::Duration d = TimeThreads(a_.writers, [&](uint32_t w) {
       for (uint64_t i = next.fetch_add(1); i < versions_; i = next.fetch_add(1)) {
         vs[i].lease = std::move(leases_[w]);
-        absl::StatusOr<ckpt::store::VersionRecord> rec = store_->Commit(&vs[i], io_[w].get());
+        ckpt::CommitTimings t;
+        absl::StatusOr<ckpt::store::VersionRecord> rec =
+            store_->Commit(&vs[i], io_[w].get(), &t);
+        timings_[i] = t;
         leases_[w] = std::move(vs[i].lease);
         if (!rec.ok()) {
           absl::MutexLock lock(&mu);
@@ -300,21 +344,95 @@ class Bench {
           next.store(versions_);
           return;
         }
-        recs[i] = *std::move(rec);
-        committed[i] = 1;  // distinct elements per i; read after join
+        recs_[i] = *std::move(rec);
+        keys_[i] = vs[i].key;
+        committed_[i] = 1;  // distinct elements per i; read after join
       }
     });
-    for (uint64_t i = 0; i < versions_; ++i) {
-      if (!committed[i]) continue;
-      absl::Status s = store_->Remove(vs[i].key, recs[i]);
-      if (first_error.ok() && !s.ok()) first_error = s;
+    if (!first_error.ok()) {
+      ckpt::IgnoreError(RemoveVersions(), "the round already failed");
+      return first_error;
     }
-    if (!first_error.ok()) return first_error;
+    return d;
+  }
+
+  absl::Status RemoveVersions() {
+    absl::Status first_error;
+    for (uint64_t i = 0; i < committed_.size(); ++i) {
+      if (!committed_[i]) continue;
+      absl::Status s = store_->Remove(keys_[i], recs_[i]);
+      if (first_error.ok() && !s.ok()) first_error = s;
+      committed_[i] = 0;
+    }
+    return first_error;
+  }
+
+  // Path C: one RestoreInto per rank at once, of every version RunStore
+  // committed for it, into a fresh mapping of the rank's memfd.
+  absl::StatusOr<absl::Duration> RunRestore() {
+    std::vector<ckpt::CompositePlan> plans(a_.ranks);
+    std::vector<ckpt::HostMemory> memory;
+    for (uint32_t r = 0; r < a_.ranks; ++r) {
+      ckpt::CompositePlan& plan = plans[r];
+      plan.job = "bench";
+      plan.rank = r;
+      plan.complete = true;
+      CKPT_ASSIGN_OR_RETURN(ckpt::MappedRegion m, MapFresh(trainer_[r]));
+      std::vector<ckpt::MappedRegion> regions;
+      regions.push_back(std::move(m));
+      memory.emplace_back(std::move(regions));
+    }
+    for (uint64_t i = 0; i < versions_; ++i) {
+      if (!committed_[i]) return absl::FailedPreconditionError("restore before a complete write round");
+      ckpt::CompositePlan& plan = plans[keys_[i].rank];
+      ckpt::PlannedLayer lp;
+      lp.layer = keys_[i].layer;
+      lp.name = absl::StrCat("bench.", keys_[i].layer);
+      lp.has_version = true;
+      lp.step = keys_[i].step;
+      lp.bytes = a_.layer_bytes;
+      lp.file = recs_[i].file();
+      plan.target_step = std::max(plan.target_step, lp.step);
+      plan.layers.push_back(std::move(lp));
+    }
+    absl::Mutex mu;
+    absl::Status first_error;
+    absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
+      ckpt::HostMemory& mem = memory[r];
+      ckpt::TensorDestination dest = [&](uint32_t layer, uint32_t) {
+        return mem.base(0) + uint64_t{layer} * a_.layer_bytes;
+      };
+      absl::StatusOr<ckpt::RestoreStats> stats = ckpt::RestoreInto(
+          plans[r], tables_[r], dest, index_.get(), store_.get(),
+          {restore_io_[2 * r].get(), restore_io_[2 * r + 1].get()},
+          pool_.get(), absl::Minutes(10), nullptr,
+          [&mem](char* dst, const char* src, uint64_t n) { return mem.CopyIn(dst, src, n); });
+      absl::Status s = stats.status();
+      if (s.ok() && stats->bytes != plans[r].layers.size() * a_.layer_bytes) {
+        s = absl::InternalError(absl::StrCat("rank ", r, " restored ", stats->bytes, " bytes"));
+      }
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) first_error = s;
+      }
+    });
+    CKPT_RETURN_IF_ERROR(first_error);
+    // The bytes arrived: staging data is never zero, the memfd was zeroed.
+    for (uint32_t r = 0; r < a_.ranks; ++r) {
+      const char* p = static_cast<const char*>(trainer_[r].data());
+      for (size_t l = 0; l < plans[r].layers.size(); ++l) {
+        if (p[l * a_.layer_bytes] == 0 || p[(l + 1) * a_.layer_bytes - 1] == 0) {
+          return absl::InternalError(absl::StrCat("rank ", r, " layer ", l, " was not restored"));
+        }
+      }
+      std::memset(trainer_[r].data(), 0, trainer_[r].size());
+    }
     return d;
   }
 
   // Path B: each writer writes its share of the payload bytes (whole layers,
-  // rounded up to 4096 for O_DIRECT) sequentially into its own file.
+  // rounded up to 4096 for O_DIRECT) sequentially into its own file. The
+  // files stay until RemoveRaw().
   absl::StatusOr<absl::Duration> RunRaw() {
     absl::Mutex mu;
     absl::Status first_error;
@@ -326,17 +444,88 @@ class Bench {
         if (first_error.ok()) first_error = s;
       }
     });
-    for (uint32_t w = 0; w < a_.writers; ++w) {
-      if (!created[w]) continue;
-      absl::Status s = fs_->Unlink(dir_fd_.get(), RawName(w));
-      if (first_error.ok() && !s.ok()) first_error = s;
+    raw_created_ = std::move(created);
+    if (!first_error.ok()) {
+      ckpt::IgnoreError(RemoveRaw(), "the round already failed");
+      return first_error;
     }
-    if (first_error.ok()) first_error = fs_->SyncDir(dir_fd_.get());
-    if (!first_error.ok()) return first_error;
     return d;
   }
 
+  absl::Status RemoveRaw() {
+    absl::Status first_error;
+    for (uint32_t w = 0; w < raw_created_.size(); ++w) {
+      if (!raw_created_[w]) continue;
+      absl::Status s = fs_->Unlink(dir_fd_.get(), RawName(w));
+      if (first_error.ok() && !s.ok()) first_error = s;
+      raw_created_[w] = 0;
+    }
+    if (first_error.ok()) first_error = fs_->SyncDir(dir_fd_.get());
+    return first_error;
+  }
+
+  // Path D: B's files read back by one thread per rank, each a contiguous
+  // share of their chunks, one IoBackend call per file in the share.
+  absl::StatusOr<absl::Duration> RunRawRead() {
+    struct Piece {
+      uint32_t file;
+      uint64_t offset, len;
+    };
+    std::vector<Piece> pieces;
+    for (uint32_t w = 0; w < a_.writers; ++w) {
+      if (!raw_created_[w]) return absl::FailedPreconditionError("read before a raw write round");
+      const uint64_t size = RawFileBytes(w);
+      for (uint64_t off = 0; off < size; off += a_.chunk_bytes) {
+        pieces.push_back(Piece{w, off, std::min(a_.chunk_bytes, size - off)});
+      }
+    }
+    std::vector<ckpt::UniqueFd> fds;
+    for (uint32_t w = 0; w < a_.writers; ++w) {
+      bool direct_used = false;
+      CKPT_ASSIGN_OR_RETURN(ckpt::UniqueFd fd,
+                            fs_->OpenForRead(dir_fd_.get(), RawName(w), true, &direct_used));
+      fds.push_back(std::move(fd));
+    }
+    absl::Mutex mu;
+    absl::Status first_error;
+    absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
+      const size_t begin = pieces.size() * r / a_.ranks, end = pieces.size() * (r + 1) / a_.ranks;
+      const ckpt::StagingLease& lease = read_leases_[r];
+      absl::Status s;
+      for (size_t i = begin; i < end && s.ok();) {
+        std::vector<ckpt::IoSegment> segs;
+        const uint32_t file = pieces[i].file;
+        for (; i < end && pieces[i].file == file; ++i) {
+          segs.push_back(ckpt::IoSegment{lease.chunk(segs.size() % lease.chunk_count()),
+                                         pieces[i].len, pieces[i].offset});
+        }
+        s = io_[r]->ReadAll(fds[file].get(), segs);
+      }
+      if (!s.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) first_error = s;
+      }
+    });
+    CKPT_RETURN_IF_ERROR(first_error);
+    return d;
+  }
+
+  // Where the last RunStore's commits spent their time, summed over versions:
+  // write (with the checksums computed meanwhile), fdatasync, rest (temp
+  // file, rename, directory fsync, index put), and the checksums alone.
+  std::vector<double> CommitBreakdown() const {
+    std::vector<double> sum(4, 0.0);
+    for (const ckpt::CommitTimings& t : timings_) {
+      sum[0] += t.write_seconds;
+      sum[1] += t.sync_seconds;
+      sum[2] += t.total_seconds - t.write_seconds - t.sync_seconds;
+      sum[3] += t.hash_seconds;
+    }
+    return sum;
+  }
+
   uint64_t versions() const { return versions_; }
+  bool restore() const { return a_.restore; }
   uint64_t bytes_per_round() const { return bytes_per_round_; }
   uint64_t file_bytes() const { return layout_.file_bytes; }
   const char* backend() const { return io_[0]->Name(); }
@@ -345,10 +534,64 @@ class Bench {
 
  private:
   static std::string RawName(uint32_t w) { return absl::StrCat("raw.", w, ".bench"); }
+  // What one restore may hold: RestoreInto's read-ahead, the version being
+  // checked and copied, and the one being read.
+  static constexpr uint32_t kRestoreLeases = 4;
+
+  absl::Status SetupRestore(uint64_t lease_bytes) {
+    const uint64_t per_rank = (versions_ + a_.ranks - 1) / a_.ranks * a_.layer_bytes;
+    for (uint32_t r = 0; r < a_.ranks; ++r) {
+      // The trainer's memfd, touched as a trainer's tensors would be.
+      CKPT_ASSIGN_OR_RETURN(ckpt::MemfdRegion m,
+                            ckpt::MemfdRegion::Create(absl::StrCat("bench-rank-", r), per_rank));
+      std::memset(m.data(), 0, m.size());
+      trainer_.push_back(std::move(m));
+      ckpt::store::RankRecord table;
+      for (uint64_t l = 0; l * a_.ranks + r < versions_; ++l) {
+        ckpt::store::LayerSpec* spec = table.add_layers();
+        spec->set_id(static_cast<uint32_t>(l));
+        spec->set_name(absl::StrCat("bench.", l));
+        ckpt::store::TensorSpec* t = spec->add_tensors();
+        t->set_name("w");
+        t->set_dtype(ckpt::store::DTYPE_U8);
+        t->add_shape(a_.layer_bytes);
+        t->set_nbytes(a_.layer_bytes);
+      }
+      tables_.push_back(std::move(table));
+      CKPT_ASSIGN_OR_RETURN(ckpt::StagingLease lease,
+                            pool_->Acquire(lease_bytes, absl::Now() + absl::Seconds(1)));
+      read_leases_.push_back(std::move(lease));
+    }
+    // Each raw reader uses one backend, each restore two (ckptd's engine
+    // gives a restore two readers).
+    CKPT_ASSIGN_OR_RETURN(ckpt::IoBackendKind kind, ckpt::ParseIoBackendKind(a_.backend));
+    while (io_.size() < a_.ranks) {
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ckpt::IoBackend> io,
+                            ckpt::MakeIoBackend(kind, a_.queue_depth));
+      io_.push_back(std::move(io));
+    }
+    while (restore_io_.size() < 2 * a_.ranks) {
+      CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ckpt::IoBackend> io,
+                            ckpt::MakeIoBackend(kind, a_.queue_depth));
+      restore_io_.push_back(std::move(io));
+    }
+    return absl::OkStatus();
+  }
+
+  // A new mapping of a trainer's memfd, as ckptd makes at a registration.
+  static absl::StatusOr<ckpt::MappedRegion> MapFresh(const ckpt::MemfdRegion& m) {
+    int fd = ::fcntl(m.fd(), F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return ckpt::ErrnoStatus(errno, "dup");
+    return ckpt::MappedRegion::Map(ckpt::UniqueFd(fd));
+  }
+
+  uint64_t RawFileBytes(uint32_t w) const {
+    const uint64_t blocks = versions_ / a_.writers + (w < versions_ % a_.writers ? 1 : 0);
+    return AlignUp(blocks * a_.layer_bytes, ckpt::kDirectAlignment);
+  }
 
   absl::Status WriteRawFile(uint32_t w, std::vector<char>* created) {
-    const uint64_t blocks = versions_ / a_.writers + (w < versions_ % a_.writers ? 1 : 0);
-    const uint64_t size = AlignUp(blocks * a_.layer_bytes, ckpt::kDirectAlignment);
+    const uint64_t size = RawFileBytes(w);
     bool direct_used = false;
     CKPT_ASSIGN_OR_RETURN(ckpt::UniqueFd fd,
                           fs_->CreateExclusive(dir_fd_.get(), RawName(w), true, &direct_used));
@@ -371,10 +614,20 @@ class Bench {
   uint64_t versions_ = 0;
   uint64_t bytes_per_round_ = 0;
   std::vector<std::unique_ptr<ckpt::IoBackend>> io_;
+  std::vector<std::unique_ptr<ckpt::IoBackend>> restore_io_;  // two per rank
   ckpt::store::LayerFileHeader header_;
   ckpt::VersionLayout layout_;
   std::unique_ptr<ckpt::StagingPool> pool_;
   std::vector<ckpt::StagingLease> leases_;
+  std::vector<ckpt::StagingLease> read_leases_;  // one per rank, for path D
+  std::vector<ckpt::MemfdRegion> trainer_;        // one per rank
+  std::vector<ckpt::store::RankRecord> tables_;   // one per rank
+  // What the last RunStore committed.
+  std::vector<ckpt::VersionKey> keys_;
+  std::vector<ckpt::store::VersionRecord> recs_;
+  std::vector<char> committed_;
+  std::vector<ckpt::CommitTimings> timings_;  // per version of the last RunStore
+  std::vector<char> raw_created_;  // RunRaw's files, until RemoveRaw()
   std::unique_ptr<ckpt::Index> index_;
   std::unique_ptr<ckpt::LayerStore> store_;
   bool direct_ = false;
@@ -391,10 +644,10 @@ absl::Status Run(const Args& a) {
   CKPT_RETURN_IF_ERROR(b.Setup());
   if (!a.json) {
     std::printf(
-        "dir %s: backend %s, O_DIRECT %s, %u writers, queue depth %u, chunk %s\n"
+        "dir %s: backend %s, O_DIRECT %s, %u writers, %u ranks, queue depth %u, chunk %s\n"
         "per round and path: %llu layer versions x %s = %s (ckptd file: %llu bytes each)\n",
         a.dir.c_str(), b.backend(), b.direct() ? "yes" : "no (file system refuses it)",
-        a.writers, a.queue_depth, HumanBytes(a.chunk_bytes).c_str(),
+        a.writers, a.ranks, a.queue_depth, HumanBytes(a.chunk_bytes).c_str(),
         static_cast<unsigned long long>(b.versions()), HumanBytes(a.layer_bytes).c_str(),
         HumanBytes(b.bytes_per_round()).c_str(), static_cast<unsigned long long>(b.file_bytes()));
     if (b.leftovers() > 0) {
@@ -403,10 +656,11 @@ absl::Status Run(const Args& a) {
     }
     std::fflush(stdout);
   }
-  std::vector<double> ga, gb, ratio;
+  std::vector<double> ga, gb, ratio, gc, gd, restore_ratio;
+  std::vector<std::vector<double>> share(4);  // of commit time: write, sync, rest; checksums
   Json rounds = Json::array();
   for (uint32_t r = 1; r <= a.rounds; ++r) {
-    absl::Duration da, db;
+    absl::Duration da, db, dc, dd;
     // Alternate which path goes first so drift (disk warm-up, GC) hits both.
     if (r % 2 == 1) {
       CKPT_ASSIGN_OR_RETURN(da, b.RunStore(r));
@@ -415,18 +669,63 @@ absl::Status Run(const Args& a) {
       CKPT_ASSIGN_OR_RETURN(db, b.RunRaw());
       CKPT_ASSIGN_OR_RETURN(da, b.RunStore(r));
     }
+    if (b.restore()) {
+      absl::Status s = absl::OkStatus();
+      absl::StatusOr<absl::Duration> c, d;
+      if (r % 2 == 1) {
+        c = b.RunRestore();
+        if (c.ok()) d = b.RunRawRead();
+      } else {
+        d = b.RunRawRead();
+        if (d.ok()) c = b.RunRestore();
+      }
+      s = c.ok() ? d.status() : c.status();
+      absl::Status removed = b.RemoveVersions();
+      absl::Status removed_raw = b.RemoveRaw();
+      CKPT_RETURN_IF_ERROR(s);
+      CKPT_RETURN_IF_ERROR(removed);
+      CKPT_RETURN_IF_ERROR(removed_raw);
+      dc = *c;
+      dd = *d;
+    } else {
+      CKPT_RETURN_IF_ERROR(b.RemoveVersions());
+      CKPT_RETURN_IF_ERROR(b.RemoveRaw());
+    }
     ga.push_back(GBps(b.bytes_per_round(), da));
     gb.push_back(GBps(b.bytes_per_round(), db));
     ratio.push_back(gb.back() > 0 ? ga.back() / gb.back() : 0);
-    rounds.push_back(Json{{"round", r},
-                          {"ckptd_gbps", ga.back()},
-                          {"raw_gbps", gb.back()},
-                          {"ratio", ratio.back()},
-                          {"ckptd_seconds", absl::ToDoubleSeconds(da)},
-                          {"raw_seconds", absl::ToDoubleSeconds(db)}});
+    Json round{{"round", r},
+               {"ckptd_gbps", ga.back()},
+               {"raw_gbps", gb.back()},
+               {"ratio", ratio.back()},
+               {"ckptd_seconds", absl::ToDoubleSeconds(da)},
+               {"raw_seconds", absl::ToDoubleSeconds(db)}};
+    if (b.restore()) {
+      gc.push_back(GBps(b.bytes_per_round(), dc));
+      gd.push_back(GBps(b.bytes_per_round(), dd));
+      restore_ratio.push_back(gd.back() > 0 ? gc.back() / gd.back() : 0);
+      round["restore_gbps"] = gc.back();
+      round["raw_read_gbps"] = gd.back();
+      round["restore_ratio"] = restore_ratio.back();
+    }
+    const std::vector<double> parts = b.CommitBreakdown();
+    const double all = parts[0] + parts[1] + parts[2];
+    for (size_t i = 0; i < parts.size(); ++i) {
+      share[i].push_back(all > 0 ? parts[i] / all : 0);
+    }
+    round["commit_share"] = Json{{"write", share[0].back()},
+                                 {"datasync", share[1].back()},
+                                 {"create_rename_dirsync_index", share[2].back()},
+                                 {"checksums_during_write", share[3].back()}};
+    rounds.push_back(std::move(round));
     if (!a.json) {
-      std::printf("round %u: ckptd %.2f GB/s, raw %.2f GB/s, ratio %.2f\n", r, ga.back(),
+      std::printf("round %u: write ckptd %.2f GB/s, raw %.2f GB/s, ratio %.2f", r, ga.back(),
                   gb.back(), ratio.back());
+      if (b.restore()) {
+        std::printf("; restore ckptd %.2f GB/s, raw read %.2f GB/s, ratio %.2f", gc.back(),
+                    gd.back(), restore_ratio.back());
+      }
+      std::printf("\n");
       std::fflush(stdout);
     }
   }
@@ -435,6 +734,7 @@ absl::Status Run(const Args& a) {
            {"backend", b.backend()},
            {"direct_io", b.direct()},
            {"writers", a.writers},
+           {"ranks", a.ranks},
            {"queue_depth", a.queue_depth},
            {"chunk_bytes", a.chunk_bytes},
            {"layer_bytes", a.layer_bytes},
@@ -444,11 +744,27 @@ absl::Status Run(const Args& a) {
            {"ckptd_gbps", Median(ga)},
            {"raw_gbps", Median(gb)},
            {"ratio", Median(ratio)}};
+    if (b.restore()) {
+      j["restore_gbps"] = Median(gc);
+      j["raw_read_gbps"] = Median(gd);
+      j["restore_ratio"] = Median(restore_ratio);
+    }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("ckptd write path: %.2f GB/s (median of %u)\n", Median(ga), a.rounds);
     std::printf("raw O_DIRECT:     %.2f GB/s\n", Median(gb));
     std::printf("ratio (ckptd / raw): %.2f (median of per-round ratios)\n", Median(ratio));
+    std::printf("commit time (summed over versions, medians): write %.0f%% (checksums computed "
+                "meanwhile: %.0f%%), fdatasync %.0f%%, temp file + rename + directory fsync + "
+                "index %.0f%%\n",
+                100 * Median(share[0]), 100 * Median(share[3]), 100 * Median(share[1]),
+                100 * Median(share[2]));
+    if (b.restore()) {
+      std::printf("ckptd restore path: %.2f GB/s (median of %u)\n", Median(gc), a.rounds);
+      std::printf("raw O_DIRECT read:  %.2f GB/s\n", Median(gd));
+      std::printf("restore ratio (ckptd / raw): %.2f (median of per-round ratios)\n",
+                  Median(restore_ratio));
+    }
   }
   return absl::OkStatus();
 }
