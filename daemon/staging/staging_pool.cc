@@ -118,12 +118,7 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
     return absl::DeadlineExceededError(absl::StrCat(
         "staging pool full: ", need, " chunks wanted, ", free_.size(), " free"));
   }
-  StagingLease lease;
-  lease.pool_ = this;
-  lease.chunk_bytes_ = chunk_bytes_;
-  lease.chunks_.assign(free_.end() - static_cast<ptrdiff_t>(need), free_.end());
-  free_.resize(free_.size() - need);
-  return lease;
+  return TakeLocked(need);
 }
 
 std::optional<StagingLease> StagingPool::TryAcquire(uint64_t bytes) {
@@ -131,11 +126,15 @@ std::optional<StagingLease> StagingPool::TryAcquire(uint64_t bytes) {
   const size_t need = std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
   absl::MutexLock lock(&mu_);
   if (free_.size() < need) return std::nullopt;
+  return TakeLocked(need);
+}
+
+StagingLease StagingPool::TakeLocked(size_t chunks) {
   StagingLease lease;
   lease.pool_ = this;
   lease.chunk_bytes_ = chunk_bytes_;
-  lease.chunks_.assign(free_.end() - static_cast<ptrdiff_t>(need), free_.end());
-  free_.resize(free_.size() - need);
+  lease.chunks_.assign(free_.end() - static_cast<ptrdiff_t>(chunks), free_.end());
+  free_.resize(free_.size() - chunks);
   return lease;
 }
 

@@ -117,6 +117,8 @@ class StagingPool {
   friend class StagingLease;
   StagingPool() = default;
   void Release(std::vector<char*>* chunks);
+  // REQUIRES: `chunks` free chunks.
+  StagingLease TakeLocked(size_t chunks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   void* base_ = nullptr;
   uint64_t map_bytes_ = 0;

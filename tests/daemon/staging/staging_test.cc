@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -108,6 +109,29 @@ TEST(StagingPoolTest, AcquireIsAllOrNothing) {
   EXPECT_EQ(pool->bytes_in_use(), 8 * kChunk);
   CKPT_EXPECT_CODE(pool->Acquire(1, absl::Now()), kDeadlineExceeded);
   CKPT_EXPECT_CODE(pool->Acquire(1, absl::InfinitePast()), kDeadlineExceeded);
+}
+
+// TryAcquire takes free chunks only: it neither waits nor asks the
+// reclaimer, which Acquire does when chunks are missing.
+TEST(StagingPoolTest, TryAcquireTakesFreeRoomOnly) {
+  std::unique_ptr<StagingPool> pool = MakePool();
+  ASSERT_NE(pool, nullptr);
+  int reclaims = 0;
+  pool->SetReclaimer([&reclaims](uint64_t) { ++reclaims; });
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease held, pool->Acquire(6 * kChunk, Soon()));
+  EXPECT_FALSE(pool->TryAcquire(3 * kChunk).has_value());
+  EXPECT_FALSE(pool->TryAcquire(UINT64_MAX).has_value());
+  EXPECT_EQ(reclaims, 0);
+  EXPECT_EQ(pool->bytes_in_use(), 6 * kChunk);
+  std::optional<StagingLease> two = pool->TryAcquire(2 * kChunk - 1);
+  ASSERT_TRUE(two.has_value());
+  EXPECT_EQ(two->chunk_count(), 2u);
+  EXPECT_EQ(pool->bytes_in_use(), 8 * kChunk);
+  two.reset();
+  EXPECT_EQ(pool->bytes_in_use(), 6 * kChunk);
+  // Acquire asks the reclaimer for what is missing.
+  CKPT_EXPECT_CODE(pool->Acquire(3 * kChunk, absl::Now()), kDeadlineExceeded);
+  EXPECT_EQ(reclaims, 1);
 }
 
 TEST(StagingPoolTest, LargerThanPoolIsResourceExhaustedAtOnce) {
