@@ -66,6 +66,21 @@ T Get(const py::dict& d, const char* key, T fallback) {
   return d.contains(key) ? py::cast<T>(d[key]) : fallback;
 }
 
+// A key of `d` outside `known` is a typo the daemon would never see: refuse it.
+void CheckKeys(const py::dict& d, const char* what, std::initializer_list<const char*> known) {
+  for (const auto& item : d) {
+    const std::string key = py::cast<std::string>(py::str(item.first));
+    bool ok = false;
+    for (const char* k : known) ok |= key == k;
+    if (!ok) {
+      std::string list;
+      for (const char* k : known) absl::StrAppend(&list, list.empty() ? "" : ", ", k);
+      throw py::value_error(absl::StrCat("unknown ", what, " parameter '", key, "' (known: ",
+                                         list, ")"));
+    }
+  }
+}
+
 v1::PolicySpec PolicyFromDict(const py::dict& p) {
   v1::PolicySpec spec;
   spec.set_kind(EnumFromName(p, "kind", v1::PolicyKind_Parse, "POLICY_", v1::POLICY_ALL));
@@ -75,6 +90,9 @@ v1::PolicySpec PolicyFromDict(const py::dict& p) {
   spec.set_record_trace(Get<bool>(p, "record_trace", false));
   if (p.contains("layercheck")) {
     const py::dict lc = p["layercheck"];
+    CheckKeys(lc, "layercheck",
+              {"k0", "k0_embedding", "k_floor", "s_max", "warmup", "warmup_interval",
+               "full_every", "local_drift", "budget"});
     v1::LayerCheckSpec* l = spec.mutable_layercheck();
     l->set_k0(Get<double>(lc, "k0", 0));
     l->set_k0_embedding(Get<double>(lc, "k0_embedding", 0));
@@ -84,6 +102,21 @@ v1::PolicySpec PolicyFromDict(const py::dict& p) {
     l->set_warmup_interval(Get<uint64_t>(lc, "warmup_interval", 0));
     l->set_full_every(Get<uint64_t>(lc, "full_every", 0));
     l->set_local_drift(Get<bool>(lc, "local_drift", false));
+    if (lc.contains("budget") && !lc["budget"].is_none()) {
+      const py::dict bd = lc["budget"];
+      CheckKeys(bd, "layercheck budget",
+                {"bytes_per_step", "bytes_per_s", "share", "step_s", "k_min", "k_max", "horizon",
+                 "layer_bytes"});
+      v1::WriteBudget* b = l->mutable_budget();
+      b->set_bytes_per_step(Get<double>(bd, "bytes_per_step", 0));
+      b->set_bytes_per_s(Get<double>(bd, "bytes_per_s", 0));
+      b->set_share(Get<double>(bd, "share", 0));
+      b->set_step_s(Get<double>(bd, "step_s", 0));
+      b->set_k_min(Get<double>(bd, "k_min", 0));
+      b->set_k_max(Get<double>(bd, "k_max", 0));
+      b->set_horizon(Get<uint64_t>(bd, "horizon", 0));
+      for (uint64_t v : Get<std::vector<uint64_t>>(bd, "layer_bytes", {})) b->add_layer_bytes(v);
+    }
   }
   return spec;
 }

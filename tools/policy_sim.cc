@@ -1,28 +1,47 @@
 // ckpt_policy_sim: replays a recorded LayerCheck drift trace under other
-// parameters, so K0 / S_max / warm-up can be tuned without re-training.
+// parameters, so K0 / S_max / warm-up / a write budget can be tuned without
+// re-training.
 //
 //   ckpt_policy_sim --trace=<data_dir>/jobs/<job>/rank-00000000/drift.jsonl
-//       [--k0=1e-4,1e-3,1e-2] [--s-max=100,200] [--warmup=200] [--warmup-interval=50]
-//       [--k0-embedding=X] [--full-every=N] [--json]
+//       [--k0=1e-4,1e-3,1e-2] [--s-max=100,200] [--warmup=1,200] [--warmup-interval=50]
+//       [--k0-embedding=X] [--full-every=N]
+//       [--budget-bytes-per-step=LIST | --budget-bytes-per-s=LIST --step-s=S |
+//        --budget-share=LIST --step-s=S --device-write-bytes-per-s=X]
+//       [--budget-k-min=X] [--budget-k-max=X] [--budget-horizon=N] [--no-budget]
+//       [--json] [--series]
 //
+// --series (with --json) adds per-step arrays: bytes selected, the largest
+// staleness, the K0 multiplier and the layers persisted.
 // The trace is what ckptd writes with PolicySpec.record_trace: a header line
-// (layers with name, kind, bytes; the recorded config) and one line per step
-// (step, lr, per-layer normalized drift d). Every combination of the listed
-// values is replayed through the daemon's own LayerCheckPolicy; for each it
-// prints layer writes, bytes written (and the fraction of policy `all`),
-// checkpoint events, mean and max staleness, and mean size-weighted staleness.
+// (layers with name, kind, bytes; the recorded config, with its budget) and
+// one line per step (step, lr, per-layer normalized drift d, the layers
+// persisted, and the budget's multiplier when one was set). Every combination
+// of the listed values is replayed through the daemon's own LayerCheckPolicy;
+// for each it prints layer writes, bytes written (and the fraction of policy
+// `all`), the achieved bytes per step (and per second with a step time)
+// against the budget, the bytes the forcing rules wrote (base, never
+// persisted, staleness guard, full checkpoints), checkpoint events, mean and
+// max staleness, mean size-weighted staleness and the mean multiplier of K0.
+// Without options the recorded config (and budget) is replayed, and the
+// steps whose persist set the replay reproduces are counted.
+// Budget sizes accept the suffixes K, M, G (powers of 1000) and Ki, Mi, Gi.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "daemon/policy/layercheck.h"
 #include "nlohmann/json.hpp"
 
 namespace {
 
+using ckpt::LayerCheckBudget;
 using ckpt::LayerCheckConfig;
 using ckpt::LayerCheckPolicy;
 
@@ -30,13 +49,42 @@ struct Step {
   uint64_t step;
   double lr;
   std::vector<double> d;
+  std::vector<uint32_t> persist;
+  bool has_persist = false;
+  double unix_s = 0;
 };
 
 struct Result {
   LayerCheckConfig config;
-  uint64_t layer_writes = 0, bytes = 0, events = 0, max_staleness = 0;
-  double mean_staleness = 0, mean_weighted_staleness = 0;
+  uint64_t layer_writes = 0, bytes = 0, forced_bytes = 0, events = 0, max_staleness = 0;
+  double mean_staleness = 0, mean_weighted_staleness = 0, mean_multiplier = 0;
+  double budget_bytes_per_step = 0, achieved_bytes_per_step = 0;
+  uint64_t matching_steps = 0;  // persist set equal to the recorded one
+  std::vector<uint64_t> series_bytes, series_max_staleness;
+  std::vector<double> series_multiplier;
+  std::vector<std::vector<uint32_t>> series_persist;
 };
+
+// A non-negative number with an optional K/M/G (1000) or Ki/Mi/Gi (1024) suffix.
+bool ParseSize(absl::string_view s, double* out) {
+  double scale = 1;
+  const struct {
+    const char* suffix;
+    double scale;
+  } units[] = {{"Ki", 1024.0}, {"Mi", 1048576.0}, {"Gi", 1073741824.0},
+               {"K", 1e3},     {"M", 1e6},         {"G", 1e9}};
+  for (const auto& u : units) {
+    if (absl::EndsWith(s, u.suffix)) {
+      s.remove_suffix(std::char_traits<char>::length(u.suffix));
+      scale = u.scale;
+      break;
+    }
+  }
+  double v;
+  if (!absl::SimpleAtod(s, &v) || !std::isfinite(v) || v < 0) return false;
+  *out = v * scale;
+  return true;
+}
 
 template <typename T>
 bool ParseList(const std::string& s, std::vector<T>* out) {
@@ -44,7 +92,7 @@ bool ParseList(const std::string& s, std::vector<T>* out) {
   for (absl::string_view p : absl::StrSplit(s, ',')) {
     T v;
     if constexpr (std::is_same_v<T, double>) {
-      if (!absl::SimpleAtod(p, &v)) return false;
+      if (!ParseSize(p, &v)) return false;
     } else {
       if (!absl::SimpleAtoi(p, &v)) return false;
     }
@@ -54,46 +102,65 @@ bool ParseList(const std::string& s, std::vector<T>* out) {
 }
 
 Result Replay(const LayerCheckConfig& config, const std::vector<ckpt::LayerKind>& kinds,
-              const std::vector<uint64_t>& bytes, const std::vector<Step>& steps) {
+              const std::vector<uint64_t>& bytes, const std::vector<Step>& steps, bool series) {
   Result r;
   r.config = config;
-  LayerCheckPolicy policy(config, kinds);
+  LayerCheckPolicy policy(config, kinds, {}, bytes);
+  r.budget_bytes_per_step = policy.budget_bytes_per_step();
   const size_t n = kinds.size();
   double total_bytes = 0;
   for (uint64_t b : bytes) total_bytes += static_cast<double>(b);
-  double staleness_sum = 0, weighted_sum = 0;
+  double staleness_sum = 0, weighted_sum = 0, multiplier_sum = 0;
   uint64_t samples = 0;
   for (const Step& s : steps) {
     std::vector<ckpt::drift::LayerSums> sums(n);
     for (size_t l = 0; l < n && l < s.d.size(); ++l) sums[l] = {s.d[l] * s.d[l], 1.0};
     std::vector<ckpt::LayerDecision> dec = policy.Decide(s.step, s.lr, sums, {});
-    bool any = false;
+    std::vector<uint32_t> persisted;
     double weighted = 0;
+    uint64_t step_max = 0;
     for (size_t l = 0; l < n; ++l) {
       if (dec[l].reason != ckpt::PersistReason::kNone) {
         ++r.layer_writes;
         r.bytes += bytes[l];
-        any = true;
+        if (dec[l].reason != ckpt::PersistReason::kDrift) r.forced_bytes += bytes[l];
+        persisted.push_back(static_cast<uint32_t>(l));
       }
       const uint64_t st = s.step - policy.last_persisted(l);
-      r.max_staleness = std::max(r.max_staleness, st);
+      step_max = std::max(step_max, st);
       staleness_sum += static_cast<double>(st);
       weighted += static_cast<double>(bytes[l]) * static_cast<double>(st);
     }
+    r.max_staleness = std::max(r.max_staleness, step_max);
     weighted_sum += total_bytes > 0 ? weighted / total_bytes : 0;
+    multiplier_sum += policy.k_multiplier();
     samples += n;
-    if (any) ++r.events;
+    if (!persisted.empty()) ++r.events;
+    if (s.has_persist && persisted == s.persist) ++r.matching_steps;
+    if (series) {
+      r.series_bytes.push_back(policy.selected_bytes());
+      r.series_max_staleness.push_back(step_max);
+      r.series_multiplier.push_back(policy.k_multiplier());
+      r.series_persist.push_back(persisted);
+    }
   }
+  const double count = static_cast<double>(steps.size());
   r.mean_staleness = samples ? staleness_sum / static_cast<double>(samples) : 0;
-  r.mean_weighted_staleness = steps.empty() ? 0 : weighted_sum / static_cast<double>(steps.size());
+  r.mean_weighted_staleness = steps.empty() ? 0 : weighted_sum / count;
+  r.mean_multiplier = steps.empty() ? 0 : multiplier_sum / count;
+  r.achieved_bytes_per_step = steps.empty() ? 0 : static_cast<double>(r.bytes) / count;
   return r;
 }
 
 int Usage() {
-  std::fprintf(stderr,
-               "usage: ckpt_policy_sim --trace=FILE [--k0=LIST] [--s-max=LIST] [--warmup=LIST]\n"
-               "                       [--warmup-interval=N] [--k0-embedding=X] [--full-every=N] "
-               "[--json]\n");
+  std::fprintf(
+      stderr,
+      "usage: ckpt_policy_sim --trace=FILE [--k0=LIST] [--s-max=LIST] [--warmup=LIST]\n"
+      "         [--warmup-interval=N] [--k0-embedding=X] [--full-every=N]\n"
+      "         [--budget-bytes-per-step=LIST | --budget-bytes-per-s=LIST --step-s=S |\n"
+      "          --budget-share=LIST --step-s=S --device-write-bytes-per-s=X]\n"
+      "         [--budget-k-min=X] [--budget-k-max=X] [--budget-horizon=N] [--no-budget]\n"
+      "         [--json] [--series]\n");
   return 2;
 }
 
@@ -101,24 +168,64 @@ int Usage() {
 
 int main(int argc, char** argv) {
   std::string trace;
-  std::vector<double> k0s;
+  std::vector<double> k0s, budgets;
   std::vector<uint64_t> s_maxes, warmups;
+  enum class BudgetForm { kNone, kPerStep, kPerSecond, kShare } form = BudgetForm::kNone;
   LayerCheckConfig base;
-  bool json = false, have_base = false;
+  LayerCheckBudget budget_opts;  // the bounds and step time given on the command line
+  bool json = false, series = false, no_budget = false, have_k0e = false, have_interval = false;
+  bool have_k_min = false, have_k_max = false, have_horizon = false, have_step_s = false;
+  bool overridden = false;  // anything but --json / --series
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto eq = a.find('=');
     std::string k = a.substr(0, eq), v = eq == std::string::npos ? "" : a.substr(eq + 1);
     bool ok = true;
-    if (k == "--trace") trace = v;
-    else if (k == "--k0") ok = ParseList(v, &k0s);
-    else if (k == "--s-max") ok = ParseList(v, &s_maxes);
-    else if (k == "--warmup") ok = ParseList(v, &warmups);
-    else if (k == "--warmup-interval") ok = absl::SimpleAtoi(v, &base.warmup_interval);
-    else if (k == "--k0-embedding") ok = absl::SimpleAtod(v, &base.k0_embedding), have_base = true;
-    else if (k == "--full-every") ok = absl::SimpleAtoi(v, &base.full_every);
-    else if (k == "--json") json = true;
-    else return Usage();
+    if (k != "--trace" && k != "--json" && k != "--series") overridden = true;
+    if (k == "--trace") {
+      trace = v;
+    } else if (k == "--k0") {
+      ok = ParseList(v, &k0s);
+    } else if (k == "--s-max") {
+      ok = ParseList(v, &s_maxes);
+    } else if (k == "--warmup") {
+      ok = ParseList(v, &warmups);
+    } else if (k == "--warmup-interval") {
+      ok = absl::SimpleAtoi(v, &base.warmup_interval), have_interval = true;
+    } else if (k == "--k0-embedding") {
+      ok = absl::SimpleAtod(v, &base.k0_embedding), have_k0e = true;
+    } else if (k == "--full-every") {
+      ok = absl::SimpleAtoi(v, &base.full_every);
+    } else if (k == "--budget-bytes-per-step" || k == "--budget-bytes-per-s" ||
+               k == "--budget-share") {
+      const BudgetForm f = k == "--budget-bytes-per-step" ? BudgetForm::kPerStep
+                           : k == "--budget-bytes-per-s"  ? BudgetForm::kPerSecond
+                                                          : BudgetForm::kShare;
+      if (form != BudgetForm::kNone && form != f) {
+        std::fprintf(stderr, "ckpt_policy_sim: give one form of budget\n");
+        return 2;
+      }
+      form = f;
+      ok = ParseList(v, &budgets);
+    } else if (k == "--step-s") {
+      ok = absl::SimpleAtod(v, &budget_opts.step_s), have_step_s = true;
+    } else if (k == "--device-write-bytes-per-s") {
+      ok = ParseSize(v, &budget_opts.device_write_bytes_per_s);
+    } else if (k == "--budget-k-min") {
+      ok = absl::SimpleAtod(v, &budget_opts.k_min), have_k_min = true;
+    } else if (k == "--budget-k-max") {
+      ok = absl::SimpleAtod(v, &budget_opts.k_max), have_k_max = true;
+    } else if (k == "--budget-horizon") {
+      ok = absl::SimpleAtoi(v, &budget_opts.horizon), have_horizon = true;
+    } else if (k == "--no-budget") {
+      no_budget = true;
+    } else if (k == "--json") {
+      json = true;
+    } else if (k == "--series") {
+      series = true;
+    } else {
+      return Usage();
+    }
     if (!ok) {
       std::fprintf(stderr, "ckpt_policy_sim: bad value for %s\n", k.c_str());
       return 2;
@@ -134,10 +241,11 @@ int main(int argc, char** argv) {
   std::vector<uint64_t> bytes;
   std::vector<Step> steps;
   LayerCheckConfig recorded;
+  bool recorded_budget = false;
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded()) continue;  // a torn last line
+    if (j.is_discarded() || !j.is_object()) continue;  // a torn last line
     if (j.contains("layers") && j["layers"].is_array() && j["layers"].size() > 0 &&
         j["layers"][0].is_object()) {
       // A header: a (re-)registration. Later headers must describe the same model.
@@ -153,7 +261,7 @@ int main(int argc, char** argv) {
       }
       kinds = k;
       bytes = b;
-      if (j.contains("config")) {
+      if (j.contains("config") && j["config"].is_object()) {
         const auto& c = j["config"];
         recorded.k0 = c.value("k0", recorded.k0);
         recorded.k0_embedding = c.value("k0_embedding", recorded.k0_embedding);
@@ -161,11 +269,24 @@ int main(int argc, char** argv) {
         recorded.s_max = c.value("s_max", recorded.s_max);
         recorded.warmup = c.value("warmup", recorded.warmup);
         recorded.warmup_interval = c.value("warmup_interval", recorded.warmup_interval);
+        recorded.full_every = c.value("full_every", recorded.full_every);
+        if (c.contains("budget") && c["budget"].is_object()) {
+          const auto& b = c["budget"];
+          recorded_budget = true;
+          recorded.budget.bytes_per_step = b.value("bytes_per_step", 0.0);
+          recorded.budget.step_s = b.value("step_s", 0.0);
+          recorded.budget.k_min = b.value("k_min", recorded.budget.k_min);
+          recorded.budget.k_max = b.value("k_max", recorded.budget.k_max);
+          recorded.budget.horizon = b.value("horizon", recorded.budget.horizon);
+          recorded.budget.layer_bytes = b.value("layer_bytes", std::vector<uint64_t>{});
+        }
       }
       continue;
     }
     if (!j.contains("step") || !j.contains("d")) continue;
-    Step s{j["step"].get<uint64_t>(), j.value("lr", 0.0), j["d"].get<std::vector<double>>()};
+    Step s{j["step"].get<uint64_t>(), j.value("lr", 0.0), j["d"].get<std::vector<double>>(), {},
+           j.contains("persist"), j.value("unix_s", 0.0)};
+    if (s.has_persist) s.persist = j["persist"].get<std::vector<uint32_t>>();
     if (!steps.empty() && s.step <= steps.back().step) {
       // A restart replayed steps: keep the newest timeline.
       while (!steps.empty() && steps.back().step >= s.step) steps.pop_back();
@@ -179,10 +300,44 @@ int main(int argc, char** argv) {
   if (k0s.empty()) k0s = {recorded.k0};
   if (s_maxes.empty()) s_maxes = {recorded.s_max};
   if (warmups.empty()) warmups = {recorded.warmup};
-  if (!have_base) base.k0_embedding = recorded.k0_embedding;
+  if (!have_k0e) base.k0_embedding = recorded.k0_embedding;
+  if (!have_interval) base.warmup_interval = recorded.warmup_interval;
   base.k_floor = recorded.k_floor;
-  if (base.warmup_interval == 50 && recorded.warmup_interval != 50) {
-    base.warmup_interval = recorded.warmup_interval;
+  if (base.full_every == 0) base.full_every = recorded.full_every;
+  // The budget: the command line's, else the recorded one (unless --no-budget).
+  LayerCheckBudget budget_base = recorded_budget && !no_budget ? recorded.budget : LayerCheckBudget();
+  if (have_k_min) budget_base.k_min = budget_opts.k_min;
+  if (have_k_max) budget_base.k_max = budget_opts.k_max;
+  if (have_horizon) budget_base.horizon = budget_opts.horizon;
+  if (have_step_s) budget_base.step_s = budget_opts.step_s;
+  budget_base.device_write_bytes_per_s = budget_opts.device_write_bytes_per_s;
+  std::vector<LayerCheckBudget> budget_list;
+  if (form == BudgetForm::kNone) {
+    budget_list.push_back(budget_base);
+  } else {
+    for (double b : budgets) {
+      LayerCheckBudget x = budget_base;
+      x.bytes_per_step = x.bytes_per_s = x.share = 0;
+      (form == BudgetForm::kPerStep     ? x.bytes_per_step
+       : form == BudgetForm::kPerSecond ? x.bytes_per_s
+                                        : x.share) = b;
+      budget_list.push_back(x);
+    }
+  }
+  // The step interval the recorded wall times imply (median of the gaps
+  // between consecutive steps).
+  double measured_step_s = 0;
+  {
+    std::vector<double> gaps;
+    for (size_t i = 1; i < steps.size(); ++i) {
+      if (steps[i].unix_s > 0 && steps[i - 1].unix_s > 0 && steps[i].step == steps[i - 1].step + 1) {
+        gaps.push_back(steps[i].unix_s - steps[i - 1].unix_s);
+      }
+    }
+    if (!gaps.empty()) {
+      std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+      measured_step_s = gaps[gaps.size() / 2];
+    }
   }
 
   uint64_t all_bytes = 0;
@@ -192,52 +347,115 @@ int main(int argc, char** argv) {
   for (double k0 : k0s) {
     for (uint64_t s_max : s_maxes) {
       for (uint64_t w : warmups) {
-        LayerCheckConfig c = base;
-        c.k0 = k0;
-        c.s_max = s_max;
-        c.warmup = w;
-        if (!c.Validate().ok()) {
-          std::fprintf(stderr, "ckpt_policy_sim: invalid config k0=%g s_max=%lu\n", k0,
-                       static_cast<unsigned long>(s_max));
-          return 2;
+        for (const LayerCheckBudget& b : budget_list) {
+          LayerCheckConfig c = base;
+          c.k0 = k0;
+          c.s_max = s_max;
+          c.warmup = w;
+          c.budget = b;
+          if (absl::Status st = c.Validate(); !st.ok()) {
+            std::fprintf(stderr, "ckpt_policy_sim: invalid config (k0=%g s_max=%lu): %s\n", k0,
+                         static_cast<unsigned long>(s_max), std::string(st.message()).c_str());
+            return 2;
+          }
+          results.push_back(Replay(c, kinds, bytes, steps, series));
         }
-        results.push_back(Replay(c, kinds, bytes, steps));
       }
     }
   }
+  // Seconds per step for the per-second figures: the budget's declared step
+  // time, else the one the trace's wall times imply.
+  auto step_seconds = [&](const Result& r) {
+    return r.config.budget.step_s > 0 ? r.config.budget.step_s : measured_step_s;
+  };
   if (json) {
     nlohmann::json out;
     out["steps"] = steps.size();
     out["layers"] = kinds.size();
     out["bytes_all"] = all_bytes;
+    out["measured_step_s"] = measured_step_s;
     for (const Result& r : results) {
-      out["results"].push_back({{"k0", r.config.k0},
-                                {"s_max", r.config.s_max},
-                                {"warmup", r.config.warmup},
-                                {"layer_writes", r.layer_writes},
-                                {"bytes", r.bytes},
-                                {"bytes_fraction_of_all", all_bytes ? double(r.bytes) / all_bytes : 0},
-                                {"events", r.events},
-                                {"mean_staleness", r.mean_staleness},
-                                {"max_staleness", r.max_staleness},
-                                {"mean_size_weighted_staleness", r.mean_weighted_staleness}});
+      nlohmann::json x = {{"k0", r.config.k0},
+                          {"s_max", r.config.s_max},
+                          {"warmup", r.config.warmup},
+                          {"layer_writes", r.layer_writes},
+                          {"bytes", r.bytes},
+                          {"bytes_fraction_of_all", all_bytes ? double(r.bytes) / all_bytes : 0},
+                          {"forced_bytes", r.forced_bytes},
+                          {"achieved_bytes_per_step", r.achieved_bytes_per_step},
+                          {"events", r.events},
+                          {"mean_staleness", r.mean_staleness},
+                          {"max_staleness", r.max_staleness},
+                          {"mean_size_weighted_staleness", r.mean_weighted_staleness},
+                          {"mean_k_multiplier", r.mean_multiplier}};
+      if (r.budget_bytes_per_step > 0) {
+        x["budget_bytes_per_step"] = r.budget_bytes_per_step;
+        x["achieved_over_budget"] = r.achieved_bytes_per_step / r.budget_bytes_per_step;
+        x["budget_k_min"] = r.config.budget.k_min;
+        x["budget_k_max"] = r.config.budget.k_max;
+        x["budget_horizon"] = r.config.budget.horizon;
+      }
+      if (step_seconds(r) > 0) {
+        x["step_s"] = step_seconds(r);
+        x["achieved_bytes_per_s"] = r.achieved_bytes_per_step / step_seconds(r);
+        if (r.budget_bytes_per_step > 0) {
+          x["budget_bytes_per_s"] = r.budget_bytes_per_step / step_seconds(r);
+        }
+      }
+      if (!overridden) x["steps_matching_trace"] = r.matching_steps;
+      if (series) {
+        x["series"] = {{"bytes", r.series_bytes},
+                       {"max_staleness", r.series_max_staleness},
+                       {"k_multiplier", r.series_multiplier},
+                       {"persist", r.series_persist}};
+      }
+      out["results"].push_back(x);
     }
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf("trace: %zu steps (%lu..%lu), %zu layers; policy all would write %.1f MiB\n",
+  std::printf("trace: %zu steps (%lu..%lu), %zu layers; policy all would write %.1f MiB",
               steps.size(), static_cast<unsigned long>(steps.front().step),
               static_cast<unsigned long>(steps.back().step), kinds.size(), all_bytes / 1048576.0);
-  std::printf("%10s %6s %6s %12s %12s %8s %8s %10s %10s %10s\n", "K0", "S_MAX", "WARMUP",
-              "LAYER WRITES", "MIB WRITTEN", "OF ALL", "EVENTS", "MEAN STALE", "MAX STALE",
-              "SW STALE");
+  if (measured_step_s > 0) std::printf("; recorded step interval %.3f s (median)", measured_step_s);
+  std::printf("\n");
+  std::printf("%9s %5s %6s %7s %11s %11s %7s %7s %8s %7s %10s %9s %8s %6s\n", "K0", "S_MAX",
+              "WARMUP", "WRITES", "MIB WRITTEN", "BUDGET/STEP", "ACHIEVED", "FORCED", "OF ALL",
+              "EVENTS", "MEAN STALE", "MAX STALE", "SW STALE", "K MULT");
   for (const Result& r : results) {
-    std::printf("%10.1e %6lu %6lu %12lu %12.1f %7.1f%% %8lu %10.2f %10lu %10.2f\n", r.config.k0,
-                static_cast<unsigned long>(r.config.s_max), static_cast<unsigned long>(r.config.warmup),
-                static_cast<unsigned long>(r.layer_writes), r.bytes / 1048576.0,
+    std::string budget = "-", achieved = "-";
+    if (r.budget_bytes_per_step > 0) {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "%.2f MiB", r.budget_bytes_per_step / 1048576.0);
+      budget = buf;
+      std::snprintf(buf, sizeof(buf), "%.3fx", r.achieved_bytes_per_step / r.budget_bytes_per_step);
+      achieved = buf;
+    }
+    std::printf("%9.1e %5lu %6lu %7lu %11.1f %11s %7s %6.1f%% %7.1f%% %7lu %10.2f %9lu %8.2f %6.2f\n",
+                r.config.k0, static_cast<unsigned long>(r.config.s_max),
+                static_cast<unsigned long>(r.config.warmup),
+                static_cast<unsigned long>(r.layer_writes), r.bytes / 1048576.0, budget.c_str(),
+                achieved.c_str(), r.bytes ? 100.0 * r.forced_bytes / r.bytes : 0.0,
                 all_bytes ? 100.0 * r.bytes / all_bytes : 0.0, static_cast<unsigned long>(r.events),
                 r.mean_staleness, static_cast<unsigned long>(r.max_staleness),
-                r.mean_weighted_staleness);
+                r.mean_weighted_staleness, r.mean_multiplier);
+  }
+  std::printf("ACHIEVED = bytes written per step / BUDGET/STEP; FORCED = share of the bytes "
+              "written by the base, never-persisted, staleness and full-checkpoint rules.\n");
+  for (const Result& r : results) {
+    if (r.budget_bytes_per_step > 0 && step_seconds(r) > 0) {
+      std::printf("K0 %.1e budget %.2f MiB/s -> achieved %.2f MiB/s (%.3f s per step%s)\n",
+                  r.config.k0, r.budget_bytes_per_step / step_seconds(r) / 1048576.0,
+                  r.achieved_bytes_per_step / step_seconds(r) / 1048576.0, step_seconds(r),
+                  r.config.budget.step_s > 0 ? ", declared" : ", from the trace's wall times");
+    }
+  }
+  if (!overridden) {
+    for (const Result& r : results) {
+      std::printf("replay of the recorded config: %lu of %zu steps persist what the trace "
+                  "recorded\n",
+                  static_cast<unsigned long>(r.matching_steps), steps.size());
+    }
   }
   return 0;
 }

@@ -234,6 +234,11 @@ const std::vector<Option>& Options() {
            CKPT_FIELD(handover.accept_backoff), absl::Milliseconds(1), 1, 1000),
       Num("drift_threads", "CPU threads of the LayerCheck drift kernel per snapshot",
           CKPT_FIELD(engine.drift_threads), 1, 256),
+      Num("device_write_bytes_per_s",
+          "sustained write bandwidth of the data device in bytes/s (e.g. fio with O_DIRECT); a "
+          "LayerCheck write budget given as a share of the device is relative to it (0 = "
+          "unknown: such budgets are refused)",
+          CKPT_FIELD(engine.device_write_bytes_per_s), 0),
       Num("keep_last_events",
           "retention: the composite plans of the newest N checkpoint events stay restorable",
           CKPT_FIELD(engine.retention.keep_last_events), 0),

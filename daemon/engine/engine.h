@@ -87,6 +87,10 @@ struct EngineOptions {
   absl::Duration restore_timeout = absl::Minutes(30);
   uint64_t max_aux_bytes = 1 << 20;
   int drift_threads = 2;              // CPU drift kernel workers per snapshot
+  // The data device's sustained write bandwidth in bytes/s, as the operator
+  // measured it; a LayerCheck write budget given as a share is relative to
+  // it. 0 = unknown: such budgets are refused.
+  uint64_t device_write_bytes_per_s = 0;
   RetentionPolicy retention;
   uint64_t max_disk_bytes = 0;        // bound on committed version bytes; 0 = none
   // Layer versions are refused while the data file system has less free than

@@ -17,8 +17,43 @@ namespace ckpt {
 absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory,
                                      Rank* r) {
   const RegistrationPolicy& spec = req.policy;
-  const LayerCheckConfig& config = spec.layercheck;
+  LayerCheckConfig config = spec.layercheck;
+  config.budget.device_write_bytes_per_s = static_cast<double>(options_.device_write_bytes_per_s);
   CKPT_RETURN_IF_ERROR(config.Validate());
+  // What each layer counts for under a write budget: the bytes this rank
+  // writes of it, unless the registration names them (layercheck.h).
+  std::vector<uint64_t> layer_bytes;
+  for (const LayerDesc& layer : req.layers) {
+    uint64_t bytes = 0;
+    for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
+    layer_bytes.push_back(bytes);
+  }
+  if (config.budget.enabled()) {
+    const LayerCheckBudget& b = config.budget;
+    if (!b.layer_bytes.empty() && b.layer_bytes.size() != req.layers.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layercheck budget: layer_bytes has ", b.layer_bytes.size(),
+                       " entries; the rank has ", req.layers.size(), " layers"));
+    }
+    if (req.world_size > 1 && !config.local_drift) {
+      // Ranks that all-reduce their drift must compute the same multiplier.
+      if (b.share > 0) {
+        return absl::InvalidArgumentError(
+            "layercheck budget: a share of the device's bandwidth is a figure of this node, "
+            "and ranks that all-reduce their drift (world_size > 1) must derive the same budget; "
+            "give bytes_per_s or bytes_per_step");
+      }
+      if (b.layer_bytes.empty()) {
+        return absl::InvalidArgumentError(
+            "layercheck budget with world_size > 1 needs layer_bytes, the same list on every "
+            "rank (e.g. each layer's bytes over all ranks): the ranks' own shard sizes may "
+            "differ, and so would their decisions");
+      }
+    }
+    CKPT_LOG(INFO) << "job " << req.job << " rank " << req.rank << ": layercheck write budget "
+                   << b.BytesPerStep() << " bytes per step, multiplier of K0 in [" << b.k_min
+                   << ", " << b.k_max << "], horizon " << b.horizon << " steps";
+  }
   r->optimizer = spec.optimizer;
   if (r->optimizer == OptimizerKind::kUnspecified) {
     return absl::InvalidArgumentError(
@@ -118,7 +153,8 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
           "layer ", l, " has no ", has_master ? "master" : "param", " tensor for drift accounting"));
     }
   }
-  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds), std::move(frozen));
+  r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds), std::move(frozen),
+                                                     std::move(layer_bytes));
   if (spec.record_trace) {
     CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, kDriftTraceFile));
     nlohmann::json header;
@@ -136,6 +172,16 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
                         {"k_floor", config.k_floor}, {"s_max", config.s_max},
                         {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
                         {"full_every", config.full_every}};
+    if (config.budget.enabled()) {
+      const LayerCheckBudget& b = config.budget;
+      nlohmann::json budget = {{"bytes_per_step", b.BytesPerStep()}, {"k_min", b.k_min},
+                               {"k_max", b.k_max}, {"horizon", b.horizon}};
+      if (b.bytes_per_s > 0) budget["bytes_per_s"] = b.bytes_per_s;
+      if (b.share > 0) budget["share"] = b.share;
+      if (b.step_s > 0) budget["step_s"] = b.step_s;
+      if (!b.layer_bytes.empty()) budget["layer_bytes"] = b.layer_bytes;
+      header["config"]["budget"] = budget;
+    }
     CKPT_RETURN_IF_ERROR(store_->AppendSideFile(r->trace.get(), header.dump() + "\n"));
   }
   return absl::OkStatus();
@@ -203,6 +249,12 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
       for (const LayerDecision& dec : decisions) d.push_back(dec.d);
       line["d"] = d;
       line["persist"] = task.layers;
+      if (r->layercheck->budget_bytes_per_step() > 0) {
+        line["k_mult"] = r->layercheck->k_multiplier();
+      }
+      // Wall time of the decision: the simulator reports the step interval
+      // it implies (a hint for LayerCheckBudget::step_s); decisions never use it.
+      line["unix_s"] = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
       trace_line = line.dump();
     }
     r->last_decisions = std::move(decisions);

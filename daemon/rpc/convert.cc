@@ -76,6 +76,15 @@ LayerCheckConfig LayerCheckOf(const v1::LayerCheckSpec& spec) {
   if (spec.warmup_interval() > 0) c.warmup_interval = spec.warmup_interval();
   c.full_every = spec.full_every();
   c.local_drift = spec.local_drift();
+  const v1::WriteBudget& b = spec.budget();
+  c.budget.bytes_per_step = b.bytes_per_step();
+  c.budget.bytes_per_s = b.bytes_per_s();
+  c.budget.share = b.share();
+  c.budget.step_s = b.step_s();
+  if (b.k_min() != 0) c.budget.k_min = b.k_min();  // a negative one is refused by Validate
+  if (b.k_max() != 0) c.budget.k_max = b.k_max();
+  if (b.horizon() > 0) c.budget.horizon = b.horizon();
+  c.budget.layer_bytes.assign(b.layer_bytes().begin(), b.layer_bytes().end());
   return c;
 }
 

@@ -269,7 +269,40 @@ def _parse_policy(policy: str, kind: str, layercheck: Optional[dict], record_tra
     if policy == "layercheck":
         spec["optimizer"] = kind
         spec["layercheck"] = dict(layercheck or {})
+        budget = spec["layercheck"].get("budget")
+        if budget is not None:
+            if not isinstance(budget, dict):
+                raise ValueError("layercheck 'budget' must be a dict (bytes_per_s and step_s, "
+                                 f"bytes_per_step, or share and step_s), not {type(budget).__name__}")
+            spec["layercheck"]["budget"] = dict(budget)
+    elif layercheck and layercheck.get("budget") is not None:
+        raise ValueError(f"a layercheck budget was given but the policy is '{policy}'")
     return spec
+
+
+def _budget_for_rank(policy: dict, layers: Dict[str, dict], layer_bytes: Dict[str, int],
+                     owners: Dict[str, int], rank: int, whole_bytes: Dict[str, int]) -> dict:
+    """The policy this rank registers: a LayerCheck write budget is the job's.
+    Data-parallel replicas (`owners` set) each take the part of it that their
+    share of the bytes is; sharded ranks that all-reduce their drift count
+    every layer at its size over all ranks (`whole_bytes`), the same on every
+    rank, so that all compute the same threshold multiplier."""
+    lc = policy.get("layercheck")
+    budget = lc.get("budget") if lc else None
+    if not budget:
+        return policy
+    budget = dict(budget)
+    if owners:
+        total = sum(layer_bytes.values())
+        own = sum(b for n, b in layer_bytes.items() if owners.get(n) == rank)
+        for key in ("bytes_per_step", "bytes_per_s", "share"):
+            if budget.get(key):
+                budget[key] = float(budget[key]) * own / max(1, total)
+        if not any(budget.get(k) for k in ("bytes_per_step", "bytes_per_s", "share")):
+            budget = None  # this replica writes no layer
+    elif whole_bytes and "layer_bytes" not in budget:
+        budget["layer_bytes"] = [max(1, int(whole_bytes.get(n, 0))) for n in layers]
+    return dict(policy, layercheck=dict(lc, budget=budget))
 
 
 class _ModelTensor(NamedTuple):
@@ -665,8 +698,15 @@ class Attached:
             self._share_host_memory(own_entries)
         else:
             self._place_gpu_tensors(own_entries)
+        whole: Dict[str, int] = {}
+        budget = (self._policy.get("layercheck") or {}).get("budget")
+        if budget and self._world_size > 1 and self._sharded and not self._replicated:
+            for m in self._model_tensors():  # DTensors: their global sizes
+                whole[m.layer] = whole.get(m.layer, 0) + m.tensor.numel() * m.tensor.element_size()
+        policy = _budget_for_rank(self._policy, own_layers, layer_bytes,
+                                  self._owners if self._replicated else {}, self.rank, whole)
         spec = {"job_id": self.job_id, "rank": self.rank, "world_size": self._world_size,
-                "policy": self._policy, "layers": list(own_layers.values())}
+                "policy": policy, "layers": list(own_layers.values())}
         self.client.register(spec)
         self._entries = entries
         self._by_layer = by_layer
@@ -1464,8 +1504,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     an Attached; the rank registers at the first optimizer step (or at
     restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
     "none"; `layercheck`: its parameters (k0, k0_embedding, k_floor, s_max,
-    warmup, warmup_interval, full_every); `layers`: None for the automatic
-    grouping, or a callable name -> layer name (or (name, kind)).
+    warmup, warmup_interval, full_every, budget); `budget` is a write budget
+    for the job, a dict with bytes_per_s and step_s (the declared seconds per
+    step), or bytes_per_step, or share (of ckptd's configured device
+    bandwidth) and step_s, and optionally k_min, k_max, horizon, layer_bytes
+    (docs/layercheck.md); `layers`: None for the automatic grouping, or a
+    callable name -> layer name (or (name, kind)).
     With world_size > 1 and policy "layercheck", each step's layer drift is
     all-reduced over `process_group` (default: a gloo group of the whole
     world, made here, so every rank must attach in the same order) and every

@@ -69,6 +69,13 @@ FULL = dict(
     weight_decay=0.1, grad_clip=1.0, finetune_cap=8 << 20, eval_batches=16,
     save_every=10, kill_frac_all=0.55, cascade_fracs=(0.30, 0.55, 0.80),
     k0s=(1e-4, 1e-3, 1e-2), k0_embedding_factor=10.0, s_max=50,
+    # LayerCheck runs use ckptd's warm-up defaults. These (warmup, interval)
+    # variants run at K0 = 1e-3 as well, for what a warm-up changes; the
+    # first is the pre-change default (200 steps, full every 50).
+    warmup_variants=((200, 50),),
+    # A write budget at K0 = 1e-3, as a fraction of the full state per step,
+    # declared in bytes/s with the calibrated step time.
+    budget_fracs=(0.05,),
     budget_min=50.0, seed=20261130,
 )
 
@@ -465,7 +472,7 @@ def worker_finetune(w):
                   (w["name"], t, steps, loss.item(), rec["step_s"]), flush=True)
         if w.get("kill_after") == t:
             if h is not None:
-                out.write(event="stats", step=t, **h.stats())
+                out.write(event="stats", step=t, **dataclasses.asdict(h.stats()))
             out.write(event="kill", step=t)
             os.kill(os.getpid(), signal.SIGKILL)
     end = {"event": "end"}
@@ -473,7 +480,7 @@ def worker_finetune(w):
         t0 = time.perf_counter()
         end["durable"] = h.wait_durable()
         end["wait_durable_s"] = time.perf_counter() - t0
-        out.write(event="stats", step=steps, **h.stats())
+        out.write(event="stats", step=steps, **dataclasses.asdict(h.stats()))
     end["eval_loss"] = evaluate(model, data, cfg["eval_batches"])
     if h is not None:
         h.close()
@@ -755,7 +762,8 @@ class Experiment:
         else:
             step_s = self.calibrate()
             left = c["budget_min"] * 60 - (time.time() - self.t_start)
-            runs = 12.5 if self.ckpt_ok else 2.0
+            runs = (12.5 + 2 * len(c["warmup_variants"]) + 2 * len(c["budget_fracs"])
+                    if self.ckpt_ok else 2.0)
             est_n = int((left - 25 * 8) / (runs * step_s * 1.2))
             n = max(c["min_steps"], min(c["steps"], est_n))
         self.steps = n
@@ -863,8 +871,9 @@ class Experiment:
             cascade = sorted(set(max(2, round(f * n)) for f in c["cascade_fracs"]))
             for k0 in c["k0s"]:
                 tag = "lc_%s" % fmt_k0(k0)
+                # ckptd's defaults for everything but K0 and S_max
                 lc = {"k0": k0, "k0_embedding": k0 * c["k0_embedding_factor"],
-                      "s_max": c["s_max"], "warmup": 0, "warmup_interval": 50}
+                      "s_max": c["s_max"]}
                 ff = self.run_ckptd(tag + "_ff", "layercheck", [], lc, record_trace=True)
                 kstar = None
                 if ff.get("trace"):
@@ -879,10 +888,47 @@ class Experiment:
                 log("  %s: max size-weighted staleness at step %d" % (tag, kstar))
                 self.run_ckptd(tag + "_fail1", "layercheck", [kstar], lc, record_trace=True)
                 self.run_ckptd(tag + "_cascade", "layercheck", cascade, lc, record_trace=True)
+                if k0 == 1e-3:
+                    self.run_variants(lc, ff, cascade)
         self.results["wall_s"] = time.time() - self.t_start
         self.results["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         self.save_results()
         shutil.rmtree(self.tmp_root, ignore_errors=True)
+
+    def run_variants(self, lc, ff, cascade):
+        """K0 = 1e-3 with the warm-up variants and with write budgets. A
+        warm-up variant fails at its own step of maximum size-weighted
+        staleness (its selections replayed over the default run's trace) and
+        in the same cascade; a budget run is failure-free, then fails at the
+        default run's failure step."""
+        c, n = self.cfg, self.steps
+        tr = parse_trace(os.path.join(self.out, ff["trace"])) if ff.get("trace") else []
+        for w, wi in c["warmup_variants"]:
+            tag = "lc_1e-3_w%d" % w
+            v = dict(lc, warmup=w, warmup_interval=wi)
+            kstar = None
+            if tr:
+                sim = dict(tr[0], steps=simulate_selection(tr[0], dict(v, k_floor=1e-5)))
+                kstar, sws = max_sws_step([sim], n)
+            kstar = kstar or round(0.5 * n)
+            log("  %s: max size-weighted staleness of its selections at step %d" % (tag, kstar))
+            self.run_ckptd(tag + "_fail1", "layercheck", [kstar], v, record_trace=True)
+            self.run_ckptd(tag + "_cascade", "layercheck", cascade, v, record_trace=True)
+        full = sum(l["bytes"] for l in tr[0]["header"]["layers"]) if tr else 0
+        step_s = self.results.get("calibration", {}).get("median_step_s")
+        if not step_s:  # --steps: no calibration; the failure-free run's median step
+            st = sorted(r["step_s"] - r.get("save_s", 0) - r.get("fsync_s", 0)
+                        for r in read_jsonl(os.path.join(self.logs, "ff.jsonl"))
+                        if r.get("event") == "step")
+            step_s = st[len(st) // 2] if st else None
+        kstar = ff.get("max_sws_step") or round(0.5 * n)
+        for frac in c["budget_fracs"]:
+            if not (full and step_s):
+                break
+            tag = "lc_1e-3_budget%g" % (100 * frac)
+            v = dict(lc, budget={"bytes_per_s": frac * full / step_s, "step_s": step_s})
+            self.run_ckptd(tag + "_ff", "layercheck", [], v, record_trace=True)
+            self.run_ckptd(tag + "_fail1", "layercheck", [kstar], v, record_trace=True)
 
 
 def file_digest(path):
@@ -893,6 +939,18 @@ def file_digest(path):
     st = os.stat(path)
     return {"sha256": h.hexdigest()[:16], "mtime": datetime.datetime.fromtimestamp(
         st.st_mtime).isoformat(timespec="seconds"), "bytes": st.st_size}
+
+
+def lc_label(lc):
+    """ K0=..., with a warm-up or a budget where the run set one."""
+    if not lc:
+        return ""
+    out = " K0=%s" % fmt_k0(lc["k0"])
+    if "warmup" in lc:
+        out += ", warm-up %d/%d" % (lc["warmup"], lc.get("warmup_interval", 50))
+    if lc.get("budget"):
+        out += ", budget %.1f MiB/s" % (lc["budget"]["bytes_per_s"] / 2 ** 20)
+    return out
 
 
 def fmt_k0(k0):
@@ -1067,6 +1125,33 @@ def replay_layercheck(regs, config, restores, job_lr_ref, resume):
             elif first_mismatch is None:
                 first_mismatch = (gi, t, pers, st.get("persist"))
     return {"match": match, "total": total, "first_mismatch": first_mismatch}
+
+
+def simulate_selection(reg, config):
+    """The steps of one registration's trace with `persist` replaced by what
+    LayerCheck (no budget) selects under `config` (k0, k0_embedding, k_floor,
+    s_max, warmup, warmup_interval), from the recorded drift and LR."""
+    kinds = [l["kind"] for l in reg["header"]["layers"]]
+    L = len(kinds)
+    last, acc, lr_ref, out = [0] * L, [0.0] * L, 0.0, []
+    w, wi = config.get("warmup", 1), config.get("warmup_interval", 50)
+    for i, st in enumerate(reg["steps"]):
+        t, lr = st["step"], st["lr"]
+        lr_ref = max(lr_ref, lr)
+        ratio = lr / lr_ref if lr_ref > 0 else 1.0
+        in_w = t <= w
+        full = in_w and (i == 0 or t == w or (wi and t % wi == 0))
+        pers = []
+        for l in range(L):
+            acc[l] += st["d"][l]
+            k = max((config["k0_embedding"] if kinds[l] == 1 else config["k0"]) * ratio,
+                    config.get("k_floor", 1e-5))
+            if last[l] == 0 or full or (not in_w and (t - last[l] >= config["s_max"] or
+                                                       acc[l] >= k)):
+                pers.append(l)
+                acc[l], last[l] = 0.0, t
+        out.append(dict(st, persist=pers))
+    return out
 
 
 def max_sws_step(regs, n):
@@ -1250,6 +1335,9 @@ def analyse(out_dir, results):
             a["trace_header_config"] = tinfo["config"]
             a["trace_layers"] = tinfo["layers"]
             s_max = (r.get("layercheck") or {}).get("s_max")
+            # SPEC section 4: the invariant holds from the base checkpoint at
+            # the end of the warm-up on (selection and the guard are off before).
+            base_step = (tinfo["config"] or {}).get("warmup", 0)
             worst, viol = 0, []
             for gi, g in enumerate(regs):
                 init = None
@@ -1259,16 +1347,29 @@ def analyse(out_dir, results):
                 for t, last, _ in staleness_series(g, init):
                     for li, p in enumerate(last):
                         age = t - (p if p is not None else 0)
+                        if t < base_step:
+                            continue
                         worst = max(worst, age)
                         if s_max and age >= s_max:
                             viol.append((gi, t, li, age))
             cfgt = tinfo["config"]
-            if cfgt and regs and cfgt.get("warmup", 0) == 0 and not cfgt.get("full_every"):
+            if cfgt and regs and cfgt.get("warmup", 0) <= 1 and not cfgt.get("full_every") \
+                    and not cfgt.get("budget"):
                 a["replay_spec"] = replay_layercheck(regs, cfgt, a["restores"], True, True)
                 if len(regs) > 1:
                     a["replay_fresh_registration"] = replay_layercheck(
                         regs, cfgt, a["restores"], False, False)
             a["trace_max_selected_staleness"] = worst
+            sizes = [l[2] for l in tinfo["layers"]]
+            tsteps = [st for g in regs for st in g["steps"]]
+            a["trace_steps"] = len(tsteps)
+            a["trace_selected_bytes"] = sum(sizes[l] for st in tsteps for l in st.get("persist", [])
+                                            if l < len(sizes))
+            km = [st["k_mult"] for st in tsteps if "k_mult" in st]
+            if km:
+                a["trace_k_mult"] = {"mean": sum(km) / len(km), "min": min(km), "max": max(km),
+                                     "last": km[-1]}
+            a["layercheck"] = r.get("layercheck")
             a["trace_invariant_violations"] = len(viol)
             a["trace_invariant_examples"] = viol[:5]
             if regs:
@@ -1499,6 +1600,103 @@ def make_figures(out_dir, results, A):
     return figs
 
 
+def write_variants_section(w, out_dir, c, n, runs, R):
+    """K0 = 1e-3 with ckptd's warm-up default, with the warm-up variants and
+    with a write budget."""
+    base = R.get("lc_1e-3_ff")
+    names = [nm for nm in runs if nm.startswith(("lc_1e-3_w", "lc_1e-3_budget"))]
+    if not base or not names:
+        return
+    tr_path = runs["lc_1e-3_ff"].get("trace")
+    reg = None
+    if tr_path:
+        regs = parse_trace(os.path.join(out_dir, tr_path))
+        reg = regs[0] if regs else None
+    sizes = [l["bytes"] for l in reg["header"]["layers"]] if reg else []
+    cfg = (base.get("trace_header_config") or {})
+    w("## Warm-up and write budget (K0 = 1e-3)")
+    w("")
+    w("The default LayerCheck runs above use ckptd's warm-up default (W = %s: the first step "
+      "is the base checkpoint, the drift rule runs from the second). A warm-up variant runs "
+      "with selection off up to step W and every layer persisted every I steps; its "
+      "failure-free bytes and staleness are its selections replayed over the default run's "
+      "drift trace (the failure-free trajectory is the same bit for bit under every policy), "
+      "its single failure is at its own step of maximum size-weighted staleness, its cascade "
+      "at the same steps as the default's. A budget run declares bytes_per_s with a "
+      "measured step time (the calibration's, or with --steps the failure-free run's median); "
+      "its achieved rate is the bytes LayerCheck selected (the trace) "
+      "per step and per second of the trainer's measured steps." % cfg.get("warmup", "?"))
+    w("")
+    w("| config | failure-free: bytes | layer writes | mean size-weighted staleness | 1 failure "
+      "(step): max / final / eval dev | 3 failures: max / final / eval dev |")
+    w("| --- | --- | --- | --- | --- | --- |")
+
+    def sws_mean(steps):
+        last, tot, out = [0] * len(sizes), float(sum(sizes)) or 1.0, []
+        for st in steps:
+            for l in st.get("persist", []):
+                last[l] = st["step"]
+            out.append(sum(b * (st["step"] - p) for b, p in zip(sizes, last)) / tot)
+        return sum(out) / len(out) if out else 0
+
+    def row(label, bytes_, writes, sws, f1, f3):
+        w("| %s | %s | %s | %.2f steps | %s | %s |" % (
+            label, human_bytes(bytes_), writes, sws,
+            "(%s) %s / %s / %s" % (f1.get("kills"), pct(f1.get("max_dev")),
+                                   pct(f1.get("final_dev")), pct(f1.get("eval_dev")))
+            if f1 else "-",
+            "%s / %s / %s" % (pct(f3.get("max_dev")), pct(f3.get("final_dev")),
+                              pct(f3.get("eval_dev"))) if f3 else "-"))
+    if reg:
+        row("default (W = %s)" % cfg.get("warmup", "?"), base.get("trace_selected_bytes"),
+            sum(len(st["persist"]) for st in reg["steps"]), sws_mean(reg["steps"]),
+            R.get("lc_1e-3_fail1", {}), R.get("lc_1e-3_cascade", {}))
+    for wv, wi in c.get("warmup_variants", ()):
+        tag = "lc_1e-3_w%d" % wv
+        if tag + "_fail1" not in R:
+            continue
+        sim = simulate_selection(reg, dict(runs[tag + "_fail1"]["layercheck"], k_floor=1e-5)) \
+            if reg else []
+        row("warm-up W = %d, full every %d" % (wv, wi),
+            sum(sizes[l] for st in sim for l in st["persist"]) if sim else None,
+            sum(len(st["persist"]) for st in sim) if sim else "-",
+            sws_mean(sim) if sim else float("nan"), R.get(tag + "_fail1", {}),
+            R.get(tag + "_cascade", {}))
+    budget_rows = []
+    for nm in names:
+        if not (nm.startswith("lc_1e-3_budget") and nm.endswith("_ff")):
+            continue
+        x = R[nm]
+        regs = parse_trace(os.path.join(out_dir, runs[nm]["trace"])) \
+            if runs[nm].get("trace") else []
+        b = (runs[nm].get("layercheck") or {}).get("budget") or {}
+        row("budget %.1f MiB/s (%.2f s/step declared)" % (b.get("bytes_per_s", 0) / 2 ** 20,
+                                                           b.get("step_s", 0)),
+            x.get("trace_selected_bytes"), sum(len(st["persist"]) for st in regs[0]["steps"])
+            if regs else "-", sws_mean(regs[0]["steps"]) if regs else float("nan"),
+            R.get(nm[:-3] + "_fail1", {}), None)
+        step_s = [float(y["step_s"]) for y in read_jsonl(os.path.join(out_dir,
+                                                                       runs[nm]["log"]))
+                  if y.get("event") == "step"]
+        budget_rows.append((nm, b, x, sum(step_s), len(step_s)))
+    w("")
+    for nm, b, x, wall, steps in budget_rows:
+        per_step = b["bytes_per_s"] * b["step_s"]
+        sel = x.get("trace_selected_bytes") or 0
+        km = x.get("trace_k_mult") or {}
+        w("Budget run `%s`: budget %.2f MiB per step (%.2f MiB/s at the declared %.3f s per step); "
+          "achieved **%.2f MiB per step (%.3fx the budget)** over %d steps; the trainer's measured "
+          "steps took %.3f s on average, so the wall-clock rate was %.2f MiB/s (%.3fx the budget "
+          "in bytes/s); bytes committed by ckptd %s; K0 multiplier mean %.2f (%.2f..%.2f)."
+          % (nm, per_step / 2 ** 20, b["bytes_per_s"] / 2 ** 20, b["step_s"],
+             sel / max(1, steps) / 2 ** 20, sel / max(1, steps) / per_step, steps,
+             wall / max(1, steps), sel / wall / 2 ** 20 if wall else 0,
+             (sel / wall) / b["bytes_per_s"] if wall else 0,
+             human_bytes(x.get("bytes_committed")), km.get("mean", 0), km.get("min", 0),
+             km.get("max", 0)))
+        w("")
+
+
 def write_report(out_dir, results):
     A = analyse(out_dir, results)
     try:
@@ -1575,7 +1773,8 @@ def write_report(out_dir, results):
       "(`--staging_pool_bytes=268435456 --lock_staging_memory=false --gc_interval_s=15 "
       "--keep_last_events=5`), its own temp dir, stopped with SIGTERM.")
     w("- LayerCheck: K0 in %s, K0_embedding = %g x K0, S_max = %d (scaled to the run length; "
-      "the paper's 200 never binds in a %d-step run), warm-up 0. Failure step of the "
+      "the paper's 200 never binds in a %d-step run), the warm-up and everything else "
+      "ckptd's defaults (the trace headers give what ckptd used). Failure step of the "
       "single-failure run = step of maximum size-weighted staleness "
       "(sum over layers of bytes x (t - last persisted step)) in the failure-free run's trace, "
       "searched in [10%%, 90%%] of the run; cascading failures after steps %s. ckptd's "
@@ -1678,8 +1877,7 @@ def write_report(out_dir, results):
             continue
         st = x.get("stall_s", {})
         w("| %s | %s%s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.0f s |" %
-          (name, r["policy"], "" if not r.get("layercheck") else " K0=%s" %
-           fmt_k0(r["layercheck"]["k0"]), r["kills"] or "-",
+          (name, r["policy"], lc_label(r.get("layercheck")), r["kills"] or "-",
            [z["target_step"] for z in x.get("restores", [])] or "-",
            "yes" if x.get("complete") else "NO", "yes" if x.get("bitexact") else
            "no (%d of %d differ)" % (x.get("mismatches", 0), x.get("steps_compared", 0)),
@@ -1737,6 +1935,7 @@ def write_report(out_dir, results):
           "the same for the held-out loss (%d batches of held-out man pages) at the end." %
           c["eval_batches"])
         w("")
+    write_variants_section(w, out_dir, c, n, runs, R)
     if figs.get("bytes"):
         w("## Bytes written")
         w("")
