@@ -157,6 +157,7 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path, rock
   std::unique_ptr<Index> index(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock), path,
                                          env, std::move(logger)));
   CKPT_RETURN_IF_ERROR(index->CheckSchema(path));
+  CKPT_RETURN_IF_ERROR(index->CountVersions());
   return index;
 }
 
@@ -241,6 +242,7 @@ absl::StatusOr<std::optional<std::string>> Index::Get(const std::string& key) {
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), key, &v);
+  entries_read_.fetch_add(1, std::memory_order_relaxed);
   if (s.IsNotFound()) return std::optional<std::string>();
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("get ", key)));
   return std::optional<std::string>(std::move(v));
@@ -302,6 +304,7 @@ absl::StatusOr<std::vector<std::string>> Index::ListJobs() {
   if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek("j/"); it->Valid() && it->key().starts_with("j/"); it->Next()) {
+    entries_read_.fetch_add(1, std::memory_order_relaxed);
     jobs.push_back(it->key().ToString().substr(2));
   }
   CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "list jobs"));
@@ -334,6 +337,7 @@ absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
   if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    entries_read_.fetch_add(1, std::memory_order_relaxed);
     uint32_t r;
     if (ParseHex32(absl::string_view(it->key().data() + prefix.size(), it->key().size() - prefix.size()), &r)) {
       ranks.push_back(r);
@@ -344,10 +348,103 @@ absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
 }
 
 absl::Status Index::PutVersion(const VersionKey& key, const store::VersionRecord& rec) {
-  return Put(VersionKeyString(key), rec.SerializeAsString());
+  const std::string k = VersionKeyString(key);
+  absl::MutexLock lock(&version_mu_);
+  // A record written over (the same layer and step again) replaces the one
+  // it counted.
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> old, Get(k));
+  CKPT_RETURN_IF_ERROR(Put(k, rec.SerializeAsString()));
+  if (old.has_value()) {
+    store::VersionRecord was;
+    CountLocked(key, -1, was.ParseFromString(*old) ? was.file_bytes() : 0);
+  }
+  CountLocked(key, +1, rec.file_bytes());
+  return absl::OkStatus();
 }
 
-absl::Status Index::DeleteVersion(const VersionKey& key) { return Delete(VersionKeyString(key)); }
+absl::Status Index::DeleteVersion(const VersionKey& key) {
+  const std::string k = VersionKeyString(key);
+  absl::MutexLock lock(&version_mu_);
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> old, Get(k));
+  CKPT_RETURN_IF_ERROR(Delete(k));
+  if (old.has_value()) {
+    store::VersionRecord was;
+    CountLocked(key, -1, was.ParseFromString(*old) ? was.file_bytes() : 0);
+  }
+  return absl::OkStatus();
+}
+
+void Index::CountLocked(const VersionKey& key, int sign, uint64_t file_bytes) {
+  auto it = versions_.find(std::make_pair(key.job, key.rank));
+  if (it == versions_.end()) {
+    if (sign < 0) return;
+    it = versions_.emplace(std::make_pair(key.job, key.rank), RankVersions()).first;
+  }
+  RankVersions& r = it->second;
+  if (r.layers.size() <= key.layer) r.layers.resize(static_cast<size_t>(key.layer) + 1);
+  VersionCount& l = r.layers[key.layer];
+  if (sign > 0) {
+    ++l.versions;
+    l.file_bytes += file_bytes;
+    ++r.total.versions;
+    r.total.file_bytes += file_bytes;
+    return;
+  }
+  auto sub = [](uint64_t& v, uint64_t d) { v = v > d ? v - d : 0; };
+  sub(l.versions, 1);
+  sub(l.file_bytes, file_bytes);
+  sub(r.total.versions, 1);
+  sub(r.total.file_bytes, file_bytes);
+  if (r.total.versions == 0) versions_.erase(it);
+}
+
+absl::Status Index::CountVersions() {
+  absl::MutexLock lock(&version_mu_);
+  versions_.clear();
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  // v/<job>/<rank:8>/<layer:8>/<step:16>; consecutive records are mostly of
+  // one rank, whose entry is looked up once per run.
+  RankVersions* current = nullptr;
+  std::string current_job;
+  uint32_t current_rank = 0;
+  for (it->Seek("v/"); it->Valid() && it->key().starts_with("v/"); it->Next()) {
+    absl::string_view k(it->key().data(), it->key().size());
+    if (k.size() < 2 + 1 + 1 + 8 + 1 + 8 + 1 + 16) continue;  // not a version key: not counted
+    const absl::string_view tail = k.substr(k.size() - (8 + 1 + 8 + 1 + 16));  // <rank>/<layer>/<step>
+    const absl::string_view job = k.substr(2, k.size() - 2 - tail.size() - 1);
+    uint32_t rank = 0, layer = 0;
+    uint64_t step = 0;
+    if (k[k.size() - tail.size() - 1] != '/' || tail[8] != '/' || tail[17] != '/' ||
+        !ParseHex32(tail.substr(0, 8), &rank) ||
+        !ParseHex32(tail.substr(9, 8), &layer) || !ParseHex64(tail.substr(18), &step)) {
+      continue;
+    }
+    if (current == nullptr || job != current_job || rank != current_rank) {
+      current_job = std::string(job);
+      current_rank = rank;
+      current = &versions_[std::make_pair(current_job, rank)];
+    }
+    store::VersionRecord rec;
+    const uint64_t bytes =
+        rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))
+            ? rec.file_bytes()
+            : 0;
+    if (current->layers.size() <= layer) current->layers.resize(static_cast<size_t>(layer) + 1);
+    ++current->layers[layer].versions;
+    current->layers[layer].file_bytes += bytes;
+    ++current->total.versions;
+    current->total.file_bytes += bytes;
+  }
+  return FromRocks(it->status(), "count versions");
+}
+
+Index::RankVersions Index::VersionsOf(const std::string& job, uint32_t rank) const {
+  absl::MutexLock lock(&version_mu_);
+  auto it = versions_.find(std::make_pair(job, rank));
+  return it == versions_.end() ? RankVersions() : it->second;
+}
 
 absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::VersionAtOrBefore(
     const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step) {
@@ -357,6 +454,7 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::
   if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   it->SeekForPrev(absl::StrFormat("%s%016x", prefix, max_step));
+  if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
   if (!it->Valid() || !it->key().starts_with(prefix)) {
     CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek version"));
     return Result();
@@ -381,6 +479,7 @@ absl::Status Index::ForEachVersion(
   if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    entries_read_.fetch_add(1, std::memory_order_relaxed);
     absl::string_view k(it->key().data(), it->key().size());
     VersionKey vk{job, rank, 0, 0};
     absl::string_view rest = k.substr(rank_prefix);  // <layer:8>/<step:16>
@@ -391,6 +490,42 @@ absl::Status Index::ForEachVersion(
     CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
                           ParseRecord<store::VersionRecord>(it->value(), k));
     if (!fn(vk, rec)) break;
+  }
+  return FromRocks(it->status(), "scan versions");
+}
+
+absl::Status Index::ForEachVersionAfter(
+    const std::string& job, uint32_t rank, uint64_t after_step,
+    const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn) {
+  const std::string prefix = absl::StrFormat("v/%s/%08x/", job, rank);
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  it->Seek(prefix);
+  while (it->Valid() && it->key().starts_with(prefix)) {
+    entries_read_.fetch_add(1, std::memory_order_relaxed);
+    absl::string_view k(it->key().data(), it->key().size());
+    VersionKey vk{job, rank, 0, 0};
+    absl::string_view rest = k.substr(prefix.size());  // <layer:8>/<step:16>
+    if (rest.size() != 25 || !ParseHex32(rest.substr(0, 8), &vk.layer) ||
+        !ParseHex64(rest.substr(9), &vk.step)) {
+      return absl::DataLossError(absl::StrCat("bad index key ", k));
+    }
+    if (vk.step <= after_step) {
+      // The rest of this layer's history below the step is skipped with one
+      // seek (after_step + 1 cannot wrap: a step above it exists only then).
+      if (after_step == ~uint64_t{0}) {
+        if (vk.layer == ~uint32_t{0}) break;
+        it->Seek(absl::StrFormat("%s%08x/", prefix, vk.layer + 1));
+      } else {
+        it->Seek(absl::StrFormat("%s%08x/%016x", prefix, vk.layer, after_step + 1));
+      }
+      continue;
+    }
+    CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
+                          ParseRecord<store::VersionRecord>(it->value(), k));
+    if (!fn(vk, rec)) break;
+    it->Next();
   }
   return FromRocks(it->status(), "scan versions");
 }
@@ -421,6 +556,7 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::Ev
   if (db_ == nullptr) return IndexClosed();
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   it->SeekForPrev(EventKey(job, rank, max_step));
+  if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
   if (!it->Valid() || !it->key().starts_with(prefix)) {
     CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek event"));
     return Result();
@@ -446,6 +582,7 @@ absl::Status Index::ForEachEvent(const std::string& job, uint32_t rank, bool new
     it->Seek(prefix);
   }
   for (; it->Valid() && it->key().starts_with(prefix); newest_first ? it->Prev() : it->Next()) {
+    entries_read_.fetch_add(1, std::memory_order_relaxed);
     absl::string_view k(it->key().data(), it->key().size());
     uint64_t step;
     if (!ParseHex64(k.substr(prefix.size()), &step)) {

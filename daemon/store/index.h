@@ -39,6 +39,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -110,12 +111,35 @@ class Index {
   // The commit point of one layer version.
   absl::Status PutVersion(const VersionKey& key, const store::VersionRecord& rec);
   absl::Status DeleteVersion(const VersionKey& key);
+
+  // How many versions of a rank the index holds, and their files' bytes, per
+  // layer and in all. Counted once by Open (one pass over the version
+  // records) and kept current by PutVersion and DeleteVersion, so reading
+  // them reads no index entry: `ckptctl layers` and `jobs` cost O(layers)
+  // instead of O(history). A record that does not parse counts with 0 bytes.
+  struct VersionCount {
+    uint64_t versions = 0;
+    uint64_t file_bytes = 0;
+  };
+  struct RankVersions {
+    VersionCount total;
+    std::vector<VersionCount> layers;  // by layer id; may be shorter than the table
+  };
+  RankVersions VersionsOf(const std::string& job, uint32_t rank) const
+      ABSL_LOCKS_EXCLUDED(version_mu_);
   // Newest version of (job, rank, layer) with step <= max_step.
   absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> VersionAtOrBefore(
       const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step);
   // Versions of one layer in step order; all layers when layer < 0.
   absl::Status ForEachVersion(
       const std::string& job, uint32_t rank, int64_t layer,
+      const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn);
+  // Versions of every layer of the rank with step > `after_step`, by layer
+  // and then step. Each layer costs one seek past `after_step`, so the
+  // entries read are the layers plus the versions found, however long the
+  // history below `after_step` is.
+  absl::Status ForEachVersionAfter(
+      const std::string& job, uint32_t rank, uint64_t after_step,
       const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn);
 
   absl::Status PutEvent(const std::string& job, uint32_t rank, uint64_t step,
@@ -139,6 +163,10 @@ class Index {
   // writable again, since Open.
   uint64_t write_failures() const { return write_failures_.load(std::memory_order_relaxed); }
   uint64_t recoveries() const { return recoveries_.load(std::memory_order_relaxed); }
+  // Index entries read since Open: every record a lookup returned and every
+  // entry an iteration stepped over (the tests bound what one operation
+  // reads with it, docs/scaling.md).
+  uint64_t entries_read() const { return entries_read_.load(std::memory_order_relaxed); }
 
  private:
   Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock, std::string path, rocksdb::Env* env,
@@ -148,6 +176,11 @@ class Index {
   absl::Status Put(const std::string& key, const std::string& value);
   absl::Status Delete(const std::string& key);
   absl::StatusOr<std::optional<std::string>> Get(const std::string& key);
+  // Counts every version record (Open).
+  absl::Status CountVersions() ABSL_LOCKS_EXCLUDED(version_mu_);
+  // Adds `sign` x (one version of `file_bytes`) to the counts of `key`.
+  void CountLocked(const VersionKey& key, int sign, uint64_t file_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(version_mu_);
   // Every RocksDB write goes through here, one at a time.
   absl::Status Write(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch,
                      absl::string_view what) ABSL_LOCKS_EXCLUDED(write_mu_, db_mu_);
@@ -160,8 +193,11 @@ class Index {
   rocksdb::Env* const env_;                        // null = RocksDB's default
   const std::shared_ptr<rocksdb::Logger> logger_;  // RocksDB's info log -> ckptd's log
 
-  // Lock order: write_mu_ -> db_mu_. Readers and writers hold db_mu_ shared
-  // while they use db_; a reopen holds it exclusively.
+  // Lock order: version_mu_ -> write_mu_ -> db_mu_. Readers and writers
+  // hold db_mu_ shared while they use db_; a reopen holds it exclusively.
+  // version_mu_ makes a version record's write and its count one step.
+  mutable absl::Mutex version_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);
+  std::map<std::pair<std::string, uint32_t>, RankVersions> versions_ ABSL_GUARDED_BY(version_mu_);
   absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(db_mu_);
   absl::Mutex db_mu_;
   std::unique_ptr<rocksdb::DB> db_ ABSL_GUARDED_BY(db_mu_);  // null only if a reopen failed twice
@@ -170,6 +206,7 @@ class Index {
   std::atomic<bool> degraded_{false};  // mirrors !broken_by_.ok(), for lock-free reads
   std::atomic<uint64_t> write_failures_{0};
   std::atomic<uint64_t> recoveries_{0};
+  mutable std::atomic<uint64_t> entries_read_{0};
 };
 
 }  // namespace ckpt

@@ -350,6 +350,109 @@ TEST(IndexSchemaTest, NewerSchemaIsRefusedAndAnUnversionedIndexIsStamped) {
   EXPECT_EQ(v, absl::StrCat(kIndexSchemaVersion));
 }
 
+// The per-rank version counts (VersionsOf) follow puts, overwrites and
+// deletes, read no entry, and are counted again from the records on open.
+TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
+  auto rec = [](uint64_t bytes) {
+    store::VersionRecord r = Rec("f");
+    r.set_file_bytes(bytes);
+    return r;
+  };
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 1}, rec(100)));
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 2}, rec(200)));
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 3, 2}, rec(400)));
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 3, 2}, rec(450)));  // written over: still one
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 2, 0, 1}, rec(1)));    // another rank
+  CKPT_ASSERT_OK(index_->PutVersion({"jo", 1, 0, 1}, rec(1)));     // a prefix of the job id
+  CKPT_ASSERT_OK(index_->DeleteVersion({"job", 1, 0, 1}));
+  CKPT_ASSERT_OK(index_->DeleteVersion({"job", 1, 0, 7}));  // not there: nothing changes
+  auto check = [&](const char* when) {
+    const uint64_t before = index_->entries_read();
+    const Index::RankVersions r = index_->VersionsOf("job", 1);
+    EXPECT_EQ(index_->entries_read(), before) << when;
+    EXPECT_EQ(r.total.versions, 2u) << when;
+    EXPECT_EQ(r.total.file_bytes, 650u) << when;
+    ASSERT_EQ(r.layers.size(), 4u) << when;
+    EXPECT_EQ(r.layers[0].versions, 1u) << when;
+    EXPECT_EQ(r.layers[0].file_bytes, 200u) << when;
+    EXPECT_EQ(r.layers[1].versions, 0u) << when;
+    EXPECT_EQ(r.layers[3].versions, 1u) << when;
+    EXPECT_EQ(r.layers[3].file_bytes, 450u) << when;
+    EXPECT_EQ(index_->VersionsOf("job", 2).total.versions, 1u) << when;
+    EXPECT_EQ(index_->VersionsOf("jo", 1).total.versions, 1u) << when;
+    EXPECT_EQ(index_->VersionsOf("job", 9).total.versions, 0u) << when;
+  };
+  check("as written");
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  check("after reopen");
+  CKPT_ASSERT_OK(index_->DeleteVersion({"job", 2, 0, 1}));
+  EXPECT_EQ(index_->VersionsOf("job", 2).total.versions, 0u);
+  EXPECT_TRUE(index_->VersionsOf("job", 2).layers.empty());
+}
+
+// ForEachVersionAfter reads one entry per layer plus what it finds, not the
+// history below the step: 3 layers of 2,000 versions each, the last 5 of
+// each found in 3 + 15 entries (a scan would read 6,000).
+TEST_F(IndexTest, ForEachVersionAfterReadsLayersPlusWhatItFinds) {
+  index_.reset();
+  {
+    // Written straight into RocksDB (unsynced) to build a long history fast.
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), tmp_.Join("index"), &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    const std::string rec = Rec("f").SerializeAsString();
+    for (uint32_t layer = 0; layer < 3; ++layer) {
+      for (uint64_t step = 1; step <= 2000; ++step) {
+        const std::string k = absl::StrCat("v/job/00000001/", absl::Hex(layer, absl::kZeroPad8),
+                                           "/", absl::Hex(step, absl::kZeroPad16));
+        ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), k, rec).ok());
+      }
+    }
+    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000002/00000000/0000000000000009", rec).ok());
+    ASSERT_TRUE(db->Close().ok());
+  }
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  EXPECT_EQ(index_->VersionsOf("job", 1).total.versions, 6000u);
+  std::vector<std::pair<uint32_t, uint64_t>> found;
+  const uint64_t before = index_->entries_read();
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter(
+      "job", 1, 1995, [&](const VersionKey& k, const store::VersionRecord& r) {
+        EXPECT_EQ(r.file(), "f");
+        found.emplace_back(k.layer, k.step);
+        return true;
+      }));
+  EXPECT_LE(index_->entries_read() - before, 3u + 15u);
+  std::vector<std::pair<uint32_t, uint64_t>> want;
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    for (uint64_t step = 1996; step <= 2000; ++step) want.emplace_back(layer, step);
+  }
+  EXPECT_EQ(found, want);
+  // Nothing after the newest step; everything after 0; an early stop.
+  found.clear();
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, 2000, [&](const VersionKey& k, const store::VersionRecord&) {
+    found.emplace_back(k.layer, k.step);
+    return true;
+  }));
+  EXPECT_TRUE(found.empty());
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, ~uint64_t{0}, [&](const VersionKey& k, const store::VersionRecord&) {
+    found.emplace_back(k.layer, k.step);
+    return true;
+  }));
+  EXPECT_TRUE(found.empty());
+  uint64_t all = 0;
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 2, 0, [&](const VersionKey& k, const store::VersionRecord&) {
+    EXPECT_EQ(k.step, 9u);
+    ++all;
+    return true;
+  }));
+  EXPECT_EQ(all, 1u);
+  int calls = 0;
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, 1990, [&](const VersionKey&, const store::VersionRecord&) {
+    return ++calls < 3;
+  }));
+  EXPECT_EQ(calls, 3);
+}
+
 // Regression (found by tests/fuzz/index_fuzzer.cc): number fields of keys were
 // parsed leniently (upper case, "+", "0x"), so a non-canonical key read back
 // as a version whose canonical key is another key: Reconcile "removed" it by
