@@ -90,9 +90,9 @@ std::string LayerStore::RankDirPath(const std::string& job, uint32_t rank) const
 
 absl::StatusOr<UniqueFd> LayerStore::OpenSideFile(const std::string& job, uint32_t rank,
                                                   const std::string& name) {
-  absl::StatusOr<int> dir = RankDir(job, rank, /*create=*/true);
+  absl::StatusOr<DirRef> dir = RankDir(job, rank, /*create=*/true);
   if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
-  absl::StatusOr<UniqueFd> fd = fs_->OpenForAppend(*dir, name);
+  absl::StatusOr<UniqueFd> fd = fs_->OpenForAppend((*dir)->get(), name);
   if (!fd.ok()) return AtPath(fd.status(), RankDirPath(job, rank));
   return fd;
 }
@@ -130,11 +130,12 @@ absl::Status LayerStore::AppendSideFile(int fd, absl::string_view data) {
   return fs_->Append(fd, data);
 }
 
-absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, bool create) {
+absl::StatusOr<LayerStore::DirRef> LayerStore::RankDir(const std::string& job, uint32_t rank,
+                                                       bool create) {
   absl::MutexLock lock(&mu_);
   auto key = std::make_pair(job, rank);
   auto it = rank_dirs_.find(key);
-  if (it != rank_dirs_.end()) return it->second.get();
+  if (it != rank_dirs_.end()) return it->second;
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   CKPT_ASSIGN_OR_RETURN(UniqueFd job_dir, fs_->OpenSubdir(jobs_dir_.get(), job, create));
   CKPT_ASSIGN_OR_RETURN(UniqueFd rank_dir, fs_->OpenSubdir(job_dir.get(), RankDirName(rank), create));
@@ -143,9 +144,22 @@ absl::StatusOr<int> LayerStore::RankDir(const std::string& job, uint32_t rank, b
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir.get()));
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
   }
-  int fd = rank_dir.get();
-  rank_dirs_.emplace(key, std::move(rank_dir));
-  return fd;
+  // A bound on the descriptors kept: past it one kept entry goes (whoever
+  // still uses it holds its own reference) and is opened again when needed.
+  if (rank_dirs_.size() >= kMaxOpenRankDirs) rank_dirs_.erase(rank_dirs_.begin());
+  DirRef ref = std::make_shared<const UniqueFd>(std::move(rank_dir));
+  rank_dirs_.emplace(key, ref);
+  return ref;
+}
+
+void LayerStore::ForgetRankDir(const std::string& job, uint32_t rank) {
+  absl::MutexLock lock(&mu_);
+  rank_dirs_.erase(std::make_pair(job, rank));
+}
+
+size_t LayerStore::open_rank_dirs() const {
+  absl::MutexLock lock(&mu_);
+  return rank_dirs_.size();
 }
 
 absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io,
@@ -153,7 +167,8 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   CommitTimings local;
   if (timings == nullptr) timings = &local;
   const absl::Time start = absl::Now();
-  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(v->key.job, v->key.rank, /*create=*/true));
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(v->key.job, v->key.rank, /*create=*/true));
+  const int dir = dir_ref->get();
 
   // The payload's padding is final before a byte of it is written; its
   // checksums go into the header, written last (below).
@@ -254,7 +269,8 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
 
 absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec,
                                        IoBackend* io, const StagingLease& lease) {
-  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
+  const int dir = dir_ref->get();
   bool direct_used = false;
   absl::StatusOr<UniqueFd> fd = fs_->OpenForRead(dir, rec.file(), use_direct_io_, &direct_used);
   if (!fd.ok()) {
@@ -289,7 +305,8 @@ absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::Ver
 
 absl::StatusOr<UniqueFd> LayerStore::OpenCommitted(const VersionKey& key,
                                                    const store::VersionRecord& rec) {
-  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
+  const int dir = dir_ref->get();
   bool direct_used = false;
   absl::StatusOr<UniqueFd> fd = fs_->OpenForRead(dir, rec.file(), /*direct=*/false, &direct_used);
   if (absl::IsNotFound(fd.status())) {
@@ -338,7 +355,8 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
     return absl::DataLossError(absl::StrCat("version file name \"", rec.file(),
                                             "\" does not name layer ", key.layer, " step ", key.step));
   }
-  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/true));
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/true));
+  const int dir = dir_ref->get();
   uint64_t nonce = 0;
   if (::getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = absl::ToUnixNanos(absl::Now());
   const std::string tmp_name = absl::StrFormat("tmp.%s.%016x", rec.file(), nonce);
@@ -380,7 +398,8 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
 }
 
 absl::Status LayerStore::CheckFile(const VersionKey& key, const store::VersionRecord& rec) {
-  CKPT_ASSIGN_OR_RETURN(int dir, RankDir(key.job, key.rank, /*create=*/false));
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
+  const int dir = dir_ref->get();
   absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
   if (!size.ok()) {
     return absl::DataLossError(absl::StrCat("file ", rec.file(), ": ", size.status().message()));
@@ -394,11 +413,11 @@ absl::Status LayerStore::CheckFile(const VersionKey& key, const store::VersionRe
 
 absl::Status LayerStore::Remove(const VersionKey& key, const store::VersionRecord& rec) {
   CKPT_RETURN_IF_ERROR(index_->DeleteVersion(key));
-  absl::StatusOr<int> dir = RankDir(key.job, key.rank, /*create=*/false);
+  absl::StatusOr<DirRef> dir = RankDir(key.job, key.rank, /*create=*/false);
   if (!dir.ok()) return absl::IsNotFound(dir.status()) ? absl::OkStatus() : dir.status();
-  absl::Status s = fs_->Unlink(*dir, rec.file());
+  absl::Status s = fs_->Unlink((*dir)->get(), rec.file());
   if (!s.ok() && !absl::IsNotFound(s)) return s;
-  return fs_->SyncDir(*dir);
+  return fs_->SyncDir((*dir)->get());
 }
 
 absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
@@ -429,9 +448,12 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
     }
   }
   for (const auto& [job, rank] : ranks) {
-    absl::StatusOr<int> dir = RankDir(job, rank, /*create=*/true);
+    absl::StatusOr<DirRef> dir = RankDir(job, rank, /*create=*/true);
     if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
-    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, *dir, &report));
+    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, (*dir)->get(), &report));
+    // Start-up visits every rank ever written; only the ranks that write
+    // again keep a descriptor.
+    ForgetRankDir(job, rank);
   }
   return report;
 }

@@ -187,12 +187,22 @@ class LayerStore {
                              const std::vector<std::string>& side_files);
   // Path of the rank's directory (for messages).
   std::string RankDirPath(const std::string& job, uint32_t rank) const;
+  // ckptd keeps an open descriptor of each rank directory it writes to, at
+  // most kMaxOpenRankDirs of them. The engine lets a rank's go when its
+  // registration ends (a later use opens it again), so what is kept follows
+  // the ranks registered, not every rank the node has ever served.
+  static constexpr size_t kMaxOpenRankDirs = 1024;
+  void ForgetRankDir(const std::string& job, uint32_t rank) ABSL_LOCKS_EXCLUDED(mu_);
+  size_t open_rank_dirs() const ABSL_LOCKS_EXCLUDED(mu_);
   // Name of the quarantine directory under the data directory.
   static constexpr char kQuarantineDir[] = "quarantine";
   bool direct_io() const { return use_direct_io_; }
 
  private:
-  absl::StatusOr<int> RankDir(const std::string& job, uint32_t rank, bool create);
+  // A kept descriptor of a rank directory; it stays open while referenced.
+  using DirRef = std::shared_ptr<const UniqueFd>;
+  absl::StatusOr<DirRef> RankDir(const std::string& job, uint32_t rank, bool create)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileReport* report);
   // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
@@ -208,8 +218,8 @@ class LayerStore {
   UniqueFd data_dir_fd_;
   UniqueFd jobs_dir_;
 
-  absl::Mutex mu_;
-  std::map<std::pair<std::string, uint32_t>, UniqueFd> rank_dirs_ ABSL_GUARDED_BY(mu_);
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, uint32_t>, DirRef> rank_dirs_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckpt
