@@ -8,6 +8,7 @@
 // optimizer state after the step, without any copy of the previous weights:
 //
 //   adamw: u = m̂ / (√v̂ + ε),  m̂ = m / (1 - β1^t),  v̂ = v / (1 - β2^t)
+//          (u alone in f32, as the optimizer computes it: adam_update.h)
 //          (PyTorch order: decay first) W_{t-1} = (W_t + lr·u) / (1 - lr·wd), so
 //          ΔW = -lr · (wd·W_t + u) / (1 - lr·wd)
 //   adam:  ΔW = -lr · u            (decay is folded into the gradient)

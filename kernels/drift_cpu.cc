@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "kernels/adam_update.h"
 #include "kernels/drift.h"
 
 namespace ckpt::drift {
@@ -40,25 +41,27 @@ const float* LoadBlock(const void* p, DType t, uint64_t i, uint64_t n, float* sc
 }
 
 struct Coeffs {
-  double lr, eps, wd, inv_bc1, inv_bc2, adamw_scale;
+  double lr, wd, adamw_scale;
+  AdamConstants adam;  // f32 (adam_update.h)
 };
 
 Coeffs MakeCoeffs(const TensorTask& t) {
   Coeffs c;
   c.lr = t.lr;
-  c.eps = t.eps;
   c.wd = t.weight_decay;
   const double step = static_cast<double>(std::max<uint64_t>(1, t.step));
-  c.inv_bc1 = 1.0 / (1.0 - std::pow(t.beta1, step));
-  c.inv_bc2 = 1.0 / (1.0 - std::pow(t.beta2, step));
+  c.adam.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(t.beta1, step)));
+  c.adam.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(t.beta2, step)));
+  c.adam.eps = static_cast<float>(t.eps);
   c.adamw_scale = -t.lr / (1.0 - t.lr * t.weight_decay);
   return c;
 }
 
 // The hot loops. Each keeps four f64 lane accumulators (element k goes to
-// lane k % 4; lanes are added as (0+1)+(2+3)), so the AVX2 version and the
-// portable one give bit-identical sums: sqrt and division are exact IEEE
-// operations and the file is compiled without FMA contraction.
+// lane k % 4, elements in order; lanes are added as (0+1)+(2+3)), so the
+// AVX2 version and the portable one give bit-identical sums: u is the same
+// f32 computation in both (adam_update.h), the rest are exact IEEE f64
+// operations, and the file is compiled without FMA contraction.
 struct Lanes {
   double d[4] = {0, 0, 0, 0};
   double w[4] = {0, 0, 0, 0};
@@ -68,38 +71,40 @@ struct Lanes {
   }
 };
 
-// d = scale * (wd * w + u) covers both Adam (wd = 0, scale = -lr) and AdamW.
-inline double AdamDelta(double w, double m, double v, const Coeffs& c, double scale, double wd) {
-  const double u = (m * c.inv_bc1) / (std::sqrt(v * c.inv_bc2) + c.eps);
-  return scale * (wd * w + u);
-}
-
 void AdamTail(const float* w, const float* m, const float* v, uint64_t k, uint64_t n,
               const Coeffs& c, double scale, double wd, Lanes* l) {
   for (; k < n; ++k) {
     const double wk = w[k];
-    const double d = AdamDelta(wk, m[k], v[k], c, scale, wd);
+    // d = scale * (wd * w + u) covers both Adam (wd = 0, scale = -lr) and AdamW.
+    const double d = scale * (wd * wk + static_cast<double>(AdamUpdate(m[k], v[k], c.adam)));
     l->d[k % 4] += d * d;
     l->w[k % 4] += wk * wk;
   }
 }
 
+// u for eight elements at once in f32; the squares and sums four at a time
+// in f64, elements k..k+3 and then k+4..k+7 into lanes 0..3 (the order of
+// the portable loop).
 __attribute__((target("avx2"))) void AdamBlockAvx2(const float* w, const float* m, const float* v,
                                                    uint64_t n, const Coeffs& c, double scale,
                                                    double wd, Lanes* l) {
   __m256d acc_d = _mm256_loadu_pd(l->d), acc_w = _mm256_loadu_pd(l->w);
-  const __m256d ibc1 = _mm256_set1_pd(c.inv_bc1), ibc2 = _mm256_set1_pd(c.inv_bc2);
-  const __m256d eps = _mm256_set1_pd(c.eps), vs = _mm256_set1_pd(scale), vwd = _mm256_set1_pd(wd);
+  const __m256 ibc1 = _mm256_set1_ps(c.adam.inv_bc1), ibc2 = _mm256_set1_ps(c.adam.inv_bc2);
+  const __m256 eps = _mm256_set1_ps(c.adam.eps);
+  const __m256d vs = _mm256_set1_pd(scale), vwd = _mm256_set1_pd(wd);
   uint64_t k = 0;
-  for (; k + 4 <= n; k += 4) {
-    const __m256d wk = _mm256_cvtps_pd(_mm_loadu_ps(w + k));
-    const __m256d mk = _mm256_cvtps_pd(_mm_loadu_ps(m + k));
-    const __m256d vk = _mm256_cvtps_pd(_mm_loadu_ps(v + k));
-    const __m256d u = _mm256_div_pd(_mm256_mul_pd(mk, ibc1),
-                                    _mm256_add_pd(_mm256_sqrt_pd(_mm256_mul_pd(vk, ibc2)), eps));
-    const __m256d d = _mm256_mul_pd(vs, _mm256_add_pd(_mm256_mul_pd(vwd, wk), u));
-    acc_d = _mm256_add_pd(acc_d, _mm256_mul_pd(d, d));
-    acc_w = _mm256_add_pd(acc_w, _mm256_mul_pd(wk, wk));
+  for (; k + 8 <= n; k += 8) {
+    const __m256 mk = _mm256_loadu_ps(m + k), vk = _mm256_loadu_ps(v + k);
+    const __m256 u = _mm256_div_ps(_mm256_mul_ps(mk, ibc1),
+                                   _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vk, ibc2)), eps));
+    const __m128 us[2] = {_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)};
+    for (int h = 0; h < 2; ++h) {
+      const __m256d wk = _mm256_cvtps_pd(_mm_loadu_ps(w + k + 4 * h));
+      const __m256d d =
+          _mm256_mul_pd(vs, _mm256_add_pd(_mm256_mul_pd(vwd, wk), _mm256_cvtps_pd(us[h])));
+      acc_d = _mm256_add_pd(acc_d, _mm256_mul_pd(d, d));
+      acc_w = _mm256_add_pd(acc_w, _mm256_mul_pd(wk, wk));
+    }
   }
   _mm256_storeu_pd(l->d, acc_d);
   _mm256_storeu_pd(l->w, acc_w);
@@ -281,8 +286,7 @@ void ComputeDriftScalar(const std::vector<TensorTask>& tasks, std::vector<LayerS
       const double w = LoadOne(t.w, t.w_dtype, i);
       double d = 0;
       if (t.optimizer == Optimizer::kAdamW || t.optimizer == Optimizer::kAdam) {
-        const double m = LoadOne(t.m, t.m_dtype, i), v = LoadOne(t.v, t.v_dtype, i);
-        const double u = (m * c.inv_bc1) / (std::sqrt(v * c.inv_bc2) + c.eps);
+        const double u = AdamUpdate(LoadOne(t.m, t.m_dtype, i), LoadOne(t.v, t.v_dtype, i), c.adam);
         d = t.optimizer == Optimizer::kAdamW ? c.adamw_scale * (c.wd * w + u) : -c.lr * u;
       } else if (t.optimizer == Optimizer::kSgd) {
         d = -c.lr * LoadOne(t.m, t.m_dtype, i);

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/adam_update.h"
 #include "kernels/drift.h"
 
 namespace ckpt::drift {
@@ -37,7 +38,8 @@ struct DevTask {
   const void* v;
   uint64_t n;
   uint64_t first_chunk;
-  double lr, eps, wd, inv_bc1, inv_bc2, adamw_scale;
+  double lr, wd, adamw_scale;
+  AdamConstants adam;  // f32 (adam_update.h)
   uint32_t layer;
   uint8_t w_dtype, m_dtype, v_dtype, optimizer;
   uint8_t vec4;  // Adam(W) on f32 w, m, v that are all 16-byte aligned
@@ -137,8 +139,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const double w = ws[e];
-            const double u = (static_cast<double>(ms[e]) * t.inv_bc1) /
-                             (sqrt(static_cast<double>(vs[e]) * t.inv_bc2) + t.eps);
+            const double u = AdamUpdate(ms[e], vs[e], t.adam);
             const double d = opt == Optimizer::kAdamW ? t.adamw_scale * (t.wd * w + u) : -t.lr * u;
             a += d * d;
             b += w * w;
@@ -151,9 +152,7 @@ __global__ void __launch_bounds__(kThreads)
       const double w = LoadElem(t.w, t.w_dtype, i);
       double d = 0.0;
       if (opt == Optimizer::kAdamW || opt == Optimizer::kAdam) {
-        const double m = LoadElem(t.m, t.m_dtype, i);
-        const double v = LoadElem(t.v, t.v_dtype, i);
-        const double u = (m * t.inv_bc1) / (sqrt(v * t.inv_bc2) + t.eps);
+        const double u = AdamUpdate(LoadElem(t.m, t.m_dtype, i), LoadElem(t.v, t.v_dtype, i), t.adam);
         d = opt == Optimizer::kAdamW ? t.adamw_scale * (t.wd * w + u) : -t.lr * u;
       } else if (opt == Optimizer::kSgd) {
         d = -t.lr * static_cast<double>(LoadElem(t.m, t.m_dtype, i));
@@ -257,10 +256,10 @@ class CudaKernel final : public DriftKernel {
       d.first_chunk = chunks;
       const double step = static_cast<double>(std::max<uint64_t>(1, t.step));
       d.lr = t.lr;
-      d.eps = t.eps;
       d.wd = t.weight_decay;
-      d.inv_bc1 = 1.0 / (1.0 - std::pow(t.beta1, step));
-      d.inv_bc2 = 1.0 / (1.0 - std::pow(t.beta2, step));
+      d.adam.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(t.beta1, step)));
+      d.adam.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(t.beta2, step)));
+      d.adam.eps = static_cast<float>(t.eps);
       d.adamw_scale = -t.lr / (1.0 - t.lr * t.weight_decay);
       d.layer = t.layer;
       d.w_dtype = static_cast<uint8_t>(t.w_dtype);

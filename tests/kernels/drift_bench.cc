@@ -6,7 +6,7 @@
 // approximates what memory bandwidth allows. Read the ratio
 //   BM_DriftAdamW_F32 bytes_per_second / BM_ReadBaseline bytes_per_second
 // as the fraction of the achievable read bandwidth the kernel reaches: near 1
-// means memory bound; well below 1 means the arithmetic (f64 sqrt and divide
+// means memory bound; well below 1 means the arithmetic (the f32 sqrt and divide
 // per element) is the limit. BM_DriftNone_F32 reads only W (64 MiB).
 //
 // Run: drift_bench --benchmark_min_time=0.5
