@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "daemon/store/format.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
@@ -265,6 +267,33 @@ TEST(FormatHashTest, HashImageMatchesHashBytesAcrossChunks) {
   for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
            {0, 0}, {0, 4096}, {4000, 200}, {1, 3 * 4096 + 5}, {0, 4 * 4096}}) {
     EXPECT_EQ(HashImage(LeaseImage(lease), off, len), HashBytes(data.data() + off, len))
+        << off << "+" << len;
+  }
+}
+
+// The layer files' checksum is XXH3-64 whichever build of it runs: the AVX2
+// one (xxh3_avx2.h, where the CPU has it) gives the library's value for
+// every length its code paths distinguish (0, 1-3, 4-8, 9-16, 17-128,
+// 129-240, longer, several stripes and blocks), at every alignment, and
+// the same across the pieces of a lease.
+TEST(FormatHashTest, HashIsTheLibrarysXxh3) {
+  const std::string data = ::ckpt::testing::RandomBytes(11, (1 << 20) + 64);
+  std::vector<uint64_t> lengths;
+  for (uint64_t n = 0; n <= 300; ++n) lengths.push_back(n);
+  for (uint64_t n : {1023, 1024, 1025, 4095, 4096, 65536, 100003, 1 << 20}) lengths.push_back(n);
+  for (uint64_t n : lengths) {
+    for (uint64_t off : {0, 1, 7, 32, 63}) {
+      ASSERT_EQ(HashBytes(data.data() + off, n), XXH3_64bits(data.data() + off, n))
+          << off << "+" << n;
+    }
+  }
+  std::unique_ptr<StagingPool> pool = MakeTestPool(64 << 10, 32);
+  ASSERT_NE(pool, nullptr);
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease lease, pool->Acquire(1 << 20, absl::InfiniteFuture()));
+  lease.CopyIn(0, data.data(), 1 << 20);
+  for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {0, 1 << 20}, {3, (1 << 20) - 3}, {65535, 2}, {100, 200000}}) {
+    EXPECT_EQ(HashImage(LeaseImage(lease), off, len), XXH3_64bits(data.data() + off, len))
         << off << "+" << len;
   }
 }
