@@ -90,12 +90,10 @@ absl::Status Engine::SeedUsage() {
     uint64_t files = 0, index_bytes = 0;
     CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
     for (uint32_t rank : ranks) {
-      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
-          job, rank, -1, [&](const VersionKey&, const store::VersionRecord& v) {
-            files += v.file_bytes();
-            index_bytes += kVersionIndexBytes;
-            return true;
-          }));
+      // The index counted its versions when it opened.
+      const Index::RankVersions counted = index_->VersionsOf(job, rank);
+      files += counted.total.file_bytes;
+      index_bytes += counted.total.versions * kVersionIndexBytes;
       CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
           job, rank, /*newest_first=*/false, [&](uint64_t, const store::EventRecord& e) {
             index_bytes += EventIndexBytes(e.aux().size());

@@ -158,6 +158,8 @@ struct Restored {
   double seconds = 0;
 };
 
+struct PendingStep;  // rank_state.h
+
 class Engine {
  public:
   Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool);
@@ -324,6 +326,23 @@ class Engine {
   // Returns false when the task now waits for SetGlobalDrift.
   // `memory` is the rank's memory (null once released).
   bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+  // What a snapshot has handed to the writers so far.
+  struct SpillState {
+    bool pending = false;          // the step's PendingStep is in r->pending
+    std::vector<uint32_t> layers;  // layers handed over, in order
+    uint64_t count = 0, bytes = 0; // versions and payload bytes handed over
+  };
+  // Hands the versions `staged` so far to the writers before the snapshot
+  // goes on (the pool has no free room for the next one), unless the fence
+  // was abandoned meanwhile: then they go to `skipped`.
+  void SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+                   std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
+                   SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues `staged` for the writers as versions of task.step, making the
+  // step's PendingStep the first time; returns it. Holds r->mu as well.
+  PendingStep* QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask& task,
+                                 std::vector<StagedVersion>& staged, SpillState* spill)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // ---- LayerCheck decisions (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published

@@ -95,12 +95,11 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
         auto it = remote_.find(RankKey(job, rank));
         if (it != remote_.end()) ri->set_remote_step(it->second.remote_step);
       }
-      CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
-          job, rank, -1, [info](const VersionKey&, const store::VersionRecord& v) {
-            info->set_versions(info->versions() + 1);
-            info->set_bytes(info->bytes() + v.file_bytes());
-            return true;
-          }));
+      // Counted by the index as versions come and go: no pass over the
+      // rank's history (Index::VersionsOf).
+      const Index::RankVersions counted = index_->VersionsOf(job, rank);
+      info->set_versions(info->versions() + counted.total.versions);
+      info->set_bytes(info->bytes() + counted.total.file_bytes);
       absl::MutexLock lock(&mu_);
       auto it = ranks_.find(RankKey(job, rank));
       if (it == ranks_.end()) continue;
@@ -147,15 +146,26 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
     li->set_frozen(spec.frozen());
     for (const store::TensorSpec& t : spec.tensors()) li->set_bytes(li->bytes() + t.nbytes());
   }
-  CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
-      req.job_id(), req.rank(), -1, [&](const VersionKey& k, const store::VersionRecord&) {
-        if (k.layer < static_cast<uint32_t>(reply.layers_size()) && k.step <= latest) {
-          v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(k.layer));
-          li->set_versions(li->versions() + 1);
-          li->set_last_step(std::max(li->last_step(), k.step));
-        }
+  // Per layer: the index's count of its versions, less those above the
+  // latest durable step (being committed: one seek per layer finds them),
+  // and its newest version at or below that step (one seek). O(layers),
+  // however long the history is.
+  const Index::RankVersions counted = index_->VersionsOf(req.job_id(), req.rank());
+  std::vector<uint64_t> above(static_cast<size_t>(reply.layers_size()), 0);
+  CKPT_RETURN_IF_ERROR(index_->ForEachVersionAfter(
+      req.job_id(), req.rank(), latest, [&above](const VersionKey& k, const store::VersionRecord&) {
+        if (k.layer < above.size()) ++above[k.layer];
         return true;
       }));
+  for (int i = 0; i < reply.layers_size(); ++i) {
+    v1::LayerInfo* li = reply.mutable_layers(i);
+    const uint32_t l = static_cast<uint32_t>(i);
+    const uint64_t all = l < counted.layers.size() ? counted.layers[l].versions : 0;
+    li->set_versions(all - std::min(all, above[l]));
+    if (li->versions() == 0) continue;
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(req.job_id(), req.rank(), l, latest));
+    if (v.has_value()) li->set_last_step(v->first);
+  }
   for (v1::LayerInfo& li : *reply.mutable_layers()) {
     li.set_staleness(li.last_step() > 0 && !li.frozen() ? latest - li.last_step() : 0);
   }

@@ -63,7 +63,7 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   {
     absl::MutexLock rank_lock(&r->mu);
     for (const PendingStep& p : r->pending) {
-      if (p.remaining != 0) break;
+      if (p.remaining != 0 || !p.sealed) break;
       store::EventRecord e = p.event;
       std::sort(e.mutable_layers()->begin(), e.mutable_layers()->end());
       e.set_unix_ms(absl::ToUnixMillis(clock_->Now()));

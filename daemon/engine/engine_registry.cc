@@ -322,6 +322,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
       return absl::AbortedError("a concurrent registration of the same rank won; retry");
     }
     ranks_[RankKey(r->job, r->rank)] = r;
+    quota_.AddRank(r->uid);  // its share of the uid's steps in flight
   }
   CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
                  << r->generation << ": " << n << " layers, policy " << PolicyName(policy.kind)
@@ -353,9 +354,13 @@ absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& c
 void Engine::EndRegistrationLocked(Rank& r, const std::string& why,
                                    std::vector<std::shared_ptr<RankMemory>>* closing) {
   absl::MutexLock rank_lock(&r.mu);
+  if (r.active) quota_.RemoveRank(r.uid);
   r.active = false;
   r.ReleaseDeferred();
   r.ReleaseMemory(why, closing);
+  // Its directory's descriptor too: writes still running hold their own,
+  // and the next registration of the rank opens it again.
+  store_->ForgetRankDir(r.job, r.rank);
 }
 
 absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline) {

@@ -83,19 +83,25 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   RetentionPlan plan = PlanRetention(options_.retention, in);
   reply->set_retained_targets(reply->retained_targets() + plan.retained_targets.size());
   reply->set_versions_kept(reply->versions_kept() + plan.versions_kept);
-  for (const auto& [lk, rec] : h.versions) {
-    if (std::find(plan.delete_versions.begin(), plan.delete_versions.end(), lk) ==
-        plan.delete_versions.end()) {
-      reply->set_bytes_kept(reply->bytes_kept() + rec.file_bytes());
-    }
+  // What stays is everything less what goes: one pass over the history and
+  // one lookup per deletion (a search of the deletions for every version
+  // was O(versions x deletions): over 600 s at a million versions).
+  uint64_t kept_bytes = 0;
+  for (const auto& [lk, rec] : h.versions) kept_bytes += rec.file_bytes();
+  for (const auto& lk : plan.delete_versions) {
+    auto it = h.versions.find(lk);
+    if (it != h.versions.end()) kept_bytes -= it->second.file_bytes();
   }
+  reply->set_bytes_kept(reply->bytes_kept() + kept_bytes);
   // Events first, so no plan can target a step whose versions are going away.
   for (uint64_t step : plan.delete_events) {
     if (!dry_run) CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *events[step]));
     reply->set_events_deleted(reply->events_deleted() + 1);
   }
   for (const auto& [layer, step] : plan.delete_versions) {
-    const store::VersionRecord& rec = h.versions[{layer, step}];
+    auto found = h.versions.find({layer, step});
+    if (found == h.versions.end()) continue;  // the plan is made of h.versions: never
+    const store::VersionRecord& rec = found->second;
     if (!dry_run) {
       CKPT_KILL_POINT("gc.before_remove");
       CKPT_RETURN_IF_ERROR(RemoveVersion(h, VersionKey{job, rank, layer, step}, rec));

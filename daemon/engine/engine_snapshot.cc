@@ -81,7 +81,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   }
   QuotaKind refused = QuotaKind::kDisk;
   absl::StatusOr<StepCharge> charge =
-      quota_.AdmitStep(QuotaOwner{r->uid, r->job}, EventIndexBytes(req.aux.size()), &refused);
+      quota_.AdmitStep(QuotaOwner{r->uid, r->job, r->rank}, EventIndexBytes(req.aux.size()), &refused);
   if (!charge.ok()) {
     if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
     return charge.status();
@@ -174,8 +174,15 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     for (uint32_t l = 0; l < task.layers.size(); ++l) task.layers[l] = l;
   }
   const absl::Time copy_start = absl::Now();
-  std::vector<StagedVersion> staged;
+  std::vector<StagedVersion> staged;  // copied, not yet handed to the writers
   std::vector<uint32_t> skipped;
+  // A step larger than the free room of the pool is written as it is copied:
+  // when a version finds no free room, the versions staged before it go to
+  // the writers (SpillStaged) and their chunks come back as they are
+  // committed. Holding them until the whole step was copied would make a
+  // step larger than the pool wait for room only its own writes could free,
+  // and skip its last layers at every step.
+  SpillState spill;
   for (uint32_t l : task.layers) {
     if (!copy_status.ok()) {
       skipped.push_back(l);
@@ -201,9 +208,28 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     // Step, generation and group counters change the header's size, so each
     // version gets its own layout.
     absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
-    absl::StatusOr<StagingLease> lease =
-        layout.ok() ? pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout)
-                    : absl::StatusOr<StagingLease>(layout.status());
+    absl::StatusOr<StagingLease> lease = absl::FailedPreconditionError("no layout");
+    if (!layout.ok()) {
+      lease = layout.status();
+    } else {
+      std::optional<StagingLease> now = pool_->TryAcquire(layout->file_bytes);
+      if (now.has_value()) {
+        lease = std::move(*now);
+      } else {
+        if (!staged.empty()) {
+          // The copies so far must have landed before a writer reads them.
+          copy_status = memory->FinishSnapshot();
+          if (copy_status.ok()) SpillStaged(r, task, staged, &skipped, &spill);
+        }
+        if (copy_status.ok()) {
+          lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
+        }
+      }
+    }
+    if (!copy_status.ok()) {
+      skipped.push_back(l);
+      continue;
+    }
     if (!lease.ok()) {
       skipped.push_back(l);
       continue;
@@ -223,7 +249,8 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   }
   if (copy_status.ok() && memory != nullptr) copy_status = memory->FinishSnapshot();
   if (!copy_status.ok()) {
-    // No partial step: whatever was staged is dropped and retried.
+    // No torn version: whatever was staged and not yet handed over is
+    // dropped and retried (versions already handed over were copied whole).
     CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
                     << ": snapshot copy failed: " << copy_status;
     if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
@@ -232,14 +259,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   }
   CKPT_KILL_POINT("snapshot.copied");
   CKPT_DELAY_POINT("snapshot.before_publish");
-  uint64_t staged_bytes = 0;
-  for (const StagedVersion& v : staged) staged_bytes += v.layout.payload_bytes;
-  if (Metrics* m = options_.metrics) {
-    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
-    m->Inc(Counter::kVersionsStaged, static_cast<double>(staged.size()));
-    m->Inc(Counter::kStagedBytes, static_cast<double>(staged_bytes));
-    if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
-  }
+  bool advance = false;
   {
     absl::MutexLock lock(&mu_);  // write_queue_
     absl::MutexLock rank_lock(&r->mu);
@@ -256,12 +276,12 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
                         << ": snapshot finished after its fence was abandoned; discarded";
       staged.clear();
     }
+    PendingStep* p = QueueStagedLocked(r, task, staged, &spill);
+    p->sealed = true;
+    p->event.set_skipped(static_cast<uint32_t>(skipped.size()));
+    advance = p->remaining == 0;
     SnapshotTaken result;
-    for (const StagedVersion& v : staged) {
-      result.layers.push_back(v.key.layer);
-      r->never_persisted[v.key.layer] = false;
-      r->retry[v.key.layer] = false;
-    }
+    result.layers = std::move(spill.layers);
     for (uint32_t l : skipped) {
       r->retry[l] = true;
       r->RecordOutcome(l, task.step, false);
@@ -275,24 +295,62 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     r->snap_results[task.step] = std::move(result);
     while (r->snap_results.size() > kSnapResultsKept) r->snap_results.erase(r->snap_results.begin());
     r->snapshot_step = task.step;
+  }
+  if (Metrics* m = options_.metrics) {
+    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
+    m->Inc(Counter::kVersionsStaged, static_cast<double>(spill.count));
+    m->Inc(Counter::kStagedBytes, static_cast<double>(spill.bytes));
+    if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
+  }
+  if (advance) AdvanceEvents(r);
+  return true;
+}
+
+void Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+                         std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
+                         SpillState* spill) {
+  absl::MutexLock lock(&mu_);  // write_queue_
+  absl::MutexLock rank_lock(&r->mu);
+  if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
+    // As at the end of a snapshot: copies made after the trainer went on are
+    // not trusted (the outcome is recorded there, with the other skips).
+    for (const StagedVersion& v : staged) skipped->push_back(v.key.layer);
+    staged.clear();
+    return;
+  }
+  QueueStagedLocked(r, task, staged, spill);
+}
+
+PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask& task,
+                                       std::vector<StagedVersion>& staged, SpillState* spill) {
+  r->mu.AssertHeld();
+  if (!spill->pending) {
+    // The step's place in the event order, taken by its first versions. The
+    // rank's snapshots run one at a time, in step order, so it is the newest.
     PendingStep p;
     p.step = task.step;
-    p.remaining = static_cast<uint32_t>(staged.size());
     p.event = std::move(task.event);
-    p.event.set_skipped(static_cast<uint32_t>(skipped.size()));
     p.staged_at = clock_->Now();
-    p.staged_bytes = staged_bytes;
     p.charge = std::move(task.charge);
     r->pending.push_back(std::move(p));
-    for (StagedVersion& v : staged) {
-      auto w = std::make_unique<WriteTask>();
-      w->rank = r;
-      w->version = std::move(v);
-      write_queue_.push_back(std::move(w));
-    }
+    spill->pending = true;
   }
-  if (staged.empty()) AdvanceEvents(r);
-  return true;
+  PendingStep& p = r->pending.back();
+  for (StagedVersion& v : staged) {
+    spill->layers.push_back(v.key.layer);
+    r->never_persisted[v.key.layer] = false;
+    r->retry[v.key.layer] = false;
+    spill->bytes += v.layout.payload_bytes;
+    ++spill->count;
+    p.staged_bytes += v.layout.payload_bytes;
+    ++p.remaining;
+    auto w = std::make_unique<WriteTask>();
+    w->rank = r;
+    w->version = std::move(v);
+    write_queue_.push_back(std::move(w));
+  }
+  staged.clear();
+  return &p;
 }
 
 absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t step,

@@ -1,5 +1,6 @@
 #include "daemon/engine/quota.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,7 @@ StepCharge& StepCharge::operator=(StepCharge&& other) noexcept {
     table_ = std::exchange(other.table_, nullptr);
     uid_ = other.uid_;
     job_ = std::move(other.job_);
+    rank_ = other.rank_;
     index_bytes_ = other.index_bytes_;
     keep_ = other.keep_;
   }
@@ -39,7 +41,7 @@ StepCharge& StepCharge::operator=(StepCharge&& other) noexcept {
 
 void StepCharge::Release() {
   if (table_ == nullptr) return;
-  std::exchange(table_, nullptr)->ReleaseStep(QuotaOwner{uid_, job_}, index_bytes_, keep_);
+  std::exchange(table_, nullptr)->ReleaseStep(QuotaOwner{uid_, job_, rank_}, index_bytes_, keep_);
 }
 
 void QuotaTable::SetLimits(const QuotaLimits& limits) {
@@ -120,6 +122,21 @@ absl::StatusOr<StepCharge> QuotaTable::AdmitStep(const QuotaOwner& owner, uint64
                                                  QuotaKind* refused) {
   absl::MutexLock lock(&mu_);
   Usage& u = usage_[owner.uid];
+  RankKey key(owner.uid, std::string(owner.job), owner.rank);
+  auto mine = rank_steps_.find(key);
+  const uint64_t held = mine == rank_steps_.end() ? 0 : mine->second;
+  auto registered = ranks_.find(owner.uid);
+  const uint64_t ranks = registered == ranks_.end() ? 1 : std::max<uint32_t>(1, registered->second);
+  const uint64_t share = std::max<uint64_t>(1, limits_.queued_steps / ranks);
+  if (limits_.queued_steps > 0 && held >= share) {
+    ++refused_[static_cast<int>(QuotaKind::kQueuedSteps)];
+    if (refused != nullptr) *refused = QuotaKind::kQueuedSteps;
+    return QuotaError(absl::StrCat(
+        "job ", std::string(owner.job), " rank ", owner.rank, " has ", held,
+        " steps queued, being snapshotted or written: its share of max_queued_steps_per_uid = ",
+        limits_.queued_steps, " among the ", ranks, " ranks uid ", owner.uid,
+        " has registered (wait for snapshots with WaitSnapshot, or raise the option)"));
+  }
   if (limits_.queued_steps > 0 && u.queued_steps >= limits_.queued_steps) {
     ++refused_[static_cast<int>(QuotaKind::kQueuedSteps)];
     if (refused != nullptr) *refused = QuotaKind::kQueuedSteps;
@@ -132,10 +149,12 @@ absl::StatusOr<StepCharge> QuotaTable::AdmitStep(const QuotaOwner& owner, uint64
   CKPT_RETURN_IF_ERROR(CheckBytesLocked(owner, 0, event_bytes, refused));
   ChargeLocked(owner, +1, 0, event_bytes);
   ++u.queued_steps;
+  ++rank_steps_[key];
   StepCharge charge;
   charge.table_ = this;
   charge.uid_ = owner.uid;
   charge.job_ = std::string(owner.job);
+  charge.rank_ = owner.rank;
   charge.index_bytes_ = event_bytes;
   return charge;
 }
@@ -144,7 +163,20 @@ void QuotaTable::ReleaseStep(const QuotaOwner& owner, uint64_t index_bytes, bool
   absl::MutexLock lock(&mu_);
   Usage& u = usage_[owner.uid];
   u.queued_steps = Sub(u.queued_steps, 1);
+  auto mine = rank_steps_.find(RankKey(owner.uid, std::string(owner.job), owner.rank));
+  if (mine != rank_steps_.end() && --mine->second == 0) rank_steps_.erase(mine);
   if (!keep) ChargeLocked(owner, -1, 0, index_bytes);
+}
+
+void QuotaTable::AddRank(uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  ++ranks_[uid];
+}
+
+void QuotaTable::RemoveRank(uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(uid);
+  if (it != ranks_.end() && --it->second == 0) ranks_.erase(it);
 }
 
 absl::Status QuotaTable::ReserveVersion(const QuotaOwner& owner, uint64_t file_bytes,

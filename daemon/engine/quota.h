@@ -10,7 +10,11 @@
 //     estimate: an event counts as its aux blob plus kEventIndexOverhead, a
 //     version record as kVersionIndexBytes;
 //   - queued steps: steps from StepDone until their checkpoint event is
-//     written or dropped.
+//     written or dropped. The uid's registered ranks share its bound
+//     equally: one rank may hold at most max_queued_steps_per_uid / (the
+//     uid's registered ranks) of them (at least one), so a rank that runs
+//     ahead of the disk cannot take the whole budget and starve the uid's
+//     other ranks.
 // Disk quota = file bytes + index bytes; index quota = index bytes alone;
 // per-job disk quota = the job's file bytes + index bytes.
 // The engine seeds the table from the index at start (so the figures survive
@@ -30,6 +34,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <tuple>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -51,10 +56,12 @@ struct QuotaLimits {
   uint64_t job_disk_bytes = 0;  // one job's layer files + index bytes (max_disk_bytes_per_job)
 };
 
-// Whose bytes: the job and the uid that owns it.
+// Whose bytes: the job and the uid that owns it; for a step (AdmitStep),
+// the rank as well.
 struct QuotaOwner {
   uid_t uid = 0;
   std::string_view job;
+  uint32_t rank = 0;
 };
 
 // What a quota refused, for ckpt_quota_refused_total{kind}.
@@ -86,6 +93,7 @@ class StepCharge {
   QuotaTable* table_ = nullptr;
   uid_t uid_ = 0;
   std::string job_;
+  uint32_t rank_ = 0;
   uint64_t index_bytes_ = 0;
   bool keep_ = false;
 };
@@ -107,10 +115,11 @@ class QuotaTable {
   void SetLimits(const QuotaLimits& limits) ABSL_LOCKS_EXCLUDED(mu_);
   QuotaLimits limits() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Admits one more step of `owner` whose event will take `event_bytes` of
-  // index (EventIndexBytes). RESOURCE_EXHAUSTED with ErrorReason::kQuota,
-  // naming the option, when the uid has max_queued_steps_per_uid steps in
-  // flight or the bytes would pass its index or disk quota or the job's.
+  // Admits one more step of `owner` (its rank included) whose event will
+  // take `event_bytes` of index (EventIndexBytes). RESOURCE_EXHAUSTED with
+  // ErrorReason::kQuota, naming the option, when the rank holds its share
+  // of max_queued_steps_per_uid (see above), the uid has that many steps in
+  // flight, or the bytes would pass its index or disk quota or the job's.
   // On a refusal *refused (when given) says which quota it was.
   absl::StatusOr<StepCharge> AdmitStep(const QuotaOwner& owner, uint64_t event_bytes,
                                        QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
@@ -122,6 +131,10 @@ class QuotaTable {
   // Gives back a version (failed commit, GC) or an event (GC).
   void ReleaseVersion(const QuotaOwner& owner, uint64_t file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // A rank of `uid` was registered / its registration ended: the ranks
+  // that share the uid's steps in flight.
+  void AddRank(uid_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+  void RemoveRank(uid_t uid) ABSL_LOCKS_EXCLUDED(mu_);
   // Start-up: what the index already holds for `owner`.
   void Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t index_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -137,6 +150,7 @@ class QuotaTable {
   friend class StepCharge;
   void ReleaseStep(const QuotaOwner& owner, uint64_t index_bytes, bool keep)
       ABSL_LOCKS_EXCLUDED(mu_);
+  using RankKey = std::tuple<uid_t, std::string, uint32_t>;
   // OK when `owner` may add `files` file bytes and `index` index bytes.
   absl::Status CheckBytesLocked(const QuotaOwner& owner, uint64_t files, uint64_t index,
                                 QuotaKind* refused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -152,6 +166,8 @@ class QuotaTable {
   QuotaLimits limits_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, Usage> usage_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, uint32_t> ranks_ ABSL_GUARDED_BY(mu_);          // registered ranks per uid
+  std::map<RankKey, uint64_t> rank_steps_ ABSL_GUARDED_BY(mu_);   // steps in flight per rank
   uint64_t refused_[kQuotaKindCount] ABSL_GUARDED_BY(mu_) = {};
 };
 

@@ -61,6 +61,11 @@ struct LayerTemplate {
 struct PendingStep {
   uint64_t step = 0;
   uint32_t remaining = 0;  // versions still being written
+  // Every selected layer has been staged or skipped. A snapshot larger than
+  // the staging pool hands its first versions to the writers before it has
+  // copied the rest (Engine::Snapshot), so a step can be pending while its
+  // snapshot still runs; its event waits for this.
+  bool sealed = false;
   store::EventRecord event;
   absl::Time staged_at;    // for the durability lag
   uint64_t staged_bytes = 0;

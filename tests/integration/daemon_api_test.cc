@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/client.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/policy/layercheck.h"
 #include "tests/integration/daemon_process.h"
 
@@ -233,13 +234,19 @@ TEST_F(DaemonApiTest, LayerLargerThanPoolIsRejected) {
   ExpectAlive();
 }
 
-// The API's side of a full staging pool (the race with the writers is in
+// The API's side of a full staging pool (the races with the writers are in
 // tests/daemon/engine/engine_pipeline_test.cc): 4 one-chunk layers meet a
-// 2-chunk pool, and a snapshot holds its chunks until it is published, so
-// step 1 skips exactly 2 layers whatever the writers do. The skip reaches the
-// client, WaitDurable and the admin Status, and the retry repairs it.
+// 2-chunk pool while ckptd's only writer is held at its delay point (the
+// test releases it by creating a file), so step 1 hands layers 0 and 1 to
+// the writer and skips exactly 2 layers. The skip reaches the client,
+// WaitDurable and the admin Status, and the retry repairs it.
 TEST_F(DaemonApiTest, FullPoolSkipIsReportedThroughTheApi) {
-  StartDaemon({"--staging_pool_bytes=2097152", "--admission_timeout_ms=100", "--writer_threads=1"});
+  if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no delay points";
+  const std::string hold = MakeTempDir("ckpt-hold-");
+  ASSERT_FALSE(hold.empty());
+  const std::string release = hold + "/release";
+  StartDaemon({"--staging_pool_bytes=2097152", "--admission_timeout_ms=100", "--writer_threads=1"},
+              {"CKPT_DELAY_AT=writer.before_commit:60000", "CKPT_DELAY_UNTIL=" + release});
   // 512 KiB layers (1 chunk each); the explicit policy selects layers only at
   // step 1, so step 2 carries just the retries of skipped layers.
   TestRank r = MakeRank(daemon_->socket(), "full", 4, 128 << 10, v1::POLICY_EXPLICIT);
@@ -249,6 +256,7 @@ TEST_F(DaemonApiTest, FullPoolSkipIsReportedThroughTheApi) {
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->layers, (std::vector<uint32_t>{0, 1}));
   EXPECT_EQ(snap->skipped, 2u);
+  ASSERT_EQ(std::system(("touch " + release).c_str()), 0);
   // Not every selected layer became durable at step 1.
   EXPECT_TRUE(absl::IsAborted(r.client->WaitDurable(1).status()));
   grpc::ClientContext ctx;
@@ -263,6 +271,27 @@ TEST_F(DaemonApiTest, FullPoolSkipIsReportedThroughTheApi) {
   ASSERT_TRUE(snap.ok()) << snap.status();
   EXPECT_EQ(snap->layers, (std::vector<uint32_t>{2, 3}));
   EXPECT_EQ(r.client->WaitDurable(2).value(), 2u);
+  ExpectAlive();
+  std::system(("rm -rf " + hold).c_str());
+}
+
+// A step larger than the whole staging pool is written whole: the first
+// versions go to the writer while the rest wait for the room it gives back
+// (the writer is not held here, and the admission timeout is long, so no
+// layer may be skipped).
+TEST_F(DaemonApiTest, StepLargerThanThePoolIsWrittenWhole) {
+  StartDaemon({"--staging_pool_bytes=2097152", "--admission_timeout_ms=60000",
+               "--writer_threads=1"});
+  TestRank r = MakeRank(daemon_->socket(), "big_step", 8, 128 << 10);  // 4 MiB a step, 2 MiB pool
+  ASSERT_TRUE(r.client->Register(r.spec).ok());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(r.client->StepDone(step, 0.1).ok());
+    absl::StatusOr<SnapshotInfo> snap = r.client->WaitSnapshot(step);
+    ASSERT_TRUE(snap.ok()) << snap.status();
+    EXPECT_EQ(snap->layers, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+    EXPECT_EQ(snap->skipped, 0u);
+    EXPECT_EQ(r.client->WaitDurable(step).value(), step);
+  }
   ExpectAlive();
 }
 
