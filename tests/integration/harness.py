@@ -219,3 +219,27 @@ def check(cond, what):
 
 def tempdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("CKPT_TEST_TMP", "/tmp"))
+
+
+def machine(path):
+    """What a benchmark report says about the machine it ran on: kernel,
+    CPUs and their model, memory, Python, the load average at the start and
+    the file system that holds `path`."""
+    import platform
+    info = {"kernel": platform.release(), "cpus": os.cpu_count(),
+            "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["mem_total"] = int(f.readline().split()[1]) * 1024
+        with open("/proc/loadavg") as f:
+            info["loadavg_start"] = f.read().split()[:3]
+        fs = subprocess.run(["df", "-T", "--output=fstype,size", path], capture_output=True, text=True)
+        info["fs"] = " ".join(fs.stdout.split()[2:])
+    except OSError:
+        pass
+    return info

@@ -1131,23 +1131,6 @@ def report(doc, out, plots_dir):
 
 # ---------------------------------------------------------------- main
 
-def machine():
-    info = {"nproc": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            info["mem_total"] = int(f.readline().split()[1]) * 1024
-        info["kernel"] = os.uname().release
-        info["loadavg_start"] = open("/proc/loadavg").read().split()[:3]
-    except OSError:
-        pass
-    return info
-
-
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1282,7 +1265,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     base = tempfile.mkdtemp(prefix="ckpt-compare-", dir=args.data_dir)
     t_start = time.time()
-    doc = {"meta": {"argv": sys.argv, "machine": machine(), "every": args.every, "lr": args.lr,
+    doc = {"meta": {"argv": sys.argv, "machine": harness.machine(HERE), "every": args.every, "lr": args.lr,
                     "admission_ms": args.admission_ms,
                     "tokens": args.tokens, "threads": args.threads, "poll_ms": args.poll_ms,
                     "pool_mib": args.pool_mib, "data_dir": args.data_dir,

@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -904,23 +903,6 @@ def load_baseline(files):
     return out or None
 
 
-def machine():
-    info = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            info["mem_total"] = kib(f.readline().split(":", 1)[1])
-        fs = subprocess.run(["df", "-T", "--output=fstype,size", HERE], capture_output=True, text=True)
-        info["fs"] = " ".join(fs.stdout.split()[2:])
-    except OSError:
-        pass
-    return info
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -951,7 +933,7 @@ def main():
     os.makedirs(work, exist_ok=True)
     check = Checks()
     results = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-               "machine": machine(), "quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+               "machine": harness.machine(HERE), "quick": args.quick, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     t0 = time.time()
     sweeps = {"layers": sweep_layers, "history": sweep_history, "ranks": sweep_ranks, "memory": sweep_memory,
               "ab": lambda w, q, c: sweep_ab(w, q, c, args.ab)}
