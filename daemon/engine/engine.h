@@ -333,9 +333,10 @@ class Engine {
     uint64_t count = 0, bytes = 0; // versions and payload bytes handed over
   };
   // Hands the versions `staged` so far to the writers before the snapshot
-  // goes on (the pool has no free room for the next one), unless the fence
-  // was abandoned meanwhile: then they go to `skipped`.
-  void SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+  // goes on (the pool has no room for the next one), unless the fence was
+  // abandoned, the rank unregistered or ckptd is stopping: then they go to
+  // `skipped` and it returns false (the snapshot copies nothing more).
+  bool SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
                    std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                    SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
   // Queues `staged` for the writers as versions of task.step, making the

@@ -183,8 +183,9 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   // step larger than the pool wait for room only its own writes could free,
   // and skip its last layers at every step.
   SpillState spill;
+  bool abandoned = false;  // a spill found the fence abandoned: copy no more
   for (uint32_t l : task.layers) {
-    if (!copy_status.ok()) {
+    if (!copy_status.ok() || abandoned) {
       skipped.push_back(l);
       continue;
     }
@@ -212,21 +213,18 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     if (!layout.ok()) {
       lease = layout.status();
     } else {
-      std::optional<StagingLease> now = pool_->TryAcquire(layout->file_bytes);
-      if (now.has_value()) {
-        lease = std::move(*now);
-      } else {
-        if (!staged.empty()) {
-          // The copies so far must have landed before a writer reads them.
-          copy_status = memory->FinishSnapshot();
-          if (copy_status.ok()) SpillStaged(r, task, staged, &skipped, &spill);
-        }
-        if (copy_status.ok()) {
-          lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
-        }
+      // Free room, or room the memory tier gives back, without waiting.
+      lease = pool_->Acquire(layout->file_bytes, absl::InfinitePast());
+      if (!lease.ok() && !staged.empty()) {
+        // The copies so far must have landed before a writer reads them.
+        copy_status = memory->FinishSnapshot();
+        if (copy_status.ok()) abandoned = !SpillStaged(r, task, staged, &skipped, &spill);
+      }
+      if (!lease.ok() && copy_status.ok() && !abandoned) {
+        lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
       }
     }
-    if (!copy_status.ok()) {
+    if (!copy_status.ok() || abandoned) {
       skipped.push_back(l);
       continue;
     }
@@ -306,7 +304,7 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   return true;
 }
 
-void Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+bool Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
                          std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                          SpillState* spill) {
   absl::MutexLock lock(&mu_);  // write_queue_
@@ -316,9 +314,10 @@ void Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
     // not trusted (the outcome is recorded there, with the other skips).
     for (const StagedVersion& v : staged) skipped->push_back(v.key.layer);
     staged.clear();
-    return;
+    return false;
   }
   QueueStagedLocked(r, task, staged, spill);
+  return true;
 }
 
 PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask& task,

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -102,23 +103,30 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
         "a version of ", bytes, " bytes does not fit the staging pool of ", budget_bytes(),
         " bytes; raise staging_pool_bytes"));
   }
-  std::shared_ptr<std::function<void(uint64_t)>> reclaimer;
-  uint64_t missing = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    if (free_.size() < need) {
+  // While it waits, the reclaimer is asked again every kReclaimInterval:
+  // what it holds can grow meanwhile (the memory tier keeps each version a
+  // writer finishes), and room it could give back must not wait for the
+  // deadline.
+  for (;;) {
+    std::shared_ptr<std::function<void(uint64_t)>> reclaimer;
+    uint64_t missing = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      if (free_.size() >= need) return TakeLocked(need);
       reclaimer = reclaimer_;
       missing = (need - free_.size()) * chunk_bytes_;
     }
+    if (reclaimer != nullptr) (*reclaimer)(missing);
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, need]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= need; };
+    const absl::Time until =
+        reclaimer == nullptr ? deadline : std::min(deadline, absl::Now() + kReclaimInterval);
+    if (mu_.AwaitWithDeadline(absl::Condition(&enough), until)) return TakeLocked(need);
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "staging pool full: ", need, " chunks wanted, ", free_.size(), " free"));
+    }
   }
-  if (reclaimer != nullptr) (*reclaimer)(missing);
-  absl::MutexLock lock(&mu_);
-  auto enough = [this, need]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= need; };
-  if (!mu_.AwaitWithDeadline(absl::Condition(&enough), deadline)) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "staging pool full: ", need, " chunks wanted, ", free_.size(), " free"));
-  }
-  return TakeLocked(need);
 }
 
 std::optional<StagingLease> StagingPool::TryAcquire(uint64_t bytes) {

@@ -94,10 +94,12 @@ class StagingPool {
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
 
-  // Chunks for `bytes` (rounded up), all or nothing, waiting until `deadline`.
-  // When too few are free, the reclaimer (if any) is asked for the missing
-  // bytes first, without the pool's lock held.
+  // Chunks for `bytes` (rounded up), all or nothing, waiting until `deadline`
+  // (a deadline in the past: no waiting). When too few are free, the
+  // reclaimer (if any) is asked for the missing bytes first, without the
+  // pool's lock held, and again every kReclaimInterval while it waits.
   absl::StatusOr<StagingLease> Acquire(uint64_t bytes, absl::Time deadline);
+  static constexpr absl::Duration kReclaimInterval = absl::Milliseconds(10);
   // Chunks for `bytes` when that many are free now; else nullopt, without
   // waiting and without asking the reclaimer (for work that is only worth
   // doing in free room, such as a restore's read-ahead).

@@ -100,8 +100,8 @@ absl::StatusOr<UniqueFd> LayerStore::OpenSideFile(const std::string& job, uint32
 absl::Status LayerStore::RemoveRankDir(const std::string& job, uint32_t rank,
                                        const std::vector<std::string>& side_files) {
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
-  absl::MutexLock lock(&mu_);
-  rank_dirs_.erase(std::make_pair(job, rank));
+  absl::MutexLock dir_lock(&dir_mu_);
+  ForgetRankDir(job, rank);
   absl::StatusOr<UniqueFd> job_dir = fs_->OpenSubdir(jobs_dir_.get(), job, /*create=*/false);
   if (absl::IsNotFound(job_dir.status())) return absl::OkStatus();
   if (!job_dir.ok()) return AtPath(job_dir.status(), RankDirPath(job, rank));
@@ -132,10 +132,22 @@ absl::Status LayerStore::AppendSideFile(int fd, absl::string_view data) {
 
 absl::StatusOr<LayerStore::DirRef> LayerStore::RankDir(const std::string& job, uint32_t rank,
                                                        bool create) {
-  absl::MutexLock lock(&mu_);
   auto key = std::make_pair(job, rank);
-  auto it = rank_dirs_.find(key);
-  if (it != rank_dirs_.end()) return it->second;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = rank_dirs_.find(key);
+    if (it != rank_dirs_.end()) return it->second;
+  }
+  // Opened (and made durable) under dir_mu_ alone: ForgetRankDir, which the
+  // engine calls under its own locks, takes mu_ only and never waits behind
+  // these fsyncs; RemoveRankDir takes dir_mu_ too, so a directory is never
+  // removed while it is being opened.
+  absl::MutexLock dir_lock(&dir_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = rank_dirs_.find(key);
+    if (it != rank_dirs_.end()) return it->second;
+  }
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   CKPT_ASSIGN_OR_RETURN(UniqueFd job_dir, fs_->OpenSubdir(jobs_dir_.get(), job, create));
   CKPT_ASSIGN_OR_RETURN(UniqueFd rank_dir, fs_->OpenSubdir(job_dir.get(), RankDirName(rank), create));
@@ -144,10 +156,11 @@ absl::StatusOr<LayerStore::DirRef> LayerStore::RankDir(const std::string& job, u
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir.get()));
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
   }
+  DirRef ref = std::make_shared<const UniqueFd>(std::move(rank_dir));
+  absl::MutexLock lock(&mu_);
   // A bound on the descriptors kept: past it one kept entry goes (whoever
   // still uses it holds its own reference) and is opened again when needed.
   if (rank_dirs_.size() >= kMaxOpenRankDirs) rank_dirs_.erase(rank_dirs_.begin());
-  DirRef ref = std::make_shared<const UniqueFd>(std::move(rank_dir));
   rank_dirs_.emplace(key, ref);
   return ref;
 }

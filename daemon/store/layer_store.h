@@ -202,7 +202,7 @@ class LayerStore {
   // A kept descriptor of a rank directory; it stays open while referenced.
   using DirRef = std::shared_ptr<const UniqueFd>;
   absl::StatusOr<DirRef> RankDir(const std::string& job, uint32_t rank, bool create)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_LOCKS_EXCLUDED(dir_mu_, mu_);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileReport* report);
   // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
@@ -218,6 +218,9 @@ class LayerStore {
   UniqueFd data_dir_fd_;
   UniqueFd jobs_dir_;
 
+  // Lock order: dir_mu_ -> mu_. dir_mu_ serialises opening (and creating)
+  // rank directories with removing them; mu_ guards the kept descriptors.
+  absl::Mutex dir_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, uint32_t>, DirRef> rank_dirs_ ABSL_GUARDED_BY(mu_);
 };

@@ -134,6 +134,27 @@ TEST(StagingPoolTest, TryAcquireTakesFreeRoomOnly) {
   EXPECT_EQ(reclaims, 1);
 }
 
+// Regression: Acquire asked the reclaimer for room once, when its wait
+// began. What a reclaimer holds can grow while a caller waits (the memory
+// tier keeps every version a writer finishes), so that room stayed out of
+// reach until the deadline, and a snapshot larger than the pool skipped
+// layers. Acquire asks again while it waits: here the reclaimer has nothing
+// to give at its first call and gives the whole pool back at its second.
+TEST(StagingPoolTest, AcquireAsksTheReclaimerAgainWhileItWaits) {
+  std::unique_ptr<StagingPool> pool = MakePool();
+  ASSERT_NE(pool, nullptr);
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease whole, pool->Acquire(kChunks * kChunk, Soon()));
+  std::optional<StagingLease> held(std::move(whole));
+  int calls = 0;  // the reclaimer runs on the thread that calls Acquire
+  pool->SetReclaimer([&calls, &held](uint64_t) {
+    if (++calls == 2) held.reset();
+  });
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease lease,
+                            pool->Acquire(kChunk, absl::Now() + absl::Seconds(60)));
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(lease.chunk_count(), 1u);
+}
+
 TEST(StagingPoolTest, LargerThanPoolIsResourceExhaustedAtOnce) {
   std::unique_ptr<StagingPool> pool = MakePool();
   ASSERT_NE(pool, nullptr);
