@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/recovery/export.h"
 #include "daemon/recovery/plan.h"
@@ -19,6 +20,8 @@ namespace {
 
 // How long a restore, verify or export waits for GC of its rank to finish.
 constexpr absl::Duration kLeaseWait = absl::Seconds(30);
+// How long Restore waits for a snapshot worker finishing a taken step.
+constexpr absl::Duration kSnapshotIdleWait = absl::Seconds(5);
 
 // Another user's job reads exactly like a missing one (CheckOwner), in the
 // remote tier too.
@@ -86,7 +89,22 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
   // A replacement node: the rank's history comes from the remote tier (for
   // the rank's registered owner only); a remote tier that cannot be read is
   // an error here, never "nothing to restore".
-  CKPT_RETURN_IF_ERROR(Find(ref, caller).status());
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> found, Find(ref, caller));
+  {
+    // Every reported step may be snapshotted (even durable: the step's last
+    // write can finish first) while the snapshot worker still finishes its
+    // bookkeeping; that is not "still being snapshotted". Wait for it,
+    // briefly, without the engine's lock (the worker needs it).
+    absl::MutexLock rank_lock(&found->mu);
+    if (found->snap_busy && found->snap_queue.empty() &&
+        found->snapshot_step >= found->last_step_seen) {
+      CKPT_SYNC_POINT("restore.wait_snapshot_idle");
+      auto idle = [&found]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(found->mu) {
+        return !found->snap_busy || !found->snap_queue.empty();
+      };
+      found->mu.AwaitWithTimeout(absl::Condition(&idle), kSnapshotIdleWait);
+    }
+  }
   CKPT_RETURN_IF_ERROR(PullFromRemote(ref.job, ref.rank, caller, /*must_know=*/true));
   std::shared_ptr<Rank> r;
   std::shared_ptr<RankMemory> memory;

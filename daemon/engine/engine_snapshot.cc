@@ -129,6 +129,7 @@ void Engine::SnapshotLoop() {
     }
     const bool done = Snapshot(r, task, memory.get());
     memory.reset();  // the last reference of a released rank closes its mappings here
+    CKPT_SYNC_POINT("snapshot.after_publish");
     absl::MutexLock lock(&mu_);
     absl::MutexLock rank_lock(&r->mu);
     if (!done) {

@@ -370,6 +370,39 @@ TEST_F(EnginePipelineTest, StepLargerThanThePoolIsWrittenWholeWithTheMemoryTier)
   ASSERT_NO_FATAL_FAILURE(WriteStepsLargerThanThePool());
 }
 
+// Regression: a step can be durable before the snapshot worker that took it
+// has finished (the worker records the event itself when nothing was left
+// to write, and a writer can finish a step's last version first), and a
+// Restore in that moment was refused with "steps are still being
+// snapshotted", although every reported step was taken. The worker is held
+// after step 1 is durable; Restore waits for it instead of failing.
+TEST_F(EnginePipelineTest, RestoreWaitsForTheWorkerOfATakenStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  constexpr char kRestoreWaiting[] = "PipelineTest:restore_waiting";
+  TestRank r = MakeRank("settling", 2, PolicyKind::kExplicit);
+  CKPT_ASSERT_OK(Register(&r).status());
+  WriteStep(r, 1);
+  CKPT_ASSERT_OK(StepDone(r, 1, {0, 1}));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+  // Step 1's worker is past the point before the point starts to hold.
+  ASSERT_TRUE(sp_->WaitForArrivals("snapshot.after_publish", 1, absl::Now() + kWait));
+  // Step 2 selects nothing: its snapshot records the event itself, and the
+  // worker then stops at the point until Restore is waiting for it.
+  sp_->LoadDependency({{kRestoreWaiting, "snapshot.after_publish"}});
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable, 2u);
+  WriteStep(r, 99);
+  absl::StatusOr<Restored> restored;
+  std::thread restorer([&] { restored = engine_->Restore(Ref(r), 1, owner_); });
+  EXPECT_TRUE(sp_->WaitForArrivals("restore.wait_snapshot_idle", 1, absl::Now() + kWait));
+  CKPT_SYNC_POINT(kRestoreWaiting);
+  restorer.join();
+  CKPT_ASSERT_OK(restored.status());
+  EXPECT_EQ(restored->plan.target_step, 1u);
+  EXPECT_TRUE(HoldsStep(r, 1));
+}
+
 // Regression: a snapshot still being copied when its WaitSnapshot gave up
 // used to be committed anyway, although the trainer had moved on and could
 // have changed the buffers mid-copy. It must be discarded and retried.
