@@ -384,7 +384,11 @@ class Engine {
     std::vector<Event> events;
     std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> versions;
   };
-  absl::StatusOr<RankHistory> ReadRankHistory(const std::string& job, uint32_t rank);
+  // The rank's events and versions; with `after`, only those above that
+  // step (one seek per layer and the events from the newest down, so the
+  // cost does not grow with the history below it).
+  absl::StatusOr<RankHistory> ReadRankHistory(const std::string& job, uint32_t rank,
+                                              std::optional<uint64_t> after = std::nullopt);
   // Deletes one event / one committed version (record, then file) of the
   // rank and gives what it held back to the disk budget and the owner's
   // quota.

@@ -1,8 +1,6 @@
 // Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
 #include "daemon/engine/engine.h"
 
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
@@ -44,32 +42,16 @@ absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank
 }
 
 absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_t step) {
-  // Only what lies after `step` is read: one seek per layer past it and the
-  // events from the newest down (reading the whole history made a restore
-  // O(history); docs/scaling.md).
-  RankHistory h;
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
-  if (job_rec.has_value()) h.owner = job_rec->owner_uid();
-  CKPT_RETURN_IF_ERROR(index_->ForEachVersionAfter(
-      job, rank, step, [&h](const VersionKey& k, const store::VersionRecord& v) {
-        h.versions[{k.layer, k.step}] = v;
-        return true;
-      }));
-  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
-      job, rank, /*newest_first=*/true, [&h, step](uint64_t s, const store::EventRecord& e) {
-        if (s <= step) return false;
-        h.events.push_back({s, e.unix_ms(), EventIndexBytes(e.aux().size()), e.agreed_step()});
-        return true;
-      }));
-  std::reverse(h.events.begin(), h.events.end());  // in step order, as ReadRankHistory has them
+  // Only what lies after `step` is read (reading the whole history made a
+  // restore O(history); docs/scaling.md).
+  CKPT_ASSIGN_OR_RETURN(RankHistory h, ReadRankHistory(job, rank, step));
   uint64_t versions = 0, events = 0;
   for (auto it = h.versions.rbegin(); it != h.versions.rend(); ++it) {
-    if (it->first.second <= step) continue;
     CKPT_RETURN_IF_ERROR(
         RemoveVersion(h, VersionKey{job, rank, it->first.first, it->first.second}, it->second));
     ++versions;
   }
-  for (auto it = h.events.rbegin(); it != h.events.rend() && it->step > step; ++it) {
+  for (auto it = h.events.rbegin(); it != h.events.rend(); ++it) {
     CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *it));
     ++events;
   }

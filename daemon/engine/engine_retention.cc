@@ -13,20 +13,28 @@
 namespace ckpt {
 
 absl::StatusOr<Engine::RankHistory> Engine::ReadRankHistory(const std::string& job,
-                                                             uint32_t rank) {
+                                                             uint32_t rank,
+                                                             std::optional<uint64_t> after) {
   RankHistory h;
   CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
   if (job_rec.has_value()) h.owner = job_rec->owner_uid();
+  const bool newest_first = after.has_value();
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
-      job, rank, /*newest_first=*/false, [&](uint64_t step, const store::EventRecord& e) {
+      job, rank, newest_first, [&](uint64_t step, const store::EventRecord& e) {
+        if (after.has_value() && step <= *after) return false;
         h.events.push_back({step, e.unix_ms(), EventIndexBytes(e.aux().size()), e.agreed_step()});
         return true;
       }));
-  CKPT_RETURN_IF_ERROR(
-      index_->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& v) {
-        h.versions[{k.layer, k.step}] = v;
-        return true;
-      }));
+  if (newest_first) std::reverse(h.events.begin(), h.events.end());  // in step order
+  auto add = [&h](const VersionKey& k, const store::VersionRecord& v) {
+    h.versions[{k.layer, k.step}] = v;
+    return true;
+  };
+  if (after.has_value()) {
+    CKPT_RETURN_IF_ERROR(index_->ForEachVersionAfter(job, rank, *after, add));
+  } else {
+    CKPT_RETURN_IF_ERROR(index_->ForEachVersion(job, rank, -1, add));
+  }
   return h;
 }
 

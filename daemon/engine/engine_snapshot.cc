@@ -210,26 +210,21 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     // Step, generation and group counters change the header's size, so each
     // version gets its own layout.
     absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
-    absl::StatusOr<StagingLease> lease = absl::FailedPreconditionError("no layout");
     if (!layout.ok()) {
-      lease = layout.status();
-    } else {
-      // Free room, or room the memory tier gives back, without waiting.
-      lease = pool_->Acquire(layout->file_bytes, absl::InfinitePast());
-      if (!lease.ok() && !staged.empty()) {
-        // The copies so far must have landed before a writer reads them.
-        copy_status = memory->FinishSnapshot();
-        if (copy_status.ok()) abandoned = !SpillStaged(r, task, staged, &skipped, &spill);
-      }
-      if (!lease.ok() && copy_status.ok() && !abandoned) {
-        lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
-      }
-    }
-    if (!copy_status.ok() || abandoned) {
       skipped.push_back(l);
       continue;
     }
-    if (!lease.ok()) {
+    // Free room, or room the memory tier gives back, without waiting.
+    absl::StatusOr<StagingLease> lease = pool_->Acquire(layout->file_bytes, absl::InfinitePast());
+    if (!lease.ok() && !staged.empty()) {
+      // The copies so far must have landed before a writer reads them.
+      copy_status = memory->FinishSnapshot();
+      if (copy_status.ok()) abandoned = !SpillStaged(r, task, staged, &skipped, &spill);
+    }
+    if (!lease.ok() && copy_status.ok() && !abandoned) {
+      lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
+    }
+    if (!lease.ok() || !copy_status.ok() || abandoned) {
       skipped.push_back(l);
       continue;
     }

@@ -60,6 +60,21 @@ bool ParseHex64(absl::string_view s, uint64_t* out) {
   return absl::SimpleHexAtoi(s, out);
 }
 
+// "<layer:8>/<step:16>", the end of a version key.
+bool ParseLayerStep(absl::string_view rest, uint32_t* layer, uint64_t* step) {
+  return rest.size() == 25 && ParseHex32(rest.substr(0, 8), layer) &&
+         ParseHex64(rest.substr(9), step);
+}
+
+// Counts one more version of `layer` in `r`.
+void AddVersion(Index::RankVersions& r, uint32_t layer, uint64_t file_bytes) {
+  if (r.layers.size() <= layer) r.layers.resize(static_cast<size_t>(layer) + 1);
+  ++r.layers[layer].versions;
+  r.layers[layer].file_bytes += file_bytes;
+  ++r.total.versions;
+  r.total.file_bytes += file_bytes;
+}
+
 template <typename Msg>
 absl::StatusOr<Msg> ParseRecord(const rocksdb::Slice& v, absl::string_view key) {
   Msg m;
@@ -381,15 +396,12 @@ void Index::CountLocked(const VersionKey& key, int sign, uint64_t file_bytes) {
     it = versions_.emplace(std::make_pair(key.job, key.rank), RankVersions()).first;
   }
   RankVersions& r = it->second;
-  if (r.layers.size() <= key.layer) r.layers.resize(static_cast<size_t>(key.layer) + 1);
-  VersionCount& l = r.layers[key.layer];
   if (sign > 0) {
-    ++l.versions;
-    l.file_bytes += file_bytes;
-    ++r.total.versions;
-    r.total.file_bytes += file_bytes;
+    AddVersion(r, key.layer, file_bytes);
     return;
   }
+  if (r.layers.size() <= key.layer) r.layers.resize(static_cast<size_t>(key.layer) + 1);
+  VersionCount& l = r.layers[key.layer];
   auto sub = [](uint64_t& v, uint64_t d) { v = v > d ? v - d : 0; };
   sub(l.versions, 1);
   sub(l.file_bytes, file_bytes);
@@ -417,8 +429,7 @@ absl::Status Index::CountVersions() {
     uint32_t rank = 0, layer = 0;
     uint64_t step = 0;
     if (k[k.size() - tail.size() - 1] != '/' || tail[8] != '/' || tail[17] != '/' ||
-        !ParseHex32(tail.substr(0, 8), &rank) ||
-        !ParseHex32(tail.substr(9, 8), &layer) || !ParseHex64(tail.substr(18), &step)) {
+        !ParseHex32(tail.substr(0, 8), &rank) || !ParseLayerStep(tail.substr(9), &layer, &step)) {
       continue;
     }
     if (current == nullptr || job != current_job || rank != current_rank) {
@@ -431,11 +442,7 @@ absl::Status Index::CountVersions() {
         rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))
             ? rec.file_bytes()
             : 0;
-    if (current->layers.size() <= layer) current->layers.resize(static_cast<size_t>(layer) + 1);
-    ++current->layers[layer].versions;
-    current->layers[layer].file_bytes += bytes;
-    ++current->total.versions;
-    current->total.file_bytes += bytes;
+    AddVersion(*current, layer, bytes);
   }
   return FromRocks(it->status(), "count versions");
 }
@@ -482,9 +489,7 @@ absl::Status Index::ForEachVersion(
     entries_read_.fetch_add(1, std::memory_order_relaxed);
     absl::string_view k(it->key().data(), it->key().size());
     VersionKey vk{job, rank, 0, 0};
-    absl::string_view rest = k.substr(rank_prefix);  // <layer:8>/<step:16>
-    if (rest.size() != 25 || !ParseHex32(rest.substr(0, 8), &vk.layer) ||
-        !ParseHex64(rest.substr(9), &vk.step)) {
+    if (!ParseLayerStep(k.substr(rank_prefix), &vk.layer, &vk.step)) {
       return absl::DataLossError(absl::StrCat("bad index key ", k));
     }
     CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
@@ -506,9 +511,7 @@ absl::Status Index::ForEachVersionAfter(
     entries_read_.fetch_add(1, std::memory_order_relaxed);
     absl::string_view k(it->key().data(), it->key().size());
     VersionKey vk{job, rank, 0, 0};
-    absl::string_view rest = k.substr(prefix.size());  // <layer:8>/<step:16>
-    if (rest.size() != 25 || !ParseHex32(rest.substr(0, 8), &vk.layer) ||
-        !ParseHex64(rest.substr(9), &vk.step)) {
+    if (!ParseLayerStep(k.substr(prefix.size()), &vk.layer, &vk.step)) {
       return absl::DataLossError(absl::StrCat("bad index key ", k));
     }
     if (vk.step <= after_step) {
