@@ -33,6 +33,7 @@
 #include "absl/time/clock.h"
 #include "ckpt/client.h"
 #include "nlohmann/json.hpp"
+#include "tools/flags.h"
 
 namespace {
 
@@ -92,9 +93,7 @@ bool Number(const std::string& k, const std::string& v, T* out) {
 
 bool ParseArgs(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
-    std::string s = argv[i];
-    auto eq = s.find('=');
-    std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
+    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
     if (k == "--socket") a->socket = v;
     else if (k == "--job") a->job = v;

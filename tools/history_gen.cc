@@ -44,6 +44,7 @@
 #include "daemon/store/format.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
+#include "tools/flags.h"
 
 namespace {
 
@@ -107,9 +108,7 @@ struct Args {
 
 bool Parse(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    const size_t eq = s.find('=');
-    const std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
+    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
     if (k == "--data-dir") a->data_dir = v;
     else if (k == "--job") a->job = v;
@@ -121,7 +120,7 @@ bool Parse(int argc, char** argv, Args* a) {
     else if (k == "--per-step") ok = absl::SimpleAtoi(v, &a->per_step);
     else ok = false;
     if (!ok) {
-      std::fprintf(stderr, "ckpt_history_gen: bad argument '%s'\n", s.c_str());
+      std::fprintf(stderr, "ckpt_history_gen: bad argument '%s'\n", argv[i]);
       return false;
     }
   }

@@ -38,6 +38,7 @@
 #include "absl/strings/string_view.h"
 #include "daemon/policy/layercheck.h"
 #include "nlohmann/json.hpp"
+#include "tools/flags.h"
 
 namespace {
 
@@ -177,9 +178,7 @@ int main(int argc, char** argv) {
   bool have_k_min = false, have_k_max = false, have_horizon = false, have_step_s = false;
   bool overridden = false;  // anything but --json / --series
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto eq = a.find('=');
-    std::string k = a.substr(0, eq), v = eq == std::string::npos ? "" : a.substr(eq + 1);
+    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
     if (k != "--trace" && k != "--json" && k != "--series") overridden = true;
     if (k == "--trace") {

@@ -48,6 +48,7 @@
 #include "absl/strings/str_cat.h"
 #include "ckpt/client.h"
 #include "nlohmann/json.hpp"
+#include "tools/flags.h"
 
 namespace {
 
@@ -78,9 +79,7 @@ struct Args {
 
 bool Parse(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
-    const std::string s = argv[i];
-    const size_t eq = s.find('=');
-    const std::string k = s.substr(0, eq), v = eq == std::string::npos ? "" : s.substr(eq + 1);
+    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
     if (k == "--socket") a->socket = v;
     else if (k == "--job") a->job = v;
@@ -113,7 +112,7 @@ bool Parse(int argc, char** argv, Args* a) {
     else if (k == "--out") a->out = v;
     else ok = false;
     if (!ok) {
-      std::fprintf(stderr, "ckpt_scale_trainer: bad argument '%s'\n", s.c_str());
+      std::fprintf(stderr, "ckpt_scale_trainer: bad argument '%s'\n", argv[i]);
       return false;
     }
   }

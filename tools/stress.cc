@@ -40,6 +40,7 @@
 #include "absl/time/clock.h"
 #include "ckpt/client.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "tools/flags.h"
 
 namespace {
 
@@ -287,9 +288,7 @@ class Actor {
 
 bool Parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const size_t eq = a.find('=');
-    const std::string k = a.substr(0, eq), v = eq == std::string::npos ? "" : a.substr(eq + 1);
+    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
     if (k == "--socket") o->socket = v;
     else if (k == "--jobs") ok = absl::SimpleAtoi(v, &o->jobs) && o->jobs > 0;
@@ -302,7 +301,7 @@ bool Parse(int argc, char** argv, Options* o) {
     else if (k == "--prefix") o->prefix = v;
     else ok = false;
     if (!ok) {
-      std::fprintf(stderr, "ckpt_stress: bad argument '%s'\n", a.c_str());
+      std::fprintf(stderr, "ckpt_stress: bad argument '%s'\n", argv[i]);
       return false;
     }
   }
