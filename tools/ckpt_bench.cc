@@ -1,9 +1,11 @@
 // ckpt_bench: write-path and restore-path benchmark. In one process and on
 // one directory it alternates rounds of
-//   A  the daemon's real commit path (LayerStore::Commit from a StagingPool:
-//      checksums, header, O_DIRECT writes, fdatasync, rename, dir fsync,
-//      RocksDB sync put) with `writers` versions in flight, the versions
-//      spread over `ranks` ranks, and
+//   A  the daemon's real commit path (LayerStore::Write from a StagingPool:
+//      checksums, header, O_DIRECT writes, fdatasync, on `writers` threads;
+//      then a Publisher: renames, one dir fsync per rank directory and one
+//      RocksDB sync batch per group, as ckptd commits), the versions spread
+//      over `ranks` ranks (--commit=serial: LayerStore::Commit per version
+//      on the writers, the whole protocol one version at a time), and
 //   B  a raw baseline: the same bytes written sequentially with O_DIRECT by
 //      `writers` threads, one file each, through the same IoBackend kind,
 //      chunk size and queue depth, then fdatasync;
@@ -51,6 +53,7 @@
 #include "daemon/store/format.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
+#include "daemon/store/publisher.h"
 #include "nlohmann/json.hpp"
 
 namespace {
@@ -61,7 +64,8 @@ using Json = nlohmann::json;
 constexpr char kUsage[] =
     R"(usage: ckpt_bench --dir=PATH [--total-bytes=SIZE] [--layer-bytes=SIZE] [--writers=N]
                   [--ranks=N] [--queue-depth=N] [--chunk-bytes=SIZE]
-                  [--backend=auto|io_uring|pwrite] [--rounds=N] [--no-restore] [--json]
+                  [--backend=auto|io_uring|pwrite] [--commit=grouped|serial] [--rounds=N]
+                  [--no-restore] [--json]
 
 Compares ckptd's layer-version commit path with raw O_DIRECT writes of the
 same bytes, and ckptd's restore path with raw O_DIRECT reads of the files it
@@ -77,6 +81,9 @@ what it writes). SIZE takes a K, M or G suffix (powers of 1024).
   --queue-depth=N     I/O queue depth per writer (default 16)
   --chunk-bytes=SIZE  staging chunk = I/O segment size, multiple of 4096 (default 4M)
   --backend=KIND      auto, io_uring or pwrite (default auto)
+  --commit=HOW        grouped: writers write, one publisher makes groups of
+                      versions durable and visible, as ckptd does (default);
+                      serial: each writer runs the whole protocol per version
   --rounds=N          A/B rounds, alternating which path goes first (default 3)
   --no-restore        measure the write paths only
   --json              one JSON object on stdout
@@ -95,6 +102,7 @@ struct Args {
   uint32_t rounds = 3;
   uint32_t ranks = 1;
   bool restore = true;
+  bool serial_commit = false;
   bool json = false;
 };
 
@@ -179,6 +187,9 @@ absl::Status ParseArgs(int argc, char** argv, Args* a, bool* help) {
     } else if (k == "--backend") {
       a->backend = std::string(v);
       ok = ckpt::ParseIoBackendKind(a->backend).ok();
+    } else if (k == "--commit") {
+      ok = v == "grouped" || v == "serial";
+      a->serial_commit = v == "serial";
     } else if (k == "--rounds") {
       ok = ParseCount(v, 1, 1000, &a->rounds);
     } else {
@@ -211,9 +222,10 @@ std::string HumanBytes(uint64_t b) {
 }
 
 // Runs fn(w) on `n` threads and returns the wall time from releasing them all
-// at once until the last one returned. Thread start-up is not timed.
-template <typename Fn>
-absl::Duration TimeThreads(uint32_t n, Fn fn) {
+// at once until the last one returned and then `after()` did. Thread
+// start-up is not timed.
+template <typename Fn, typename After = void (*)()>
+absl::Duration TimeThreads(uint32_t n, Fn fn, After after = [] {}) {
   absl::Notification go;
   std::vector<std::thread> threads;
   for (uint32_t w = 0; w < n; ++w) {
@@ -225,6 +237,7 @@ absl::Duration TimeThreads(uint32_t n, Fn fn) {
   absl::Time start = absl::Now();
   go.Notify();
   for (std::thread& t : threads) t.join();
+  after();
   return absl::Now() - start;
 }
 
@@ -330,25 +343,53 @@ class Bench {
     std::atomic<uint64_t> next{0};
     absl::Mutex mu;
     absl::Status first_error;
-    absl::Duration d = TimeThreads(a_.writers, [&](uint32_t w) {
-      for (uint64_t i = next.fetch_add(1); i < versions_; i = next.fetch_add(1)) {
-        vs[i].lease = std::move(leases_[w]);
-        ckpt::CommitTimings t;
-        absl::StatusOr<ckpt::store::VersionRecord> rec =
-            store_->Commit(&vs[i], io_[w].get(), &t);
-        timings_[i] = t;
-        leases_[w] = std::move(vs[i].lease);
-        if (!rec.ok()) {
-          absl::MutexLock lock(&mu);
-          if (first_error.ok()) first_error = rec.status();
-          next.store(versions_);
-          return;
-        }
-        recs_[i] = *std::move(rec);
-        keys_[i] = vs[i].key;
-        committed_[i] = 1;  // distinct elements per i; read after join
+    // Where version i's commit ended (on a writer or on the publisher).
+    auto finish = [&](uint64_t i, absl::StatusOr<ckpt::store::VersionRecord> rec,
+                      const ckpt::CommitTimings& t) {
+      timings_[i] = t;
+      if (!rec.ok()) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) first_error = rec.status();
+        next.store(versions_);
+        return;
       }
-    });
+      recs_[i] = *std::move(rec);
+      keys_[i] = vs[i].key;
+      committed_[i] = 1;  // distinct elements per i; read after the round
+    };
+    // As the engine commits: writers write, one publisher publishes groups
+    // (--commit=grouped); or each writer runs the whole protocol for one
+    // version at a time (--commit=serial, for comparison).
+    ckpt::Publisher publisher(store_.get());
+    absl::Duration d = TimeThreads(
+        a_.writers,
+        [&](uint32_t w) {
+          for (uint64_t i = next.fetch_add(1); i < versions_; i = next.fetch_add(1)) {
+            vs[i].lease = std::move(leases_[w]);
+            if (a_.serial_commit) {
+              ckpt::CommitTimings t;
+              absl::StatusOr<ckpt::store::VersionRecord> rec =
+                  store_->Commit(&vs[i], io_[w].get(), &t);
+              leases_[w] = std::move(vs[i].lease);
+              finish(i, std::move(rec), t);
+              continue;
+            }
+            absl::StatusOr<ckpt::WrittenVersion> written = store_->Write(&vs[i], io_[w].get());
+            // Every write completed: the lease may be filled again.
+            leases_[w] = std::move(vs[i].lease);
+            if (!written.ok()) {
+              finish(i, written.status(), ckpt::CommitTimings());
+              continue;
+            }
+            publisher.Submit(*std::move(written),
+                             [&finish, i](absl::StatusOr<ckpt::store::VersionRecord> rec,
+                                          const ckpt::CommitTimings& t) {
+                               finish(i, std::move(rec), t);
+                             });
+          }
+        },
+        [&publisher] { publisher.Stop(); });
+    groups_ = a_.serial_commit ? versions_ : publisher.groups();
     if (!first_error.ok()) {
       ckpt::IgnoreError(RemoveVersions(), "the round already failed");
       return first_error;
@@ -525,6 +566,15 @@ class Bench {
   }
 
   uint64_t versions() const { return versions_; }
+  // Groups the last RunStore published its versions in (one per version
+  // with --commit=serial), and the median time from a version's temp file
+  // to its record, in seconds.
+  uint64_t groups() const { return groups_; }
+  double MedianCommitSeconds() const {
+    std::vector<double> t;
+    for (const ckpt::CommitTimings& c : timings_) t.push_back(c.total_seconds);
+    return Median(std::move(t));
+  }
   bool restore() const { return a_.restore; }
   uint64_t bytes_per_round() const { return bytes_per_round_; }
   uint64_t file_bytes() const { return layout_.file_bytes; }
@@ -627,6 +677,7 @@ class Bench {
   std::vector<ckpt::store::VersionRecord> recs_;
   std::vector<char> committed_;
   std::vector<ckpt::CommitTimings> timings_;  // per version of the last RunStore
+  uint64_t groups_ = 0;                       // the last RunStore's publish groups
   std::vector<char> raw_created_;  // RunRaw's files, until RemoveRaw()
   std::unique_ptr<ckpt::Index> index_;
   std::unique_ptr<ckpt::LayerStore> store_;
@@ -656,7 +707,7 @@ absl::Status Run(const Args& a) {
     }
     std::fflush(stdout);
   }
-  std::vector<double> ga, gb, ratio, gc, gd, restore_ratio;
+  std::vector<double> ga, gb, ratio, gc, gd, restore_ratio, groups, commit_ms;
   std::vector<std::vector<double>> share(4);  // of commit time: write, sync, rest; checksums
   Json rounds = Json::array();
   for (uint32_t r = 1; r <= a.rounds; ++r) {
@@ -717,6 +768,10 @@ absl::Status Run(const Args& a) {
                                  {"datasync", share[1].back()},
                                  {"create_rename_dirsync_index", share[2].back()},
                                  {"checksums_during_write", share[3].back()}};
+    round["publish_groups"] = b.groups();
+    round["median_commit_seconds"] = b.MedianCommitSeconds();
+    groups.push_back(b.groups());
+    commit_ms.push_back(1e3 * b.MedianCommitSeconds());
     rounds.push_back(std::move(round));
     if (!a.json) {
       std::printf("round %u: write ckptd %.2f GB/s, raw %.2f GB/s, ratio %.2f", r, ga.back(),
@@ -734,6 +789,7 @@ absl::Status Run(const Args& a) {
            {"backend", b.backend()},
            {"direct_io", b.direct()},
            {"writers", a.writers},
+           {"commit", a.serial_commit ? "serial" : "grouped"},
            {"ranks", a.ranks},
            {"queue_depth", a.queue_depth},
            {"chunk_bytes", a.chunk_bytes},
@@ -751,14 +807,18 @@ absl::Status Run(const Args& a) {
     }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("ckptd write path: %.2f GB/s (median of %u)\n", Median(ga), a.rounds);
+    std::printf("ckptd write path (%s commit): %.2f GB/s (median of %u)\n",
+                a.serial_commit ? "serial" : "grouped", Median(ga), a.rounds);
     std::printf("raw O_DIRECT:     %.2f GB/s\n", Median(gb));
     std::printf("ratio (ckptd / raw): %.2f (median of per-round ratios)\n", Median(ratio));
     std::printf("commit time (summed over versions, medians): write %.0f%% (checksums computed "
                 "meanwhile: %.0f%%), fdatasync %.0f%%, temp file + rename + directory fsync + "
-                "index %.0f%%\n",
+                "index%s %.0f%%\n",
                 100 * Median(share[0]), 100 * Median(share[3]), 100 * Median(share[1]),
-                100 * Median(share[2]));
+                a.serial_commit ? "" : " + waiting for the publisher", 100 * Median(share[2]));
+    std::printf("versions per publish group: %.1f; time from temp file to record: %.0f ms "
+                "(medians)\n",
+                b.versions() / std::max(1.0, Median(groups)), Median(commit_ms));
     if (b.restore()) {
       std::printf("ckptd restore path: %.2f GB/s (median of %u)\n", Median(gc), a.rounds);
       std::printf("raw O_DIRECT read:  %.2f GB/s\n", Median(gd));

@@ -47,6 +47,7 @@ absl::Status Engine::Start() {
   if (options_.io_backend == IoBackendKind::kAuto && io_backend_name_ != "io_uring") {
     CKPT_LOG(WARNING) << "io_uring is unavailable (kernel or seccomp); writing with pwrite";
   }
+  publisher_ = std::make_unique<Publisher>(store_);
   for (auto& io : backends) {
     writer_threads_.emplace_back([this, b = io.release()] { WriterLoop(std::unique_ptr<IoBackend>(b)); });
   }
@@ -136,7 +137,7 @@ void Engine::Shutdown(absl::Duration grace) {
     // Let the writers finish what is staged, within the grace period.
     absl::MutexLock lock(&mu_);
     auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return write_queue_.empty() && writers_busy_ == 0;
+      return write_queue_.empty() && commits_in_flight_ == 0;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&drained), grace)) {
       CKPT_LOG(WARNING) << "shutdown: discarding " << write_queue_.size()
@@ -146,6 +147,8 @@ void Engine::Shutdown(absl::Duration grace) {
   }
   for (auto& t : writer_threads_) t.join();
   writer_threads_.clear();
+  // What the writers wrote is published (the publisher never drops one).
+  if (publisher_ != nullptr) publisher_->Stop();
   {
     // After the writers (their grace period first): the uploader stops
     // before its next object; what is not uploaded yet is uploaded after the

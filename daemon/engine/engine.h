@@ -68,6 +68,7 @@
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
+#include "daemon/store/publisher.h"
 #include "daemon/store/retention.h"
 
 namespace ckpt {
@@ -353,8 +354,16 @@ class Engine {
   // Returns false when the step waits for the all-reduced drift vector.
   bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
 
-  // ---- commit pipeline (engine_commit.cc): writers, the disk budget ----
+  // ---- commit pipeline (engine_commit.cc): writers write each version's
+  //      bytes, the publisher makes groups of them durable and visible ----
   void WriterLoop(std::unique_ptr<IoBackend> io);
+  // What follows a version's commit, on the publisher's thread (or the
+  // writer's, when it failed before): metrics, the memory tier, the rank's
+  // step bookkeeping; gives back the quota and disk room `reserved` for it
+  // when it failed.
+  void FinishCommit(std::unique_ptr<WriteTask> task, bool reserved,
+                    absl::StatusOr<store::VersionRecord> rec, const CommitTimings& timings)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- event sequencer (engine_events.cc): per-version outcomes, ordered
   //      checkpoint events, the durable step behind WaitDurable ----
@@ -475,6 +484,7 @@ class Engine {
 
   std::vector<std::thread> snapshot_threads_;
   std::vector<std::thread> writer_threads_;
+  std::unique_ptr<Publisher> publisher_;  // from Start to the end of Shutdown
   std::thread gc_thread_;
   std::thread watch_thread_;
 
@@ -495,7 +505,9 @@ class Engine {
   std::map<RankKey, std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
-  unsigned writers_busy_ ABSL_GUARDED_BY(mu_) = 0;
+  // Versions taken from write_queue_ whose commit has not finished yet
+  // (being written, or waiting for the publisher).
+  unsigned commits_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<RankKey, uid_t> registering_ ABSL_GUARDED_BY(mu_);  // rank -> registering uid
   // Jobs DeleteJob is deleting: registrations of them are refused.
   std::set<std::string> deleting_jobs_ ABSL_GUARDED_BY(mu_);

@@ -363,17 +363,43 @@ absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
 }
 
 absl::Status Index::PutVersion(const VersionKey& key, const store::VersionRecord& rec) {
-  const std::string k = VersionKeyString(key);
+  return PutVersions({key}, {rec});
+}
+
+absl::Status Index::PutVersions(const std::vector<VersionKey>& keys,
+                                const std::vector<store::VersionRecord>& records) {
+  if (keys.size() != records.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(keys.size(), " version keys for ",
+                                                   records.size(), " records"));
+  }
   absl::MutexLock lock(&version_mu_);
   // A record written over (the same layer and step again) replaces the one
   // it counted.
-  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> old, Get(k));
-  CKPT_RETURN_IF_ERROR(Put(k, rec.SerializeAsString()));
-  if (old.has_value()) {
-    store::VersionRecord was;
-    CountLocked(key, -1, was.ParseFromString(*old) ? was.file_bytes() : 0);
+  std::vector<std::optional<std::string>> old(keys.size());
+  rocksdb::WriteBatch batch;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string k = VersionKeyString(keys[i]);
+    CKPT_ASSIGN_OR_RETURN(old[i], Get(k));
+    batch.Put(k, records[i].SerializeAsString());
   }
-  CountLocked(key, +1, rec.file_bytes());
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  CKPT_RETURN_IF_ERROR(Write(wo, &batch,
+                             keys.size() == 1 ? absl::StrCat("put ", VersionKeyString(keys[0]))
+                                              : absl::StrCat("put ", keys.size(), " versions")));
+  // A key twice in the batch: the second record replaces the first.
+  std::map<std::string, uint64_t> put_bytes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto [it, first] = put_bytes.try_emplace(VersionKeyString(keys[i]), records[i].file_bytes());
+    if (!first) {
+      CountLocked(keys[i], -1, it->second);
+      it->second = records[i].file_bytes();
+    } else if (old[i].has_value()) {
+      store::VersionRecord was;
+      CountLocked(keys[i], -1, was.ParseFromString(*old[i]) ? was.file_bytes() : 0);
+    }
+    CountLocked(keys[i], +1, records[i].file_bytes());
+  }
   return absl::OkStatus();
 }
 

@@ -110,11 +110,15 @@ class Index {
 
   // The commit point of one layer version.
   absl::Status PutVersion(const VersionKey& key, const store::VersionRecord& rec);
+  // The commit point of several (keys[i] with records[i], as long as each
+  // other): one synchronous write, all of them or none.
+  absl::Status PutVersions(const std::vector<VersionKey>& keys,
+                           const std::vector<store::VersionRecord>& records);
   absl::Status DeleteVersion(const VersionKey& key);
 
   // How many versions of a rank the index holds, and their files' bytes, per
   // layer and in all. Counted once by Open (one pass over the version
-  // records) and kept current by PutVersion and DeleteVersion, so reading
+  // records) and kept current by PutVersion(s) and DeleteVersion, so reading
   // them reads no index entry: `ckptctl layers` and `jobs` cost O(layers)
   // instead of O(history). A record that does not parse counts with 0 bytes.
   struct VersionCount {

@@ -3,7 +3,9 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 
+#include <map>
 #include <set>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -175,13 +177,33 @@ size_t LayerStore::open_rank_dirs() const {
   return rank_dirs_.size();
 }
 
+namespace {
+
+// A failed commit step's status, tagged with what failed (metric labels,
+// logs); a full file system is a full disk whatever step met it.
+absl::Status CommitFailure(absl::Status s, ErrorReason reason) {
+  if (absl::IsResourceExhausted(s)) reason = ErrorReason::kDiskFull;
+  return WithReason(std::move(s), reason);
+}
+
+}  // namespace
+
 absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io,
                                                         CommitTimings* timings) {
-  CommitTimings local;
-  if (timings == nullptr) timings = &local;
-  const absl::Time start = absl::Now();
-  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(v->key.job, v->key.rank, /*create=*/true));
-  const int dir = dir_ref->get();
+  std::vector<WrittenVersion> group;
+  CKPT_ASSIGN_OR_RETURN(WrittenVersion w, Write(v, io));
+  group.push_back(std::move(w));
+  std::vector<absl::StatusOr<store::VersionRecord>> rec = Publish(&group);
+  if (timings != nullptr) *timings = group[0].timings;
+  return std::move(rec[0]);
+}
+
+absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io) {
+  WrittenVersion w;
+  w.key = v->key;
+  w.start = absl::Now();
+  CKPT_ASSIGN_OR_RETURN(w.dir, RankDir(v->key.job, v->key.rank, /*create=*/true));
+  const int dir = w.dir->get();
 
   // The payload's padding is final before a byte of it is written; its
   // checksums go into the header, written last (below).
@@ -191,23 +213,16 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
   uint64_t nonce = 0;
   if (::getrandom(&nonce, sizeof(nonce), 0) != sizeof(nonce)) nonce = absl::ToUnixNanos(absl::Now());
   const std::string final_name = FileName(v->key, v->generation);
-  const std::string tmp_name = absl::StrFormat("tmp.%s.%016x", final_name, nonce);
+  w.tmp_name = absl::StrFormat("tmp.%s.%016x", final_name, nonce);
 
   bool direct_used = false;
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateExclusive(dir, tmp_name, use_direct_io_, &direct_used));
-  // Each failure is tagged with what failed (metric labels, logs); a full
-  // file system is a full disk whatever step met it.
-  auto tag = [](absl::Status s, ErrorReason reason) {
-    if (absl::IsResourceExhausted(s)) reason = ErrorReason::kDiskFull;
-    return WithReason(std::move(s), reason);
-  };
+  CKPT_ASSIGN_OR_RETURN(w.fd, fs_->CreateExclusive(dir, w.tmp_name, use_direct_io_, &direct_used));
   auto fail = [&](absl::Status s, ErrorReason reason = ErrorReason::kWrite) {
-    s = tag(std::move(s), reason);
-    IgnoreError(fd.Close(), "the version already failed");
-    IgnoreError(fs_->Unlink(dir, tmp_name), "a leftover temp file is removed at the next start");
-    return s;
+    IgnoreError(w.fd.Close(), "the version already failed");
+    IgnoreError(fs_->Unlink(dir, w.tmp_name), "a leftover temp file is removed at the next start");
+    return CommitFailure(std::move(s), reason);
   };
-  if (absl::Status s = fs_->Allocate(fd.get(), v->layout.file_bytes); !s.ok()) return fail(s);
+  if (absl::Status s = fs_->Allocate(w.fd.get(), v->layout.file_bytes); !s.ok()) return fail(s);
   CKPT_KILL_POINT("commit.before_write");
 
   // Checksums come from the staged bytes: exactly what is written. They are
@@ -224,50 +239,98 @@ absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBack
     }
     v->header.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
     body_hash = EncodeHeaderRegion(v->header, v->layout, &image);
-    timings->hash_seconds = absl::ToDoubleSeconds(absl::Now() - hash_start);
+    w.timings.hash_seconds = absl::ToDoubleSeconds(absl::Now() - hash_start);
   };
   if (absl::Status s = io->WriteAllOverlapped(
-          fd.get(), LeaseSegments(v->lease, v->layout.header_bytes, v->layout.file_bytes), hash);
+          w.fd.get(), LeaseSegments(v->lease, v->layout.header_bytes, v->layout.file_bytes), hash);
       !s.ok()) {
     return fail(s);
   }
   if (!body_hash.ok()) return fail(body_hash.status());
-  if (absl::Status s = io->WriteAll(fd.get(), LeaseSegments(v->lease, 0, v->layout.header_bytes));
+  if (absl::Status s = io->WriteAll(w.fd.get(), LeaseSegments(v->lease, 0, v->layout.header_bytes));
       !s.ok()) {
     return fail(s);
   }
   const absl::Time sync_start = absl::Now();
-  timings->write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
+  w.timings.write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
   CKPT_KILL_POINT("commit.after_write");
   // A failed fdatasync is final for this data: fail the version, never retry.
-  if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s, ErrorReason::kFsync);
-  timings->sync_seconds = absl::ToDoubleSeconds(absl::Now() - sync_start);
+  if (absl::Status s = fs_->DataSync(w.fd.get()); !s.ok()) return fail(s, ErrorReason::kFsync);
+  w.timings.sync_seconds = absl::ToDoubleSeconds(absl::Now() - sync_start);
   CKPT_KILL_POINT("commit.after_datasync");
-  if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
-  if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, final_name); !s.ok()) return fail(s);
-  CKPT_KILL_POINT("commit.after_rename");
-  auto fail_renamed = [&](absl::Status s, ErrorReason reason) {
-    s = tag(std::move(s), reason);
-    IgnoreError(fs_->Unlink(dir, final_name), "an orphan file is removed at the next start");
-    return s;
-  };
-  if (absl::Status s = fs_->SyncDir(dir); !s.ok()) return fail_renamed(s, ErrorReason::kFsync);
-  CKPT_KILL_POINT("commit.after_dirsync");
 
-  store::VersionRecord rec;
+  store::VersionRecord& rec = w.record;
   rec.set_file(final_name);
   rec.set_file_bytes(v->layout.file_bytes);
   rec.set_payload_bytes(v->layout.payload_bytes);
   rec.set_header_xxh3(*body_hash);
   rec.set_generation(v->generation);
   *rec.mutable_group_steps() = v->header.group_steps();
-  rec.set_committed_unix_ms(absl::ToUnixMillis(absl::Now()));
-  if (absl::Status s = index_->PutVersion(v->key, rec); !s.ok()) {
-    return fail_renamed(s, ErrorReason::kIndex);
+  return w;
+}
+
+std::vector<absl::StatusOr<store::VersionRecord>> LayerStore::Publish(
+    std::vector<WrittenVersion>* group) {
+  std::vector<absl::StatusOr<store::VersionRecord>> out;
+  out.reserve(group->size());
+  // Each version's data is durable (Write): its file gets its final name.
+  for (WrittenVersion& w : *group) {
+    const int dir = w.dir->get();
+    auto fail = [&](absl::Status s) {
+      IgnoreError(w.fd.Close(), "the version already failed");
+      IgnoreError(fs_->Unlink(dir, w.tmp_name), "a leftover temp file is removed at the next start");
+      out.push_back(CommitFailure(std::move(s), ErrorReason::kWrite));
+    };
+    if (absl::Status s = w.fd.Close(); !s.ok()) {
+      fail(s);
+      continue;
+    }
+    if (absl::Status s = fs_->RenameNoReplace(dir, w.tmp_name, w.record.file()); !s.ok()) {
+      fail(s);
+      continue;
+    }
+    CKPT_KILL_POINT("commit.after_rename");
+    out.push_back(w.record);
   }
-  CKPT_KILL_POINT("commit.after_index");
-  timings->total_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  return rec;
+  auto fail_renamed = [&](size_t i, const absl::Status& s, ErrorReason reason) {
+    const WrittenVersion& w = (*group)[i];
+    IgnoreError(fs_->Unlink(w.dir->get(), w.record.file()),
+                "an orphan file is removed at the next start");
+    out[i] = CommitFailure(s, reason);
+  };
+  // Then the names are durable: one fsync per rank directory of the group.
+  std::map<int, absl::Status> dir_synced;
+  for (size_t i = 0; i < group->size(); ++i) {
+    if (!out[i].ok()) continue;
+    auto [it, first] = dir_synced.try_emplace((*group)[i].dir->get());
+    if (first) {
+      it->second = fs_->SyncDir(it->first);
+      CKPT_KILL_POINT("commit.after_dirsync");
+    }
+    if (!it->second.ok()) fail_renamed(i, it->second, ErrorReason::kFsync);
+  }
+  // Then the records, in one synchronous batch: the versions are visible.
+  std::vector<VersionKey> keys;
+  std::vector<store::VersionRecord> records;
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  for (size_t i = 0; i < group->size(); ++i) {
+    if (!out[i].ok()) continue;
+    out[i]->set_committed_unix_ms(now_ms);
+    keys.push_back((*group)[i].key);
+    records.push_back(*out[i]);
+  }
+  if (!keys.empty()) {
+    if (absl::Status s = index_->PutVersions(keys, records); !s.ok()) {
+      for (size_t i = 0; i < group->size(); ++i) {
+        if (out[i].ok()) fail_renamed(i, s, ErrorReason::kIndex);
+      }
+    } else {
+      CKPT_KILL_POINT("commit.after_index");
+    }
+  }
+  const absl::Time end = absl::Now();
+  for (WrittenVersion& w : *group) w.timings.total_seconds = absl::ToDoubleSeconds(end - w.start);
+  return out;
 }
 
 absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,

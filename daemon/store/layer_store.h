@@ -18,8 +18,17 @@
 // becomes visible, the previous version stays, and a failed fdatasync is never
 // retried. Kill points mark each step for the crash tests.
 //
-// Thread-safety: thread-safe; Commit may run concurrently for different
-// versions (each caller brings its own IoBackend).
+// The protocol runs in two halves: Write (up to the fdatasync) and Publish
+// (the rest), which takes a group of written versions and makes them
+// visible with one fsync per rank directory and one synchronous index batch
+// for the group, each version still in the order above. Commit is both for
+// one version; the engine's writers call Write and hand the result to a
+// Publisher thread (publisher.h), so the disk streams the next version's
+// data while the last ones' names and records are made durable.
+//
+// Thread-safety: thread-safe; Commit and Write may run concurrently for
+// different versions (each caller brings its own IoBackend), Publish
+// concurrently for different groups.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +82,28 @@ struct StagedVersion {
   StagingLease lease;
 };
 
+// Where a commit spent its time (for the latency histograms).
+struct CommitTimings {
+  double hash_seconds = 0;   // checksums and the header
+  double write_seconds = 0;  // data written and every completion reaped
+  double sync_seconds = 0;   // fdatasync of the data
+  double total_seconds = 0;  // temp file created .. index record written
+};
+
+// A version whose bytes are durable in its temp file (written and
+// fdatasync'ed), not yet visible: what LayerStore::Write hands to
+// LayerStore::Publish. Its staging lease may be written again once this
+// exists.
+struct WrittenVersion {
+  VersionKey key;
+  std::shared_ptr<const UniqueFd> dir;  // the rank directory, held open
+  UniqueFd fd;                          // the temp file
+  std::string tmp_name;
+  store::VersionRecord record;  // complete but committed_unix_ms (set when published)
+  CommitTimings timings;        // all but total_seconds, which Publish sets
+  absl::Time start;             // when the temp file was created
+};
+
 // Checks the first rec.file_bytes() of `image` as the file of `key` named by
 // `rec`: the header checksum, the record's header_xxh3, job/rank/layer/step,
 // and every tensor's checksum. DATA_LOSS naming what does not match.
@@ -85,13 +116,6 @@ struct LoadedVersion {
   StagingLease lease;
 };
 
-// Where a commit spent its time (for the latency histograms).
-struct CommitTimings {
-  double hash_seconds = 0;   // checksums and the header
-  double write_seconds = 0;  // data written and every completion reaped
-  double sync_seconds = 0;   // fdatasync of the data
-  double total_seconds = 0;  // temp file created .. index record written
-};
 
 // What start-up reconciliation did. Layer files are never deleted there: a
 // file the index does not name may be an acknowledged version whose record a
@@ -124,6 +148,18 @@ class LayerStore {
   // The commit protocol above. On success returns the record now in the index.
   absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io,
                                               CommitTimings* timings = nullptr);
+  // Its first half: the temp file created and allocated, the payload written
+  // with its checksums computed meanwhile, then the header, then fdatasync.
+  // On failure the temp file is removed.
+  absl::StatusOr<WrittenVersion> Write(StagedVersion* v, IoBackend* io);
+  // Its second half, for a group: each version's rename (in the group's
+  // order), then one fsync of each rank directory the group renamed into,
+  // then one synchronous index batch with every record.
+  // Returns one result per version, in the group's order, and fills in each
+  // version's timings. A version that fails leaves nothing visible: its temp
+  // file, or its file under the final name when the directory fsync or the
+  // index write failed, is removed.
+  std::vector<absl::StatusOr<store::VersionRecord>> Publish(std::vector<WrittenVersion>* group);
 
   // Reads the file of `rec`, checks it belongs to `key` and `rec`, verifies
   // every tensor checksum. DATA_LOSS on any mismatch or short file; the lease

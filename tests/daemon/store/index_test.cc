@@ -390,6 +390,42 @@ TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
   EXPECT_TRUE(index_->VersionsOf("job", 2).layers.empty());
 }
 
+// PutVersions writes a group in one batch and counts each record once: a
+// record it writes over, and a key twice in the same batch, count as one
+// version with the last record's bytes. Keys and records of different
+// lengths are refused with nothing written.
+TEST_F(IndexTest, PutVersionsCountsAGroupAsItsRecords) {
+  auto rec = [](uint64_t bytes) {
+    store::VersionRecord r = Rec("f");
+    r.set_file_bytes(bytes);
+    return r;
+  };
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 1}, rec(100)));
+  CKPT_ASSERT_OK(index_->PutVersions(
+      {{"job", 1, 0, 1}, {"job", 1, 1, 1}, {"job", 1, 2, 1}, {"job", 1, 2, 1}, {"job", 2, 0, 1}},
+      {rec(10), rec(20), rec(30), rec(35), rec(5)}));
+  auto check = [&](const char* when) {
+    const Index::RankVersions r = index_->VersionsOf("job", 1);
+    EXPECT_EQ(r.total.versions, 3u) << when;
+    EXPECT_EQ(r.total.file_bytes, 10u + 20u + 35u) << when;
+    ASSERT_EQ(r.layers.size(), 3u) << when;
+    EXPECT_EQ(r.layers[2].versions, 1u) << when;
+    EXPECT_EQ(r.layers[2].file_bytes, 35u) << when;
+    EXPECT_EQ(index_->VersionsOf("job", 2).total.versions, 1u) << when;
+  };
+  check("as written");
+  CKPT_ASSERT_OK_AND_ASSIGN(auto got, index_->VersionAtOrBefore("job", 1, 2, 1));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->second.file_bytes(), 35u);
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  check("after reopen");
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      index_->PutVersions({{"job", 3, 0, 1}, {"job", 3, 1, 1}}, {rec(1)})));
+  EXPECT_EQ(index_->VersionsOf("job", 3).total.versions, 0u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto none, index_->VersionAtOrBefore("job", 3, 0, 1));
+  EXPECT_FALSE(none.has_value());
+}
+
 // ForEachVersionAfter reads one entry per layer plus what it finds, not the
 // history below the step: 3 layers of 2,000 versions each, the last 5 of
 // each found in 3 + 15 entries (a scan would read 6,000).

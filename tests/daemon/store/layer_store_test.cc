@@ -13,9 +13,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/status.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/store/layer_store.h"
+#include "daemon/store/publisher.h"
 #include "daemon/store/repair.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
@@ -435,6 +438,166 @@ TEST_P(LayerStoreTest, AnIndexRolledBackLosesNoFileAndRepairRestoresEveryVersion
   // A new registration's generation never names an existing file again.
   CKPT_ASSERT_OK_AND_ASSIGN(uint64_t gen, index_->NextGeneration());
   EXPECT_GT(gen, 3u);
+}
+
+// Counts directory fsyncs; the real file system does the work.
+class DirSyncCounter final : public FileSystem {
+ public:
+  absl::Status SyncDir(int dir_fd) override {
+    ++dir_syncs;
+    return FileSystem::SyncDir(dir_fd);
+  }
+  uint64_t dir_syncs = 0;
+};
+
+// Writes `stageds` (staged already) with LayerStore::Write, in order.
+std::vector<WrittenVersion> WriteAll(LayerStore* store, IoBackend* io,
+                                     std::vector<Staged>* stageds) {
+  std::vector<WrittenVersion> group;
+  for (Staged& s : *stageds) {
+    absl::StatusOr<WrittenVersion> w = store->Write(&s.version, io);
+    EXPECT_TRUE(w.ok()) << w.status();
+    if (w.ok()) group.push_back(*std::move(w));
+  }
+  return group;
+}
+
+// A group of five written versions of two ranks is invisible until
+// published; Publish makes all five visible with one directory fsync per
+// rank directory (Commit, one version at a time, fsyncs once per version),
+// and each reads back with its own bytes.
+TEST_P(LayerStoreTest, PublishMakesAGroupVisibleWithOneDirectoryFsyncPerRank) {
+  DirSyncCounter counter;
+  fs_ = &counter;
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  const std::vector<VersionKey> keys = {{"job-g", 0, 0, 5}, {"job-g", 0, 1, 5}, {"job-g", 1, 0, 5},
+                                        {"job-g", 0, 2, 5}, {"job-g", 1, 1, 5}};
+  std::vector<Staged> stageds(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NO_FATAL_FAILURE(
+        StageVersion(pool_.get(), keys[i], 3, {1000 + 100 * i, 5000}, 70 + i, &stageds[i]));
+  }
+  std::vector<WrittenVersion> group = WriteAll(store_.get(), io_.get(), &stageds);
+  ASSERT_EQ(group.size(), keys.size());
+  for (const VersionKey& k : keys) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(k.job, k.rank, k.layer, k.step));
+    EXPECT_FALSE(v.has_value()) << "visible before it was published";
+  }
+  for (uint32_t rank : {0u, 1u}) {
+    for (const std::string& name : ListDir(RankDir("job-g", rank))) {
+      EXPECT_TRUE(absl::StartsWith(name, "tmp.")) << name;
+    }
+  }
+  counter.dir_syncs = 0;
+  std::vector<absl::StatusOr<store::VersionRecord>> recs = store_->Publish(&group);
+  EXPECT_EQ(counter.dir_syncs, 2u);
+  ASSERT_EQ(recs.size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    CKPT_ASSERT_OK(recs[i]);
+    EXPECT_GT(recs[i]->committed_unix_ms(), 0);
+    EXPECT_GT(group[i].timings.total_seconds, 0.0);
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank,
+                                                                keys[i].layer, keys[i].step));
+    ASSERT_TRUE(v.has_value());
+    EXPECT_EQ(v->second.file(), recs[i]->file());
+    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(keys[i], *recs[i]));
+    const store::TensorEntry& t = loaded.decoded.header.tensors(0);
+    EXPECT_TRUE(ImageBytes(loaded.lease, loaded.decoded.layout.header_bytes + t.offset(),
+                           t.nbytes()) == stageds[i].data[0]);
+  }
+  ExpectNoTempFiles(RankDir("job-g", 0));
+  ExpectNoTempFiles(RankDir("job-g", 1));
+  EXPECT_EQ(index_->VersionsOf("job-g", 0).total.versions, 3u);
+  EXPECT_EQ(index_->VersionsOf("job-g", 1).total.versions, 2u);
+  store_.reset();
+  fs_ = DefaultFileSystem();
+}
+
+// A directory fsync that fails fails the versions renamed into that
+// directory (their files are removed, no record is written) and only them:
+// the group's versions of the other rank are published.
+TEST_P(LayerStoreTest, AFailedDirectoryFsyncFailsOnlyThatDirectorysVersions) {
+  ASSERT_EQ(::mkdir(tmp_.Join("graveyard").c_str(), 0700), 0);
+  FaultFileSystem fault(DefaultFileSystem(), tmp_.Join("graveyard"), 1);
+  fs_ = &fault;
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  const std::vector<VersionKey> keys = {
+      {"job-f", 0, 0, 2}, {"job-f", 1, 0, 2}, {"job-f", 0, 1, 2}, {"job-f", 1, 1, 2}};
+  std::vector<Staged> stageds(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), keys[i], 1, {3000}, 80 + i, &stageds[i]));
+  }
+  std::vector<WrittenVersion> group = WriteAll(store_.get(), io_.get(), &stageds);
+  ASSERT_EQ(group.size(), keys.size());
+  fault.FailNth(FaultClass::kDirSync, 1, EIO);  // rank 0's directory: the group's first
+  std::vector<absl::StatusOr<store::VersionRecord>> recs = store_->Publish(&group);
+  EXPECT_EQ(fault.injected(FaultClass::kDirSync), 1u);
+  ASSERT_EQ(recs.size(), keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank,
+                                                                keys[i].layer, keys[i].step));
+    if (keys[i].rank == 0) {
+      EXPECT_FALSE(recs[i].ok());
+      EXPECT_EQ(ReasonOf(recs[i].status()), ErrorReason::kFsync) << recs[i].status();
+      EXPECT_FALSE(v.has_value());
+    } else {
+      CKPT_EXPECT_OK(recs[i]);
+      ASSERT_TRUE(v.has_value());
+      CKPT_EXPECT_OK(Read(keys[i], v->second));
+    }
+  }
+  EXPECT_EQ(ListDir(RankDir("job-f", 0)), std::vector<std::string>{});
+  EXPECT_EQ(ListDir(RankDir("job-f", 1)).size(), 2u);
+  store_.reset();
+  fs_ = DefaultFileSystem();
+}
+
+// The publisher calls each version's `done` in the order they were
+// submitted, and publishes what queued up while it was busy as one group:
+// held at its first group (one version), the four submitted meanwhile go
+// out together. A version submitted after Stop is published at once.
+TEST_P(LayerStoreTest, PublisherGroupsWhatQueuedAndKeepsTheOrder) {
+  if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
+  SyncPoint* sp = SyncPoint::GetInstance();
+  sp->StartTest(absl::Seconds(30));
+  sp->LoadDependency({{"test.all_submitted", "publisher.before_group"}});
+  // Layers 0..4 go through the thread, layer 5 after Stop.
+  std::vector<Staged> stageds(5), last(1);
+  for (uint32_t l = 0; l < 6; ++l) {
+    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), VersionKey{"job-p", 0, l, 9}, 1, {2000},
+                                         90 + l, l < 5 ? &stageds[l] : &last[0]));
+  }
+  std::vector<WrittenVersion> written = WriteAll(store_.get(), io_.get(), &stageds);
+  ASSERT_EQ(written.size(), 5u);
+  absl::Mutex mu;
+  std::vector<uint32_t> order;
+  std::vector<absl::Status> results;
+  auto done = [&](uint32_t layer) {
+    return [&, layer](absl::StatusOr<store::VersionRecord> rec, const CommitTimings&) {
+      absl::MutexLock lock(&mu);
+      order.push_back(layer);
+      results.push_back(rec.status());
+    };
+  };
+  {
+    Publisher publisher(store_.get());
+    publisher.Submit(std::move(written[0]), done(0));
+    ASSERT_TRUE(sp->WaitForArrivals("publisher.before_group", 1, absl::Now() + absl::Seconds(30)));
+    for (uint32_t i = 1; i < 5; ++i) publisher.Submit(std::move(written[i]), done(i));
+    CKPT_SYNC_POINT("test.all_submitted");
+    publisher.Stop();
+    EXPECT_EQ(publisher.groups(), 2u);
+    EXPECT_EQ(publisher.versions(), 5u);
+    std::vector<WrittenVersion> after = WriteAll(store_.get(), io_.get(), &last);
+    ASSERT_EQ(after.size(), 1u);
+    publisher.Submit(std::move(after[0]), done(5));
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(order, (std::vector<uint32_t>{0, 1, 2, 3, 4, 5}));
+  }
+  for (const absl::Status& s : results) CKPT_EXPECT_OK(s);
+  EXPECT_EQ(index_->VersionsOf("job-p", 0).total.versions, 6u);
+  EXPECT_EQ(sp->timeouts(), 0u);
+  sp->EndTest();
 }
 
 // The quarantine move goes through the FileSystem seam: a failing rename
