@@ -39,6 +39,12 @@ class IndexTest : public ::testing::Test {
     r.set_generation(3);
     return r;
   }
+  // Rec("f") whose file has `file_bytes` bytes.
+  static store::VersionRecord RecOfBytes(uint64_t file_bytes) {
+    store::VersionRecord r = Rec("f");
+    r.set_file_bytes(file_bytes);
+    return r;
+  }
 
   static std::string FileFor(const VersionKey& k) {
     return absl::StrCat(k.job, "|", k.rank, "|", k.layer, "|", k.step);
@@ -353,11 +359,7 @@ TEST(IndexSchemaTest, NewerSchemaIsRefusedAndAnUnversionedIndexIsStamped) {
 // The per-rank version counts (VersionsOf) follow puts, overwrites and
 // deletes, read no entry, and are counted again from the records on open.
 TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
-  auto rec = [](uint64_t bytes) {
-    store::VersionRecord r = Rec("f");
-    r.set_file_bytes(bytes);
-    return r;
-  };
+  auto rec = &IndexTest::RecOfBytes;
   CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 1}, rec(100)));
   CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 2}, rec(200)));
   CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 3, 2}, rec(400)));
@@ -395,11 +397,7 @@ TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
 // version with the last record's bytes. Keys and records of different
 // lengths are refused with nothing written.
 TEST_F(IndexTest, PutVersionsCountsAGroupAsItsRecords) {
-  auto rec = [](uint64_t bytes) {
-    store::VersionRecord r = Rec("f");
-    r.set_file_bytes(bytes);
-    return r;
-  };
+  auto rec = &IndexTest::RecOfBytes;
   CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 1}, rec(100)));
   CKPT_ASSERT_OK(index_->PutVersions(
       {{"job", 1, 0, 1}, {"job", 1, 1, 1}, {"job", 1, 2, 1}, {"job", 1, 2, 1}, {"job", 2, 0, 1}},
