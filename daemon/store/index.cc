@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
 
@@ -299,6 +300,30 @@ absl::Status Index::RaiseGeneration(uint64_t used) {
   }
   if (next > used) return absl::OkStatus();
   return Put("m/generation", absl::StrCat(used + 1));
+}
+
+namespace {
+constexpr char kCleanStopKey[] = "m/clean_stop";
+}  // namespace
+
+absl::Status Index::MarkCleanStop() {
+  uint64_t before = 0;
+  {
+    absl::ReaderMutexLock db_lock(&db_mu_);
+    if (db_ == nullptr) return IndexClosed();
+    before = db_->GetLatestSequenceNumber();
+  }
+  return Put(kCleanStopKey, absl::StrCat(before));
+}
+
+absl::StatusOr<bool> Index::CleanStop() {
+  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(kCleanStopKey));
+  uint64_t before = 0;
+  if (!v.has_value() || !absl::SimpleAtoi(*v, &before)) return false;
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
+  // The mark's own write is one sequence number; any later write moves it on.
+  return db_->GetLatestSequenceNumber() == before + 1;
 }
 
 absl::Status Index::PutJob(const std::string& job, const store::JobRecord& rec) {

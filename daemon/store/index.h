@@ -4,6 +4,7 @@
 // job ids never contain '/'):
 //   m/schema_version                     the records' schema (kIndexSchemaVersion)
 //   m/generation                         next registration generation (u64)
+//   m/clean_stop                         the sequence number before a clean stop's mark
 //   j/<job>                              JobRecord
 //   r/<job>/<rank:8>                     RankRecord
 //   v/<job>/<rank:8>/<layer:8>/<step:16> VersionRecord
@@ -107,6 +108,15 @@ class Index {
   // events are deleted one by one first).
   absl::Status DeleteJob(const std::string& job);
   absl::Status DeleteRank(const std::string& job, uint32_t rank);
+
+  // A clean stop: ckptd's last index write when it stops with every commit
+  // finished, holding the database's sequence number before it. CleanStop
+  // says whether the mark is there and nothing was written after it: after
+  // a start that wrote anything (a commit, an event, a repair) and then a
+  // crash, it is false, and no write at start is needed to make it so (a
+  // start on a full disk still starts).
+  absl::Status MarkCleanStop();
+  absl::StatusOr<bool> CleanStop();
 
   // The commit point of one layer version.
   absl::Status PutVersion(const VersionKey& key, const store::VersionRecord& rec);

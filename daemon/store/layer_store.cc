@@ -7,6 +7,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -496,7 +497,7 @@ absl::Status LayerStore::Remove(const VersionKey& key, const store::VersionRecor
   return fs_->SyncDir((*dir)->get());
 }
 
-absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
+absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
   ReconcileReport report;
   // Ranks known to the index or present on disk.
   std::set<std::pair<std::string, uint32_t>> ranks;
@@ -526,7 +527,7 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
   for (const auto& [job, rank] : ranks) {
     absl::StatusOr<DirRef> dir = RankDir(job, rank, /*create=*/true);
     if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
-    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, (*dir)->get(), &report));
+    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, (*dir)->get(), check, &report));
     // Start-up visits every rank ever written; only the ranks that write
     // again keep a descriptor.
     ForgetRankDir(job, rank);
@@ -535,19 +536,38 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile() {
 }
 
 absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, int dir,
-                                       ReconcileReport* report) {
+                                       ReconcileCheck check, ReconcileReport* report) {
   CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
   const uint64_t last_step = last_event.has_value() ? last_event->first : 0;
+  // After a clean stop a recorded file is looked up by name in the listing
+  // (which the file side below uses too: one listing, no stat).
+  std::vector<std::string> names;
+  absl::flat_hash_set<std::string> present;
+  if (check == ReconcileCheck::kNames) {
+    absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
+    if (!listed.ok()) return AtPath(listed.status(), RankDirPath(job, rank));
+    names = *std::move(listed);
+    present.reserve(names.size());
+    present.insert(names.begin(), names.end());
+  }
 
   // 1. Index side: versions after the last event were never acknowledged;
   //    records whose file is missing or short are bug alarms.
   std::vector<std::pair<VersionKey, store::VersionRecord>> drop_uncommitted, drop_dangling;
-  std::set<std::string> named;
+  absl::flat_hash_set<std::string> named;
   absl::Status stat_error;
   CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
       job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
         if (k.step > last_step) {
           drop_uncommitted.emplace_back(k, rec);
+          return true;
+        }
+        if (check == ReconcileCheck::kNames) {
+          if (present.count(rec.file()) > 0) {
+            named.insert(rec.file());
+          } else {
+            drop_dangling.emplace_back(k, rec);
+          }
           return true;
         }
         absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file());
@@ -565,6 +585,7 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
         return true;
       }));
   CKPT_RETURN_IF_ERROR(AtPath(stat_error, RankDirPath(job, rank)));
+  absl::flat_hash_set<std::string> moved;  // to quarantine
   for (auto& [k, rec] : drop_uncommitted) {
     // Record first: a crash before the move leaves an orphan, which the next
     // start quarantines in turn.
@@ -574,6 +595,7 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
     if (size.ok()) {
       CKPT_RETURN_IF_ERROR(Quarantine(job, rank, dir, rec.file(),
                                       "its step is after the rank's last checkpoint event"));
+      moved.insert(rec.file());
       ++report->files_quarantined;
     } else if (!absl::IsNotFound(size.status())) {
       return AtPath(size.status(), RankDirPath(job, rank));
@@ -587,12 +609,16 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
     CKPT_RETURN_IF_ERROR(Remove(k, rec));
     ++report->dangling_records_removed;
   }
-  // 2. File side: temp files and files no record names.
-  absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
-  if (!listed.ok()) return AtPath(listed.status(), RankDirPath(job, rank));
-  const std::vector<std::string>& names = *listed;
+  // 2. File side: temp files and files no record names. (The first listing,
+  // after a clean stop, still holds what step 1 moved to quarantine.)
+  if (check == ReconcileCheck::kSizes) {
+    absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
+    if (!listed.ok()) return AtPath(listed.status(), RankDirPath(job, rank));
+    names = *std::move(listed);
+  }
   bool changed = false;
   for (const std::string& name : names) {
+    if (moved.count(name) > 0) continue;
     uint32_t layer;
     uint64_t step;
     if (absl::StartsWith(name, "tmp.")) {

@@ -197,6 +197,17 @@ class LayerStore {
   // then fsync of the directory.
   absl::Status Remove(const VersionKey& key, const store::VersionRecord& rec);
 
+  // How start-up checks the files of the versions the index records.
+  enum class ReconcileCheck {
+    // After a crash: each recorded file's size (one statx per version).
+    kSizes,
+    // After a clean stop (Index::CleanStop), when every commit had
+    // finished and was synced: each recorded file's name in its directory's
+    // listing, no per-version system call. A file that is missing is still
+    // found; one whose size changed is found when it is read (its size and
+    // every checksum are checked then).
+    kNames,
+  };
   // Start-up recovery: removes temp files and records whose file is missing
   // or of the wrong size (logged as a bug alarm); removes the records of
   // versions newer than their rank's last event and moves their files, and
@@ -204,7 +215,7 @@ class LayerStore {
   // with its path). Layer files are never deleted here.
   // FAILED_PRECONDITION naming the path when the data directory holds a
   // symbolic link where ckptd opens a directory or a recorded file.
-  absl::StatusOr<ReconcileReport> Reconcile();
+  absl::StatusOr<ReconcileReport> Reconcile(ReconcileCheck check = ReconcileCheck::kSizes);
 
   static std::string FileName(const VersionKey& key, uint64_t generation);
   // Opens (creating when missing) the side file `name` of the rank's
@@ -240,7 +251,7 @@ class LayerStore {
   absl::StatusOr<DirRef> RankDir(const std::string& job, uint32_t rank, bool create)
       ABSL_LOCKS_EXCLUDED(dir_mu_, mu_);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
-                             ReconcileReport* report);
+                             ReconcileCheck check, ReconcileReport* report);
   // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
   // (a free name: `name`, else `name`.1, .2, ...), then fsyncs both
   // directories. `why` goes into the log line.

@@ -26,7 +26,39 @@ def wait_for_steps(log_path, n, proc, timeout=240):
     raise AssertionError("trainer did not reach step %d" % n)
 
 
-def run(policy, layers, steps_before_kill):
+CLEAN = "after a clean stop"
+CRASH = "after a crash or a first start"
+
+
+def check_restarts(d, job, plan, layers, policy):
+    """A restart after SIGTERM checks the recorded files by name; so does a
+    restart after a SIGKILL that came before any index write. After a SIGKILL
+    that followed writes, every file's size is checked. The plan holds."""
+    assert d.stop() == 0, d.log()
+    d.start()
+    assert d.log().count(CLEAN) == 1, d.log()[-3000:]
+    assert d.ctl("plan", job) == plan
+    d.kill()  # nothing was written since the clean stop
+    d.start()
+    assert d.log().count(CLEAN) == 2, d.log()[-3000:]
+    assert d.ctl("plan", job) == plan
+    # A trainer writes, then ckptd dies: a crash.
+    out = harness.run_trainer(d, job, "--layers=%d" % layers, "--layer-bytes=64K,256K,1M",
+                              "--steps=%d" % (plan["target_step"] + 5), "--policy=" + policy,
+                              "--restore")
+    assert out.returncode == 0, out.stdout + out.stderr
+    later = d.stable_plan(job)
+    assert later["target_step"] > plan["target_step"], later
+    crashes = d.log().count(CRASH)
+    d.kill()
+    d.start()
+    assert d.log().count(CRASH) == crashes + 1 and d.log().count(CLEAN) == 2, d.log()[-3000:]
+    assert d.ctl("plan", job) == later
+    print("restarts: after SIGTERM, and after SIGKILL with nothing written since, the files were "
+          "checked by name; after SIGKILL following writes, by size; plans kept")
+
+
+def run(policy, layers, steps_before_kill, restarts=False):
     root = harness.tempdir("ckpt-it-")
     try:
         d = harness.Daemon(root).start()
@@ -55,6 +87,8 @@ def run(policy, layers, steps_before_kill):
         assert "to step %d" % plan["target_step"] in out.stdout
         print("policy %s: killed at step >= %d, restored to step %d, layer steps %s" %
               (policy, reached, plan["target_step"], steps))
+        if restarts:
+            check_restarts(d, job, d.stable_plan(job), layers, policy)
         assert d.stop() == 0, d.log()
         return steps
     finally:
@@ -62,7 +96,7 @@ def run(policy, layers, steps_before_kill):
 
 
 def main():
-    steps = run("explicit", layers=10, steps_before_kill=200)
+    steps = run("explicit", layers=10, steps_before_kill=200, restarts=True)
     assert len(steps) > 1, "explicit schedule should give a composite plan with mixed steps"
     steps = run("all", layers=4, steps_before_kill=50)
     assert len(steps) == 1

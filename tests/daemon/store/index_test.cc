@@ -392,6 +392,30 @@ TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
   EXPECT_TRUE(index_->VersionsOf("job", 2).layers.empty());
 }
 
+// A clean stop's mark survives a reopen (the next start), and holds while
+// nothing is written after it: a start that writes and then crashes is not
+// taken for a clean stop; a start that wrote nothing changed nothing.
+TEST_F(IndexTest, CleanStopHoldsUntilTheNextWrite) {
+  CKPT_ASSERT_OK_AND_ASSIGN(bool clean, index_->CleanStop());
+  EXPECT_FALSE(clean) << "a new index was never stopped cleanly";
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 1, 0, 1}, Rec("a")));
+  CKPT_ASSERT_OK(index_->MarkCleanStop());
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  CKPT_ASSERT_OK_AND_ASSIGN(clean, index_->CleanStop());
+  EXPECT_TRUE(clean);
+  ASSERT_NO_FATAL_FAILURE(Reopen());  // a start that wrote nothing, then a crash
+  CKPT_ASSERT_OK_AND_ASSIGN(clean, index_->CleanStop());
+  EXPECT_TRUE(clean);
+  CKPT_ASSERT_OK(index_->PutEvent("job", 1, 1, store::EventRecord()));
+  ASSERT_NO_FATAL_FAILURE(Reopen());  // a start that wrote, then a crash
+  CKPT_ASSERT_OK_AND_ASSIGN(clean, index_->CleanStop());
+  EXPECT_FALSE(clean);
+  CKPT_ASSERT_OK(index_->MarkCleanStop());
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  CKPT_ASSERT_OK_AND_ASSIGN(clean, index_->CleanStop());
+  EXPECT_TRUE(clean);
+}
+
 // PutVersions writes a group in one batch and counts each record once: a
 // record it writes over, and a key twice in the same batch, count as one
 // version with the last record's bytes. Keys and records of different

@@ -450,6 +450,61 @@ class DirSyncCounter final : public FileSystem {
   uint64_t dir_syncs = 0;
 };
 
+// Counts per-file size lookups (what start-up's reconcile did per version).
+class SizeLookupCounter final : public FileSystem {
+ public:
+  absl::StatusOr<uint64_t> FileSizeAt(int dir_fd, const std::string& name) override {
+    ++lookups;
+    return FileSystem::FileSizeAt(dir_fd, name);
+  }
+  uint64_t lookups = 0;
+};
+
+// After a clean stop, start-up looks the recorded files up by name: no
+// per-version size lookup, and still a missing file's record is dropped, an
+// orphan quarantined, a temp file removed, and the rest kept. After a crash
+// (kSizes) each recorded file's size is looked up, as before.
+TEST_P(LayerStoreTest, ReconcileAfterACleanStopChecksNamesNotSizes) {
+  const std::string job = "job-c";
+  std::vector<store::VersionRecord> recs(6);
+  for (uint32_t l = 0; l < recs.size(); ++l) {
+    Staged s;
+    ASSERT_NO_FATAL_FAILURE(Commit({job, 0, l, 3}, 1, {2000}, 100 + l, &s, &recs[l]));
+  }
+  store::EventRecord ev;
+  for (uint32_t l = 0; l < recs.size(); ++l) ev.add_layers(l);
+  CKPT_ASSERT_OK(index_->PutEvent(job, 0, 3, ev));
+  SizeLookupCounter counter;
+  fs_ = &counter;
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport full, store_->Reconcile());
+  EXPECT_EQ(counter.lookups, recs.size());
+  EXPECT_EQ(full.dangling_records_removed, 0u);
+
+  // While stopped: one recorded file goes, a temp file and an orphan appear.
+  const std::string dir = RankDir(job, 0);
+  ASSERT_EQ(::unlink((dir + "/" + recs[2].file()).c_str()), 0);
+  WriteFile(dir + "/tmp.left-over", "x");
+  WriteFile(dir + "/L00000009-S0000000000000003-G0000000000000001.ckv", "y");
+  ASSERT_NO_FATAL_FAILURE(NewStore());
+  counter.lookups = 0;
+  CKPT_ASSERT_OK_AND_ASSIGN(ReconcileReport names,
+                            store_->Reconcile(LayerStore::ReconcileCheck::kNames));
+  EXPECT_EQ(counter.lookups, 0u);
+  EXPECT_EQ(names.dangling_records_removed, 1u);
+  EXPECT_EQ(names.temp_files_removed, 1u);
+  EXPECT_EQ(names.orphan_files_quarantined, 1u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto gone, index_->VersionAtOrBefore(job, 0, 2, 3));
+  EXPECT_FALSE(gone.has_value());
+  for (uint32_t l = 0; l < recs.size(); ++l) {
+    if (l == 2) continue;
+    CKPT_EXPECT_OK(Read({job, 0, l, 3}, recs[l])) << "layer " << l;
+  }
+  EXPECT_EQ(ListDir(dir).size(), recs.size() - 1);
+  store_.reset();
+  fs_ = DefaultFileSystem();
+}
+
 // Writes `stageds` (staged already) with LayerStore::Write, in order.
 std::vector<WrittenVersion> WriteAll(LayerStore* store, IoBackend* io,
                                      std::vector<Staged>* stageds) {
