@@ -176,6 +176,10 @@ def worker(a):
         except ckpt.Error as e:
             print(json.dumps({"rank": a.rank, "refused": e.code, "message": e.message,
                               "registered": run.registered}))
+            # As on every other way out: a process that exits with its gloo
+            # group alive can die in the group's destructor ("terminate
+            # called without an active exception") when its peer has gone.
+            dist.destroy_process_group()
             return
     if a.restore or a.from_job:
         r = run.restore(from_job=a.from_job)
