@@ -204,8 +204,9 @@ class LayerStore {
     // After a clean stop (Index::CleanStop), when every commit had
     // finished and was synced: each recorded file's name in its directory's
     // listing, no per-version system call. A file that is missing is still
-    // found; one whose size changed is found when it is read (its size and
-    // every checksum are checked then).
+    // found; one whose size changed, or a symbolic link put in its place,
+    // is found when it is read (the size and every checksum are checked
+    // then, and a link is never followed).
     kNames,
   };
   // Start-up recovery: removes temp files and records whose file is missing
@@ -214,7 +215,7 @@ class LayerStore {
   // every layer file no record names, to <data_dir>/quarantine/ (each logged
   // with its path). Layer files are never deleted here.
   // FAILED_PRECONDITION naming the path when the data directory holds a
-  // symbolic link where ckptd opens a directory or a recorded file.
+  // symbolic link where ckptd opens a directory or (kSizes) a recorded file.
   absl::StatusOr<ReconcileReport> Reconcile(ReconcileCheck check = ReconcileCheck::kSizes);
 
   static std::string FileName(const VersionKey& key, uint64_t generation);

@@ -481,9 +481,13 @@ TEST_P(LayerStoreTest, ReconcileAfterACleanStopChecksNamesNotSizes) {
   EXPECT_EQ(counter.lookups, recs.size());
   EXPECT_EQ(full.dangling_records_removed, 0u);
 
-  // While stopped: one recorded file goes, a temp file and an orphan appear.
+  // While stopped: one recorded file goes, another is replaced by a link to
+  // a copy of itself, a temp file and an orphan appear.
   const std::string dir = RankDir(job, 0);
   ASSERT_EQ(::unlink((dir + "/" + recs[2].file()).c_str()), 0);
+  const std::string linked = dir + "/" + recs[4].file();
+  ASSERT_EQ(::rename(linked.c_str(), tmp_.Join("outside.ckv").c_str()), 0);
+  ASSERT_EQ(::symlink(tmp_.Join("outside.ckv").c_str(), linked.c_str()), 0);
   WriteFile(dir + "/tmp.left-over", "x");
   WriteFile(dir + "/L00000009-S0000000000000003-G0000000000000001.ckv", "y");
   ASSERT_NO_FATAL_FAILURE(NewStore());
@@ -498,6 +502,14 @@ TEST_P(LayerStoreTest, ReconcileAfterACleanStopChecksNamesNotSizes) {
   EXPECT_FALSE(gone.has_value());
   for (uint32_t l = 0; l < recs.size(); ++l) {
     if (l == 2) continue;
+    if (l == 4) {
+      // Found when read: the link is not followed.
+      absl::StatusOr<LoadedVersion> through_link = Read({job, 0, l, 3}, recs[l]);
+      EXPECT_FALSE(through_link.ok());
+      EXPECT_TRUE(absl::StrContains(through_link.status().message(), "symbolic link"))
+          << through_link.status();
+      continue;
+    }
     CKPT_EXPECT_OK(Read({job, 0, l, 3}, recs[l])) << "layer " << l;
   }
   EXPECT_EQ(ListDir(dir).size(), recs.size() - 1);
