@@ -170,7 +170,8 @@ constexpr MetricInfo kHistogramTable[] = {
     {"ckpt_write_seconds", "histogram", "Time to write one layer version's data.", "", ""},
     {"ckpt_fsync_seconds", "histogram", "Time of one fsync of a layer version file.", "", ""},
     {"ckpt_commit_seconds", "histogram",
-     "Time from creating a version's temporary file to recording it in the index.", "", ""},
+     "Time from creating a version's temporary file to recording it in the index (including "
+     "the wait for the publisher, which records versions in groups).", "", ""},
     {"ckpt_fence_wait_seconds", "histogram",
      "Time a rank's WaitSnapshot waited for its snapshot to be taken.", "", ""},
     {"ckpt_snapshot_copy_seconds", "histogram",
