@@ -400,22 +400,23 @@ absl::Status Index::PutVersions(const std::vector<VersionKey>& keys,
   absl::MutexLock lock(&version_mu_);
   // A record written over (the same layer and step again) replaces the one
   // it counted.
+  std::vector<std::string> k(keys.size());
   std::vector<std::optional<std::string>> old(keys.size());
   rocksdb::WriteBatch batch;
   for (size_t i = 0; i < keys.size(); ++i) {
-    const std::string k = VersionKeyString(keys[i]);
-    CKPT_ASSIGN_OR_RETURN(old[i], Get(k));
-    batch.Put(k, records[i].SerializeAsString());
+    k[i] = VersionKeyString(keys[i]);
+    CKPT_ASSIGN_OR_RETURN(old[i], Get(k[i]));
+    batch.Put(k[i], records[i].SerializeAsString());
   }
   rocksdb::WriteOptions wo;
   wo.sync = true;
   CKPT_RETURN_IF_ERROR(Write(wo, &batch,
-                             keys.size() == 1 ? absl::StrCat("put ", VersionKeyString(keys[0]))
+                             keys.size() == 1 ? absl::StrCat("put ", k[0])
                                               : absl::StrCat("put ", keys.size(), " versions")));
   // A key twice in the batch: the second record replaces the first.
-  std::map<std::string, uint64_t> put_bytes;
+  std::map<absl::string_view, uint64_t> put_bytes;
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto [it, first] = put_bytes.try_emplace(VersionKeyString(keys[i]), records[i].file_bytes());
+    auto [it, first] = put_bytes.try_emplace(k[i], records[i].file_bytes());
     if (!first) {
       CountLocked(keys[i], -1, it->second);
       it->second = records[i].file_bytes();

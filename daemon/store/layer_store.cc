@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <vector>
@@ -189,6 +190,11 @@ absl::Status CommitFailure(absl::Status s, ErrorReason reason) {
 
 }  // namespace
 
+void LayerStore::DropTemp(int dir, UniqueFd* fd, const std::string& tmp_name) {
+  IgnoreError(fd->Close(), "the version already failed");
+  IgnoreError(fs_->Unlink(dir, tmp_name), "a leftover temp file is removed at the next start");
+}
+
 absl::StatusOr<store::VersionRecord> LayerStore::Commit(StagedVersion* v, IoBackend* io,
                                                         CommitTimings* timings) {
   std::vector<WrittenVersion> group;
@@ -219,8 +225,7 @@ absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io
   bool direct_used = false;
   CKPT_ASSIGN_OR_RETURN(w.fd, fs_->CreateExclusive(dir, w.tmp_name, use_direct_io_, &direct_used));
   auto fail = [&](absl::Status s, ErrorReason reason = ErrorReason::kWrite) {
-    IgnoreError(w.fd.Close(), "the version already failed");
-    IgnoreError(fs_->Unlink(dir, w.tmp_name), "a leftover temp file is removed at the next start");
+    DropTemp(dir, &w.fd, w.tmp_name);
     return CommitFailure(std::move(s), reason);
   };
   if (absl::Status s = fs_->Allocate(w.fd.get(), v->layout.file_bytes); !s.ok()) return fail(s);
@@ -278,8 +283,7 @@ std::vector<absl::StatusOr<store::VersionRecord>> LayerStore::Publish(
   for (WrittenVersion& w : *group) {
     const int dir = w.dir->get();
     auto fail = [&](absl::Status s) {
-      IgnoreError(w.fd.Close(), "the version already failed");
-      IgnoreError(fs_->Unlink(dir, w.tmp_name), "a leftover temp file is removed at the next start");
+      DropTemp(dir, &w.fd, w.tmp_name);
       out.push_back(CommitFailure(std::move(s), ErrorReason::kWrite));
     };
     if (absl::Status s = w.fd.Close(); !s.ok()) {
@@ -440,8 +444,7 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
   bool direct_used = false;
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateExclusive(dir, tmp_name, /*direct=*/false, &direct_used));
   auto fail = [&](absl::Status s) {
-    IgnoreError(fd.Close(), "the version already failed");
-    IgnoreError(fs_->Unlink(dir, tmp_name), "a leftover temp file is removed at the next start");
+    DropTemp(dir, &fd, tmp_name);
     return s;
   };
   if (absl::Status s = fs_->Allocate(fd.get(), rec.file_bytes()); !s.ok()) return fail(s);
@@ -542,13 +545,11 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
   // After a clean stop a recorded file is looked up by name in the listing
   // (which the file side below uses too: one listing, no stat).
   std::vector<std::string> names;
-  absl::flat_hash_set<std::string> present;
   if (check == ReconcileCheck::kNames) {
     absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
     if (!listed.ok()) return AtPath(listed.status(), RankDirPath(job, rank));
     names = *std::move(listed);
-    present.reserve(names.size());
-    present.insert(names.begin(), names.end());
+    std::sort(names.begin(), names.end());
   }
 
   // 1. Index side: versions after the last event were never acknowledged;
@@ -563,7 +564,7 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
           return true;
         }
         if (check == ReconcileCheck::kNames) {
-          if (present.count(rec.file()) > 0) {
+          if (std::binary_search(names.begin(), names.end(), rec.file())) {
             named.insert(rec.file());
           } else {
             drop_dangling.emplace_back(k, rec);

@@ -251,6 +251,8 @@ class LayerStore {
   using DirRef = std::shared_ptr<const UniqueFd>;
   absl::StatusOr<DirRef> RankDir(const std::string& job, uint32_t rank, bool create)
       ABSL_LOCKS_EXCLUDED(dir_mu_, mu_);
+  // Closes and removes the temp file `tmp_name` of a version that failed.
+  void DropTemp(int dir, UniqueFd* fd, const std::string& tmp_name);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileCheck check, ReconcileReport* report);
   // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
