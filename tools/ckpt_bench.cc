@@ -20,6 +20,7 @@
 // and reports the median throughput of each and the median per-round ratios.
 // Staging buffers are filled before the clock starts; cleanup is not timed.
 #include <fcntl.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -241,6 +242,15 @@ absl::Duration TimeThreads(uint32_t n, Fn fn, After after = [] {}) {
   return absl::Now() - start;
 }
 
+// User plus system CPU time of this process so far, its io_uring workers
+// included (they are threads of it).
+double ProcessCpuSeconds() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  auto sec = [](const timeval& tv) { return static_cast<double>(tv.tv_sec) + tv.tv_usec / 1e6; };
+  return sec(ru.ru_utime) + sec(ru.ru_stime);
+}
+
 class Bench {
  public:
   explicit Bench(const Args& a) : a_(a), fs_(ckpt::DefaultFileSystem()) {}
@@ -438,16 +448,17 @@ class Bench {
     }
     absl::Mutex mu;
     absl::Status first_error;
+    const double cpu = ProcessCpuSeconds();
     absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
       ckpt::HostMemory& mem = memory[r];
-      ckpt::TensorDestination dest = [&](uint32_t layer, uint32_t) {
-        return mem.base(0) + uint64_t{layer} * a_.layer_bytes;
-      };
+      const ckpt::RestoreDestination dest(
+          [&](uint32_t layer, uint32_t) { return mem.base(0) + uint64_t{layer} * a_.layer_bytes; },
+          [&mem](char* dst, const char* src, uint64_t n) { return mem.CopyIn(dst, src, n); },
+          /*cpu=*/true);
       absl::StatusOr<ckpt::RestoreStats> stats = ckpt::RestoreInto(
           plans[r], tables_[r], dest, index_.get(), store_.get(),
-          {restore_io_[2 * r].get(), restore_io_[2 * r + 1].get()},
-          pool_.get(), absl::Minutes(10), nullptr,
-          [&mem](char* dst, const char* src, uint64_t n) { return mem.CopyIn(dst, src, n); });
+          {restore_io_[2 * r].get(), restore_io_[2 * r + 1].get()}, pool_.get(),
+          absl::Minutes(10));
       absl::Status s = stats.status();
       if (s.ok() && stats->bytes != plans[r].layers.size() * a_.layer_bytes) {
         s = absl::InternalError(absl::StrCat("rank ", r, " restored ", stats->bytes, " bytes"));
@@ -457,6 +468,7 @@ class Bench {
         if (first_error.ok()) first_error = s;
       }
     });
+    restore_cpu_seconds_ = ProcessCpuSeconds() - cpu;
     CKPT_RETURN_IF_ERROR(first_error);
     // The bytes arrived: staging data is never zero, the memfd was zeroed.
     for (uint32_t r = 0; r < a_.ranks; ++r) {
@@ -529,6 +541,7 @@ class Bench {
     }
     absl::Mutex mu;
     absl::Status first_error;
+    const double cpu = ProcessCpuSeconds();
     absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
       const size_t begin = pieces.size() * r / a_.ranks, end = pieces.size() * (r + 1) / a_.ranks;
       const ckpt::StagingLease& lease = read_leases_[r];
@@ -547,6 +560,7 @@ class Bench {
         if (first_error.ok()) first_error = s;
       }
     });
+    raw_read_cpu_seconds_ = ProcessCpuSeconds() - cpu;
     CKPT_RETURN_IF_ERROR(first_error);
     return d;
   }
@@ -570,6 +584,9 @@ class Bench {
   // with --commit=serial), and the median time from a version's temp file
   // to its record, in seconds.
   uint64_t groups() const { return groups_; }
+  // CPU seconds (all threads) of the last RunRestore and RunRawRead.
+  double restore_cpu_seconds() const { return restore_cpu_seconds_; }
+  double raw_read_cpu_seconds() const { return raw_read_cpu_seconds_; }
   double MedianCommitSeconds() const {
     std::vector<double> t;
     for (const ckpt::CommitTimings& c : timings_) t.push_back(c.total_seconds);
@@ -584,8 +601,7 @@ class Bench {
 
  private:
   static std::string RawName(uint32_t w) { return absl::StrCat("raw.", w, ".bench"); }
-  // What one restore may hold: RestoreInto's read-ahead, the version being
-  // checked and copied, and the one being read.
+  // What one restore may hold: a lease per thread (two), and room to spare.
   static constexpr uint32_t kRestoreLeases = 4;
 
   absl::Status SetupRestore(uint64_t lease_bytes) {
@@ -678,6 +694,8 @@ class Bench {
   std::vector<char> committed_;
   std::vector<ckpt::CommitTimings> timings_;  // per version of the last RunStore
   uint64_t groups_ = 0;                       // the last RunStore's publish groups
+  double restore_cpu_seconds_ = 0;
+  double raw_read_cpu_seconds_ = 0;
   std::vector<char> raw_created_;  // RunRaw's files, until RemoveRaw()
   std::unique_ptr<ckpt::Index> index_;
   std::unique_ptr<ckpt::LayerStore> store_;
@@ -708,6 +726,7 @@ absl::Status Run(const Args& a) {
     std::fflush(stdout);
   }
   std::vector<double> ga, gb, ratio, gc, gd, restore_ratio, groups, commit_ms;
+  std::vector<double> restore_cpu, raw_read_cpu;  // CPU seconds per GiB
   std::vector<std::vector<double>> share(4);  // of commit time: write, sync, rest; checksums
   Json rounds = Json::array();
   for (uint32_t r = 1; r <= a.rounds; ++r) {
@@ -758,6 +777,11 @@ absl::Status Run(const Args& a) {
       round["restore_gbps"] = gc.back();
       round["raw_read_gbps"] = gd.back();
       round["restore_ratio"] = restore_ratio.back();
+      const double gib = static_cast<double>(b.bytes_per_round()) / (1 << 30);
+      restore_cpu.push_back(b.restore_cpu_seconds() / gib);
+      raw_read_cpu.push_back(b.raw_read_cpu_seconds() / gib);
+      round["restore_cpu_seconds_per_gib"] = restore_cpu.back();
+      round["raw_read_cpu_seconds_per_gib"] = raw_read_cpu.back();
     }
     const std::vector<double> parts = b.CommitBreakdown();
     const double all = parts[0] + parts[1] + parts[2];
@@ -804,6 +828,8 @@ absl::Status Run(const Args& a) {
       j["restore_gbps"] = Median(gc);
       j["raw_read_gbps"] = Median(gd);
       j["restore_ratio"] = Median(restore_ratio);
+      j["restore_cpu_seconds_per_gib"] = Median(restore_cpu);
+      j["raw_read_cpu_seconds_per_gib"] = Median(raw_read_cpu);
     }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
@@ -824,6 +850,8 @@ absl::Status Run(const Args& a) {
       std::printf("raw O_DIRECT read:  %.2f GB/s\n", Median(gd));
       std::printf("restore ratio (ckptd / raw): %.2f (median of per-round ratios)\n",
                   Median(restore_ratio));
+      std::printf("CPU per GiB read (all threads, medians): restore %.3f s, raw read %.3f s\n",
+                  Median(restore_cpu), Median(raw_read_cpu));
     }
   }
   return absl::OkStatus();

@@ -1,6 +1,8 @@
 // Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
 #include "daemon/engine/engine.h"
 
+#include <string_view>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
@@ -114,22 +116,21 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     ScopedLease lease(&leases_, key);
     Restored reply;
     CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r->job, r->rank, target_step, r->table));
-    // Two readers: one file's last reads overlap the next file's first.
+    // Two threads: one version's reads are in flight while the other
+    // thread checks and copies the version before.
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io0,
                           MakeIoBackend(options_.io_backend, options_.io_queue_depth));
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io1,
                           MakeIoBackend(options_.io_backend, options_.io_queue_depth));
-    TensorDestination dest = [&r](uint32_t layer, uint32_t tensor) {
-      return r->layers[layer].src[tensor];
-    };
+    const RestoreDestination dest(
+        [&r](uint32_t layer, uint32_t tensor) { return r->layers[layer].src[tensor]; },
+        [&memory](char* dst, const char* src, uint64_t n) { return memory->CopyIn(dst, src, n); },
+        /*cpu=*/std::string_view(memory->kind()) == "host");
     CKPT_ASSIGN_OR_RETURN(
         RestoreStats stats,
         RestoreInto(reply.plan, r->table, dest, index_, store_, {io0.get(), io1.get()}, pool_,
                     options_.restore_timeout,
                     [this] { return shutting_down_.load(std::memory_order_relaxed); },
-                    [&memory](char* dst, const char* src, uint64_t n) {
-                      return memory->CopyIn(dst, src, n);
-                    },
                     [this, &key](const VersionKey& vk, const store::VersionRecord& rec) {
                       return memory_tier_.Find(key, vk.layer, vk.step, rec.file());
                     }));

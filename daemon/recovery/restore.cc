@@ -1,6 +1,8 @@
 #include "daemon/recovery/restore.h"
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -30,19 +32,21 @@ struct Fetched {
   StagingLease lease;
 };
 
-// The hand-over between the threads that read versions and the one that
-// checks and copies them out, in plan order. While version i is checksummed
-// and copied, the next ones are read, each reader with its own queue: the
-// disk does not wait for the CPU, nor for one file's last reads before the
-// next file's first (a restore was the sum of the two before, about 0.5 of a
-// raw read of the same files).
+// The order the threads of one restore keep. Each thread reads a version,
+// checks it and copies it out, then goes on with its next one: while one
+// thread checksums and copies, the other's reads keep the disk busy, each
+// with its own queue (a restore that read, then checked, then copied was the
+// sum of the disk and the CPU, about 0.5 of a raw read of the same files),
+// and at the end only the last version's copy is left, not every version
+// read ahead.
 //
-// Readers take staging leases in plan order (TakeTurn/EndTurn): the version
-// the copier waits for always holds its lease before any later one takes
-// one, so a pool with room for one version never deadlocks.
-class Handover {
+// Versions take staging leases in plan order (TakeTurn/EndTurn), and only
+// the oldest unfinished one may wait for room: every version holding a
+// lease is then older and finishes on its own, so a pool with room for one
+// version never deadlocks.
+class Turns {
  public:
-  Handover(size_t count, size_t ahead) : count_(count), ahead_(ahead), end_(count) {}
+  explicit Turns(size_t count) : end_(count) {}
 
   // Blocks until `seq` may take a lease.
   absl::Status TakeTurn(size_t seq, absl::Time deadline) {
@@ -58,69 +62,48 @@ class Handover {
     absl::MutexLock lock(&mu_);
     if (turn_ == seq) turn_ = seq + 1;
   }
-  // Blocks until the copier has taken every version before `seq`.
-  absl::Status WaitUntilNext(size_t seq, absl::Time deadline) {
+  // Blocks until every version before `seq` is finished (its lease given
+  // back).
+  absl::Status WaitUntilOldest(size_t seq, absl::Time deadline) {
     absl::MutexLock lock(&mu_);
-    auto next = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stopped_ || seq >= end_ || next_ >= seq;
+    auto oldest = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopped_ || seq >= end_ || finished_below_ >= seq;
     };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&next), deadline)) return Late();
+    if (!mu_.AwaitWithDeadline(absl::Condition(&oldest), deadline)) return Late();
     if (stopped_ || seq >= end_) return absl::AbortedError("the restore stopped");
     return absl::OkStatus();
   }
-
-  // Hands version `seq` over once it is at most `ahead` versions ahead of the
-  // copier. ABORTED when the restore stopped (another thread's status says
-  // why).
-  absl::Status Push(size_t seq, Fetched f, absl::Time deadline) {
+  // Whether version `seq` is still to be copied (no earlier one failed, the
+  // restore did not stop).
+  bool Going(size_t seq) {
     absl::MutexLock lock(&mu_);
-    auto room = [this, seq]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stopped_ || seq >= end_ || seq < next_ + ahead_;
-    };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&room), deadline)) return Late();
-    if (stopped_ || seq >= end_) return absl::AbortedError("the restore stopped");
-    ready_.emplace(seq, std::move(f));
-    return absl::OkStatus();
+    return !stopped_ && seq < end_;
   }
-  // The next version in plan order; nullopt at the end, after a failure, or
-  // at the deadline (*status says which).
-  std::optional<Fetched> Pop(absl::Time deadline, absl::Status* status) {
+  void Finished(size_t seq) {
     absl::MutexLock lock(&mu_);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stopped_ || next_ >= end_ || ready_.count(next_) > 0;
-    };
-    if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline)) {
-      *status = Late();
-      return std::nullopt;
+    finished_.push_back(seq);
+    std::push_heap(finished_.begin(), finished_.end(), std::greater<>());
+    while (!finished_.empty() && finished_.front() == finished_below_) {
+      std::pop_heap(finished_.begin(), finished_.end(), std::greater<>());
+      finished_.pop_back();
+      ++finished_below_;
     }
-    if (stopped_ || next_ >= end_) return std::nullopt;
-    auto it = ready_.find(next_);
-    Fetched f = std::move(it->second);
-    ready_.erase(it);
-    ++next_;
-    return f;
   }
-  // Version `seq` failed: nothing from `seq` on is copied; the restore's
-  // status is the failure with the lowest `seq`.
+  // Version `seq` failed: no version from `seq` on is started; the
+  // restore's status is the failure with the lowest `seq`.
   void Fail(size_t seq, absl::Status s) {
-    std::map<size_t, Fetched> dropped;
     absl::MutexLock lock(&mu_);
     if (!stopped_ && seq < end_) {
       end_ = seq;
       failure_ = std::move(s);
-      for (auto it = ready_.lower_bound(seq); it != ready_.end();) {
-        dropped.insert(ready_.extract(it++));  // leases go back outside the lock
-      }
     }
   }
   // Cancelled or past the deadline: everyone stops.
   void Stop(absl::Status s) {
-    std::map<size_t, Fetched> dropped;
     absl::MutexLock lock(&mu_);
     if (!stopped_) {
       stopped_ = true;
       if (failure_.ok()) failure_ = std::move(s);
-      dropped.swap(ready_);
     }
   }
   absl::Status Result() {
@@ -129,37 +112,32 @@ class Handover {
   }
 
  private:
-  absl::Status Late() const {
+  static absl::Status Late() {
     return absl::DeadlineExceededError("the restore did not finish in time");
   }
 
-  const size_t count_;
-  const size_t ahead_;
   absl::Mutex mu_;
-  std::map<size_t, Fetched> ready_ ABSL_GUARDED_BY(mu_);
-  size_t next_ ABSL_GUARDED_BY(mu_) = 0;  // the version the copier takes next
   size_t turn_ ABSL_GUARDED_BY(mu_) = 0;  // the version that may take a lease
-  size_t end_ ABSL_GUARDED_BY(mu_);       // count_, or the first failed version
+  size_t end_ ABSL_GUARDED_BY(mu_);       // the count, or the first failed version
+  // Every version below it is finished; finished_ holds the ones above it
+  // (a min-heap).
+  size_t finished_below_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<size_t> finished_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
 };
-
-// Versions handed over ahead of the one being copied out: each holds a lease
-// of the staging pool, so this (with the readers' own) bounds what one
-// restore takes from it.
-constexpr size_t kReadAhead = 2;
 
 absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat("layer ", lp.layer, " (", lp.name, ") step ", lp.step,
                                              ": ", s.message()));
 }
 
-// Reader half: looks version `seq` up and takes its bytes from memory (a
+// First half: looks version `seq` up and takes its bytes from memory (a
 // checked image) or from disk (unchecked).
 absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const PlannedLayer& lp,
                               const store::RankRecord& table, Index* index, LayerStore* store,
                               IoBackend* io, StagingPool* pool, absl::Time deadline,
-                              const MemorySource& memory, Handover* handover) {
+                              const MemorySource& memory, Turns* turns) {
   if (lp.layer >= static_cast<uint32_t>(table.layers_size())) {
     return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
   }
@@ -184,30 +162,30 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
       f.image = nullptr;
     }
   }
-  // Every version takes its turn, so the next one's reader may go on.
-  CKPT_RETURN_IF_ERROR(handover->TakeTurn(seq, deadline));
+  // Every version takes its turn, so the next one's thread may go on.
+  CKPT_RETURN_IF_ERROR(turns->TakeTurn(seq, deadline));
   if (f.image != nullptr) {
-    handover->EndTurn(seq);
+    turns->EndTurn(seq);
     return f;
   }
-  // A version read ahead takes free room only; the one the copier needs
-  // next may also take room back from the memory tier, and wait for it. (A
-  // restore that evicted the tier for its read-ahead would leave the newest
-  // step on disk.)
+  // A version read while an older one is unfinished takes free room only;
+  // the oldest may also take room back from the memory tier, and wait for
+  // it. (A restore that evicted the tier to read ahead would leave the
+  // newest step on disk.)
   std::optional<StagingLease> free_room = pool->TryAcquire(f.rec.file_bytes());
   if (!free_room.has_value()) {
-    if (absl::Status s = handover->WaitUntilNext(seq, deadline); !s.ok()) {
-      handover->EndTurn(seq);
+    if (absl::Status s = turns->WaitUntilOldest(seq, deadline); !s.ok()) {
+      turns->EndTurn(seq);
       return s;
     }
     absl::StatusOr<StagingLease> lease = pool->Acquire(f.rec.file_bytes(), deadline);
     if (!lease.ok()) {
-      handover->EndTurn(seq);
+      turns->EndTurn(seq);
       return WithLayer(lp, lease.status());
     }
     free_room = *std::move(lease);
   }
-  handover->EndTurn(seq);
+  turns->EndTurn(seq);
   f.lease = *std::move(free_room);
   if (absl::Status s = store->ReadUnchecked(f.key, f.rec, io, f.lease); !s.ok()) {
     return WithLayer(lp, s);
@@ -215,13 +193,21 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
   return f;
 }
 
-// Consumer half: checks a version read from disk, matches its tensors with
-// the registration and copies them out.
-absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const TensorDestination& dest,
-                     const CopyToDestination& copy, RestoreStats* stats) {
+// How many bytes a restore checksums and then copies out at a time: small
+// enough to stay in a core's cache between the two, so each byte is read from
+// memory once (hashing all of a tensor and then copying it read it twice: a
+// restore ran at about 0.55 of a raw read from tmpfs).
+constexpr uint64_t kVerifyPieceBytes = 256 << 10;
+
+// Second half: matches a version's tensors with the registration and
+// copies them out; a version read from disk has each tensor checksummed on
+// the way (a mismatch is DATA_LOSS, after that tensor's bytes were copied).
+absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDestination& dest,
+                     RestoreStats* stats) {
   const PlannedLayer& lp = *f.lp;
-  if (f.image == nullptr) {
-    absl::StatusOr<DecodedHeader> decoded = CheckImage(f.key, f.rec, LeaseImage(f.lease));
+  const bool verify = f.image == nullptr;  // an image from memory was checked whole
+  if (verify) {
+    absl::StatusOr<DecodedHeader> decoded = CheckImageHeader(f.key, f.rec, LeaseImage(f.lease));
     if (!decoded.ok()) return WithLayer(lp, decoded.status());
     f.decoded = *std::move(decoded);
   } else {
@@ -231,6 +217,9 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const TensorDes
   const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer));
   std::map<std::string, const store::TensorEntry*> stored;
   for (const store::TensorEntry& t : f.decoded.header.tensors()) stored[t.name()] = &t;
+  if (stored.size() != static_cast<size_t>(f.decoded.header.tensors_size())) {
+    return WithLayer(lp, absl::DataLossError("two stored tensors have the same name"));
+  }
   if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
     return absl::FailedPreconditionError(absl::StrCat("layer ", lp.layer, " has ", stored.size(),
                                                       " tensors in the checkpoint and ",
@@ -246,18 +235,34 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const TensorDes
           " differs between the checkpoint and the registration (missing, dtype or size)"));
     }
   }
+  const LeaseImage image(src);
   for (int i = 0; i < spec.tensors_size(); ++i) {
     const store::TensorEntry* t = stored[spec.tensors(i).name()];
-    char* out = dest(lp.layer, static_cast<uint32_t>(i));
-    if (copy == nullptr) {
-      src.CopyOut(f.decoded.layout.header_bytes + t->offset(), out, t->nbytes());
+    char* out = dest.where(lp.layer, static_cast<uint32_t>(i));
+    auto copy_piece = [&](const char* piece, uint64_t n) {
+      absl::Status s;
+      if (dest.copy == nullptr) {
+        std::memcpy(out, piece, n);
+      } else {
+        s = dest.copy(out, piece, n);
+      }
+      out += n;
+      return s;
+    };
+    const uint64_t offset = f.decoded.layout.header_bytes + t->offset();
+    if (verify) {
+      uint64_t hash = 0;
+      const uint64_t piece = dest.copy_on_cpu ? kVerifyPieceBytes : src.chunk_bytes();
+      CKPT_RETURN_IF_ERROR(HashImageThrough(image, offset, t->nbytes(), piece, copy_piece, &hash));
+      if (hash != t->xxh3()) {
+        return WithLayer(lp, absl::DataLossError(absl::StrCat("checksum mismatch in tensor '",
+                                                              t->name(), "'")));
+      }
     } else {
       absl::Status s;
-      src.ForEachPiece(f.decoded.layout.header_bytes + t->offset(), t->nbytes(),
-                       [&](const char* piece, uint64_t n) {
-                         if (s.ok()) s = copy(out, piece, n);
-                         out += n;
-                       });
+      src.ForEachPiece(offset, t->nbytes(), [&](const char* piece, uint64_t n) {
+        if (s.ok()) s = copy_piece(piece, n);
+      });
       CKPT_RETURN_IF_ERROR(s);
     }
     stats->bytes += t->nbytes();
@@ -269,11 +274,11 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const TensorDes
 }  // namespace
 
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
-                                         const TensorDestination& dest, Index* index, LayerStore* store,
-                                         absl::Span<IoBackend* const> io, StagingPool* pool,
-                                         absl::Duration timeout,
+                                         const RestoreDestination& dest, Index* index,
+                                         LayerStore* store, absl::Span<IoBackend* const> io,
+                                         StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled,
-                                         const CopyToDestination& copy, const MemorySource& memory) {
+                                         const MemorySource& memory) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
@@ -283,58 +288,55 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   const absl::Time deadline = start + timeout;
   auto is_cancelled = [&cancelled] { return cancelled && cancelled(); };
   const size_t count = plan.layers.size();
-  RestoreStats stats;  // the copier's; read after the joins
+  RestoreStats stats;
   if (count == 0) return stats;
-  const size_t readers = std::min(io.size(), count);
-  Handover handover(count, kReadAhead + readers);
+  const size_t threads_wanted = std::min(io.size(), count);
+  Turns turns(count);
+  std::vector<RestoreStats> each(threads_wanted);  // one per thread, summed after the joins
 
-  // Reader k reads versions k, k + readers, ... with io[k]; the last reader
-  // is this thread (Export's one-layer plans start no thread).
-  auto read = [&](size_t k) {
-    for (size_t seq = k; seq < count; seq += readers) {
+  // Reads, checks and copies version `seq` with io[k]; its lease is back
+  // on return.
+  auto one = [&](size_t k, size_t seq) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(Fetched f, Fetch(seq, plan, plan.layers[seq], table, index, store, io[k],
+                                           pool, deadline, memory, &turns));
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError("the restore did not finish in time");
+    }
+    if (is_cancelled()) return absl::CancelledError("the restore was cancelled");
+    if (!turns.Going(seq)) return absl::OkStatus();  // an earlier version failed: not copied
+    return CopyOut(f, table, dest, &each[k]);
+  };
+  // Thread k does versions k, k + n, ...; the last is this thread (Export's
+  // one-layer plans start no thread).
+  auto run = [&](size_t k) {
+    for (size_t seq = k; seq < count; seq += threads_wanted) {
       if (is_cancelled()) {
-        handover.Stop(absl::CancelledError("the restore was cancelled"));
+        turns.Stop(absl::CancelledError("the restore was cancelled"));
         return;
       }
-      absl::StatusOr<Fetched> f = Fetch(seq, plan, plan.layers[seq], table, index, store, io[k],
-                                        pool, deadline, memory, &handover);
-      if (!f.ok()) {
-        // No-op when an earlier version failed or the restore stopped.
-        handover.Fail(seq, f.status());
+      if (absl::Status s = one(k, seq); !s.ok()) {
+        // ABORTED from the turns (the restore stopped, its status says why)
+        // changes nothing.
+        if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
+          turns.Stop(s);
+        } else {
+          turns.Fail(seq, s);
+        }
         return;
       }
-      if (absl::Status s = handover.Push(seq, *std::move(f), deadline); !s.ok()) {
-        if (absl::IsDeadlineExceeded(s)) handover.Stop(s);
-        return;  // ABORTED: the restore stopped; its status says why
-      }
+      turns.Finished(seq);
     }
   };
   std::vector<std::thread> threads;
-  for (size_t k = 0; k + 1 < readers; ++k) threads.emplace_back(read, k);
-  auto copy_out = [&] {
-    absl::Status late;
-    while (std::optional<Fetched> f = handover.Pop(deadline, &late)) {
-      if (is_cancelled()) {
-        handover.Stop(absl::CancelledError("the restore was cancelled"));
-        return;
-      }
-      const size_t seq = static_cast<size_t>(f->lp - plan.layers.data());
-      if (absl::Status s = CopyOut(*f, table, dest, copy, &stats); !s.ok()) {
-        handover.Fail(seq, s);
-        return;
-      }
-    }
-    if (!late.ok()) handover.Stop(late);
-  };
-  if (count <= 1) {
-    read(readers - 1);
-    copy_out();
-  } else {
-    threads.emplace_back(copy_out);
-    read(readers - 1);
-  }
+  for (size_t k = 0; k + 1 < threads_wanted; ++k) threads.emplace_back(run, k);
+  run(threads_wanted - 1);
   for (std::thread& t : threads) t.join();
-  CKPT_RETURN_IF_ERROR(handover.Result());
+  for (const RestoreStats& e : each) {
+    stats.bytes += e.bytes;
+    stats.memory_bytes += e.memory_bytes;
+    stats.memory_layers += e.memory_layers;
+  }
+  CKPT_RETURN_IF_ERROR(turns.Result());
   stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return stats;
 }

@@ -2,10 +2,12 @@
 // every byte leaves ckptd's history, for Restore into a trainer's buffers and
 // for Export.
 //
-// RestoreInto reads each planned version through the store (every checksum is
-// verified before a byte is copied out) and writes it into the destination
-// tensors. It fails closed: DATA_LOSS names the first layer that does not
-// verify; FAILED_PRECONDITION when the plan is incomplete or the destination
+// RestoreInto reads each planned version through the store and writes it
+// into the destination tensors, verifying every checksum on the way. It fails
+// closed: DATA_LOSS names the first layer that does not verify (the bytes of
+// the tensor that did not verify may already be in its destination, as are
+// the layers before it and maybe some after it: after a failed restore the
+// destination holds nothing a trainer may use); FAILED_PRECONDITION when the plan is incomplete or the destination
 // table does not match the stored tensors (count, name, dtype, size); ABORTED
 // when a planned version vanished (plan again); CANCELLED between layers once
 // `cancelled` returns true (daemon shutdown).
@@ -16,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -31,9 +34,23 @@ namespace ckpt {
 // Where restored bytes go: the destination of tensor `tensor` of `layer`
 // (REQUIRES: it is nbytes long, as registered).
 using TensorDestination = std::function<char*(uint32_t layer, uint32_t tensor)>;
-// Copies n verified host bytes to a destination address (GPU memory, for
-// example); null = memcpy.
+// Copies n host bytes to a destination address (GPU memory, for example).
 using CopyToDestination = std::function<absl::Status(char* dst, const char* src, uint64_t n)>;
+
+struct RestoreDestination {
+  RestoreDestination(TensorDestination w) : where(std::move(w)) {}  // NOLINT: memcpy there
+  RestoreDestination(TensorDestination w, CopyToDestination c, bool cpu)
+      : where(std::move(w)), copy(std::move(c)), copy_on_cpu(cpu) {}
+
+  TensorDestination where;
+  CopyToDestination copy;  // null = memcpy
+  // Whether `copy` is done by this CPU (memcpy into host memory). Then a
+  // version read from disk is checksummed and copied a small piece at a
+  // time, so the copy reads each piece from the cache the checksum just
+  // brought it into; else (a DMA engine copies to a GPU) in pieces of a
+  // staging chunk.
+  bool copy_on_cpu = true;
+};
 
 struct RestoreStats {
   uint64_t bytes = 0;
@@ -50,15 +67,15 @@ struct RestoreStats {
 using MemorySource = std::function<std::shared_ptr<const StagingLease>(
     const VersionKey& key, const store::VersionRecord& rec)>;
 
-// `io` holds one backend per reader: with two or more, the next versions'
-// files are read while the current one's last reads complete (one backend
-// per thread; RestoreInto uses each on one thread of its own).
+// `io` holds one backend per thread: each thread reads, checks and copies
+// every n-th version, so with two or more one version's reads are in flight
+// while another is checked and copied (RestoreInto uses each backend on one
+// thread of its own). A restore holds at most one staging lease per thread.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
-                                         const TensorDestination& dest, Index* index, LayerStore* store,
-                                         absl::Span<IoBackend* const> io, StagingPool* pool,
-                                         absl::Duration timeout,
+                                         const RestoreDestination& dest, Index* index,
+                                         LayerStore* store, absl::Span<IoBackend* const> io,
+                                         StagingPool* pool, absl::Duration timeout,
                                          const std::function<bool()>& cancelled = nullptr,
-                                         const CopyToDestination& copy = nullptr,
                                          const MemorySource& memory = nullptr);
 
 }  // namespace ckpt

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/store/xxh3_avx2.h"
 
@@ -51,6 +53,34 @@ uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len) {
   XXH3_64bits_reset(&state);
   image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { XXH3_64bits_update(&state, p, n); });
   return XXH3_64bits_digest(&state);
+}
+
+absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t len, uint64_t piece,
+                              const std::function<absl::Status(const char*, uint64_t)>& then,
+                              uint64_t* hash) {
+  std::optional<xxh3_avx2::Stream> avx2;  // built only where the CPU has AVX2
+  XXH3_state_t state;
+  if (kXxh3Avx2) {
+    avx2.emplace();
+  } else {
+    XXH3_64bits_reset(&state);
+  }
+  absl::Status s;
+  image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) {
+    for (uint64_t done = 0; done < n && s.ok();) {
+      const uint64_t m = std::min(piece, n - done);
+      if (kXxh3Avx2) {
+        avx2->Update(p + done, m);
+      } else {
+        XXH3_64bits_update(&state, p + done, m);
+      }
+      s = then(p + done, m);
+      done += m;
+    }
+  });
+  CKPT_RETURN_IF_ERROR(s);
+  *hash = kXxh3Avx2 ? avx2->Digest() : XXH3_64bits_digest(&state);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {

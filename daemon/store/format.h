@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -53,6 +54,14 @@ absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header);
 
 // XXH3-64 of `len` bytes of the image at `offset`.
 uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len);
+// HashImage that also hands the bytes on: `then(p, n)` is called for each
+// piece of at most `piece` bytes right after the piece is hashed, while it is
+// still in the CPU's cache, so a caller that checksums and copies reads the
+// memory once. Stops handing on after `then` fails and returns that status;
+// else *hash is the XXH3-64.
+absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t len, uint64_t piece,
+                              const std::function<absl::Status(const char*, uint64_t)>& then,
+                              uint64_t* hash);
 uint64_t HashBytes(const void* data, uint64_t len);
 
 // Writes the prefix and body of `header` into the image at offset 0 and

@@ -372,14 +372,21 @@ absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::Versi
   return io->ReadAll(fd->get(), LeaseSegments(lease, 0, size));
 }
 
-absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,
-                                         const ByteImage& image) {
+absl::StatusOr<DecodedHeader> CheckImageHeader(const VersionKey& key,
+                                               const store::VersionRecord& rec,
+                                               const ByteImage& image) {
   CKPT_ASSIGN_OR_RETURN(DecodedHeader decoded, DecodeHeader(image, rec.file_bytes()));
   const store::LayerFileHeader& h = decoded.header;
   if (decoded.body_xxh3 != rec.header_xxh3() || h.job_id() != key.job || h.rank() != key.rank ||
       h.layer() != key.layer || h.step() != key.step) {
     return absl::DataLossError(absl::StrCat("file ", rec.file(), " does not match its index record"));
   }
+  return decoded;
+}
+
+absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,
+                                         const ByteImage& image) {
+  CKPT_ASSIGN_OR_RETURN(DecodedHeader decoded, CheckImageHeader(key, rec, image));
   CKPT_RETURN_IF_ERROR(VerifyPayload(decoded, image));
   return decoded;
 }

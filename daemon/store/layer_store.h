@@ -109,6 +109,11 @@ struct WrittenVersion {
 // and every tensor's checksum. DATA_LOSS naming what does not match.
 absl::StatusOr<DecodedHeader> CheckImage(const VersionKey& key, const store::VersionRecord& rec,
                                          const ByteImage& image);
+// CheckImage without the tensors' checksums, for a caller that verifies each
+// tensor as it copies it out (HashImageThrough).
+absl::StatusOr<DecodedHeader> CheckImageHeader(const VersionKey& key,
+                                               const store::VersionRecord& rec,
+                                               const ByteImage& image);
 
 // A committed version read back and verified.
 struct LoadedVersion {

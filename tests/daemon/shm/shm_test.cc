@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "base/unique_fd.h"
 #include "daemon/shm/handover.h"
+#include "daemon/shm/rank_memory.h"
 #include "base/handover_wire.h"
 #include "base/region.h"
 #include "daemon/common/sync_point.h"
@@ -98,6 +99,34 @@ TEST(MappedRegionTest, SharesMemoryWithTheMemfd) {
   std::string b = ::ckpt::testing::RandomBytes(2, region.size());
   std::memcpy(mapped.data(), b.data(), b.size());
   EXPECT_EQ(std::memcmp(region.data(), b.data(), b.size()), 0);
+}
+
+// HostMemory::CopyIn streams whole 16-byte blocks past a head copied
+// plainly: every alignment of source and destination, and every length
+// around the block sizes, copies exactly those bytes and touches nothing
+// beside them.
+TEST(HostMemoryTest, CopyInCopiesExactlyTheBytesAtAnyAlignment) {
+  CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion region, MemfdRegion::Create("t", 4 * kPage));
+  CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion mapped, MappedRegion::Map(Dup(region.fd())));
+  std::vector<MappedRegion> regions;
+  regions.push_back(std::move(mapped));
+  HostMemory memory(std::move(regions));
+  char* base = memory.base(0);
+  const std::string src = ::ckpt::testing::RandomBytes(3, 3 * kPage);
+  for (uint64_t dst_off : {0, 1, 15, 16, 17, 63}) {
+    for (uint64_t src_off : {0, 3, 16}) {
+      for (uint64_t n : {0, 1, 15, 16, 17, 63, 64, 65, 127, 200, 4096, 2 * 4096 + 77}) {
+        std::memset(base, 0x5a, memory.region_size(0));
+        CKPT_ASSERT_OK(memory.CopyIn(base + 64 + dst_off, src.data() + src_off, n));
+        ASSERT_EQ(std::memcmp(base + 64 + dst_off, src.data() + src_off, n), 0)
+            << dst_off << " " << src_off << " " << n;
+        for (uint64_t i = 0; i < 64 + dst_off; ++i) ASSERT_EQ(base[i], 0x5a) << i;
+        for (uint64_t i = 64 + dst_off + n; i < 64 + dst_off + n + 64; ++i) {
+          ASSERT_EQ(base[i], 0x5a) << i;
+        }
+      }
+    }
+  }
 }
 
 TEST(MappedRegionTest, RefusesUnsealedMemfd) {

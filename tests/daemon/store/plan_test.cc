@@ -1,6 +1,8 @@
 // Tests of daemon/recovery/plan: composite plans and restore.
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -95,7 +97,7 @@ class PlanTest : public ::testing::Test {
       return (*out)[{layer, tensor}].data();
     };
     return RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
-                       pool_.get(), absl::Seconds(30), nullptr, nullptr, memory);
+                       pool_.get(), absl::Seconds(30), nullptr, memory);
   }
 
   // `layers` layers of one 5000-byte tensor each, committed at step 10:
@@ -368,6 +370,83 @@ TEST_F(PlanTest, RestoreReportsTheFirstFailureInPlanOrder) {
     EXPECT_EQ(pool_->bytes_in_use(), 0u);
     // Layers before the failure arrived.
     for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+  }
+}
+
+// A version read from disk is checksummed and copied a piece at a time: at
+// most 256 KiB when the CPU copies (the piece is still in its cache), a
+// staging chunk when a DMA engine would. Either way every byte arrives, and
+// a flipped byte deep inside a tensor that spans several pieces and chunks
+// is DATA_LOSS naming the layer and the tensor.
+TEST_F(PlanTest, RestoreChecksumsWhatItCopiesPieceByPiece) {
+  pool_ = MakeTestPool(1 << 20, 16);
+  const std::vector<uint64_t> sizes = {(700 << 10) + 3, (2 << 20) + 100};
+  store::RankRecord table;
+  store::LayerSpec* spec = table.add_layers();
+  spec->set_id(0);
+  spec->set_name("layer0");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    store::TensorSpec* t = spec->add_tensors();
+    t->set_name(TensorName(i));
+    t->set_dtype(store::DTYPE_U8);
+    t->add_shape(sizes[i]);
+    t->set_nbytes(sizes[i]);
+  }
+  table.set_world_size(1);
+  Staged st;
+  ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), VersionKey{kJob, 0, 0, 10}, 1, sizes, 7, &st));
+  CKPT_ASSERT_OK_AND_ASSIGN(store::VersionRecord rec, store_->Commit(&st.version, io_.get()));
+  files_[{0, 10}] = rec.file();
+  ASSERT_NO_FATAL_FAILURE(PutEvent(10));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  const uint64_t staged = pool_->bytes_in_use();  // `st` keeps its lease
+
+  for (bool cpu : {true, false}) {
+    std::vector<std::string> out = {std::string(sizes[0], '\0'), std::string(sizes[1], '\0')};
+    uint64_t largest = 0, pieces = 0;
+    const RestoreDestination dest(
+        [&out](uint32_t, uint32_t tensor) { return out[tensor].data(); },
+        [&](char* dst, const char* src, uint64_t n) {
+          largest = std::max(largest, n);
+          ++pieces;
+          std::memcpy(dst, src, n);
+          return absl::OkStatus();
+        },
+        cpu);
+    CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
+                              RestoreInto(plan, table, dest, index_.get(), store_.get(),
+                                          {io_.get(), io2_.get()}, pool_.get(), absl::Seconds(30)));
+    EXPECT_EQ(stats.bytes, sizes[0] + sizes[1]);
+    EXPECT_TRUE(out[0] == st.data[0] && out[1] == st.data[1]) << "cpu " << cpu;
+    if (cpu) {
+      EXPECT_EQ(largest, uint64_t{256} << 10);
+      EXPECT_GE(pieces, 12u);  // 3 + 9 pieces of at most 256 KiB
+    } else {
+      EXPECT_GT(largest, uint64_t{256} << 10);
+      EXPECT_LE(largest, uint64_t{1} << 20);
+    }
+  }
+
+  std::string file = ::ckpt::testing::ReadFile(FilePath(0, 10));
+  // Tensor 1 starts 64-byte aligned after tensor 0 in the payload (after a
+  // 4096-byte header); flip a byte 1.5 MiB into it.
+  const uint64_t deep = 4096 + AlignUp(sizes[0], 64) + (3 << 19);
+  ASSERT_LT(deep, file.size());
+  file[deep] = static_cast<char>(file[deep] ^ 0x10);
+  ::ckpt::testing::WriteFile(FilePath(0, 10), file);
+  for (bool cpu : {true, false}) {
+    std::vector<std::string> out = {std::string(sizes[0], '\0'), std::string(sizes[1], '\0')};
+    const RestoreDestination dest([&out](uint32_t, uint32_t tensor) { return out[tensor].data(); },
+                                  nullptr, cpu);
+    absl::StatusOr<RestoreStats> stats =
+        RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
+                    pool_.get(), absl::Seconds(30));
+    CKPT_EXPECT_CODE(stats, kDataLoss);
+    EXPECT_NE(stats.status().message().find("layer 0"), absl::string_view::npos) << stats.status();
+    EXPECT_NE(stats.status().message().find(TensorName(1)), absl::string_view::npos)
+        << stats.status();
+    EXPECT_TRUE(out[0] == st.data[0]);  // the tensor before it verified and arrived
+    EXPECT_EQ(pool_->bytes_in_use(), staged);
   }
 }
 
