@@ -40,10 +40,10 @@ struct Fetched {
 // and at the end only the last version's copy is left, not every version
 // read ahead.
 //
-// Versions take staging leases in plan order (TakeTurn/EndTurn), and only
-// the oldest unfinished one may wait for room: every version holding a
-// lease is then older and finishes on its own, so a pool with room for one
-// version never deadlocks.
+// Versions take staging leases and memory-tier images in plan order
+// (TakeTurn/EndTurn), and only the oldest unfinished one may wait for room:
+// every version holding a lease or an image is then older and finishes on
+// its own, so a pool with room for one version never deadlocks.
 class Turns {
  public:
   explicit Turns(size_t count) : end_(count) {}
@@ -55,7 +55,7 @@ class Turns {
       return stopped_ || seq >= end_ || turn_ == seq;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&turn), deadline)) return Late();
-    if (stopped_ || seq >= end_) return absl::AbortedError("the restore stopped");
+    if (stopped_ || seq >= end_) return Stopped();
     return absl::OkStatus();
   }
   void EndTurn(size_t seq) {
@@ -70,7 +70,7 @@ class Turns {
       return stopped_ || seq >= end_ || finished_below_ >= seq;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&oldest), deadline)) return Late();
-    if (stopped_ || seq >= end_) return absl::AbortedError("the restore stopped");
+    if (stopped_ || seq >= end_) return Stopped();
     return absl::OkStatus();
   }
   // Whether version `seq` is still to be copied (no earlier one failed, the
@@ -90,10 +90,11 @@ class Turns {
     }
   }
   // Version `seq` failed: no version from `seq` on is started; the
-  // restore's status is the failure with the lowest `seq`.
+  // restore's status is the failure with the lowest `seq` (even after a
+  // Stop: it says more than the deadline that stopped the others).
   void Fail(size_t seq, absl::Status s) {
     absl::MutexLock lock(&mu_);
-    if (!stopped_ && seq < end_) {
+    if (seq < end_) {
       end_ = seq;
       failure_ = std::move(s);
     }
@@ -103,13 +104,16 @@ class Turns {
     absl::MutexLock lock(&mu_);
     if (!stopped_) {
       stopped_ = true;
-      if (failure_.ok()) failure_ = std::move(s);
+      stopped_by_ = std::move(s);
     }
   }
   absl::Status Result() {
     absl::MutexLock lock(&mu_);
-    return failure_;
+    return failure_.ok() ? stopped_by_ : failure_;
   }
+  // What TakeTurn and WaitUntilOldest return once an earlier version
+  // failed or the restore stopped: Result() says why.
+  static absl::Status Stopped() { return absl::AbortedError("the restore stopped"); }
 
  private:
   static absl::Status Late() {
@@ -124,7 +128,8 @@ class Turns {
   size_t finished_below_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<size_t> finished_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status failure_ ABSL_GUARDED_BY(mu_);
+  absl::Status stopped_by_ ABSL_GUARDED_BY(mu_);
+  absl::Status failure_ ABSL_GUARDED_BY(mu_);  // of version end_
 };
 
 absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
@@ -150,6 +155,11 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
   f.lp = &lp;
   f.key = VersionKey{plan.job, plan.rank, lp.layer, lp.step};
   f.rec = std::move(rec->second);
+  // Every version takes its turn, so the next one's thread may go on. An
+  // image of the memory tier is taken in turn too: one held by a later
+  // version would keep its chunks from the oldest, waiting below for room
+  // the tier gives back.
+  CKPT_RETURN_IF_ERROR(turns->TakeTurn(seq, deadline));
   // From memory when the image there checks, else from disk.
   f.image = memory ? memory(f.key, f.rec) : nullptr;
   if (f.image != nullptr) {
@@ -162,8 +172,6 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
       f.image = nullptr;
     }
   }
-  // Every version takes its turn, so the next one's thread may go on.
-  CKPT_RETURN_IF_ERROR(turns->TakeTurn(seq, deadline));
   if (f.image != nullptr) {
     turns->EndTurn(seq);
     return f;
@@ -203,7 +211,7 @@ constexpr uint64_t kVerifyPieceBytes = 256 << 10;
 // copies them out; a version read from disk has each tensor checksummed on
 // the way (a mismatch is DATA_LOSS, after that tensor's bytes were copied).
 absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDestination& dest,
-                     RestoreStats* stats) {
+                     absl::Mutex* copy_mu, RestoreStats* stats) {
   const PlannedLayer& lp = *f.lp;
   const bool verify = f.image == nullptr;  // an image from memory was checked whole
   if (verify) {
@@ -243,7 +251,10 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDe
       absl::Status s;
       if (dest.copy == nullptr) {
         std::memcpy(out, piece, n);
+      } else if (dest.copy_on_cpu) {
+        s = dest.copy(out, piece, n);
       } else {
+        absl::MutexLock lock(copy_mu);  // one DMA copy at a time, its error its own
         s = dest.copy(out, piece, n);
       }
       out += n;
@@ -292,6 +303,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   if (count == 0) return stats;
   const size_t threads_wanted = std::min(io.size(), count);
   Turns turns(count);
+  absl::Mutex copy_mu;
   std::vector<RestoreStats> each(threads_wanted);  // one per thread, summed after the joins
 
   // Reads, checks and copies version `seq` with io[k]; its lease is back
@@ -304,7 +316,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
     }
     if (is_cancelled()) return absl::CancelledError("the restore was cancelled");
     if (!turns.Going(seq)) return absl::OkStatus();  // an earlier version failed: not copied
-    return CopyOut(f, table, dest, &each[k]);
+    return CopyOut(f, table, dest, &copy_mu, &each[k]);
   };
   // Thread k does versions k, k + n, ...; the last is this thread (Export's
   // one-layer plans start no thread).
@@ -315,8 +327,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
         return;
       }
       if (absl::Status s = one(k, seq); !s.ok()) {
-        // ABORTED from the turns (the restore stopped, its status says why)
-        // changes nothing.
+        if (s == Turns::Stopped()) return;
         if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
           turns.Stop(s);
         } else {

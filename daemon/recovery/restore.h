@@ -47,8 +47,9 @@ struct RestoreDestination {
   // Whether `copy` is done by this CPU (memcpy into host memory). Then a
   // version read from disk is checksummed and copied a small piece at a
   // time, so the copy reads each piece from the cache the checksum just
-  // brought it into; else (a DMA engine copies to a GPU) in pieces of a
-  // staging chunk.
+  // brought it into, and `copy` may run on several threads at once (into
+  // different tensors). Else (a DMA engine copies to a GPU) pieces are a
+  // staging chunk and one `copy` runs at a time.
   bool copy_on_cpu = true;
 };
 

@@ -68,7 +68,7 @@ absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t 
   absl::Status s;
   image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) {
     for (uint64_t done = 0; done < n && s.ok();) {
-      const uint64_t m = std::min(piece, n - done);
+      const uint64_t m = piece == 0 ? n - done : std::min(piece, n - done);
       if (kXxh3Avx2) {
         avx2->Update(p + done, m);
       } else {

@@ -55,7 +55,7 @@ absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header);
 // XXH3-64 of `len` bytes of the image at `offset`.
 uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len);
 // HashImage that also hands the bytes on: `then(p, n)` is called for each
-// piece of at most `piece` bytes right after the piece is hashed, while it is
+// piece of at most `piece` bytes (0: no limit) right after the piece is hashed, while it is
 // still in the CPU's cache, so a caller that checksums and copies reads the
 // memory once. Stops handing on after `then` fails and returns that status;
 // else *hash is the XXH3-64.

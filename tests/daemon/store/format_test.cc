@@ -1,4 +1,5 @@
 // Tests of daemon/store/format: layout planning, header encoding and checks.
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -269,6 +270,44 @@ TEST(FormatHashTest, HashImageMatchesHashBytesAcrossChunks) {
     EXPECT_EQ(HashImage(LeaseImage(lease), off, len), HashBytes(data.data() + off, len))
         << off << "+" << len;
   }
+}
+
+// HashImageThrough is HashImage whatever the piece size, and hands on every
+// byte once, in order, in pieces no larger than asked (0: a lease chunk); it
+// stops handing on at the first failure and returns it.
+TEST(FormatHashTest, HashImageThroughIsHashImageInAnyPieces) {
+  std::unique_ptr<StagingPool> pool = MakeTestPool(4096, 4);
+  ASSERT_NE(pool, nullptr);
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease lease, pool->Acquire(4 * 4096, absl::InfiniteFuture()));
+  const std::string data = ::ckpt::testing::RandomBytes(6, 4 * 4096);
+  lease.CopyIn(0, data.data(), data.size());
+  for (uint64_t piece : {0, 1, 7, 64, 1000, 4096, 1 << 20}) {
+    for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
+             {0, 0}, {4000, 200}, {1, 3 * 4096 + 5}, {0, 4 * 4096}}) {
+      std::string seen;
+      uint64_t largest = 0, hash = 0;
+      CKPT_ASSERT_OK(HashImageThrough(
+          LeaseImage(lease), off, len, piece,
+          [&](const char* p, uint64_t n) {
+            seen.append(p, n);
+            largest = std::max(largest, n);
+            return absl::OkStatus();
+          },
+          &hash));
+      EXPECT_EQ(hash, HashImage(LeaseImage(lease), off, len)) << piece << ": " << off << "+" << len;
+      EXPECT_TRUE(seen == data.substr(off, len)) << piece << ": " << off << "+" << len;
+      EXPECT_LE(largest, piece == 0 ? 4096 : piece);
+    }
+  }
+  int calls = 0;
+  uint64_t hash = 0;
+  EXPECT_TRUE(absl::IsUnavailable(HashImageThrough(
+      LeaseImage(lease), 0, 4 * 4096, 1000,
+      [&](const char*, uint64_t) {
+        return ++calls == 3 ? absl::UnavailableError("copy failed") : absl::OkStatus();
+      },
+      &hash)));
+  EXPECT_EQ(calls, 3);
 }
 
 // The layer files' checksum is XXH3-64 whichever build of it runs: the AVX2

@@ -93,8 +93,9 @@ class PlanTest : public ::testing::Test {
         (*out)[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
       }
     }
+    // Filled above: the threads of the restore only look entries up.
     TensorDestination dest = [out](uint32_t layer, uint32_t tensor) {
-      return (*out)[{layer, tensor}].data();
+      return out->at({layer, tensor}).data();
     };
     return RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
                        pool_.get(), absl::Seconds(30), nullptr, memory);
@@ -371,6 +372,44 @@ TEST_F(PlanTest, RestoreReportsTheFirstFailureInPlanOrder) {
     // Layers before the failure arrived.
     for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
   }
+}
+
+// A version whose record vanished (ABORTED: plan again) before a corrupt
+// one is what the restore reports, however the two threads interleave.
+TEST_F(PlanTest, RestoreReportsAVanishedVersionBeforeALaterCorruptOne) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(8, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  CKPT_ASSERT_OK(index_->DeleteVersion(VersionKey{kJob, 0, 2, 10}));
+  std::string file = ::ckpt::testing::ReadFile(FilePath(5, 10));
+  file[4096 + 3] = static_cast<char>(file[4096 + 3] ^ 0x01);
+  ::ckpt::testing::WriteFile(FilePath(5, 10), file);
+  for (int i = 0; i < 20; ++i) {
+    std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+    absl::StatusOr<RestoreStats> stats = Restore(plan, table, &out);
+    CKPT_EXPECT_CODE(stats, kAborted);
+    EXPECT_NE(stats.status().message().find("layer 2"), absl::string_view::npos) << stats.status();
+    EXPECT_EQ(pool_->bytes_in_use(), 0u);
+  }
+}
+
+// A restore that cannot get staging room gives up at its deadline, holding
+// nothing.
+TEST_F(PlanTest, RestoreGivesUpAtItsDeadlineWhenThePoolHasNoRoom) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(4, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  pool_ = MakeTestPool(8192, 2);  // room for one file
+  CKPT_ASSERT_OK_AND_ASSIGN(StagingLease held, pool_->Acquire(8192, absl::InfiniteFuture()));
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  for (uint32_t l = 0; l < 4; ++l) out[{l, 0}] = std::string(5000, '\0');
+  const RestoreDestination dest(
+      [&out](uint32_t layer, uint32_t tensor) { return out.at({layer, tensor}).data(); });
+  absl::StatusOr<RestoreStats> stats =
+      RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
+                  pool_.get(), absl::Milliseconds(200));
+  CKPT_EXPECT_CODE(stats, kDeadlineExceeded);
+  EXPECT_EQ(pool_->bytes_in_use(), 8192u);  // the lease held here, nothing else
 }
 
 // A version read from disk is checksummed and copied a piece at a time: at
