@@ -249,6 +249,7 @@ void Engine::CollectMetrics() {
     m->Set(Gauge::kUidIndexUsedBytes, absl::StrCat(uid), static_cast<double>(u.index_bytes));
   }
   m->Set(Gauge::kIndexDegraded, index_->degraded() ? 1 : 0);
+  m->Set(Gauge::kIndexMemoryBytes, static_cast<double>(index_->MemoryBytes()));
   const GpuMappingStats gpu = OpenGpuMappings();
   m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));

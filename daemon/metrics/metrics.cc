@@ -149,6 +149,10 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_index_degraded", "gauge",
      "1 while the RocksDB index refuses writes after a failed write (e.g. ENOSPC) and has not "
      "reopened yet; reads go on.", "", ""},
+    {"ckpt_index_memory_bytes", "gauge",
+     "Memory the RocksDB index holds: memtables (records written since the last flush; at most "
+     "two write buffers of 64 MiB), block cache (8 MiB) and table readers' index and "
+     "filter blocks.", "", ""},
     {"ckpt_global_durable_lag_steps", "gauge",
      "Largest gap, over this node's registered ranks of multi-rank jobs, between a rank's "
      "newest step and the newest step its job's ranks last agreed is durable on every rank. "

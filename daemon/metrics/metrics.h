@@ -104,6 +104,7 @@ enum class Gauge {
   kUidDiskUsedBytes,       // ckpt_uid_disk_used_bytes{uid}
   kUidIndexUsedBytes,      // ckpt_uid_index_used_bytes{uid}
   kIndexDegraded,          // ckpt_index_degraded
+  kIndexMemoryBytes,       // ckpt_index_memory_bytes
   kGlobalDurableLagSteps,  // ckpt_global_durable_lag_steps
   kRemoteLagSteps,         // ckpt_remote_lag_steps
   kRemoteLagBytes,         // ckpt_remote_lag_bytes

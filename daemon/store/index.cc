@@ -326,6 +326,18 @@ absl::StatusOr<bool> Index::CleanStop() {
   return db_->GetLatestSequenceNumber() == before + 1;
 }
 
+uint64_t Index::MemoryBytes() {
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return 0;
+  uint64_t sum = 0;
+  for (const char* p : {"rocksdb.cur-size-all-mem-tables", "rocksdb.block-cache-usage",
+                        "rocksdb.estimate-table-readers-mem"}) {
+    uint64_t v = 0;
+    if (db_->GetIntProperty(p, &v)) sum += v;
+  }
+  return sum;
+}
+
 absl::Status Index::PutJob(const std::string& job, const store::JobRecord& rec) {
   return Put(absl::StrCat("j/", job), rec.SerializeAsString());
 }

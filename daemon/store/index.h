@@ -182,6 +182,11 @@ class Index {
   // reads with it, docs/scaling.md).
   uint64_t entries_read() const { return entries_read_.load(std::memory_order_relaxed); }
 
+  // What RocksDB holds in memory: its memtables (records written since the
+  // last flush, up to two write buffers), the block cache and the table
+  // readers' index and filter blocks. 0 while the index is closed.
+  uint64_t MemoryBytes() ABSL_LOCKS_EXCLUDED(db_mu_);
+
  private:
   Index(std::unique_ptr<rocksdb::DB> db, UniqueFd lock, std::string path, rocksdb::Env* env,
         std::shared_ptr<rocksdb::Logger> logger);

@@ -448,6 +448,23 @@ TEST_F(IndexTest, PutVersionsCountsAGroupAsItsRecords) {
   EXPECT_FALSE(none.has_value());
 }
 
+// MemoryBytes (the ckpt_index_memory_bytes gauge) sees what RocksDB keeps:
+// 2,000 records written raise it by at least their bytes (they sit in the
+// memtable until a flush).
+TEST_F(IndexTest, MemoryBytesCountsTheMemtable) {
+  const uint64_t before = index_->MemoryBytes();
+  std::vector<VersionKey> keys;
+  std::vector<store::VersionRecord> recs;
+  uint64_t written = 0;
+  for (uint64_t step = 1; step <= 2000; ++step) {
+    keys.push_back({"job", 1, 0, step});
+    recs.push_back(RecOfBytes(4096));
+    written += recs.back().ByteSizeLong();
+  }
+  CKPT_ASSERT_OK(index_->PutVersions(keys, recs));
+  EXPECT_GE(index_->MemoryBytes(), before + written);
+}
+
 // ForEachVersionAfter reads one entry per layer plus what it finds, not the
 // history below the step: 3 layers of 2,000 versions each, the last 5 of
 // each found in 3 + 15 entries (a scan would read 6,000).
