@@ -139,9 +139,11 @@ def main():
     print("  memory/disk speed-up %.1fx; disk restore / raw O_DIRECT read = %.2f" %
           (med["disk"] / med["memory"], med["raw"] / med["disk"]))
     # What a memory restore still reads is the index (RocksDB blocks of the
-    # plan's records), never a layer file.
-    harness.check(all(rb <= 256 << 10 for _, _, rb in rows["memory"]),
-                  "a restore from the memory tier reads no layer file (at most index blocks)")
+    # plan's records, and whatever a background compaction reads meanwhile:
+    # 464 KiB was seen once), never a layer file, which ckptd reads whole.
+    harness.check(all(rb < (args.layer_mib << 20) // 4 for _, _, rb in rows["memory"]),
+                  "a restore from the memory tier reads no layer file (less than a quarter "
+                  "of one: index blocks)")
     import shutil
     shutil.rmtree(root, ignore_errors=True)
 
