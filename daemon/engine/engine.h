@@ -214,9 +214,13 @@ class Engine {
   absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
                                    const Caller& caller, bool discard_later = false);
   // Ends the registration; with `drain`, first waits (until `deadline`) for
-  // its staged versions to become durable.
+  // its staged versions to become durable. Without, the engine keeps the
+  // rank until they are written, then forgets it.
   absl::Status Unregister(const RankRef& rank, bool drain, const Caller& caller,
                           absl::Time deadline);
+  // Ranks the engine holds: the registered ones, and those unregistered
+  // without drain whose staged versions are still being written.
+  size_t RanksHeld();
   // Ends a rank's registration on behalf of an operator (owner or root),
   // without its generation: its memory is released and its staged versions
   // are written first (bounded by drain_timeout). Returns the generation that
@@ -369,6 +373,12 @@ class Engine {
   //      checkpoint events, the durable step behind WaitDurable ----
   void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
+  // Drops `r` from ranks_ once it is unregistered and idle (Rank::Idle):
+  // nothing else would, and every unregistered job would stay in memory
+  // and in every walk over ranks_ for good. REQUIRES: r->mu held too (Rank
+  // is incomplete here for the annotation), and a reference to `r` of the
+  // caller's own (the map's may be the last but one).
+  void ForgetIfDoneLocked(const std::shared_ptr<Rank>& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AdvanceEvents(const std::shared_ptr<Rank>& r);
 
   // Start-up: the per-uid quotas and what the index holds for each uid.

@@ -338,9 +338,14 @@ absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& c
     absl::MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
     EndRegistrationLocked(*r, "unregistered", &closing);
+    if (!drain) {
+      absl::MutexLock rank_lock(&r->mu);
+      ForgetIfDoneLocked(r);
+    }
   }
-  // Without drain the rank stays (inactive) until its staged versions are
-  // written: the next Register of it drains it first.
+  // Without drain a rank still writing stays (inactive) until its staged
+  // versions are written (the last one to finish forgets it), and a Register
+  // of it meanwhile drains it first.
   if (drain) {
     CKPT_RETURN_IF_ERROR(DrainAndForget(r, deadline));
   } else if (options_.metrics != nullptr) {
@@ -361,6 +366,18 @@ void Engine::EndRegistrationLocked(Rank& r, const std::string& why,
   // Its directory's descriptor too: writes still running hold their own,
   // and the next registration of the rank opens it again.
   store_->ForgetRankDir(r.job, r.rank);
+}
+
+void Engine::ForgetIfDoneLocked(const std::shared_ptr<Rank>& r) {
+  r->mu.AssertHeld();
+  if (r->active || !r->Idle()) return;
+  auto it = ranks_.find(RankKey(r->job, r->rank));
+  if (it != ranks_.end() && it->second == r) ranks_.erase(it);
+}
+
+size_t Engine::RanksHeld() {
+  absl::MutexLock lock(&mu_);
+  return ranks_.size();
 }
 
 absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline) {

@@ -144,6 +144,7 @@ void Engine::SnapshotLoop() {
       } else {
         r->snap_queue.clear();  // nobody will send the global vectors
         r->snap_busy = false;
+        ForgetIfDoneLocked(r);
       }
       continue;
     }
@@ -151,6 +152,7 @@ void Engine::SnapshotLoop() {
       snapshot_ready_.push_back(r);
     } else {
       r->snap_busy = false;
+      ForgetIfDoneLocked(r);  // unregistered meanwhile, and nothing was staged
     }
   }
 }

@@ -28,7 +28,7 @@ void Engine::Rank::ReleaseDeferred() {
 
 absl::Status Engine::Rank::Drain(absl::Time deadline) {
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return (snap_queue.empty() && !snap_busy && pending.empty()) || stopping;
+    return Idle() || stopping;
   };
   if (!mu.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
     return absl::UnavailableError(

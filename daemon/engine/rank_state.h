@@ -180,8 +180,12 @@ struct Engine::Rank {
   // Drops the steps parked for SetGlobalDrift (their trainer is gone).
   // REQUIRES: Engine::mu_ as well (snap_busy pairs with snapshot_ready_).
   void ReleaseDeferred() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Waits until nothing of the rank is queued, being snapshotted or being
-  // written. UNAVAILABLE at `deadline`; kShuttingDown when ckptd stops.
+  // Nothing of the rank is queued, being snapshotted or being written.
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return snap_queue.empty() && !snap_busy && pending.empty();
+  }
+  // Waits until Idle(). UNAVAILABLE at `deadline`; kShuttingDown when ckptd
+  // stops.
   absl::Status Drain(absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // FAILED_PRECONDITION when `step` was never reported to this registration
   // (a wait for it could never end).

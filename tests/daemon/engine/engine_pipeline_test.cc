@@ -473,6 +473,41 @@ TEST_F(EnginePipelineTest, UnregisterWithoutDrainIsDrainedByTheNextRegistration)
   EXPECT_EQ(durable, 4u);
 }
 
+// An unregistered rank is forgotten once nothing of it is left to write:
+// at once when it is idle, else when its last staged version is written
+// (it stayed in the engine's table, and in every walk over it, for good).
+TEST_F(EnginePipelineTest, UnregisterWithoutDrainForgetsTheRankOnceItsVersionsAreWritten) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank idle = MakeRank("idle", 2);
+  CKPT_ASSERT_OK(Register(&idle).status());
+  CKPT_ASSERT_OK(StepDone(idle, 1));
+  CKPT_ASSERT_OK(WaitSnapshot(idle, 1).status());
+  CKPT_ASSERT_OK(WaitDurable(idle, 1).status());
+  EXPECT_EQ(engine_->RanksHeld(), 1u);
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(idle), /*drain=*/false, owner_, absl::Now() + kWait));
+  EXPECT_EQ(engine_->RanksHeld(), 0u);
+
+  sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"}});
+  TestRank busy = MakeRank("busy", 2);
+  CKPT_ASSERT_OK(Register(&busy).status());
+  CKPT_ASSERT_OK(StepDone(busy, 1));
+  CKPT_ASSERT_OK(WaitSnapshot(busy, 1).status());
+  CKPT_ASSERT_OK(engine_->Unregister(Ref(busy), /*drain=*/false, owner_, absl::Now() + kWait));
+  EXPECT_EQ(engine_->RanksHeld(), 1u);  // its 2 versions are held back
+  EXPECT_EQ(engine_->GetStatus().versions_committed(), 2u);  // the idle rank's
+  CKPT_SYNC_POINT(kReleaseWriter);
+  for (const absl::Time deadline = absl::Now() + kWait;
+       engine_->RanksHeld() != 0 && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(engine_->RanksHeld(), 0u);
+  EXPECT_EQ(engine_->GetStatus().versions_committed(), 4u);
+  // Its step became durable meanwhile: a new registration finds it.
+  TestRank again = MakeRank("busy", 2);
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg, Register(&again));
+  EXPECT_EQ(reg.latest_durable_step, 1u);
+}
+
 // Retention by age reads the engine's clock: with the test's clock, events
 // age by hours without anyone waiting, and GC keeps exactly what the policy
 // says at each moment.
