@@ -164,6 +164,12 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
       EndRegistrationLocked(*r, "the job is being deleted", &closing);
       ended.push_back(r);
     }
+    // The idle ones go now; the others when drained below, or (a drain that
+    // timed out) when their last version is written.
+    for (const std::shared_ptr<Rank>& r : ended) {
+      absl::MutexLock rank_lock(&r->mu);
+      ForgetIfDoneLocked(r);
+    }
     deleting_jobs_.insert(job);
   }
   struct Undelete {
