@@ -387,8 +387,8 @@ absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time d
     CKPT_RETURN_IF_ERROR(r->Drain(deadline));
   }
   absl::MutexLock lock(&mu_);
-  auto it = ranks_.find(RankKey(r->job, r->rank));
-  if (it != ranks_.end() && it->second == r) ranks_.erase(it);
+  absl::MutexLock rank_lock(&r->mu);
+  ForgetIfDoneLocked(r);  // idle and inactive now
   return absl::OkStatus();
 }
 

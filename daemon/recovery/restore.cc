@@ -260,20 +260,17 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDe
       out += n;
       return s;
     };
-    const uint64_t offset = f.decoded.layout.header_bytes + t->offset();
     if (verify) {
-      uint64_t hash = 0;
       const uint64_t piece = dest.copy_on_cpu ? kVerifyPieceBytes : src.chunk_bytes();
-      CKPT_RETURN_IF_ERROR(HashImageThrough(image, offset, t->nbytes(), piece, copy_piece, &hash));
-      if (hash != t->xxh3()) {
-        return WithLayer(lp, absl::DataLossError(absl::StrCat("checksum mismatch in tensor '",
-                                                              t->name(), "'")));
+      if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {
+        return WithLayer(lp, s);
       }
     } else {
       absl::Status s;
-      src.ForEachPiece(offset, t->nbytes(), [&](const char* piece, uint64_t n) {
-        if (s.ok()) s = copy_piece(piece, n);
-      });
+      src.ForEachPiece(f.decoded.layout.header_bytes + t->offset(), t->nbytes(),
+                       [&](const char* piece, uint64_t n) {
+                         if (s.ok()) s = copy_piece(piece, n);
+                       });
       CKPT_RETURN_IF_ERROR(s);
     }
     stats->bytes += t->nbytes();

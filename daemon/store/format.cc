@@ -43,18 +43,6 @@ uint64_t HashBytes(const void* data, uint64_t len) {
   return kXxh3Avx2 ? xxh3_avx2::Hash(data, len) : XXH3_64bits(data, len);
 }
 
-uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len) {
-  if (kXxh3Avx2) {
-    xxh3_avx2::Stream stream;
-    image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { stream.Update(p, n); });
-    return stream.Digest();
-  }
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  image.ForEachPiece(offset, len, [&](const char* p, uint64_t n) { XXH3_64bits_update(&state, p, n); });
-  return XXH3_64bits_digest(&state);
-}
-
 absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t len, uint64_t piece,
                               const std::function<absl::Status(const char*, uint64_t)>& then,
                               uint64_t* hash) {
@@ -81,6 +69,13 @@ absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t 
   CKPT_RETURN_IF_ERROR(s);
   *hash = kXxh3Avx2 ? avx2->Digest() : XXH3_64bits_digest(&state);
   return absl::OkStatus();
+}
+
+uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len) {
+  uint64_t hash = 0;
+  (void)HashImageThrough(image, offset, len, /*piece=*/0,
+                         [](const char*, uint64_t) { return absl::OkStatus(); }, &hash);
+  return hash;
 }
 
 absl::StatusOr<VersionLayout> PlanLayout(store::LayerFileHeader* header) {
@@ -193,13 +188,23 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file
   return d;
 }
 
+absl::Status VerifyTensor(const DecodedHeader& d, const store::TensorEntry& t,
+                          const ByteImage& image, uint64_t piece,
+                          const std::function<absl::Status(const char*, uint64_t)>& then) {
+  uint64_t hash = 0;
+  CKPT_RETURN_IF_ERROR(
+      HashImageThrough(image, d.layout.header_bytes + t.offset(), t.nbytes(), piece, then, &hash));
+  if (hash != t.xxh3()) {
+    return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(), "' of layer ",
+                                            d.header.layer(), " step ", d.header.step()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status VerifyPayload(const DecodedHeader& d, const ByteImage& image) {
   for (const store::TensorEntry& t : d.header.tensors()) {
-    uint64_t h = HashImage(image, d.layout.header_bytes + t.offset(), t.nbytes());
-    if (h != t.xxh3()) {
-      return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(), "' of layer ",
-                                              d.header.layer(), " step ", d.header.step()));
-    }
+    CKPT_RETURN_IF_ERROR(VerifyTensor(d, t, image, /*piece=*/0,
+                                      [](const char*, uint64_t) { return absl::OkStatus(); }));
   }
   return absl::OkStatus();
 }

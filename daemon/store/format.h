@@ -91,5 +91,11 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file
 // Verifies every tensor's XXH3-64 against the payload in `image`.
 // DATA_LOSS naming the first tensor that does not match.
 absl::Status VerifyPayload(const DecodedHeader& decoded, const ByteImage& image);
+// Verifies tensor `t` of `decoded`, handing its bytes to `then` on the way
+// (HashImageThrough): DATA_LOSS naming it when it does not match, after
+// `then` saw every byte.
+absl::Status VerifyTensor(const DecodedHeader& decoded, const store::TensorEntry& t,
+                          const ByteImage& image, uint64_t piece,
+                          const std::function<absl::Status(const char*, uint64_t)>& then);
 
 }  // namespace ckpt

@@ -128,6 +128,14 @@ class PlanTest : public ::testing::Test {
     return absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/", files_[{layer, step}]);
   }
 
+  // XORs byte `offset` of the file of (layer, step) with `mask`.
+  void FlipByte(uint32_t layer, uint64_t step, uint64_t offset, char mask) {
+    std::string file = ::ckpt::testing::ReadFile(FilePath(layer, step));
+    ASSERT_LT(offset, file.size());
+    file[offset] = static_cast<char>(file[offset] ^ mask);
+    ::ckpt::testing::WriteFile(FilePath(layer, step), file);
+  }
+
   TempDir tmp_;
   std::unique_ptr<IoBackend> io_;
   std::unique_ptr<IoBackend> io2_;
@@ -292,12 +300,7 @@ TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   // Corrupt the last byte of layer 1's (step 25) payload.
-  const std::string path = absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/",
-                                        files_[{1, 25}]);
-  std::string file = ::ckpt::testing::ReadFile(path);
-  ASSERT_GT(file.size(), 4096u + 5000u);
-  file[4096 + 4999] = static_cast<char>(file[4096 + 4999] ^ 1);
-  ::ckpt::testing::WriteFile(path, file);
+  ASSERT_NO_FATAL_FAILURE(FlipByte(1, 25, 4096 + 4999, 1));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   absl::StatusOr<RestoreStats> stats = Restore(plan, table_, &out);
   CKPT_EXPECT_CODE(stats, kDataLoss);
@@ -359,9 +362,7 @@ TEST_F(PlanTest, RestoreReportsTheFirstFailureInPlanOrder) {
   store::RankRecord table;
   ASSERT_NO_FATAL_FAILURE(CommitWide(8, &table));
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
-  std::string file = ::ckpt::testing::ReadFile(FilePath(3, 10));
-  file[4096 + 17] = static_cast<char>(file[4096 + 17] ^ 0x40);
-  ::ckpt::testing::WriteFile(FilePath(3, 10), file);
+  ASSERT_NO_FATAL_FAILURE(FlipByte(3, 10, 4096 + 17, 0x40));
   ASSERT_EQ(::unlink(FilePath(4, 10).c_str()), 0);
   for (int i = 0; i < 20; ++i) {
     std::map<std::pair<uint32_t, uint32_t>, std::string> out;
@@ -381,9 +382,7 @@ TEST_F(PlanTest, RestoreReportsAVanishedVersionBeforeALaterCorruptOne) {
   ASSERT_NO_FATAL_FAILURE(CommitWide(8, &table));
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
   CKPT_ASSERT_OK(index_->DeleteVersion(VersionKey{kJob, 0, 2, 10}));
-  std::string file = ::ckpt::testing::ReadFile(FilePath(5, 10));
-  file[4096 + 3] = static_cast<char>(file[4096 + 3] ^ 0x01);
-  ::ckpt::testing::WriteFile(FilePath(5, 10), file);
+  ASSERT_NO_FATAL_FAILURE(FlipByte(5, 10, 4096 + 3, 0x01));
   for (int i = 0; i < 20; ++i) {
     std::map<std::pair<uint32_t, uint32_t>, std::string> out;
     absl::StatusOr<RestoreStats> stats = Restore(plan, table, &out);
@@ -466,13 +465,9 @@ TEST_F(PlanTest, RestoreChecksumsWhatItCopiesPieceByPiece) {
     }
   }
 
-  std::string file = ::ckpt::testing::ReadFile(FilePath(0, 10));
   // Tensor 1 starts 64-byte aligned after tensor 0 in the payload (after a
   // 4096-byte header); flip a byte 1.5 MiB into it.
-  const uint64_t deep = 4096 + AlignUp(sizes[0], 64) + (3 << 19);
-  ASSERT_LT(deep, file.size());
-  file[deep] = static_cast<char>(file[deep] ^ 0x10);
-  ::ckpt::testing::WriteFile(FilePath(0, 10), file);
+  ASSERT_NO_FATAL_FAILURE(FlipByte(0, 10, 4096 + AlignUp(sizes[0], 64) + (3 << 19), 0x10));
   for (bool cpu : {true, false}) {
     std::vector<std::string> out = {std::string(sizes[0], '\0'), std::string(sizes[1], '\0')};
     const RestoreDestination dest([&out](uint32_t, uint32_t tensor) { return out[tensor].data(); },
