@@ -719,6 +719,16 @@ def sweep_memory(work, quick, check):
             deadline = time.time() + 60
             while time.time() < deadline and d.ctl("status").get("registered_ranks", 0) != 0:
                 time.sleep(0.1)
+            # The server closes a connection when it reads the peer's end,
+            # on its own thread: the ckptctl that just reported 0 ranks may
+            # still hold one. Wait, bounded, without opening another.
+            held = ("socket", "memfd", "anon_inode:[pidfd]", "directory")
+
+            def given_back():
+                after = fd_kinds(pid)
+                return all(after.get(k, 0) <= base["fd_kinds"].get(k, 0) for k in held)
+            while time.time() < deadline and not given_back():
+                time.sleep(0.1)
             st = proc_status(pid)
             row["rss_after"] = kib(st["VmRSS"])
             row["fds_after"] = open_fds(pid)
@@ -733,7 +743,7 @@ def sweep_memory(work, quick, check):
                       row["threads_after"]))
             # What a registration holds (its connection, memfd regions, the
             # trainer's pidfd, its rank directory) is given back.
-            for kind in ("socket", "memfd", "anon_inode:[pidfd]", "directory"):
+            for kind in held:
                 check(row["fd_kinds_after"].get(kind, 0) <= base["fd_kinds"].get(kind, 0),
                       "memory %d ranks: %s descriptors back to %d after unregister (%d)" % (
                           n, kind, base["fd_kinds"].get(kind, 0), row["fd_kinds_after"].get(kind, 0)))
