@@ -88,6 +88,10 @@ class UringBackend final : public IoBackend {
   absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
     return Run(fd, segments, /*write=*/false, nullptr);
   }
+  absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                 const std::function<void()>& overlap) override {
+    return Run(fd, segments, /*write=*/false, &overlap);
+  }
 
  private:
   struct Op {
@@ -148,7 +152,7 @@ class UringBackend final : public IoBackend {
         }
       }
       if (overlap != nullptr) {
-        // Once, while the first writes are in flight.
+        // Once, while the first transfers are in flight.
         (*overlap)();
         overlap = nullptr;
       }

@@ -46,6 +46,14 @@ class IoBackend {
   }
   // A read that hits end of file before a segment is full is DATA_LOSS.
   virtual absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) = 0;
+  // ReadAll that runs `overlap` on the calling thread while the reads are in
+  // flight, as WriteAllOverlapped does; `overlap` must not touch the
+  // segments' bytes. It has run when the call returns OK.
+  virtual absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                         const std::function<void()>& overlap) {
+    overlap();
+    return ReadAll(fd, segments);
+  }
 };
 
 enum class IoBackendKind { kAuto, kUring, kPwrite };

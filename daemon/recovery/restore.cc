@@ -32,18 +32,20 @@ struct Fetched {
   StagingLease lease;
 };
 
-// The order the threads of one restore keep. Each thread reads a version,
-// checks it and copies it out, then goes on with its next one: while one
-// thread checksums and copies, the other's reads keep the disk busy, each
-// with its own queue (a restore that read, then checked, then copied was the
-// sum of the disk and the CPU, about 0.5 of a raw read of the same files),
-// and at the end only the last version's copy is left, not every version
-// read ahead.
+// The order the threads of one restore keep. Each thread reads a version
+// and, while those reads are in flight, checks and copies out the version it
+// read before; then it goes on with its next one. The disk always has reads
+// queued: a thread that read a version whole and only then checked and
+// copied it left the disk idle whenever both threads copied at once, and two
+// threads that start together stay in step (0.80 of the time reading in
+// one traced restore). At the end only the last version's copy is left.
 //
 // Versions take staging leases and memory-tier images in plan order
-// (TakeTurn/EndTurn), and only the oldest unfinished one may wait for room:
-// every version holding a lease or an image is then older and finishes on
-// its own, so a pool with room for one version never deadlocks.
+// (TakeTurn/EndTurn), and only the oldest unfinished one may wait for room.
+// A thread finishes the version it holds before it waits for anything (its
+// turn, or room): every version holding a lease or an image is then older
+// than the one waiting and finishes on its own, so a pool with room for one
+// version never deadlocks.
 class Turns {
  public:
   explicit Turns(size_t count) : end_(count) {}
@@ -57,6 +59,11 @@ class Turns {
     if (!mu_.AwaitWithDeadline(absl::Condition(&turn), deadline)) return Late();
     if (stopped_ || seq >= end_) return Stopped();
     return absl::OkStatus();
+  }
+  // Whether TakeTurn(seq) would return at once.
+  bool MayTakeTurn(size_t seq) {
+    absl::MutexLock lock(&mu_);
+    return stopped_ || seq >= end_ || turn_ == seq;
   }
   void EndTurn(size_t seq) {
     absl::MutexLock lock(&mu_);
@@ -137,12 +144,14 @@ absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
                                              ": ", s.message()));
 }
 
-// First half: looks version `seq` up and takes its bytes from memory (a
-// checked image) or from disk (unchecked).
-absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const PlannedLayer& lp,
-                              const store::RankRecord& table, Index* index, LayerStore* store,
-                              IoBackend* io, StagingPool* pool, absl::Time deadline,
-                              const MemorySource& memory, Turns* turns) {
+// First half: looks version `seq` up and takes the place of its bytes: a
+// checked image from the memory tier, or a staging lease its file is then
+// read into. `before_wait` runs before this thread waits for its turn or for
+// room.
+absl::StatusOr<Fetched> Claim(size_t seq, const CompositePlan& plan, const PlannedLayer& lp,
+                              const store::RankRecord& table, Index* index, StagingPool* pool,
+                              absl::Time deadline, const MemorySource& memory, Turns* turns,
+                              const std::function<void()>& before_wait) {
   if (lp.layer >= static_cast<uint32_t>(table.layers_size())) {
     return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
   }
@@ -159,6 +168,7 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
   // image of the memory tier is taken in turn too: one held by a later
   // version would keep its chunks from the oldest, waiting below for room
   // the tier gives back.
+  if (!turns->MayTakeTurn(seq)) before_wait();
   CKPT_RETURN_IF_ERROR(turns->TakeTurn(seq, deadline));
   // From memory when the image there checks, else from disk.
   f.image = memory ? memory(f.key, f.rec) : nullptr;
@@ -176,12 +186,13 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
     turns->EndTurn(seq);
     return f;
   }
-  // A version read while an older one is unfinished takes free room only;
-  // the oldest may also take room back from the memory tier, and wait for
-  // it. (A restore that evicted the tier to read ahead would leave the
+  // A version claimed while an older one is unfinished takes free room
+  // only; the oldest may also take room back from the memory tier, and wait
+  // for it. (A restore that evicted the tier to read ahead would leave the
   // newest step on disk.)
   std::optional<StagingLease> free_room = pool->TryAcquire(f.rec.file_bytes());
   if (!free_room.has_value()) {
+    before_wait();
     if (absl::Status s = turns->WaitUntilOldest(seq, deadline); !s.ok()) {
       turns->EndTurn(seq);
       return s;
@@ -195,9 +206,6 @@ absl::StatusOr<Fetched> Fetch(size_t seq, const CompositePlan& plan, const Plann
   }
   turns->EndTurn(seq);
   f.lease = *std::move(free_room);
-  if (absl::Status s = store->ReadUnchecked(f.key, f.rec, io, f.lease); !s.ok()) {
-    return WithLayer(lp, s);
-  }
   return f;
 }
 
@@ -303,37 +311,59 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   absl::Mutex copy_mu;
   std::vector<RestoreStats> each(threads_wanted);  // one per thread, summed after the joins
 
-  // Reads, checks and copies version `seq` with io[k]; its lease is back
-  // on return.
-  auto one = [&](size_t k, size_t seq) -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(Fetched f, Fetch(seq, plan, plan.layers[seq], table, index, store, io[k],
-                                           pool, deadline, memory, &turns));
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError("the restore did not finish in time");
+  // How version `seq` ended: a failure stops the versions after it, a
+  // deadline or a cancellation every version.
+  auto record = [&](size_t seq, const absl::Status& s) {
+    if (s.ok()) {
+      turns.Finished(seq);
+    } else if (s == Turns::Stopped()) {
+      // An earlier version failed or the restore stopped: Result() says why.
+    } else if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
+      turns.Stop(s);
+    } else {
+      turns.Fail(seq, s);
     }
-    if (is_cancelled()) return absl::CancelledError("the restore was cancelled");
-    if (!turns.Going(seq)) return absl::OkStatus();  // an earlier version failed: not copied
-    return CopyOut(f, table, dest, &copy_mu, &each[k]);
   };
-  // Thread k does versions k, k + n, ...; the last is this thread (Export's
-  // one-layer plans start no thread).
+  // Thread k does versions k, k + n, ... with io[k]; the last is this
+  // thread (Export's one-layer plans start no thread).
   auto run = [&](size_t k) {
+    std::optional<Fetched> held;  // read (or from memory), not yet copied out
+    size_t held_seq = 0;
+    // Checks and copies out the held version, unless an earlier one failed
+    // or the restore stopped; its lease goes back either way.
+    auto finish_held = [&] {
+      if (!held.has_value()) return;
+      absl::Status s;
+      if (turns.Going(held_seq)) s = CopyOut(*held, table, dest, &copy_mu, &each[k]);
+      held.reset();
+      record(held_seq, s);
+    };
     for (size_t seq = k; seq < count; seq += threads_wanted) {
       if (is_cancelled()) {
         turns.Stop(absl::CancelledError("the restore was cancelled"));
+        break;
+      }
+      absl::StatusOr<Fetched> f = Claim(seq, plan, plan.layers[seq], table, index, pool, deadline,
+                                        memory, &turns, finish_held);
+      absl::Status s = f.status();
+      if (s.ok() && f->image == nullptr) {
+        // The held version is copied out while these reads are in flight.
+        s = store->ReadUnchecked(f->key, f->rec, io[k], f->lease, finish_held);
+        if (!s.ok()) s = WithLayer(*f->lp, s);
+      }
+      finish_held();  // where no read ran it (memory, or a failure first)
+      if (s.ok() && absl::Now() >= deadline) {
+        s = absl::DeadlineExceededError("the restore did not finish in time");
+      }
+      if (s.ok() && is_cancelled()) s = absl::CancelledError("the restore was cancelled");
+      if (!s.ok()) {
+        record(seq, s);
         return;
       }
-      if (absl::Status s = one(k, seq); !s.ok()) {
-        if (s == Turns::Stopped()) return;
-        if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
-          turns.Stop(s);
-        } else {
-          turns.Fail(seq, s);
-        }
-        return;
-      }
-      turns.Finished(seq);
+      held = *std::move(f);
+      held_seq = seq;
     }
+    finish_held();
   };
   std::vector<std::thread> threads;
   for (size_t k = 0; k + 1 < threads_wanted; ++k) threads.emplace_back(run, k);

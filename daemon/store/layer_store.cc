@@ -349,7 +349,8 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
 }
 
 absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec,
-                                       IoBackend* io, const StagingLease& lease) {
+                                       IoBackend* io, const StagingLease& lease,
+                                       const std::function<void()>& overlap) {
   CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
   const int dir = dir_ref->get();
   bool direct_used = false;
@@ -369,6 +370,7 @@ absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::Versi
     return absl::InvalidArgumentError(absl::StrCat("a lease of ", lease.capacity(),
                                                    " bytes cannot hold ", rec.file(), " (", size, ")"));
   }
+  if (overlap) return io->ReadAllOverlapped(fd->get(), LeaseSegments(lease, 0, size), overlap);
   return io->ReadAll(fd->get(), LeaseSegments(lease, 0, size));
 }
 

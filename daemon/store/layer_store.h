@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -175,9 +176,12 @@ class LayerStore {
   // rec.file_bytes() long; the caller took it from the pool): Read() without
   // CheckImage, for a caller that checks them elsewhere (a restore checks on
   // the thread that copies them out). DATA_LOSS when the file is missing or
-  // its size is not the record's.
+  // its size is not the record's. A non-empty `overlap` runs on the calling
+  // thread while the reads are in flight (IoBackend::ReadAllOverlapped); it
+  // has run when the call returns OK.
   absl::Status ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec, IoBackend* io,
-                             const StagingLease& lease);
+                             const StagingLease& lease,
+                             const std::function<void()>& overlap = nullptr);
 
   // The committed file of `rec`, opened for reading (buffered) after
   // checking its size: what the remote tier uploads. DATA_LOSS when it is

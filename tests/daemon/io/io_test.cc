@@ -10,6 +10,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/unique_fd.h"
@@ -168,6 +169,44 @@ TEST_P(IoBackendTest, ManySegmentsBeyondQueueDepth) {
     ASSERT_EQ(r.seg.offset, w.seg.offset);
     EXPECT_EQ(std::memcmp(r.seg.buf, w.seg.buf, 4096), 0) << "offset " << w.seg.offset;
   }
+}
+
+// The overlapped twins run their work exactly once, on the calling thread
+// (io_uring: while the first transfers are in flight), and move the same
+// bytes as WriteAll and ReadAll; with nothing to transfer the work still runs.
+TEST_P(IoBackendTest, OverlappedTransfersRunTheirWorkOnce) {
+  std::mt19937_64 rng(0x5eed06);
+  constexpr size_t kCount = 3 * kQueueDepth + 1;
+  std::vector<OwnedSegment> written;
+  for (size_t i = 0; i < kCount; ++i) written.push_back(MakeSegment(&rng, 8192, i * 8192));
+  const std::thread::id caller = std::this_thread::get_id();
+  int runs = 0;
+  auto work = [&] {
+    ++runs;
+    EXPECT_EQ(std::this_thread::get_id(), caller);
+  };
+  {
+    UniqueFd fd = CreateDirect("overlapped");
+    ASSERT_TRUE(fd.valid());
+    CKPT_ASSERT_OK(io_->WriteAllOverlapped(fd.get(), Segments(written), work));
+  }
+  EXPECT_EQ(runs, 1);
+  std::vector<OwnedSegment> read;
+  for (size_t i = 0; i < kCount; ++i) {
+    OwnedSegment r;
+    r.mem = AllocAligned(8192);
+    r.seg = IoSegment{r.mem.get(), 8192, i * 8192};
+    read.push_back(std::move(r));
+  }
+  UniqueFd rfd = OpenRead("overlapped");
+  ASSERT_TRUE(rfd.valid());
+  CKPT_ASSERT_OK(io_->ReadAllOverlapped(rfd.get(), Segments(read), work));
+  EXPECT_EQ(runs, 2);
+  for (size_t i = 0; i < kCount; ++i) {
+    EXPECT_EQ(std::memcmp(read[i].seg.buf, written[i].seg.buf, 8192), 0) << "segment " << i;
+  }
+  CKPT_ASSERT_OK(io_->ReadAllOverlapped(rfd.get(), {}, work));
+  EXPECT_EQ(runs, 3);
 }
 
 TEST_P(IoBackendTest, ZeroSegmentsAndEmptySegments) {

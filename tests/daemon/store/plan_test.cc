@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -308,8 +309,9 @@ TEST_F(PlanTest, RestoreFailsClosedOnCorruption) {
 }
 
 // Two readers and a pool with room for one version at a time: versions take
-// their leases in plan order, so the one the copier waits for is never
-// starved by a later one (a deadlock would end at the 30 s deadline).
+// their leases in plan order, and a thread finishes the version it holds
+// before it waits for room, so the oldest is never starved by a later one (a
+// deadlock would end at the 30 s deadline).
 TEST_F(PlanTest, RestoreWithTwoReadersNeedsRoomForOneVersionOnly) {
   store::RankRecord table;
   ASSERT_NO_FATAL_FAILURE(CommitWide(12, &table));
@@ -318,6 +320,18 @@ TEST_F(PlanTest, RestoreWithTwoReadersNeedsRoomForOneVersionOnly) {
   pool_ = MakeTestPool(8192, 2);  // one file: 4096 header + 5000 payload
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, Restore(plan, table, &out));
+  EXPECT_EQ(stats.bytes, 12u * 5000u);
+  for (uint32_t l = 0; l < 12; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+
+  // One reader, which would hold the version it copies out while it reads
+  // the next: with no room for both it copies first.
+  for (auto& [where, bytes] : out) bytes.assign(bytes.size(), '\0');
+  const RestoreDestination dest(
+      [&out](uint32_t layer, uint32_t tensor) { return out.at({layer, tensor}).data(); });
+  IoBackend* one[] = {io_.get()};
+  CKPT_ASSERT_OK_AND_ASSIGN(stats, RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
+                                               pool_.get(), absl::Seconds(30)));
   EXPECT_EQ(stats.bytes, 12u * 5000u);
   for (uint32_t l = 0; l < 12; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
   EXPECT_EQ(pool_->bytes_in_use(), 0u);
@@ -409,6 +423,68 @@ TEST_F(PlanTest, RestoreGivesUpAtItsDeadlineWhenThePoolHasNoRoom) {
                   pool_.get(), absl::Milliseconds(200));
   CKPT_EXPECT_CODE(stats, kDeadlineExceeded);
   EXPECT_EQ(pool_->bytes_in_use(), 8192u);  // the lease held here, nothing else
+}
+
+// An IoBackend that logs where each read begins and ends, and passes it on.
+class ReadLog final : public IoBackend {
+ public:
+  explicit ReadLog(std::vector<std::string>* log) : base_(MakePwriteBackend()), log_(log) {}
+  const char* Name() const override { return "read-log"; }
+  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
+    return base_->WriteAll(fd, segments);
+  }
+  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
+    log_->push_back("read");
+    absl::Status s = base_->ReadAll(fd, segments);
+    log_->push_back("read done");
+    return s;
+  }
+  absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                 const std::function<void()>& overlap) override {
+    log_->push_back("read");
+    overlap();
+    absl::Status s = base_->ReadAll(fd, segments);
+    log_->push_back("read done");
+    return s;
+  }
+
+ private:
+  const std::unique_ptr<IoBackend> base_;
+  std::vector<std::string>* const log_;
+};
+
+// A restore thread checks and copies out the version it read while its next
+// version's reads are in flight, so the disk is not idle during copies; the
+// last version is copied after its read.
+TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(3, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  std::vector<std::string> log;  // one restore thread: no lock
+  ReadLog io(&log);
+  std::vector<std::string> out(3, std::string(5000, '\0'));
+  const RestoreDestination dest(
+      [&out](uint32_t layer, uint32_t) { return out.at(layer).data(); },
+      [&](char* dst, const char* src, uint64_t n) {
+        // Each 5000-byte tensor is one piece: `dst` is where its layer goes.
+        for (size_t l = 0; l < out.size(); ++l) {
+          if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
+        }
+        std::memcpy(dst, src, n);
+        return absl::OkStatus();
+      },
+      /*copy_on_cpu=*/true);
+  IoBackend* one[] = {&io};
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
+                            RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
+                                        pool_.get(), absl::Seconds(30)));
+  EXPECT_EQ(stats.bytes, 3u * 5000u);
+  const std::vector<std::string> want = {"read", "read done", "read",      "copy 0",
+                                         "read done", "read", "copy 1", "read done",
+                                         "copy 2"};
+  EXPECT_EQ(log, want);
+  for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
 }
 
 // A version read from disk is checksummed and copied a piece at a time: at
