@@ -291,7 +291,7 @@ class Bench {
     ckpt::StagingPoolOptions po;
     po.chunk_bytes = a_.chunk_bytes;
     // Writers hold two leases each; a restore holds up to kRestoreLeases per
-    // rank (read ahead, checking, copying) and a raw reader one.
+    // rank and a raw reader one.
     po.budget_bytes = (uint64_t{2} * a_.writers + uint64_t{kRestoreLeases + 1} * a_.ranks) *
                       lease_bytes;
     po.lock_memory = false;  // locking does not change write speed; avoids RLIMIT noise
@@ -448,6 +448,7 @@ class Bench {
     }
     absl::Mutex mu;
     absl::Status first_error;
+    double reading_share = 1;  // the lowest of the ranks'
     const double cpu = ProcessCpuSeconds();
     absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
       ckpt::HostMemory& mem = memory[r];
@@ -463,12 +464,15 @@ class Bench {
       if (s.ok() && stats->bytes != plans[r].layers.size() * a_.layer_bytes) {
         s = absl::InternalError(absl::StrCat("rank ", r, " restored ", stats->bytes, " bytes"));
       }
+      absl::MutexLock lock(&mu);
       if (!s.ok()) {
-        absl::MutexLock lock(&mu);
         if (first_error.ok()) first_error = s;
+      } else if (stats->seconds > 0) {
+        reading_share = std::min(reading_share, stats->reading_seconds / stats->seconds);
       }
     });
     restore_cpu_seconds_ = ProcessCpuSeconds() - cpu;
+    restore_reading_share_ = reading_share;
     CKPT_RETURN_IF_ERROR(first_error);
     // The bytes arrived: staging data is never zero, the memfd was zeroed.
     for (uint32_t r = 0; r < a_.ranks; ++r) {
@@ -587,6 +591,9 @@ class Bench {
   // CPU seconds (all threads) of the last RunRestore and RunRawRead.
   double restore_cpu_seconds() const { return restore_cpu_seconds_; }
   double raw_read_cpu_seconds() const { return raw_read_cpu_seconds_; }
+  // Of the last RunRestore, the share of its time a disk read was under way
+  // (the lowest of the ranks').
+  double restore_reading_share() const { return restore_reading_share_; }
   double MedianCommitSeconds() const {
     std::vector<double> t;
     for (const ckpt::CommitTimings& c : timings_) t.push_back(c.total_seconds);
@@ -601,7 +608,8 @@ class Bench {
 
  private:
   static std::string RawName(uint32_t w) { return absl::StrCat("raw.", w, ".bench"); }
-  // What one restore may hold: a lease per thread (two), and room to spare.
+  // What one restore may hold: two leases per thread (the version it copies
+  // out and the one it reads meanwhile), two threads.
   static constexpr uint32_t kRestoreLeases = 4;
 
   absl::Status SetupRestore(uint64_t lease_bytes) {
@@ -696,6 +704,7 @@ class Bench {
   uint64_t groups_ = 0;                       // the last RunStore's publish groups
   double restore_cpu_seconds_ = 0;
   double raw_read_cpu_seconds_ = 0;
+  double restore_reading_share_ = 0;
   std::vector<char> raw_created_;  // RunRaw's files, until RemoveRaw()
   std::unique_ptr<ckpt::Index> index_;
   std::unique_ptr<ckpt::LayerStore> store_;
@@ -727,6 +736,7 @@ absl::Status Run(const Args& a) {
   }
   std::vector<double> ga, gb, ratio, gc, gd, restore_ratio, groups, commit_ms;
   std::vector<double> restore_cpu, raw_read_cpu;  // CPU seconds per GiB
+  std::vector<double> reading_share;              // of the restore's time
   std::vector<std::vector<double>> share(4);  // of commit time: write, sync, rest; checksums
   Json rounds = Json::array();
   for (uint32_t r = 1; r <= a.rounds; ++r) {
@@ -782,6 +792,8 @@ absl::Status Run(const Args& a) {
       raw_read_cpu.push_back(b.raw_read_cpu_seconds() / gib);
       round["restore_cpu_seconds_per_gib"] = restore_cpu.back();
       round["raw_read_cpu_seconds_per_gib"] = raw_read_cpu.back();
+      reading_share.push_back(b.restore_reading_share());
+      round["restore_reading_share"] = reading_share.back();
     }
     const std::vector<double> parts = b.CommitBreakdown();
     const double all = parts[0] + parts[1] + parts[2];
@@ -830,6 +842,7 @@ absl::Status Run(const Args& a) {
       j["restore_ratio"] = Median(restore_ratio);
       j["restore_cpu_seconds_per_gib"] = Median(restore_cpu);
       j["raw_read_cpu_seconds_per_gib"] = Median(raw_read_cpu);
+      j["restore_reading_share"] = Median(reading_share);
     }
     std::printf("%s\n", j.dump(2).c_str());
   } else {
@@ -852,6 +865,8 @@ absl::Status Run(const Args& a) {
                   Median(restore_ratio));
       std::printf("CPU per GiB read (all threads, medians): restore %.3f s, raw read %.3f s\n",
                   Median(restore_cpu), Median(raw_read_cpu));
+      std::printf("disk reads under way during the restore: %.0f%% of its time (median)\n",
+                  100 * Median(reading_share));
     }
   }
   return absl::OkStatus();

@@ -1,6 +1,7 @@
 // Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
 #include "daemon/engine/engine.h"
 
+#include <cmath>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -116,8 +117,8 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     ScopedLease lease(&leases_, key);
     Restored reply;
     CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r->job, r->rank, target_step, r->table));
-    // Two threads: one version's reads are in flight while the other
-    // thread checks and copies the version before.
+    // Two threads, each checking and copying one version out while its
+    // next version's reads are in flight.
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io0,
                           MakeIoBackend(options_.io_backend, options_.io_queue_depth));
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io1,
@@ -137,6 +138,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     reply.bytes = stats.bytes;
     reply.memory_bytes = stats.memory_bytes;
     reply.seconds = stats.seconds;
+    reply.reading_seconds = stats.reading_seconds;
     if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r->job, r->rank, reply.plan.target_step));
     return reply;
   };
@@ -182,7 +184,11 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
                  << reply->plan.target_step << ": " << reply->bytes << " bytes ("
                  << reply->memory_bytes << " from the memory tier) in "
-                 << reply->seconds << " s, max staleness " << reply->plan.max_staleness;
+                 << reply->seconds << " s (disk reads under way "
+                 << (reply->seconds > 0
+                         ? std::lround(100 * reply->reading_seconds / reply->seconds)
+                         : 0)
+                 << " % of it), max staleness " << reply->plan.max_staleness;
   return reply;
 }
 

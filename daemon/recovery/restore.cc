@@ -192,7 +192,13 @@ absl::StatusOr<Fetched> Claim(size_t seq, const CompositePlan& plan, const Plann
   // newest step on disk.)
   std::optional<StagingLease> free_room = pool->TryAcquire(f.rec.file_bytes());
   if (!free_room.has_value()) {
+    // What this thread held may be the room: it is back after before_wait,
+    // and the wait for the other threads' older versions is needed only
+    // when it is not enough.
     before_wait();
+    free_room = pool->TryAcquire(f.rec.file_bytes());
+  }
+  if (!free_room.has_value()) {
     if (absl::Status s = turns->WaitUntilOldest(seq, deadline); !s.ok()) {
       turns->EndTurn(seq);
       return s;
@@ -287,6 +293,21 @@ absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDe
   return absl::OkStatus();
 }
 
+// How long at least one of `spans` was open.
+double SecondsCovered(const std::vector<std::vector<std::pair<absl::Time, absl::Time>>>& spans) {
+  std::vector<std::pair<absl::Time, absl::Time>> all;
+  for (const auto& one : spans) all.insert(all.end(), one.begin(), one.end());
+  std::sort(all.begin(), all.end());
+  absl::Duration covered;
+  absl::Time until = absl::InfinitePast();
+  for (const auto& [begin, end] : all) {
+    if (end <= until) continue;
+    covered += end - std::max(begin, until);
+    until = end;
+  }
+  return absl::ToDoubleSeconds(covered);
+}
+
 }  // namespace
 
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
@@ -303,6 +324,14 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
   auto is_cancelled = [&cancelled] { return cancelled && cancelled(); };
+  // Past the deadline or cancelled: every thread stops.
+  auto stopping = [&]() -> absl::Status {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError("the restore did not finish in time");
+    }
+    if (is_cancelled()) return absl::CancelledError("the restore was cancelled");
+    return absl::OkStatus();
+  };
   const size_t count = plan.layers.size();
   RestoreStats stats;
   if (count == 0) return stats;
@@ -310,6 +339,9 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   Turns turns(count);
   absl::Mutex copy_mu;
   std::vector<RestoreStats> each(threads_wanted);  // one per thread, summed after the joins
+  // When each thread's reads began and ended (a read call, which includes
+  // the copy it overlaps).
+  std::vector<std::vector<std::pair<absl::Time, absl::Time>>> reads(threads_wanted);
 
   // How version `seq` ended: a failure stops the versions after it, a
   // deadline or a cancellation every version.
@@ -334,7 +366,10 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
     auto finish_held = [&] {
       if (!held.has_value()) return;
       absl::Status s;
-      if (turns.Going(held_seq)) s = CopyOut(*held, table, dest, &copy_mu, &each[k]);
+      if (turns.Going(held_seq)) {
+        s = stopping();
+        if (s.ok()) s = CopyOut(*held, table, dest, &copy_mu, &each[k]);
+      }
       held.reset();
       record(held_seq, s);
     };
@@ -348,14 +383,13 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
       absl::Status s = f.status();
       if (s.ok() && f->image == nullptr) {
         // The held version is copied out while these reads are in flight.
+        const absl::Time read_start = absl::Now();
         s = store->ReadUnchecked(f->key, f->rec, io[k], f->lease, finish_held);
+        reads[k].emplace_back(read_start, absl::Now());
         if (!s.ok()) s = WithLayer(*f->lp, s);
       }
       finish_held();  // where no read ran it (memory, or a failure first)
-      if (s.ok() && absl::Now() >= deadline) {
-        s = absl::DeadlineExceededError("the restore did not finish in time");
-      }
-      if (s.ok() && is_cancelled()) s = absl::CancelledError("the restore was cancelled");
+      if (s.ok()) s = stopping();
       if (!s.ok()) {
         record(seq, s);
         return;
@@ -376,6 +410,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   }
   CKPT_RETURN_IF_ERROR(turns.Result());
   stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  stats.reading_seconds = SecondsCovered(reads);
   return stats;
 }
 

@@ -58,6 +58,9 @@ struct RestoreStats {
   uint64_t memory_bytes = 0;  // of `bytes`, served from a MemorySource
   uint64_t memory_layers = 0;
   double seconds = 0;
+  // Of `seconds`, how long a read of the disk was under way (a read call of
+  // any thread, with the copy it overlaps): the rest the disk was idle.
+  double reading_seconds = 0;
 };
 
 // The committed file image of a version held in memory (the engine's memory
@@ -69,9 +72,9 @@ using MemorySource = std::function<std::shared_ptr<const StagingLease>(
     const VersionKey& key, const store::VersionRecord& rec)>;
 
 // `io` holds one backend per thread: each thread reads, checks and copies
-// every n-th version, so with two or more one version's reads are in flight
-// while another is checked and copied (RestoreInto uses each backend on one
-// thread of its own). A restore holds at most one staging lease per thread.
+// every n-th version, and checks and copies one version out while the reads
+// of its next are in flight (RestoreInto uses each backend on one thread of
+// its own). A restore holds at most two staging leases per thread.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreDestination& dest, Index* index,
                                          LayerStore* store, absl::Span<IoBackend* const> io,

@@ -14,7 +14,9 @@ Each round:
   raw     fio reads the layer files the disk restore read with O_DIRECT (4 MiB
           blocks, queue depth 16, io_uring) after the page cache is dropped,
           before the disk restore in odd rounds and after it in even ones.
-Prints the median of each and the ratios. Needs root (drop_caches) and fio.
+Prints the median of each, the ratios, and for each disk restore the share
+of its time ckptd had a disk read under way (from ckptd's log line). Needs
+root (drop_caches) and fio.
 """
 
 import argparse
@@ -63,6 +65,15 @@ def restore(d, args, steps):
     raise RuntimeError("no restore line: " + out.stdout)
 
 
+def reading_share(d):
+    """Of ckptd's last restore, the share of its time a disk read was under
+    way (from its log line)."""
+    lines = [l for l in d.log().splitlines() if "restored job" in l and "disk reads under way" in l]
+    if not lines:
+        return None
+    return int(lines[-1].split("disk reads under way")[1].split("%")[0]) / 100.0
+
+
 def fio_read(files):
     drop_caches()
     out = subprocess.run(["fio", "--name=raw", "--rw=read", "--bs=4M", "--iodepth=16",
@@ -99,6 +110,7 @@ def main():
     files = sorted(glob.glob(os.path.join(root, "data", "jobs", "tiers", "rank-*", "*.ckv")))
     files = [f for f in files if "-S%016x-" % step in f]
     rows = {"memory": [], "disk": [], "raw": []}
+    shares = []
     for r in range(args.rounds):
         # The trainer exits; a new one restores (and trains one more step,
         # which goes back into the memory tier).
@@ -123,6 +135,7 @@ def main():
         secs, nbytes, mem, rb = restore(d, args, step)
         assert mem == 0
         rows["disk"].append((secs, nbytes, rb))
+        shares.append(reading_share(d))
         if r % 2 == 1:
             secs, nbytes = fio_read(files)
             rows["raw"].append((secs, nbytes, nbytes))
@@ -136,8 +149,12 @@ def main():
               (k, med[k], gbps[k], [rb for _, _, rb in rows[k]] if k != "raw" else "-"))
     print("  per round, disk / raw (raw read first in odd rounds): %s" %
           ", ".join("%.2f" % (rw[0] / dk[0]) for dk, rw in zip(rows["disk"], rows["raw"])))
-    print("  memory/disk speed-up %.1fx; disk restore / raw O_DIRECT read = %.2f" %
-          (med["disk"] / med["memory"], med["raw"] / med["disk"]))
+    print("  memory/disk speed-up %.1fx; disk restore / raw O_DIRECT read = %.2f (ratio of medians), "
+          "%.2f (median of per-round ratios)" %
+          (med["disk"] / med["memory"], med["raw"] / med["disk"],
+           statistics.median(rw[0] / dk[0] for dk, rw in zip(rows["disk"], rows["raw"]))))
+    print("  disk reads under way during ckptd's disk restores: %s of their time" %
+          ", ".join("%.0f%%" % (100 * x) if x is not None else "?" for x in shares))
     # What a memory restore still reads is the index (RocksDB blocks of the
     # plan's records, and whatever a background compaction reads meanwhile:
     # 464 KiB was seen once), never a layer file, which ckptd reads whole.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
@@ -466,7 +467,7 @@ TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
   const RestoreDestination dest(
       [&out](uint32_t layer, uint32_t) { return out.at(layer).data(); },
       [&](char* dst, const char* src, uint64_t n) {
-        // Each 5000-byte tensor is one piece: `dst` is where its layer goes.
+        // A tensor's first piece starts where its layer goes.
         for (size_t l = 0; l < out.size(); ++l) {
           if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
         }
@@ -483,6 +484,59 @@ TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
                                          "read done", "read", "copy 1", "read done",
                                          "copy 2"};
   EXPECT_EQ(log, want);
+  for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
+  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+}
+
+// Room for two versions, two threads: thread 0 holds version 0 while thread
+// 1 reads version 1, so version 2 finds no free room. Thread 0 copies
+// version 0 out, and that is room enough: it reads version 2 at once rather
+// than waiting for thread 1's version 1 (which left the disk idle during
+// thread 1's copy of it). Thread 1's read of version 1 waits, bounded, for
+// thread 0's read of version 2 to begin.
+TEST_F(PlanTest, RestoreReadsOnIntoTheRoomItsOwnCopyGaveBack) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(3, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  pool_ = MakeTestPool(8192, 4);  // two files of 4096 header + 5000 payload
+  absl::Notification one_reading, two_reading;
+  bool one_gave_up = false;
+  // Thread 0 (io[0]) reads versions 0 and 2, thread 1 (io[1]) version 1.
+  class Gate final : public IoBackend {
+   public:
+    explicit Gate(std::function<void(int)> before_read)
+        : base_(MakePwriteBackend()), before_read_(std::move(before_read)) {}
+    const char* Name() const override { return "gate"; }
+    absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
+      return base_->WriteAll(fd, segments);
+    }
+    absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
+      before_read_(reads_++);
+      return base_->ReadAll(fd, segments);
+    }
+
+   private:
+    const std::unique_ptr<IoBackend> base_;
+    const std::function<void(int)> before_read_;
+    int reads_ = 0;
+  };
+  Gate zero([&](int n) {
+    if (n == 0) one_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
+    if (n == 1) two_reading.Notify();
+  });
+  Gate one([&](int n) {
+    if (n != 0) return;
+    one_reading.Notify();
+    one_gave_up = !two_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
+  });
+  std::vector<std::string> out(3, std::string(5000, '\0'));
+  const RestoreDestination dest([&out](uint32_t layer, uint32_t) { return out.at(layer).data(); });
+  IoBackend* io[] = {&zero, &one};
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
+                            RestoreInto(plan, table, dest, index_.get(), store_.get(), io,
+                                        pool_.get(), absl::Seconds(60)));
+  EXPECT_FALSE(one_gave_up) << "version 2 was not read while version 1 was";
+  EXPECT_EQ(stats.bytes, 3u * 5000u);
   for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
   EXPECT_EQ(pool_->bytes_in_use(), 0u);
 }
