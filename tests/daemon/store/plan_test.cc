@@ -345,7 +345,7 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   ASSERT_NO_FATAL_FAILURE(CommitWide(9, &table));
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
   // Even layers from memory: their committed images, read from disk now.
-  std::unique_ptr<StagingPool> images = MakeTestPool(8192, 16);
+  std::unique_ptr<StagingPool> images = MakeTestPool(8192, 18);  // nine images
   std::map<uint32_t, std::shared_ptr<const StagingLease>> memory;
   for (uint32_t l = 0; l < 9; l += 2) {
     CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, l, 10));
@@ -368,6 +368,25 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   EXPECT_EQ(stats.memory_bytes, 5u * 5000u);
   EXPECT_EQ(stats.bytes, 9u * 5000u);
   for (uint32_t l = 0; l < 9; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+  // Four versions were read: the time with a read under way is some of the
+  // restore's; with every version in memory it is none.
+  EXPECT_GT(stats.reading_seconds, 0);
+  EXPECT_LE(stats.reading_seconds, stats.seconds);
+  for (uint32_t l = 1; l < 9; l += 2) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, l, 10));
+    ASSERT_TRUE(rec.has_value());
+    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion v,
+                              store_->Read(VersionKey{kJob, 0, l, 10}, rec->second, io_.get(),
+                                           images.get(), absl::Now() + absl::Seconds(5)));
+    memory[l] = std::make_shared<const StagingLease>(std::move(v.lease));
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      stats, Restore(plan, table, &out,
+                     [&memory](const VersionKey& key, const store::VersionRecord&) {
+                       return memory.at(key.layer);
+                     }));
+  EXPECT_EQ(stats.memory_layers, 9u);
+  EXPECT_EQ(stats.reading_seconds, 0);
 }
 
 // The error is the first failing version in plan order, whichever thread
