@@ -126,6 +126,18 @@ class PlanTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(PutEvent(10));
   }
 
+  // The committed image of layer `layer` at step 10, read from disk into
+  // `images`, as the memory tier would hold it.
+  void LoadImage(uint32_t layer, StagingPool* images,
+                 std::map<uint32_t, std::shared_ptr<const StagingLease>>* memory) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, layer, 10));
+    ASSERT_TRUE(rec.has_value());
+    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion v,
+                              store_->Read(VersionKey{kJob, 0, layer, 10}, rec->second, io_.get(),
+                                           images, absl::Now() + absl::Seconds(5)));
+    (*memory)[layer] = std::make_shared<const StagingLease>(std::move(v.lease));
+  }
+
   std::string FilePath(uint32_t layer, uint64_t step) {
     return absl::StrCat(tmp_.path(), "/jobs/", kJob, "/rank-00000000/", files_[{layer, step}]);
   }
@@ -347,14 +359,7 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   // Even layers from memory: their committed images, read from disk now.
   std::unique_ptr<StagingPool> images = MakeTestPool(8192, 18);  // nine images
   std::map<uint32_t, std::shared_ptr<const StagingLease>> memory;
-  for (uint32_t l = 0; l < 9; l += 2) {
-    CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, l, 10));
-    ASSERT_TRUE(rec.has_value());
-    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion v,
-                              store_->Read(VersionKey{kJob, 0, l, 10}, rec->second, io_.get(),
-                                           images.get(), absl::Now() + absl::Seconds(5)));
-    memory[l] = std::make_shared<const StagingLease>(std::move(v.lease));
-  }
+  for (uint32_t l = 0; l < 9; l += 2) ASSERT_NO_FATAL_FAILURE(LoadImage(l, images.get(), &memory));
   pool_ = MakeTestPool(8192, 2);
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   CKPT_ASSERT_OK_AND_ASSIGN(
@@ -372,14 +377,7 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   // restore's; with every version in memory it is none.
   EXPECT_GT(stats.reading_seconds, 0);
   EXPECT_LE(stats.reading_seconds, stats.seconds);
-  for (uint32_t l = 1; l < 9; l += 2) {
-    CKPT_ASSERT_OK_AND_ASSIGN(auto rec, index_->VersionAtOrBefore(kJob, 0, l, 10));
-    ASSERT_TRUE(rec.has_value());
-    CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion v,
-                              store_->Read(VersionKey{kJob, 0, l, 10}, rec->second, io_.get(),
-                                           images.get(), absl::Now() + absl::Seconds(5)));
-    memory[l] = std::make_shared<const StagingLease>(std::move(v.lease));
-  }
+  for (uint32_t l = 1; l < 9; l += 2) ASSERT_NO_FATAL_FAILURE(LoadImage(l, images.get(), &memory));
   CKPT_ASSERT_OK_AND_ASSIGN(
       stats, Restore(plan, table, &out,
                      [&memory](const VersionKey& key, const store::VersionRecord&) {
