@@ -865,7 +865,8 @@ absl::Status Run(const Args& a) {
                   Median(restore_ratio));
       std::printf("CPU per GiB read (all threads, medians): restore %.3f s, raw read %.3f s\n",
                   Median(restore_cpu), Median(raw_read_cpu));
-      std::printf("disk reads under way during the restore: %.0f%% of its time (median)\n",
+      std::printf("read calls under way during the restore: %.0f%% of its time (the lowest "
+                  "rank's, median of rounds)\n",
                   100 * Median(reading_share));
     }
   }

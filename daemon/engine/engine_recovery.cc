@@ -184,7 +184,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
                  << reply->plan.target_step << ": " << reply->bytes << " bytes ("
                  << reply->memory_bytes << " from the memory tier) in "
-                 << reply->seconds << " s (disk reads under way "
+                 << reply->seconds << " s (read calls under way "
                  << (reply->seconds > 0
                          ? std::lround(100 * reply->reading_seconds / reply->seconds)
                          : 0)

@@ -77,6 +77,7 @@ class UringBackend final : public IoBackend {
   }
 
   const char* Name() const override { return "io_uring"; }
+  bool Overlaps() const override { return true; }
 
   absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
     return Run(fd, segments, /*write=*/true, nullptr);

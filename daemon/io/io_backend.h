@@ -49,6 +49,11 @@ class IoBackend {
   // ReadAll that runs `overlap` on the calling thread while the reads are in
   // flight, as WriteAllOverlapped does; `overlap` must not touch the
   // segments' bytes. It has run when the call returns OK.
+  //
+  // Whether transfers are in flight while `overlap` runs: true for io_uring.
+  // The pwrite twin runs it first and then transfers, so a caller gains
+  // nothing by holding on to work for it.
+  virtual bool Overlaps() const { return false; }
   virtual absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
                                          const std::function<void()>& overlap) {
     overlap();

@@ -146,8 +146,8 @@ absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
 
 // First half: looks version `seq` up and takes the place of its bytes: a
 // checked image from the memory tier, or a staging lease its file is then
-// read into. `before_wait` runs before this thread waits for its turn or for
-// room.
+// read into. `before_wait` (the thread finishing what it holds) runs before
+// this thread waits for its turn, and before it asks for room a second time.
 absl::StatusOr<Fetched> Claim(size_t seq, const CompositePlan& plan, const PlannedLayer& lp,
                               const store::RankRecord& table, Index* index, StagingPool* pool,
                               absl::Time deadline, const MemorySource& memory, Turns* turns,
@@ -196,6 +196,10 @@ absl::StatusOr<Fetched> Claim(size_t seq, const CompositePlan& plan, const Plann
     // and the wait for the other threads' older versions is needed only
     // when it is not enough.
     before_wait();
+    if (!turns->Going(seq)) {  // what it held failed, or the restore stopped
+      turns->EndTurn(seq);
+      return Turns::Stopped();
+    }
     free_room = pool->TryAcquire(f.rec.file_bytes());
   }
   if (!free_room.has_value()) {
@@ -359,6 +363,9 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   // Thread k does versions k, k + n, ... with io[k]; the last is this
   // thread (Export's one-layer plans start no thread).
   auto run = [&](size_t k) {
+    // A backend without transfers in flight during the overlap (pwrite)
+    // gains nothing from holding a version: it is copied out at once.
+    const bool overlaps = io[k]->Overlaps();
     std::optional<Fetched> held;  // read (or from memory), not yet copied out
     size_t held_seq = 0;
     // Checks and copies out the held version, unless an earlier one failed
@@ -382,7 +389,8 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
                                         memory, &turns, finish_held);
       absl::Status s = f.status();
       if (s.ok() && f->image == nullptr) {
-        // The held version is copied out while these reads are in flight.
+        // A version still held is copied out while these reads are in
+        // flight.
         const absl::Time read_start = absl::Now();
         s = store->ReadUnchecked(f->key, f->rec, io[k], f->lease, finish_held);
         reads[k].emplace_back(read_start, absl::Now());
@@ -396,6 +404,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
       }
       held = *std::move(f);
       held_seq = seq;
+      if (!overlaps) finish_held();
     }
     finish_held();
   };

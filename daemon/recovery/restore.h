@@ -58,8 +58,11 @@ struct RestoreStats {
   uint64_t memory_bytes = 0;  // of `bytes`, served from a MemorySource
   uint64_t memory_layers = 0;
   double seconds = 0;
-  // Of `seconds`, how long a read of the disk was under way (a read call of
-  // any thread, with the copy it overlaps): the rest the disk was idle.
+  // Of `seconds`, how long some thread was in a read call (with io_uring,
+  // the copy it overlaps runs while that call's reads are in flight): the
+  // rest the disk was idle. An upper bound on the disk's busy time, close
+  // for versions the read queue holds whole (io_queue_depth x the staging
+  // chunk); for larger ones the queue drains before the copy ends.
   double reading_seconds = 0;
 };
 
@@ -72,9 +75,10 @@ using MemorySource = std::function<std::shared_ptr<const StagingLease>(
     const VersionKey& key, const store::VersionRecord& rec)>;
 
 // `io` holds one backend per thread: each thread reads, checks and copies
-// every n-th version, and checks and copies one version out while the reads
-// of its next are in flight (RestoreInto uses each backend on one thread of
-// its own). A restore holds at most two staging leases per thread.
+// every n-th version, and (on a backend that Overlaps()) checks and copies
+// one version out while the reads of its next are in flight (RestoreInto
+// uses each backend on one thread of its own). A restore holds at most two
+// staging leases per thread, one on a backend that does not overlap.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreDestination& dest, Index* index,
                                          LayerStore* store, absl::Span<IoBackend* const> io,

@@ -290,6 +290,9 @@ class FaultIoBackend final : public IoBackend {
  public:
   FaultIoBackend(FaultFileSystem* fs, std::unique_ptr<IoBackend> base);
   const char* Name() const override { return name_.c_str(); }
+  // As its base says, so that a restore over it takes the base's path; the
+  // overlapped calls run their work first and then the transfers.
+  bool Overlaps() const override { return base_->Overlaps(); }
   absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override;
   absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override;
 

@@ -66,12 +66,12 @@ def restore(d, args, steps):
 
 
 def reading_share(d):
-    """Of ckptd's last restore, the share of its time a disk read was under
-    way (from its log line)."""
-    lines = [l for l in d.log().splitlines() if "restored job" in l and "disk reads under way" in l]
+    """Of ckptd's last restore, the share of its time some thread was in a
+    read call (from its log line; RestoreStats::reading_seconds)."""
+    lines = [l for l in d.log().splitlines() if "restored job" in l and "read calls under way" in l]
     if not lines:
         return None
-    return int(lines[-1].split("disk reads under way")[1].split("%")[0]) / 100.0
+    return int(lines[-1].split("read calls under way")[1].split("%")[0]) / 100.0
 
 
 def fio_read(files):
@@ -153,7 +153,7 @@ def main():
           "%.2f (median of per-round ratios)" %
           (med["disk"] / med["memory"], med["raw"] / med["disk"],
            statistics.median(rw[0] / dk[0] for dk, rw in zip(rows["disk"], rows["raw"]))))
-    print("  disk reads under way during ckptd's disk restores: %s of their time" %
+    print("  read calls under way during ckptd's disk restores: %s of their time" %
           ", ".join("%.0f%%" % (100 * x) if x is not None else "?" for x in shares))
     # What a memory restore still reads is the index (RocksDB blocks of the
     # plan's records, and whatever a background compaction reads meanwhile:

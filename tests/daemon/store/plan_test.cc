@@ -35,11 +35,51 @@ const char kJob[] = "job-plan";
 // Layer l has tensors of these sizes.
 const std::vector<std::vector<uint64_t>> kLayerSizes = {{1000, 24}, {5000}, {300, 300, 7}};
 
+// The pwrite backend, saying it overlaps or not as told: over one that
+// overlaps, a restore holds each version until its next read, as over
+// io_uring, in a fixed order (an overlapped read's work runs first, then the
+// reads). `before_read` (if set) runs as each read call begins, with its
+// number, 0 first, and `log` (if set) records where each begins and ends.
+class TestBackend final : public IoBackend {
+ public:
+  explicit TestBackend(bool overlaps = true, std::function<void(int)> before_read = nullptr,
+                       std::vector<std::string>* log = nullptr)
+      : base_(MakePwriteBackend()),
+        overlaps_(overlaps),
+        before_read_(std::move(before_read)),
+        log_(log) {}
+  const char* Name() const override { return "test"; }
+  bool Overlaps() const override { return overlaps_; }
+  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
+    return base_->WriteAll(fd, segments);
+  }
+  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
+    return ReadAllOverlapped(fd, segments, [] {});
+  }
+  absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
+                                 const std::function<void()>& overlap) override {
+    if (before_read_) before_read_(reads_);
+    ++reads_;
+    if (log_ != nullptr) log_->push_back("read");
+    overlap();
+    absl::Status s = base_->ReadAll(fd, segments);
+    if (log_ != nullptr) log_->push_back("read done");
+    return s;
+  }
+
+ private:
+  const std::unique_ptr<IoBackend> base_;
+  const bool overlaps_;
+  const std::function<void(int)> before_read_;
+  std::vector<std::string>* const log_;
+  int reads_ = 0;
+};
+
 class PlanTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    io_ = MakePwriteBackend();
-    io2_ = MakePwriteBackend();
+    io_ = std::make_unique<TestBackend>();
+    io2_ = std::make_unique<TestBackend>();
     pool_ = MakeTestPool(8192, 64);
     ASSERT_NE(pool_, nullptr);
     CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
@@ -443,66 +483,44 @@ TEST_F(PlanTest, RestoreGivesUpAtItsDeadlineWhenThePoolHasNoRoom) {
   EXPECT_EQ(pool_->bytes_in_use(), 8192u);  // the lease held here, nothing else
 }
 
-// An IoBackend that logs where each read begins and ends, and passes it on.
-class ReadLog final : public IoBackend {
- public:
-  explicit ReadLog(std::vector<std::string>* log) : base_(MakePwriteBackend()), log_(log) {}
-  const char* Name() const override { return "read-log"; }
-  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
-    return base_->WriteAll(fd, segments);
-  }
-  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
-    log_->push_back("read");
-    absl::Status s = base_->ReadAll(fd, segments);
-    log_->push_back("read done");
-    return s;
-  }
-  absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
-                                 const std::function<void()>& overlap) override {
-    log_->push_back("read");
-    overlap();
-    absl::Status s = base_->ReadAll(fd, segments);
-    log_->push_back("read done");
-    return s;
-  }
-
- private:
-  const std::unique_ptr<IoBackend> base_;
-  std::vector<std::string>* const log_;
-};
-
 // A restore thread checks and copies out the version it read while its next
 // version's reads are in flight, so the disk is not idle during copies; the
-// last version is copied after its read.
+// last version is copied after its read. Over a backend that cannot overlap
+// (pwrite) each version is copied out as soon as it is read, holding one
+// lease.
 TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
   store::RankRecord table;
   ASSERT_NO_FATAL_FAILURE(CommitWide(3, &table));
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
-  std::vector<std::string> log;  // one restore thread: no lock
-  ReadLog io(&log);
-  std::vector<std::string> out(3, std::string(5000, '\0'));
-  const RestoreDestination dest(
-      [&out](uint32_t layer, uint32_t) { return out.at(layer).data(); },
-      [&](char* dst, const char* src, uint64_t n) {
-        // A tensor's first piece starts where its layer goes.
-        for (size_t l = 0; l < out.size(); ++l) {
-          if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
-        }
-        std::memcpy(dst, src, n);
-        return absl::OkStatus();
-      },
-      /*copy_on_cpu=*/true);
-  IoBackend* one[] = {&io};
-  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
-                            RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
-                                        pool_.get(), absl::Seconds(30)));
-  EXPECT_EQ(stats.bytes, 3u * 5000u);
-  const std::vector<std::string> want = {"read", "read done", "read",      "copy 0",
-                                         "read done", "read", "copy 1", "read done",
-                                         "copy 2"};
-  EXPECT_EQ(log, want);
-  for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
-  EXPECT_EQ(pool_->bytes_in_use(), 0u);
+  for (bool overlaps : {true, false}) {
+    std::vector<std::string> log;  // one restore thread: no lock
+    TestBackend io(overlaps, nullptr, &log);
+    std::vector<std::string> out(3, std::string(5000, '\0'));
+    const RestoreDestination dest(
+        [&out](uint32_t layer, uint32_t) { return out.at(layer).data(); },
+        [&](char* dst, const char* src, uint64_t n) {
+          // A tensor's first piece starts where its layer goes.
+          for (size_t l = 0; l < out.size(); ++l) {
+            if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
+          }
+          std::memcpy(dst, src, n);
+          return absl::OkStatus();
+        },
+        /*copy_on_cpu=*/true);
+    IoBackend* one[] = {&io};
+    CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
+                              RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
+                                          pool_.get(), absl::Seconds(30)));
+    EXPECT_EQ(stats.bytes, 3u * 5000u);
+    const std::vector<std::string> want =
+        overlaps ? std::vector<std::string>{"read", "read done", "read", "copy 0", "read done",
+                                            "read", "copy 1", "read done", "copy 2"}
+                 : std::vector<std::string>{"read", "read done", "copy 0", "read", "read done",
+                                            "copy 1", "read", "read done", "copy 2"};
+    EXPECT_EQ(log, want) << "overlaps " << overlaps;
+    for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
+    EXPECT_EQ(pool_->bytes_in_use(), 0u);
+  }
 }
 
 // Room for two versions, two threads: thread 0 holds version 0 while thread
@@ -519,29 +537,12 @@ TEST_F(PlanTest, RestoreReadsOnIntoTheRoomItsOwnCopyGaveBack) {
   absl::Notification one_reading, two_reading;
   bool one_gave_up = false;
   // Thread 0 (io[0]) reads versions 0 and 2, thread 1 (io[1]) version 1.
-  class Gate final : public IoBackend {
-   public:
-    explicit Gate(std::function<void(int)> before_read)
-        : base_(MakePwriteBackend()), before_read_(std::move(before_read)) {}
-    const char* Name() const override { return "gate"; }
-    absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
-      return base_->WriteAll(fd, segments);
-    }
-    absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
-      before_read_(reads_++);
-      return base_->ReadAll(fd, segments);
-    }
-
-   private:
-    const std::unique_ptr<IoBackend> base_;
-    const std::function<void(int)> before_read_;
-    int reads_ = 0;
-  };
-  Gate zero([&](int n) {
-    if (n == 0) one_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
+  bool zero_gave_up = false;
+  TestBackend zero(true, [&](int n) {
+    if (n == 0) zero_gave_up = !one_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
     if (n == 1) two_reading.Notify();
   });
-  Gate one([&](int n) {
+  TestBackend one(true, [&](int n) {
     if (n != 0) return;
     one_reading.Notify();
     one_gave_up = !two_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
@@ -552,6 +553,7 @@ TEST_F(PlanTest, RestoreReadsOnIntoTheRoomItsOwnCopyGaveBack) {
   CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
                             RestoreInto(plan, table, dest, index_.get(), store_.get(), io,
                                         pool_.get(), absl::Seconds(60)));
+  EXPECT_FALSE(zero_gave_up) << "version 1 was not read while version 0 was";
   EXPECT_FALSE(one_gave_up) << "version 2 was not read while version 1 was";
   EXPECT_EQ(stats.bytes, 3u * 5000u);
   for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
