@@ -157,7 +157,7 @@ struct Restored {
   uint64_t bytes = 0;
   uint64_t memory_bytes = 0;  // of `bytes`, served from the memory tier
   double seconds = 0;
-  double reading_seconds = 0;  // of `seconds`, with a disk read under way
+  double reading_seconds = 0;  // of `seconds`, with a read call under way
 };
 
 struct PendingStep;  // rank_state.h

@@ -33,12 +33,13 @@ struct Fetched {
 };
 
 // The order the threads of one restore keep. Each thread reads a version
-// and, while those reads are in flight, checks and copies out the version it
-// read before; then it goes on with its next one. The disk always has reads
-// queued: a thread that read a version whole and only then checked and
-// copied it left the disk idle whenever both threads copied at once, and two
-// threads that start together stay in step (0.80 of the time reading in
-// one traced restore). At the end only the last version's copy is left.
+// and, while those reads are in flight (io_uring), checks and copies out the
+// version it read before; then it goes on with its next one. So the disk has
+// reads queued during the copies: a thread that read a version whole and
+// only then checked and copied it left the disk idle whenever both threads
+// copied at once, and two threads that start together stay in step (0.80 of
+// the time reading in one traced restore). At the end only the last
+// version's copy is left.
 //
 // Versions take staging leases and memory-tier images in plan order
 // (TakeTurn/EndTurn), and only the oldest unfinished one may wait for room.
