@@ -467,8 +467,8 @@ class Bench {
       absl::MutexLock lock(&mu);
       if (!s.ok()) {
         if (first_error.ok()) first_error = s;
-      } else if (stats->seconds > 0) {
-        reading_share = std::min(reading_share, stats->reading_seconds / stats->seconds);
+      } else {
+        reading_share = std::min(reading_share, stats->ReadingShare());
       }
     });
     restore_cpu_seconds_ = ProcessCpuSeconds() - cpu;
@@ -591,8 +591,8 @@ class Bench {
   // CPU seconds (all threads) of the last RunRestore and RunRawRead.
   double restore_cpu_seconds() const { return restore_cpu_seconds_; }
   double raw_read_cpu_seconds() const { return raw_read_cpu_seconds_; }
-  // Of the last RunRestore, the share of its time a disk read was under way
-  // (the lowest of the ranks').
+  // Of the last RunRestore, the share of its time some thread was in a read
+  // call (RestoreStats::ReadingShare; the lowest of the ranks').
   double restore_reading_share() const { return restore_reading_share_; }
   double MedianCommitSeconds() const {
     std::vector<double> t;

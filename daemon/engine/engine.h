@@ -63,6 +63,7 @@
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/recovery/restore.h"
 #include "daemon/remote/remote_store.h"
 #include "kernels/drift.h"
 #include "daemon/staging/staging_pool.h"
@@ -151,13 +152,10 @@ struct JobDeleted {
   uint64_t events = 0;
 };
 
-// What a Restore wrote.
-struct Restored {
+// What a Restore wrote: the restore's figures (memory_bytes: from the memory
+// tier) and the plan it followed.
+struct Restored : RestoreStats {
   CompositePlan plan;
-  uint64_t bytes = 0;
-  uint64_t memory_bytes = 0;  // of `bytes`, served from the memory tier
-  double seconds = 0;
-  double reading_seconds = 0;  // of `seconds`, with a read call under way
 };
 
 struct PendingStep;  // rank_state.h

@@ -135,10 +135,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
                     [this, &key](const VersionKey& vk, const store::VersionRecord& rec) {
                       return memory_tier_.Find(key, vk.layer, vk.step, rec.file());
                     }));
-    reply.bytes = stats.bytes;
-    reply.memory_bytes = stats.memory_bytes;
-    reply.seconds = stats.seconds;
-    reply.reading_seconds = stats.reading_seconds;
+    static_cast<RestoreStats&>(reply) = stats;
     if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r->job, r->rank, reply.plan.target_step));
     return reply;
   };
@@ -185,9 +182,7 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
                  << reply->plan.target_step << ": " << reply->bytes << " bytes ("
                  << reply->memory_bytes << " from the memory tier) in "
                  << reply->seconds << " s (read calls under way "
-                 << (reply->seconds > 0
-                         ? std::lround(100 * reply->reading_seconds / reply->seconds)
-                         : 0)
+                 << std::lround(100 * reply->ReadingShare())
                  << " % of it), max staleness " << reply->plan.max_staleness;
   return reply;
 }

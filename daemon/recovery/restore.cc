@@ -328,13 +328,12 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
   if (io.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + timeout;
-  auto is_cancelled = [&cancelled] { return cancelled && cancelled(); };
   // Past the deadline or cancelled: every thread stops.
   auto stopping = [&]() -> absl::Status {
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError("the restore did not finish in time");
     }
-    if (is_cancelled()) return absl::CancelledError("the restore was cancelled");
+    if (cancelled && cancelled()) return absl::CancelledError("the restore was cancelled");
     return absl::OkStatus();
   };
   const size_t count = plan.layers.size();
@@ -382,9 +381,9 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
       record(held_seq, s);
     };
     for (size_t seq = k; seq < count; seq += threads_wanted) {
-      if (is_cancelled()) {
-        turns.Stop(absl::CancelledError("the restore was cancelled"));
-        break;
+      if (absl::Status s = stopping(); !s.ok()) {
+        turns.Stop(s);
+        break;  // what it holds is not copied out (Going is false)
       }
       absl::StatusOr<Fetched> f = Claim(seq, plan, plan.layers[seq], table, index, pool, deadline,
                                         memory, &turns, finish_held);
@@ -398,7 +397,6 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
         if (!s.ok()) s = WithLayer(*f->lp, s);
       }
       finish_held();  // where no read ran it (memory, or a failure first)
-      if (s.ok()) s = stopping();
       if (!s.ok()) {
         record(seq, s);
         return;

@@ -64,6 +64,9 @@ struct RestoreStats {
   // for versions the read queue holds whole (io_queue_depth x the staging
   // chunk); for larger ones the queue drains before the copy ends.
   double reading_seconds = 0;
+
+  // reading_seconds as a share of seconds (0 for a restore that took none).
+  double ReadingShare() const { return seconds > 0 ? reading_seconds / seconds : 0; }
 };
 
 // The committed file image of a version held in memory (the engine's memory

@@ -57,8 +57,8 @@ uint64_t HashImage(const ByteImage& image, uint64_t offset, uint64_t len);
 // HashImage that also hands the bytes on: `then(p, n)` is called for each
 // piece of at most `piece` bytes (0: no limit) right after the piece is hashed, while it is
 // still in the CPU's cache, so a caller that checksums and copies reads the
-// memory once. Stops handing on after `then` fails and returns that status;
-// else *hash is the XXH3-64.
+// memory once (an empty `then`: only the hash). Stops handing on after
+// `then` fails and returns that status; else *hash is the XXH3-64.
 absl::Status HashImageThrough(const ByteImage& image, uint64_t offset, uint64_t len, uint64_t piece,
                               const std::function<absl::Status(const char*, uint64_t)>& then,
                               uint64_t* hash);
@@ -91,9 +91,9 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file
 // Verifies every tensor's XXH3-64 against the payload in `image`.
 // DATA_LOSS naming the first tensor that does not match.
 absl::Status VerifyPayload(const DecodedHeader& decoded, const ByteImage& image);
-// Verifies tensor `t` of `decoded`, handing its bytes to `then` on the way
-// (HashImageThrough): DATA_LOSS naming it when it does not match, after
-// `then` saw every byte.
+// Verifies tensor `t` of `decoded`, handing its bytes to `then` (if any) on
+// the way (HashImageThrough): DATA_LOSS naming it when it does not match,
+// after `then` saw every byte.
 absl::Status VerifyTensor(const DecodedHeader& decoded, const store::TensorEntry& t,
                           const ByteImage& image, uint64_t piece,
                           const std::function<absl::Status(const char*, uint64_t)>& then);

@@ -15,7 +15,7 @@ Each round:
           blocks, queue depth 16, io_uring) after the page cache is dropped,
           before the disk restore in odd rounds and after it in even ones.
 Prints the median of each, the ratios, and for each disk restore the share
-of its time ckptd had a disk read under way (from ckptd's log line). Needs
+of its time ckptd had a read call under way (from ckptd's log line). Needs
 root (drop_caches) and fio.
 """
 
