@@ -452,14 +452,19 @@ class Bench {
     const double cpu = ProcessCpuSeconds();
     absl::Duration d = TimeThreads(a_.ranks, [&](uint32_t r) {
       ckpt::HostMemory& mem = memory[r];
-      const ckpt::RestoreDestination dest(
-          [&](uint32_t layer, uint32_t) { return mem.base(0) + uint64_t{layer} * a_.layer_bytes; },
-          [&mem](char* dst, const char* src, uint64_t n) { return mem.CopyIn(dst, src, n); },
-          /*cpu=*/true);
-      absl::StatusOr<ckpt::RestoreStats> stats = ckpt::RestoreInto(
-          plans[r], tables_[r], dest, index_.get(), store_.get(),
-          {restore_io_[2 * r].get(), restore_io_[2 * r + 1].get()}, pool_.get(),
-          absl::Minutes(10));
+      ckpt::RestoreTarget target;
+      target.memory = &mem;
+      for (int l = 0; l < tables_[r].layers_size(); ++l) {
+        target.tensors.push_back({mem.base(0) + uint64_t(l) * a_.layer_bytes});
+      }
+      ckpt::RecoverySources sources;
+      sources.index = index_.get();
+      sources.store = store_.get();
+      sources.pool = pool_.get();
+      sources.readers = {restore_io_[2 * r].get(), restore_io_[2 * r + 1].get()};
+      sources.timeout = absl::Minutes(10);
+      absl::StatusOr<ckpt::RestoreStats> stats =
+          ckpt::RestoreInto(plans[r], tables_[r], target, sources);
       absl::Status s = stats.status();
       if (s.ok() && stats->bytes != plans[r].layers.size() * a_.layer_bytes) {
         s = absl::InternalError(absl::StrCat("rank ", r, " restored ", stats->bytes, " bytes"));

@@ -1,4 +1,5 @@
-// Engine facade: construction, start and shutdown of the stage threads.
+// Engine facade: construction, start and shutdown of the stage threads and
+// the tiers.
 #include "daemon/engine/engine.h"
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
 #include "daemon/engine/rank_state.h"
+#include "daemon/engine/remote_tier.h"
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/gpu/ipc_memory.h"
 
@@ -22,10 +24,25 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       cuda_ipc_(options_.cuda_ipc),
       gpu_support_(CudaSupport()),
       disk_(options_.max_disk_bytes, options_.min_free_disk_bytes, store),
+      owners_(index, clock_),
+      history_(index, store, &disk_, &quota_, options_.metrics),
       memory_tier_(options_.memory_tier_bytes) {
   if (cuda_ipc_ == nullptr) {
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();
+  }
+  if (options_.remote != nullptr) {
+    RemoteTierOptions ro;
+    ro.store = options_.remote;
+    ro.upload_threads = options_.remote_upload_threads;
+    ro.max_pending_events = options_.remote_max_pending_events;
+    ro.retry_min = options_.remote_retry_min;
+    ro.retry_max = options_.remote_retry_max;
+    ro.pull_wait = options_.restore_timeout;
+    ro.retention = options_.retention;
+    RemoteTierDeps deps{index_,  store_,  &leases_,         &quota_, &disk_,
+                        &history_, &owners_, options_.metrics, clock_};
+    tiers_.push_back(std::make_unique<RemoteTier>(std::move(ro), deps));
   }
 }
 
@@ -61,10 +78,24 @@ absl::Status Engine::Start() {
     // from the memory tier before it would wait.
     pool_->SetReclaimer([this](uint64_t bytes) { memory_tier_.Shrink(bytes); });
   }
-  if (options_.remote != nullptr) {
-    if (Metrics* m = options_.metrics) m->Set(Gauge::kRemoteUp, 1);
-    LoadRemoteRanks();  // before any call: WaitDurable(remote) finds every rank
-    upload_thread_ = std::thread([this] { UploadLoop(); });
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->Start();
+  return absl::OkStatus();
+}
+
+DurableTier* Engine::TierNamed(std::string_view name) const {
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    if (name == tier->name()) return tier.get();
+  }
+  return nullptr;
+}
+
+absl::Status Engine::PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
+                                   bool must_know) {
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    CKPT_RETURN_IF_ERROR(tier->Pull(job, rank, caller, must_know));
+    // The first tier that had a history of the rank brought it here.
+    CKPT_ASSIGN_OR_RETURN(auto local, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+    if (local.has_value()) break;
   }
   return absl::OkStatus();
 }
@@ -149,20 +180,13 @@ void Engine::Shutdown(absl::Duration grace) {
   writer_threads_.clear();
   // What the writers wrote is published (the publisher never drops one).
   if (publisher_ != nullptr) publisher_->Stop();
-  {
-    // After the writers (their grace period first): the uploader stops
-    // before its next object; what is not uploaded yet is uploaded after the
-    // next start.
-    absl::MutexLock lock(&remote_mu_);
-    remote_stop_ = true;
-    remote_stopping_.store(true);
-    ++remote_wakeups_;
-  }
-  if (upload_thread_.joinable()) upload_thread_.join();
+  // After the writers (their grace period first): each tier stops before
+  // its next copy; what is not copied yet is copied after the next start.
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->StopAndJoin();
   // Mappings and the ranks themselves (a GPU rank's drift kernel synchronizes
   // its stream) are destroyed after the locks are released.
   std::vector<std::shared_ptr<RankMemory>> closing;
-  std::map<RankKey, std::shared_ptr<Rank>> ranks;
+  std::map<RankKey, std::shared_ptr<RankState>> ranks;
   absl::MutexLock lock(&mu_);
   write_queue_.clear();
   for (auto& [key, r] : ranks_) {

@@ -1,24 +1,27 @@
-// Engine: registered ranks and the per-step pipeline (SPEC §3, §5). The
-// facade the gRPC handlers call; each stage lives in its own file:
-//
-//   engine_registry.cc   Register, Unregister, ownership, trainer exit
-//   engine_snapshot.cc   StepDone, snapshot workers, WaitSnapshot (the fence)
-//   engine_layercheck.cc LayerCheck drift and decisions, multi-rank drift
-//   engine_commit.cc     writer threads, the disk budget (disk_budget.h)
-//   engine_events.cc     per-version outcomes, checkpoint events, WaitDurable
-//   engine_recovery.cc   Plan, Restore, Verify, Export (over recovery/)
-//   engine_retention.cc  GC under leases (leases.h)
-//   engine_admin.cc      Status, Jobs, Layers, History, metrics collection
-//   engine_remote.cc     the remote tier: uploader, remote GC, pulls
-//   memory_tier.h        the memory tier restores read from
-//   rank_state.h         the per-rank state these stages share
+// Engine: registered ranks and the per-step pipeline. The facade the gRPC
+// handlers call, with one file per stage and one component per tier or
+// accounting table (docs/architecture.md draws them with their threads and
+// locks).
 //
 //   StepDone(t) --queue--> snapshot worker: select layers, copy them from the
 //   rank's mapped buffers into staging, mark snapshot t taken (WaitSnapshot
 //   returns) --queue--> writer threads: commit each layer version
-//   (LayerStore::Commit) --> when every version of step t and every earlier
-//   step is finished, the step's EventRecord is written (one sync batch) and t
-//   becomes durable (WaitDurable returns).
+//   (LayerStore::Write, then the publisher) --> when every version of step t
+//   and every earlier step is finished, the step's EventRecord is written
+//   (one sync batch) and t becomes durable (WaitDurable returns) --> each
+//   DurableTier (the remote tier) copies it behind.
+//
+// Stage map: every method of Engine lives in the file its group names
+// (`// ---- what (file.cc) ----`); tests/layering/check_stage_map.py checks
+// it. The components the engine holds live in files of their own:
+//
+//   rank_state.h        RankState: one rank's state and its mutex
+//   job_owners.h        which uid each job belongs to
+//   history.h           a rank's local history as GC and tiers cut it
+//   quota.h, disk_budget.h, leases.h   per-uid quotas, the disk bound, leases
+//   memory_tier.h       the newest committed version of each layer, in memory
+//   durable_tier.h      the interface of the tiers behind the local store
+//   remote_tier.h       the remote tier: uploader thread, retention, pulls
 //
 // Ordering: snapshots of one rank run in step order (one worker at a time per
 // rank); events of one rank are written in step order. A version that fails
@@ -37,40 +40,45 @@
 #include <atomic>
 #include <deque>
 #include <functional>
-#include <set>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "ckpt/v1/ckpt.pb.h"
 #include "base/unique_fd.h"
+#include "ckpt/v1/ckpt.pb.h"
 #include "daemon/common/clock.h"
+#include "daemon/engine/caller.h"
 #include "daemon/engine/disk_budget.h"
+#include "daemon/engine/durable_tier.h"
+#include "daemon/engine/history.h"
+#include "daemon/engine/job_owners.h"
 #include "daemon/engine/leases.h"
 #include "daemon/engine/memory_tier.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/step_types.h"
 #include "daemon/gpu/cuda_ipc.h"
-#include "daemon/shm/rank_memory.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
 #include "daemon/remote/remote_store.h"
-#include "kernels/drift.h"
+#include "daemon/shm/rank_memory.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 #include "daemon/store/publisher.h"
 #include "daemon/store/retention.h"
+#include "kernels/drift.h"
 
 namespace ckpt {
 
@@ -127,7 +135,7 @@ struct EngineOptions {
   // The memory tier (memory_tier.h): staging-pool bytes that keep the
   // newest committed version of each layer for restores; 0 = off.
   uint64_t memory_tier_bytes = 0;
-  // The remote tier (engine_remote.cc, docs/remote.md); null = none. Not
+  // The remote tier (remote_tier.h, docs/remote.md); null = none. Not
   // owned.
   remote::RemoteStore* remote = nullptr;
   unsigned remote_upload_threads = 4;  // versions uploaded at once
@@ -137,11 +145,6 @@ struct EngineOptions {
   // up to the second.
   absl::Duration remote_retry_min = absl::Seconds(1);
   absl::Duration remote_retry_max = absl::Seconds(30);
-};
-
-struct Caller {
-  uid_t uid = 0;
-  pid_t pid = 0;
 };
 
 // What DeleteJob removed.
@@ -159,21 +162,28 @@ struct Restored : RestoreStats {
 };
 
 struct PendingStep;  // rank_state.h
+struct RankState;    // rank_state.h
+struct SnapTask;     // rank_state.h
+struct WriteTask;    // rank_state.h
 
 class Engine {
  public:
+  // ---- construction, start and shutdown (engine.cc) ----
   Engine(EngineOptions options, Index* index, LayerStore* store, StagingPool* pool);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Starts the snapshot and writer threads. UNAVAILABLE when the requested
-  // io backend cannot be created.
+  // Starts the snapshot and writer threads and the tiers. UNAVAILABLE when
+  // the requested io backend cannot be created.
   absl::Status Start();
   // Refuses new steps, lets writers finish queued versions for up to `grace`,
-  // discards what is left (nothing half-visible) and releases every mapping.
+  // discards what is left (nothing half-visible), stops the tiers and
+  // releases every mapping.
   void Shutdown(absl::Duration grace);
+  void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
 
+  // ---- the rank registry (engine_registry.cc) ----
   // Validates (registration.h), claims nothing itself: `fds` are the host
   // regions the caller handed over, or req.gpu names GPU allocations (opened
   // only after the checks and the ownership test passed, so a refused call
@@ -183,35 +193,6 @@ class Engine {
   // regions) is released again when the calling process (caller.pid) exits.
   absl::StatusOr<Registered> Register(const Registration& req, std::vector<UniqueFd> fds,
                                       const Caller& caller);
-  // Queues the step and returns. FAILED_PRECONDITION for a stale
-  // generation or a step not above the last one; INVALID_ARGUMENT for an
-  // oversized aux blob or a bad layer list.
-  absl::Status StepDone(StepReport report, const Caller& caller);
-  // The fence: returns once snapshot `step` is in staging.
-  // DEADLINE_EXCEEDED at `deadline` (the snapshot is then void, see
-  // docs/design-changes.md); ABORTED when the registration ended.
-  absl::StatusOr<SnapshotTaken> WaitSnapshot(const RankRef& rank, uint64_t step,
-                                             const Caller& caller, absl::Time deadline);
-  // The durable step once every layer's newest version selected at or before
-  // `step` is durable. ABORTED when some of them failed (they are retried
-  // next step).
-  // With `remote`, the step must also be remote-durable (its manifest in
-  // the remote tier): FAILED_PRECONDITION without a remote tier,
-  // DEADLINE_EXCEEDED when the upload has not finished at `deadline`.
-  absl::StatusOr<uint64_t> WaitDurable(const RankRef& rank, uint64_t step, const Caller& caller,
-                                       absl::Time deadline, bool remote = false);
-  // The composite plan of the rank for `target_step` (0 = its latest
-  // durable step); recovery/plan.h says what it holds and when NOT_FOUND.
-  absl::StatusOr<CompositePlan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
-                                     const Caller& caller);
-  // Writes the plan for `target_step` into the registration's buffers through
-  // the verified restore loop (recovery/restore.h). FAILED_PRECONDITION while
-  // steps of this registration are still being snapshotted. With
-  // `discard_later`, the rank's versions and events after the restored step
-  // are then deleted (versions first, so a crash in between leaves no later
-  // version under a surviving event), and the next step may be target + 1.
-  absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
-                                   const Caller& caller, bool discard_later = false);
   // Ends the registration; with `drain`, first waits (until `deadline`) for
   // its staged versions to become durable. Without, the engine keeps the
   // rank until they are written, then forgets it.
@@ -226,12 +207,19 @@ class Engine {
   // ended. NOT_FOUND when the rank is not registered.
   absl::StatusOr<uint64_t> ReleaseRank(const std::string& job, uint32_t rank,
                                        const Caller& caller);
-  // Deletes the job's whole history (every version file, event, rank and
-  // the job record); the id is free again. Owner or root. FAILED_PRECONDITION
-  // while a rank of it is registered by a live trainer (ReleaseRank or stop
-  // it first); ABORTED while a rank of it is registering or being read by a
-  // restore, verify or export (retry).
-  absl::StatusOr<JobDeleted> DeleteJob(const std::string& job, const Caller& caller);
+
+  // ---- the snapshotter (engine_snapshot.cc) ----
+  // Queues the step and returns. FAILED_PRECONDITION for a stale
+  // generation or a step not above the last one; INVALID_ARGUMENT for an
+  // oversized aux blob or a bad layer list.
+  absl::Status StepDone(StepReport report, const Caller& caller);
+  // The fence: returns once snapshot `step` is in staging.
+  // DEADLINE_EXCEEDED at `deadline` (the snapshot is then void, see
+  // docs/design-changes.md); ABORTED when the registration ended.
+  absl::StatusOr<SnapshotTaken> WaitSnapshot(const RankRef& rank, uint64_t step,
+                                             const Caller& caller, absl::Time deadline);
+
+  // ---- LayerCheck (engine_layercheck.cc) ----
   // Multi-rank LayerCheck: the rank's partial per-layer sums of `step` (waits
   // until computed), and the all-reduced vector that lets the step proceed.
   absl::StatusOr<std::vector<drift::LayerSums>> DriftPartials(const RankRef& rank, uint64_t step,
@@ -240,17 +228,28 @@ class Engine {
   absl::Status SetGlobalDrift(const RankRef& rank, uint64_t step,
                               const std::vector<drift::LayerSums>& global, const Caller& caller);
 
-  // The daemon's state. Node-wide figures (pool, disk, counters, uptime) are
-  // the same for every caller; `jobs` and `registered_ranks` count only the
-  // caller's own unless the caller is root, so no uid learns how many jobs
-  // or trainers other users have.
-  v1::StatusReply GetStatus(const Caller& caller = Caller());
-  absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
-  absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
-  absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);
-  // Applies the retention policy to every rank of the job (retention.h).
-  // Ranks a restore or export is reading are skipped and counted as busy.
-  absl::StatusOr<v1::GcReply> Gc(const v1::GcRequest& req, const Caller& caller);
+  // ---- the event sequencer (engine_events.cc) ----
+  // The durable step once every layer's newest version selected at or before
+  // `step` is durable. ABORTED when some of them failed (they are retried
+  // next step). With a `tier` ("remote"), the step must also be durable in
+  // that tier: FAILED_PRECONDITION when ckptd has no such tier,
+  // DEADLINE_EXCEEDED when its copy has not finished at `deadline`.
+  absl::StatusOr<uint64_t> WaitDurable(const RankRef& rank, uint64_t step, const Caller& caller,
+                                       absl::Time deadline, std::string_view tier = {});
+
+  // ---- recovery (engine_recovery.cc) ----
+  // The composite plan of the rank for `target_step` (0 = its latest
+  // durable step); recovery/plan.h says what it holds and when NOT_FOUND.
+  absl::StatusOr<CompositePlan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
+                                     const Caller& caller);
+  // Writes the plan for `target_step` into the registration's buffers through
+  // the verified restore loop (recovery/restore.h). FAILED_PRECONDITION while
+  // steps of this registration are still being snapshotted. With
+  // `discard_later`, the rank's versions and events after the restored step
+  // are then deleted (versions first, so a crash in between leaves no later
+  // version under a surviving event), and the next step may be target + 1.
+  absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
+                                   const Caller& caller, bool discard_later = false);
   // Streams a rank's composite checkpoint: the header, then every tensor's
   // verified bytes. `sink` returns false when the reader went away (CANCELLED).
   absl::Status Export(const v1::ExportRequest& req, const Caller& caller,
@@ -259,31 +258,29 @@ class Engine {
   // every checksum; failures are listed in the reply, not returned as errors.
   absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);
 
-  // A replacement node: when the index holds no checkpoint event of the rank
-  // and the remote tier has manifests of it, copies the newest manifest
-  // whose objects are all whole (and, several ranks, those down to the
-  // job's agreed step it records) with every version they name into the
-  // local store, each checked before it becomes visible
-  // (LayerStore::Adopt). A missing or damaged manifest or object makes that
-  // step unusable and an older one is tried; nothing of a failed pull stays
-  // in the index. PERMISSION_DENIED when the job belongs to another uid; OK
-  // (nothing done) without a remote tier or when there is nothing there.
-  // With `must_know` (Plan, Restore, Export), a remote tier that cannot be
-  // listed, or whose every step is damaged, is an error (UNAVAILABLE,
-  // DATA_LOSS, ...): the caller must not take "no checkpoint" for an answer.
-  // Without it (Register), that is logged and the call goes on, so a new
-  // job trains while the remote tier is down; Register skips the remote
-  // tier at once while its last operation failed.
-  absl::Status PullFromRemote(const std::string& job, uint32_t rank, const Caller& caller,
-                              bool must_know);
-  // Jobs of the caller (every job for root) that the remote tier holds,
-  // with their ranks' newest remote-durable steps; empty without a remote
-  // tier.
-  absl::StatusOr<std::vector<v1::JobInfo>> RemoteJobs(const Caller& caller);
+  // ---- retention (engine_retention.cc) ----
+  // Applies the retention policy to every rank of the job (retention.h).
+  // Ranks a restore or export is reading are skipped and counted as busy.
+  absl::StatusOr<v1::GcReply> Gc(const v1::GcRequest& req, const Caller& caller);
+  // Deletes the job's whole history (every version file, event, rank and
+  // the job record); the id is free again. Owner or root. FAILED_PRECONDITION
+  // while a rank of it is registered by a live trainer (ReleaseRank or stop
+  // it first); ABORTED while a rank of it is registering or being read by a
+  // restore, verify or export (retry).
+  absl::StatusOr<JobDeleted> DeleteJob(const std::string& job, const Caller& caller);
 
-  void RecordReconcile(const ReconcileReport& report) { reconcile_ = report; }
+  // ---- admin queries (engine_admin.cc) ----
+  // The daemon's state. Node-wide figures (pool, disk, counters, uptime) are
+  // the same for every caller; `jobs` and `registered_ranks` count only the
+  // caller's own unless the caller is root, so no uid learns how many jobs
+  // or trainers other users have.
+  v1::StatusReply GetStatus(const Caller& caller = Caller());
+  // The caller's jobs (root: all), those only a tier holds included.
+  absl::StatusOr<v1::JobsReply> Jobs(const Caller& caller);
+  absl::StatusOr<v1::LayersReply> Layers(const v1::LayersRequest& req, const Caller& caller);
+  absl::StatusOr<v1::HistoryReply> History(const v1::HistoryRequest& req, const Caller& caller);
   // Refreshes the gauges that are read at scrape time (pool, queue,
-  // durability lag, disk, per-layer staleness and drift).
+  // durability lag, disk, per-layer staleness and drift, the tiers').
   void CollectMetrics();
   uint64_t disk_bytes_used() const { return disk_.used(); }
   // The quotas in force (after Start) and what each uid holds.
@@ -293,72 +290,100 @@ class Engine {
   const char* io_backend_name() const { return io_backend_name_.c_str(); }
 
  private:
-  // Stage by stage; each group's methods live in the file named beside it.
-  struct Rank;      // rank_state.h
-  struct SnapTask;  // rank_state.h
-  struct WriteTask; // rank_state.h
+  // ---- construction, start and shutdown (engine.cc) ----
+  // Start-up: the per-uid quotas and what the index holds for each uid.
+  absl::Status SeedUsage();
+  // The tier named `name`, or null.
+  DurableTier* TierNamed(std::string_view name) const;
+  // On a node with no history of the rank, the first tier that holds one
+  // brings it here (DurableTier::Pull, in tier order).
+  absl::Status PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
+                             bool must_know);
 
-  // ---- rank registry (engine_registry.cc): ownership, generations,
-  //      registration and drain, watching the trainer process ----
+  // ---- the rank registry (engine_registry.cc) ----
   // The live registration of (job, rank) with this generation, for this
   // caller: NOT_FOUND (kNotRegistered), PERMISSION_DENIED,
   // FAILED_PRECONDITION (kStaleGeneration), or UNAVAILABLE (kShuttingDown)
   // once ckptd is stopping.
-  absl::StatusOr<std::shared_ptr<Rank>> FindLocked(const RankRef& ref, const Caller& caller)
+  absl::StatusOr<std::shared_ptr<RankState>> FindLocked(const RankRef& ref, const Caller& caller)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same with mu_ taken and released: for calls that then wait on the
   // rank's own mutex.
-  absl::StatusOr<std::shared_ptr<Rank>> Find(const RankRef& ref, const Caller& caller)
+  absl::StatusOr<std::shared_ptr<RankState>> Find(const RankRef& ref, const Caller& caller)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status CheckOwner(const std::string& job, const Caller& caller);
+  // Builds the state of a new registration (its memory, layer templates,
+  // policy), not yet published.
+  absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req,
+                                                     std::vector<MappedRegion> regions,
+                                                     uid_t owner, const Caller& caller);
+  // Reserves the caller's registration slot for `key`; Unclaim gives it back.
+  absl::Status ClaimRegistration(const RankKey& key, const Caller& caller)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void UnclaimRegistration(const RankKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases the memory (GPU mappings, memfd regions) of ranks whose trainer
   // process exited.
   void WatchTrainersLoop();
   // Ends a registration: inactive, parked steps dropped, memory moved to
   // `closing` (dropped by the caller once every lock is released).
-  void EndRegistrationLocked(Rank& r, const std::string& why,
+  void EndRegistrationLocked(RankState& r, const std::string& why,
                              std::vector<std::shared_ptr<RankMemory>>* closing)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `r` from ranks_ once it is unregistered and idle (RankState::Idle):
+  // nothing else would, and every unregistered job would stay in memory and
+  // in every walk over ranks_ for good. REQUIRES: a reference to `r` of the
+  // caller's own (the map's may be the last but one).
+  void ForgetIfDoneLocked(const std::shared_ptr<RankState>& r)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, r->mu);
   // Waits (until `deadline`) for what the ended registration `r` still has
   // in flight, then forgets it.
-  absl::Status DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline)
+  absl::Status DrainAndForget(const std::shared_ptr<RankState>& r, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // ---- snapshotter (engine_snapshot.cc): the StepDone queue, copy into
-  //      staging, the fence and an abandoned fence ----
+  // ---- the snapshotter (engine_snapshot.cc) ----
   void SnapshotLoop();
   // Returns false when the task now waits for SetGlobalDrift.
   // `memory` is the rank's memory (null once released).
-  bool Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+  bool Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory);
   // What a snapshot has handed to the writers so far.
   struct SpillState {
     bool pending = false;          // the step's PendingStep is in r->pending
     std::vector<uint32_t> layers;  // layers handed over, in order
     uint64_t count = 0, bytes = 0; // versions and payload bytes handed over
   };
+  // Copies the selected layers of `task` into staging; `staged` holds what
+  // is not handed to the writers yet, `skipped` the layers left out.
+  // Returns the copy's status (an error drops what `staged` holds).
+  absl::Status CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory,
+                          std::vector<StagedVersion>* staged, std::vector<uint32_t>* skipped,
+                          SpillState* spill);
+  // Publishes the snapshot: queues what was staged, seals the step, records
+  // its result. Returns whether its event can be written at once.
+  bool FinishSnapshot(const std::shared_ptr<RankState>& r, SnapTask& task,
+                      std::vector<StagedVersion>& staged, std::vector<uint32_t>& skipped,
+                      SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
   // Hands the versions `staged` so far to the writers before the snapshot
   // goes on (the pool has no room for the next one), unless the fence was
   // abandoned, the rank unregistered or ckptd is stopping: then they go to
   // `skipped` and it returns false (the snapshot copies nothing more).
-  bool SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+  bool SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
                    std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                    SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
   // Queues `staged` for the writers as versions of task.step, making the
-  // step's PendingStep the first time; returns it. Holds r->mu as well.
-  PendingStep* QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask& task,
+  // step's PendingStep the first time; returns it.
+  PendingStep* QueueStagedLocked(const std::shared_ptr<RankState>& r, SnapTask& task,
                                  std::vector<StagedVersion>& staged, SpillState* spill)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, r->mu);
 
-  // ---- LayerCheck decisions (engine_layercheck.cc) ----
+  // ---- LayerCheck (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published
   // yet) and picks the drift kernel that can read it.
-  absl::Status SetUpLayerCheck(const Registration& req, RankMemory* memory, Rank* r);
+  absl::Status SetUpLayerCheck(const Registration& req, RankMemory* memory, RankState* r);
   // Fills task.layers from the drift of this step, read from `memory`.
   // Returns false when the step waits for the all-reduced drift vector.
-  bool DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory);
+  bool DecideLayerCheck(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory);
 
-  // ---- commit pipeline (engine_commit.cc): writers write each version's
-  //      bytes, the publisher makes groups of them durable and visible ----
+  // ---- the commit pipeline (engine_commit.cc): writers write each
+  //      version's bytes, the publisher makes groups of them durable ----
   void WriterLoop(std::unique_ptr<IoBackend> io);
   // What follows a version's commit, on the publisher's thread (or the
   // writer's, when it failed before): metrics, the memory tier, the rank's
@@ -368,112 +393,54 @@ class Engine {
                     absl::StatusOr<store::VersionRecord> rec, const CommitTimings& timings)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // ---- event sequencer (engine_events.cc): per-version outcomes, ordered
-  //      checkpoint events, the durable step behind WaitDurable ----
-  void FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+  // ---- the event sequencer (engine_events.cc) ----
+  void FinishVersion(const std::shared_ptr<RankState>& r, uint64_t step, uint32_t layer,
                      const absl::StatusOr<store::VersionRecord>& result, uint64_t bytes);
-  // Drops `r` from ranks_ once it is unregistered and idle (Rank::Idle):
-  // nothing else would, and every unregistered job would stay in memory
-  // and in every walk over ranks_ for good. REQUIRES: r->mu held too (Rank
-  // is incomplete here for the annotation), and a reference to `r` of the
-  // caller's own (the map's may be the last but one).
-  void ForgetIfDoneLocked(const std::shared_ptr<Rank>& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AdvanceEvents(const std::shared_ptr<Rank>& r);
+  void AdvanceEvents(const std::shared_ptr<RankState>& r);
+  // WaitDurable's local half: the rank's durable step once it is at least
+  // `step`, and no layer selected at or before it failed.
+  absl::StatusOr<uint64_t> WaitLocallyDurable(const std::shared_ptr<RankState>& r, uint64_t step,
+                                              absl::Time deadline);
 
-  // Start-up: the per-uid quotas and what the index holds for each uid.
-  absl::Status SeedUsage();
+  // ---- recovery (engine_recovery.cc) ----
+  // Restore(discard_later): deletes the rank's versions, then its events,
+  // after `step` (under the rank's lease), and tells the tiers.
+  absl::Status DiscardAfter(const std::string& job, uint32_t rank, uint64_t step);
+  // Marks the registration `ref` as restoring and returns it with its
+  // memory; FAILED_PRECONDITION while it has steps in the pipeline.
+  absl::StatusOr<std::pair<std::shared_ptr<RankState>, std::shared_ptr<RankMemory>>> BeginRestore(
+      const RankRef& ref, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
+  // Plans and reads under the rank's lease, into `memory`.
+  absl::StatusOr<Restored> RestoreUnderLease(const RankState& r, RankMemory* memory,
+                                             uint64_t target_step, bool discard_later);
+  // The rank's state after a successful restore (or only its flag, after a
+  // failed one).
+  void EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, bool discard_later);
+  // What every restore, verify and export reads from: the index, the local
+  // store, the memory tier, `readers` I/O backends.
+  absl::StatusOr<RecoverySources> Sources(unsigned readers,
+                                          std::vector<std::unique_ptr<IoBackend>>* io);
 
-  // ---- admin (engine_admin.cc) ----
+  // ---- retention (engine_retention.cc) ----
+  absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
+  // What the tiers need kept of the rank (the smallest copied step).
+  std::optional<LocalKeep> KeepForTiers(const RankKey& key) const;
+  // DeleteJob's parts: ends the job's registrations (refusing when one is
+  // live), then deletes each rank's history under its GC turn.
+  absl::Status EndJobRegistrations(const std::string& job,
+                                   std::vector<std::shared_ptr<RankState>>* ended)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status DeleteJobHistory(const std::string& job, JobDeleted* out);
+  void GcLoop();
+
+  // ---- admin queries (engine_admin.cc) ----
   // Registered ranks; with `stale_only`, those whose trainer exited (memory
   // released).
   size_t ActiveRanksLocked(bool stale_only = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // ---- retention (engine_retention.cc) ----
-  // What a rank's history holds, as GC and DeleteJob need it: its events in
-  // step order and its versions by (layer, step).
-  struct RankHistory {
-    struct Event {
-      uint64_t step = 0;
-      int64_t unix_ms = 0;
-      uint64_t index_bytes = 0;  // what it counts for in its owner's quota
-      uint64_t agreed_step = 0;  // EventRecord::agreed_step
-    };
-    uid_t owner = 0;
-    std::vector<Event> events;
-    std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> versions;
-  };
-  // The rank's events and versions; with `after`, only those above that
-  // step (one seek per layer and the events from the newest down, so the
-  // cost does not grow with the history below it).
-  absl::StatusOr<RankHistory> ReadRankHistory(const std::string& job, uint32_t rank,
-                                              std::optional<uint64_t> after = std::nullopt);
-  // Deletes one event / one committed version (record, then file) of the
-  // rank and gives what it held back to the disk budget and the owner's
-  // quota.
-  absl::Status DeleteEvent(const RankHistory& h, const std::string& job, uint32_t rank,
-                           const RankHistory::Event& event);
-  absl::Status RemoveVersion(const RankHistory& h, const VersionKey& key,
-                             const store::VersionRecord& rec);
-  absl::Status GcRank(const std::string& job, uint32_t rank, bool dry_run, v1::GcReply* reply);
-  // Restore(discard_later): deletes the rank's versions, then its events,
-  // after `step` (under the rank's lease).
-  absl::Status DiscardAfter(const std::string& job, uint32_t rank, uint64_t step);
-  void GcLoop();
-
-  // ---- remote tier (engine_remote.cc): the uploader, remote retention ----
-  struct RemoteRank {
-    uid_t owner = 0;
-    uint64_t local_step = 0;   // newest local checkpoint event
-    uint64_t remote_step = 0;  // newest manifest in the remote tier
-    bool seeded = false;       // objects and manifests listed from the store
-    // Version objects known whole there: named by a manifest that reads
-    // back, or uploaded by this node since (file -> bytes). Names repeat
-    // across histories of a rank, so a listed object that no manifest names
-    // is never trusted: it is uploaded again (over it) when needed.
-    std::map<std::string, uint64_t> objects;
-    std::set<std::string> stray;  // listed, not trusted; remote GC may delete them
-    struct Manifest {
-      int64_t unix_ms = 0;
-      uint64_t agreed_step = 0;
-      std::vector<std::string> files;  // the version objects it names
-    };
-    std::map<uint64_t, Manifest> manifests;
-    std::map<uint64_t, uint64_t> pending;  // local events not uploaded: step -> bytes
-    // The rank went back (a restore that discarded later steps, or a pull
-    // that fell back past damaged steps): manifests above this step belong
-    // to a discarded history and are deleted before anything is uploaded.
-    std::optional<uint64_t> discard_above;
-    // Why this node neither uploads nor deletes anything of the rank (empty:
-    // it does): the remote tier holds it for another uid, or holds another
-    // history of it than this node's (started without restoring from it).
-    std::string blocked;
-    absl::Time retry_at = absl::InfinitePast();
-    absl::Duration backoff = absl::ZeroDuration();
-  };
-  // The largest remote lag in steps and the bytes not uploaded, over the
-  // ranks of `owner` (every rank when null).
-  std::pair<uint64_t, uint64_t> RemoteLag(const uid_t* owner);
-  // The ranks the index holds, with their newest event and owner (Start).
-  void LoadRemoteRanks();
-  void UploadLoop();
-  // Reads the remote tier's objects and manifests of the rank into `out`
-  // (manifests that do not read back whole are left out).
-  absl::Status SeedRemote(const RankKey& key, RemoteRank* out);
-  // After seeding: whether the remote tier's newest step is of this node's
-  // history of the rank; the reason to block it otherwise ("" = it is).
-  absl::StatusOr<std::string> CheckRemoteHistory(const RankKey& key);
-  // The rank's history was cut back to `step` (DiscardAfter, a pull).
-  void NoteRewind(const std::string& job, uint32_t rank, uint64_t step);
-  // Uploads the rank's oldest local event above its remote step: its plan's
-  // versions not there yet, then its manifest.
-  absl::Status UploadNext(const RankKey& key);
-  absl::Status RemoteGc(const RankKey& key);
-  // Called after the rank's checkpoint events of `steps` were written.
-  void NoteLocalEvents(const std::string& job, uint32_t rank, uid_t owner,
-                       const std::vector<std::pair<uint64_t, uint64_t>>& steps_bytes);
-  // Counts and records a failed remote operation; `owner` is the uid whose
-  // job it concerns (the error is shown to that uid and root only).
-  void NoteRemoteFailure(const absl::Status& s, const std::string& what, uid_t owner = 0);
+  // The registration fields of a rank's line in Jobs.
+  void FillRegistration(const RankKey& key, v1::RankInfo* ri) ABSL_LOCKS_EXCLUDED(mu_);
+  // The durability lag over the live ranks, into the gauges.
+  void CollectLagLocked(Metrics* m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Immutable after construction (io_backend_name_ and reconcile_: after Start).
   const EngineOptions options_;
@@ -497,22 +464,32 @@ class Engine {
   std::thread gc_thread_;
   std::thread watch_thread_;
 
-  // Per-uid usage; declared before the ranks, whose queued steps hold
-  // charges against it, so that it outlives them.
+  // Components, each thread-safe with a lock of its own (a leaf, except
+  // JobOwners, taken first). Per-uid usage is declared before the ranks,
+  // whose queued steps hold charges against it, so that it outlives them.
   QuotaTable quota_;
+  LeaseTable leases_;
+  DiskBudget disk_;
+  JobOwners owners_;
+  LocalHistory history_;
+  // Declared after pool_ is set (the pool outlives the engine): its images
+  // are pool chunks.
+  MemoryTier memory_tier_;
+  // The tiers behind the local store, in the order a pull asks them.
+  std::vector<std::unique_ptr<DurableTier>> tiers_;
 
   // Locks. mu_ guards the engine-wide state below; each rank's mutable state
-  // has its own mutex (Rank::mu, rank_state.h). Lock order:
-  //   job_mu_ -> mu_ -> Rank::event_mu -> Rank::mu -> leaf mutexes
-  // (LeaseTable, StagingPool, Metrics). Rank::event_mu is never taken with
-  // mu_ held. No file I/O, index write or CUDA call happens under mu_ or
-  // Rank::mu. Waits on one rank's state wait on its Rank::mu.
-  absl::Mutex job_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // job ownership: check-and-create is one step
+  // has its own mutex (RankState::mu, rank_state.h). Lock order:
+  //   JobOwners -> mu_ -> RankState::event_mu -> RankState::mu -> leaf mutexes
+  // (LeaseTable, StagingPool, Metrics, the tiers). RankState::event_mu is
+  // never taken with mu_ held. No file I/O, index write or CUDA call happens
+  // under mu_ or RankState::mu. Waits on one rank's state wait on its
+  // RankState::mu.
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
   bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;   // writers exit, queue discarded
-  std::map<RankKey, std::shared_ptr<Rank>> ranks_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::shared_ptr<Rank>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
+  std::map<RankKey, std::shared_ptr<RankState>> ranks_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<RankState>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   // Versions taken from write_queue_ whose commit has not finished yet
   // (being written, or waiting for the publisher).
@@ -520,34 +497,6 @@ class Engine {
   std::map<RankKey, uid_t> registering_ ABSL_GUARDED_BY(mu_);  // rank -> registering uid
   // Jobs DeleteJob is deleting: registrations of them are refused.
   std::set<std::string> deleting_jobs_ ABSL_GUARDED_BY(mu_);
-
-  LeaseTable leases_;
-  DiskBudget disk_;
-  // Declared after pool_ is set (the pool outlives the engine): its images
-  // are pool chunks.
-  MemoryTier memory_tier_;
-
-  // The remote tier's state; remote_mu_ is a leaf (nothing is called out
-  // while it is held).
-  absl::Mutex remote_mu_;
-  // Bumped on new local events, a rewind and stopping: the uploader waits for
-  // a change (an absl::Condition, not a CondVar: TSan's view of Debian's
-  // uninstrumented absl follows Lock/Unlock/Await only).
-  uint64_t remote_wakeups_ ABSL_GUARDED_BY(remote_mu_) = 0;
-  std::map<RankKey, RemoteRank> remote_ ABSL_GUARDED_BY(remote_mu_);
-  std::set<RankKey> pulling_ ABSL_GUARDED_BY(remote_mu_);
-  absl::Status remote_error_ ABSL_GUARDED_BY(remote_mu_);
-  uid_t remote_error_uid_ ABSL_GUARDED_BY(remote_mu_) = 0;  // whose job it concerns
-  bool remote_stop_ ABSL_GUARDED_BY(remote_mu_) = false;
-  std::atomic<bool> remote_stopping_{false};  // mirrors remote_stop_ for the upload workers
-  // RemoteJobs' listing of the remote tier, kept for a while (each listing
-  // reads every key under jobs/): job -> (owner, rank -> newest manifest).
-  struct RemoteJobsCache {
-    absl::Time at = absl::InfinitePast();
-    std::map<std::string, std::pair<uid_t, std::map<uint32_t, uint64_t>>> jobs;
-  };
-  RemoteJobsCache remote_jobs_cache_ ABSL_GUARDED_BY(remote_mu_);
-  std::thread upload_thread_;
 
   // Counters (relaxed; read by GetStatus and the metrics).
   std::atomic<uint64_t> versions_committed_{0};

@@ -46,18 +46,13 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
     }
     s.set_jobs(visible);
   }
-  s.set_remote(options_.remote == nullptr ? "none" : options_.remote->Describe());
-  const auto [lag_steps, lag_bytes] = RemoteLag(all ? nullptr : &caller.uid);
-  s.set_remote_lag_steps(lag_steps);
-  s.set_remote_lag_bytes(lag_bytes);
-  {
-    absl::MutexLock lock(&remote_mu_);
-    // It may name a job: only its owner and root see it.
-    if (!remote_error_.ok()) {
-      s.set_remote_error(all || remote_error_uid_ == caller.uid
-                             ? std::string(remote_error_.message())
-                             : "another user's job failed to upload (root sees why)");
-    }
+  s.set_remote("none");
+  if (DurableTier* remote = TierNamed("remote"); remote != nullptr) {
+    const TierReport report = remote->Report(caller);
+    s.set_remote(report.description);
+    s.set_remote_lag_steps(report.lag.steps);
+    s.set_remote_lag_bytes(report.lag.bytes);
+    s.set_remote_error(report.error);
   }
   absl::MutexLock lock(&mu_);
   uint32_t ranks = 0;
@@ -71,6 +66,7 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
 }
 
 absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
+  DurableTier* const remote = TierNamed("remote");
   v1::JobsReply reply;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
   for (const std::string& job : jobs) {
@@ -90,44 +86,48 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
         ri->set_latest_durable_step(ev->first);
         ri->set_agreed_step(ev->second.agreed_step());
       }
-      {
-        absl::MutexLock lock(&remote_mu_);
-        auto it = remote_.find(RankKey(job, rank));
-        if (it != remote_.end()) ri->set_remote_step(it->second.remote_step);
-      }
+      if (remote != nullptr) ri->set_remote_step(remote->DurableStep(RankKey(job, rank)));
       // Counted by the index as versions come and go: no pass over the
       // rank's history (Index::VersionsOf).
       const Index::RankVersions counted = index_->VersionsOf(job, rank);
       info->set_versions(info->versions() + counted.total.versions);
       info->set_bytes(info->bytes() + counted.total.file_bytes);
-      absl::MutexLock lock(&mu_);
-      auto it = ranks_.find(RankKey(job, rank));
-      if (it == ranks_.end()) continue;
-      const Rank& r = *it->second;
-      absl::MutexLock rank_lock(&r.mu);
-      if (r.active) {
-        ri->set_registered(true);
-        ri->set_stale(r.memory == nullptr);
-        ri->set_generation(r.generation);
-        ri->set_last_step_seen(r.last_step_seen);
-      }
+      FillRegistration(RankKey(job, rank), ri);
     }
   }
   // Jobs only the remote tier holds (a replacement node before the first
   // pull); a remote tier that does not answer leaves them out.
-  absl::StatusOr<std::vector<v1::JobInfo>> remote_jobs = RemoteJobs(caller);
-  if (remote_jobs.ok()) {
-    for (v1::JobInfo& info : *remote_jobs) {
-      if (std::find(jobs.begin(), jobs.end(), info.job_id()) == jobs.end()) {
-        *reply.add_jobs() = std::move(info);
-      }
+  absl::StatusOr<std::vector<TierJob>> remote_jobs =
+      remote != nullptr ? remote->Jobs(caller) : std::vector<TierJob>();
+  for (const TierJob& tj : remote_jobs.ok() ? *remote_jobs : std::vector<TierJob>()) {
+    if (std::find(jobs.begin(), jobs.end(), tj.job) != jobs.end()) continue;
+    v1::JobInfo* info = reply.add_jobs();
+    info->set_job_id(tj.job);
+    info->set_owner_uid(tj.owner);
+    for (const auto& [rank, step] : tj.newest_step) {
+      v1::RankInfo* ri = info->add_ranks();
+      ri->set_rank(rank);
+      ri->set_remote_step(step);
     }
   }
   return reply;
 }
 
+void Engine::FillRegistration(const RankKey& key, v1::RankInfo* ri) {
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(key);
+  if (it == ranks_.end()) return;
+  const RankState& r = *it->second;
+  absl::MutexLock rank_lock(&r.mu);
+  if (!r.active) return;
+  ri->set_registered(true);
+  ri->set_stale(r.memory == nullptr);
+  ri->set_generation(r.generation);
+  ri->set_last_step_seen(r.last_step_seen);
+}
+
 absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
   if (!table.has_value()) {
     return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
@@ -172,7 +172,7 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(RankKey(req.job_id(), req.rank()));
   if (it == ranks_.end()) return reply;
-  const Rank& r = *it->second;
+  const RankState& r = *it->second;
   absl::MutexLock rank_lock(&r.mu);
   if (r.active) {
     reply.set_policy(PolicyName(r.policy.kind));
@@ -192,7 +192,7 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
 
 absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
                                                  const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   if (req.layer() >= 0) {
     // A layer the rank does not have is a mistake, not an empty history.
     CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
@@ -206,14 +206,10 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
     }
   }
   v1::HistoryReply reply;
-  std::set<uint64_t> remote;  // steps whose manifest is in the remote tier
-  {
-    absl::MutexLock lock(&remote_mu_);
-    auto it = remote_.find(RankKey(req.job_id(), req.rank()));
-    if (it != remote_.end()) {
-      for (const auto& [step, m] : it->second.manifests) remote.insert(step);
-    }
-  }
+  // Steps whose manifest is in the remote tier.
+  DurableTier* const tier = TierNamed("remote");
+  const std::set<uint64_t> remote =
+      tier != nullptr ? tier->DurableSteps(RankKey(req.job_id(), req.rank())) : std::set<uint64_t>();
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
       req.job_id(), req.rank(), /*newest_first=*/true,
       [&](uint64_t step, const store::EventRecord& e) {
@@ -253,10 +249,16 @@ void Engine::CollectMetrics() {
   const GpuMappingStats gpu = OpenGpuMappings();
   m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));
+  m->Set(Gauge::kMemoryTierBytes, static_cast<double>(memory_tier_.bytes()));
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->CollectMetrics();
   absl::MutexLock lock(&mu_);
   m->Set(Gauge::kWriteQueueDepth, static_cast<double>(write_queue_.size()));
   m->Set(Gauge::kRegisteredRanks, static_cast<double>(ActiveRanksLocked()));
   m->Set(Gauge::kStaleRanks, static_cast<double>(ActiveRanksLocked(/*stale_only=*/true)));
+  CollectLagLocked(m);
+}
+
+void Engine::CollectLagLocked(Metrics* m) {
   // Durability lag: staged but not yet durable, over every live rank.
   const absl::Time now = clock_->Now();
   double lag_bytes = 0, lag_seconds = 0, global_lag = 0;
@@ -286,10 +288,6 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);
   m->Set(Gauge::kDurabilityLagSeconds, lag_seconds);
   m->Set(Gauge::kGlobalDurableLagSteps, global_lag);
-  const auto [remote_lag_steps, remote_lag_bytes] = RemoteLag(nullptr);
-  m->Set(Gauge::kMemoryTierBytes, static_cast<double>(memory_tier_.bytes()));
-  m->Set(Gauge::kRemoteLagSteps, static_cast<double>(remote_lag_steps));
-  m->Set(Gauge::kRemoteLagBytes, static_cast<double>(remote_lag_bytes));
 }
 
 size_t Engine::ActiveRanksLocked(bool stale_only) const {

@@ -72,7 +72,7 @@ void Engine::FinishCommit(std::unique_ptr<WriteTask> task, bool reserved,
   }
   const uint64_t step = task->version.key.step;
   const uint32_t layer = task->version.key.layer;
-  std::shared_ptr<Rank> r = std::move(task->rank);
+  std::shared_ptr<RankState> r = std::move(task->rank);
   if (rec.ok() && memory_tier_.enabled()) {
     // The committed image stays in memory for restores (memory_tier.h).
     memory_tier_.Put(RankKey(r->job, r->rank), layer, step, rec->file(),

@@ -14,7 +14,7 @@
 
 namespace ckpt {
 
-void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32_t layer,
+void Engine::FinishVersion(const std::shared_ptr<RankState>& r, uint64_t step, uint32_t layer,
                            const absl::StatusOr<store::VersionRecord>& rec, uint64_t bytes) {
   if (rec.ok()) {
     versions_committed_.fetch_add(1, std::memory_order_relaxed);
@@ -56,7 +56,7 @@ void Engine::FinishVersion(const std::shared_ptr<Rank>& r, uint64_t step, uint32
   }
 }
 
-void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
+void Engine::AdvanceEvents(const std::shared_ptr<RankState>& r) {
   absl::MutexLock order(&r->event_mu);
   std::vector<std::pair<uint64_t, store::EventRecord>> batch;
   uint64_t batch_bytes = 0;  // what the events add to the index (quota.h)
@@ -109,45 +109,37 @@ void Engine::AdvanceEvents(const std::shared_ptr<Rank>& r) {
   }
   // A refused step gives its queue slot and its reserved bytes back here.
   for (size_t i = 0; i < batch.size(); ++i) r->pending.pop_front();
-  if (s.ok()) {
-    r->durable_step = batch.back().first;
-    std::vector<std::pair<uint64_t, uint64_t>> steps_bytes;
-    for (const auto& [step, e] : batch) steps_bytes.emplace_back(step, e.bytes());
-    NoteLocalEvents(r->job, r->rank, r->uid, steps_bytes);
+  if (!s.ok()) return;
+  r->durable_step = batch.back().first;
+  // The tiers copy it behind (their locks are leaves: taken under r->mu).
+  std::vector<LocalEvent> events;
+  for (const auto& [step, e] : batch) events.push_back(LocalEvent{step, e.bytes()});
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    tier->OnLocalEvents(RankKey(r->job, r->rank), r->uid, events);
   }
 }
 
 absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
                                              const Caller& caller, absl::Time deadline,
-                                             bool remote) {
-  if (remote && options_.remote == nullptr) {
-    return absl::FailedPreconditionError(
-        "ckptd has no remote tier configured (remote_kind); wait for local durability");
-  }
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
-  if (remote) {
-    // Locally durable first (its errors are the same), then the manifest.
-    CKPT_ASSIGN_OR_RETURN(uint64_t local, WaitDurable(rank, step, caller, deadline));
-    (void)local;
-    const RankKey key(rank.job, rank.rank);
-    absl::MutexLock lock(&remote_mu_);
-    // The rank's remote state exists once its first event is written; it
-    // goes only with the job (DeleteJob), which ends the wait.
-    auto there = [this, &key, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(remote_mu_) {
-      auto it = remote_.find(key);
-      return remote_stop_ || it == remote_.end() || it->second.remote_step >= step;
-    };
-    remote_mu_.AwaitWithDeadline(absl::Condition(&there), deadline);
-    auto it = remote_.find(key);
-    if (it == remote_.end()) return absl::AbortedError("the job was deleted");
-    if (it->second.remote_step < step) {
-      if (remote_stop_) return ShuttingDownError();
-      return absl::DeadlineExceededError(absl::StrCat(
-          "step ", step, " is durable on this node but not yet in the remote tier",
-          remote_error_.ok() ? "" : absl::StrCat(" (", remote_error_.message(), ")")));
+                                             std::string_view tier) {
+  DurableTier* copy = nullptr;
+  if (!tier.empty()) {
+    copy = TierNamed(tier);
+    if (copy == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ckptd has no ", std::string(tier), " tier configured",
+          tier == "remote" ? " (remote_kind)" : "", "; wait for local durability"));
     }
-    return it->second.remote_step;
   }
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, Find(rank, caller));
+  // Locally durable first (its errors are the same), then the tier's copy.
+  CKPT_ASSIGN_OR_RETURN(uint64_t durable, WaitLocallyDurable(r, step, deadline));
+  if (copy == nullptr) return durable;
+  return copy->WaitDurable(RankKey(rank.job, rank.rank), step, deadline);
+}
+
+absl::StatusOr<uint64_t> Engine::WaitLocallyDurable(const std::shared_ptr<RankState>& r,
+                                                    uint64_t step, absl::Time deadline) {
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto durable = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {

@@ -14,8 +14,154 @@
 
 namespace ckpt {
 
+namespace {
+
+// A write budget's figures against the registration.
+absl::Status CheckBudget(const LayerCheckConfig& config, const Registration& req) {
+  if (!config.budget.enabled()) return absl::OkStatus();
+  const LayerCheckBudget& b = config.budget;
+  if (!b.layer_bytes.empty() && b.layer_bytes.size() != req.layers.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layercheck budget: layer_bytes has ", b.layer_bytes.size(),
+                     " entries; the rank has ", req.layers.size(), " layers"));
+  }
+  if (req.world_size > 1 && !config.local_drift) {
+    // Ranks that all-reduce their drift must compute the same multiplier.
+    if (b.share > 0) {
+      return absl::InvalidArgumentError(
+          "layercheck budget: a share of the device's bandwidth is a figure of this node, "
+          "and ranks that all-reduce their drift (world_size > 1) must derive the same budget; "
+          "give bytes_per_s or bytes_per_step");
+    }
+    if (b.layer_bytes.empty()) {
+      return absl::InvalidArgumentError(
+          "layercheck budget with world_size > 1 needs layer_bytes, the same list on every "
+          "rank (e.g. each layer's bytes over all ranks): the ranks' own shard sizes may "
+          "differ, and so would their decisions");
+    }
+  }
+  CKPT_LOG(INFO) << "job " << req.job << " rank " << req.rank << ": layercheck write budget "
+                 << b.BytesPerStep() << " bytes per step, multiplier of K0 in [" << b.k_min
+                 << ", " << b.k_max << "], horizon " << b.horizon << " steps";
+  return absl::OkStatus();
+}
+
+// The drift kernel's element type of `t`; false for one it does not read.
+bool DriftDType(DType t, drift::DType* out) {
+  switch (t) {
+    case DType::kF32: *out = drift::DType::kF32; return true;
+    case DType::kBF16: *out = drift::DType::kBF16; return true;
+    case DType::kF16: *out = drift::DType::kF16; return true;
+    default: return false;
+  }
+}
+
+// The optimizer state of layer tensor `w` (the tensors whose `param` names
+// it), into `task`.
+absl::Status AddOptimizerState(const LayerDesc& layer, const LayerTemplate& lt,
+                               const TensorDesc& w, const std::string& where,
+                               drift::TensorTask* task) {
+  for (size_t j = 0; j < layer.tensors.size(); ++j) {
+    const TensorDesc& st = layer.tensors[j];
+    if (st.param != w.name) continue;
+    const void* p = lt.src[j];
+    const bool m_role = st.role == TensorRole::kExpAvg || st.role == TensorRole::kMomentum;
+    if (!m_role && st.role != TensorRole::kExpAvgSq) continue;
+    if (st.nbytes / ElementBytes(st.dtype) != task->n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": state '", st.name, "' has a different element count"));
+    }
+    drift::DType dt;
+    if (!DriftDType(st.dtype, &dt)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name,
+                                                     "' must be f32, bf16 or f16"));
+    }
+    if (m_role) {
+      task->m = p;
+      task->m_dtype = dt;
+    } else {
+      task->v = p;
+      task->v_dtype = dt;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The drift task of weight tensor `i` of layer `l`.
+absl::StatusOr<drift::TensorTask> DriftTaskOf(const LayerDesc& layer, const LayerTemplate& lt,
+                                              size_t l, size_t i, OptimizerKind optimizer) {
+  const TensorDesc& w = layer.tensors[i];
+  const std::string where = absl::StrCat("layer ", l, " tensor '", w.name, "'");
+  drift::TensorTask task;
+  task.layer = static_cast<uint32_t>(l);
+  task.n = w.nbytes / ElementBytes(w.dtype);
+  task.w = lt.src[i];
+  if (!DriftDType(w.dtype, &task.w_dtype)) {
+    return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
+  }
+  task.beta1 = w.beta1 > 0 ? w.beta1 : 0.9;
+  task.beta2 = w.beta2 > 0 ? w.beta2 : 0.999;
+  task.eps = w.eps > 0 ? w.eps : 1e-8;
+  task.weight_decay = w.weight_decay;
+  CKPT_RETURN_IF_ERROR(AddOptimizerState(layer, lt, w, where, &task));
+  switch (optimizer) {
+    case OptimizerKind::kAdamW:
+    case OptimizerKind::kAdam:
+      if (task.m == nullptr || task.v == nullptr) {
+        return absl::InvalidArgumentError(
+            where + ": adam(w) drift needs exp_avg and exp_avg_sq tensors naming it in 'param'");
+      }
+      task.optimizer =
+          optimizer == OptimizerKind::kAdamW ? drift::Optimizer::kAdamW : drift::Optimizer::kAdam;
+      break;
+    case OptimizerKind::kSgd:
+      if (task.m == nullptr) {
+        return absl::InvalidArgumentError(
+            where + ": sgd drift needs a momentum tensor naming it in 'param'");
+      }
+      task.optimizer = drift::Optimizer::kSgd;
+      break;
+    default:
+      return absl::InvalidArgumentError("unknown optimizer");
+  }
+  return task;
+}
+
+// The first line of the drift trace: the job, its layers and the policy.
+nlohmann::json TraceHeader(const RankState& r, const Registration& req,
+                           const LayerCheckConfig& config) {
+  nlohmann::json header;
+  header["job"] = r.job;
+  header["rank"] = r.rank;
+  nlohmann::json layers = nlohmann::json::array();
+  for (const LayerDesc& layer : req.layers) {
+    uint64_t bytes = 0;
+    for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
+    layers.push_back({{"name", layer.name}, {"kind", static_cast<int>(layer.kind)},
+                      {"bytes", bytes}});
+  }
+  header["layers"] = layers;
+  header["config"] = {{"k0", config.k0}, {"k0_embedding", config.k0_embedding},
+                      {"k_floor", config.k_floor}, {"s_max", config.s_max},
+                      {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
+                      {"full_every", config.full_every}};
+  if (config.budget.enabled()) {
+    const LayerCheckBudget& b = config.budget;
+    nlohmann::json budget = {{"bytes_per_step", b.BytesPerStep()}, {"k_min", b.k_min},
+                             {"k_max", b.k_max}, {"horizon", b.horizon}};
+    if (b.bytes_per_s > 0) budget["bytes_per_s"] = b.bytes_per_s;
+    if (b.share > 0) budget["share"] = b.share;
+    if (b.step_s > 0) budget["step_s"] = b.step_s;
+    if (!b.layer_bytes.empty()) budget["layer_bytes"] = b.layer_bytes;
+    header["config"]["budget"] = budget;
+  }
+  return header;
+}
+
+}  // namespace
+
 absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory,
-                                     Rank* r) {
+                                     RankState* r) {
   const RegistrationPolicy& spec = req.policy;
   LayerCheckConfig config = spec.layercheck;
   config.budget.device_write_bytes_per_s = static_cast<double>(options_.device_write_bytes_per_s);
@@ -28,32 +174,7 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
     for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
     layer_bytes.push_back(bytes);
   }
-  if (config.budget.enabled()) {
-    const LayerCheckBudget& b = config.budget;
-    if (!b.layer_bytes.empty() && b.layer_bytes.size() != req.layers.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layercheck budget: layer_bytes has ", b.layer_bytes.size(),
-                       " entries; the rank has ", req.layers.size(), " layers"));
-    }
-    if (req.world_size > 1 && !config.local_drift) {
-      // Ranks that all-reduce their drift must compute the same multiplier.
-      if (b.share > 0) {
-        return absl::InvalidArgumentError(
-            "layercheck budget: a share of the device's bandwidth is a figure of this node, "
-            "and ranks that all-reduce their drift (world_size > 1) must derive the same budget; "
-            "give bytes_per_s or bytes_per_step");
-      }
-      if (b.layer_bytes.empty()) {
-        return absl::InvalidArgumentError(
-            "layercheck budget with world_size > 1 needs layer_bytes, the same list on every "
-            "rank (e.g. each layer's bytes over all ranks): the ranks' own shard sizes may "
-            "differ, and so would their decisions");
-      }
-    }
-    CKPT_LOG(INFO) << "job " << req.job << " rank " << req.rank << ": layercheck write budget "
-                   << b.BytesPerStep() << " bytes per step, multiplier of K0 in [" << b.k_min
-                   << ", " << b.k_max << "], horizon " << b.horizon << " steps";
-  }
+  CKPT_RETURN_IF_ERROR(CheckBudget(config, req));
   r->optimizer = spec.optimizer;
   if (r->optimizer == OptimizerKind::kUnspecified) {
     return absl::InvalidArgumentError(
@@ -66,14 +187,6 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
   } else {
     r->drift_kernel = drift_kernel_.get();
   }
-  auto dtype = [](DType t, drift::DType* out) {
-    switch (t) {
-      case DType::kF32: *out = drift::DType::kF32; return true;
-      case DType::kBF16: *out = drift::DType::kBF16; return true;
-      case DType::kF16: *out = drift::DType::kF16; return true;
-      default: return false;
-    }
-  };
   std::vector<LayerKind> kinds;
   std::vector<bool> frozen;
   for (size_t l = 0; l < r->layers.size(); ++l) {
@@ -88,62 +201,8 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
     for (size_t i = 0; i < layer.tensors.size(); ++i) {
       const TensorDesc& w = layer.tensors[i];
       if (w.role != weight_role) continue;
-      const std::string where = absl::StrCat("layer ", l, " tensor '", w.name, "'");
-      drift::TensorTask task;
-      task.layer = static_cast<uint32_t>(l);
-      task.n = w.nbytes / ElementBytes(w.dtype);
-      task.w = r->layers[l].src[i];
-      if (!dtype(w.dtype, &task.w_dtype)) {
-        return absl::InvalidArgumentError(where + ": drift needs f32, bf16 or f16 weights");
-      }
-      task.beta1 = w.beta1 > 0 ? w.beta1 : 0.9;
-      task.beta2 = w.beta2 > 0 ? w.beta2 : 0.999;
-      task.eps = w.eps > 0 ? w.eps : 1e-8;
-      task.weight_decay = w.weight_decay;
-      // The optimizer state that names this weight.
-      for (size_t j = 0; j < layer.tensors.size(); ++j) {
-        const TensorDesc& st = layer.tensors[j];
-        if (st.param != w.name) continue;
-        const void* p = r->layers[l].src[j];
-        const bool m_role = st.role == TensorRole::kExpAvg || st.role == TensorRole::kMomentum;
-        if (!m_role && st.role != TensorRole::kExpAvgSq) continue;
-        if (st.nbytes / ElementBytes(st.dtype) != task.n) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(where, ": state '", st.name, "' has a different element count"));
-        }
-        drift::DType dt;
-        if (!dtype(st.dtype, &dt)) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name,
-                                                         "' must be f32, bf16 or f16"));
-        }
-        if (m_role) {
-          task.m = p;
-          task.m_dtype = dt;
-        } else {
-          task.v = p;
-          task.v_dtype = dt;
-        }
-      }
-      switch (r->optimizer) {
-        case OptimizerKind::kAdamW:
-        case OptimizerKind::kAdam:
-          if (task.m == nullptr || task.v == nullptr) {
-            return absl::InvalidArgumentError(
-                where + ": adam(w) drift needs exp_avg and exp_avg_sq tensors naming it in 'param'");
-          }
-          task.optimizer = r->optimizer == OptimizerKind::kAdamW ? drift::Optimizer::kAdamW
-                                                                   : drift::Optimizer::kAdam;
-          break;
-        case OptimizerKind::kSgd:
-          if (task.m == nullptr) {
-            return absl::InvalidArgumentError(
-                where + ": sgd drift needs a momentum tensor naming it in 'param'");
-          }
-          task.optimizer = drift::Optimizer::kSgd;
-          break;
-        default:
-          return absl::InvalidArgumentError("unknown optimizer");
-      }
+      CKPT_ASSIGN_OR_RETURN(drift::TensorTask task,
+                            DriftTaskOf(layer, r->layers[l], l, i, r->optimizer));
       r->drift_tasks.push_back(task);
       r->drift_task_groups.push_back(w.group);
       r->drift_task_lr_scale.push_back(w.lr_scale > 0 ? w.lr_scale : 1.0);
@@ -157,37 +216,13 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
                                                      std::move(layer_bytes));
   if (spec.record_trace) {
     CKPT_ASSIGN_OR_RETURN(r->trace, store_->OpenSideFile(r->job, r->rank, kDriftTraceFile));
-    nlohmann::json header;
-    header["job"] = r->job;
-    header["rank"] = r->rank;
-    nlohmann::json layers = nlohmann::json::array();
-    for (const LayerDesc& layer : req.layers) {
-      uint64_t bytes = 0;
-      for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
-      layers.push_back({{"name", layer.name}, {"kind", static_cast<int>(layer.kind)},
-                        {"bytes", bytes}});
-    }
-    header["layers"] = layers;
-    header["config"] = {{"k0", config.k0}, {"k0_embedding", config.k0_embedding},
-                        {"k_floor", config.k_floor}, {"s_max", config.s_max},
-                        {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
-                        {"full_every", config.full_every}};
-    if (config.budget.enabled()) {
-      const LayerCheckBudget& b = config.budget;
-      nlohmann::json budget = {{"bytes_per_step", b.BytesPerStep()}, {"k_min", b.k_min},
-                               {"k_max", b.k_max}, {"horizon", b.horizon}};
-      if (b.bytes_per_s > 0) budget["bytes_per_s"] = b.bytes_per_s;
-      if (b.share > 0) budget["share"] = b.share;
-      if (b.step_s > 0) budget["step_s"] = b.step_s;
-      if (!b.layer_bytes.empty()) budget["layer_bytes"] = b.layer_bytes;
-      header["config"]["budget"] = budget;
-    }
-    CKPT_RETURN_IF_ERROR(store_->AppendSideFile(r->trace.get(), header.dump() + "\n"));
+    CKPT_RETURN_IF_ERROR(
+        store_->AppendSideFile(r->trace.get(), TraceHeader(*r, req, config).dump() + "\n"));
   }
   return absl::OkStatus();
 }
 
-bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
+bool Engine::DecideLayerCheck(const std::shared_ptr<RankState>& r, SnapTask& task,
                               RankMemory* memory) {
   if (task.stage == SnapTask::Stage::kNew) {
     std::vector<drift::LayerSums> sums(r->layers.size());
@@ -231,7 +266,7 @@ bool Engine::DecideLayerCheck(const std::shared_ptr<Rank>& r, SnapTask& task,
     const LayerCheckConfig& lc = r->layercheck->config();
     for (uint32_t l = 0; l < decisions.size(); ++l) {
       if (decisions[l].reason != PersistReason::kNone) task.layers.push_back(l);
-      // The invariant (SPEC §4): after the base checkpoint no layer's newest
+      // The invariant (docs/layercheck.md): after the base checkpoint no layer's newest
       // selected version is S_max or more steps old. Checked, never expected.
       if (task.step >= lc.warmup && !r->layercheck->frozen(l) &&
           task.step - r->layercheck->last_persisted(l) >= lc.s_max) {
@@ -278,7 +313,7 @@ absl::StatusOr<std::vector<drift::LayerSums>> Engine::DriftPartials(const RankRe
                                                                     uint64_t step,
                                                                     const Caller& caller,
                                                                     absl::Time deadline) {
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, Find(rank, caller));
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
@@ -299,7 +334,7 @@ absl::Status Engine::SetGlobalDrift(const RankRef& rank, uint64_t step,
                                     const std::vector<drift::LayerSums>& global,
                                     const Caller& caller) {
   absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, FindLocked(rank, caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, FindLocked(rank, caller));
   if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
   if (global.size() != r->layers.size()) {

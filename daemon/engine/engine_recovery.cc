@@ -24,8 +24,8 @@ constexpr absl::Duration kLeaseWait = absl::Seconds(30);
 // How long Restore waits for a snapshot worker finishing a taken step.
 constexpr absl::Duration kSnapshotIdleWait = absl::Seconds(5);
 
-// Another user's job reads exactly like a missing one (CheckOwner), in the
-// remote tier too.
+// Another user's job reads exactly like a missing one (JobOwners), in the
+// tiers too.
 absl::Status OwnerOnly(absl::Status s, const std::string& job) {
   if (absl::IsPermissionDenied(s)) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
   return s;
@@ -33,10 +33,28 @@ absl::Status OwnerOnly(absl::Status s, const std::string& job) {
 
 }  // namespace
 
+absl::StatusOr<RecoverySources> Engine::Sources(unsigned readers,
+                                                std::vector<std::unique_ptr<IoBackend>>* io) {
+  RecoverySources sources;
+  sources.index = index_;
+  sources.store = store_;
+  sources.pool = pool_;
+  for (unsigned i = 0; i < readers; ++i) {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> backend,
+                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+    sources.readers.push_back(backend.get());
+    io->push_back(std::move(backend));
+  }
+  if (memory_tier_.enabled()) sources.in_memory.push_back(&memory_tier_);
+  sources.timeout = options_.restore_timeout;
+  sources.cancelled = &shutting_down_;
+  return sources;
+}
+
 absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank,
                                            uint64_t target_step, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(OwnerOnly(PullFromRemote(job, rank, caller, /*must_know=*/true), job));
-  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+  CKPT_RETURN_IF_ERROR(OwnerOnly(PullFromTiers(job, rank, caller, /*must_know=*/true), job));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(job, caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
   if (!table.has_value()) {
     return absl::NotFoundError(absl::StrCat("job ", job, " has no rank ", rank));
@@ -47,20 +65,20 @@ absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank
 absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_t step) {
   // Only what lies after `step` is read (reading the whole history made a
   // restore O(history); docs/scaling.md).
-  CKPT_ASSIGN_OR_RETURN(RankHistory h, ReadRankHistory(job, rank, step));
+  CKPT_ASSIGN_OR_RETURN(RankHistory h, history_.Read(job, rank, step));
   uint64_t versions = 0, events = 0;
   for (auto it = h.versions.rbegin(); it != h.versions.rend(); ++it) {
-    CKPT_RETURN_IF_ERROR(
-        RemoveVersion(h, VersionKey{job, rank, it->first.first, it->first.second}, it->second));
+    CKPT_RETURN_IF_ERROR(history_.RemoveVersion(
+        h.owner, VersionKey{job, rank, it->first.first, it->first.second}, it->second));
     ++versions;
   }
   for (auto it = h.events.rbegin(); it != h.events.rend(); ++it) {
-    CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *it));
+    CKPT_RETURN_IF_ERROR(history_.DeleteEvent(h.owner, job, rank, *it));
     ++events;
   }
-  // The remote tier follows: manifests above `step` are of a discarded
-  // history now.
-  NoteRewind(job, rank, step);
+  // The tiers follow: their copies above `step` are of a discarded history
+  // now.
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->OnRewind(RankKey(job, rank), step);
   if (versions + events > 0) {
     CKPT_LOG(INFO) << "job " << job << " rank " << rank << " restored to step " << step
                    << ": discarded " << versions << " later layer versions and " << events
@@ -69,13 +87,10 @@ absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_
   return absl::OkStatus();
 }
 
-absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
-                                         const Caller& caller, bool discard_later) {
-  // A replacement node: the rank's history comes from the remote tier (for
-  // the rank's registered owner only); a remote tier that cannot be read is
-  // an error here, never "nothing to restore".
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> found, Find(ref, caller));
+absl::StatusOr<std::pair<std::shared_ptr<RankState>, std::shared_ptr<RankMemory>>>
+Engine::BeginRestore(const RankRef& ref, const Caller& caller) {
   {
+    CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> found, Find(ref, caller));
     // Every reported step may be snapshotted (even durable: the step's last
     // write can finish first) while the snapshot worker still finishes its
     // bookkeeping; that is not "still being snapshotted". Wait for it,
@@ -90,79 +105,78 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
       found->mu.AwaitWithTimeout(absl::Condition(&idle), kSnapshotIdleWait);
     }
   }
-  CKPT_RETURN_IF_ERROR(PullFromRemote(ref.job, ref.rank, caller, /*must_know=*/true));
-  std::shared_ptr<Rank> r;
-  std::shared_ptr<RankMemory> memory;
-  {
-    absl::MutexLock lock(&mu_);
-    CKPT_ASSIGN_OR_RETURN(r, FindLocked(ref, caller));
-    absl::MutexLock rank_lock(&r->mu);
-    if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
-      return absl::FailedPreconditionError(
-          "steps are still being snapshotted; restore before reporting steps");
-    }
-    if (r->memory == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
-                                                        ": memory released (", r->memory_released,
-                                                        "); register again"));
-    }
-    memory = r->memory;
-    r->restoring = true;
+  // A replacement node: the rank's history comes from a tier (for the
+  // rank's registered owner only); a tier that cannot be read is an error
+  // here, never "nothing to restore".
+  CKPT_RETURN_IF_ERROR(PullFromTiers(ref.job, ref.rank, caller, /*must_know=*/true));
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, FindLocked(ref, caller));
+  absl::MutexLock rank_lock(&r->mu);
+  if (!r->snap_queue.empty() || r->snap_busy || r->restoring) {
+    return absl::FailedPreconditionError(
+        "steps are still being snapshotted; restore before reporting steps");
   }
+  if (r->memory == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", r->job, " rank ", r->rank,
+                                                      ": memory released (", r->memory_released,
+                                                      "); register again"));
+  }
+  r->restoring = true;
+  return std::make_pair(r, r->memory);
+}
+
+absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemory* memory,
+                                                   uint64_t target_step, bool discard_later) {
   // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
   // StepDone off it until the buffers are written.
-  auto restore = [&]() -> absl::StatusOr<Restored> {
-    const RankKey key(r->job, r->rank);
-    CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
-    ScopedLease lease(&leases_, key);
-    Restored reply;
-    CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r->job, r->rank, target_step, r->table));
-    // Two threads, each checking and copying one version out while its
-    // next version's reads are in flight.
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io0,
-                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io1,
-                          MakeIoBackend(options_.io_backend, options_.io_queue_depth));
-    const RestoreDestination dest(
-        [&r](uint32_t layer, uint32_t tensor) { return r->layers[layer].src[tensor]; },
-        [&memory](char* dst, const char* src, uint64_t n) { return memory->CopyIn(dst, src, n); },
-        /*cpu=*/std::string_view(memory->kind()) == "host");
-    CKPT_ASSIGN_OR_RETURN(
-        RestoreStats stats,
-        RestoreInto(reply.plan, r->table, dest, index_, store_, {io0.get(), io1.get()}, pool_,
-                    options_.restore_timeout,
-                    [this] { return shutting_down_.load(std::memory_order_relaxed); },
-                    [this, &key](const VersionKey& vk, const store::VersionRecord& rec) {
-                      return memory_tier_.Find(key, vk.layer, vk.step, rec.file());
-                    }));
-    static_cast<RestoreStats&>(reply) = stats;
-    if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r->job, r->rank, reply.plan.target_step));
-    return reply;
-  };
-  absl::StatusOr<Restored> reply = restore();
-  {
-    absl::MutexLock rank_lock(&r->mu);
-    r->restoring = false;
-    if (reply.ok()) {
-      r->retry.assign(r->retry.size(), false);
-      if (discard_later) {
-        const uint64_t t = reply->plan.target_step;
-        r->last_step_seen = r->snapshot_step = r->durable_step = t;
-        for (const PlannedLayer& lp : reply->plan.layers) {
-          if (lp.layer < r->last_committed.size()) r->last_committed[lp.layer] = lp.step;
-        }
-      }
-      if (r->layercheck != nullptr) {
-        // The buffers now equal each layer's planned version: LayerCheck
-        // continues from there instead of starting over.
-        std::vector<uint64_t> persisted(r->layers.size(), 0);
-        for (const PlannedLayer& lp : reply->plan.layers) {
-          if (lp.has_version && lp.layer < persisted.size()) persisted[lp.layer] = lp.step;
-        }
-        r->layercheck->Resume(reply->plan.target_step, persisted);
-      }
+  const RankKey key(r.job, r.rank);
+  CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
+  ScopedLease lease(&leases_, key);
+  Restored reply;
+  CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r.job, r.rank, target_step, r.table));
+  // Two threads, each checking and copying one version out while its next
+  // version's reads are in flight.
+  std::vector<std::unique_ptr<IoBackend>> io;
+  CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/2, &io));
+  RestoreTarget target;
+  target.memory = memory;
+  for (const LayerTemplate& lt : r.layers) target.tensors.push_back(lt.src);
+  CKPT_ASSIGN_OR_RETURN(RestoreStats stats, RestoreInto(reply.plan, r.table, target, sources));
+  static_cast<RestoreStats&>(reply) = stats;
+  if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
+  return reply;
+}
+
+void Engine::EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, bool discard_later) {
+  absl::MutexLock rank_lock(&r.mu);
+  r.restoring = false;
+  if (!reply.ok()) return;
+  r.retry.assign(r.retry.size(), false);
+  if (discard_later) {
+    const uint64_t t = reply->plan.target_step;
+    r.last_step_seen = r.snapshot_step = r.durable_step = t;
+    for (const PlannedLayer& lp : reply->plan.layers) {
+      if (lp.layer < r.last_committed.size()) r.last_committed[lp.layer] = lp.step;
     }
   }
+  if (r.layercheck != nullptr) {
+    // The buffers now equal each layer's planned version: LayerCheck
+    // continues from there instead of starting over.
+    std::vector<uint64_t> persisted(r.layers.size(), 0);
+    for (const PlannedLayer& lp : reply->plan.layers) {
+      if (lp.has_version && lp.layer < persisted.size()) persisted[lp.layer] = lp.step;
+    }
+    r.layercheck->Resume(reply->plan.target_step, persisted);
+  }
+}
+
+absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
+                                         const Caller& caller, bool discard_later) {
+  CKPT_ASSIGN_OR_RETURN(auto begun, BeginRestore(ref, caller));
+  const std::shared_ptr<RankState> r = std::move(begun.first);
+  const std::shared_ptr<RankMemory> memory = std::move(begun.second);
+  absl::StatusOr<Restored> reply = RestoreUnderLease(*r, memory.get(), target_step, discard_later);
+  EndRestore(*r, reply, discard_later);
   if (Metrics* m = options_.metrics) {
     if (reply.ok()) {
       m->Inc(Counter::kRestores);
@@ -189,15 +203,15 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
 
 absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
                                                const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   std::vector<uint32_t> ranks;
   if (req.rank() < 0) {
     CKPT_ASSIGN_OR_RETURN(ranks, index_->ListRanks(req.job_id()));
   } else {
     ranks.push_back(static_cast<uint32_t>(req.rank()));
   }
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
-                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
+  std::vector<std::unique_ptr<IoBackend>> io;
+  CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
   const absl::Time start = absl::Now();
   v1::VerifyReply reply;
   for (uint32_t rank : ranks) {
@@ -205,8 +219,7 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
     const RankKey key(req.job_id(), rank);
     CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
     ScopedLease lease(&leases_, key);
-    CKPT_RETURN_IF_ERROR(VerifyRank(req.job_id(), rank, req.deep(), index_, store_, io.get(),
-                                    pool_, options_.restore_timeout, &reply));
+    CKPT_RETURN_IF_ERROR(VerifyRank(req.job_id(), rank, req.deep(), sources, &reply));
   }
   reply.set_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return reply;
@@ -215,8 +228,8 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
 absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
                             const std::function<bool(const v1::ExportChunk&)>& sink) {
   CKPT_RETURN_IF_ERROR(
-      OwnerOnly(PullFromRemote(req.job_id(), req.rank(), caller, /*must_know=*/true), req.job_id()));
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+      OwnerOnly(PullFromTiers(req.job_id(), req.rank(), caller, /*must_know=*/true), req.job_id()));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(req.job_id(), req.rank()));
   if (!table.has_value()) {
     return absl::NotFoundError(absl::StrCat("job ", req.job_id(), " has no rank ", req.rank()));
@@ -226,12 +239,11 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   ScopedLease lease(&leases_, key);
   CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
                         BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<IoBackend> io,
-                        MakeIoBackend(options_.io_backend, options_.io_queue_depth));
-  CKPT_ASSIGN_OR_RETURN(
-      uint64_t bytes,
-      ExportPlan(plan, *table, index_, store_, io.get(), pool_, options_.restore_timeout,
-                 [this] { return shutting_down_.load(std::memory_order_relaxed); }, sink));
+  std::vector<std::unique_ptr<IoBackend>> io;
+  CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
+  // Export reads disk only, as before the memory tier existed.
+  sources.in_memory.clear();
+  CKPT_ASSIGN_OR_RETURN(uint64_t bytes, ExportPlan(plan, *table, sources, sink));
   // An export is a restore into files (ckptctl export and restore).
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kRestores);

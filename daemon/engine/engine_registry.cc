@@ -1,4 +1,4 @@
-// Rank registry: Register, Unregister, ownership, drain, trainer exit.
+// RankState registry: Register, Unregister, ownership, drain, trainer exit.
 #include "daemon/engine/engine.h"
 
 #include <poll.h>
@@ -22,7 +22,7 @@ namespace ckpt {
 
 void Engine::WatchTrainersLoop() {
   for (;;) {
-    std::vector<std::shared_ptr<Rank>> watched;
+    std::vector<std::shared_ptr<RankState>> watched;
     std::vector<struct pollfd> fds;
     {
       absl::MutexLock lock(&mu_);
@@ -45,7 +45,7 @@ void Engine::WatchTrainersLoop() {
     std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-      Rank* r = watched[i].get();
+      RankState* r = watched[i].get();
       absl::MutexLock rank_lock(&r->mu);
       if (r->trainer_pidfd.get() != fds[i].fd) continue;  // released meanwhile
       r->ReleaseMemory("its trainer process exited", &closing);
@@ -53,18 +53,7 @@ void Engine::WatchTrainersLoop() {
   }
 }
 
-absl::Status Engine::CheckOwner(const std::string& job, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
-  CKPT_ASSIGN_OR_RETURN(auto rec, index_->GetJob(job));
-  // Another user's job reads exactly like a missing one, so no uid learns
-  // which job ids exist.
-  if (!rec.has_value() || (rec->owner_uid() != caller.uid && !IsRoot(caller))) {
-    return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& ref,
+absl::StatusOr<std::shared_ptr<RankState>> Engine::FindLocked(const RankRef& ref,
                                                                  const Caller& caller) {
   // Every call of a registration fails alike once ckptd is stopping, so the
   // client sees the loss of ckptd whatever it calls (a wait for a step that
@@ -76,7 +65,7 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& 
       ErrorReason::kNotRegistered);
   auto it = ranks_.find(RankKey(ref.job, ref.rank));
   if (it == ranks_.end()) return not_registered;
-  const std::shared_ptr<Rank>& r = it->second;
+  const std::shared_ptr<RankState>& r = it->second;
   {
     absl::MutexLock rank_lock(&r->mu);
     if (!r->active) return not_registered;
@@ -92,99 +81,57 @@ absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::FindLocked(const RankRef& 
   return r;
 }
 
-absl::StatusOr<std::shared_ptr<Engine::Rank>> Engine::Find(const RankRef& ref,
+absl::StatusOr<std::shared_ptr<RankState>> Engine::Find(const RankRef& ref,
                                                            const Caller& caller) {
   absl::MutexLock lock(&mu_);
   return FindLocked(ref, caller);
 }
 
-absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
-                                            const Caller& caller) {
-  // 1. Host regions are mapped first (each must already be sealed against
-  //    shrinking, so its size cannot change under us); GPU regions are only
-  //    checked against the sizes their trainer declared, and opened below
-  //    once the caller is known to own the job. Every tensor is validated
-  //    against these sizes before any pointer into them is formed.
-  const bool gpu = req.gpu.has_value();
-  std::vector<MappedRegion> regions;
-  std::vector<uint64_t> sizes;
-  if (gpu) {
-    if (!fds.empty() || !req.handover_token.empty()) {
-      return absl::InvalidArgumentError(
-          "a registration hands over host regions or GPU regions, not both");
+absl::Status Engine::ClaimRegistration(const RankKey& key, const Caller& caller) {
+  absl::MutexLock lock(&mu_);
+  if (options_.max_registrations_per_uid > 0) {
+    // Live registrations of the caller, and those it is making now; a rank
+    // registering again replaces itself and is not counted twice.
+    size_t held = 0;
+    for (const auto& [k, r] : ranks_) {
+      if (r->uid != caller.uid || k == key) continue;
+      absl::MutexLock rank_lock(&r->mu);
+      held += r->active ? 1 : 0;
     }
-    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu));
+    for (const auto& [k, uid] : registering_) held += uid == caller.uid && k != key;
+    if (held >= options_.max_registrations_per_uid) {
+      return WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "uid ", caller.uid, " has ", held,
+              " ranks registered (max_registrations_per_uid); unregister or release some")),
+          ErrorReason::kQuota);
+    }
   }
-  for (UniqueFd& fd : fds) {
-    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
-    sizes.push_back(region.size());
-    regions.push_back(std::move(region));
+  if (deleting_jobs_.count(key.first) != 0) {
+    return absl::AbortedError(absl::StrCat("job ", key.first, " is being deleted; retry"));
   }
-  RegistrationLimits limits = options_.limits;
-  limits.max_layer_file_bytes = pool_->budget_bytes();
-  CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
-  const PolicyConfig& policy = req.policy.selection;
-  CKPT_RETURN_IF_ERROR(policy.Validate());
+  if (!registering_.emplace(key, caller.uid).second) {
+    return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
+  }
+  return absl::OkStatus();
+}
 
-  // 2. Ownership: another uid's job is refused here. A new job is created
-  //    only once the registration has succeeded up to writing its table
-  //    (step 5), so a refused registration leaves no job behind.
-  //    On a replacement node, the rank's history comes from the remote tier
-  //    first (checked against the caller's uid).
-  CKPT_RETURN_IF_ERROR(PullFromRemote(req.job, req.rank, caller, /*must_know=*/false));
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(req.job));
-  if (job_rec.has_value() && job_rec->owner_uid() != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", req.job, " belongs to another user"));
-  }
-  const uid_t owner = job_rec.has_value() ? job_rec->owner_uid() : caller.uid;
-  // One registration of a rank at a time, so its table and generation are
-  // written by a single caller.
-  const RankKey key(req.job, req.rank);
-  {
-    absl::MutexLock lock(&mu_);
-    if (options_.max_registrations_per_uid > 0) {
-      // Live registrations of the caller, and those it is making now; a
-      // rank registering again replaces itself and is not counted twice.
-      size_t held = 0;
-      for (const auto& [k, r] : ranks_) {
-        if (r->uid != caller.uid || k == key) continue;
-        absl::MutexLock rank_lock(&r->mu);
-        held += r->active ? 1 : 0;
-      }
-      for (const auto& [k, uid] : registering_) held += uid == caller.uid && k != key;
-      if (held >= options_.max_registrations_per_uid) {
-        return WithReason(
-            absl::ResourceExhaustedError(absl::StrCat(
-                "uid ", caller.uid, " has ", held,
-                " ranks registered (max_registrations_per_uid); unregister or release some")),
-            ErrorReason::kQuota);
-      }
-    }
-    if (deleting_jobs_.count(req.job) != 0) {
-      return absl::AbortedError(absl::StrCat("job ", req.job, " is being deleted; retry"));
-    }
-    if (!registering_.emplace(key, caller.uid).second) {
-      return absl::AbortedError("a concurrent registration of this rank is in progress; retry");
-    }
-  }
-  struct Unclaim {
-    Engine* e;
-    RankKey k;
-    ~Unclaim() {
-      absl::MutexLock lock(&e->mu_);
-      e->registering_.erase(k);
-    }
-  } unclaim{this, key};
+void Engine::UnclaimRegistration(const RankKey& key) {
+  absl::MutexLock lock(&mu_);
+  registering_.erase(key);
+}
 
-  // 3. The rank's state, starting with its memory. An IPC handle that is
-  //    still open in the registration this one replaces is opened again
-  //    (the driver counts references), so the old one keeps working until it
-  //    is drained.
-  auto r = std::make_shared<Rank>();
+absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& req,
+                                                           std::vector<MappedRegion> regions,
+                                                           uid_t owner, const Caller& caller) {
+  // An IPC handle that is still open in the registration this one replaces
+  // is opened again (the driver counts references), so the old one keeps
+  // working until it is drained.
+  auto r = std::make_shared<RankState>();
   r->job = req.job;
   r->rank = req.rank;
   r->uid = owner;
-  r->policy = policy;
+  r->policy = req.policy.selection;
   std::shared_ptr<RankMemory> memory;
   UniqueFd pidfd;
   // The registering process is watched: when it exits, the rank's memory
@@ -200,7 +147,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
                         << " is released only on unregister, re-register or shutdown";
     }
   }
-  if (gpu) {
+  if (req.gpu.has_value()) {
     CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_));
   } else {
     memory = std::make_shared<HostMemory>(std::move(regions));
@@ -223,38 +170,90 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     }
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
-  }
-  for (const LayerDesc& spec : req.layers) {
     *r->table.add_layers() = TableEntryOf(spec);
     r->frozen.push_back(spec.frozen);
   }
   r->table.set_world_size(req.world_size);
   r->world_size = req.world_size;
   r->local_drift = req.policy.layercheck.local_drift;
-  if (policy.kind == PolicyKind::kLayerCheck) {
+  if (r->policy.kind == PolicyKind::kLayerCheck) {
     CKPT_RETURN_IF_ERROR(SetUpLayerCheck(req, memory.get(), r.get()));
   }
   const size_t n = r->layers.size();
-  {
-    absl::MutexLock rank_lock(&r->mu);  // not published yet: uncontended
-    r->memory = std::move(memory);
-    r->trainer_pidfd = std::move(pidfd);
-    r->never_persisted.assign(n, true);
-    // The first step after any registration persists every layer: whatever
-    // the trainer did since the last durable step is unknown to this daemon
-    // (it may have restarted and lost earlier selections). A successful
-    // Restore clears this, since the buffers then equal the durable state.
-    r->retry.assign(n, true);
-    r->outcomes.assign(n, {});
+  absl::MutexLock rank_lock(&r->mu);  // not published yet: uncontended
+  r->memory = std::move(memory);
+  r->trainer_pidfd = std::move(pidfd);
+  r->never_persisted.assign(n, true);
+  // The first step after any registration persists every layer: whatever
+  // the trainer did since the last durable step is unknown to this daemon
+  // (it may have restarted and lost earlier selections). A successful
+  // Restore clears this, since the buffers then equal the durable state.
+  r->retry.assign(n, true);
+  r->outcomes.assign(n, {});
+  return r;
+}
+
+// Register is one numbered sequence: each step may refuse the registration,
+// and nothing before step 5 leaves a trace.
+absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
+                                            const Caller& caller) {
+  // 1. Host regions are mapped first (each must already be sealed against
+  //    shrinking, so its size cannot change under us); GPU regions are only
+  //    checked against the sizes their trainer declared, and opened below
+  //    once the caller is known to own the job. Every tensor is validated
+  //    against these sizes before any pointer into them is formed.
+  std::vector<MappedRegion> regions;
+  std::vector<uint64_t> sizes;
+  if (req.gpu.has_value()) {
+    if (!fds.empty() || !req.handover_token.empty()) {
+      return absl::InvalidArgumentError(
+          "a registration hands over host regions or GPU regions, not both");
+    }
+    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu));
   }
+  for (UniqueFd& fd : fds) {
+    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
+    sizes.push_back(region.size());
+    regions.push_back(std::move(region));
+  }
+  RegistrationLimits limits = options_.limits;
+  limits.max_layer_file_bytes = pool_->budget_bytes();
+  CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
+  CKPT_RETURN_IF_ERROR(req.policy.selection.Validate());
+
+  // 2. Ownership: another uid's job is refused here. A new job is created
+  //    only once the registration has succeeded up to writing its table
+  //    (step 5), so a refused registration leaves no job behind.
+  //    On a replacement node, the rank's history comes from a tier first
+  //    (checked against the caller's uid).
+  CKPT_RETURN_IF_ERROR(PullFromTiers(req.job, req.rank, caller, /*must_know=*/false));
+  CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> job_owner, owners_.OwnerOf(req.job));
+  if (job_owner.has_value() && *job_owner != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", req.job, " belongs to another user"));
+  }
+  const uid_t owner = job_owner.value_or(caller.uid);
+  // One registration of a rank at a time, so its table and generation are
+  // written by a single caller.
+  const RankKey key(req.job, req.rank);
+  CKPT_RETURN_IF_ERROR(ClaimRegistration(key, caller));
+  struct Unclaim {
+    Engine* e;
+    const RankKey& k;
+    ~Unclaim() { e->UnclaimRegistration(k); }
+  } unclaim{this, key};
+
+  // 3. The rank's state, starting with its memory.
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r,
+                        NewRank(req, std::move(regions), owner, caller));
+  const size_t n = r->layers.size();
 
   // 4. Replace a live registration of the same rank once its pipeline drained.
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
-  std::shared_ptr<Rank> old;
+  std::shared_ptr<RankState> old;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return ShuttingDownError();
-    auto it = ranks_.find(RankKey(r->job, r->rank));
+    auto it = ranks_.find(key);
     if (it != ranks_.end()) {
       old = it->second;
       if (old->uid != caller.uid && !IsRoot(caller)) {
@@ -267,25 +266,13 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     CKPT_RETURN_IF_ERROR(DrainAndForget(old, absl::Now() + options_.drain_timeout));
   }
 
-  // 5. Create the job if it is new: check and creation are one step under
-  //    job_mu_ (two uids racing for a new id: the second is refused). Then
-  //    persist the rank's table; take a fresh generation. LayerCheck's
-  //    reference learning rate carries over in the latest event. These
-  //    records stay above the index's free-space floor too.
+  // 5. Create the job if it is new: check and creation are one step
+  //    (JobOwners::Claim: two uids racing for a new id, the second is
+  //    refused). Then persist the rank's table; take a fresh generation.
+  //    LayerCheck's reference learning rate carries over in the latest
+  //    event. These records stay above the index's free-space floor too.
   CKPT_RETURN_IF_ERROR(disk_.CheckIndexRoom(r->table.ByteSizeLong() + 4096));
-  {
-    absl::MutexLock jobs_lock(&job_mu_);
-    CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(r->job));
-    if (now.has_value() && now->owner_uid() != owner) {
-      return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
-    }
-    if (!now.has_value()) {
-      store::JobRecord jr;
-      jr.set_owner_uid(owner);
-      jr.set_created_unix_ms(absl::ToUnixMillis(clock_->Now()));
-      CKPT_RETURN_IF_ERROR(index_->PutJob(r->job, jr));
-    }
-  }
+  CKPT_RETURN_IF_ERROR(owners_.Claim(r->job, owner));
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);
   CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
@@ -311,29 +298,31 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   }
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
+  // 6. Publish the rank.
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return ShuttingDownError();
+    if (ranks_.count(key) != 0) {
+      return absl::AbortedError("a concurrent registration of the same rank won; retry");
+    }
+    ranks_[key] = r;
+    quota_.AddRank(r->uid);  // its share of the uid's steps in flight
+  }
+  CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
+                 << r->generation << ": " << n << " layers, policy "
+                 << PolicyName(r->policy.kind) << ", latest durable step " << durable << ", uid "
+                 << caller.uid;
   Registered reply;
   reply.generation = r->generation;
   reply.latest_durable_step = durable;
   reply.io_backend = io_backend_name_;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return ShuttingDownError();
-    if (ranks_.count(RankKey(r->job, r->rank)) != 0) {
-      return absl::AbortedError("a concurrent registration of the same rank won; retry");
-    }
-    ranks_[RankKey(r->job, r->rank)] = r;
-    quota_.AddRank(r->uid);  // its share of the uid's steps in flight
-  }
-  CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
-                 << r->generation << ": " << n << " layers, policy " << PolicyName(policy.kind)
-                 << ", latest durable step " << durable << ", uid " << caller.uid;
   return reply;
 }
 
 absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& caller,
                                 absl::Time deadline) {
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
-  std::shared_ptr<Rank> r;
+  std::shared_ptr<RankState> r;
   {
     absl::MutexLock lock(&mu_);
     CKPT_ASSIGN_OR_RETURN(r, FindLocked(rank, caller));
@@ -356,7 +345,7 @@ absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& c
   return absl::OkStatus();
 }
 
-void Engine::EndRegistrationLocked(Rank& r, const std::string& why,
+void Engine::EndRegistrationLocked(RankState& r, const std::string& why,
                                    std::vector<std::shared_ptr<RankMemory>>* closing) {
   absl::MutexLock rank_lock(&r.mu);
   if (r.active) quota_.RemoveRank(r.uid);
@@ -368,8 +357,7 @@ void Engine::EndRegistrationLocked(Rank& r, const std::string& why,
   store_->ForgetRankDir(r.job, r.rank);
 }
 
-void Engine::ForgetIfDoneLocked(const std::shared_ptr<Rank>& r) {
-  r->mu.AssertHeld();
+void Engine::ForgetIfDoneLocked(const std::shared_ptr<RankState>& r) {
   if (r->active || !r->Idle()) return;
   auto it = ranks_.find(RankKey(r->job, r->rank));
   if (it != ranks_.end() && it->second == r) ranks_.erase(it);
@@ -380,7 +368,7 @@ size_t Engine::RanksHeld() {
   return ranks_.size();
 }
 
-absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time deadline) {
+absl::Status Engine::DrainAndForget(const std::shared_ptr<RankState>& r, absl::Time deadline) {
   if (options_.metrics != nullptr) options_.metrics->RemoveRank(r->job, r->rank);
   {
     absl::MutexLock rank_lock(&r->mu);
@@ -394,9 +382,9 @@ absl::Status Engine::DrainAndForget(const std::shared_ptr<Rank>& r, absl::Time d
 
 absl::StatusOr<uint64_t> Engine::ReleaseRank(const std::string& job, uint32_t rank,
                                              const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(job, caller));
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
-  std::shared_ptr<Rank> r;
+  std::shared_ptr<RankState> r;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return ShuttingDownError();

@@ -12,49 +12,13 @@
 
 namespace ckpt {
 
-absl::StatusOr<Engine::RankHistory> Engine::ReadRankHistory(const std::string& job,
-                                                             uint32_t rank,
-                                                             std::optional<uint64_t> after) {
-  RankHistory h;
-  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> job_rec, index_->GetJob(job));
-  if (job_rec.has_value()) h.owner = job_rec->owner_uid();
-  const bool newest_first = after.has_value();
-  CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
-      job, rank, newest_first, [&](uint64_t step, const store::EventRecord& e) {
-        if (after.has_value() && step <= *after) return false;
-        h.events.push_back({step, e.unix_ms(), EventIndexBytes(e.aux().size()), e.agreed_step()});
-        return true;
-      }));
-  if (newest_first) std::reverse(h.events.begin(), h.events.end());  // in step order
-  auto add = [&h](const VersionKey& k, const store::VersionRecord& v) {
-    h.versions[{k.layer, k.step}] = v;
-    return true;
-  };
-  if (after.has_value()) {
-    CKPT_RETURN_IF_ERROR(index_->ForEachVersionAfter(job, rank, *after, add));
-  } else {
-    CKPT_RETURN_IF_ERROR(index_->ForEachVersion(job, rank, -1, add));
+std::optional<LocalKeep> Engine::KeepForTiers(const RankKey& key) const {
+  std::optional<LocalKeep> keep;
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    const LocalKeep k = tier->KeepLocally(key);
+    if (!keep.has_value() || k.copied_step < keep->copied_step) keep = k;
   }
-  return h;
-}
-
-absl::Status Engine::DeleteEvent(const RankHistory& h, const std::string& job, uint32_t rank,
-                                 const RankHistory::Event& event) {
-  CKPT_RETURN_IF_ERROR(index_->DeleteEvent(job, rank, event.step));
-  quota_.ReleaseEvent(QuotaOwner{h.owner, job}, event.index_bytes);
-  return absl::OkStatus();
-}
-
-absl::Status Engine::RemoveVersion(const RankHistory& h, const VersionKey& key,
-                                   const store::VersionRecord& rec) {
-  CKPT_RETURN_IF_ERROR(store_->Remove(key, rec));
-  disk_.Release(rec.file_bytes());
-  quota_.ReleaseVersion(QuotaOwner{h.owner, key.job}, rec.file_bytes());
-  if (Metrics* m = options_.metrics) {
-    m->Inc(Counter::kGcVersionsDeleted);
-    m->Inc(Counter::kGcDeletedBytes, static_cast<double>(rec.file_bytes()));
-  }
-  return absl::OkStatus();
+  return keep;
 }
 
 absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
@@ -69,7 +33,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     const RankKey& key;
     ~EndGc() { leases->EndGc(key); }
   } end_gc{&leases_, key};
-  CKPT_ASSIGN_OR_RETURN(RankHistory h, ReadRankHistory(job, rank));
+  CKPT_ASSIGN_OR_RETURN(RankHistory h, history_.Read(job, rank));
   RetentionInput in;
   in.now_unix_ms = absl::ToUnixMillis(clock_->Now());
   std::map<uint64_t, const RankHistory::Event*> events;
@@ -79,13 +43,10 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   }
   // The newest event knows the newest agreement.
   if (!h.events.empty()) in.agreed_step = h.events.back().agreed_step;
-  if (options_.remote != nullptr) {
-    // Keep what the uploader has yet to copy; a rank it has not listed yet
-    // counts as having nothing there.
-    absl::MutexLock lock(&remote_mu_);
-    auto it = remote_.find(key);
-    in.pending_after = it != remote_.end() && it->second.seeded ? it->second.remote_step : 0;
-    in.max_pending_events = options_.remote_max_pending_events;
+  if (std::optional<LocalKeep> keep = KeepForTiers(key); keep.has_value()) {
+    // Keep what the tiers have yet to copy.
+    in.pending_after = keep->copied_step;
+    in.max_pending_events = keep->max_pending;
   }
   for (const auto& [lk, rec] : h.versions) in.versions[lk.first].push_back(lk.second);
   RetentionPlan plan = PlanRetention(options_.retention, in);
@@ -103,7 +64,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
   reply->set_bytes_kept(reply->bytes_kept() + kept_bytes);
   // Events first, so no plan can target a step whose versions are going away.
   for (uint64_t step : plan.delete_events) {
-    if (!dry_run) CKPT_RETURN_IF_ERROR(DeleteEvent(h, job, rank, *events[step]));
+    if (!dry_run) CKPT_RETURN_IF_ERROR(history_.DeleteEvent(h.owner, job, rank, *events[step]));
     reply->set_events_deleted(reply->events_deleted() + 1);
   }
   for (const auto& [layer, step] : plan.delete_versions) {
@@ -112,7 +73,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     const store::VersionRecord& rec = found->second;
     if (!dry_run) {
       CKPT_KILL_POINT("gc.before_remove");
-      CKPT_RETURN_IF_ERROR(RemoveVersion(h, VersionKey{job, rank, layer, step}, rec));
+      CKPT_RETURN_IF_ERROR(history_.RemoveVersion(h.owner, VersionKey{job, rank, layer, step}, rec));
     }
     reply->set_versions_deleted(reply->versions_deleted() + 1);
     reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
@@ -121,7 +82,7 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
 }
 
 absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(req.job_id(), caller));
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(req.job_id()));
   v1::GcReply reply;
   for (uint32_t rank : ranks) CKPT_RETURN_IF_ERROR(GcRank(req.job_id(), rank, req.dry_run(), &reply));
@@ -133,56 +94,46 @@ absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& c
   return reply;
 }
 
-absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Caller& caller) {
-  CKPT_RETURN_IF_ERROR(CheckOwner(job, caller));
+absl::Status Engine::EndJobRegistrations(const std::string& job,
+                                         std::vector<std::shared_ptr<RankState>>* ended) {
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
-  std::vector<std::shared_ptr<Rank>> ended;          // registrations whose trainer exited
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return ShuttingDownError();
-    if (deleting_jobs_.count(job) != 0) {
-      return absl::AbortedError(absl::StrCat("job ", job, " is being deleted already"));
-    }
-    for (const auto& [key, uid] : registering_) {
-      if (key.first == job) {
-        return absl::AbortedError(
-            absl::StrCat("rank ", key.second, " of job ", job, " is registering; retry"));
-      }
-    }
-    for (const auto& [key, r] : ranks_) {
-      if (key.first != job) continue;
-      absl::MutexLock rank_lock(&r->mu);
-      if (r->active && r->memory != nullptr) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "rank ", key.second, " of job ", job,
-            " is registered by a running trainer; stop it or release the rank (ckptctl release ",
-            job, " ", key.second, ") first"));
-      }
-    }
-    for (const auto& [key, r] : ranks_) {
-      if (key.first != job) continue;
-      EndRegistrationLocked(*r, "the job is being deleted", &closing);
-      ended.push_back(r);
-    }
-    // The idle ones go now; the others when drained below, or (a drain that
-    // timed out) when their last version is written.
-    for (const std::shared_ptr<Rank>& r : ended) {
-      absl::MutexLock rank_lock(&r->mu);
-      ForgetIfDoneLocked(r);
-    }
-    deleting_jobs_.insert(job);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return ShuttingDownError();
+  if (deleting_jobs_.count(job) != 0) {
+    return absl::AbortedError(absl::StrCat("job ", job, " is being deleted already"));
   }
-  struct Undelete {
-    Engine* e;
-    const std::string& job;
-    ~Undelete() {
-      absl::MutexLock lock(&e->mu_);
-      e->deleting_jobs_.erase(job);
+  for (const auto& [key, uid] : registering_) {
+    if (key.first == job) {
+      return absl::AbortedError(
+          absl::StrCat("rank ", key.second, " of job ", job, " is registering; retry"));
     }
-  } undelete{this, job};
-  for (const std::shared_ptr<Rank>& r : ended) {
-    CKPT_RETURN_IF_ERROR(DrainAndForget(r, absl::Now() + options_.drain_timeout));
   }
+  for (const auto& [key, r] : ranks_) {
+    if (key.first != job) continue;
+    absl::MutexLock rank_lock(&r->mu);
+    if (r->active && r->memory != nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", key.second, " of job ", job,
+          " is registered by a running trainer; stop it or release the rank (ckptctl release ",
+          job, " ", key.second, ") first"));
+    }
+  }
+  for (const auto& [key, r] : ranks_) {
+    if (key.first != job) continue;
+    EndRegistrationLocked(*r, "the job is being deleted", &closing);
+    ended->push_back(r);
+  }
+  // The idle ones go now; the others when drained, or (a drain that timed
+  // out) when their last version is written.
+  for (const std::shared_ptr<RankState>& r : *ended) {
+    absl::MutexLock rank_lock(&r->mu);
+    ForgetIfDoneLocked(r);
+  }
+  deleting_jobs_.insert(job);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::DeleteJobHistory(const std::string& job, JobDeleted* out) {
   // Every rank's GC turn, so no restore, verify or export reads what goes.
   CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
   std::vector<RankKey> held;
@@ -197,31 +148,51 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     }
     held.emplace_back(job, rank);
   }
-  JobDeleted out;
   absl::Status s;
   for (uint32_t rank : ranks) {
     // Events first, so no plan can target a step whose versions are going
     // away; then each version (its record, then its file); then the rank.
-    absl::StatusOr<RankHistory> h = ReadRankHistory(job, rank);
+    absl::StatusOr<RankHistory> h = history_.Read(job, rank);
     s = h.status();
     for (size_t i = 0; s.ok() && i < h->events.size(); ++i) {
-      s = DeleteEvent(*h, job, rank, h->events[i]);
-      if (s.ok()) ++out.events;
+      s = history_.DeleteEvent(h->owner, job, rank, h->events[i]);
+      if (s.ok()) ++out->events;
     }
     for (auto it = s.ok() ? h->versions.begin() : h->versions.end(); s.ok() && it != h->versions.end();
          ++it) {
-      s = RemoveVersion(*h, VersionKey{job, rank, it->first.first, it->first.second}, it->second);
+      s = history_.RemoveVersion(h->owner, VersionKey{job, rank, it->first.first, it->first.second},
+                                 it->second);
       if (s.ok()) {
-        ++out.versions;
-        out.bytes += it->second.file_bytes();
+        ++out->versions;
+        out->bytes += it->second.file_bytes();
       }
     }
     if (s.ok()) s = index_->DeleteRank(job, rank);
     if (s.ok()) s = store_->RemoveRankDir(job, rank, {kDriftTraceFile});
     if (!s.ok()) break;
-    ++out.ranks;
+    ++out->ranks;
   }
   release();
+  return s;
+}
+
+absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(job, caller));
+  std::vector<std::shared_ptr<RankState>> ended;  // registrations whose trainer exited
+  CKPT_RETURN_IF_ERROR(EndJobRegistrations(job, &ended));
+  struct Undelete {
+    Engine* e;
+    const std::string& job;
+    ~Undelete() {
+      absl::MutexLock lock(&e->mu_);
+      e->deleting_jobs_.erase(job);
+    }
+  } undelete{this, job};
+  for (const std::shared_ptr<RankState>& r : ended) {
+    CKPT_RETURN_IF_ERROR(DrainAndForget(r, absl::Now() + options_.drain_timeout));
+  }
+  JobDeleted out;
+  absl::Status s = DeleteJobHistory(job, &out);
   // The job record last: until it goes, the owner can finish a deletion an
   // error interrupted by deleting again.
   if (s.ok()) s = index_->DeleteJob(job);
@@ -231,15 +202,9 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     return s;
   }
   if (Metrics* m = options_.metrics) m->Inc(Counter::kJobsDeleted);
-  {
-    memory_tier_.DropJob(job);
-    // Its remote copy stays (docs/remote.md); this node stops uploading it.
-    absl::MutexLock lock(&remote_mu_);
-    for (auto it = remote_.lower_bound(RankKey(job, 0));
-         it != remote_.end() && it->first.first == job;) {
-      it = remote_.erase(it);
-    }
-  }
+  memory_tier_.DropJob(job);
+  // Its copies in the tiers stay (docs/remote.md); this node stops copying it.
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->ForgetJob(job);
   CKPT_LOG(INFO) << "deleted job " << job << " (by uid " << caller.uid << "): " << out.ranks
                  << " ranks, " << out.versions << " versions, " << out.bytes << " bytes, "
                  << out.events << " events";

@@ -18,7 +18,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
                                                    " bytes exceeds ", options_.max_aux_bytes));
   }
   absl::MutexLock lock(&mu_);
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, FindLocked(req.rank, caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, FindLocked(req.rank, caller));
   absl::MutexLock rank_lock(&r->mu);
   if (r->restoring) return absl::FailedPreconditionError("a restore of this rank is in progress");
   if (r->memory == nullptr) {
@@ -103,7 +103,7 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
 
 void Engine::SnapshotLoop() {
   for (;;) {
-    std::shared_ptr<Rank> r;
+    std::shared_ptr<RankState> r;
     SnapTask task;
     std::shared_ptr<RankMemory> memory;
     {
@@ -157,7 +157,7 @@ void Engine::SnapshotLoop() {
   }
 }
 
-bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory* memory) {
+bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory) {
   // Wait (on ckptd's side) for the reported step to be complete in the
   // trainer's memory. Without memory, or when that fails, nothing is copied
   // and every selected layer is retried.
@@ -179,17 +179,52 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
   const absl::Time copy_start = absl::Now();
   std::vector<StagedVersion> staged;  // copied, not yet handed to the writers
   std::vector<uint32_t> skipped;
+  SpillState spill;
+  if (copy_status.ok()) {
+    copy_status = CopyLayers(r, task, memory, &staged, &skipped, &spill);
+  } else {
+    skipped = task.layers;
+  }
+  if (!copy_status.ok()) {
+    // No torn version: whatever was staged and not yet handed over is
+    // dropped and retried (versions already handed over were copied whole).
+    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                    << ": snapshot copy failed: " << copy_status;
+    if (options_.metrics != nullptr) {
+      options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
+    }
+    for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
+    staged.clear();
+  }
+  CKPT_KILL_POINT("snapshot.copied");
+  CKPT_DELAY_POINT("snapshot.before_publish");
+  const bool advance = FinishSnapshot(r, task, staged, skipped, &spill);
+  if (Metrics* m = options_.metrics) {
+    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
+    m->Inc(Counter::kVersionsStaged, static_cast<double>(spill.count));
+    m->Inc(Counter::kStagedBytes, static_cast<double>(spill.bytes));
+    if (!skipped.empty()) {
+      m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
+    }
+  }
+  if (advance) AdvanceEvents(r);
+  return true;
+}
+
+absl::Status Engine::CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& task,
+                                RankMemory* memory, std::vector<StagedVersion>* staged,
+                                std::vector<uint32_t>* skipped, SpillState* spill) {
   // A step larger than the free room of the pool is written as it is copied:
   // when a version finds no free room, the versions staged before it go to
   // the writers (SpillStaged) and their chunks come back as they are
   // committed. Holding them until the whole step was copied would make a
   // step larger than the pool wait for room only its own writes could free,
   // and skip its last layers at every step.
-  SpillState spill;
+  absl::Status copy_status;
   bool abandoned = false;  // a spill found the fence abandoned: copy no more
   for (uint32_t l : task.layers) {
     if (!copy_status.ok() || abandoned) {
-      skipped.push_back(l);
+      skipped->push_back(l);
       continue;
     }
     const LayerTemplate& lt = r->layers[l];
@@ -213,21 +248,21 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
     // version gets its own layout.
     absl::StatusOr<VersionLayout> layout = PlanLayout(&v.header);
     if (!layout.ok()) {
-      skipped.push_back(l);
+      skipped->push_back(l);
       continue;
     }
     // Free room, or room the memory tier gives back, without waiting.
     absl::StatusOr<StagingLease> lease = pool_->Acquire(layout->file_bytes, absl::InfinitePast());
-    if (!lease.ok() && !staged.empty()) {
+    if (!lease.ok() && !staged->empty()) {
       // The copies so far must have landed before a writer reads them.
       copy_status = memory->FinishSnapshot();
-      if (copy_status.ok()) abandoned = !SpillStaged(r, task, staged, &skipped, &spill);
+      if (copy_status.ok()) abandoned = !SpillStaged(r, task, *staged, skipped, spill);
     }
     if (!lease.ok() && copy_status.ok() && !abandoned) {
       lease = pool_->Acquire(layout->file_bytes, absl::Now() + options_.admission_timeout);
     }
     if (!lease.ok() || !copy_status.ok() || abandoned) {
-      skipped.push_back(l);
+      skipped->push_back(l);
       continue;
     }
     v.layout = *layout;
@@ -241,68 +276,52 @@ bool Engine::Snapshot(const std::shared_ptr<Rank>& r, SnapTask& task, RankMemory
                              src += n;
                            });
     }
-    staged.push_back(std::move(v));
+    staged->push_back(std::move(v));
   }
-  if (copy_status.ok() && memory != nullptr) copy_status = memory->FinishSnapshot();
-  if (!copy_status.ok()) {
-    // No torn version: whatever was staged and not yet handed over is
-    // dropped and retried (versions already handed over were copied whole).
-    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
-                    << ": snapshot copy failed: " << copy_status;
-    if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
-    for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
-    staged.clear();
-  }
-  CKPT_KILL_POINT("snapshot.copied");
-  CKPT_DELAY_POINT("snapshot.before_publish");
-  bool advance = false;
-  {
-    absl::MutexLock lock(&mu_);  // write_queue_
-    absl::MutexLock rank_lock(&r->mu);
-    if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
-      // Nobody waited for this copy to finish: the trainer may have changed
-      // the buffers meanwhile, so the staged bytes cannot be trusted. Drop
-      // them (the layers are retried) rather than make them durable.
-      for (const StagedVersion& v : staged) {
-        skipped.push_back(v.key.layer);
-        r->retry[v.key.layer] = true;
-        r->RecordOutcome(v.key.layer, task.step, false);
-      }
-      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
-                        << ": snapshot finished after its fence was abandoned; discarded";
-      staged.clear();
-    }
-    PendingStep* p = QueueStagedLocked(r, task, staged, &spill);
-    p->sealed = true;
-    p->event.set_skipped(static_cast<uint32_t>(skipped.size()));
-    advance = p->remaining == 0;
-    SnapshotTaken result;
-    result.layers = std::move(spill.layers);
-    for (uint32_t l : skipped) {
-      r->retry[l] = true;
-      r->RecordOutcome(l, task.step, false);
-    }
-    result.skipped = static_cast<uint32_t>(skipped.size());
-    if (!skipped.empty()) {
-      snapshots_skipped_.fetch_add(skipped.size(), std::memory_order_relaxed);
-      CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step << ": "
-                        << skipped.size() << " layer versions skipped, staging pool full";
-    }
-    r->snap_results[task.step] = std::move(result);
-    while (r->snap_results.size() > kSnapResultsKept) r->snap_results.erase(r->snap_results.begin());
-    r->snapshot_step = task.step;
-  }
-  if (Metrics* m = options_.metrics) {
-    m->Observe(Histogram::kSnapshotCopySeconds, absl::ToDoubleSeconds(absl::Now() - copy_start));
-    m->Inc(Counter::kVersionsStaged, static_cast<double>(spill.count));
-    m->Inc(Counter::kStagedBytes, static_cast<double>(spill.bytes));
-    if (!skipped.empty()) m->Inc(Counter::kSnapshotsSkipped, "pool_full", static_cast<double>(skipped.size()));
-  }
-  if (advance) AdvanceEvents(r);
-  return true;
+  if (copy_status.ok()) copy_status = memory->FinishSnapshot();
+  return copy_status;
 }
 
-bool Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
+bool Engine::FinishSnapshot(const std::shared_ptr<RankState>& r, SnapTask& task,
+                            std::vector<StagedVersion>& staged, std::vector<uint32_t>& skipped,
+                            SpillState* spill) {
+  absl::MutexLock lock(&mu_);  // write_queue_
+  absl::MutexLock rank_lock(&r->mu);
+  if (stopping_ || !r->active || r->fence_broken_step >= task.step) {
+    // Nobody waited for this copy to finish: the trainer may have changed
+    // the buffers meanwhile, so the staged bytes cannot be trusted. Drop
+    // them (the layers are retried) rather than make them durable.
+    for (const StagedVersion& v : staged) {
+      skipped.push_back(v.key.layer);
+      r->retry[v.key.layer] = true;
+      r->RecordOutcome(v.key.layer, task.step, false);
+    }
+    CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                      << ": snapshot finished after its fence was abandoned; discarded";
+    staged.clear();
+  }
+  PendingStep* p = QueueStagedLocked(r, task, staged, spill);
+  p->sealed = true;
+  p->event.set_skipped(static_cast<uint32_t>(skipped.size()));
+  SnapshotTaken result;
+  result.layers = std::move(spill->layers);
+  for (uint32_t l : skipped) {
+    r->retry[l] = true;
+    r->RecordOutcome(l, task.step, false);
+  }
+  result.skipped = static_cast<uint32_t>(skipped.size());
+  if (!skipped.empty()) {
+    snapshots_skipped_.fetch_add(skipped.size(), std::memory_order_relaxed);
+    CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step << ": "
+                      << skipped.size() << " layer versions skipped, staging pool full";
+  }
+  r->snap_results[task.step] = std::move(result);
+  while (r->snap_results.size() > kSnapResultsKept) r->snap_results.erase(r->snap_results.begin());
+  r->snapshot_step = task.step;
+  return p->remaining == 0;
+}
+
+bool Engine::SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
                          std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                          SpillState* spill) {
   absl::MutexLock lock(&mu_);  // write_queue_
@@ -318,9 +337,8 @@ bool Engine::SpillStaged(const std::shared_ptr<Rank>& r, SnapTask& task,
   return true;
 }
 
-PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask& task,
+PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<RankState>& r, SnapTask& task,
                                        std::vector<StagedVersion>& staged, SpillState* spill) {
-  r->mu.AssertHeld();
   if (!spill->pending) {
     // The step's place in the event order, taken by its first versions. The
     // rank's snapshots run one at a time, in step order, so it is the newest.
@@ -352,7 +370,7 @@ PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<Rank>& r, SnapTask&
 
 absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t step,
                                                    const Caller& caller, absl::Time deadline) {
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<Rank> r, Find(rank, caller));
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, Find(rank, caller));
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto taken = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {

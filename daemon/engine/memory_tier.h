@@ -15,8 +15,8 @@
 // returns its chunks when the restore is done. A restore checks every
 // checksum of an entry (recovery/restore.h) before a byte is copied out.
 //
-// Used by the engine's commit (Put), snapshot (Shrink), recovery (Find) and
-// retention (DropJob) stages.
+// Used by the engine's commit (Put), snapshot (Shrink), recovery (FindImage,
+// as a restore's in-memory source) and retention (DropJob) stages.
 // Thread-safety: thread-safe; one mutex of its own, a leaf (chunks are
 // returned to the pool after it is released).
 #pragma once
@@ -30,11 +30,12 @@
 
 #include "absl/synchronization/mutex.h"
 #include "daemon/engine/leases.h"
+#include "daemon/recovery/restore.h"
 #include "daemon/staging/staging_pool.h"
 
 namespace ckpt {
 
-class MemoryTier {
+class MemoryTier final : public VersionSource {
  public:
   explicit MemoryTier(uint64_t budget_bytes) : budget_(budget_bytes) {}
   MemoryTier(const MemoryTier&) = delete;
@@ -52,6 +53,11 @@ class MemoryTier {
   // The entry of exactly that version (same step and file), or null.
   std::shared_ptr<const StagingLease> Find(const RankKey& rank, uint32_t layer, uint64_t step,
                                            const std::string& file);
+  // Find, as a restore asks its in-memory sources (restore.h).
+  std::shared_ptr<const StagingLease> FindImage(const VersionKey& key,
+                                                const store::VersionRecord& rec) override {
+    return Find(RankKey(key.job, key.rank), key.layer, key.step, rec.file());
+  }
 
   // Gives back at least `bytes` (oldest entries first), or everything.
   void Shrink(uint64_t bytes);

@@ -25,7 +25,7 @@
 // concurrent steps can never take a uid past its quota.
 //
 // Used by the engine (StepDone, the writers, the event sequencer, GC, admin).
-// Thread-safety: thread-safe; mu_ is a leaf mutex (taken under Rank::mu).
+// Thread-safety: thread-safe; mu_ is a leaf mutex (taken under RankState::mu).
 #pragma once
 
 #include <sys/types.h>

@@ -5,7 +5,7 @@
 
 namespace ckpt {
 
-void Engine::Rank::ReleaseMemory(const std::string& why,
+void RankState::ReleaseMemory(const std::string& why,
                                  std::vector<std::shared_ptr<RankMemory>>* closing) {
   if (memory == nullptr) return;
   if (std::string(memory->kind()) == "cuda") {
@@ -17,7 +17,7 @@ void Engine::Rank::ReleaseMemory(const std::string& why,
   trainer_pidfd = UniqueFd();
 }
 
-void Engine::Rank::ReleaseDeferred() {
+void RankState::ReleaseDeferred() {
   if (!deferred) return;
   // The trainer that would have sent the global vector is gone: the parked
   // steps cannot be decided; drop them.
@@ -26,7 +26,7 @@ void Engine::Rank::ReleaseDeferred() {
   snap_busy = false;
 }
 
-absl::Status Engine::Rank::Drain(absl::Time deadline) {
+absl::Status RankState::Drain(absl::Time deadline) {
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return Idle() || stopping;
   };
@@ -38,12 +38,12 @@ absl::Status Engine::Rank::Drain(absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status Engine::Rank::CheckReported(uint64_t step) const {
+absl::Status RankState::CheckReported(uint64_t step) const {
   if (step <= last_step_seen) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat("step ", step, " was never reported"));
 }
 
-void Engine::Rank::RecordOutcome(uint32_t layer, uint64_t step, bool durable) {
+void RankState::RecordOutcome(uint32_t layer, uint64_t step, bool durable) {
   std::map<uint64_t, bool>& o = outcomes[layer];
   o[step] = durable;
   while (o.size() > kOutcomesKept) o.erase(o.begin());

@@ -1,10 +1,12 @@
-// Per-rank state shared by the engine's stages (engine.h). Internal to
+// RankState: one registered rank's state, shared by the engine's stages
+// (engine.h), with the mutex that guards it; and the units of work the
+// stages pass along (SnapTask, PendingStep, WriteTask). Internal to
 // daemon/engine: nothing outside this folder includes it.
 //
-// A Rank is created by Register and filled before it is published in
-// Engine::ranks_. From then on its mutable state is guarded by Rank::mu (the
-// compiler checks it: ABSL_GUARDED_BY, clang -Wthread-safety); the rest is
-// immutable.
+// A RankState is created by Register and filled before it is published in
+// Engine::ranks_. From then on its mutable state is guarded by
+// RankState::mu (the compiler checks it: ABSL_GUARDED_BY, clang
+// -Wthread-safety); the rest is immutable.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +24,10 @@
 #include "ckpt/v1/ckpt.pb.h"
 #include "base/status.h"
 #include "base/unique_fd.h"
-#include "daemon/engine/engine.h"
+#include "daemon/engine/caller.h"
 #include "daemon/engine/quota.h"
+#include "daemon/engine/registration.h"
+#include "daemon/engine/step_types.h"
 #include "daemon/policy/layercheck.h"
 #include "daemon/policy/selection.h"
 #include "daemon/shm/rank_memory.h"
@@ -37,20 +41,6 @@ inline constexpr char kDriftTraceFile[] = "drift.jsonl";
 
 inline constexpr size_t kSnapResultsKept = 64;
 inline constexpr size_t kOutcomesKept = 64;  // per layer
-
-inline bool IsRoot(const Caller& c) { return c.uid == 0; }
-
-// Every call refused because ckptd is stopping carries kShuttingDown, which
-// the client treats as the loss of the daemon.
-inline absl::Status ShuttingDownError() {
-  return WithReason(absl::UnavailableError("ckptd is shutting down"), ErrorReason::kShuttingDown);
-}
-// A wait that ended because its registration ended: ABORTED, and
-// kShuttingDown when ckptd is stopping.
-inline absl::Status RegistrationEndedError(bool stopping, absl::string_view what) {
-  absl::Status s = absl::AbortedError(what);
-  return stopping ? WithReason(std::move(s), ErrorReason::kShuttingDown) : s;
-}
 
 // One layer's copy recipe: the file header template and where its tensors live.
 struct LayerTemplate {
@@ -72,7 +62,7 @@ struct PendingStep {
   StepCharge charge;       // the step's queue slot and event bytes (quota.h)
 };
 
-struct Engine::SnapTask {
+struct SnapTask {
   enum class Stage { kNew, kAwaitingGlobal, kReady };
   uint64_t step = 0;
   double lr = 0;
@@ -86,12 +76,14 @@ struct Engine::SnapTask {
   StepCharge charge;  // the step's queue slot and event bytes; moves to PendingStep
 };
 
-struct Engine::WriteTask {
-  std::shared_ptr<Rank> rank;
+struct RankState;
+
+struct WriteTask {
+  std::shared_ptr<RankState> rank;
   StagedVersion version;
 };
 
-struct Engine::Rank {
+struct RankState {
   // Immutable after registration (set before the rank is published in
   // Engine::ranks_).
   std::string job;
@@ -119,9 +111,10 @@ struct Engine::Rank {
   // FileSystem (never through a symbolic link); closed after a failed write.
   UniqueFd trace;
 
-  // Guards the rank's mutable state below. Lock order: Engine::job_mu_ ->
-  // Engine::mu_ -> Rank::event_mu -> Rank::mu; nothing is taken while mu is
-  // held except leaf mutexes (the metrics registry, the staging pool).
+  // Guards the rank's mutable state below. Lock order: JobOwners ->
+  // Engine::mu_ -> RankState::event_mu -> RankState::mu; nothing is taken
+  // while mu is held except leaf mutexes (the metrics registry, the staging
+  // pool).
   mutable absl::Mutex mu;
   // LayerCheck; the pointer is set at registration (null for the other
   // policies), the policy object is guarded by mu.

@@ -1,21 +1,23 @@
 // IoBackend: moves bulk bytes between aligned memory and files.
 //
 // Two twins, picked at run time: io_uring (the production path, several
-// segments in flight per call) and pwrite/pread (the fallback where io_uring
-// is unavailable, e.g. under Docker's default seccomp profile). Both run the
+// segments in flight) and pwrite/pread (the fallback where io_uring is
+// unavailable, e.g. under Docker's default seccomp profile). Both run the
 // same parameterized test suite.
 //
-// Contract of WriteAll/ReadAll: every segment is transferred in full (short
-// transfers are resubmitted for the remainder) or the call fails with the
-// first hard error; EINTR/EAGAIN are retried. The call returns only after every
-// submitted operation has completed, so a following fdatasync covers all of
-// them (io_uring does not order an fsync after earlier writes).
+// The caller drives a transfer: Submit starts it and returns, the caller
+// does other work (checksums, a copy out of another buffer) while the
+// segments are in flight, then Wait completes it. Nothing is called back.
+// Every segment is transferred in full (short transfers are resubmitted for
+// the remainder) or the transfer fails with the first hard error;
+// EINTR/EAGAIN are retried. Wait returns only after every submitted
+// operation has completed, so a following fdatasync covers all of them
+// (io_uring does not order an fsync after earlier writes).
 //
 // Thread-safety: one IoBackend per thread; instances are not shared.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -30,34 +32,38 @@ struct IoSegment {
   uint64_t offset;  // file offset; O_DIRECT: multiple of 4096
 };
 
+enum class IoDirection { kRead, kWrite };
+
 class IoBackend {
  public:
   virtual ~IoBackend() = default;
   virtual const char* Name() const = 0;
-  virtual absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) = 0;
-  // WriteAll that runs `overlap` on the calling thread while the writes are
-  // in flight (io_uring: after the first submission, before the first wait;
-  // the pwrite twin runs it first). `overlap` may read the bytes being
-  // written, never change them. It has run when the call returns OK.
-  virtual absl::Status WriteAllOverlapped(int fd, absl::Span<const IoSegment> segments,
-                                          const std::function<void()>& overlap) {
-    overlap();
-    return WriteAll(fd, segments);
-  }
-  // A read that hits end of file before a segment is full is DATA_LOSS.
-  virtual absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) = 0;
-  // ReadAll that runs `overlap` on the calling thread while the reads are in
-  // flight, as WriteAllOverlapped does; `overlap` must not touch the
-  // segments' bytes. It has run when the call returns OK.
-  //
-  // Whether transfers are in flight while `overlap` runs: true for io_uring.
-  // The pwrite twin runs it first and then transfers, so a caller gains
-  // nothing by holding on to work for it.
+
+  // Starts transferring `segments` between `fd` and memory and returns at
+  // once: io_uring submits as many as its queue holds; the pwrite twin only
+  // takes note (its transfer runs inside Wait). A write's bytes may be read
+  // meanwhile, never changed; a read's must not be touched. The segment list
+  // is copied; the buffers and `fd` must stay valid until Wait returns.
+  // REQUIRES: no transfer outstanding (each Submit is followed by one Wait).
+  virtual void Submit(IoDirection direction, int fd, absl::Span<const IoSegment> segments) = 0;
+  // Completes the transfer Submit started. OK when every segment went in
+  // full; else the first error, returned only once nothing is in flight any
+  // more (errors while submitting included). A read that hits end of file
+  // before a segment is full is DATA_LOSS.
+  virtual absl::Status Wait() = 0;
+  // Whether transfers are under way between Submit and Wait: true for
+  // io_uring. The pwrite twin transfers inside Wait, so a caller gains
+  // nothing by holding on to work for the time between.
   virtual bool Overlaps() const { return false; }
-  virtual absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
-                                         const std::function<void()>& overlap) {
-    overlap();
-    return ReadAll(fd, segments);
+
+  // Submit, then Wait.
+  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) {
+    Submit(IoDirection::kWrite, fd, segments);
+    return Wait();
+  }
+  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) {
+    Submit(IoDirection::kRead, fd, segments);
+    return Wait();
   }
 };
 

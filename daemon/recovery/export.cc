@@ -1,5 +1,6 @@
 #include "daemon/recovery/export.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -10,10 +11,8 @@
 
 namespace ckpt {
 
-absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table, Index* index,
-                        LayerStore* store, IoBackend* io, StagingPool* pool,
-                        absl::Duration timeout, const std::function<bool()>& cancelled,
-                        const ExportSink& sink) {
+absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
+                                    const RecoverySources& sources, const ExportSink& sink) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(
         absl::StrCat("the plan for step ", plan.target_step, " is incomplete"));
@@ -42,8 +41,13 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
   }
   if (!sink(head)) return absl::CancelledError("the reader went away");
 
-  // One layer at a time; the plan passed to RestoreInto holds just that one.
+  // One layer at a time; the plan passed to RestoreInto holds just that one,
+  // read on one thread.
   CompositePlan one = plan;
+  RecoverySources one_reader = sources;
+  one_reader.readers.resize(std::min<size_t>(one_reader.readers.size(), 1));
+  RestoreTarget target;
+  target.tensors.resize(static_cast<size_t>(table.layers_size()));
   for (const PlannedLayer& lp : plan.layers) {
     // One layer at a time through the verified restore loop, into a buffer
     // laid out in table order.
@@ -56,11 +60,10 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
     }
     std::string buffer(layer_bytes, '\0');
     one.layers.assign(1, lp);
-    TensorDestination dest = [&buffer, &offsets](uint32_t, uint32_t tensor) {
-      return buffer.data() + offsets[tensor];
-    };
-    CKPT_RETURN_IF_ERROR(
-        RestoreInto(one, table, dest, index, store, {io}, pool, timeout, cancelled).status());
+    std::vector<char*>& dest = target.tensors[lp.layer];
+    dest.clear();
+    for (uint64_t off : offsets) dest.push_back(buffer.data() + off);
+    CKPT_RETURN_IF_ERROR(RestoreInto(one, table, target, one_reader).status());
     for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
       v1::ExportChunk chunk;
       chunk.set_data(buffer.substr(off, kExportPieceBytes));

@@ -1,4 +1,4 @@
-// Export of a rank's composite checkpoint as a stream (SPEC §6): a header
+// Export of a rank's composite checkpoint as a stream: a header
 // chunk (the plan and the tensor table in registration order), then every
 // tensor's bytes in that order, in pieces of at most kExportPieceBytes.
 //
@@ -15,13 +15,9 @@
 #include <functional>
 
 #include "absl/status/status.h"
-#include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
-#include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
-#include "daemon/staging/staging_pool.h"
-#include "daemon/store/index.h"
-#include "daemon/store/layer_store.h"
+#include "daemon/recovery/restore.h"
 
 namespace ckpt {
 
@@ -30,15 +26,13 @@ inline constexpr uint64_t kExportPieceBytes = 4 << 20;
 // Returns false when the reader went away.
 using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 
-// Streams `plan` (REQUIRES: built by BuildPlan from `table`). `timeout`
-// bounds the reading of each layer (staging memory, I/O), not the whole
-// export: a slow reader may take as long as it likes. The errors of
-// RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
-// when `sink` returned false or `cancelled` returned true.
+// Streams `plan` (REQUIRES: built by BuildPlan from `table`).
+// `sources.timeout` bounds the reading of each layer (staging memory, I/O),
+// not the whole export: a slow reader may take as long as it likes. The
+// errors of RestoreInto; FAILED_PRECONDITION when the plan is incomplete;
+// CANCELLED when `sink` returned false or `sources.cancelled` is set.
 // On success, the tensor bytes streamed.
-absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table, Index* index,
-                        LayerStore* store, IoBackend* io, StagingPool* pool,
-                        absl::Duration timeout, const std::function<bool()>& cancelled,
-                        const ExportSink& sink);
+absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
+                                    const RecoverySources& sources, const ExportSink& sink);
 
 }  // namespace ckpt

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <string_view>
 #include <optional>
 #include <string>
 #include <thread>
@@ -19,18 +20,6 @@
 
 namespace ckpt {
 namespace {
-
-// One planned version on its way from the store to the destination.
-struct Fetched {
-  const PlannedLayer* lp = nullptr;
-  VersionKey key;
-  store::VersionRecord rec;
-  // From the memory tier, already checked (`decoded` is its header)...
-  std::shared_ptr<const StagingLease> image;
-  DecodedHeader decoded;
-  // ...or read from disk, checked by the thread that copies it out.
-  StagingLease lease;
-};
 
 // The order the threads of one restore keep. Each thread reads a version
 // and, while those reads are in flight (io_uring), checks and copies out the
@@ -145,158 +134,11 @@ absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
                                              ": ", s.message()));
 }
 
-// First half: looks version `seq` up and takes the place of its bytes: a
-// checked image from the memory tier, or a staging lease its file is then
-// read into. `before_wait` (the thread finishing what it holds) runs before
-// this thread waits for its turn, and before it asks for room a second time.
-absl::StatusOr<Fetched> Claim(size_t seq, const CompositePlan& plan, const PlannedLayer& lp,
-                              const store::RankRecord& table, Index* index, StagingPool* pool,
-                              absl::Time deadline, const MemorySource& memory, Turns* turns,
-                              const std::function<void()>& before_wait) {
-  if (lp.layer >= static_cast<uint32_t>(table.layers_size())) {
-    return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
-  }
-  CKPT_ASSIGN_OR_RETURN(auto rec, index->VersionAtOrBefore(plan.job, plan.rank, lp.layer, lp.step));
-  if (!rec.has_value() || rec->first != lp.step) {
-    return absl::AbortedError(absl::StrCat("layer ", lp.layer, " version ", lp.step,
-                                           " vanished during the restore; plan again"));
-  }
-  Fetched f;
-  f.lp = &lp;
-  f.key = VersionKey{plan.job, plan.rank, lp.layer, lp.step};
-  f.rec = std::move(rec->second);
-  // Every version takes its turn, so the next one's thread may go on. An
-  // image of the memory tier is taken in turn too: one held by a later
-  // version would keep its chunks from the oldest, waiting below for room
-  // the tier gives back.
-  if (!turns->MayTakeTurn(seq)) before_wait();
-  CKPT_RETURN_IF_ERROR(turns->TakeTurn(seq, deadline));
-  // From memory when the image there checks, else from disk.
-  f.image = memory ? memory(f.key, f.rec) : nullptr;
-  if (f.image != nullptr) {
-    absl::StatusOr<DecodedHeader> decoded = CheckImage(f.key, f.rec, LeaseImage(*f.image));
-    if (decoded.ok()) {
-      f.decoded = *std::move(decoded);
-    } else {
-      CKPT_LOG(ERROR) << "memory tier: layer " << lp.layer << " step " << lp.step
-                      << " does not check (" << decoded.status() << "); read from disk";
-      f.image = nullptr;
-    }
-  }
-  if (f.image != nullptr) {
-    turns->EndTurn(seq);
-    return f;
-  }
-  // A version claimed while an older one is unfinished takes free room
-  // only; the oldest may also take room back from the memory tier, and wait
-  // for it. (A restore that evicted the tier to read ahead would leave the
-  // newest step on disk.)
-  std::optional<StagingLease> free_room = pool->TryAcquire(f.rec.file_bytes());
-  if (!free_room.has_value()) {
-    // What this thread held may be the room: it is back after before_wait,
-    // and the wait for the other threads' older versions is needed only
-    // when it is not enough.
-    before_wait();
-    if (!turns->Going(seq)) {  // what it held failed, or the restore stopped
-      turns->EndTurn(seq);
-      return Turns::Stopped();
-    }
-    free_room = pool->TryAcquire(f.rec.file_bytes());
-  }
-  if (!free_room.has_value()) {
-    if (absl::Status s = turns->WaitUntilOldest(seq, deadline); !s.ok()) {
-      turns->EndTurn(seq);
-      return s;
-    }
-    absl::StatusOr<StagingLease> lease = pool->Acquire(f.rec.file_bytes(), deadline);
-    if (!lease.ok()) {
-      turns->EndTurn(seq);
-      return WithLayer(lp, lease.status());
-    }
-    free_room = *std::move(lease);
-  }
-  turns->EndTurn(seq);
-  f.lease = *std::move(free_room);
-  return f;
-}
-
 // How many bytes a restore checksums and then copies out at a time: small
 // enough to stay in a core's cache between the two, so each byte is read from
 // memory once (hashing all of a tensor and then copying it read it twice: a
 // restore ran at about 0.55 of a raw read from tmpfs).
 constexpr uint64_t kVerifyPieceBytes = 256 << 10;
-
-// Second half: matches a version's tensors with the registration and
-// copies them out; a version read from disk has each tensor checksummed on
-// the way (a mismatch is DATA_LOSS, after that tensor's bytes were copied).
-absl::Status CopyOut(Fetched& f, const store::RankRecord& table, const RestoreDestination& dest,
-                     absl::Mutex* copy_mu, RestoreStats* stats) {
-  const PlannedLayer& lp = *f.lp;
-  const bool verify = f.image == nullptr;  // an image from memory was checked whole
-  if (verify) {
-    absl::StatusOr<DecodedHeader> decoded = CheckImageHeader(f.key, f.rec, LeaseImage(f.lease));
-    if (!decoded.ok()) return WithLayer(lp, decoded.status());
-    f.decoded = *std::move(decoded);
-  } else {
-    ++stats->memory_layers;
-  }
-  const StagingLease& src = f.image != nullptr ? *f.image : f.lease;
-  const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer));
-  std::map<std::string, const store::TensorEntry*> stored;
-  for (const store::TensorEntry& t : f.decoded.header.tensors()) stored[t.name()] = &t;
-  if (stored.size() != static_cast<size_t>(f.decoded.header.tensors_size())) {
-    return WithLayer(lp, absl::DataLossError("two stored tensors have the same name"));
-  }
-  if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
-    return absl::FailedPreconditionError(absl::StrCat("layer ", lp.layer, " has ", stored.size(),
-                                                      " tensors in the checkpoint and ",
-                                                      spec.tensors_size(), " registered"));
-  }
-  for (int i = 0; i < spec.tensors_size(); ++i) {
-    const store::TensorSpec& ts = spec.tensors(i);
-    auto it = stored.find(ts.name());
-    if (it == stored.end() || it->second->nbytes() != ts.nbytes() ||
-        it->second->dtype() != ts.dtype()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "tensor '", ts.name(), "' of layer ", lp.layer,
-          " differs between the checkpoint and the registration (missing, dtype or size)"));
-    }
-  }
-  const LeaseImage image(src);
-  for (int i = 0; i < spec.tensors_size(); ++i) {
-    const store::TensorEntry* t = stored[spec.tensors(i).name()];
-    char* out = dest.where(lp.layer, static_cast<uint32_t>(i));
-    auto copy_piece = [&](const char* piece, uint64_t n) {
-      absl::Status s;
-      if (dest.copy == nullptr) {
-        std::memcpy(out, piece, n);
-      } else if (dest.copy_on_cpu) {
-        s = dest.copy(out, piece, n);
-      } else {
-        absl::MutexLock lock(copy_mu);  // one DMA copy at a time, its error its own
-        s = dest.copy(out, piece, n);
-      }
-      out += n;
-      return s;
-    };
-    if (verify) {
-      const uint64_t piece = dest.copy_on_cpu ? kVerifyPieceBytes : src.chunk_bytes();
-      if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {
-        return WithLayer(lp, s);
-      }
-    } else {
-      absl::Status s;
-      src.ForEachPiece(f.decoded.layout.header_bytes + t->offset(), t->nbytes(),
-                       [&](const char* piece, uint64_t n) {
-                         if (s.ok()) s = copy_piece(piece, n);
-                       });
-      CKPT_RETURN_IF_ERROR(s);
-    }
-    stats->bytes += t->nbytes();
-    if (f.image != nullptr) stats->memory_bytes += t->nbytes();
-  }
-  return absl::OkStatus();
-}
 
 // How long at least one of `spans` was open.
 double SecondsCovered(const std::vector<std::vector<std::pair<absl::Time, absl::Time>>>& spans) {
@@ -313,113 +155,327 @@ double SecondsCovered(const std::vector<std::vector<std::pair<absl::Time, absl::
   return absl::ToDoubleSeconds(covered);
 }
 
+// One restore: its threads, the order they keep (Turns) and what each
+// holds. Thread k does versions k, k + n, ... with sources.readers[k]; the
+// last is the caller's thread (Export's one-layer plans start no thread).
+class RestoreRun {
+ public:
+  RestoreRun(const CompositePlan& plan, const store::RankRecord& table, const RestoreTarget& target,
+             const RecoverySources& sources)
+      : plan_(plan),
+        table_(table),
+        target_(target),
+        sources_(sources),
+        copy_on_cpu_(target.memory == nullptr ||
+                     std::string_view(target.memory->kind()) == "host"),
+        start_(absl::Now()),
+        deadline_(start_ + sources.timeout),
+        threads_(std::min(sources.readers.size(), plan.layers.size())),
+        turns_(plan.layers.size()),
+        readers_(threads_) {}
+
+  absl::StatusOr<RestoreStats> Run() {
+    std::vector<std::thread> threads;
+    for (size_t k = 0; k + 1 < threads_; ++k) threads.emplace_back([this, k] { ReaderMain(k); });
+    ReaderMain(threads_ - 1);
+    for (std::thread& t : threads) t.join();
+    RestoreStats stats;
+    std::vector<std::vector<std::pair<absl::Time, absl::Time>>> reads;
+    for (const Reader& r : readers_) {
+      stats.bytes += r.stats.bytes;
+      stats.memory_bytes += r.stats.memory_bytes;
+      stats.memory_layers += r.stats.memory_layers;
+      reads.push_back(r.reads);
+    }
+    CKPT_RETURN_IF_ERROR(turns_.Result());
+    stats.seconds = absl::ToDoubleSeconds(absl::Now() - start_);
+    stats.reading_seconds = SecondsCovered(reads);
+    return stats;
+  }
+
+ private:
+  // One planned version on its way from a source to the target.
+  struct Fetched {
+    const PlannedLayer* lp = nullptr;
+    VersionKey key;
+    store::VersionRecord rec;
+    // From an in-memory source, already checked (`decoded` is its header)...
+    std::shared_ptr<const StagingLease> image;
+    DecodedHeader decoded;
+    // ...or read from disk, checked by the thread that copies it out.
+    StagingLease lease;
+  };
+  // What one thread holds.
+  struct Reader {
+    // Read (or found in memory), not yet copied out.
+    std::optional<Fetched> held;
+    size_t held_seq = 0;
+    RestoreStats stats;
+    // When its reads were submitted and waited for (the wait includes the
+    // copy it overlaps).
+    std::vector<std::pair<absl::Time, absl::Time>> reads;
+  };
+
+  // Past the deadline or cancelled: every thread stops.
+  absl::Status Stopping() const {
+    if (absl::Now() >= deadline_) {
+      return absl::DeadlineExceededError("the restore did not finish in time");
+    }
+    if (sources_.cancelled != nullptr && sources_.cancelled->load(std::memory_order_relaxed)) {
+      return absl::CancelledError("the restore was cancelled");
+    }
+    return absl::OkStatus();
+  }
+
+  // How version `seq` ended: a failure stops the versions after it, a
+  // deadline or a cancellation every version.
+  void Record(size_t seq, const absl::Status& s) {
+    if (s.ok()) {
+      turns_.Finished(seq);
+    } else if (s == Turns::Stopped()) {
+      // An earlier version failed or the restore stopped: Result() says why.
+    } else if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
+      turns_.Stop(s);
+    } else {
+      turns_.Fail(seq, s);
+    }
+  }
+
+  void ReaderMain(size_t k) {
+    // A backend without transfers in flight between Submit and Wait (pwrite)
+    // gains nothing from holding a version: it is copied out at once.
+    IoBackend* const io = sources_.readers[k];
+    Reader& self = readers_[k];
+    for (size_t seq = k; seq < plan_.layers.size(); seq += threads_) {
+      if (absl::Status s = Stopping(); !s.ok()) {
+        turns_.Stop(s);
+        break;  // what it holds is not copied out (Going is false)
+      }
+      absl::StatusOr<Fetched> f = Claim(seq, self);
+      absl::Status s = f.status();
+      if (s.ok() && f->image == nullptr) s = Read(*f, io, self);
+      FinishHeld(self);  // where no read ran it (memory, or a failure first)
+      if (!s.ok()) {
+        Record(seq, s);
+        return;
+      }
+      self.held = *std::move(f);
+      self.held_seq = seq;
+      if (!io->Overlaps()) FinishHeld(self);
+    }
+    FinishHeld(self);
+  }
+
+  // Checks and copies out the held version, unless an earlier one failed or
+  // the restore stopped; its lease goes back either way.
+  void FinishHeld(Reader& self) {
+    if (!self.held.has_value()) return;
+    absl::Status s;
+    if (turns_.Going(self.held_seq)) {
+      s = Stopping();
+      if (s.ok()) s = CopyOut(*self.held, &self.stats);
+    }
+    self.held.reset();
+    Record(self.held_seq, s);
+  }
+
+  // Reads `f`'s file into its lease; the version the thread holds is copied
+  // out while the reads are in flight.
+  absl::Status Read(Fetched& f, IoBackend* io, Reader& self) {
+    absl::StatusOr<VersionRead> read = sources_.store->PrepareRead(f.key, f.rec, f.lease);
+    if (!read.ok()) return WithLayer(*f.lp, read.status());
+    const absl::Time begin = absl::Now();
+    io->Submit(IoDirection::kRead, read->fd.get(), read->segments);
+    FinishHeld(self);
+    absl::Status s = io->Wait();
+    self.reads.emplace_back(begin, absl::Now());
+    return s.ok() ? s : WithLayer(*f.lp, s);
+  }
+
+  // The image of `f` from the first in-memory source whose image checks.
+  void FindInMemory(Fetched& f) {
+    for (VersionSource* source : sources_.in_memory) {
+      std::shared_ptr<const StagingLease> image = source->FindImage(f.key, f.rec);
+      if (image == nullptr) continue;
+      absl::StatusOr<DecodedHeader> decoded = CheckImage(f.key, f.rec, LeaseImage(*image));
+      if (decoded.ok()) {
+        f.image = std::move(image);
+        f.decoded = *std::move(decoded);
+        return;
+      }
+      CKPT_LOG(ERROR) << "memory tier: layer " << f.lp->layer << " step " << f.lp->step
+                      << " does not check (" << decoded.status() << "); read from disk";
+    }
+  }
+
+  // First half: looks version `seq` up and takes the place of its bytes: a
+  // checked image from an in-memory source, or a staging lease its file is
+  // then read into. The thread finishes what it holds before it waits for
+  // its turn, and before it asks for room a second time.
+  absl::StatusOr<Fetched> Claim(size_t seq, Reader& self) {
+    const PlannedLayer& lp = plan_.layers[seq];
+    if (lp.layer >= static_cast<uint32_t>(table_.layers_size())) {
+      return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
+    }
+    CKPT_ASSIGN_OR_RETURN(auto rec,
+                          sources_.index->VersionAtOrBefore(plan_.job, plan_.rank, lp.layer, lp.step));
+    if (!rec.has_value() || rec->first != lp.step) {
+      return absl::AbortedError(absl::StrCat("layer ", lp.layer, " version ", lp.step,
+                                             " vanished during the restore; plan again"));
+    }
+    Fetched f;
+    f.lp = &lp;
+    f.key = VersionKey{plan_.job, plan_.rank, lp.layer, lp.step};
+    f.rec = std::move(rec->second);
+    // Every version takes its turn, so the next one's thread may go on. An
+    // image of the memory tier is taken in turn too: one held by a later
+    // version would keep its chunks from the oldest, waiting below for room
+    // the tier gives back.
+    if (!turns_.MayTakeTurn(seq)) FinishHeld(self);
+    CKPT_RETURN_IF_ERROR(turns_.TakeTurn(seq, deadline_));
+    FindInMemory(f);
+    if (f.image != nullptr) {
+      turns_.EndTurn(seq);
+      return f;
+    }
+    absl::Status room = TakeRoom(seq, f, self);
+    turns_.EndTurn(seq);
+    if (!room.ok()) return room;
+    return f;
+  }
+
+  // A version claimed while an older one is unfinished takes free room
+  // only; the oldest may also take room back from the memory tier, and wait
+  // for it. (A restore that evicted the tier to read ahead would leave the
+  // newest step on disk.)
+  absl::Status TakeRoom(size_t seq, Fetched& f, Reader& self) {
+    StagingPool* const pool = sources_.pool;
+    std::optional<StagingLease> free_room = pool->TryAcquire(f.rec.file_bytes());
+    if (!free_room.has_value()) {
+      // What this thread held may be the room: it is back once copied out,
+      // and the wait for the other threads' older versions is needed only
+      // when it is not enough.
+      FinishHeld(self);
+      if (!turns_.Going(seq)) return Turns::Stopped();  // what it held failed, or a stop
+      free_room = pool->TryAcquire(f.rec.file_bytes());
+    }
+    if (!free_room.has_value()) {
+      CKPT_RETURN_IF_ERROR(turns_.WaitUntilOldest(seq, deadline_));
+      absl::StatusOr<StagingLease> lease = pool->Acquire(f.rec.file_bytes(), deadline_);
+      if (!lease.ok()) return WithLayer(*f.lp, lease.status());
+      free_room = *std::move(lease);
+    }
+    f.lease = *std::move(free_room);
+    return absl::OkStatus();
+  }
+
+  // The stored tensors of `f`, matched with the registration's by name.
+  absl::StatusOr<std::vector<const store::TensorEntry*>> MatchTensors(const Fetched& f) {
+    const PlannedLayer& lp = *f.lp;
+    const store::LayerSpec& spec = table_.layers(static_cast<int>(lp.layer));
+    std::map<std::string, const store::TensorEntry*> stored;
+    for (const store::TensorEntry& t : f.decoded.header.tensors()) stored[t.name()] = &t;
+    if (stored.size() != static_cast<size_t>(f.decoded.header.tensors_size())) {
+      return WithLayer(lp, absl::DataLossError("two stored tensors have the same name"));
+    }
+    if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
+      return absl::FailedPreconditionError(absl::StrCat("layer ", lp.layer, " has ", stored.size(),
+                                                        " tensors in the checkpoint and ",
+                                                        spec.tensors_size(), " registered"));
+    }
+    std::vector<const store::TensorEntry*> out;
+    for (const store::TensorSpec& ts : spec.tensors()) {
+      auto it = stored.find(ts.name());
+      if (it == stored.end() || it->second->nbytes() != ts.nbytes() ||
+          it->second->dtype() != ts.dtype()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "tensor '", ts.name(), "' of layer ", lp.layer,
+            " differs between the checkpoint and the registration (missing, dtype or size)"));
+      }
+      out.push_back(it->second);
+    }
+    return out;
+  }
+
+  // One piece of a tensor into its destination `*out`, advancing it.
+  absl::Status CopyPiece(char** out, const char* piece, uint64_t n) {
+    absl::Status s;
+    if (target_.memory == nullptr) {
+      std::memcpy(*out, piece, n);
+    } else if (copy_on_cpu_) {
+      s = target_.memory->CopyIn(*out, piece, n);
+    } else {
+      absl::MutexLock lock(&copy_mu_);  // one DMA copy at a time, its error its own
+      s = target_.memory->CopyIn(*out, piece, n);
+    }
+    *out += n;
+    return s;
+  }
+
+  // Second half: matches a version's tensors with the registration and
+  // copies them out; a version read from disk has each tensor checksummed on
+  // the way (a mismatch is DATA_LOSS, after that tensor's bytes were copied).
+  absl::Status CopyOut(Fetched& f, RestoreStats* stats) {
+    const PlannedLayer& lp = *f.lp;
+    const bool verify = f.image == nullptr;  // an image from memory was checked whole
+    if (verify) {
+      absl::StatusOr<DecodedHeader> decoded = CheckImageHeader(f.key, f.rec, LeaseImage(f.lease));
+      if (!decoded.ok()) return WithLayer(lp, decoded.status());
+      f.decoded = *std::move(decoded);
+    } else {
+      ++stats->memory_layers;
+    }
+    CKPT_ASSIGN_OR_RETURN(std::vector<const store::TensorEntry*> tensors, MatchTensors(f));
+    const StagingLease& src = f.image != nullptr ? *f.image : f.lease;
+    const LeaseImage image(src);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const store::TensorEntry* t = tensors[i];
+      char* out = target_.tensors[lp.layer][i];
+      auto copy_piece = [&](const char* piece, uint64_t n) { return CopyPiece(&out, piece, n); };
+      if (verify) {
+        const uint64_t piece = copy_on_cpu_ ? kVerifyPieceBytes : src.chunk_bytes();
+        if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {
+          return WithLayer(lp, s);
+        }
+      } else {
+        absl::Status s;
+        src.ForEachPiece(f.decoded.layout.header_bytes + t->offset(), t->nbytes(),
+                         [&](const char* piece, uint64_t n) {
+                           if (s.ok()) s = copy_piece(piece, n);
+                         });
+        CKPT_RETURN_IF_ERROR(s);
+      }
+      stats->bytes += t->nbytes();
+      if (f.image != nullptr) stats->memory_bytes += t->nbytes();
+    }
+    return absl::OkStatus();
+  }
+
+  const CompositePlan& plan_;
+  const store::RankRecord& table_;
+  const RestoreTarget& target_;
+  const RecoverySources& sources_;
+  const bool copy_on_cpu_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  const size_t threads_;
+  Turns turns_;
+  absl::Mutex copy_mu_;
+  std::vector<Reader> readers_;  // one per thread, each touched by its own only
+};
+
 }  // namespace
 
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
-                                         const RestoreDestination& dest, Index* index,
-                                         LayerStore* store, absl::Span<IoBackend* const> io,
-                                         StagingPool* pool, absl::Duration timeout,
-                                         const std::function<bool()>& cancelled,
-                                         const MemorySource& memory) {
+                                         const RestoreTarget& target,
+                                         const RecoverySources& sources) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
   }
-  if (io.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + timeout;
-  // Past the deadline or cancelled: every thread stops.
-  auto stopping = [&]() -> absl::Status {
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError("the restore did not finish in time");
-    }
-    if (cancelled && cancelled()) return absl::CancelledError("the restore was cancelled");
-    return absl::OkStatus();
-  };
-  const size_t count = plan.layers.size();
-  RestoreStats stats;
-  if (count == 0) return stats;
-  const size_t threads_wanted = std::min(io.size(), count);
-  Turns turns(count);
-  absl::Mutex copy_mu;
-  std::vector<RestoreStats> each(threads_wanted);  // one per thread, summed after the joins
-  // When each thread's reads began and ended (a read call, which includes
-  // the copy it overlaps).
-  std::vector<std::vector<std::pair<absl::Time, absl::Time>>> reads(threads_wanted);
-
-  // How version `seq` ended: a failure stops the versions after it, a
-  // deadline or a cancellation every version.
-  auto record = [&](size_t seq, const absl::Status& s) {
-    if (s.ok()) {
-      turns.Finished(seq);
-    } else if (s == Turns::Stopped()) {
-      // An earlier version failed or the restore stopped: Result() says why.
-    } else if (absl::IsCancelled(s) || absl::IsDeadlineExceeded(s)) {
-      turns.Stop(s);
-    } else {
-      turns.Fail(seq, s);
-    }
-  };
-  // Thread k does versions k, k + n, ... with io[k]; the last is this
-  // thread (Export's one-layer plans start no thread).
-  auto run = [&](size_t k) {
-    // A backend without transfers in flight during the overlap (pwrite)
-    // gains nothing from holding a version: it is copied out at once.
-    const bool overlaps = io[k]->Overlaps();
-    std::optional<Fetched> held;  // read (or from memory), not yet copied out
-    size_t held_seq = 0;
-    // Checks and copies out the held version, unless an earlier one failed
-    // or the restore stopped; its lease goes back either way.
-    auto finish_held = [&] {
-      if (!held.has_value()) return;
-      absl::Status s;
-      if (turns.Going(held_seq)) {
-        s = stopping();
-        if (s.ok()) s = CopyOut(*held, table, dest, &copy_mu, &each[k]);
-      }
-      held.reset();
-      record(held_seq, s);
-    };
-    for (size_t seq = k; seq < count; seq += threads_wanted) {
-      if (absl::Status s = stopping(); !s.ok()) {
-        turns.Stop(s);
-        break;  // what it holds is not copied out (Going is false)
-      }
-      absl::StatusOr<Fetched> f = Claim(seq, plan, plan.layers[seq], table, index, pool, deadline,
-                                        memory, &turns, finish_held);
-      absl::Status s = f.status();
-      if (s.ok() && f->image == nullptr) {
-        // A version still held is copied out while these reads are in
-        // flight.
-        const absl::Time read_start = absl::Now();
-        s = store->ReadUnchecked(f->key, f->rec, io[k], f->lease, finish_held);
-        reads[k].emplace_back(read_start, absl::Now());
-        if (!s.ok()) s = WithLayer(*f->lp, s);
-      }
-      finish_held();  // where no read ran it (memory, or a failure first)
-      if (!s.ok()) {
-        record(seq, s);
-        return;
-      }
-      held = *std::move(f);
-      held_seq = seq;
-      if (!overlaps) finish_held();
-    }
-    finish_held();
-  };
-  std::vector<std::thread> threads;
-  for (size_t k = 0; k + 1 < threads_wanted; ++k) threads.emplace_back(run, k);
-  run(threads_wanted - 1);
-  for (std::thread& t : threads) t.join();
-  for (const RestoreStats& e : each) {
-    stats.bytes += e.bytes;
-    stats.memory_bytes += e.memory_bytes;
-    stats.memory_layers += e.memory_layers;
-  }
-  CKPT_RETURN_IF_ERROR(turns.Result());
-  stats.seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  stats.reading_seconds = SecondsCovered(reads);
-  return stats;
+  if (sources.readers.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
+  if (plan.layers.empty()) return RestoreStats();
+  return RestoreRun(plan, table, target, sources).Run();
 }
 
 }  // namespace ckpt

@@ -1,65 +1,96 @@
-// Verified restore of a composite plan (SPEC §6): the one loop through which
-// every byte leaves ckptd's history, for Restore into a trainer's buffers and
-// for Export.
+// Verified restore of a composite plan: the one loop through which every
+// byte leaves ckptd's history, for Restore into a trainer's buffers and for
+// Export (export.h).
 //
-// RestoreInto reads each planned version through the store and writes it
-// into the destination tensors, verifying every checksum on the way. It fails
-// closed: DATA_LOSS names the first layer that does not verify (the bytes of
-// the tensor that did not verify may already be in its destination, as are
-// the layers before it and maybe some after it: after a failed restore the
-// destination holds nothing a trainer may use); FAILED_PRECONDITION when the plan is incomplete or the destination
-// table does not match the stored tensors (count, name, dtype, size); ABORTED
-// when a planned version vanished (plan again); CANCELLED between layers once
-// `cancelled` returns true (daemon shutdown).
+// RestoreInto reads each planned version from the first of its sources that
+// holds it (an in-memory source such as the memory tier, else the local
+// store) and writes it into the target's tensors, verifying every checksum
+// on the way. It fails closed: DATA_LOSS names the first layer that does not
+// verify (the bytes of the tensor that did not verify may already be in its
+// destination, as are the layers before it and maybe some after it: after a
+// failed restore the target holds nothing a trainer may use);
+// FAILED_PRECONDITION when the plan is incomplete or the target's table
+// does not match the stored tensors (count, name, dtype, size); ABORTED when
+// a planned version vanished (plan again); CANCELLED once
+// `sources.cancelled` is set (daemon shutdown); DEADLINE_EXCEEDED past
+// `sources.timeout`.
+//
+// The restore drives its own reads: it submits a version's reads to an
+// IoBackend, checks and copies out the version it read before while they
+// are in flight, then waits for them (nothing calls back into it).
 //
 // Thread-safety: free functions; safe to call concurrently.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "absl/types/span.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/shm/rank_memory.h"
 #include "daemon/staging/staging_pool.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 
 namespace ckpt {
 
-// Where restored bytes go: the destination of tensor `tensor` of `layer`
-// (REQUIRES: it is nbytes long, as registered).
-using TensorDestination = std::function<char*(uint32_t layer, uint32_t tensor)>;
-// Copies n host bytes to a destination address (GPU memory, for example).
-using CopyToDestination = std::function<absl::Status(char* dst, const char* src, uint64_t n)>;
+// Where restored bytes go.
+struct RestoreTarget {
+  // tensors[layer][i]: where tensor i of `layer` (in the table's order)
+  // goes, nbytes long as registered; an address inside `memory`.
+  std::vector<std::vector<char*>> tensors;
+  // The rank's memory, written with its CopyIn (a GPU's DMA engine, or
+  // non-temporal stores into a memfd); null: plain host memory, memcpy.
+  // Host copies run on several threads at once, into different tensors,
+  // each piece right after its checksum (from the cache); copies into GPU
+  // memory go one at a time, a staging chunk each.
+  RankMemory* memory = nullptr;
+};
 
-struct RestoreDestination {
-  RestoreDestination(TensorDestination w) : where(std::move(w)) {}  // NOLINT: memcpy there
-  RestoreDestination(TensorDestination w, CopyToDestination c, bool cpu)
-      : where(std::move(w)), copy(std::move(c)), copy_on_cpu(cpu) {}
+// A place besides the local store that may hold a committed version's file
+// image in memory (the memory tier).
+class VersionSource {
+ public:
+  virtual ~VersionSource() = default;
+  // The image of exactly the version `rec` names, or null. A restore checks
+  // it like a file read from disk (every checksum, the record's
+  // header_xxh3, job/rank/layer/step) before a byte is copied out; an image
+  // that does not check is not used and the next source is asked.
+  virtual std::shared_ptr<const StagingLease> FindImage(const VersionKey& key,
+                                                        const store::VersionRecord& rec) = 0;
+};
 
-  TensorDestination where;
-  CopyToDestination copy;  // null = memcpy
-  // Whether `copy` is done by this CPU (memcpy into host memory). Then a
-  // version read from disk is checksummed and copied a small piece at a
-  // time, so the copy reads each piece from the cache the checksum just
-  // brought it into, and `copy` may run on several threads at once (into
-  // different tensors). Else (a DMA engine copies to a GPU) pieces are a
-  // staging chunk and one `copy` runs at a time.
-  bool copy_on_cpu = true;
+// What a restore, verify or export reads committed versions from, and its
+// bounds. For each version it asks the `in_memory` sources in order, then
+// reads the local store.
+struct RecoverySources {
+  Index* index = nullptr;        // the plan's records
+  LayerStore* store = nullptr;   // the local store
+  StagingPool* pool = nullptr;   // room for versions read from disk
+  // One backend per restore thread: thread k reads, checks and copies
+  // versions k, k + n, ... and (on a backend that Overlaps()) checks and
+  // copies one version out while the reads of its next are in flight. A
+  // restore holds at most two staging leases per thread, one on a backend
+  // that does not overlap. Verify and export use the first.
+  std::vector<IoBackend*> readers;
+  std::vector<VersionSource*> in_memory;
+  absl::Duration timeout = absl::Minutes(30);
+  // Set once the reader must stop (ckptd is shutting down); may be null.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 struct RestoreStats {
   uint64_t bytes = 0;
-  uint64_t memory_bytes = 0;  // of `bytes`, served from a MemorySource
+  uint64_t memory_bytes = 0;  // of `bytes`, served from an in-memory source
   uint64_t memory_layers = 0;
   double seconds = 0;
-  // Of `seconds`, how long some thread was in a read call (with io_uring,
-  // the copy it overlaps runs while that call's reads are in flight): the
+  // Of `seconds`, how long some thread had reads submitted and not yet
+  // waited for (with io_uring, the copy it overlaps runs meanwhile): the
   // rest the disk was idle. An upper bound on the disk's busy time, close
   // for versions the read queue holds whole (io_queue_depth x the staging
   // chunk); for larger ones the queue drains before the copy ends.
@@ -69,24 +100,8 @@ struct RestoreStats {
   double ReadingShare() const { return seconds > 0 ? reading_seconds / seconds : 0; }
 };
 
-// The committed file image of a version held in memory (the engine's memory
-// tier), or null when it is not there. It is checked like a file read from
-// disk (every checksum, the record's header_xxh3, job/rank/layer/step)
-// before a byte is copied out; an image that does not check is not used and
-// the version is read from disk instead.
-using MemorySource = std::function<std::shared_ptr<const StagingLease>(
-    const VersionKey& key, const store::VersionRecord& rec)>;
-
-// `io` holds one backend per thread: each thread reads, checks and copies
-// every n-th version, and (on a backend that Overlaps()) checks and copies
-// one version out while the reads of its next are in flight (RestoreInto
-// uses each backend on one thread of its own). A restore holds at most two
-// staging leases per thread, one on a backend that does not overlap.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
-                                         const RestoreDestination& dest, Index* index,
-                                         LayerStore* store, absl::Span<IoBackend* const> io,
-                                         StagingPool* pool, absl::Duration timeout,
-                                         const std::function<bool()>& cancelled = nullptr,
-                                         const MemorySource& memory = nullptr);
+                                         const RestoreTarget& target,
+                                         const RecoverySources& sources);
 
 }  // namespace ckpt

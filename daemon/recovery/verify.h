@@ -15,17 +15,14 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
-#include "daemon/io/io_backend.h"
-#include "daemon/staging/staging_pool.h"
-#include "daemon/store/index.h"
-#include "daemon/store/layer_store.h"
+#include "daemon/recovery/restore.h"
 
 namespace ckpt {
 
-absl::Status VerifyRank(const std::string& job, uint32_t rank, bool deep, Index* index,
-                        LayerStore* store, IoBackend* io, StagingPool* pool,
-                        absl::Duration read_timeout, v1::VerifyReply* reply);
+// Reads through sources.readers[0], with sources.timeout for the staging
+// memory of each version.
+absl::Status VerifyRank(const std::string& job, uint32_t rank, bool deep,
+                        const RecoverySources& sources, v1::VerifyReply* reply);
 
 }  // namespace ckpt

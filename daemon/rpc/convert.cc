@@ -216,4 +216,13 @@ v1::DriftReply DriftReplyOf(uint64_t step, const std::vector<drift::LayerSums>& 
   return reply;
 }
 
+std::string_view TierName(v1::DurabilityTier tier) {
+  switch (tier) {
+    case v1::TIER_REMOTE:
+      return "remote";
+    default:
+      return {};
+  }
+}
+
 }  // namespace ckpt

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -37,6 +38,8 @@ std::vector<drift::LayerSums> LayerSumsOf(
 absl::Time WaitDeadline(const v1::WaitRequest& req, absl::Time call_deadline);
 
 v1::WaitSnapshotReply ToProto(const SnapshotTaken& taken);
+// The engine's name of a durability tier ("" for the local store).
+std::string_view TierName(v1::DurabilityTier tier);
 v1::DriftReply DriftReplyOf(uint64_t step, const std::vector<drift::LayerSums>& sums);
 
 }  // namespace ckpt

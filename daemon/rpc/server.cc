@@ -172,7 +172,7 @@ class TrainerService final : public v1::Trainer::Service {
       CKPT_ASSIGN_OR_RETURN(uint64_t durable,
                             s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
                                                       WaitDeadline(*req, DeadlineOf(*ctx)),
-                                                      req->tier() == v1::TIER_REMOTE));
+                                                      TierName(req->tier())));
       reply->set_durable_step(durable);
       return absl::OkStatus();
     });

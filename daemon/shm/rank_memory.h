@@ -16,7 +16,7 @@
 // runs one snapshot per rank at a time and refuses a restore while one runs).
 // Within a restore, HostMemory::CopyIn runs on several threads at once, into
 // different tensors; a restore calls GpuMemory::CopyIn from one thread at a
-// time (RestoreDestination::copy_on_cpu).
+// time (restore.h, RestoreTarget).
 #pragma once
 
 #include <cstdint>

@@ -247,11 +247,10 @@ absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io
     body_hash = EncodeHeaderRegion(v->header, v->layout, &image);
     w.timings.hash_seconds = absl::ToDoubleSeconds(absl::Now() - hash_start);
   };
-  if (absl::Status s = io->WriteAllOverlapped(
-          w.fd.get(), LeaseSegments(v->lease, v->layout.header_bytes, v->layout.file_bytes), hash);
-      !s.ok()) {
-    return fail(s);
-  }
+  io->Submit(IoDirection::kWrite, w.fd.get(),
+             LeaseSegments(v->lease, v->layout.header_bytes, v->layout.file_bytes));
+  hash();
+  if (absl::Status s = io->Wait(); !s.ok()) return fail(s);
   if (!body_hash.ok()) return fail(body_hash.status());
   if (absl::Status s = io->WriteAll(w.fd.get(), LeaseSegments(v->lease, 0, v->layout.header_bytes));
       !s.ok()) {
@@ -349,8 +348,14 @@ absl::StatusOr<LoadedVersion> LayerStore::Read(const VersionKey& key,
 }
 
 absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec,
-                                       IoBackend* io, const StagingLease& lease,
-                                       const std::function<void()>& overlap) {
+                                       IoBackend* io, const StagingLease& lease) {
+  CKPT_ASSIGN_OR_RETURN(VersionRead read, PrepareRead(key, rec, lease));
+  return io->ReadAll(read.fd.get(), read.segments);
+}
+
+absl::StatusOr<VersionRead> LayerStore::PrepareRead(const VersionKey& key,
+                                                    const store::VersionRecord& rec,
+                                                    const StagingLease& lease) {
   CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
   const int dir = dir_ref->get();
   bool direct_used = false;
@@ -370,8 +375,7 @@ absl::Status LayerStore::ReadUnchecked(const VersionKey& key, const store::Versi
     return absl::InvalidArgumentError(absl::StrCat("a lease of ", lease.capacity(),
                                                    " bytes cannot hold ", rec.file(), " (", size, ")"));
   }
-  if (overlap) return io->ReadAllOverlapped(fd->get(), LeaseSegments(lease, 0, size), overlap);
-  return io->ReadAll(fd->get(), LeaseSegments(lease, 0, size));
+  return VersionRead{*std::move(fd), LeaseSegments(lease, 0, size)};
 }
 
 absl::StatusOr<DecodedHeader> CheckImageHeader(const VersionKey& key,

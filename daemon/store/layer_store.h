@@ -36,10 +36,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/unique_fd.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/staging/staging_pool.h"
@@ -84,6 +86,12 @@ struct StagedVersion {
 };
 
 // Where a commit spent its time (for the latency histograms).
+// A read of one committed file into a staging lease (LayerStore::PrepareRead).
+struct VersionRead {
+  UniqueFd fd;
+  std::vector<IoSegment> segments;
+};
+
 struct CommitTimings {
   double hash_seconds = 0;   // checksums and the header
   double write_seconds = 0;  // data written and every completion reaped
@@ -174,14 +182,19 @@ class LayerStore {
                                      IoBackend* io, StagingPool* pool, absl::Time deadline);
   // The bytes of `rec`'s file, unchecked, into `lease` (at least
   // rec.file_bytes() long; the caller took it from the pool): Read() without
-  // CheckImage, for a caller that checks them elsewhere (a restore checks on
-  // the thread that copies them out). DATA_LOSS when the file is missing or
-  // its size is not the record's. A non-empty `overlap` runs on the calling
-  // thread while the reads are in flight (IoBackend::ReadAllOverlapped); it
-  // has run when the call returns OK.
+  // CheckImage, for a caller that checks them elsewhere. DATA_LOSS when the
+  // file is missing or its size is not the record's.
   absl::Status ReadUnchecked(const VersionKey& key, const store::VersionRecord& rec, IoBackend* io,
-                             const StagingLease& lease,
-                             const std::function<void()>& overlap = nullptr);
+                             const StagingLease& lease);
+  // The read of `rec`'s file into `lease`, prepared for a caller that
+  // drives it itself (a restore copies out the previous version while it is
+  // in flight): the file opened (O_DIRECT when the store writes so) once its
+  // size is the record's and `lease` can hold it, and the segments to
+  // submit: io->Submit(IoDirection::kRead, read.fd.get(), read.segments),
+  // then io->Wait(). DATA_LOSS when the file is missing or of the wrong
+  // size; INVALID_ARGUMENT for a short lease.
+  absl::StatusOr<VersionRead> PrepareRead(const VersionKey& key, const store::VersionRecord& rec,
+                                          const StagingLease& lease);
 
   // The committed file of `rec`, opened for reading (buffered) after
   // checking its size: what the remote tier uploads. DATA_LOSS when it is

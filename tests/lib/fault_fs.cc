@@ -693,7 +693,19 @@ absl::StatusOr<CrashReport> FaultFileSystem::MakeCrashImage(const CrashPolicy& p
 FaultIoBackend::FaultIoBackend(FaultFileSystem* fs, std::unique_ptr<IoBackend> base)
     : fs_(fs), base_(std::move(base)), name_(absl::StrCat("fault(", base_->Name(), ")")) {}
 
-absl::Status FaultIoBackend::WriteAll(int fd, absl::Span<const IoSegment> segments) {
+void FaultIoBackend::Submit(IoDirection direction, int fd, absl::Span<const IoSegment> segments) {
+  direction_ = direction;
+  fd_ = fd;
+  segments_.assign(segments.begin(), segments.end());
+}
+
+absl::Status FaultIoBackend::Wait() {
+  absl::Status s = direction_ == IoDirection::kWrite ? Write(fd_, segments_) : Read(fd_, segments_);
+  segments_.clear();
+  return s;
+}
+
+absl::Status FaultIoBackend::Write(int fd, absl::Span<const IoSegment> segments) {
   absl::MutexLock lock(&fs_->mu_);
   for (const IoSegment& s : segments) {
     bool crashed = false;
@@ -717,7 +729,7 @@ absl::Status FaultIoBackend::WriteAll(int fd, absl::Span<const IoSegment> segmen
   return absl::OkStatus();
 }
 
-absl::Status FaultIoBackend::ReadAll(int fd, absl::Span<const IoSegment> segments) {
+absl::Status FaultIoBackend::Read(int fd, absl::Span<const IoSegment> segments) {
   absl::MutexLock lock(&fs_->mu_);
   absl::Status gate = fs_->Gate(FaultClass::kRead, false, "read");
   if (gate.ok()) return base_->ReadAll(fd, segments);

@@ -290,16 +290,23 @@ class FaultIoBackend final : public IoBackend {
  public:
   FaultIoBackend(FaultFileSystem* fs, std::unique_ptr<IoBackend> base);
   const char* Name() const override { return name_.c_str(); }
-  // As its base says, so that a restore over it takes the base's path; the
-  // overlapped calls run their work first and then the transfers.
+  // As its base says, so that a restore over it takes the base's path;
+  // Submit only takes note, and the transfer (with its faults) runs in Wait.
   bool Overlaps() const override { return base_->Overlaps(); }
-  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override;
-  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override;
+  void Submit(IoDirection direction, int fd, absl::Span<const IoSegment> segments) override;
+  absl::Status Wait() override;
 
  private:
+  absl::Status Write(int fd, absl::Span<const IoSegment> segments);
+  absl::Status Read(int fd, absl::Span<const IoSegment> segments);
+
   FaultFileSystem* const fs_;
   const std::unique_ptr<IoBackend> base_;
   const std::string name_;
+  // The transfer between Submit and Wait.
+  IoDirection direction_ = IoDirection::kRead;
+  int fd_ = -1;
+  std::vector<IoSegment> segments_;
 };
 
 }  // namespace testing

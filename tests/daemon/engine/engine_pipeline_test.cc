@@ -1464,7 +1464,7 @@ class RemoteTierTest : public EnginePipelineTest {
   }
   absl::StatusOr<uint64_t> WaitRemote(const TestRank& r, uint64_t step,
                                       absl::Duration timeout = kWait) {
-    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, /*remote=*/true);
+    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, "remote");
   }
   // Trains `r` through steps [from, to], each durable locally.
   void Train(TestRank& r, uint64_t from, uint64_t to) {

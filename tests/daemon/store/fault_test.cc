@@ -943,13 +943,20 @@ TEST_P(ReadFaultTest, ReadFaultsGiveAnErrorOrTheVerifiedBytesNeverWrongOnes) {
         out[{l.id(), static_cast<uint32_t>(t)}] = std::string(l.tensors(t).nbytes(), '\0');
       }
     }
-    TensorDestination dest = [&out](uint32_t layer, uint32_t tensor) {
-      return out[{layer, tensor}].data();
-    };
+    RestoreTarget target;
+    for (auto& [where, bytes] : out) {
+      if (target.tensors.size() <= where.first) target.tensors.resize(where.first + 1);
+      target.tensors[where.first].push_back(bytes.data());  // tensors in order
+    }
+    RecoverySources sources;
+    sources.index = index_.get();
+    sources.store = store_.get();
+    sources.pool = pool_.get();
+    sources.readers = {io_.get()};
+    sources.timeout = absl::Seconds(30);
     fs_->SetReadFault(ReadFault::kMixed);
     fs_->FailOneIn(FaultClass::kRead, 2, EIO);
-    absl::StatusOr<RestoreStats> st = RestoreInto(plan, table, dest, index_.get(), store_.get(),
-                                                  {io_.get()}, pool_.get(), absl::Seconds(30));
+    absl::StatusOr<RestoreStats> st = RestoreInto(plan, table, target, sources);
     fs_->ClearFaults();
     if (!st.ok()) {
       ++f["restores_failed_closed"];

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -11,12 +12,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
+#include "daemon/shm/rank_memory.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
 #include "tests/lib/test_util.h"
@@ -50,20 +53,18 @@ class TestBackend final : public IoBackend {
         log_(log) {}
   const char* Name() const override { return "test"; }
   bool Overlaps() const override { return overlaps_; }
-  absl::Status WriteAll(int fd, absl::Span<const IoSegment> segments) override {
-    return base_->WriteAll(fd, segments);
+  void Submit(IoDirection direction, int fd, absl::Span<const IoSegment> segments) override {
+    reading_ = direction == IoDirection::kRead;
+    if (reading_) {
+      if (before_read_) before_read_(reads_);
+      ++reads_;
+      if (log_ != nullptr) log_->push_back("read");
+    }
+    base_->Submit(direction, fd, segments);
   }
-  absl::Status ReadAll(int fd, absl::Span<const IoSegment> segments) override {
-    return ReadAllOverlapped(fd, segments, [] {});
-  }
-  absl::Status ReadAllOverlapped(int fd, absl::Span<const IoSegment> segments,
-                                 const std::function<void()>& overlap) override {
-    if (before_read_) before_read_(reads_);
-    ++reads_;
-    if (log_ != nullptr) log_->push_back("read");
-    overlap();
-    absl::Status s = base_->ReadAll(fd, segments);
-    if (log_ != nullptr) log_->push_back("read done");
+  absl::Status Wait() override {
+    absl::Status s = base_->Wait();
+    if (reading_ && log_ != nullptr) log_->push_back("read done");
     return s;
   }
 
@@ -73,7 +74,71 @@ class TestBackend final : public IoBackend {
   const std::function<void(int)> before_read_;
   std::vector<std::string>* const log_;
   int reads_ = 0;
+  bool reading_ = false;
 };
+
+// A rank's memory for a restore to write into: host memory copied on the
+// CPU ("host"), or memory a DMA engine would fill ("cuda"), one copy at a
+// time. `on_copy` (if set) sees every piece before it is copied.
+class TestMemory final : public RankMemory {
+ public:
+  explicit TestMemory(const char* kind,
+                      std::function<void(char*, const void*, uint64_t)> on_copy = nullptr)
+      : kind_(kind), on_copy_(std::move(on_copy)) {}
+  const char* kind() const override { return kind_; }
+  size_t region_count() const override { return 0; }
+  uint64_t region_size(size_t) const override { return 0; }
+  char* base(size_t) const override { return nullptr; }
+  absl::Status BeginSnapshot() override { return absl::OkStatus(); }
+  absl::Status CopyOut(void*, const char*, uint64_t) override { return absl::OkStatus(); }
+  absl::Status FinishSnapshot() override { return absl::OkStatus(); }
+  absl::Status CopyIn(char* dst, const void* src, uint64_t n) override {
+    if (on_copy_) on_copy_(dst, src, n);
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+
+ private:
+  const char* const kind_;
+  const std::function<void(char*, const void*, uint64_t)> on_copy_;
+};
+
+// An in-memory source answering from a function.
+class FunctionSource final : public VersionSource {
+ public:
+  using Fn = std::function<std::shared_ptr<const StagingLease>(const VersionKey&)>;
+  explicit FunctionSource(Fn fn) : fn_(std::move(fn)) {}
+  std::shared_ptr<const StagingLease> FindImage(const VersionKey& key,
+                                                const store::VersionRecord&) override {
+    return fn_(key);
+  }
+
+ private:
+  const Fn fn_;
+};
+
+// Where each (layer, tensor) of `out` goes, for every layer up to the
+// largest in it.
+RestoreTarget TargetOf(std::map<std::pair<uint32_t, uint32_t>, std::string>* out,
+                       RankMemory* memory = nullptr) {
+  RestoreTarget target;
+  target.memory = memory;
+  for (auto& [where, bytes] : *out) {
+    const auto [layer, tensor] = where;
+    if (target.tensors.size() <= layer) target.tensors.resize(layer + 1);
+    if (target.tensors[layer].size() <= tensor) target.tensors[layer].resize(tensor + 1);
+    target.tensors[layer][tensor] = bytes.data();
+  }
+  return target;
+}
+
+// One tensor per layer, layer l into out[l].
+RestoreTarget TargetOfLayers(std::vector<std::string>* out, RankMemory* memory = nullptr) {
+  RestoreTarget target;
+  target.memory = memory;
+  for (std::string& bytes : *out) target.tensors.push_back({bytes.data()});
+  return target;
+}
 
 class PlanTest : public ::testing::Test {
  protected:
@@ -127,20 +192,30 @@ class PlanTest : public ::testing::Test {
     for (uint64_t step : {10u, 20u, 25u, 30u}) ASSERT_NO_FATAL_FAILURE(PutEvent(step));
   }
 
+  // What a restore reads from: the store through `readers` (default: both
+  // test backends), and `in_memory` first.
+  RecoverySources Sources(std::vector<IoBackend*> readers = {},
+                          absl::Duration timeout = absl::Seconds(30),
+                          VersionSource* in_memory = nullptr) {
+    RecoverySources sources;
+    sources.index = index_.get();
+    sources.store = store_.get();
+    sources.pool = pool_.get();
+    sources.readers = readers.empty() ? std::vector<IoBackend*>{io_.get(), io2_.get()} : readers;
+    if (in_memory != nullptr) sources.in_memory.push_back(in_memory);
+    sources.timeout = timeout;
+    return sources;
+  }
+
   absl::StatusOr<RestoreStats> Restore(const CompositePlan& plan, const store::RankRecord& table,
                                        std::map<std::pair<uint32_t, uint32_t>, std::string>* out,
-                                       const MemorySource& memory = nullptr) {
+                                       VersionSource* in_memory = nullptr) {
     for (const store::LayerSpec& l : table.layers()) {
       for (int i = 0; i < l.tensors_size(); ++i) {
         (*out)[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
       }
     }
-    // Filled above: the threads of the restore only look entries up.
-    TensorDestination dest = [out](uint32_t layer, uint32_t tensor) {
-      return out->at({layer, tensor}).data();
-    };
-    return RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
-                       pool_.get(), absl::Seconds(30), nullptr, memory);
+    return RestoreInto(plan, table, TargetOf(out), Sources({}, absl::Seconds(30), in_memory));
   }
 
   // `layers` layers of one 5000-byte tensor each, committed at step 10:
@@ -284,13 +359,16 @@ TEST_F(PlanTest, RestoreStopsWhenCancelled) {
   ASSERT_NO_FATAL_FAILURE(CommitHistory());
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table_));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
-  TensorDestination dest = [&out](uint32_t layer, uint32_t tensor) {
-    return out[{layer, tensor}].data();
-  };
+  for (const store::LayerSpec& l : table_.layers()) {
+    for (int i = 0; i < l.tensors_size(); ++i) {
+      out[{l.id(), static_cast<uint32_t>(i)}] = std::string(l.tensors(i).nbytes(), '\0');
+    }
+  }
   plan.complete = true;  // reach the per-layer loop
-  absl::StatusOr<RestoreStats> stats =
-      RestoreInto(plan, table_, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
-                  pool_.get(), absl::Seconds(30), [] { return true; });
+  const std::atomic<bool> cancelled{true};
+  RecoverySources sources = Sources();
+  sources.cancelled = &cancelled;
+  absl::StatusOr<RestoreStats> stats = RestoreInto(plan, table_, TargetOf(&out), sources);
   EXPECT_TRUE(absl::IsCancelled(stats.status())) << stats.status();
 }
 
@@ -380,11 +458,7 @@ TEST_F(PlanTest, RestoreWithTwoReadersNeedsRoomForOneVersionOnly) {
   // One reader, which would hold the version it copies out while it reads
   // the next: with no room for both it copies first.
   for (auto& [where, bytes] : out) bytes.assign(bytes.size(), '\0');
-  const RestoreDestination dest(
-      [&out](uint32_t layer, uint32_t tensor) { return out.at({layer, tensor}).data(); });
-  IoBackend* one[] = {io_.get()};
-  CKPT_ASSERT_OK_AND_ASSIGN(stats, RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
-                                               pool_.get(), absl::Seconds(30)));
+  CKPT_ASSERT_OK_AND_ASSIGN(stats, RestoreInto(plan, table, TargetOf(&out), Sources({io_.get()})));
   EXPECT_EQ(stats.bytes, 12u * 5000u);
   for (uint32_t l = 0; l < 12; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
   EXPECT_EQ(pool_->bytes_in_use(), 0u);
@@ -402,13 +476,11 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   for (uint32_t l = 0; l < 9; l += 2) ASSERT_NO_FATAL_FAILURE(LoadImage(l, images.get(), &memory));
   pool_ = MakeTestPool(8192, 2);
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
-  CKPT_ASSERT_OK_AND_ASSIGN(
-      RestoreStats stats,
-      Restore(plan, table, &out,
-              [&memory](const VersionKey& key, const store::VersionRecord&) {
-                auto it = memory.find(key.layer);
-                return it == memory.end() ? nullptr : it->second;
-              }));
+  FunctionSource some([&memory](const VersionKey& key) {
+    auto it = memory.find(key.layer);
+    return it == memory.end() ? nullptr : it->second;
+  });
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, Restore(plan, table, &out, &some));
   EXPECT_EQ(stats.memory_layers, 5u);
   EXPECT_EQ(stats.memory_bytes, 5u * 5000u);
   EXPECT_EQ(stats.bytes, 9u * 5000u);
@@ -418,11 +490,8 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   EXPECT_GT(stats.reading_seconds, 0);
   EXPECT_LE(stats.reading_seconds, stats.seconds);
   for (uint32_t l = 1; l < 9; l += 2) ASSERT_NO_FATAL_FAILURE(LoadImage(l, images.get(), &memory));
-  CKPT_ASSERT_OK_AND_ASSIGN(
-      stats, Restore(plan, table, &out,
-                     [&memory](const VersionKey& key, const store::VersionRecord&) {
-                       return memory.at(key.layer);
-                     }));
+  FunctionSource all([&memory](const VersionKey& key) { return memory.at(key.layer); });
+  CKPT_ASSERT_OK_AND_ASSIGN(stats, Restore(plan, table, &out, &all));
   EXPECT_EQ(stats.memory_layers, 9u);
   EXPECT_EQ(stats.reading_seconds, 0);
 }
@@ -474,11 +543,8 @@ TEST_F(PlanTest, RestoreGivesUpAtItsDeadlineWhenThePoolHasNoRoom) {
   CKPT_ASSERT_OK_AND_ASSIGN(StagingLease held, pool_->Acquire(8192, absl::InfiniteFuture()));
   std::map<std::pair<uint32_t, uint32_t>, std::string> out;
   for (uint32_t l = 0; l < 4; ++l) out[{l, 0}] = std::string(5000, '\0');
-  const RestoreDestination dest(
-      [&out](uint32_t layer, uint32_t tensor) { return out.at({layer, tensor}).data(); });
   absl::StatusOr<RestoreStats> stats =
-      RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
-                  pool_.get(), absl::Milliseconds(200));
+      RestoreInto(plan, table, TargetOf(&out), Sources({}, absl::Milliseconds(200)));
   CKPT_EXPECT_CODE(stats, kDeadlineExceeded);
   EXPECT_EQ(pool_->bytes_in_use(), 8192u);  // the lease held here, nothing else
 }
@@ -496,21 +562,15 @@ TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
     std::vector<std::string> log;  // one restore thread: no lock
     TestBackend io(overlaps, nullptr, &log);
     std::vector<std::string> out(3, std::string(5000, '\0'));
-    const RestoreDestination dest(
-        [&out](uint32_t layer, uint32_t) { return out.at(layer).data(); },
-        [&](char* dst, const char* src, uint64_t n) {
-          // A tensor's first piece starts where its layer goes.
-          for (size_t l = 0; l < out.size(); ++l) {
-            if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
-          }
-          std::memcpy(dst, src, n);
-          return absl::OkStatus();
-        },
-        /*copy_on_cpu=*/true);
-    IoBackend* one[] = {&io};
-    CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
-                              RestoreInto(plan, table, dest, index_.get(), store_.get(), one,
-                                          pool_.get(), absl::Seconds(30)));
+    TestMemory memory("host", [&](char* dst, const void*, uint64_t) {
+      // A tensor's first piece starts where its layer goes.
+      for (size_t l = 0; l < out.size(); ++l) {
+        if (out[l].data() == dst) log.push_back(absl::StrCat("copy ", l));
+      }
+    });
+    CKPT_ASSERT_OK_AND_ASSIGN(
+        RestoreStats stats,
+        RestoreInto(plan, table, TargetOfLayers(&out, &memory), Sources({&io})));
     EXPECT_EQ(stats.bytes, 3u * 5000u);
     const std::vector<std::string> want =
         overlaps ? std::vector<std::string>{"read", "read done", "read", "copy 0", "read done",
@@ -548,11 +608,9 @@ TEST_F(PlanTest, RestoreReadsOnIntoTheRoomItsOwnCopyGaveBack) {
     one_gave_up = !two_reading.WaitForNotificationWithTimeout(absl::Seconds(10));
   });
   std::vector<std::string> out(3, std::string(5000, '\0'));
-  const RestoreDestination dest([&out](uint32_t layer, uint32_t) { return out.at(layer).data(); });
-  IoBackend* io[] = {&zero, &one};
-  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
-                            RestoreInto(plan, table, dest, index_.get(), store_.get(), io,
-                                        pool_.get(), absl::Seconds(60)));
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      RestoreStats stats,
+      RestoreInto(plan, table, TargetOfLayers(&out), Sources({&zero, &one}, absl::Seconds(60))));
   EXPECT_FALSE(zero_gave_up) << "version 1 was not read while version 0 was";
   EXPECT_FALSE(one_gave_up) << "version 2 was not read while version 1 was";
   EXPECT_EQ(stats.bytes, 3u * 5000u);
@@ -591,18 +649,16 @@ TEST_F(PlanTest, RestoreChecksumsWhatItCopiesPieceByPiece) {
   for (bool cpu : {true, false}) {
     std::vector<std::string> out = {std::string(sizes[0], '\0'), std::string(sizes[1], '\0')};
     uint64_t largest = 0, pieces = 0;
-    const RestoreDestination dest(
-        [&out](uint32_t, uint32_t tensor) { return out[tensor].data(); },
-        [&](char* dst, const char* src, uint64_t n) {
-          largest = std::max(largest, n);
-          ++pieces;
-          std::memcpy(dst, src, n);
-          return absl::OkStatus();
-        },
-        cpu);
-    CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats,
-                              RestoreInto(plan, table, dest, index_.get(), store_.get(),
-                                          {io_.get(), io2_.get()}, pool_.get(), absl::Seconds(30)));
+    absl::Mutex mu;  // host copies run on several threads
+    TestMemory memory(cpu ? "host" : "cuda", [&](char*, const void*, uint64_t n) {
+      absl::MutexLock lock(&mu);
+      largest = std::max(largest, n);
+      ++pieces;
+    });
+    RestoreTarget target;
+    target.memory = &memory;
+    target.tensors = {{out[0].data(), out[1].data()}};
+    CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats stats, RestoreInto(plan, table, target, Sources()));
     EXPECT_EQ(stats.bytes, sizes[0] + sizes[1]);
     EXPECT_TRUE(out[0] == st.data[0] && out[1] == st.data[1]) << "cpu " << cpu;
     if (cpu) {
@@ -619,11 +675,11 @@ TEST_F(PlanTest, RestoreChecksumsWhatItCopiesPieceByPiece) {
   ASSERT_NO_FATAL_FAILURE(FlipByte(0, 10, 4096 + AlignUp(sizes[0], 64) + (3 << 19), 0x10));
   for (bool cpu : {true, false}) {
     std::vector<std::string> out = {std::string(sizes[0], '\0'), std::string(sizes[1], '\0')};
-    const RestoreDestination dest([&out](uint32_t, uint32_t tensor) { return out[tensor].data(); },
-                                  nullptr, cpu);
-    absl::StatusOr<RestoreStats> stats =
-        RestoreInto(plan, table, dest, index_.get(), store_.get(), {io_.get(), io2_.get()},
-                    pool_.get(), absl::Seconds(30));
+    TestMemory memory(cpu ? "host" : "cuda");
+    RestoreTarget target;
+    target.memory = &memory;
+    target.tensors = {{out[0].data(), out[1].data()}};
+    absl::StatusOr<RestoreStats> stats = RestoreInto(plan, table, target, Sources());
     CKPT_EXPECT_CODE(stats, kDataLoss);
     EXPECT_NE(stats.status().message().find("layer 0"), absl::string_view::npos) << stats.status();
     EXPECT_NE(stats.status().message().find(TensorName(1)), absl::string_view::npos)

@@ -1,0 +1,265 @@
+// RemoteTier's pulls: a replacement node copies a rank's newest usable
+// history from the remote tier into its local store.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/logging.h"
+#include "base/status.h"
+#include "daemon/common/validate.h"
+#include "daemon/engine/remote_tier.h"
+#include "daemon/engine/remote_tier_internal.h"
+#include "daemon/remote/remote_layout.h"
+
+namespace ckpt {
+namespace {
+
+// Manifests a pull copies at most (the newest, and those down to the job's
+// agreed step), and how many it reads looking for whole ones.
+constexpr size_t kMaxPulledManifests = 64;
+constexpr size_t kMaxTriedManifests = 256;
+
+}  // namespace
+
+struct RemoteTier::PullState {
+  RankKey key;
+  Caller caller;
+  bool must_know = false;
+  std::vector<uint64_t> steps;  // manifests listed there, newest first
+  // Every version this pull put in the index, removed again unless a usable
+  // step needs it: nothing of a failed pull stays.
+  std::vector<std::pair<VersionKey, store::VersionRecord>> adopted;
+  uid_t owner = 0;
+  std::vector<store::RemoteManifest> usable;  // newest first
+  std::set<std::string> have;                 // files adopted
+  uint64_t floor = 0;                         // the agreed step the newest usable one names
+  uint64_t pulled_bytes = 0;
+  bool gave_up = false;  // GiveUp answered OK: nothing of the pull stays
+
+  // What a pull that cannot finish does: an error for a caller that must
+  // know, else a warning (the rank starts without a checkpoint).
+  absl::Status GiveUp(const absl::Status& s) {
+    gave_up = true;
+    if (must_know) return s;
+    CKPT_LOG(WARNING) << "remote tier: could not look for a checkpoint of job " << key.first
+                      << " rank " << key.second << " (" << s << "); registering without one";
+    return absl::OkStatus();
+  }
+};
+
+absl::Status RemoteTier::Pull(const std::string& job, uint32_t rank, const Caller& caller,
+                              bool must_know) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  const RankKey key(job, rank);
+  {
+    absl::MutexLock lock(&mu_);
+    // Register does not wait for a remote tier that is failing.
+    if (!must_know && !error_.ok()) return absl::OkStatus();
+    // One pull of a rank at a time; a second caller waits for the first.
+    auto free = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return pulling_.count(key) == 0 || stop_;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&free), options_.pull_wait)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", job, " rank ", rank, " is still being pulled from the remote tier"));
+    }
+    pulling_.insert(key);
+  }
+  absl::Status s = PullRank(key, caller, must_know);
+  absl::MutexLock lock(&mu_);
+  pulling_.erase(key);
+  return s;
+}
+
+absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool must_know) {
+  const auto& [job, rank] = key;
+  CKPT_ASSIGN_OR_RETURN(auto local, deps_.index->EventAtOrBefore(job, rank, ~uint64_t{0}));
+  if (local.has_value()) return absl::OkStatus();  // this node has the rank's history
+  PullState pull;
+  pull.key = key;
+  pull.caller = caller;
+  pull.must_know = must_know;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::vector<remote::ObjectInfo>> listed =
+      store_->List(remote::ManifestPrefix(job, rank));
+  if (!listed.ok()) {
+    NoteFailure(listed.status(), "listing manifests", caller.uid);
+    return pull.GiveUp(absl::Status(
+        listed.status().code(),
+        absl::StrCat("cannot look for a checkpoint of job ", job, " in the remote tier (",
+                     store_->Describe(), "): ", listed.status().message())));
+  }
+  for (const remote::ObjectInfo& o : *listed) {
+    uint64_t step = 0;
+    if (remote::ParseManifestKey(o.key, job, rank, &step)) pull.steps.push_back(step);
+  }
+  if (pull.steps.empty()) return absl::OkStatus();
+  std::sort(pull.steps.rbegin(), pull.steps.rend());
+
+  absl::Status s = AdoptUsable(&pull);
+  const bool publish = s.ok() && !pull.gave_up && !pull.usable.empty();
+  if (publish) s = PublishPulled(&pull);
+  if (!publish || !s.ok()) {
+    for (const auto& [vk, rec] : pull.adopted) {
+      IgnoreError(deps_.history->RemoveVersion(pull.owner, vk, rec),
+                  "a leftover is quarantined at the next start");
+    }
+    return s;
+  }
+  const uint64_t newest = pull.usable.front().step();
+  {
+    // The remote tier holds these steps already; any above them are
+    // damaged and go (OnRewind) before this node uploads anything.
+    absl::MutexLock lock(&mu_);
+    RankCopy& rc = ranks_[key];
+    rc.owner = pull.owner;
+    rc.local_step = std::max(rc.local_step, newest);
+    rc.seeded = false;         // listed afresh by the uploader
+    error_ = absl::OkStatus();  // the store answered
+  }
+  if (pull.steps.front() > newest) OnRewind(key, newest);
+  CKPT_LOG(INFO) << "pulled job " << job << " rank " << rank << " from the remote tier ("
+                 << store_->Describe() << "): steps " << pull.usable.back().step() << ".." << newest
+                 << ", " << pull.pulled_bytes << " bytes in "
+                 << absl::ToDoubleSeconds(absl::Now() - start) << " s";
+  return absl::OkStatus();
+}
+
+absl::Status RemoteTier::AdoptUsable(PullState* pull) {
+  const auto& [job, rank] = pull->key;
+  // Newest first: the newest manifest whose objects all read back whole,
+  // then (several ranks) those down to the agreed step it records, and one
+  // at or below it, so every rank can restore the step the job agrees on.
+  size_t tried = 0;
+  for (uint64_t step : pull->steps) {
+    if (!pull->usable.empty() && pull->usable.back().step() <= pull->floor) break;
+    if (pull->usable.size() >= kMaxPulledManifests || ++tried > kMaxTriedManifests) break;
+    absl::StatusOr<store::RemoteManifest> m = remote_tier::ReadManifest(store_, job, rank, step);
+    if (!m.ok()) {
+      NoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step), pull->caller.uid);
+      if (remote_tier::Unusable(m.status())) continue;
+      return pull->GiveUp(m.status());
+    }
+    if (m->owner_uid() != pull->caller.uid && !IsRoot(pull->caller)) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+    }
+    if (!pull->usable.empty() && m->owner_uid() != pull->owner) continue;
+    bool usable = false;
+    CKPT_RETURN_IF_ERROR(AdoptManifest(pull, *m, &usable));
+    if (!usable) continue;
+    if (pull->usable.empty()) {
+      pull->owner = m->owner_uid();
+      pull->floor = m->event().agreed_step() > 0 ? m->event().agreed_step() : step;
+    }
+    pull->usable.push_back(*std::move(m));
+  }
+  if (pull->usable.empty()) {
+    return pull->GiveUp(absl::DataLossError(
+        absl::StrCat("job ", job, " rank ", rank,
+                     ": every manifest in the remote tier is damaged or names an object that is "
+                     "missing or damaged")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManifest& m,
+                                       bool* usable) {
+  const auto& [job, rank] = pull->key;
+  const QuotaOwner quota_owner{m.owner_uid(), job};
+  // Its versions, each checked before its record is put.
+  for (const store::RemoteVersion& v : m.versions()) {
+    if (pull->have.count(v.record().file()) > 0) continue;
+    const uint64_t n = v.record().file_bytes();
+    CKPT_RETURN_IF_ERROR(deps_.quota->ReserveVersion(quota_owner, n));
+    if (absl::Status room = deps_.disk->Reserve(n); !room.ok()) {
+      deps_.quota->ReleaseVersion(quota_owner, n);
+      return room;
+    }
+    const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
+    const VersionKey vk{job, rank, v.layer(), v.step()};
+    absl::Status fetched;  // what the store said, apart from the local checks
+    absl::Status ok = deps_.store->Adopt(vk, v.record(), [&](int fd) -> absl::StatusOr<uint64_t> {
+      absl::StatusOr<uint64_t> got = store_->GetToFile(okey, fd, n);
+      fetched = got.status();
+      return got;
+    });
+    if (!ok.ok()) {
+      deps_.disk->Release(n);
+      deps_.quota->ReleaseVersion(quota_owner, n);
+      NoteFailure(ok, absl::StrCat("reading ", okey), pull->caller.uid);
+      // Unusable only when the object is missing or did not check; a
+      // flaky store or a local error is no reason to give the step up.
+      const bool damaged = fetched.ok() ? absl::IsDataLoss(ok) : absl::IsNotFound(fetched);
+      if (!damaged) return pull->GiveUp(ok);
+      CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank "
+                        << rank << " is not restorable from there: " << ok;
+      return absl::OkStatus();  // *usable stays false
+    }
+    pull->have.insert(v.record().file());
+    if (pull->usable.empty()) pull->owner = m.owner_uid();
+    pull->adopted.emplace_back(vk, v.record());
+    pull->pulled_bytes += n;
+    if (Metrics* mm = deps_.metrics) mm->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
+  }
+  *usable = true;
+  return absl::OkStatus();
+}
+
+absl::Status RemoteTier::PublishPulled(PullState* pull) {
+  const auto& [job, rank] = pull->key;
+  Index* const index = deps_.index;
+  CKPT_RETURN_IF_ERROR(deps_.owners->Claim(job, pull->owner));
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index->GetRank(job, rank));
+  if (!table.has_value()) CKPT_RETURN_IF_ERROR(index->PutRank(job, rank, pull->usable.front().table()));
+  std::vector<std::pair<uint64_t, store::EventRecord>> events;
+  uint64_t event_bytes = 0;
+  for (auto it = pull->usable.rbegin(); it != pull->usable.rend(); ++it) {
+    events.emplace_back(it->step(), it->event());
+    event_bytes += EventIndexBytes(it->event().aux().size());
+  }
+  CKPT_RETURN_IF_ERROR(index->PutEvents(job, rank, events));
+  deps_.quota->Seed(QuotaOwner{pull->owner, job}, 0, event_bytes);
+  // The steps are durable here now. A version no usable step names (of a
+  // manifest that turned out unusable) goes again: left in the index, a
+  // later plan could pick it up.
+  std::set<std::string> named;
+  for (const store::RemoteManifest& m : pull->usable) {
+    for (const std::string& f : remote_tier::FilesOf(m)) named.insert(f);
+  }
+  std::vector<std::pair<VersionKey, store::VersionRecord>> unnamed;
+  for (auto& a : pull->adopted) {
+    if (named.count(a.second.file()) == 0) unnamed.push_back(std::move(a));
+  }
+  pull->adopted.clear();  // what stays is the local history now
+  for (const auto& [vk, rec] : unnamed) {
+    IgnoreError(deps_.history->RemoveVersion(pull->owner, vk, rec),
+                "a leftover is quarantined at the next start");
+    pull->pulled_bytes -= rec.file_bytes();
+  }
+  return RaiseGenerations(pull);
+}
+
+absl::Status RemoteTier::RaiseGenerations(PullState* pull) {
+  // This node's next versions must not reuse a file name any node wrote for
+  // the rank: generations continue above every one there.
+  const auto& [job, rank] = pull->key;
+  uint64_t highest = 0;
+  absl::StatusOr<std::vector<remote::ObjectInfo>> versions =
+      store_->List(remote::RankPrefix(job, rank) + "v/");
+  for (const remote::ObjectInfo& o : versions.ok() ? *versions : std::vector<remote::ObjectInfo>()) {
+    std::string file;
+    uint64_t gen = 0;
+    if (remote::ParseVersionObjectKey(o.key, job, rank, &file) &&
+        remote::GenerationOfFile(file, &gen)) {
+      highest = std::max(highest, gen);
+    }
+  }
+  for (const store::RemoteManifest& m : pull->usable) {
+    for (const store::RemoteVersion& v : m.versions()) {
+      highest = std::max(highest, v.record().generation());
+    }
+  }
+  return deps_.index->RaiseGeneration(highest);
+}
+
+}  // namespace ckpt
