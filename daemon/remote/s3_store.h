@@ -45,6 +45,11 @@
 // the bucket, the operation and the key; never a credential (nor the request
 // headers, nor the parts of an error body that echo them).
 //
+// The implementation is internal to daemon/remote: s3_store.cc (the
+// operations), s3_transport.h (curl handles, signing, retries, the mapping to
+// codes above), s3_multipart.h (the multipart upload), s3_options.h
+// (Validate, the endpoint, the credentials file), s3_xml.h (S3's XML).
+//
 // Thread-safety: thread-safe. Concurrent calls use separate curl handles,
 // taken from a small pool so that connections are kept alive between calls.
 #pragma once
@@ -63,10 +68,8 @@
 namespace ckpt::remote {
 
 namespace s3_internal {
-// Defined in s3_store.cc.
-struct Request;
-struct Transfer;
-class HandlePool;
+// The HTTP transport (s3_transport.h, internal to daemon/remote).
+class Transport;
 }  // namespace s3_internal
 
 struct S3Options {
@@ -152,44 +155,16 @@ class S3Store final : public RemoteStore {
   absl::Status Delete(const std::string& key) override;
 
  private:
-  using Request = s3_internal::Request;
-  using Transfer = s3_internal::Transfer;
-
   explicit S3Store(S3Options options);
 
-  // One request with the retries described in the banner, on a pooled
-  // handle.
-  absl::Status Execute(const Request& request, Transfer* transfer);
-  // Configures `transfer`'s easy handle for one attempt of `request`, signed
-  // with the current time.
-  absl::Status Prepare(const Request& request, Transfer* transfer);
-  // The status of one finished attempt; sets *retryable.
-  // Also sets the transfer's failure detail.
-  absl::Status Classify(const Request& request, Transfer* transfer, int curl_code,
-                        bool* retryable) const;
-  absl::Status PutMultipart(const std::string& full_key, int fd, uint64_t size);
-  // Uploads every part of `fd` through one multi handle; fills `etags`
-  // (index = part number - 1).
-  absl::Status UploadParts(const std::string& full_key, const std::string& upload_id, int fd,
-                           uint64_t size, uint64_t part_size, std::vector<std::string>* etags);
-  absl::Status CompleteMultipart(const std::string& full_key, const std::string& upload_id,
-                                 const std::vector<std::string>& etags);
-  void AbortMultipart(const std::string& full_key, const std::string& upload_id);
   // prefix + key, or INVALID_ARGUMENT for a key the banner refuses.
   absl::StatusOr<std::string> FullKey(const std::string& key) const;
-  // `text` (from the server) with every credential replaced.
-  std::string Redact(std::string text) const;
-  // The wait before retry number `retry` (1-based), as in the banner.
-  absl::Duration Backoff(unsigned retry) const;
 
   // Immutable after construction.
   const S3Options options_;
-  std::string scheme_;     // "http" or "https"
-  std::string authority_;  // host[:port] of the endpoint
-  std::string host_;       // the Host header: authority_, or bucket.authority_
-  std::string path_base_;  // "/bucket" with path_style, else ""
-
-  std::unique_ptr<s3_internal::HandlePool> pool_;  // thread-safe itself
+  // Borrows options_. Thread-safe itself: it runs the requests of every
+  // operation, with the retries described in the banner.
+  std::unique_ptr<s3_internal::Transport> transport_;
 };
 
 }  // namespace ckpt::remote
