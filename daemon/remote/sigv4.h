@@ -1,10 +1,10 @@
 // AWS Signature Version 4 for S3 requests (the "Authorization: AWS4-HMAC-SHA256
 // ..." header form), with OpenSSL's SHA-256 and HMAC-SHA256.
 //
-// Used by s3_store.cc for every request it sends, and by the signer tool of
-// tests/remote/ that compares the result with botocore's. A pure function of
-// its inputs: the caller supplies the time (AmzDate) and the payload hash, so
-// the same request always signs the same way.
+// Used by s3_transport.cc for every request S3Store sends, and by the signer
+// tool of tests/daemon/remote/ that compares the result with botocore's. A
+// pure function of its inputs: the caller supplies the time (AmzDate) and the
+// payload hash, so the same request always signs the same way.
 //
 // Canonical forms (S3's, which differ from other services in two points: the
 // path is not normalized, and it is encoded once):

@@ -1,6 +1,6 @@
 """The remote tier end to end, with real ckptd processes, the example trainer
 and a real store: a shared directory (--backend=posix) or a one-node Ceph
-cluster with radosgw serving S3 (--backend=s3; tests/remote/ceph_rgw.py).
+cluster with radosgw serving S3 (--backend=s3; tests/daemon/remote/ceph_rgw.py).
 
 1. ckptd A trains three jobs (policy all; layercheck, whose plans are
    composite; and, with S3, one trained while radosgw is killed and brought
@@ -30,7 +30,7 @@ import time
 import harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "remote"))
+sys.path.insert(0, os.path.join(HERE, "..", "daemon", "remote"))
 
 LAYERS = 6
 LAYER_BYTES = "64K,256K,1M"

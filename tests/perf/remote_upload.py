@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """The remote tier against a real S3 server (a one-node Ceph cluster with
-radosgw, tests/remote/ceph_rgw.py), in one run (docs/remote.md, "Figures"):
+radosgw, tests/daemon/remote/ceph_rgw.py), in one run (docs/remote.md, "Figures"):
 
   /usr/bin/python3 tests/perf/remote_upload.py [--layers=8] [--layer-mib=32] [--rounds=3]
 
@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-sys.path.insert(0, os.path.join(HERE, "..", "remote"))
+sys.path.insert(0, os.path.join(HERE, "..", "daemon", "remote"))
 import ceph_rgw  # noqa: E402
 import harness  # noqa: E402
 

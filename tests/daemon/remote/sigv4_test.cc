@@ -1,7 +1,7 @@
 // The SigV4 signer on fixed requests: the encodings of the canonical request,
 // and the signatures of AWS's published S3 examples (access key
 // AKIAIOSFODNN7EXAMPLE, bucket examplebucket, 2013-05-24 00:00:00 UTC).
-// tests/remote/test_sigv4_botocore.py compares many more requests with botocore.
+// tests/daemon/remote/test_sigv4_botocore.py compares many more requests with botocore.
 #include "daemon/remote/sigv4.h"
 
 #include <string>
