@@ -25,6 +25,8 @@ PACKAGES=(
   prometheus systemd
   # fuzzing (libFuzzer needs clang's runtime)
   clang-14 libclang-rt-14-dev
+  # tests/lint: every C++ source formatted as .clang-format says
+  clang-format-14
   # the remote tier: S3 over libcurl with OpenSSL (SigV4); the tests run a
   # real one-node Ceph cluster with radosgw and compare the signer with
   # botocore's
