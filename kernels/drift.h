@@ -1,4 +1,4 @@
-// Drift kernels: per-layer sums of squares for LayerCheck (SPEC §4).
+// Drift kernels: per-layer sums of squares for LayerCheck (docs/layercheck.md).
 //
 // For every layer l the kernels compute, in f64,
 //   dw2[l] = Σ ‖ΔW‖²   over the layer's weight tensors

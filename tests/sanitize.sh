@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sanitizer builds of ckptd with the unit and integration tests (RELIABILITY
-# §6.2 rows 14, 23, 24). Usage:
+# Sanitizer builds of ckptd with the unit and integration tests (docs/reliability.md,
+# sanitizers). Usage:
 #
 #   tests/sanitize.sh [address|thread|all]      (default: all)
 #

@@ -1,4 +1,4 @@
-// LayerCheck: drift-based layer selection (SPEC §4).
+// LayerCheck: drift-based layer selection (docs/layercheck.md).
 //
 // Per step t, from the global per-layer sums (Σ‖ΔW‖², Σ‖W‖²) of that step:
 //   d_l(t) = ‖ΔW_l‖ / (‖W_l‖ + 1e-12)
@@ -14,7 +14,7 @@
 // steps after W a full checkpoint. Persisting a layer resets D_l to 0 and sets
 // t_l = t.
 //
-// lr_ref differs from SPEC §4's lr_0 ("the first step's learning rate"): with
+// lr_ref differs from the paper's lr_0 ("the first step's learning rate"): with
 // a warm-up schedule the first step's rate is a fraction of the peak, and lr_0
 // would scale every threshold at the peak up by the warm-up factor (10x for a
 // warm-up from 10%). The running maximum equals lr_0 for constant and decaying

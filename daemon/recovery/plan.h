@@ -1,4 +1,5 @@
-// Composite plans (SPEC §2, §6).
+// Composite plans: for every layer its newest durable version at or below a
+// target step (docs/architecture.md, docs/file-format.md).
 //
 // A composite plan for target step τ names, for every layer of a rank, the
 // newest durable version with step <= τ, its staleness τ - t_l, and the

@@ -10,7 +10,7 @@
 //       without a record (or after the rank's last event); never deleted by
 //       ckptd, restored to the index by `ckptctl repair` (repair.h)
 //
-// Commit protocol for one layer version (SPEC §5, RELIABILITY §6.0):
+// Commit protocol for one layer version (docs/file-format.md):
 //   create tmp (O_EXCL, O_DIRECT) -> fallocate -> write every chunk and reap
 //   every completion -> fdatasync -> renameat2(NOREPLACE) -> fsync(rank dir)
 //   -> RocksDB sync put of the VersionRecord -> visible.

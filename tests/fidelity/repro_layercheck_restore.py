@@ -9,7 +9,7 @@ SIGKILLs itself; process B attaches, restores, trains 5 steps, prints
 `ckptctl layers` again. Then the drift trace is printed.
 
 Expected (README "first step after registration persists every layer
-(skipped after a successful Restore)"; SPEC section 4 "lr_0 the first step's
+(skipped after a successful Restore)"; the LayerCheck paper's "lr_0 the first step's
 learning rate"): step 21 persists only drifted layers (none here), and the
 thresholds at the same LR are the same before and after the restore.
 

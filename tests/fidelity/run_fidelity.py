@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Recovery-fidelity experiment for ckptd (SPEC.md section 9).
+"""Recovery-fidelity experiment for ckptd (docs/fidelity.md).
 
 A small GPT-style byte-level language model is pretrained on the Python
 standard library shipped with Debian, then fine-tuned on Debian's man pages
@@ -1081,7 +1081,7 @@ def staleness_series(reg, init_last=None):
 
 
 def replay_layercheck(regs, config, restores, job_lr_ref, resume):
-    """Replays LayerCheck (SPEC section 4 with ckptd's reference LR,
+    """Replays LayerCheck (docs/layercheck.md, with ckptd's reference LR,
     daemon/policy/layercheck.h) over the trace's drift vectors and LRs and
     counts the steps whose persist set equals the one ckptd recorded.
     Registration 0 starts with no layer persisted. lr_ref is the largest LR
@@ -1335,7 +1335,7 @@ def analyse(out_dir, results):
             a["trace_header_config"] = tinfo["config"]
             a["trace_layers"] = tinfo["layers"]
             s_max = (r.get("layercheck") or {}).get("s_max")
-            # SPEC section 4: the invariant holds from the base checkpoint at
+            # docs/layercheck.md: the invariant holds from the base checkpoint at
             # the end of the warm-up on (selection and the guard are off before).
             base_step = (tinfo["config"] or {}).get("warmup", 0)
             worst, viol = 0, []
@@ -1764,7 +1764,7 @@ def write_report(out_dir, results):
           "20 steps) -> %.3f (mean of the last 20), %.1f%% lower; held-out loss at the end %.3f. "
           "The lr is a usual full fine-tuning rate. The earlier run in git history (commit "
           "795ff4f) used lr 3e-4, where these small matrices drift ~15x more per step, with "
-          "SPEC's lr_0 (first step's LR), where the warm-up made the threshold at the peak "
+          "the paper's lr_0 (first step's LR), where the warm-up made the threshold at the peak "
           "10 x K0: 1.12%% deviation and 4.2x fewer bytes at K0 = 1e-3." %
           (first, last, 100 * (first - last) / first, A.get("ff_eval") or 0))
     w("- Every trainer is its own process; a failure is `os.kill(os.getpid(), SIGKILL)` right "

@@ -1,5 +1,5 @@
 // libFuzzer target: the layer-version file decoder (daemon/store/format.h)
-// on raw bytes (RELIABILITY §6.2 row 24).
+// on raw bytes (parser fuzzing in docs/reliability.md).
 //
 // Input: byte 0 holds flags, the rest is the start of a file image.
 //   bit 0  reseal: recompute the body and prefix checksums before decoding, so

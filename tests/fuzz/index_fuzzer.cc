@@ -1,5 +1,5 @@
 // libFuzzer target: the RocksDB index (daemon/store/index.h) read back from
-// arbitrary contents, and the logic that consumes it (RELIABILITY §6.2 row 24).
+// arbitrary contents, and the logic that consumes it (parser fuzzing in docs/reliability.md).
 //
 // Each input describes a list of index entries: keys that are well-formed
 // (m/generation, j/, r/, v/, e/ with the documented fixed-width hex fields),

@@ -1,5 +1,6 @@
-// libFuzzer target: Register request handling from raw bytes (RELIABILITY
-// §6.2 rows 20 and 23, the parts that need no memory handover or I/O).
+// libFuzzer target: Register request handling from raw bytes (size limits
+// and API fuzzing in docs/reliability.md, the parts that need no memory
+// handover or I/O).
 //
 // Input: byte 0 picks the mode, the rest feeds a FuzzedDataProvider.
 //   even: the request is a v1::RegisterRequest parsed from raw protobuf bytes

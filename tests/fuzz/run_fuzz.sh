@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the libFuzzer targets for SECONDS each and prints, per target, the
-# executions, the corpus size and the crashes (RELIABILITY §6.2 rows 23, 24).
+# executions, the corpus size and the crashes (docs/reliability.md, fuzzing).
 #
 #   tests/fuzz/run_fuzz.sh SECONDS [TARGET...]      TARGET: format index register
 #

@@ -1,5 +1,5 @@
-"""Silent corruption at rest against a real ckptd (RELIABILITY §6.2 rows 7
-and 24).
+"""Silent corruption at rest against a real ckptd (bit rot and truncation in
+docs/reliability.md).
 
 A trainer commits versions of two jobs; the bytes of every version are
 recorded (sha256 of each tensor, from restores taken before any damage), and

@@ -1,4 +1,4 @@
-"""A full disk under a running trainer (RELIABILITY §6.2 row 12).
+"""A full disk under a running trainer (docs/reliability.md).
 
 ckptd's data directory is a 64 MiB tmpfs. The example trainer saves two 4 MiB
 layers every 10th step; once a few steps are durable the disk is filled to

@@ -1,5 +1,5 @@
 """Security: identity from SO_PEERCRED, job ownership by uid, socket and
-directory permissions, name validation (RELIABILITY.md rows 17-19).
+directory permissions, name validation (docs/reliability.md).
 
 ckptd runs as root on a private socket. Clients run as other users through
 `setpriv` (no accounts needed): uid 4242 owns a job; uid 4243 is in the same

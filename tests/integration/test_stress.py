@@ -1,7 +1,7 @@
 """ckpt_stress against a real ckptd with a 1 s GC and short retention: many
 ranks and jobs register, step, restore, plan, collect and unregister at
 random; every response is checked against the oracle of acknowledged steps
-(RELIABILITY.md row 14). `--seconds` sets the length (CI: 20 s)."""
+(docs/reliability.md). `--seconds` sets the length (CI: 20 s)."""
 
 import argparse
 import os

@@ -1,6 +1,6 @@
 // FaultFileSystem and FaultIoBackend: fault-injecting twins of the file
 // layer (daemon/io/file_system.h, daemon/io/io_backend.h) for the store's
-// crash and fault tests (RELIABILITY §6.1 "FaultBackend"; modelled on
+// crash and fault tests (docs/reliability.md; modelled on
 // RocksDB's FaultInjectionTestFS and LevelDB's fault_injection_test.cc).
 //
 // Both wrap the real implementations: every operation reaches the real file

@@ -1,4 +1,4 @@
-"""A damaged index never deletes acknowledged data (RELIABILITY rows 7, 8, 24).
+"""A damaged index never deletes acknowledged data (docs/reliability.md).
 
 Two jobs commit versions through a real ckptd; job A's records are flushed
 into an SST by a restart, job B's stay in the live WAL. The bytes of every

@@ -214,7 +214,7 @@ TEST(LayerCheck, ConfigValidation) {
 namespace ckpt {
 namespace {
 
-// A warm-up from 10% must not raise the threshold at the peak tenfold (SPEC's
+// A warm-up from 10% must not raise the threshold at the peak tenfold (the paper's
 // lr_0 = the first step's rate would): the reference is the largest rate so
 // far, so K = K0 through the warm-up and at the peak, and K falls with decay.
 TEST(LayerCheckPolicyTest, ThresholdFollowsThePeakLrThroughAWarmup) {

@@ -1,8 +1,8 @@
 // Fault and power-loss tests of the store: the real LayerStore and Index
 // (RocksDB) over FaultFileSystem / FaultIoBackend (tests/lib/fault_fs.h).
-// RELIABILITY §6.2 rows 3 (power loss), 6 (torn O_DIRECT writes), 8 (files
-// vs index ordering), 10 (fsync EIO), 11 (short and failed writes), 13 (read
-// faults), and the file side of 12 (ENOSPC).
+// The fault matrix of docs/reliability.md: power loss, torn O_DIRECT writes,
+// files against index ordering, fsync EIO, short and failed writes, read
+// faults, and the file side of ENOSPC.
 //
 // Every test keeps the expected state outside the fault domain (what was
 // acknowledged, with a hash of every tensor) and prints its figures on one
