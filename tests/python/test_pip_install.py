@@ -1,6 +1,7 @@
 """`pip install .` builds the Python client through CMake (pyproject.toml,
-scikit-build-core): the wheel holds ckpt, ckpt.torch, ckpt.hf, the compiled
-module and its type stubs, and the installed package (not the build tree's)
+scikit-build-core): the wheel holds ckpt, the package ckpt.torch (every
+module of python/ckpt/torch), ckpt.hf, the compiled module and its type
+stubs, and the installed package (not the build tree's)
 protects a training loop against a real ckptd: three steps, then a restore
 in a new process gives back the weights and optimizer state exactly.
 
@@ -24,6 +25,7 @@ TRAIN = r'''
 import json, sys, torch, ckpt
 from ckpt import torch as ckpt_torch
 assert ckpt.__file__.startswith(sys.argv[3]), ckpt.__file__
+assert ckpt_torch.__file__.startswith(sys.argv[3]), ckpt_torch.__file__
 torch.manual_seed(int(sys.argv[4]))
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -63,8 +65,11 @@ def main():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (wheel,) = [os.path.join(wheels, w) for w in os.listdir(wheels) if w.endswith(".whl")]
     names = zipfile.ZipFile(wheel).namelist()
-    for want in ("ckpt/__init__.py", "ckpt/torch.py", "ckpt/hf.py", "ckpt/_ckpt.pyi",
-                 "ckpt/py.typed"):
+    package = ["ckpt/torch/" + n for n in sorted(os.listdir(os.path.join(TOP, "python", "ckpt",
+                                                                         "torch")))
+               if n.endswith(".py")]
+    assert "ckpt/torch/__init__.py" in package, package
+    for want in ["ckpt/__init__.py", "ckpt/hf.py", "ckpt/_ckpt.pyi", "ckpt/py.typed"] + package:
         assert want in names, (want, names)
     assert any(n.startswith("ckpt/_ckpt.") and n.endswith(".so") for n in names), names
     print("ok: %s holds %s" % (os.path.basename(wheel), sorted(names)))
