@@ -392,6 +392,8 @@ PYBIND11_MODULE(_ckpt, m) {
   using ckpt::PyClient;
   using ckpt::Region;
   m.doc() = "ckptd client (see ckpt/__init__.py)";
+  // The project's version (CMake's project VERSION), as ckptd's Status reports it.
+  m.attr("__version__") = CKPT_VERSION;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -8,6 +8,8 @@ replies are typed dicts (see ckpt/_ckpt.pyi). `ckpt.torch.attach` builds on it
 for PyTorch models and returns typed results (dataclasses).
 Every failed call raises `ckpt.Error`, whose `code` is the status code name
 ("NOT_FOUND", "INVALID_ARGUMENT", "UNAVAILABLE", ...).
+
+`ckpt.__version__` is the project's version, the one ckptd's Status reports.
 """
 
 
@@ -20,6 +22,6 @@ class Error(Exception):
         self.message = message
 
 
-from ckpt._ckpt import Client, Region  # noqa: E402  (Error must exist first)
+from ckpt._ckpt import Client, Region, __version__  # noqa: E402  (Error must exist first)
 
 __all__ = ["Client", "Error", "Region"]

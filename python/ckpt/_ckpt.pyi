@@ -2,6 +2,8 @@
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple, TypedDict, Union
 
+__version__: str               # the project's version, as ckptd's Status reports it
+
 class TensorSpec(TypedDict, total=False):
     name: str                  # required
     shape: List[int]           # required

@@ -1,9 +1,11 @@
 """`pip install .` builds the Python client through CMake (pyproject.toml,
 scikit-build-core): the wheel holds ckpt, the package ckpt.torch (every
 module of python/ckpt/torch), ckpt.hf, the compiled module and its type
-stubs, and the installed package (not the build tree's)
-protects a training loop against a real ckptd: three steps, then a restore
-in a new process gives back the weights and optimizer state exactly.
+stubs; its version is the project's (CMakeLists.txt), in the wheel's name,
+its installed metadata and ckpt.__version__; and the installed package (not
+the build tree's) protects a training loop against a real ckptd: three
+steps, then a restore in a new process gives back the weights and optimizer
+state exactly.
 
 Builds with the project's virtual environment (--no-build-isolation: its
 scikit-build-core and pybind11), ccache when installed. Exits 77 when the
@@ -11,6 +13,7 @@ interpreter has no pip or no scikit-build-core.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,10 +25,11 @@ sys.path.insert(0, os.path.join(TOP, "tests", "integration"))
 import harness  # noqa: E402
 
 TRAIN = r'''
-import json, sys, torch, ckpt
+import importlib.metadata, json, sys, torch, ckpt
 from ckpt import torch as ckpt_torch
 assert ckpt.__file__.startswith(sys.argv[3]), ckpt.__file__
 assert ckpt_torch.__file__.startswith(sys.argv[3]), ckpt_torch.__file__
+print(json.dumps({"version": ckpt.__version__, "metadata": importlib.metadata.version("ckpt")}))
 torch.manual_seed(int(sys.argv[4]))
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -71,6 +75,9 @@ def main():
     assert "ckpt/torch/__init__.py" in package, package
     for want in ["ckpt/__init__.py", "ckpt/hf.py", "ckpt/_ckpt.pyi", "ckpt/py.typed"] + package:
         assert want in names, (want, names)
+    with open(os.path.join(TOP, "CMakeLists.txt")) as f:
+        version = re.search(r"^project\(ckptd VERSION ([^ )]+)", f.read(), re.M).group(1)
+    assert os.path.basename(wheel).startswith("ckpt-%s-" % version), (wheel, version)
     assert any(n.startswith("ckpt/_ckpt.") and n.endswith(".so") for n in names), names
     print("ok: %s holds %s" % (os.path.basename(wheel), sorted(names)))
     site = os.path.join(root, "site")
@@ -91,7 +98,11 @@ def main():
                                capture_output=True, text=True, env=run_env, timeout=300)
             assert p.returncode == 0, p.stderr[-3000:]
             outs.append(p.stdout.strip().splitlines())
-        assert outs[1][0] == '{"restored": 3}', outs[1][0]
+        want = '{"version": "%s", "metadata": "%s"}' % (version, version)
+        assert outs[0][0] == want and outs[1][0] == want, (outs[0][0], want)
+        print("ok: the installed package is version %s (ckpt.__version__ and its metadata)"
+              % version)
+        assert outs[1][1] == '{"restored": 3}', outs[1][1]
         assert outs[0][-1] == outs[1][-1], "the restored weights and state differ"
         print("ok: the installed package trained 3 steps and restored them exactly in a new "
               "process")
