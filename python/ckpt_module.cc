@@ -1,8 +1,10 @@
 // ckpt._ckpt: the C++ client (client/include/ckpt/client.h) for Python.
 //
 // Requests and replies are plain dicts and lists, so the module needs no
-// protobuf on the Python side. Failed calls raise ckpt.Error(code, message)
-// with the gRPC/absl status code name ("NOT_FOUND", ...). Blocking calls
+// protobuf on the Python side. Failed calls raise ckpt.Error(code, message,
+// reason): the gRPC/absl status code name ("NOT_FOUND", ...) and the
+// ErrorReason ckptd attached (base/status.h; its ckpt.v1.ErrorReason name
+// without the prefix: "QUOTA", "DISK_FULL", ...), or None. Blocking calls
 // release the GIL. A host region is exposed through the buffer protocol by a
 // Region object that keeps the client (and so the mapping) alive as long as
 // anything (a torch tensor made with torch.frombuffer, say) refers to it.
@@ -18,7 +20,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "ckpt/client.h"
 
 namespace py = pybind11;
@@ -28,9 +32,10 @@ namespace {
 
 // A failed call, turned into ckpt.Error by the translator below.
 struct StatusError : std::runtime_error {
-  StatusError(std::string code, const std::string& message)
-      : std::runtime_error(message), code(std::move(code)) {}
+  StatusError(std::string code, const std::string& message, std::optional<std::string> reason)
+      : std::runtime_error(message), code(std::move(code)), reason(std::move(reason)) {}
   std::string code;
+  std::optional<std::string> reason;  // nullopt: ckptd attached none
 };
 
 std::string CodeName(absl::StatusCode code) {
@@ -39,8 +44,23 @@ std::string CodeName(absl::StatusCode code) {
   return s;
 }
 
+static_assert(kErrorReasonCount == v1::ErrorReason_ARRAYSIZE,
+              "ErrorReason and ckpt.v1.ErrorReason must list the same reasons");
+
+// The reason attached to `s` as ckpt.v1.ErrorReason names it, without the
+// "ERROR_REASON_" prefix ("QUOTA"); nullopt when there is none. The names are
+// the wire protocol's, so they stay as they are.
+std::optional<std::string> ReasonWireName(const absl::Status& s) {
+  const ErrorReason reason = ReasonOf(s);
+  if (reason == ErrorReason::kUnspecified) return std::nullopt;
+  std::string name = v1::ErrorReason_Name(static_cast<v1::ErrorReason>(reason));
+  constexpr absl::string_view kPrefix = "ERROR_REASON_";
+  if (absl::StartsWith(name, kPrefix)) name.erase(0, kPrefix.size());
+  return name;
+}
+
 void Check(const absl::Status& s) {
-  if (!s.ok()) throw StatusError(CodeName(s.code()), std::string(s.message()));
+  if (!s.ok()) throw StatusError(CodeName(s.code()), std::string(s.message()), ReasonWireName(s));
 }
 
 template <typename T>
@@ -398,7 +418,8 @@ PYBIND11_MODULE(_ckpt, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const ckpt::StatusError& e) {
-      py::object error = py::module_::import("ckpt").attr("Error")(e.code, e.what());
+      py::object reason = e.reason.has_value() ? py::object(py::str(*e.reason)) : py::none();
+      py::object error = py::module_::import("ckpt").attr("Error")(e.code, e.what(), reason);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
     }
   });
