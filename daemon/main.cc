@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -20,6 +21,7 @@
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/remote/posix_store.h"
+#include "daemon/remote/remote_auth.h"
 #include "daemon/remote/s3_store.h"
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/server.h"
@@ -238,8 +240,17 @@ int main(int argc, char** argv) {
   if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
   if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
 
+  std::optional<remote::RemoteKey> remote_key;
+  if (*remote_store != nullptr) {
+    absl::StatusOr<remote::RemoteKey> key = remote::RemoteKey::FromFile(config.remote.key_file);
+    if (!key.ok()) return Fail("remote tier key", key.status());
+    remote_key = *std::move(key);
+    CKPT_LOG(INFO) << "remote tier: signing with the cluster key " << remote_key->Fingerprint();
+  }
+
   EngineOptions eo = config.engine;
   eo.remote = remote_store->get();
+  eo.remote_key = remote_key.has_value() ? &*remote_key : nullptr;
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.metrics_address = metrics_address;

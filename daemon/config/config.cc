@@ -311,6 +311,12 @@ const std::vector<Option>& Options() {
           "secret_access_key = ... (systemd: LoadCredential=, then "
           "%d/<name>); never logged or shown",
           CKPT_FIELD(remote.credentials_file)),
+      Str("remote_key_file",
+          "a file only ckptd's user may read, with at least 32 bytes of secret shared by every "
+          "node of the cluster (make one with: head -c 32 /dev/urandom | base64); every "
+          "manifest, object and job owner record in the remote tier is signed with it, and "
+          "nothing it does not authenticate is restored (systemd: LoadCredential=)",
+          CKPT_FIELD(remote.key_file)),
       Bool("remote_path_style",
            "s3 remote tier: address objects as endpoint/bucket/key (RGW, MinIO) rather than "
            "bucket.host/key", CKPT_FIELD(remote.path_style)),
@@ -353,6 +359,11 @@ absl::Status DaemonConfig::Validate() const {
   }
   if (remote.kind == "posix" && remote.path.empty()) {
     return absl::InvalidArgumentError("remote_kind posix needs remote_path");
+  }
+  if (remote.kind != "none" && remote.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a remote tier needs remote_key_file: the cluster key that signs what ckptd writes "
+        "there, so that nothing another party put there is ever restored (docs/remote.md)");
   }
   if (remote.kind == "s3" &&
       (remote.endpoint.empty() || remote.bucket.empty() || remote.credentials_file.empty())) {

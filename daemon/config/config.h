@@ -38,6 +38,9 @@ struct RemoteConfig {
   std::string region = "us-east-1";
   std::string prefix;         // s3: prepended to every key
   std::string credentials_file;  // s3: access_key_id / secret_access_key (mode 0600)
+  // The cluster key that signs what goes to the remote tier (remote_auth.h);
+  // the same file on every node (mode 0600).
+  std::string key_file;
   bool path_style = true;     // s3: endpoint/bucket/key rather than bucket.host/key
   std::string ca_file;        // s3 over https: a CA bundle instead of the system's
   uint64_t part_bytes = uint64_t{16} << 20;  // s3 multipart part size

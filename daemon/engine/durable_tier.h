@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -114,6 +115,17 @@ class DurableTier {
                             bool must_know) = 0;
   // The caller's jobs (root: all) that the tier holds.
   virtual absl::StatusOr<std::vector<TierJob>> Jobs(const Caller& caller) = 0;
+
+  // A job's owner is one fact for every node that shares the tier. JobOwner
+  // is the uid the tier records for `job` (nullopt: no record); DATA_LOSS
+  // when its record is not authentic, UNAVAILABLE (and other codes) when
+  // the tier cannot be read. ClaimJob records `owner` unless a record exists:
+  // OK when it now names `owner`, PERMISSION_DENIED when it names another
+  // uid. Without `must_know` (Register), a tier whose last operation failed
+  // answers UNAVAILABLE at once rather than wait for its store.
+  virtual absl::StatusOr<std::optional<uid_t>> JobOwner(const std::string& job,
+                                                        bool must_know) = 0;
+  virtual absl::Status ClaimJob(const std::string& job, uid_t owner, bool must_know) = 0;
 
   virtual TierReport Report(const Caller& caller) = 0;
   // Refreshes the tier's scrape-time gauges.

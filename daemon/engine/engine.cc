@@ -31,9 +31,10 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();
   }
-  if (options_.remote != nullptr) {
+  if (options_.remote != nullptr && options_.remote_key != nullptr) {
     RemoteTierOptions ro;
     ro.store = options_.remote;
+    ro.key = options_.remote_key;
     ro.upload_threads = options_.remote_upload_threads;
     ro.max_pending_events = options_.remote_max_pending_events;
     ro.retry_min = options_.remote_retry_min;
@@ -53,6 +54,10 @@ Engine::~Engine() {
 }
 
 absl::Status Engine::Start() {
+  if (options_.remote != nullptr && options_.remote_key == nullptr) {
+    return absl::FailedPreconditionError(
+        "a remote tier needs the cluster key that signs what goes there (remote_key_file)");
+  }
   std::vector<std::unique_ptr<IoBackend>> backends;
   for (unsigned i = 0; i < std::max(1u, options_.writer_threads); ++i) {
     CKPT_ASSIGN_OR_RETURN(auto io, MakeIoBackend(options_.io_backend, options_.io_queue_depth));
@@ -87,6 +92,41 @@ DurableTier* Engine::TierNamed(std::string_view name) const {
     if (name == tier->name()) return tier.get();
   }
   return nullptr;
+}
+
+absl::StatusOr<std::optional<uid_t>> Engine::TierOwnerOf(const std::string& job,
+                                                         std::optional<uid_t> local) {
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    absl::StatusOr<std::optional<uid_t>> owner = tier->JobOwner(job, /*must_know=*/false);
+    if (absl::IsDataLoss(owner.status())) return owner.status();  // never trusted, never replaced
+    if (!owner.ok()) {
+      CKPT_LOG(WARNING) << "the " << tier->name() << " tier could not say who job " << job
+                        << " belongs to (" << owner.status()
+                        << "); going on with this node's record";
+      continue;
+    }
+    if (!owner->has_value()) continue;
+    if (local.has_value() && *local != **owner) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job ", job, " belongs to uid ", *local, " on this node but to uid ", **owner, " in the ",
+          tier->name(), " tier; an operator must delete one of them"));
+    }
+    return owner;
+  }
+  return local;
+}
+
+absl::Status Engine::ClaimInTiers(const std::string& job, uid_t owner) {
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    absl::Status s = tier->ClaimJob(job, owner, /*must_know=*/false);
+    if (absl::IsPermissionDenied(s)) return s;
+    if (!s.ok()) {
+      CKPT_LOG(WARNING) << "could not record job " << job << " as uid " << owner << "'s in the "
+                        << tier->name() << " tier (" << s << "); its uploader does before the "
+                        << "job's first upload";
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,

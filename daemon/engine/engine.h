@@ -71,6 +71,7 @@
 #include "daemon/policy/layercheck.h"
 #include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
+#include "daemon/remote/remote_auth.h"
 #include "daemon/remote/remote_store.h"
 #include "daemon/shm/rank_memory.h"
 #include "daemon/staging/staging_pool.h"
@@ -138,6 +139,9 @@ struct EngineOptions {
   // The remote tier (remote_tier.h, docs/remote.md); null = none. Not
   // owned.
   remote::RemoteStore* remote = nullptr;
+  // The cluster key that signs what goes to the remote tier
+  // (remote_auth.h); required with `remote`. Not owned.
+  const remote::RemoteKey* remote_key = nullptr;
   unsigned remote_upload_threads = 4;  // versions uploaded at once
   // Per rank, the oldest events not yet uploaded that local GC keeps.
   uint32_t remote_max_pending_events = 64;
@@ -299,6 +303,16 @@ class Engine {
   // brings it here (DurableTier::Pull, in tier order).
   absl::Status PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
                              bool must_know);
+  // The owner the tiers record for `job` (the first that has a record), and
+  // a check that it agrees with this node's (`local`, when the job exists
+  // here). PERMISSION_DENIED when the tiers name another uid than `local`;
+  // a tier that cannot be read is logged and skipped (its uploader claims
+  // the job before anything of it goes there).
+  absl::StatusOr<std::optional<uid_t>> TierOwnerOf(const std::string& job,
+                                                   std::optional<uid_t> local);
+  // Records `owner` as the job's owner in every tier that has no record
+  // yet; PERMISSION_DENIED when one names another uid.
+  absl::Status ClaimInTiers(const std::string& job, uid_t owner);
 
   // ---- the rank registry (engine_registry.cc) ----
   // The live registration of (job, rank) with this generation, for this
@@ -311,6 +325,12 @@ class Engine {
   // rank's own mutex.
   absl::StatusOr<std::shared_ptr<RankState>> Find(const RankRef& ref, const Caller& caller)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Who a new registration's job belongs to: its owner here (`local_owner`)
+  // or in the tiers, else the caller. PERMISSION_DENIED when that is another
+  // uid (and the caller is not root), or when this node and a tier disagree.
+  absl::StatusOr<uid_t> OwnerForRegistration(const std::string& job,
+                                             std::optional<uid_t> local_owner,
+                                             const Caller& caller);
   // Builds the state of a new registration (its memory, layer templates,
   // policy), not yet published.
   absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req,

@@ -121,6 +121,18 @@ void Engine::UnclaimRegistration(const RankKey& key) {
   registering_.erase(key);
 }
 
+absl::StatusOr<uid_t> Engine::OwnerForRegistration(const std::string& job,
+                                                   std::optional<uid_t> local_owner,
+                                                   const Caller& caller) {
+  // A job's owner is one fact for every node that shares a tier: a job id
+  // another uid holds there is refused like one it holds here.
+  CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> owner, TierOwnerOf(job, local_owner));
+  if (owner.has_value() && *owner != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
+  return owner.value_or(caller.uid);
+}
+
 absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& req,
                                                            std::vector<MappedRegion> regions,
                                                            uid_t owner, const Caller& caller) {
@@ -227,11 +239,8 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   //    On a replacement node, the rank's history comes from a tier first
   //    (checked against the caller's uid).
   CKPT_RETURN_IF_ERROR(PullFromTiers(req.job, req.rank, caller, /*must_know=*/false));
-  CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> job_owner, owners_.OwnerOf(req.job));
-  if (job_owner.has_value() && *job_owner != caller.uid && !IsRoot(caller)) {
-    return absl::PermissionDeniedError(absl::StrCat("job ", req.job, " belongs to another user"));
-  }
-  const uid_t owner = job_owner.value_or(caller.uid);
+  CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> local_owner, owners_.OwnerOf(req.job));
+  CKPT_ASSIGN_OR_RETURN(const uid_t owner, OwnerForRegistration(req.job, local_owner, caller));
   // One registration of a rank at a time, so its table and generation are
   // written by a single caller.
   const RankKey key(req.job, req.rank);
@@ -266,12 +275,13 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     CKPT_RETURN_IF_ERROR(DrainAndForget(old, absl::Now() + options_.drain_timeout));
   }
 
-  // 5. Create the job if it is new: check and creation are one step
-  //    (JobOwners::Claim: two uids racing for a new id, the second is
-  //    refused). Then persist the rank's table; take a fresh generation.
+  // 5. Create the job if it is new, in the tiers first: check and creation
+  //    are one step (ClaimJob, JobOwners::Claim: two uids racing for a new
+  //    id, the second is refused). Then persist the rank's table; take a fresh generation.
   //    LayerCheck's reference learning rate carries over in the latest
   //    event. These records stay above the index's free-space floor too.
   CKPT_RETURN_IF_ERROR(disk_.CheckIndexRoom(r->table.ByteSizeLong() + 4096));
+  if (!local_owner.has_value()) CKPT_RETURN_IF_ERROR(ClaimInTiers(r->job, owner));
   CKPT_RETURN_IF_ERROR(owners_.Claim(r->job, owner));
   CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
   r->table.set_generation(r->generation);

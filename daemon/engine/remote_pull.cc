@@ -30,6 +30,7 @@ struct RemoteTier::PullState {
   // step needs it: nothing of a failed pull stays.
   std::vector<std::pair<VersionKey, store::VersionRecord>> adopted;
   uid_t owner = 0;
+  std::optional<uid_t> recorded_owner;        // the job's owner record there
   std::vector<store::RemoteManifest> usable;  // newest first
   std::set<std::string> have;                 // files adopted
   uint64_t floor = 0;                         // the agreed step the newest usable one names
@@ -95,6 +96,14 @@ absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool
   }
   if (pull.steps.empty()) return absl::OkStatus();
   std::sort(pull.steps.rbegin(), pull.steps.rend());
+  // The job's owner record, when there is one, decides who may pull it and
+  // which manifests are of the job at all.
+  absl::StatusOr<std::optional<uid_t>> recorded = JobOwner(job, must_know);
+  if (!recorded.ok()) return pull.GiveUp(recorded.status());
+  pull.recorded_owner = *recorded;
+  if (pull.recorded_owner.has_value() && *pull.recorded_owner != caller.uid && !IsRoot(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
+  }
 
   absl::Status s = AdoptUsable(&pull);
   const bool publish = s.ok() && !pull.gave_up && !pull.usable.empty();
@@ -134,7 +143,7 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
   for (uint64_t step : pull->steps) {
     if (!pull->usable.empty() && pull->usable.back().step() <= pull->floor) break;
     if (pull->usable.size() >= kMaxPulledManifests || ++tried > kMaxTriedManifests) break;
-    absl::StatusOr<store::RemoteManifest> m = remote_tier::ReadManifest(store_, job, rank, step);
+    absl::StatusOr<store::RemoteManifest> m = ReadManifest(job, rank, step);
     if (!m.ok()) {
       NoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step), pull->caller.uid);
       if (remote_tier::Unusable(m.status())) continue;
@@ -144,6 +153,12 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
       return absl::PermissionDeniedError(absl::StrCat("job ", job, " belongs to another user"));
     }
     if (!pull->usable.empty() && m->owner_uid() != pull->owner) continue;
+    if (pull->recorded_owner.has_value() && m->owner_uid() != *pull->recorded_owner) {
+      CKPT_LOG(WARNING) << "remote tier: the manifest of step " << step << " of job " << job
+                        << " rank " << rank << " names uid " << m->owner_uid()
+                        << ", not the job's owner " << *pull->recorded_owner << "; not used";
+      continue;
+    }
     bool usable = false;
     CKPT_RETURN_IF_ERROR(AdoptManifest(pull, *m, &usable));
     if (!usable) continue;
@@ -181,6 +196,14 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
     absl::Status ok = deps_.store->Adopt(vk, v.record(), [&](int fd) -> absl::StatusOr<uint64_t> {
       absl::StatusOr<uint64_t> got = store_->GetToFile(okey, fd, n);
       fetched = got.status();
+      if (!got.ok()) return got;
+      // Only what a ckptd of this cluster wrote: the MAC its manifest
+      // records, over the bytes that arrived.
+      CKPT_ASSIGN_OR_RETURN(std::string mac, key_->MacOfFile("object", fd, *got));
+      if (!remote::MacEqual(mac, v.object_mac())) {
+        return absl::DataLossError(absl::StrCat(
+            "object ", okey, " is not the one its manifest names (its MAC does not match)"));
+      }
       return got;
     });
     if (!ok.ok()) {

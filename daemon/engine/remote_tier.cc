@@ -34,18 +34,6 @@ bool Unusable(const absl::Status& s) {
   return absl::IsDataLoss(s) || absl::IsNotFound(s) || absl::IsInvalidArgument(s);
 }
 
-absl::StatusOr<store::RemoteManifest> ReadManifest(remote::RemoteStore* store,
-                                                   const std::string& job, uint32_t rank,
-                                                   uint64_t step) {
-  CKPT_ASSIGN_OR_RETURN(std::string bytes, store->GetBytes(remote::ManifestKey(job, rank, step),
-                                                           remote::kMaxManifestBytes));
-  CKPT_ASSIGN_OR_RETURN(store::RemoteManifest m, remote::DecodeManifest(bytes));
-  if (m.job_id() != job || m.rank() != rank || m.step() != step) {
-    return absl::DataLossError(absl::StrCat("the manifest of step ", step, " names another step"));
-  }
-  return m;
-}
-
 std::vector<std::string> FilesOf(const store::RemoteManifest& m) {
   std::vector<std::string> files;
   for (const store::RemoteVersion& v : m.versions()) files.push_back(v.record().file());
@@ -61,10 +49,62 @@ constexpr size_t kMaxPendingTracked = 100000;
 // How long Jobs reuses a listing of the remote tier.
 constexpr absl::Duration kJobsCacheTtl = absl::Seconds(30);
 
+// The largest owner record ckptd reads.
+constexpr uint64_t kMaxOwnerBytes = 4096;
+
 }  // namespace
 
 RemoteTier::RemoteTier(RemoteTierOptions options, RemoteTierDeps deps)
-    : options_(std::move(options)), deps_(deps), store_(options_.store) {}
+    : options_(std::move(options)), deps_(deps), store_(options_.store), key_(options_.key) {}
+
+absl::StatusOr<store::RemoteManifest> RemoteTier::ReadManifest(const std::string& job,
+                                                               uint32_t rank, uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(std::string bytes, store_->GetBytes(remote::ManifestKey(job, rank, step),
+                                                            remote::kMaxManifestBytes));
+  CKPT_ASSIGN_OR_RETURN(store::RemoteManifest m, remote::DecodeManifest(bytes, *key_));
+  if (m.job_id() != job || m.rank() != rank || m.step() != step) {
+    return absl::DataLossError(absl::StrCat("the manifest of step ", step, " names another step"));
+  }
+  return m;
+}
+
+absl::Status RemoteTier::FailingNow() {
+  absl::MutexLock lock(&mu_);
+  if (error_.ok()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("the remote tier is failing: ", error_.message()));
+}
+
+absl::StatusOr<std::optional<uid_t>> RemoteTier::JobOwner(const std::string& job, bool must_know) {
+  if (!must_know) CKPT_RETURN_IF_ERROR(FailingNow());
+  absl::StatusOr<std::string> bytes = store_->GetBytes(remote::OwnerKey(job), kMaxOwnerBytes);
+  if (absl::IsNotFound(bytes.status())) return std::optional<uid_t>();
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<store::RemoteJob> record = remote::DecodeOwner(*bytes, *key_);
+  if (!record.ok() || record->job_id() != job) {
+    return absl::DataLossError(absl::StrCat(
+        "the remote tier's owner record of job ", job, " is not authentic (",
+        record.ok() ? "it names another job" : record.status().message(),
+        "); ckptd does not use the job until an operator removes ", remote::OwnerKey(job),
+        " there"));
+  }
+  return std::optional<uid_t>(record->owner_uid());
+}
+
+absl::Status RemoteTier::ClaimJob(const std::string& job, uid_t owner, bool must_know) {
+  if (!must_know) CKPT_RETURN_IF_ERROR(FailingNow());
+  store::RemoteJob record;
+  record.set_job_id(job);
+  record.set_owner_uid(owner);
+  record.set_created_unix_ms(absl::ToUnixMillis(deps_.clock->Now()));
+  absl::Status put = store_->PutBytes(remote::OwnerKey(job), remote::EncodeOwner(record, *key_),
+                                      /*if_absent=*/true);
+  if (put.ok()) return put;
+  if (!absl::IsAlreadyExists(put)) return put;
+  CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> there, JobOwner(job, /*must_know=*/true));
+  if (there.has_value() && *there == owner) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("job ", job, " belongs to another user (in the remote tier)"));
+}
 
 RemoteTier::~RemoteTier() { StopAndJoin(); }
 
@@ -254,11 +294,19 @@ absl::StatusOr<std::vector<TierJob>> RemoteTier::Jobs(const Caller& caller) {
     }
     cache.jobs.clear();
     for (auto& [job, tj] : found) {
-      // The owner is in every manifest: the newest of the first rank says it.
-      const auto& [rank, step] = *tj.newest_step.begin();
-      absl::StatusOr<store::RemoteManifest> m = remote_tier::ReadManifest(store_, job, rank, step);
-      if (!m.ok()) continue;
-      tj.owner = m->owner_uid();
+      // The job's owner record says who it belongs to; a job without one
+      // (its first upload failed before the record) by its newest manifest
+      // of the first rank. Neither authentic: not listed.
+      absl::StatusOr<std::optional<uid_t>> owner = JobOwner(job, /*must_know=*/true);
+      if (!owner.ok()) continue;
+      if (owner->has_value()) {
+        tj.owner = **owner;
+      } else {
+        const auto& [rank, step] = *tj.newest_step.begin();
+        absl::StatusOr<store::RemoteManifest> m = ReadManifest(job, rank, step);
+        if (!m.ok()) continue;
+        tj.owner = m->owner_uid();
+      }
       cache.jobs.push_back(std::move(tj));
     }
     cache.at = absl::Now();

@@ -42,6 +42,7 @@
 #include "daemon/engine/leases.h"
 #include "daemon/engine/quota.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/remote/remote_auth.h"
 #include "daemon/remote/remote_store.h"
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
@@ -51,6 +52,9 @@ namespace ckpt {
 
 struct RemoteTierOptions {
   remote::RemoteStore* store = nullptr;  // null = no remote tier; not owned
+  // The cluster key every manifest, object and owner record is signed with
+  // (remote_auth.h); not owned. REQUIRED with a store.
+  const remote::RemoteKey* key = nullptr;
   unsigned upload_threads = 4;           // versions uploaded at once
   // Per rank, the oldest events not yet uploaded that local GC keeps.
   uint32_t max_pending_events = 64;
@@ -79,7 +83,7 @@ struct RemoteTierDeps {
 
 class RemoteTier final : public DurableTier {
  public:
-  // REQUIRES: options.store is not null.
+  // REQUIRES: options.store and options.key are not null.
   RemoteTier(RemoteTierOptions options, RemoteTierDeps deps);
   ~RemoteTier() override;
   RemoteTier(const RemoteTier&) = delete;
@@ -110,10 +114,17 @@ class RemoteTier final : public DurableTier {
   absl::Status Pull(const std::string& job, uint32_t rank, const Caller& caller,
                     bool must_know) override;
   absl::StatusOr<std::vector<TierJob>> Jobs(const Caller& caller) override;
+  absl::StatusOr<std::optional<uid_t>> JobOwner(const std::string& job, bool must_know) override;
+  absl::Status ClaimJob(const std::string& job, uid_t owner, bool must_know) override;
   TierReport Report(const Caller& caller) override;
   void CollectMetrics() override;
 
  private:
+  // A version object there.
+  struct ObjectCopy {
+    uint64_t bytes = 0;
+    std::string mac;  // its MAC under the cluster key, as manifests record it
+  };
   // What the tier knows of one rank.
   struct RankCopy {
     uid_t owner = 0;
@@ -121,10 +132,10 @@ class RemoteTier final : public DurableTier {
     uint64_t remote_step = 0;  // newest manifest in the remote tier
     bool seeded = false;       // objects and manifests listed from the store
     // Version objects known whole there: named by a manifest that reads
-    // back, or uploaded by this node since (file -> bytes). Names repeat
-    // across histories of a rank, so a listed object that no manifest names
-    // is never trusted: it is uploaded again (over it) when needed.
-    std::map<std::string, uint64_t> objects;
+    // back, or uploaded by this node since (file -> its size and MAC). Names
+    // repeat across histories of a rank, so a listed object that no manifest
+    // names is never trusted: it is uploaded again (over it) when needed.
+    std::map<std::string, ObjectCopy> objects;
     std::set<std::string> stray;  // listed, not trusted; remote GC may delete them
     struct Manifest {
       int64_t unix_ms = 0;
@@ -147,6 +158,8 @@ class RemoteTier final : public DurableTier {
   struct Upload {
     store::VersionRecord rec;
     UniqueFd fd;
+    int version = 0;  // its entry in the manifest, which gets its MAC
+    std::string mac;  // computed before it is sent
   };
   struct UploadTurn {
     uint64_t step = 0;
@@ -167,6 +180,9 @@ class RemoteTier final : public DurableTier {
   // Lists the rank's objects and manifests when not done yet, and checks
   // that the remote history is this node's.
   absl::Status SeedIfNeeded(const RankKey& key);
+  // Before a rank's first upload: the job's owner record names the rank's
+  // owner (created when missing); the reason to block it otherwise.
+  absl::StatusOr<std::string> CheckOwnerRecord(const RankKey& key, uid_t owner);
   absl::Status Seed(const RankKey& key, RankCopy* out);
   absl::StatusOr<std::string> CheckHistory(const RankKey& key);
   // Deletes the manifests of a discarded history.
@@ -174,7 +190,7 @@ class RemoteTier final : public DurableTier {
   // Under the rank's lease: the step to upload, its manifest, and the
   // local files the remote tier lacks, opened. step 0: nothing to do.
   absl::StatusOr<UploadTurn> PlanTurn(const RankKey& key, uid_t owner, uint64_t remote_step,
-                                      const std::map<std::string, uint64_t>& objects);
+                                      const std::map<std::string, ObjectCopy>& objects);
   absl::Status UploadObjects(const RankKey& key, UploadTurn* turn);
   // The manifest last, with a conditional create.
   absl::Status PutManifest(const RankKey& key, uid_t owner, const UploadTurn& turn,
@@ -198,6 +214,13 @@ class RemoteTier final : public DurableTier {
   TierLag LagOf(const uid_t* owner) ABSL_LOCKS_EXCLUDED(mu_);
   // The ranks the index holds, with their newest event and owner.
   void LoadRanks() ABSL_LOCKS_EXCLUDED(mu_);
+  // The manifest of (job, rank, step), authenticated and checked to name
+  // that step.
+  absl::StatusOr<store::RemoteManifest> ReadManifest(const std::string& job, uint32_t rank,
+                                                     uint64_t step);
+  // UNAVAILABLE while the last remote operation failed (callers that need
+  // not wait for the store).
+  absl::Status FailingNow() ABSL_LOCKS_EXCLUDED(mu_);
   // The rank's state, or null when the job was deleted meanwhile.
   RankCopy* FindLocked(const RankKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++wakeups_; }
@@ -205,6 +228,7 @@ class RemoteTier final : public DurableTier {
   const RemoteTierOptions options_;
   const RemoteTierDeps deps_;
   remote::RemoteStore* const store_;
+  const remote::RemoteKey* const key_;
 
   absl::Mutex mu_;
   // Bumped on new local events, a rewind and stopping: the uploader waits for

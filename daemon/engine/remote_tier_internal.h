@@ -24,11 +24,6 @@ const char* FailureLabel(const absl::Status& s);
 // not usable, but the store itself answered.
 bool Unusable(const absl::Status& s);
 
-// The manifest of (job, rank, step), checked to name that step.
-absl::StatusOr<store::RemoteManifest> ReadManifest(remote::RemoteStore* store,
-                                                   const std::string& job, uint32_t rank,
-                                                   uint64_t step);
-
 // The version objects a manifest names.
 std::vector<std::string> FilesOf(const store::RemoteManifest& m);
 

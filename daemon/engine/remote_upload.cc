@@ -17,7 +17,6 @@ namespace ckpt {
 namespace {
 
 using remote_tier::FilesOf;
-using remote_tier::ReadManifest;
 using remote_tier::Unusable;
 
 std::string RankName(const RankKey& key) {
@@ -98,6 +97,7 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
                         store_->List(remote::RankPrefix(job, rank)));
   std::map<std::string, uint64_t> listed;  // version objects there -> bytes
+  std::map<std::string, std::string> macs;  // version objects a manifest names -> their MAC
   for (const remote::ObjectInfo& o : objects) {
     std::string file;
     uint64_t step = 0;
@@ -106,7 +106,7 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
       continue;
     }
     if (!remote::ParseManifestKey(o.key, job, rank, &step)) continue;
-    absl::StatusOr<store::RemoteManifest> m = ReadManifest(store_, job, rank, step);
+    absl::StatusOr<store::RemoteManifest> m = ReadManifest(job, rank, step);
     if (!m.ok()) {
       if (!Unusable(m.status())) return m.status();
       // A damaged manifest does not make its step remote-durable; the
@@ -121,13 +121,13 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
     }
     out->manifests[step] =
         RankCopy::Manifest{m->event().unix_ms(), m->event().agreed_step(), FilesOf(*m)};
+    for (const store::RemoteVersion& v : m->versions()) macs[v.record().file()] = v.object_mac();
   }
-  // Trusted: what a readable manifest names.
-  std::set<std::string> named;
-  for (const auto& [s, m] : out->manifests) named.insert(m.files.begin(), m.files.end());
+  // Trusted: what an authentic manifest names, with the MAC it records.
   for (const auto& [file, size] : listed) {
-    if (named.count(file) > 0) {
-      out->objects[file] = size;
+    auto named = macs.find(file);
+    if (named != macs.end()) {
+      out->objects[file] = ObjectCopy{size, named->second};
     } else {
       out->stray.insert(file);
     }
@@ -175,6 +175,15 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   return std::string();
 }
 
+absl::StatusOr<std::string> RemoteTier::CheckOwnerRecord(const RankKey& key, uid_t owner) {
+  absl::Status claimed = ClaimJob(key.first, owner, /*must_know=*/true);
+  if (claimed.ok()) return std::string();
+  if (absl::IsPermissionDenied(claimed)) {
+    return absl::StrCat("owner: the remote tier holds job ", key.first, " for another user");
+  }
+  return claimed;
+}
+
 absl::Status RemoteTier::SeedIfNeeded(const RankKey& key) {
   RankCopy fresh;
   std::optional<uint64_t> discard_above;
@@ -187,6 +196,12 @@ absl::Status RemoteTier::SeedIfNeeded(const RankKey& key) {
     discard_above = rc->discard_above;
   }
   CKPT_RETURN_IF_ERROR(Seed(key, &fresh));
+  // The job's owner is one fact for every node: claimed before anything of
+  // it is uploaded, and this node uploads nothing of another user's job.
+  if (fresh.blocked.empty()) {
+    CKPT_ASSIGN_OR_RETURN(std::string other, CheckOwnerRecord(key, fresh.owner));
+    fresh.blocked = other;
+  }
   {
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
@@ -240,7 +255,7 @@ absl::Status RemoteTier::DeleteDiscarded(const RankKey& key, uint64_t above) {
 
 absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     const RankKey& key, uid_t owner, uint64_t remote_step,
-    const std::map<std::string, uint64_t>& objects) {
+    const std::map<std::string, ObjectCopy>& objects) {
   const auto& [job, rank] = key;
   Index* const index = deps_.index;
   UploadTurn turn;
@@ -299,7 +314,13 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     rv->set_layer(layer.id());
     rv->set_step(v->first);
     *rv->mutable_record() = v->second;
-    if (objects.count(v->second.file()) > 0) continue;
+    if (auto there = objects.find(v->second.file()); there != objects.end()) {
+      rv->set_object_mac(there->second.mac);
+      continue;
+    }
+    // A placeholder of the MAC's size until the upload computes it, so the
+    // manifest's size is known before anything is sent.
+    rv->set_object_mac(std::string(remote::RemoteKey::kMacBytes, '\0'));
     absl::StatusOr<UniqueFd> fd =
         deps_.store->OpenCommitted(VersionKey{job, rank, layer.id(), v->first}, v->second);
     if (!fd.ok()) {
@@ -307,7 +328,7 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
       return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", v->second.file(),
                                                            ": ", fd.status().message()));
     }
-    turn.uploads.push_back({v->second, std::move(*fd)});
+    turn.uploads.push_back({v->second, std::move(*fd), manifest.versions_size() - 1, {}});
   }
   return turn;
 }
@@ -327,7 +348,13 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
       }
       absl::Status s =
           stopping_.load() ? absl::CancelledError("ckptd is stopping") : absl::OkStatus();
-      const Upload& u = turn->uploads[i];
+      Upload& u = turn->uploads[i];
+      if (s.ok()) {
+        // The MAC of what is sent, read from the same descriptor.
+        absl::StatusOr<std::string> mac = key_->MacOfFile("object", u.fd.get(), u.rec.file_bytes());
+        s = mac.status();
+        if (s.ok()) u.mac = *std::move(mac);
+      }
       if (s.ok()) {
         CKPT_SYNC_POINT("remote.before_put_version");
         s = store_->PutFile(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
@@ -344,7 +371,7 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
       }
       absl::MutexLock lock(&mu_);
       if (RankCopy* rc = FindLocked(key); rc != nullptr) {
-        rc->objects[u.rec.file()] = u.rec.file_bytes();
+        rc->objects[u.rec.file()] = ObjectCopy{u.rec.file_bytes(), u.mac};
         rc->stray.erase(u.rec.file());
       }
     }
@@ -354,6 +381,11 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
   for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
   worker();
   for (std::thread& t : threads) t.join();
+  if (first_error.ok()) {
+    for (const Upload& u : turn->uploads) {
+      turn->manifest.mutable_versions(u.version)->set_object_mac(u.mac);
+    }
+  }
   turn->uploads.clear();  // the descriptors
   return first_error;
 }
@@ -367,7 +399,7 @@ absl::Status RemoteTier::PutManifest(const RankKey& key, uid_t owner, const Uplo
   // Written before ckptd restarted (the same records: kept), or left by a
   // history this rank went back before (replaced). Another user's, or one
   // that cannot be read right now, is never replaced.
-  absl::StatusOr<store::RemoteManifest> old = ReadManifest(store_, key.first, key.second, turn.step);
+  absl::StatusOr<store::RemoteManifest> old = ReadManifest(key.first, key.second, turn.step);
   if (!old.ok() && !Unusable(old.status())) return old.status();
   if (old.ok() && old->owner_uid() != owner) {
     absl::MutexLock lock(&mu_);
@@ -394,7 +426,7 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   uid_t owner = 0;
   uint64_t remote_step = 0;
   std::optional<uint64_t> discard_above;
-  std::map<std::string, uint64_t> objects;
+  std::map<std::string, ObjectCopy> objects;
   {
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
@@ -419,16 +451,17 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   if (turn.step == 0) return absl::OkStatus();
   // The lease is gone: local GC may run while the bytes travel (the open
   // descriptors keep them readable).
-  const std::string encoded = remote::EncodeManifest(turn.manifest);
-  if (encoded.size() > remote::kMaxManifestBytes) {
+  const uint64_t manifest_bytes = 8 + remote::RemoteKey::kMacBytes + turn.manifest.ByteSizeLong();
+  if (manifest_bytes > remote::kMaxManifestBytes) {
     // It could never be read back; refuse it here rather than wedge a pull.
     if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
     return absl::FailedPreconditionError(absl::StrCat(
-        "the manifest of step ", turn.step, " would be ", encoded.size(), " bytes, more than the ",
+        "the manifest of step ", turn.step, " would be ", manifest_bytes, " bytes, more than the ",
         remote::kMaxManifestBytes, " a pull reads (a smaller aux blob or fewer layers)"));
   }
   const absl::Time start = absl::Now();
   CKPT_RETURN_IF_ERROR(UploadObjects(key, &turn));
+  const std::string encoded = remote::EncodeManifest(turn.manifest, *key_);
   CKPT_RETURN_IF_ERROR(PutManifest(key, owner, turn, encoded));
   if (Metrics* m = deps_.metrics) {
     m->Inc(Counter::kRemoteManifests);

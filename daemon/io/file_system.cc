@@ -97,7 +97,7 @@ absl::StatusOr<UniqueFd> FileSystem::OpenSubdir(int dir_fd, const std::string& n
 
 absl::StatusOr<UniqueFd> FileSystem::CreateExclusive(int dir_fd, const std::string& name,
                                                      bool direct, bool* direct_used) {
-  int flags = O_WRONLY | O_CREAT | O_EXCL;
+  int flags = O_RDWR | O_CREAT | O_EXCL;
   int fd = OpenBeneath(dir_fd, name, flags | (direct ? O_DIRECT : 0), 0640);
   bool used = direct;
   if (fd < 0 && direct && errno == EINVAL) {

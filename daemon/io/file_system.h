@@ -33,7 +33,9 @@ class FileSystem {
   virtual absl::StatusOr<UniqueFd> MakeDirs(const std::string& path);
   // Creates (0750) or opens the subdirectory `name` of `dir_fd`.
   virtual absl::StatusOr<UniqueFd> OpenSubdir(int dir_fd, const std::string& name, bool create);
-  // Creates `name` exclusively for writing. With `direct` it asks for
+  // Creates `name` exclusively, for writing and reading back (a version
+  // adopted from the remote tier is authenticated through the descriptor it
+  // was written through). With `direct` it asks for
   // O_DIRECT; where the file system refuses O_DIRECT (tmpfs) it falls back to
   // buffered I/O and sets *direct_used = false.
   virtual absl::StatusOr<UniqueFd> CreateExclusive(int dir_fd, const std::string& name,

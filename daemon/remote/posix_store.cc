@@ -31,6 +31,42 @@ absl::Status CheckKey(const std::string& key) {
   return absl::OkStatus();
 }
 
+// Why another uid could change what `st` describes ("" = nobody can):
+// owned by someone other than ckptd (root may own directories above the
+// store), or writable by its group or by everyone.
+std::string OthersCanWrite(const struct stat& st, bool root_may_own) {
+  const uid_t me = geteuid();
+  if (st.st_uid != me && !(root_may_own && st.st_uid == 0)) {
+    return absl::StrCat("it belongs to uid ", st.st_uid, ", not ckptd's uid ", me);
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::StrCat("its group or everyone may write it (mode ",
+                        absl::StrCat(absl::Hex(st.st_mode & 07777)), ")");
+  }
+  return "";
+}
+
+// `fd` is a directory (or a file) only ckptd may change. A directory that
+// is not is FAILED_PRECONDITION (the store is not ckptd's alone); a file that
+// is not is DATA_LOSS: whatever it holds, it is not an object ckptd wrote.
+absl::Status CheckTrusted(int fd, const std::string& what, bool directory) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", what));
+  auto refuse = [directory](std::string message) {
+    return directory ? absl::FailedPreconditionError(message) : absl::DataLossError(message);
+  };
+  if (directory ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode)) {
+    return refuse(
+        absl::StrCat(what, " in the remote directory is not a ", directory ? "directory" : "file"));
+  }
+  const std::string why = OthersCanWrite(st, /*root_may_own=*/false);
+  if (!why.empty()) {
+    return refuse(absl::StrCat(what, " in the remote directory could be changed by another user (",
+                               why, "); ckptd reads nothing there that only it did not write"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<UniqueFd> OpenDir(int parent, const std::string& name, bool create) {
   if (create) {
     if (mkdirat(parent, name.c_str(), 0750) == 0) {
@@ -48,7 +84,37 @@ absl::StatusOr<UniqueFd> OpenDir(int parent, const std::string& name, bool creat
     }
     return ErrnoStatus(errno, absl::StrCat("open directory ", name));
   }
-  return UniqueFd(fd);
+  UniqueFd dir(fd);
+  CKPT_RETURN_IF_ERROR(CheckTrusted(dir.get(), name, /*directory=*/true));
+  return dir;
+}
+
+// The root and every directory above it: none another uid could replace or
+// rename (a sticky directory of root's, such as /tmp, lets nobody move what
+// is not theirs).
+absl::Status CheckRootTrusted(const std::string& root, int root_fd) {
+  struct stat st;
+  if (fstat(root_fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", root));
+  if (std::string why = OthersCanWrite(st, /*root_may_own=*/false); !why.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the remote directory ", root, " could be written by another user (", why,
+        "): a manifest they put there could be restored by every node. Give it to ckptd's user "
+        "and chmod 750 it"));
+  }
+  std::string path = root;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  for (size_t slash = path.rfind('/'); slash != std::string::npos && slash > 0;
+       slash = path.rfind('/', slash - 1)) {
+    const std::string above = path.substr(0, slash);
+    if (stat(above.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", above));
+    const bool sticky_roots = st.st_uid == 0 && (st.st_mode & S_ISVTX) != 0;
+    if (std::string why = OthersCanWrite(st, /*root_may_own=*/true); !why.empty() && !sticky_roots) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the remote directory ", root, " is under ", above,
+          ", which another user could change (", why, "); move it, or fix ", above));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteAll(int fd, const char* p, size_t n, off_t off) {
@@ -100,7 +166,9 @@ absl::StatusOr<std::unique_ptr<PosixStore>> PosixStore::Open(const std::string& 
     }
     return ErrnoStatus(errno, absl::StrCat("open ", root));
   }
-  return std::unique_ptr<PosixStore>(new PosixStore(root, UniqueFd(fd)));
+  UniqueFd root_fd(fd);
+  CKPT_RETURN_IF_ERROR(CheckRootTrusted(root, root_fd.get()));
+  return std::unique_ptr<PosixStore>(new PosixStore(root, std::move(root_fd)));
 }
 
 std::string PosixStore::Describe() const { return absl::StrCat("posix ", root_); }
@@ -171,12 +239,19 @@ absl::StatusOr<UniqueFd> PosixStore::OpenObject(const std::string& key, uint64_t
                                                 uint64_t* size) const {
   std::string name;
   CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/false, &name));
-  int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (in < 0) return ErrnoStatus(errno, absl::StrCat("open ", key));
+  // O_NONBLOCK: a FIFO in an object's place must not block this thread in
+  // open(); it is refused below, never read.
+  int in = openat(dir.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (in < 0) {
+    if (errno == ELOOP) {
+      return absl::FailedPreconditionError(absl::StrCat(key, " is a symbolic link, not an object"));
+    }
+    return ErrnoStatus(errno, absl::StrCat("open ", key));
+  }
   UniqueFd src(in);
+  CKPT_RETURN_IF_ERROR(CheckTrusted(in, key, /*directory=*/false));
   struct stat st;
   if (fstat(in, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", key));
-  if (!S_ISREG(st.st_mode)) return absl::FailedPreconditionError(absl::StrCat(key, " is not a file"));
   *size = static_cast<uint64_t>(st.st_size);
   if (*size > max_bytes) {
     return absl::InvalidArgumentError(

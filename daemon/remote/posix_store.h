@@ -10,6 +10,15 @@
 // "." or ".." components (INVALID_ARGUMENT); no component is followed
 // through a symbolic link (FAILED_PRECONDITION).
 //
+// Trust: only ckptd may write the directory. Open refuses a root that
+// another uid could change (owned by someone else, writable by its group or
+// by others, or under a directory that is, unless that one is sticky and
+// root's, like /tmp); and every directory and file read below it must be
+// owned by ckptd's uid and writable by it alone, and be what it claims (a
+// FIFO or a device planted as an object is refused without being opened for
+// I/O, so it can never block a thread). What ckptd wrote is authenticated
+// on top of that (remote_auth.h).
+//
 // Thread-safety: thread-safe (no state beyond the root's fd).
 #pragma once
 
@@ -25,7 +34,9 @@ namespace ckpt::remote {
 class PosixStore final : public RemoteStore {
  public:
   // Opens `root` (creating it, 0750, when missing). FAILED_PRECONDITION
-  // when it is not a directory; the errno's code otherwise.
+  // when it is not a directory, or another uid could write it or a
+  // directory above it (the message says which and what to change); the
+  // errno's code otherwise.
   static absl::StatusOr<std::unique_ptr<PosixStore>> Open(const std::string& root);
 
   std::string Describe() const override;

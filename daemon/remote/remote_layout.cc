@@ -8,11 +8,49 @@
 #include "absl/strings/str_format.h"
 #include "daemon/store/format.h"
 #include "daemon/store/layer_store.h"
+#include "base/status.h"
 
 namespace ckpt::remote {
 namespace {
 
-constexpr char kManifestMagic[8] = {'C', 'K', 'P', 'T', 'M', 'F', '\0', '\1'};
+// Version 2: the body's MAC under the cluster key, not an unkeyed checksum.
+constexpr char kManifestMagic[8] = {'C', 'K', 'P', 'T', 'M', 'F', '\0', '\2'};
+constexpr char kOwnerMagic[8] = {'C', 'K', 'P', 'T', 'J', 'O', '\0', '\1'};
+constexpr size_t kHeadBytes = 8 + RemoteKey::kMacBytes;
+
+// magic, MAC(purpose, body), body.
+std::string Seal(const char (&magic)[8], std::string_view purpose, const std::string& body,
+                 const RemoteKey& key) {
+  std::string out(magic, sizeof(magic));
+  out += key.Mac(purpose, body);
+  out += body;
+  return out;
+}
+
+// The body of a sealed object, once its magic and MAC check.
+absl::StatusOr<absl::string_view> Unseal(const char (&magic)[8], std::string_view purpose,
+                                         const std::string& bytes, const RemoteKey& key,
+                                         const char* what) {
+  if (bytes.size() < 8 || std::memcmp(bytes.data(), magic, 7) != 0) {
+    return absl::DataLossError(absl::StrCat("not a ckptd ", what, " (bad magic or truncated)"));
+  }
+  if (bytes[7] != magic[7]) {
+    return absl::DataLossError(absl::StrCat(
+        "a ", what, " of another format version (", static_cast<int>(bytes[7]), ", this ckptd reads ",
+        static_cast<int>(magic[7]), "): written by an older ckptd without the cluster key"));
+  }
+  if (bytes.size() < kHeadBytes) {
+    return absl::DataLossError(absl::StrCat("not a ckptd ", what, " (truncated)"));
+  }
+  const absl::string_view body(bytes.data() + kHeadBytes, bytes.size() - kHeadBytes);
+  if (!key.Verify(purpose, std::string_view(body.data(), body.size()),
+                  std::string_view(bytes.data() + 8, RemoteKey::kMacBytes))) {
+    return absl::DataLossError(absl::StrCat(
+        "the ", what, "'s MAC does not match: it was not written by a ckptd holding this cluster's "
+        "remote_key_file (damaged, or written by someone else)"));
+  }
+  return body;
+}
 
 }  // namespace
 
@@ -27,6 +65,7 @@ std::string VersionObjectKey(const std::string& job, uint32_t rank, const std::s
 std::string ManifestPrefix(const std::string& job, uint32_t rank) {
   return absl::StrCat(RankPrefix(job, rank), "m/");
 }
+std::string OwnerKey(const std::string& job) { return absl::StrCat(JobPrefix(job), "owner"); }
 std::string ManifestKey(const std::string& job, uint32_t rank, uint64_t step) {
   return absl::StrCat(ManifestPrefix(job, rank), absl::StrFormat("S%016u", step));
 }
@@ -72,31 +111,33 @@ bool ParseRankOfKey(const std::string& key, std::string* job, uint32_t* rank) {
   return ParseRankDirName(key.substr(job_end + 1, rank_end - job_end - 1), rank);
 }
 
-std::string EncodeManifest(const store::RemoteManifest& manifest) {
-  const std::string body = manifest.SerializeAsString();
-  const uint64_t sum = HashBytes(body.data(), body.size());
-  std::string out(kManifestMagic, sizeof(kManifestMagic));
-  char le[8];
-  for (int i = 0; i < 8; ++i) le[i] = static_cast<char>((sum >> (8 * i)) & 0xff);
-  out.append(le, sizeof(le));
-  out += body;
-  return out;
+std::string EncodeManifest(const store::RemoteManifest& manifest, const RemoteKey& key) {
+  return Seal(kManifestMagic, "manifest", manifest.SerializeAsString(), key);
 }
 
-absl::StatusOr<store::RemoteManifest> DecodeManifest(const std::string& bytes) {
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), kManifestMagic, sizeof(kManifestMagic)) != 0) {
-    return absl::DataLossError("not a ckptd manifest (bad magic or truncated)");
-  }
-  uint64_t sum = 0;
-  for (int i = 0; i < 8; ++i) sum |= uint64_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
-  const char* body = bytes.data() + 16;
-  const size_t len = bytes.size() - 16;
-  if (HashBytes(body, len) != sum) return absl::DataLossError("manifest checksum mismatch");
+absl::StatusOr<store::RemoteManifest> DecodeManifest(const std::string& bytes,
+                                                     const RemoteKey& key) {
+  CKPT_ASSIGN_OR_RETURN(absl::string_view body,
+                        Unseal(kManifestMagic, "manifest", bytes, key, "manifest"));
   store::RemoteManifest m;
-  if (!m.ParseFromArray(body, static_cast<int>(len))) {
+  if (!m.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
     return absl::DataLossError("manifest body does not parse");
   }
   return m;
+}
+
+std::string EncodeOwner(const store::RemoteJob& job, const RemoteKey& key) {
+  return Seal(kOwnerMagic, "owner", job.SerializeAsString(), key);
+}
+
+absl::StatusOr<store::RemoteJob> DecodeOwner(const std::string& bytes, const RemoteKey& key) {
+  CKPT_ASSIGN_OR_RETURN(absl::string_view body,
+                        Unseal(kOwnerMagic, "owner", bytes, key, "job owner record"));
+  store::RemoteJob job;
+  if (!job.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+    return absl::DataLossError("job owner record does not parse");
+  }
+  return job;
 }
 
 }  // namespace ckpt::remote

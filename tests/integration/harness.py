@@ -2,6 +2,7 @@
 real sockets, temporary data directories. Standard library only."""
 
 import atexit
+import base64
 import json
 import os
 import signal
@@ -134,6 +135,18 @@ class Daemon:
         if check and out.returncode != 0:
             raise RuntimeError("ckptctl %s failed (%d): %s" % (args, out.returncode, out.stderr))
         return json.loads(out.stdout) if out.stdout.strip() else None
+
+
+def remote_key(root, name="remote.key"):
+    """A cluster key for the remote tier under `root` (mode 0600): every ckptd
+    of a test that shares one remote tier is given the same file."""
+    path = os.path.join(root, name)
+    if not os.path.exists(path):
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(base64.b64encode(os.urandom(32)).decode() + "\n")
+    return path
 
 
 def trainer_cmd(daemon, job, *args):

@@ -90,9 +90,10 @@ def metric(d, name, labels=""):
 
 
 def remote_args(backend, where, creds):
+    key = "--remote_key_file=" + harness.remote_key(os.path.dirname(creds))
     if backend == "posix":
-        return ["--remote_kind=posix", "--remote_path=" + where]
-    return ["--remote_kind=s3", "--remote_endpoint=" + where.endpoint,
+        return ["--remote_kind=posix", "--remote_path=" + where, key]
+    return ["--remote_kind=s3", key, "--remote_endpoint=" + where.endpoint,
             "--remote_bucket=" + where.bucket, "--remote_region=" + where.region,
             "--remote_credentials_file=" + creds, "--remote_part_bytes=5242880"]
 

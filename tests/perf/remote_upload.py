@@ -82,7 +82,8 @@ def main():
         rgw.start()
         creds = os.path.join(root, "cred")
         rgw.write_credentials(creds)
-        extra = ["--remote_kind=s3", "--remote_endpoint=" + rgw.endpoint,
+        extra = ["--remote_kind=s3", "--remote_key_file=" + harness.remote_key(root),
+                 "--remote_endpoint=" + rgw.endpoint,
                  "--remote_bucket=" + rgw.bucket, "--remote_region=" + rgw.region,
                  "--remote_credentials_file=" + creds, "--remote_part_bytes=%d" % PART,
                  "--remote_parallel_parts=%d" % PARALLEL]

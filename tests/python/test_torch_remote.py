@@ -59,7 +59,8 @@ def main():
     torch.set_num_threads(1)
     root = harness.tempdir("ckpt-torch-remote-")
     shared = os.path.join(root, "shared")
-    extra = ["--remote_kind=posix", "--remote_path=" + shared]
+    extra = ["--remote_kind=posix", "--remote_path=" + shared,
+             "--remote_key_file=" + harness.remote_key(root)]
     try:
         a = harness.Daemon(os.path.join(root, "a"), extra=extra).start()
         model, opt, sched = make()

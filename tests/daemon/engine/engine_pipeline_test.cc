@@ -1458,6 +1458,7 @@ class RemoteTierTest : public EnginePipelineTest {
   EngineOptions WithRemote() {
     EngineOptions o = OneWriter();
     o.remote = faulty_.get();
+    o.remote_key = &key_;
     o.remote_retry_min = absl::Milliseconds(10);
     o.remote_retry_max = absl::Milliseconds(50);
     return o;
@@ -1478,6 +1479,7 @@ class RemoteTierTest : public EnginePipelineTest {
 
   TempDir remote_dir_;
   std::unique_ptr<remote::PosixStore> posix_;
+  const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
   std::unique_ptr<remote::FaultyStore> faulty_;
 };
 

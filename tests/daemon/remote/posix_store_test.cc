@@ -111,6 +111,57 @@ TEST(PosixStore, RefusesBadKeysOversizedReadsAndSymlinks) {
   EXPECT_NE(stat((dir.path() + "/elsewhere/x").c_str(), &st), 0);
 }
 
+// A directory another user could write is refused at open, with what to
+// change: a manifest put there could be restored by every node.
+TEST(PosixStore, RefusesADirectoryOthersCanWrite) {
+  TempDir tmp;
+  const std::string shared = tmp.Join("shared");
+  ASSERT_EQ(mkdir(shared.c_str(), 0777), 0);
+  ASSERT_EQ(chmod(shared.c_str(), 0777), 0);
+  absl::StatusOr<std::unique_ptr<PosixStore>> open = PosixStore::Open(shared);
+  ASSERT_TRUE(absl::IsFailedPrecondition(open.status())) << open.status();
+  EXPECT_NE(open.status().message().find("another user"), absl::string_view::npos);
+  ASSERT_EQ(chmod(shared.c_str(), 0770), 0);  // group-writable: refused too
+  EXPECT_TRUE(absl::IsFailedPrecondition(PosixStore::Open(shared).status()));
+  ASSERT_EQ(chmod(shared.c_str(), 0750), 0);
+  EXPECT_TRUE(PosixStore::Open(shared).ok());
+  // Under a directory others may change (not sticky): refused.
+  const std::string open_parent = tmp.Join("open");
+  ASSERT_EQ(mkdir(open_parent.c_str(), 0777), 0);
+  ASSERT_EQ(chmod(open_parent.c_str(), 0777), 0);
+  const std::string below = open_parent + "/store";
+  absl::StatusOr<std::unique_ptr<PosixStore>> under = PosixStore::Open(below);
+  EXPECT_TRUE(absl::IsFailedPrecondition(under.status())) << under.status();
+  // A sticky one of root's (like /tmp) lets nobody move what is not theirs.
+  if (geteuid() == 0) {
+    ASSERT_EQ(chmod(open_parent.c_str(), 01777), 0);
+    EXPECT_TRUE(PosixStore::Open(below).ok());
+  }
+}
+
+// What sits in the store and is not an object ckptd wrote is refused as
+// DATA_LOSS, at once: a FIFO (never opened for reading, so no thread
+// blocks), a file others may write, a subdirectory others may write.
+TEST(PosixStore, RefusesFifosAndFilesOthersCanWrite) {
+  TempDir tmp;
+  CKPT_ASSERT_OK_AND_ASSIGN(auto store, PosixStore::Open(tmp.path()));
+  CKPT_ASSERT_OK(store->PutBytes("jobs/j/owner", "ok", /*if_absent=*/false));
+  ASSERT_EQ(mkfifo(tmp.Join("jobs/j/fifo").c_str(), 0640), 0);
+  absl::StatusOr<std::string> fifo = store->GetBytes("jobs/j/fifo", 1 << 20);
+  EXPECT_TRUE(absl::IsDataLoss(fifo.status())) << fifo.status();
+  UniqueFd out = TempFileWith(tmp.path(), "");
+  EXPECT_TRUE(absl::IsDataLoss(store->GetToFile("jobs/j/fifo", out.get(), 1 << 20).status()));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::vector<ObjectInfo> listed, store->List("jobs/"));
+  ASSERT_EQ(listed.size(), 1u);  // the FIFO is not an object
+  ASSERT_EQ(chmod(tmp.Join("jobs/j/owner").c_str(), 0666), 0);
+  EXPECT_TRUE(absl::IsDataLoss(store->GetBytes("jobs/j/owner", 1 << 20).status()));
+  ASSERT_EQ(chmod(tmp.Join("jobs/j/owner").c_str(), 0640), 0);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string ok, store->GetBytes("jobs/j/owner", 1 << 20));
+  EXPECT_EQ(ok, "ok");
+  ASSERT_EQ(chmod(tmp.Join("jobs/j").c_str(), 0777), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(store->GetBytes("jobs/j/owner", 1 << 20).status()));
+}
+
 TEST(FaultyStore, DownFailsEveryCallAndCountsThem) {
   TempDir dir;
   auto base = PosixStore::Open(dir.path());

@@ -1,10 +1,18 @@
-// Keys and the manifest codec of the remote tier.
+// Keys, the manifest and owner codecs and the cluster key of the remote tier.
 #include "daemon/remote/remote_layout.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "daemon/remote/remote_auth.h"
 #include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
 
 namespace ckpt::remote {
 namespace {
+
+RemoteKey TestKey(char fill = 'k') { return *RemoteKey::FromSecret(std::string(32, fill)); }
 
 TEST(RemoteLayout, KeysParseBack) {
   const std::string m = ManifestKey("job-1", 7, 12345);
@@ -39,19 +47,79 @@ TEST(RemoteLayout, ManifestRoundTripsAndDamageIsDetected) {
   v->set_layer(2);
   v->set_step(40);
   v->mutable_record()->set_file("L00000002-S0000000000000028-G0000000000000001.ckv");
-  const std::string bytes = EncodeManifest(m);
-  auto back = DecodeManifest(bytes);
+  const RemoteKey key = TestKey();
+  const std::string bytes = EncodeManifest(m, key);
+  auto back = DecodeManifest(bytes, key);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->SerializeAsString(), m.SerializeAsString());
   // Every single flipped byte, and every truncation, is refused.
   for (size_t i = 0; i < bytes.size(); ++i) {
     std::string bad = bytes;
     bad[i] = static_cast<char>(bad[i] ^ 0x5a);
-    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bad).status())) << "byte " << i;
+    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bad, key).status())) << "byte " << i;
   }
   for (size_t n = 0; n < bytes.size(); ++n) {
-    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bytes.substr(0, n)).status())) << "length " << n;
+    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bytes.substr(0, n), key).status())) << "length " << n;
   }
+}
+
+// A manifest or owner record made with another key (another cluster, or
+// someone who can write the store but holds no key) is never accepted, nor
+// are bytes signed for one purpose accepted as another.
+TEST(RemoteLayout, OnlyWhatTheClusterKeySignedIsAccepted) {
+  store::RemoteManifest m;
+  m.set_job_id("victim");
+  m.set_owner_uid(4242);
+  const RemoteKey key = TestKey('k');
+  const RemoteKey other = TestKey('x');
+  const std::string forged = EncodeManifest(m, other);
+  absl::StatusOr<store::RemoteManifest> got = DecodeManifest(forged, key);
+  EXPECT_TRUE(absl::IsDataLoss(got.status())) << got.status();
+  EXPECT_NE(got.status().message().find("remote_key_file"), absl::string_view::npos) << got.status();
+  // An owner record carries the same body bytes a manifest could: the
+  // purposes keep them apart.
+  store::RemoteJob job;
+  job.set_job_id("victim");
+  job.set_owner_uid(4243);
+  const std::string owner = EncodeOwner(job, key);
+  ASSERT_TRUE(DecodeOwner(owner, key).ok());
+  EXPECT_EQ(DecodeOwner(owner, key)->owner_uid(), 4243u);
+  EXPECT_TRUE(absl::IsDataLoss(DecodeOwner(owner, other).status()));
+  EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(owner, key).status()));
+  EXPECT_FALSE(key.Verify("manifest", "abc", key.Mac("object", "abc")));
+  EXPECT_TRUE(key.Verify("object", "abc", key.Mac("object", "abc")));
+  // A manifest of the format before the MAC (version 1) says so.
+  std::string v1 = EncodeManifest(m, key);
+  v1[7] = '\1';
+  absl::StatusOr<store::RemoteManifest> old = DecodeManifest(v1, key);
+  EXPECT_TRUE(absl::IsDataLoss(old.status()));
+  EXPECT_NE(old.status().message().find("older ckptd"), absl::string_view::npos) << old.status();
+}
+
+// The key file is a secret: refused when others may read it, when it is a
+// link or a FIFO (which must not block), or too short.
+TEST(RemoteKey, FromFileRefusesWhatIsNotASecretFile) {
+  ckpt::testing::TempDir dir;
+  const std::string good = dir.Join("key");
+  ckpt::testing::WriteFile(good, std::string(44, 'a') + "\n");
+  ASSERT_EQ(chmod(good.c_str(), 0600), 0);
+  absl::StatusOr<RemoteKey> key = RemoteKey::FromFile(good);
+  ASSERT_TRUE(key.ok()) << key.status();
+  EXPECT_EQ(key->Mac("object", "x"), RemoteKey::FromSecret(std::string(44, 'a'))->Mac("object", "x"));
+  ASSERT_EQ(chmod(good.c_str(), 0640), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(RemoteKey::FromFile(good).status()));
+  ASSERT_EQ(chmod(good.c_str(), 0600), 0);
+  const std::string link = dir.Join("link");
+  ASSERT_EQ(symlink(good.c_str(), link.c_str()), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(RemoteKey::FromFile(link).status()));
+  const std::string fifo = dir.Join("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(RemoteKey::FromFile(fifo).status()));
+  const std::string short_key = dir.Join("short");
+  ckpt::testing::WriteFile(short_key, "too short");
+  ASSERT_EQ(chmod(short_key.c_str(), 0600), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(RemoteKey::FromFile(short_key).status()));
+  EXPECT_TRUE(absl::IsNotFound(RemoteKey::FromFile(dir.Join("none")).status()));
 }
 
 }  // namespace

@@ -1,0 +1,166 @@
+#include "daemon/remote/remote_auth.h"
+
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/params.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <memory>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "base/unique_fd.h"
+
+namespace ckpt::remote {
+namespace {
+
+constexpr size_t kReadBuffer = 1 << 20;
+
+struct MacCtxFree {
+  void operator()(EVP_MAC_CTX* c) const { EVP_MAC_CTX_free(c); }
+};
+struct MacFree {
+  void operator()(EVP_MAC* m) const { EVP_MAC_free(m); }
+};
+
+// An HMAC-SHA256 context keyed with `secret`, fed with `purpose` and a NUL.
+std::unique_ptr<EVP_MAC_CTX, MacCtxFree> Begin(const std::string& secret,
+                                               std::string_view purpose) {
+  std::unique_ptr<EVP_MAC, MacFree> mac(EVP_MAC_fetch(nullptr, "HMAC", nullptr));
+  if (mac == nullptr) return nullptr;
+  std::unique_ptr<EVP_MAC_CTX, MacCtxFree> ctx(EVP_MAC_CTX_new(mac.get()));
+  if (ctx == nullptr) return nullptr;
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
+                         OSSL_PARAM_construct_end()};
+  if (EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(secret.data()),
+                   secret.size(), params) != 1) {
+    return nullptr;
+  }
+  const unsigned char nul = 0;
+  if (EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(purpose.data()),
+                     purpose.size()) != 1 ||
+      EVP_MAC_update(ctx.get(), &nul, 1) != 1) {
+    return nullptr;
+  }
+  return ctx;
+}
+
+std::string Finish(EVP_MAC_CTX* ctx) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  size_t len = 0;
+  if (EVP_MAC_final(ctx, out, &len, sizeof(out)) != 1 || len != RemoteKey::kMacBytes) return "";
+  return std::string(reinterpret_cast<char*>(out), len);
+}
+
+}  // namespace
+
+bool MacEqual(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && !a.empty() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+absl::StatusOr<RemoteKey> RemoteKey::FromSecret(std::string secret) {
+  if (secret.size() < kMinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the remote tier's key must hold at least ",
+                                                   kMinSecretBytes, " bytes, not ", secret.size()));
+  }
+  return RemoteKey(std::move(secret));
+}
+
+absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
+  // O_NONBLOCK: a FIFO planted in its place must not block start-up.
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (!fd.valid()) {
+    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("remote_key_file ", path, " does not exist"));
+    if (errno == ELOOP) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("remote_key_file ", path, " is a symbolic link; name the file itself"));
+    }
+    return ErrnoStatus(errno, absl::StrCat("open remote_key_file ", path));
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " is not a file"));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "remote_key_file ", path, " may be read or written by others (mode ",
+        absl::StrCat(absl::Hex(st.st_mode & 0777)), "); chmod 600 it"));
+  }
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote_key_file ", path, " belongs to uid ", st.st_uid,
+                     ", neither ckptd's nor root"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > kMaxSecretBytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote_key_file ", path, " holds more than ", kMaxSecretBytes, " bytes"));
+  }
+  std::string secret(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < secret.size()) {
+    ssize_t r = pread(fd.get(), secret.data() + done, secret.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return ErrnoStatus(errno, absl::StrCat("read ", path));
+    if (r == 0) break;
+    done += static_cast<size_t>(r);
+  }
+  secret.resize(done);
+  while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
+  absl::StatusOr<RemoteKey> key = FromSecret(std::move(secret));
+  if (!key.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote_key_file ", path, ": ", key.status().message(),
+                     " (make one with: head -c 32 /dev/urandom | base64 > FILE)"));
+  }
+  return key;
+}
+
+std::string RemoteKey::Mac(std::string_view purpose, std::string_view data) const {
+  auto ctx = Begin(secret_, purpose);
+  if (ctx == nullptr ||
+      EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(data.data()), data.size()) != 1) {
+    return "";
+  }
+  return Finish(ctx.get());
+}
+
+absl::StatusOr<std::string> RemoteKey::MacOfFile(std::string_view purpose, int fd,
+                                                 uint64_t size) const {
+  auto ctx = Begin(secret_, purpose);
+  if (ctx == nullptr) return absl::InternalError("HMAC-SHA256 is not available in OpenSSL");
+  std::string buf(static_cast<size_t>(std::min<uint64_t>(kReadBuffer, size)), '\0');
+  uint64_t done = 0;
+  while (done < size) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
+    ssize_t r = pread(fd, buf.data(), want, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return ErrnoStatus(errno, "read for the MAC");
+    if (r == 0) return absl::DataLossError(absl::StrCat("short file: ", done, " of ", size, " bytes"));
+    if (EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(buf.data()),
+                       static_cast<size_t>(r)) != 1) {
+      return absl::InternalError("HMAC-SHA256 failed in OpenSSL");
+    }
+    done += static_cast<uint64_t>(r);
+  }
+  std::string mac = Finish(ctx.get());
+  if (mac.empty()) return absl::InternalError("HMAC-SHA256 failed in OpenSSL");
+  return mac;
+}
+
+bool RemoteKey::Verify(std::string_view purpose, std::string_view data, std::string_view mac) const {
+  return MacEqual(Mac(purpose, data), mac);
+}
+
+std::string RemoteKey::Fingerprint() const {
+  return absl::BytesToHexString(Mac("fingerprint", "").substr(0, 6));
+}
+
+}  // namespace ckpt::remote

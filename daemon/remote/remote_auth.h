@@ -1,0 +1,62 @@
+// RemoteKey: the cluster key that authenticates what ckptd writes to the
+// remote tier, so that a manifest, an object or a job's owner record that
+// no ckptd of the cluster wrote is never served (docs/remote.md, "Trust").
+//
+// A remote tier may be writable by more than ckptd: an object store's
+// bucket by anyone holding its credentials, a shared directory by a careless
+// mode. ckptd therefore signs everything it writes there with HMAC-SHA256
+// under a secret every node of the cluster shares (remote_key_file, a
+// credential file): each manifest and owner record carries its MAC, and
+// each manifest carries the MAC of every version object it names. A reader
+// checks the MAC before it trusts a byte; a file-format checksum (XXH3) is
+// no defence against someone who can write the store.
+//
+// Every MAC is domain-separated by a purpose ("manifest", "object",
+// "owner"), so bytes signed for one use are never accepted for another.
+//
+// Thread-safety: immutable after construction; safe to share.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::remote {
+
+class RemoteKey {
+ public:
+  static constexpr size_t kMacBytes = 32;      // HMAC-SHA256
+  static constexpr size_t kMinSecretBytes = 32;
+  static constexpr size_t kMaxSecretBytes = 4096;
+
+  // Reads the secret from `path`: a regular file (never a link or a FIFO)
+  // that only its owner may read or write (mode 0600 or stricter), holding
+  // at least kMinSecretBytes after trimming a final newline.
+  // FAILED_PRECONDITION naming the path otherwise; NOT_FOUND when missing.
+  static absl::StatusOr<RemoteKey> FromFile(const std::string& path);
+  // INVALID_ARGUMENT when shorter than kMinSecretBytes.
+  static absl::StatusOr<RemoteKey> FromSecret(std::string secret);
+
+  // The MAC of `data` for `purpose`: kMacBytes raw bytes.
+  std::string Mac(std::string_view purpose, std::string_view data) const;
+  // The MAC of the first `size` bytes of `fd` (read with pread from 0).
+  // DATA_LOSS when the file is shorter; the read's errno otherwise.
+  absl::StatusOr<std::string> MacOfFile(std::string_view purpose, int fd, uint64_t size) const;
+  // Whether `mac` is the MAC of `data` (compared in constant time).
+  bool Verify(std::string_view purpose, std::string_view data, std::string_view mac) const;
+  // A short public name of the key (the first bytes of the MAC of nothing),
+  // for logs: never the secret.
+  std::string Fingerprint() const;
+
+ private:
+  explicit RemoteKey(std::string secret) : secret_(std::move(secret)) {}
+  std::string secret_;
+};
+
+// Whether two MACs are equal, in time that does not depend on where they
+// differ.
+bool MacEqual(std::string_view a, std::string_view b);
+
+}  // namespace ckpt::remote
