@@ -1,3 +1,8 @@
+// Index (index.h): opening the database under its lock, the schema stamp,
+// the one writer every write goes through and the degraded state after a
+// failed one, and the m/ keys (the generation counter, the clean-stop mark).
+// Jobs and ranks are in index_records.cc, version records and their counts
+// in index_versions.cc, events in index_events.cc.
 #include "daemon/store/index.h"
 
 #include <rocksdb/db.h>
@@ -9,90 +14,27 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 
-#include <algorithm>
 #include <cerrno>
-#include <cinttypes>
 #include <cstdio>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/store/index_internal.h"
 
 namespace ckpt {
+
+using index_internal::FromRocks;
+using index_internal::IndexClosed;
+
 namespace {
 
-absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
-  if (s.ok()) return absl::OkStatus();
-  std::string msg = absl::StrCat("rocksdb ", what, ": ", s.ToString());
-  if (s.IsCorruption()) return absl::DataLossError(msg);
-  if (s.IsNotFound()) return absl::NotFoundError(msg);
-  if (s.IsNoSpace()) return WithReason(absl::ResourceExhaustedError(msg), ErrorReason::kDiskFull);
-  return WithReason(absl::InternalError(msg), ErrorReason::kIndex);
-}
-
-std::string RankPrefix(char kind, const std::string& job, uint32_t rank) {
-  return absl::StrFormat("%c/%s/%08x/", kind, job, rank);
-}
-std::string VersionKeyString(const VersionKey& k) {
-  return absl::StrFormat("v/%s/%08x/%08x/%016x", k.job, k.rank, k.layer, k.step);
-}
-std::string EventKey(const std::string& job, uint32_t rank, uint64_t step) {
-  return absl::StrFormat("e/%s/%08x/%016x", job, rank, step);
-}
-
-// Only the canonical form the writers produce (fixed width, lower case, no
-// sign or "0x"): any other spelling would parse to a number whose canonical
-// key is a different key, so deleting "it" would delete nothing.
-bool IsLowerHex(absl::string_view s) {
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-}
-bool ParseHex32(absl::string_view s, uint32_t* out) {
-  if (s.size() != 8 || !IsLowerHex(s)) return false;
-  return absl::SimpleHexAtoi(s, out);
-}
-bool ParseHex64(absl::string_view s, uint64_t* out) {
-  if (s.size() != 16 || !IsLowerHex(s)) return false;
-  return absl::SimpleHexAtoi(s, out);
-}
-
-// "<layer:8>/<step:16>", the end of a version key.
-bool ParseLayerStep(absl::string_view rest, uint32_t* layer, uint64_t* step) {
-  return rest.size() == 25 && ParseHex32(rest.substr(0, 8), layer) &&
-         ParseHex64(rest.substr(9), step);
-}
-
-// Counts one more version of `layer` in `r`.
-void AddVersion(Index::RankVersions& r, uint32_t layer, uint64_t file_bytes) {
-  if (r.layers.size() <= layer) r.layers.resize(static_cast<size_t>(layer) + 1);
-  ++r.layers[layer].versions;
-  r.layers[layer].file_bytes += file_bytes;
-  ++r.total.versions;
-  r.total.file_bytes += file_bytes;
-}
-
-template <typename Msg>
-absl::StatusOr<Msg> ParseRecord(const rocksdb::Slice& v, absl::string_view key) {
-  Msg m;
-  if (!m.ParseFromArray(v.data(), static_cast<int>(v.size()))) {
-    return absl::DataLossError(absl::StrCat("index record ", key, " does not parse"));
-  }
-  return m;
-}
-
+// Makes the read and the write of m/generation one step (NextGeneration,
+// RaiseGeneration).
 absl::Mutex g_generation_mu;
-
-absl::Status IndexClosed() {
-  return WithReason(absl::UnavailableError(
-                        "the index could not be reopened after a write failure; it is retried "
-                        "at the next write"),
-                    ErrorReason::kIndex);
-}
+constexpr char kCleanStopKey[] = "m/clean_stop";
 
 // RocksDB's info log, into ckptd's log: warnings and errors only (background
 // errors, recovery), and never a file on the data file system (see index.h).
@@ -302,10 +244,6 @@ absl::Status Index::RaiseGeneration(uint64_t used) {
   return Put("m/generation", absl::StrCat(used + 1));
 }
 
-namespace {
-constexpr char kCleanStopKey[] = "m/clean_stop";
-}  // namespace
-
 absl::Status Index::MarkCleanStop() {
   uint64_t before = 0;
   {
@@ -336,329 +274,6 @@ uint64_t Index::MemoryBytes() {
     if (db_->GetIntProperty(p, &v)) sum += v;
   }
   return sum;
-}
-
-absl::Status Index::PutJob(const std::string& job, const store::JobRecord& rec) {
-  return Put(absl::StrCat("j/", job), rec.SerializeAsString());
-}
-
-absl::StatusOr<std::optional<store::JobRecord>> Index::GetJob(const std::string& job) {
-  const std::string key = absl::StrCat("j/", job);
-  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(key));
-  if (!v.has_value()) return std::optional<store::JobRecord>();
-  CKPT_ASSIGN_OR_RETURN(store::JobRecord rec, ParseRecord<store::JobRecord>(*v, key));
-  return std::optional<store::JobRecord>(std::move(rec));
-}
-
-absl::StatusOr<std::vector<std::string>> Index::ListJobs() {
-  std::vector<std::string> jobs;
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->Seek("j/"); it->Valid() && it->key().starts_with("j/"); it->Next()) {
-    entries_read_.fetch_add(1, std::memory_order_relaxed);
-    jobs.push_back(it->key().ToString().substr(2));
-  }
-  CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "list jobs"));
-  return jobs;
-}
-
-absl::Status Index::PutRank(const std::string& job, uint32_t rank, const store::RankRecord& rec) {
-  return Put(absl::StrFormat("r/%s/%08x", job, rank), rec.SerializeAsString());
-}
-
-absl::Status Index::DeleteJob(const std::string& job) { return Delete(absl::StrCat("j/", job)); }
-
-absl::Status Index::DeleteRank(const std::string& job, uint32_t rank) {
-  return Delete(absl::StrFormat("r/%s/%08x", job, rank));
-}
-
-absl::StatusOr<std::optional<store::RankRecord>> Index::GetRank(const std::string& job,
-                                                               uint32_t rank) {
-  const std::string key = absl::StrFormat("r/%s/%08x", job, rank);
-  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> v, Get(key));
-  if (!v.has_value()) return std::optional<store::RankRecord>();
-  CKPT_ASSIGN_OR_RETURN(store::RankRecord rec, ParseRecord<store::RankRecord>(*v, key));
-  return std::optional<store::RankRecord>(std::move(rec));
-}
-
-absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
-  std::vector<uint32_t> ranks;
-  const std::string prefix = absl::StrCat("r/", job, "/");
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    entries_read_.fetch_add(1, std::memory_order_relaxed);
-    uint32_t r;
-    if (ParseHex32(absl::string_view(it->key().data() + prefix.size(), it->key().size() - prefix.size()), &r)) {
-      ranks.push_back(r);
-    }
-  }
-  CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "list ranks"));
-  return ranks;
-}
-
-absl::Status Index::PutVersion(const VersionKey& key, const store::VersionRecord& rec) {
-  return PutVersions({key}, {rec});
-}
-
-absl::Status Index::PutVersions(const std::vector<VersionKey>& keys,
-                                const std::vector<store::VersionRecord>& records) {
-  if (keys.size() != records.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(keys.size(), " version keys for ",
-                                                   records.size(), " records"));
-  }
-  absl::MutexLock lock(&version_mu_);
-  // A record written over (the same layer and step again) replaces the one
-  // it counted.
-  std::vector<std::string> k(keys.size());
-  std::vector<std::optional<std::string>> old(keys.size());
-  rocksdb::WriteBatch batch;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    k[i] = VersionKeyString(keys[i]);
-    CKPT_ASSIGN_OR_RETURN(old[i], Get(k[i]));
-    batch.Put(k[i], records[i].SerializeAsString());
-  }
-  rocksdb::WriteOptions wo;
-  wo.sync = true;
-  CKPT_RETURN_IF_ERROR(Write(wo, &batch,
-                             keys.size() == 1 ? absl::StrCat("put ", k[0])
-                                              : absl::StrCat("put ", keys.size(), " versions")));
-  // A key twice in the batch: the second record replaces the first.
-  std::map<absl::string_view, uint64_t> put_bytes;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    auto [it, first] = put_bytes.try_emplace(k[i], records[i].file_bytes());
-    if (!first) {
-      CountLocked(keys[i], -1, it->second);
-      it->second = records[i].file_bytes();
-    } else if (old[i].has_value()) {
-      store::VersionRecord was;
-      CountLocked(keys[i], -1, was.ParseFromString(*old[i]) ? was.file_bytes() : 0);
-    }
-    CountLocked(keys[i], +1, records[i].file_bytes());
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Index::DeleteVersion(const VersionKey& key) {
-  const std::string k = VersionKeyString(key);
-  absl::MutexLock lock(&version_mu_);
-  CKPT_ASSIGN_OR_RETURN(std::optional<std::string> old, Get(k));
-  CKPT_RETURN_IF_ERROR(Delete(k));
-  if (old.has_value()) {
-    store::VersionRecord was;
-    CountLocked(key, -1, was.ParseFromString(*old) ? was.file_bytes() : 0);
-  }
-  return absl::OkStatus();
-}
-
-void Index::CountLocked(const VersionKey& key, int sign, uint64_t file_bytes) {
-  auto it = versions_.find(std::make_pair(key.job, key.rank));
-  if (it == versions_.end()) {
-    if (sign < 0) return;
-    it = versions_.emplace(std::make_pair(key.job, key.rank), RankVersions()).first;
-  }
-  RankVersions& r = it->second;
-  if (sign > 0) {
-    AddVersion(r, key.layer, file_bytes);
-    return;
-  }
-  if (r.layers.size() <= key.layer) r.layers.resize(static_cast<size_t>(key.layer) + 1);
-  VersionCount& l = r.layers[key.layer];
-  auto sub = [](uint64_t& v, uint64_t d) { v = v > d ? v - d : 0; };
-  sub(l.versions, 1);
-  sub(l.file_bytes, file_bytes);
-  sub(r.total.versions, 1);
-  sub(r.total.file_bytes, file_bytes);
-  if (r.total.versions == 0) versions_.erase(it);
-}
-
-absl::Status Index::CountVersions() {
-  absl::MutexLock lock(&version_mu_);
-  versions_.clear();
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  // v/<job>/<rank:8>/<layer:8>/<step:16>; consecutive records are mostly of
-  // one rank, whose entry is looked up once per run.
-  RankVersions* current = nullptr;
-  std::string current_job;
-  uint32_t current_rank = 0;
-  for (it->Seek("v/"); it->Valid() && it->key().starts_with("v/"); it->Next()) {
-    absl::string_view k(it->key().data(), it->key().size());
-    if (k.size() < 2 + 1 + 1 + 8 + 1 + 8 + 1 + 16) continue;  // not a version key: not counted
-    const absl::string_view tail = k.substr(k.size() - (8 + 1 + 8 + 1 + 16));  // <rank>/<layer>/<step>
-    const absl::string_view job = k.substr(2, k.size() - 2 - tail.size() - 1);
-    uint32_t rank = 0, layer = 0;
-    uint64_t step = 0;
-    if (k[k.size() - tail.size() - 1] != '/' || tail[8] != '/' || tail[17] != '/' ||
-        !ParseHex32(tail.substr(0, 8), &rank) || !ParseLayerStep(tail.substr(9), &layer, &step)) {
-      continue;
-    }
-    if (current == nullptr || job != current_job || rank != current_rank) {
-      current_job = std::string(job);
-      current_rank = rank;
-      current = &versions_[std::make_pair(current_job, rank)];
-    }
-    store::VersionRecord rec;
-    const uint64_t bytes =
-        rec.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))
-            ? rec.file_bytes()
-            : 0;
-    AddVersion(*current, layer, bytes);
-  }
-  return FromRocks(it->status(), "count versions");
-}
-
-Index::RankVersions Index::VersionsOf(const std::string& job, uint32_t rank) const {
-  absl::MutexLock lock(&version_mu_);
-  auto it = versions_.find(std::make_pair(job, rank));
-  return it == versions_.end() ? RankVersions() : it->second;
-}
-
-absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::VersionAtOrBefore(
-    const std::string& job, uint32_t rank, uint32_t layer, uint64_t max_step) {
-  using Result = std::optional<std::pair<uint64_t, store::VersionRecord>>;
-  const std::string prefix = absl::StrFormat("v/%s/%08x/%08x/", job, rank, layer);
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  it->SeekForPrev(absl::StrFormat("%s%016x", prefix, max_step));
-  if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
-  if (!it->Valid() || !it->key().starts_with(prefix)) {
-    CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek version"));
-    return Result();
-  }
-  uint64_t step;
-  absl::string_view k(it->key().data(), it->key().size());
-  if (!ParseHex64(k.substr(prefix.size()), &step)) {
-    return absl::DataLossError(absl::StrCat("bad index key ", k));
-  }
-  CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec, ParseRecord<store::VersionRecord>(it->value(), k));
-  return Result(std::make_pair(step, std::move(rec)));
-}
-
-absl::Status Index::ForEachVersion(
-    const std::string& job, uint32_t rank, int64_t layer,
-    const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn) {
-  const std::string prefix = layer < 0 ? absl::StrFormat("v/%s/%08x/", job, rank)
-                                       : absl::StrFormat("v/%s/%08x/%08x/", job, rank,
-                                                         static_cast<uint32_t>(layer));
-  const size_t rank_prefix = absl::StrFormat("v/%s/%08x/", job, rank).size();
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    entries_read_.fetch_add(1, std::memory_order_relaxed);
-    absl::string_view k(it->key().data(), it->key().size());
-    VersionKey vk{job, rank, 0, 0};
-    if (!ParseLayerStep(k.substr(rank_prefix), &vk.layer, &vk.step)) {
-      return absl::DataLossError(absl::StrCat("bad index key ", k));
-    }
-    CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
-                          ParseRecord<store::VersionRecord>(it->value(), k));
-    if (!fn(vk, rec)) break;
-  }
-  return FromRocks(it->status(), "scan versions");
-}
-
-absl::Status Index::ForEachVersionAfter(
-    const std::string& job, uint32_t rank, uint64_t after_step,
-    const std::function<bool(const VersionKey&, const store::VersionRecord&)>& fn) {
-  const std::string prefix = absl::StrFormat("v/%s/%08x/", job, rank);
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  it->Seek(prefix);
-  while (it->Valid() && it->key().starts_with(prefix)) {
-    entries_read_.fetch_add(1, std::memory_order_relaxed);
-    absl::string_view k(it->key().data(), it->key().size());
-    VersionKey vk{job, rank, 0, 0};
-    if (!ParseLayerStep(k.substr(prefix.size()), &vk.layer, &vk.step)) {
-      return absl::DataLossError(absl::StrCat("bad index key ", k));
-    }
-    if (vk.step <= after_step) {
-      // The rest of this layer's history below the step is skipped with one
-      // seek (after_step + 1 cannot wrap: a step above it exists only then).
-      if (after_step == ~uint64_t{0}) {
-        if (vk.layer == ~uint32_t{0}) break;
-        it->Seek(absl::StrFormat("%s%08x/", prefix, vk.layer + 1));
-      } else {
-        it->Seek(absl::StrFormat("%s%08x/%016x", prefix, vk.layer, after_step + 1));
-      }
-      continue;
-    }
-    CKPT_ASSIGN_OR_RETURN(store::VersionRecord rec,
-                          ParseRecord<store::VersionRecord>(it->value(), k));
-    if (!fn(vk, rec)) break;
-    it->Next();
-  }
-  return FromRocks(it->status(), "scan versions");
-}
-
-absl::Status Index::PutEvent(const std::string& job, uint32_t rank, uint64_t step,
-                             const store::EventRecord& rec) {
-  return Put(EventKey(job, rank, step), rec.SerializeAsString());
-}
-
-absl::Status Index::PutEvents(const std::string& job, uint32_t rank,
-                              const std::vector<std::pair<uint64_t, store::EventRecord>>& events) {
-  rocksdb::WriteBatch batch;
-  for (const auto& [step, rec] : events) batch.Put(EventKey(job, rank, step), rec.SerializeAsString());
-  rocksdb::WriteOptions wo;
-  wo.sync = true;
-  return Write(wo, &batch, "put events");
-}
-
-absl::Status Index::DeleteEvent(const std::string& job, uint32_t rank, uint64_t step) {
-  return Delete(EventKey(job, rank, step));
-}
-
-absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::EventAtOrBefore(
-    const std::string& job, uint32_t rank, uint64_t max_step) {
-  using Result = std::optional<std::pair<uint64_t, store::EventRecord>>;
-  const std::string prefix = RankPrefix('e', job, rank);
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  it->SeekForPrev(EventKey(job, rank, max_step));
-  if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
-  if (!it->Valid() || !it->key().starts_with(prefix)) {
-    CKPT_RETURN_IF_ERROR(FromRocks(it->status(), "seek event"));
-    return Result();
-  }
-  absl::string_view k(it->key().data(), it->key().size());
-  uint64_t step;
-  if (!ParseHex64(k.substr(prefix.size()), &step)) {
-    return absl::DataLossError(absl::StrCat("bad index key ", k));
-  }
-  CKPT_ASSIGN_OR_RETURN(store::EventRecord rec, ParseRecord<store::EventRecord>(it->value(), k));
-  return Result(std::make_pair(step, std::move(rec)));
-}
-
-absl::Status Index::ForEachEvent(const std::string& job, uint32_t rank, bool newest_first,
-                                 const std::function<bool(uint64_t, const store::EventRecord&)>& fn) {
-  const std::string prefix = RankPrefix('e', job, rank);
-  absl::ReaderMutexLock db_lock(&db_mu_);
-  if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  if (newest_first) {
-    it->SeekForPrev(EventKey(job, rank, ~uint64_t{0}));
-  } else {
-    it->Seek(prefix);
-  }
-  for (; it->Valid() && it->key().starts_with(prefix); newest_first ? it->Prev() : it->Next()) {
-    entries_read_.fetch_add(1, std::memory_order_relaxed);
-    absl::string_view k(it->key().data(), it->key().size());
-    uint64_t step;
-    if (!ParseHex64(k.substr(prefix.size()), &step)) {
-      return absl::DataLossError(absl::StrCat("bad index key ", k));
-    }
-    CKPT_ASSIGN_OR_RETURN(store::EventRecord rec, ParseRecord<store::EventRecord>(it->value(), k));
-    if (!fn(step, rec)) break;
-  }
-  return FromRocks(it->status(), "scan events");
 }
 
 }  // namespace ckpt
