@@ -8,8 +8,11 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
@@ -30,6 +33,7 @@
 #include "daemon/store/index.h"
 #include "daemon/store/layer_store.h"
 
+namespace ckpt {
 namespace {
 
 constexpr char kUsage[] =
@@ -45,6 +49,16 @@ constexpr int kExitNeedsOperator = 78;
 // The remote tier the config names; null for none. A store that refuses
 // ckptd's credentials or does not answer is logged and kept: training and
 // local checkpoints go on, and the uploader retries (docs/remote.md).
+// The cluster key of the remote tier, when there is one (`store`).
+absl::StatusOr<std::optional<ckpt::remote::RemoteKey>> LoadRemoteKey(const ckpt::RemoteConfig& rc,
+                                                                     ckpt::remote::RemoteStore* store) {
+  if (store == nullptr) return std::optional<ckpt::remote::RemoteKey>();
+  absl::StatusOr<ckpt::remote::RemoteKey> key = ckpt::remote::RemoteKey::FromFile(rc.key_file);
+  if (!key.ok()) return key.status();
+  CKPT_LOG(INFO) << "remote tier: signing with the cluster key " << key->Fingerprint();
+  return std::optional<ckpt::remote::RemoteKey>(*std::move(key));
+}
+
 absl::StatusOr<std::unique_ptr<ckpt::remote::RemoteStore>> OpenRemote(
     const ckpt::RemoteConfig& rc) {
   using ckpt::remote::RemoteStore;
@@ -111,12 +125,12 @@ int FailDataDir(const std::string& what, const absl::Status& s) {
   return kExitNeedsOperator;
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  using namespace ckpt;
-  InitKillPoints();
-  DaemonConfig config;
+// Reads the command line: --config=FILE first, then every other --key=value
+// over it, then Validate(). Returns the exit status when main() is to stop
+// here: 0 after --help or a --dump-* (printed), 2 after a usage or config
+// error (printed to stderr); nullopt when ckptd is to run with `config`.
+std::optional<int> ParseCommandLine(int argc, char** argv, DaemonConfig* config) {
   std::string config_path;
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 1; i < argc; ++i) {
@@ -153,46 +167,52 @@ int main(int argc, char** argv) {
     }
   }
   if (!config_path.empty()) {
-    if (absl::Status s = LoadConfigFile(config_path, &config); !s.ok()) {
+    if (absl::Status s = LoadConfigFile(config_path, config); !s.ok()) {
       std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
   for (const auto& [k, v] : flags) {
-    if (absl::Status s = SetConfigOption(k, v, &config); !s.ok()) {
+    if (absl::Status s = SetConfigOption(k, v, config); !s.ok()) {
       std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
-  if (absl::Status s = config.Validate(); !s.ok()) {
+  if (absl::Status s = config->Validate(); !s.ok()) {
     std::fprintf(stderr, "ckptd: %s\n", std::string(s.message()).c_str());
     return 2;
   }
+  return std::nullopt;
+}
 
-  // SIGTERM/SIGINT are taken synchronously by the main thread (sigwait).
+// SIGTERM/SIGINT are taken synchronously by the main thread (sigwait,
+// WaitForStopSignal): blocked here, before ckptd starts a thread, so every
+// thread it starts inherits the mask. SIGPIPE is ignored.
+sigset_t BlockStopSignals() {
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  return sigs;
+}
 
-  CKPT_LOG(INFO) << "ckptd starting: data_dir " << config.data_dir << ", socket " << config.socket;
-  FileSystem* fs = DefaultFileSystem();
-  absl::StatusOr<UniqueFd> data_dir = fs->MakeDirs(config.data_dir);
-  if (!data_dir.ok()) return Fail("data directory", data_dir.status());
-  absl::StatusOr<std::unique_ptr<Index>> index = Index::Open(config.data_dir + "/index");
-  if (!index.ok()) return FailIndex(config.data_dir, index.status());
-  LayerStore store(config.data_dir, fs, index->get(), config.direct_io);
-  if (absl::Status s = store.Init(); !s.ok()) return FailDataDir("store", s);
-  // After a clean stop every commit had finished: the recorded files are
-  // checked by name. After anything else, each one's size is checked.
-  absl::StatusOr<bool> clean_stop = (*index)->CleanStop();
+// Brings the store up: LayerStore::Init, then start-up reconciliation
+// (after a clean stop every commit had finished, so the recorded files are
+// checked by name; after anything else, each one's size is checked), logged.
+// Returns the exit status when ckptd cannot start; nullopt with `report`
+// filled in otherwise.
+std::optional<int> StartStore(const DaemonConfig& config, Index* index, LayerStore* store,
+                              ReconcileReport* report) {
+  if (absl::Status s = store->Init(); !s.ok()) return FailDataDir("store", s);
+  absl::StatusOr<bool> clean_stop = index->CleanStop();
   if (!clean_stop.ok()) return FailIndex(config.data_dir, clean_stop.status());
   const absl::Time reconcile_start = absl::Now();
-  absl::StatusOr<ReconcileReport> report = store.Reconcile(
+  absl::StatusOr<ReconcileReport> reconciled = store->Reconcile(
       *clean_stop ? LayerStore::ReconcileCheck::kNames : LayerStore::ReconcileCheck::kSizes);
-  if (!report.ok()) return FailDataDir("start-up reconciliation", report.status());
+  if (!reconciled.ok()) return FailDataDir("start-up reconciliation", reconciled.status());
+  *report = *reconciled;
   CKPT_LOG(INFO) << "start-up check "
                  << (*clean_stop ? "after a clean stop: recorded files looked up by name"
                                  : "after a crash or a first start: every recorded file's size "
@@ -203,74 +223,176 @@ int main(int argc, char** argv) {
                  << report->uncommitted_versions_removed << " unacknowledged versions and "
                  << report->dangling_records_removed << " dangling records removed";
   if (report->files_quarantined > 0) {
-    CKPT_LOG(WARNING) << "reconciled: " << report->files_quarantined
-                      << " layer files moved to " << config.data_dir
+    CKPT_LOG(WARNING) << "reconciled: " << report->files_quarantined << " layer files moved to "
+                      << config.data_dir
                       << "/quarantine (paths above); if acknowledged versions are missing, stop "
                          "ckptd and run `ckptctl repair --data-dir="
                       << config.data_dir << "`";
   }
+  return std::nullopt;
+}
 
+// The node-wide staging pool, pre-faulted (and locked when configured),
+// logged with how long that took.
+absl::StatusOr<std::unique_ptr<StagingPool>> CreateStagingPool(const StagingPoolOptions& options) {
   const absl::Time pool_start = absl::Now();
-  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(config.staging);
-  if (!pool.ok()) return Fail("staging pool", pool.status());
+  absl::StatusOr<std::unique_ptr<StagingPool>> pool = StagingPool::Create(options);
+  if (!pool.ok()) return pool;
   CKPT_LOG(INFO) << "staging pool: " << (*pool)->budget_bytes() << " bytes in "
                  << (*pool)->chunk_bytes() << "-byte chunks, pre-faulted in "
                  << absl::ToDoubleSeconds(absl::Now() - pool_start) << " s, "
                  << ((*pool)->locked() ? "locked" : "NOT locked");
+  return pool;
+}
 
-  HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes());
-  CKPT_LOG(INFO) << "gpu: " << CudaSupport() << "; " << cuda_pin.reason();
+// Starts the Prometheus endpoint on `address` (empty: none). Returns the
+// host:port it listens on, empty when it is off or failed to bind (a
+// warning: ckptd runs on without it).
+std::string StartMetricsEndpoint(const std::string& address, Metrics* metrics) {
+  if (address.empty()) return std::string();
+  if (absl::Status s = metrics->StartExposer(address); !s.ok()) {
+    CKPT_LOG(WARNING) << "metrics endpoint " << address
+                      << " unavailable, continuing without it: " << s;
+    return std::string();
+  }
+  auto colon = address.rfind(':');
+  std::string listening = absl::StrCat(
+      colon == std::string::npos ? std::string("0.0.0.0") : address.substr(0, colon), ":",
+      metrics->port());
+  CKPT_LOG(INFO) << "metrics on http://" << listening << "/metrics";
+  return listening;
+}
 
-  Metrics metrics(config.max_layer_series);
-  std::string metrics_address;
-  if (!config.metrics_address.empty()) {
-    if (absl::Status s = metrics.StartExposer(config.metrics_address); s.ok()) {
-      auto colon = config.metrics_address.rfind(':');
-      metrics_address = absl::StrCat(
-          colon == std::string::npos ? std::string("0.0.0.0") : config.metrics_address.substr(0, colon),
-          ":", metrics.port());
-      CKPT_LOG(INFO) << "metrics on http://" << metrics_address << "/metrics";
-    } else {
-      CKPT_LOG(WARNING) << "metrics endpoint " << config.metrics_address
-                        << " unavailable, continuing without it: " << s;
-    }
+// The directories of the gRPC and handover sockets: created 0750 when
+// missing (systemd's RuntimeDirectory does this in production), then
+// checked (CheckSocketDirectory).
+absl::Status MakeSocketDirectories(const DaemonConfig& config, FileSystem* fs) {
+  for (const std::string& sock : {config.socket, config.HandoverSocketPath()}) {
+    auto slash = sock.rfind('/');
+    if (slash == std::string::npos || slash == 0) continue;
+    CKPT_ASSIGN_OR_RETURN(UniqueFd dir, fs->MakeDirs(sock.substr(0, slash)));
+    CKPT_RETURN_IF_ERROR(CheckSocketDirectory(dir.get(), sock.substr(0, slash)));
+  }
+  return absl::OkStatus();
+}
+
+// The servers' counters at the last metrics collection. Hook runs are
+// serialized, so they need no lock.
+struct ServerCounters {
+  HandoverServer::Stats handover;
+  RpcServer::ConnectionStats rpc;
+};
+
+// The metrics hook's share beside Engine::CollectMetrics: what the handover
+// and gRPC servers counted since the last run.
+void CollectServerMetrics(const HandoverServer& handover, const RpcServer& rpc,
+                          ServerCounters* seen, Metrics* metrics) {
+  const HandoverServer::Stats now = handover.stats();
+  metrics->Set(Gauge::kHandoverFdsHeld, static_cast<double>(now.fds_held));
+  metrics->Inc(Counter::kHandoverRefused, static_cast<double>(now.refused - seen->handover.refused));
+  metrics->Inc(Counter::kHandoverAcceptErrors,
+               static_cast<double>(now.accept_errors - seen->handover.accept_errors));
+  seen->handover = now;
+  const RpcServer::ConnectionStats conns = rpc.connection_stats();
+  metrics->Inc(Counter::kRpcConnectionsRefused,
+               static_cast<double>(conns.refused - seen->rpc.refused));
+  metrics->Inc(Counter::kRpcAcceptErrors,
+               static_cast<double>(conns.accept_errors - seen->rpc.accept_errors));
+  seen->rpc = conns;
+}
+
+// Blocks until SIGTERM or SIGINT (BlockStopSignals), then tells systemd
+// that ckptd is stopping.
+void WaitForStopSignal(const sigset_t& sigs) {
+  int sig = 0;
+  sigwait(&sigs, &sig);
+  CKPT_LOG(INFO) << "signal " << sig << ": shutting down";
+  NotifyStopping();
+}
+
+// The parts the stop sequence takes down, in StopServing's order.
+struct Serving {
+  Engine* engine;
+  Metrics* metrics;
+  RpcServer* rpc;
+  HandoverServer* handover;
+  Index* index;
+};
+
+// Stops serving: the engine first -- it refuses new steps, wakes every
+// waiter and lets the writers finish staged versions within `grace` -- then
+// the RPC server can stop quickly, then the handover server; the sockets
+// are unlinked. Last the clean stop is recorded: nothing writes the store
+// or the index any more, every commit has finished, so the next start may
+// check the recorded files by name.
+void StopServing(const Serving& s, absl::Duration grace, const std::string& socket,
+                 const std::string& handover_socket) {
+  s.engine->Shutdown(grace);
+  s.metrics->SetCollectHook(nullptr);
+  s.rpc->Shutdown(absl::Seconds(1));
+  s.handover->Stop();
+  ::unlink(socket.c_str());
+  ::unlink(handover_socket.c_str());
+  if (absl::Status st = s.index->MarkCleanStop(); !st.ok()) {
+    CKPT_LOG(WARNING) << "could not record the clean stop (the next start checks every "
+                         "recorded file's size): "
+                      << st;
+  }
+}
+
+}  // namespace
+}  // namespace ckpt
+
+int main(int argc, char** argv) {
+  using namespace ckpt;
+  InitKillPoints();
+  DaemonConfig config;
+  if (std::optional<int> exit_status = ParseCommandLine(argc, argv, &config)) return *exit_status;
+  const sigset_t stop_signals = BlockStopSignals();
+
+  // The store and the index.
+  CKPT_LOG(INFO) << "ckptd starting: data_dir " << config.data_dir << ", socket " << config.socket;
+  FileSystem* fs = DefaultFileSystem();
+  absl::StatusOr<UniqueFd> data_dir = fs->MakeDirs(config.data_dir);
+  if (!data_dir.ok()) return Fail("data directory", data_dir.status());
+  absl::StatusOr<std::unique_ptr<Index>> index = Index::Open(config.data_dir + "/index");
+  if (!index.ok()) return FailIndex(config.data_dir, index.status());
+  LayerStore store(config.data_dir, fs, index->get(), config.direct_io);
+  ReconcileReport report;
+  if (std::optional<int> exit_status = StartStore(config, index->get(), &store, &report)) {
+    return *exit_status;
   }
 
+  // Staging memory, metrics and the remote tier.
+  absl::StatusOr<std::unique_ptr<StagingPool>> pool = CreateStagingPool(config.staging);
+  if (!pool.ok()) return Fail("staging pool", pool.status());
+  HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes());
+  CKPT_LOG(INFO) << "gpu: " << CudaSupport() << "; " << cuda_pin.reason();
+  Metrics metrics(config.max_layer_series);
+  const std::string metrics_address = StartMetricsEndpoint(config.metrics_address, &metrics);
   absl::StatusOr<std::unique_ptr<remote::RemoteStore>> remote_store = OpenRemote(config.remote);
   if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
   if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
 
-  std::optional<remote::RemoteKey> remote_key;
-  if (*remote_store != nullptr) {
-    absl::StatusOr<remote::RemoteKey> key = remote::RemoteKey::FromFile(config.remote.key_file);
-    if (!key.ok()) return Fail("remote tier key", key.status());
-    remote_key = *std::move(key);
-    CKPT_LOG(INFO) << "remote tier: signing with the cluster key " << remote_key->Fingerprint();
-  }
-
+  // The engine.
+  absl::StatusOr<std::optional<remote::RemoteKey>> remote_key =
+      LoadRemoteKey(config.remote, remote_store->get());
+  if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
   EngineOptions eo = config.engine;
   eo.remote = remote_store->get();
-  eo.remote_key = remote_key.has_value() ? &*remote_key : nullptr;
+  eo.remote_key = remote_key->has_value() ? &**remote_key : nullptr;
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.metrics_address = metrics_address;
   Engine engine(eo, index->get(), &store, pool->get());
-  engine.RecordReconcile(*report);
+  engine.RecordReconcile(report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
   CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
 
-  // Socket directories: created 0750 when missing (systemd's RuntimeDirectory
-  // does this in production).
-  for (const std::string& sock : {config.socket, config.HandoverSocketPath()}) {
-    auto slash = sock.rfind('/');
-    if (slash == std::string::npos || slash == 0) continue;
-    absl::StatusOr<UniqueFd> dir = fs->MakeDirs(sock.substr(0, slash));
-    if (!dir.ok()) return Fail("socket directory", dir.status());
-    if (absl::Status s = CheckSocketDirectory(dir->get(), sock.substr(0, slash)); !s.ok()) {
-      return Fail("socket directory", s);
-    }
+  // The servers.
+  if (absl::Status s = MakeSocketDirectories(config, fs); !s.ok()) {
+    return Fail("socket directory", s);
   }
-
   HandoverOptions ho = config.handover;
   ho.socket_path = config.HandoverSocketPath();
   HandoverServer handover(ho);
@@ -279,25 +401,11 @@ int main(int argc, char** argv) {
   ro.socket_path = config.socket;
   ro.config_text = DumpConfig(config, ConfigTitle::kEffective);
   RpcServer rpc(ro, &engine, &handover);
-  // Hook runs are serialized, so the counters' last values need no lock.
-  HandoverServer::Stats handover_seen;
-  RpcServer::ConnectionStats rpc_seen;
-  metrics.SetCollectHook([&engine, &handover, &rpc, &metrics, &handover_seen, &rpc_seen] {
+  ServerCounters seen;
+  metrics.SetCollectHook([&engine, &handover, &rpc, &metrics, &seen] {
     engine.CollectMetrics();
-    const HandoverServer::Stats now = handover.stats();
-    metrics.Set(Gauge::kHandoverFdsHeld, static_cast<double>(now.fds_held));
-    metrics.Inc(Counter::kHandoverRefused, static_cast<double>(now.refused - handover_seen.refused));
-    metrics.Inc(Counter::kHandoverAcceptErrors,
-                static_cast<double>(now.accept_errors - handover_seen.accept_errors));
-    handover_seen = now;
-    const RpcServer::ConnectionStats conns = rpc.connection_stats();
-    metrics.Inc(Counter::kRpcConnectionsRefused,
-                static_cast<double>(conns.refused - rpc_seen.refused));
-    metrics.Inc(Counter::kRpcAcceptErrors,
-                static_cast<double>(conns.accept_errors - rpc_seen.accept_errors));
-    rpc_seen = conns;
+    CollectServerMetrics(handover, rpc, &seen, &metrics);
   });
-
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
   CKPT_LOG(INFO) << "ckptd ready on " << config.socket << " (handover " << ho.socket_path << ")";
   NotifyReady("serving on " + config.socket);
@@ -308,26 +416,11 @@ int main(int argc, char** argv) {
     return true;
   });
 
-  int sig = 0;
-  sigwait(&sigs, &sig);
-  CKPT_LOG(INFO) << "signal " << sig << ": shutting down";
-  NotifyStopping();
+  // Until SIGTERM or SIGINT.
+  WaitForStopSignal(stop_signals);
   watchdog.Stop();  // systemd disarms the watchdog once the unit is stopping
-  const absl::Duration grace = config.shutdown_grace;
-  // The engine first: it refuses new steps, wakes every waiter and lets the
-  // writers finish staged versions; then the RPC server can stop quickly.
-  engine.Shutdown(grace);
-  metrics.SetCollectHook(nullptr);
-  rpc.Shutdown(absl::Seconds(1));
-  handover.Stop();
-  ::unlink(config.socket.c_str());
-  ::unlink(ho.socket_path.c_str());
-  // Last: nothing writes the store or the index any more, every commit has
-  // finished, so the next start may check the recorded files by name.
-  if (absl::Status s = (*index)->MarkCleanStop(); !s.ok()) {
-    CKPT_LOG(WARNING) << "could not record the clean stop (the next start checks every "
-                         "recorded file's size): " << s;
-  }
+  StopServing(Serving{&engine, &metrics, &rpc, &handover, index->get()}, config.shutdown_grace,
+              config.socket, ho.socket_path);
   CKPT_LOG(INFO) << "ckptd stopped";
   return 0;
 }
