@@ -40,9 +40,19 @@ store::LayerSpec TableEntryOf(const LayerDesc& layer) {
   return out;
 }
 
-absl::Status ValidateRegistration(const Registration& req,
-                                  const std::vector<uint64_t>& region_sizes,
-                                  const RegistrationLimits& limits) {
+namespace {
+
+// (region, offset, end, layer, tensor) of a tensor, for the overlap check.
+using TensorSpan = std::tuple<uint32_t, uint64_t, uint64_t, size_t, size_t>;
+
+// "layer <li> ('<name>') tensor '<name>'", for a message.
+std::string TensorWhere(const Registration& req, size_t li, size_t ti) {
+  return absl::StrCat("layer ", li, " ('", req.layers[li].name, "') tensor '",
+                      req.layers[li].tensors[ti].name, "'");
+}
+
+// The request's job id, world size and rank, and how many layers it has.
+absl::Status ValidateRankAndLayerCount(const Registration& req, const RegistrationLimits& limits) {
   CKPT_RETURN_IF_ERROR(ValidateJobId(req.job));
   if (req.world_size == 0 || req.world_size > limits.max_world_size) {
     return absl::InvalidArgumentError(absl::StrCat("world_size ", req.world_size, " out of range"));
@@ -55,43 +65,118 @@ absl::Status ValidateRegistration(const Registration& req,
     return absl::InvalidArgumentError(
         absl::StrCat(req.layers.size(), " layers; expected 1..", limits.max_layers));
   }
+  return absl::OkStatus();
+}
+
+// Layer `li`'s own fields: its name (not one of `layer_names`, to which it
+// is added), its id and how many tensors it has.
+absl::Status ValidateLayer(const Registration& req, size_t li, const RegistrationLimits& limits,
+                           std::set<std::string>* layer_names) {
+  const LayerDesc& layer = req.layers[li];
+  if (absl::Status s = ValidateName(layer.name); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", li, ": ", s.message()));
+  }
+  const std::string where = absl::StrCat("layer ", li, " ('", layer.name, "')");
+  if (layer.id != li) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " has id ", layer.id, "; layers must be numbered 0..N-1 in order"));
+  }
+  if (!layer_names->insert(layer.name).second) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": duplicate layer name"));
+  }
+  if (layer.tensors.empty() || layer.tensors.size() > limits.max_tensors_per_layer) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " has ", layer.tensors.size(),
+                                                   " tensors; expected 1..",
+                                                   limits.max_tensors_per_layer));
+  }
+  return absl::OkStatus();
+}
+
+// Whether the layer's file fits the staging pool (limits.max_layer_file_bytes,
+// 0 = unchecked) and its header can be laid out at all (`where` names the
+// layer in the message).
+absl::Status CheckLayerFits(const Registration& req, const LayerDesc& layer,
+                            const std::string& where, const RegistrationLimits& limits) {
+  // Every field a version's header carries (Engine::Register/Snapshot),
+  // the per-version ones at their widest.
+  store::LayerFileHeader sizing;
+  std::set<uint32_t> groups;
+  for (const TensorDesc& t : layer.tensors) {
+    store::TensorEntry* e = sizing.add_tensors();
+    e->set_name(t.name);
+    e->set_dtype(ToStore(t.dtype));
+    e->set_role(ToStore(t.role));
+    e->set_group(t.group);
+    e->set_nbytes(t.nbytes);
+    for (uint64_t d : t.shape) e->add_shape(d);
+    groups.insert(t.group);
+  }
+  sizing.set_job_id(req.job);
+  sizing.set_rank(req.rank);
+  sizing.set_layer(layer.id);
+  sizing.set_layer_name(layer.name);
+  sizing.set_step(~uint64_t{0});
+  sizing.set_generation(~uint64_t{0});
+  for (uint32_t g : groups) {
+    store::GroupStep* gs = sizing.add_group_steps();
+    gs->set_group(g);
+    gs->set_step(~uint64_t{0});
+  }
+  absl::StatusOr<VersionLayout> layout = PlanLayout(&sizing);
+  if (!layout.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", layout.status().message()));
+  }
+  // One page of slack beyond the widest header (a StepDone may, for
+  // example, name a group twice).
+  if (limits.max_layer_file_bytes > 0 &&
+      layout->file_bytes + kDirectAlignment > limits.max_layer_file_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
+        limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+// No two tensors of one region overlap.
+absl::Status CheckNoOverlaps(const Registration& req, std::vector<TensorSpan> spans) {
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    const auto& a = spans[i - 1];
+    const auto& b = spans[i];
+    if (std::get<0>(a) == std::get<0>(b) && std::get<1>(b) < std::get<2>(a)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(TensorWhere(req, std::get<3>(a), std::get<4>(a)), " and ",
+                       TensorWhere(req, std::get<3>(b), std::get<4>(b)), " overlap"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateRegistration(const Registration& req,
+                                  const std::vector<uint64_t>& region_sizes,
+                                  const RegistrationLimits& limits) {
+  CKPT_RETURN_IF_ERROR(ValidateRankAndLayerCount(req, limits));
   // (region, offset, end, layer, tensor) of every tensor, for the overlap
   // check. Messages are built only for the error returned: a request may
   // hold millions of tensors.
-  std::vector<std::tuple<uint32_t, uint64_t, uint64_t, size_t, size_t>> spans;
-  auto tensor_where = [&req](size_t li, size_t ti) {
-    return absl::StrCat("layer ", li, " ('", req.layers[li].name, "') tensor '",
-                        req.layers[li].tensors[ti].name, "'");
-  };
+  std::vector<TensorSpan> spans;
   std::set<std::string> layer_names;
   for (size_t li = 0; li < req.layers.size(); ++li) {
     const LayerDesc& layer = req.layers[li];
-    if (absl::Status s = ValidateName(layer.name); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", li, ": ", s.message()));
-    }
+    CKPT_RETURN_IF_ERROR(ValidateLayer(req, li, limits, &layer_names));
     const std::string where = absl::StrCat("layer ", li, " ('", layer.name, "')");
-    if (layer.id != li) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, " has id ", layer.id, "; layers must be numbered 0..N-1 in order"));
-    }
-    if (!layer_names.insert(layer.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": duplicate layer name"));
-    }
-    if (layer.tensors.empty() || layer.tensors.size() > limits.max_tensors_per_layer) {
-      return absl::InvalidArgumentError(absl::StrCat(where, " has ", layer.tensors.size(),
-                                                     " tensors; expected 1..",
-                                                     limits.max_tensors_per_layer));
-    }
+    // Each tensor: its name, dtype, size and shape, and where in its region
+    // it lies.
     std::set<std::string> tensor_names;
-    store::LayerFileHeader sizing;
-    std::set<uint32_t> groups;
     for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
       const TensorDesc& t = layer.tensors[ti];
       if (absl::Status s = ValidateName(t.name); !s.ok()) {
         return absl::InvalidArgumentError(
             absl::StrCat(where, " tensor ", ti, ": ", s.message()));
       }
-      auto tw = [&] { return tensor_where(li, ti); };
+      auto tw = [&] { return TensorWhere(req, li, ti); };
       if (!tensor_names.insert(t.name).second) {
         return absl::InvalidArgumentError(absl::StrCat(tw(), ": duplicate name"));
       }
@@ -120,50 +205,10 @@ absl::Status ValidateRegistration(const Registration& req,
                                                        t.region, " of ", rsize, " bytes"));
       }
       spans.emplace_back(t.region, t.offset, t.offset + t.nbytes, li, ti);
-      // Every field a version's header carries (Engine::Register/Snapshot),
-      // the per-version ones at their widest.
-      store::TensorEntry* e = sizing.add_tensors();
-      e->set_name(t.name);
-      e->set_dtype(ToStore(t.dtype));
-      e->set_role(ToStore(t.role));
-      e->set_group(t.group);
-      e->set_nbytes(t.nbytes);
-      for (uint64_t d : t.shape) e->add_shape(d);
-      groups.insert(t.group);
     }
-    sizing.set_job_id(req.job);
-    sizing.set_rank(req.rank);
-    sizing.set_layer(layer.id);
-    sizing.set_layer_name(layer.name);
-    sizing.set_step(~uint64_t{0});
-    sizing.set_generation(~uint64_t{0});
-    for (uint32_t g : groups) {
-      store::GroupStep* gs = sizing.add_group_steps();
-      gs->set_group(g);
-      gs->set_step(~uint64_t{0});
-    }
-    absl::StatusOr<VersionLayout> layout = PlanLayout(&sizing);
-    if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", layout.status().message()));
-    // One page of slack beyond the widest header (a StepDone may, for
-    // example, name a group twice).
-    if (limits.max_layer_file_bytes > 0 &&
-        layout->file_bytes + kDirectAlignment > limits.max_layer_file_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
-          limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));
-    }
+    CKPT_RETURN_IF_ERROR(CheckLayerFits(req, layer, where, limits));
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i) {
-    const auto& a = spans[i - 1];
-    const auto& b = spans[i];
-    if (std::get<0>(a) == std::get<0>(b) && std::get<1>(b) < std::get<2>(a)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(tensor_where(std::get<3>(a), std::get<4>(a)), " and ",
-                       tensor_where(std::get<3>(b), std::get<4>(b)), " overlap"));
-    }
-  }
-  return absl::OkStatus();
+  return CheckNoOverlaps(req, std::move(spans));
 }
 
 }  // namespace ckpt
