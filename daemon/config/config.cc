@@ -146,6 +146,12 @@ constexpr uint64_t kMinMessageBytes = 4096;
 // to 65536 layers (about 1.7 MiB encoded).
 constexpr uint64_t kStepListBytes = 2 << 20;
 
+// Every option, one entry each, in the order `ckptd --help` and
+// `ckptd --dump-default-config` (the shipped deploy/ckptd.conf) list them.
+// The order follows topics (paths, staging, writers, requests, handover,
+// LayerCheck, retention, disk and quotas, metrics, the memory and remote
+// tiers), which cut across the subsystems' option structs; so it stays one
+// table.
 const std::vector<Option>& Options() {
   static const std::vector<Option>* options = new std::vector<Option>{
       Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", CKPT_FIELD(socket),
