@@ -151,7 +151,7 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
   }
   if (absl::Status s = fs_->DataSync(fd.get()); !s.ok()) return fail(s);
   {
-    // Checked through a read-only descriptor (the temp file is write-only).
+    // Checked through a read-only descriptor of its own, mapped whole.
     bool direct = false;
     absl::StatusOr<UniqueFd> rd = fs_->OpenForRead(dir, tmp_name, /*direct=*/false, &direct);
     if (!rd.ok()) return fail(rd.status());
