@@ -235,7 +235,7 @@ TEST_F(DaemonApiTest, LayerLargerThanPoolIsRejected) {
 }
 
 // The API's side of a full staging pool (the races with the writers are in
-// tests/daemon/engine/engine_pipeline_test.cc): 4 one-chunk layers meet a
+// tests/daemon/engine/engine_snapshot_test.cc): 4 one-chunk layers meet a
 // 2-chunk pool while ckptd's only writer is held at its delay point (the
 // test releases it by creating a file), so step 1 hands layers 0 and 1 to
 // the writer and skips exactly 2 layers. The skip reaches the client,

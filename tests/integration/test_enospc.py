@@ -19,7 +19,7 @@ Not covered here: a file system filled to 100%, where RocksDB's own writes
 fail. Debian's librocksdb 7.8.3 is built with assertions and used to abort
 ckptd there (its info LOG, then its WAL, written again after a failure); the
 index now keeps its info log in ckptd's log and reopens after a failed
-write, which tests/daemon/engine/engine_pipeline_test.cc
+write, which tests/daemon/engine/engine_durable_test.cc
 (EnospcFromTheIndexDoesNotCrashAndRecovers) checks with RocksDB's file
 system failing every write. This test leaves the index its headroom: the
 free space left is less than one layer file, so layer writes fail at

@@ -1,0 +1,328 @@
+// The remote tier under the engine (engine_test_util.h), over a PosixStore
+// in a temp directory behind a FaultyStore: a replacement node restoring
+// from it, outages, damaged objects, the order of manifests and objects,
+// going back, and histories that are not the rank's own.
+#include <atomic>
+#include <cstdint>
+#include <fstream>
+#include <ios>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "ckpt/v1/ckpt.pb.h"
+#include "daemon/engine/engine.h"
+#include "daemon/remote/faulty_store.h"
+#include "daemon/remote/posix_store.h"
+#include "daemon/remote/remote_layout.h"
+#include "daemon/store/index.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine/engine_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace engine_test {
+namespace {
+
+class RemoteTierTest : public EnginePipelineTest {
+ protected:
+  void SetUp() override {
+    EnginePipelineTest::SetUp();
+    CKPT_ASSERT_OK_AND_ASSIGN(posix_, remote::PosixStore::Open(remote_dir_.path()));
+    faulty_ = std::make_unique<remote::FaultyStore>(posix_.get());
+  }
+  void TearDown() override {
+    EnginePipelineTest::TearDown();  // the engine stops before the stores go
+    faulty_.reset();
+    posix_.reset();
+  }
+  EngineOptions WithRemote() {
+    EngineOptions o = OneWriter();
+    o.remote = faulty_.get();
+    o.remote_key = &key_;
+    o.remote_retry_min = absl::Milliseconds(10);
+    o.remote_retry_max = absl::Milliseconds(50);
+    return o;
+  }
+  absl::StatusOr<uint64_t> WaitRemote(const TestRank& r, uint64_t step,
+                                      absl::Duration timeout = kWait) {
+    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, "remote");
+  }
+  // Trains `r` through steps [from, to], each durable locally.
+  void Train(TestRank& r, uint64_t from, uint64_t to) {
+    for (uint64_t t = from; t <= to; ++t) {
+      WriteStep(r, t);
+      CKPT_ASSERT_OK(StepDone(r, t));
+      CKPT_ASSERT_OK(WaitSnapshot(r, t).status());
+      CKPT_ASSERT_OK(WaitDurable(r, t).status());
+    }
+  }
+
+  TempDir remote_dir_;
+  std::unique_ptr<remote::PosixStore> posix_;
+  const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
+  std::unique_ptr<remote::FaultyStore> faulty_;
+};
+
+// Node loss: every step goes to the remote tier; the data directory is
+// deleted; a fresh engine on an empty one pulls the job when the rank
+// registers and restores the newest remote-durable step bit-exact.
+TEST_F(RemoteTierTest, ReplacementNodeRestoresTheNewestRemoteDurableStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("lost", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 4));
+  EXPECT_EQ(remote_step, 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("lost", 0)));
+  EXPECT_FALSE(manifests.empty());
+
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  // Another uid neither sees nor pulls it, and leaves nothing behind.
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply others, engine_->Jobs(Caller{2000, 0}));
+  EXPECT_EQ(others.jobs_size(), 0);
+  CKPT_EXPECT_CODE(engine_->Plan("lost", 0, 0, Caller{2000, 0}).status(), kNotFound);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto job_record, index_->GetJob("lost"));
+  EXPECT_FALSE(job_record.has_value());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::JobsReply jobs_before, engine_->Jobs(owner_));
+  ASSERT_EQ(jobs_before.jobs_size(), 1) << "the job is listed from the remote tier";
+  EXPECT_EQ(jobs_before.jobs(0).ranks(0).remote_step(), 4u);
+  WriteStep(a, 999);  // what a fresh trainer holds
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 4u);
+  EXPECT_TRUE(HoldsStep(a, 4)) << "restored bytes differ from step 4's";
+  // Training goes on from there and keeps uploading.
+  ASSERT_NO_FATAL_FAILURE(Train(a, 5, 6));
+  CKPT_ASSERT_OK_AND_ASSIGN(remote_step, WaitRemote(a, 6));
+  EXPECT_EQ(remote_step, 6u);
+}
+
+// The remote tier down: local checkpoints go on, WaitDurable(remote) times
+// out naming the failure, GC keeps the steps not uploaded yet, and every
+// step is uploaded once the store is back.
+TEST_F(RemoteTierTest, RemoteOutageNeverStopsTrainingAndCatchesUp) {
+  EngineOptions o = WithRemote();
+  o.retention.keep_last_events = 1;
+  o.retention.keep_every_steps = 0;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("outage", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  faulty_->set_down(true);
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  absl::StatusOr<uint64_t> r = WaitRemote(a, 6, absl::Milliseconds(300));
+  CKPT_EXPECT_CODE(r.status(), kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "down")) << r.status();
+  v1::GcRequest gc;
+  gc.set_job_id("outage");
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply reply, engine_->Gc(gc, owner_));
+  EXPECT_EQ(reply.events_deleted(), 0u) << "events not uploaded yet are kept";
+  EXPECT_EQ(engine_->GetStatus(owner_).remote_lag_steps(), 6u);
+  faulty_->set_down(false);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 6));
+  EXPECT_EQ(remote_step, 6u);
+  EXPECT_EQ(engine_->GetStatus(owner_).remote_lag_steps(), 0u);
+  // Once uploaded, local retention applies again.
+  CKPT_ASSERT_OK_AND_ASSIGN(reply, engine_->Gc(gc, owner_));
+  EXPECT_EQ(reply.events_deleted(), 5u);
+  // Remote retention too (it runs right after the upload): one manifest is
+  // left, and the objects it names.
+  std::vector<remote::ObjectInfo> manifests, objects;
+  for (absl::Time deadline = absl::Now() + kWait; absl::Now() < deadline;) {
+    CKPT_ASSERT_OK_AND_ASSIGN(manifests, posix_->List(remote::ManifestPrefix("outage", 0)));
+    CKPT_ASSERT_OK_AND_ASSIGN(objects, posix_->List(remote::RankPrefix("outage", 0) + "v/"));
+    if (manifests.size() == 1 && objects.size() == 2) break;
+    absl::SleepFor(absl::Milliseconds(5));  // a poll with a deadline
+  }
+  EXPECT_EQ(manifests.size(), 1u);
+  EXPECT_EQ(objects.size(), 2u);
+}
+
+// A damaged object is detected on the pull and never served: the newest
+// manifest that reads back whole is restored instead.
+TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("bitrot", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
+  CKPT_ASSERT_OK(WaitRemote(a, 3).status());
+  // Flip one payload byte of a version of step 3.
+  CKPT_ASSERT_OK_AND_ASSIGN(auto objects, posix_->List(remote::RankPrefix("bitrot", 0) + "v/"));
+  std::string victim;
+  for (const remote::ObjectInfo& o : objects) {
+    if (absl::StrContains(o.key, "-S0000000000000003-")) victim = o.key;
+  }
+  ASSERT_FALSE(victim.empty());
+  {
+    std::fstream f(remote_dir_.Join(victim), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8192 + 100);
+    f.put('\x7f');
+  }
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 2u);
+  EXPECT_TRUE(HoldsStep(a, 2));
+}
+
+// A manifest is written only after every version it names.
+TEST_F(RemoteTierTest, ManifestFollowsItsObjects) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("order", 3);
+  std::atomic<int> puts{0};
+  std::atomic<bool> manifest_before_all{false};
+  faulty_->set_before_put([&](const std::string& key) {
+    if (absl::StrContains(key, "/m/") && puts.load() < 3) manifest_before_all = true;
+    if (absl::StrContains(key, "/v/")) ++puts;
+  });
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitRemote(a, 1).status());
+  EXPECT_FALSE(manifest_before_all.load());
+  EXPECT_EQ(puts.load(), 3);
+}
+
+// Regression: a rank that went back (a restore discarding later steps) kept
+// its higher remote step, so its new steps were never uploaded, WaitDurable
+// (remote) answered at once, and a replacement node restored the discarded
+// history. Now the manifests above the restored step go first.
+TEST_F(RemoteTierTest, GoingBackDeletesTheDiscardedHistoryInTheRemoteTier) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("rewind", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  CKPT_ASSERT_OK(WaitRemote(a, 6).status());
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true).status());
+  // A new history from step 4 on (other bytes than the first one's).
+  ASSERT_NO_FATAL_FAILURE(Train(a, 104, 104));
+  absl::StatusOr<uint64_t> early = WaitRemote(a, 4, absl::Milliseconds(1));
+  if (early.ok()) {
+    EXPECT_NE(*early, 6u) << "the discarded step 6 does not count";
+  }
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t remote_step, WaitRemote(a, 104));
+  EXPECT_EQ(remote_step, 104u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("rewind", 0)));
+  std::vector<std::string> names;
+  for (const auto& m : manifests) names.push_back(m.key.substr(m.key.size() - 4));
+  EXPECT_EQ(names, (std::vector<std::string>{"0001", "0002", "0003", "0104"}));
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 104u);
+  EXPECT_TRUE(HoldsStep(a, 104));
+}
+
+// Regression: going back without registering again keeps the rank's
+// generation, so its new steps reuse the file names of the discarded ones;
+// the remote tier took those objects as already there and the new
+// manifests named the old bytes. Now they are uploaded again, over them.
+TEST_F(RemoteTierTest, GoingBackOnTheSameGenerationUploadsTheNewBytes) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("samegen", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 5));
+  CKPT_ASSERT_OK(WaitRemote(a, 5).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true).status());
+  for (uint64_t t = 4; t <= 5; ++t) {  // steps 4 and 5 again, with other bytes
+    WriteStep(a, t + 1000);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  CKPT_ASSERT_OK(WaitRemote(a, 5).status());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 5u);
+  EXPECT_TRUE(HoldsStep(a, 1005)) << "the bytes of the new step 5, not the discarded one's";
+}
+
+// A rank that registered while the remote tier was down and started over
+// must not take the remote tier's older history for its own: it uploads
+// nothing there and says why.
+TEST_F(RemoteTierTest, AnotherHistoryInTheRemoteTierIsNeitherOverwrittenNorTrusted) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("twice", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 6));
+  CKPT_ASSERT_OK(WaitRemote(a, 6).status());
+  faulty_->set_down(true);
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  CKPT_ASSERT_OK(Register(&a).status());  // could not pull: starts over
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  faulty_->set_down(false);
+  absl::StatusOr<uint64_t> r = WaitRemote(a, 2, absl::Seconds(2));
+  CKPT_EXPECT_CODE(r.status(), kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(engine_->GetStatus(owner_).remote_error(), "up to step 6"))
+      << engine_->GetStatus(owner_).remote_error();
+  CKPT_ASSERT_OK_AND_ASSIGN(auto manifests, posix_->List(remote::ManifestPrefix("twice", 0)));
+  EXPECT_EQ(manifests.size(), 6u) << "the remote history is untouched";
+}
+
+// Regression: with the remote tier down, Register of a new job failed (it
+// had to list the remote tier first). Now the job registers and trains; only
+// a restore, which must know whether a checkpoint exists there, fails.
+TEST_F(RemoteTierTest, RemoteDownNewJobsTrainAndRestoreSaysItCannotTell) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  faulty_->set_down(true);
+  TestRank a = MakeRank("fresh", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  TestRank b = MakeRank("elsewhere", 2);
+  CKPT_ASSERT_OK(Register(&b).status());
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(b), 0, owner_).status(), kUnavailable);
+  faulty_->set_down(false);
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(b), 0, owner_).status(), kNotFound);  // truly none
+}
+
+// Regression: a pull that failed half-way left the versions it had put in
+// the index (without events), charged to the owner's quota and the disk.
+TEST_F(RemoteTierTest, AFailedPullLeavesNothingBehind) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("halfway", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitRemote(a, 1).status());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
+  auto expect_nothing_left = [&] {
+    uint64_t versions = 0;
+    CKPT_ASSERT_OK(index_->ForEachVersion("halfway", 0, -1,
+                                          [&](const VersionKey&, const store::VersionRecord&) {
+                                            ++versions;
+                                            return true;
+                                          }));
+    EXPECT_EQ(versions, 0u);
+    EXPECT_EQ(engine_->disk_bytes_used(), 0u);
+    EXPECT_EQ(engine_->job_quota_usage("halfway").file_bytes, 0u);
+  };
+  // The second object of the pull fails: Register goes on without it...
+  faulty_->FailGetAfter(1, absl::UnavailableError("the store went away (injected)"));
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(expect_nothing_left());
+  // ...and a restore, which must know, says so.
+  faulty_->FailGetAfter(1, absl::UnavailableError("the store went away (injected)"));
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(a), 0, owner_).status(), kUnavailable);
+  ASSERT_NO_FATAL_FAILURE(expect_nothing_left());
+  // The store back, the same restore succeeds.
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 1u);
+}
+
+TEST_F(RemoteTierTest, WaitForRemoteWithoutARemoteTierIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("plain", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_EXPECT_CODE(WaitRemote(a, 1).status(), kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace engine_test
+}  // namespace ckpt

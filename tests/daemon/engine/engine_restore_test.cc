@@ -1,0 +1,154 @@
+// Restore in the engine (engine_test_util.h): while a taken step's snapshot
+// worker is still finishing, going back with discard_later, and the memory
+// tier serving a restore without the disk, within its budget.
+#include <cstdint>
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/clock.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/engine/engine.h"
+#include "daemon/store/index.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine/engine_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace engine_test {
+namespace {
+
+// Regression: a step can be durable before the snapshot worker that took it
+// has finished (the worker records the event itself when nothing was left
+// to write, and a writer can finish a step's last version first), and a
+// Restore in that moment was refused with "steps are still being
+// snapshotted", although every reported step was taken. The worker is held
+// after step 1 is durable; Restore waits for it instead of failing.
+TEST_F(EnginePipelineTest, RestoreWaitsForTheWorkerOfATakenStep) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  constexpr char kRestoreWaiting[] = "PipelineTest:restore_waiting";
+  TestRank r = MakeRank("settling", 2, PolicyKind::kExplicit);
+  CKPT_ASSERT_OK(Register(&r).status());
+  WriteStep(r, 1);
+  CKPT_ASSERT_OK(StepDone(r, 1, {0, 1}));
+  CKPT_ASSERT_OK(WaitDurable(r, 1).status());
+  // Step 1's worker is past the point before the point starts to hold.
+  ASSERT_TRUE(sp_->WaitForArrivals("snapshot.after_publish", 1, absl::Now() + kWait));
+  // Step 2 selects nothing: its snapshot records the event itself, and the
+  // worker then stops at the point until Restore is waiting for it.
+  sp_->LoadDependency({{kRestoreWaiting, "snapshot.after_publish"}});
+  CKPT_ASSERT_OK(StepDone(r, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(r, 2));
+  EXPECT_EQ(durable, 2u);
+  WriteStep(r, 99);
+  absl::StatusOr<Restored> restored;
+  std::thread restorer([&] { restored = engine_->Restore(Ref(r), 1, owner_); });
+  EXPECT_TRUE(sp_->WaitForArrivals("restore.wait_snapshot_idle", 1, absl::Now() + kWait));
+  CKPT_SYNC_POINT(kRestoreWaiting);
+  restorer.join();
+  CKPT_ASSERT_OK(restored.status());
+  EXPECT_EQ(restored->plan.target_step, 1u);
+  EXPECT_TRUE(HoldsStep(r, 1));
+}
+
+// Restore with discard_later: the rank goes back to step 3 of 5 (another
+// rank of its job, or the job's agreed durable step, is there); its later
+// versions and events are deleted, and training goes on at step 4. Without
+// it, step 4 is refused (steps only increase).
+TEST_F(EnginePipelineTest, RestoreCanDiscardTheRanksLaterSteps) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("behind", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 5; ++t) {
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(engine_->Restore(Ref(a), 3, owner_).status());
+  CKPT_EXPECT_CODE(StepDone(a, 4), kFailedPrecondition);
+
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
+                            engine_->Restore(Ref(a), 3, owner_, /*discard_later=*/true));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto last, index_->EventAtOrBefore("behind", 0, ~uint64_t{0}));
+  ASSERT_TRUE(last.has_value());
+  EXPECT_EQ(last->first, 3u) << "the events of steps 4 and 5 are gone";
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("behind", 0, layer, ~uint64_t{0}));
+    ASSERT_TRUE(v.has_value());
+    EXPECT_EQ(v->first, 3u) << "layer " << layer;
+  }
+  CKPT_ASSERT_OK(StepDone(a, 4));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable(a, 4));
+  EXPECT_EQ(durable, 4u);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, 0));
+  EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{4, 4}));
+}
+
+// A trainer crash: the rank registers again and restores. With the memory
+// tier on, the plan's versions come from memory with every checksum checked:
+// the layer files are deleted first, so a read of the disk would fail.
+TEST_F(EnginePipelineTest, MemoryTierServesARestoreWithoutTheDisk) {
+  EngineOptions o = OneWriter();
+  o.memory_tier_bytes = 8 * kChunk;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("crashy", 3);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    WriteStep(a, t);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+  }
+  for (const auto& f :
+       std::filesystem::directory_iterator(tmp_.Join("jobs/crashy/rank-00000000"))) {
+    std::filesystem::remove(f.path());
+  }
+  WriteStep(a, 77);  // the new trainer's fresh memory
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  EXPECT_EQ(restored.memory_bytes, restored.bytes);
+  EXPECT_TRUE(HoldsStep(a, 3));
+}
+
+// A tier as large as the whole pool: snapshots, and restores that read the
+// disk, take room back from it (before, only snapshots did, and a restore
+// of an older step waited out its deadline); layers it still holds come
+// from memory, the rest from the disk, both byte-exact.
+TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
+  EngineOptions o = OneWriter();
+  o.memory_tier_bytes = 4 * kChunk;
+  o.restore_timeout = absl::Seconds(5);
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/4));
+  TestRank a = MakeRank("partial", 4);
+  CKPT_ASSERT_OK(Register(&a).status());
+  for (uint64_t t = 1; t <= 4; ++t) {
+    WriteStep(a, t);
+    CKPT_ASSERT_OK(StepDone(a, t));
+    CKPT_ASSERT_OK(WaitDurable(a, t).status());
+    // Every step's four layers were admitted although the tier held the
+    // whole pool: it gave it back.
+    CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, Plan(a, t));
+    EXPECT_EQ(PlannedSteps(plan), (std::vector<uint64_t>{t, t, t, t}));
+  }
+  EXPECT_EQ(pool_->bytes_in_use(), 4 * kChunk) << "the tier holds step 4";
+  // An older step: every layer from the disk, through a full pool.
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored older, engine_->Restore(Ref(a), 2, owner_));
+  EXPECT_EQ(older.memory_bytes, 0u);
+  EXPECT_TRUE(HoldsStep(a, 2));
+  // The newest step: what the tier kept from memory, the rest from disk.
+  WriteStep(a, 0);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_GT(restored.memory_bytes, 0u);
+  EXPECT_LT(restored.memory_bytes, restored.bytes);
+  EXPECT_TRUE(HoldsStep(a, 4));
+}
+
+}  // namespace
+}  // namespace engine_test
+}  // namespace ckpt
