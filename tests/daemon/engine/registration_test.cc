@@ -1,14 +1,15 @@
 // Tests of daemon/engine/registration: Register request validation.
+#include "daemon/engine/registration.h"
+
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
-#include "daemon/common/validate.h"
 #include "ckpt/v1/dtype.h"
-#include "daemon/engine/registration.h"
-#include "daemon/recovery/schema_convert.h"
+#include "daemon/common/validate.h"
 #include "daemon/io/io_backend.h"
+#include "daemon/recovery/schema_convert.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/store/format.h"
 #include "gtest/gtest.h"
@@ -157,7 +158,7 @@ TEST(ValidateRegistrationTest, NamesAreBoundedAndPrintable) {
   });
   v1::RegisterRequest req = ValidRequest();
   req.mutable_layers(0)->set_name(std::string(kMaxNameLength, 'n'));  // at the bound: fine
-  req.mutable_layers(1)->set_name("blocks.1 (attn) \xc3\xa9");      // UTF-8 is printable
+  req.mutable_layers(1)->set_name("blocks.1 (attn) \xc3\xa9");        // UTF-8 is printable
   CKPT_EXPECT_OK(Validate(req));
 
   v1::RegisterRequest huge = ValidRequest();
