@@ -2,7 +2,8 @@
 """LayerCheck's write budget and warm-up on the fidelity experiment's drift
 traces, through ckpt_policy_sim (the daemon's own policy code).
 
-    tests/fidelity/plot_layercheck.py [--build build] [--traces DIR] [--plots docs/plots]
+    tests/fidelity/plot_layercheck.py [--build build] [--traces docs/fidelity/traces]
+                                      [--plots docs/plots]
 
 Prints two Markdown tables (budget vs achieved rate vs staleness; what a
 warm-up changes) and writes docs/plots/layercheck_budget.png and
@@ -53,7 +54,8 @@ def read_trace(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
-    ap.add_argument("--traces", default=os.path.join(HERE, "report", "traces"))
+    ap.add_argument("--traces", default=os.path.join(REPO, "docs", "fidelity", "traces"),
+                    help="the drift traces of a fidelity run (default: the run in docs/fidelity)")
     ap.add_argument("--plots", default=os.path.join(REPO, "docs", "plots"))
     ap.add_argument("--step-s", type=float, default=0, help="seconds per step (default: the "
                     "traces' recorded step interval)")

@@ -21,6 +21,9 @@ PNG figures.
 
     tests/fidelity/run_fidelity.py [--quick] [--out DIR]
 
+The full run writes docs/fidelity/ (the report docs/fidelity.md cites);
+--quick writes fidelity-quick/ in the build directory (--build).
+
 Standard library + torch + numpy + matplotlib (Debian: python3-matplotlib).
 """
 
@@ -2103,8 +2106,8 @@ def write_report(out_dir, results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model and few steps (smoke run)")
-    ap.add_argument("--out", default=None, help="output dir (default tests/fidelity/report, "
-                    "or tests/fidelity/report-quick with --quick)")
+    ap.add_argument("--out", default=None, help="output dir (default docs/fidelity, or "
+                    "BUILD/fidelity-quick with --quick)")
     ap.add_argument("--steps", type=int, default=0, help="fine-tuning steps per run "
                     "(default: from the config, reduced to fit --budget-min)")
     ap.add_argument("--budget-min", type=float, default=0, help="time budget for sizing steps")
@@ -2120,7 +2123,8 @@ def main():
         {"pretrain": worker_pretrain, "finetune": worker_finetune}[w["kind"]](w)
         return
     if args.out is None:
-        args.out = os.path.join(HERE, "report-quick" if args.quick else "report")
+        args.out = (os.path.join(args.build, "fidelity-quick") if args.quick else
+                    os.path.join(REPO, "docs", "fidelity"))
     args.command_line = " ".join(shlex.quote(a) for a in [os.path.relpath(
         os.path.abspath(sys.argv[0]), REPO)] + sys.argv[1:])
     if args.report_only:

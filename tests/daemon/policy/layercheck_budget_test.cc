@@ -1,5 +1,5 @@
 // LayerCheck under a write budget, and LayerCheck's defaults on a real
-// fine-tuning trace (tests/fidelity/report/traces, recorded by ckptd in the
+// fine-tuning trace (docs/fidelity/traces, recorded by ckptd in the
 // fidelity experiment).
 #include <gtest/gtest.h>
 
@@ -52,7 +52,7 @@ DriftTrace Synthetic(uint64_t seed, size_t layers, uint64_t steps) {
 
 // A drift.jsonl from the fidelity experiment (its first registration).
 DriftTrace FromFile(const std::string& name) {
-  const std::string path = std::string(CKPT_SOURCE_DIR) + "/tests/fidelity/report/traces/" + name;
+  const std::string path = std::string(CKPT_SOURCE_DIR) + "/docs/fidelity/traces/" + name;
   std::ifstream in(path);
   EXPECT_TRUE(in) << "cannot read " << path;
   DriftTrace t;

@@ -1,5 +1,5 @@
 """ckpt_policy_sim on the fidelity experiment's drift traces
-(tests/fidelity/report/traces, recorded by ckptd):
+(docs/fidelity/traces, recorded by ckptd):
 
 - replaying a trace with its recorded config reproduces every persist set
   ckptd recorded (with and without a write budget): the simulator predicts
@@ -18,7 +18,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
-TRACES = os.path.join(REPO, "tests", "fidelity", "report", "traces")
+TRACES = os.path.join(REPO, "docs", "fidelity", "traces")
 
 
 def sim(*args, check=True):
