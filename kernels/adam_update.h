@@ -7,7 +7,7 @@
 // every implementation (scalar, AVX2 eight lanes wide, CUDA without fast
 // math) gets the same bits. The squares and sums that use u are f64.
 // Computing u in f64 made the CPU kernel bound by the f64 square root and
-// divide (about 0.6 of a plain read of the same bytes, docs/performance.md);
+// divide (about 0.6 of a plain read of the same bytes, docs/throughput.md);
 // f32 gives eight lanes per instruction instead of four, at a cost (relative
 // error about 1e-7 per element) far below what a drift threshold resolves.
 #pragma once

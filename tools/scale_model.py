@@ -14,7 +14,7 @@ node is lost. docs/scale.md shows its output for a 1,024-GPU job.
 import argparse
 import math
 
-# Measured figures (docs/performance.md, docs/fidelity.md, docs/pytorch.md).
+# Measured figures (docs/throughput.md, docs/fidelity.md, docs/pytorch.md).
 WRITE_GBPS = 1.36       # ckptd's write path, ckpt_bench 2 GiB in 64 MiB layers, one NVMe-less VM disk
 LAYERCHECK_FACTOR = 7.7  # bytes, LayerCheck K0=1e-3 vs `all` (tests/fidelity, 200 steps)
 EXCHANGE_2_RANKS_S = 0.0028  # drift all-reduce round trip, 2 ranks, gloo (python.torch_multirank)

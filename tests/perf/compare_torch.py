@@ -2,7 +2,7 @@
 """ckptd against torch.save and torch.distributed.checkpoint (DCP) on the same
 model, the same disk and the same AdamW training loop, in one run.
 
-  tests/perf/compare_torch.py                     # the full run (docs/benchmarks.md)
+  tests/perf/compare_torch.py                     # the full run (docs/torch-comparison.md)
   tests/perf/compare_torch.py --quick             # the 10M model, 10 steps (about a minute)
   tests/perf/compare_torch.py --smoke             # a tiny model; asserts the outcomes (ctest)
   tests/perf/compare_torch.py --report-only OUT/results.json [--plots-dir docs/plots]
