@@ -6,7 +6,8 @@ defaults below, each with the command that produced it) and the shape of a
 job, and prints, per step and per node, the agreement traffic, the bytes
 ckptd writes under policy `all` and under LayerCheck with the data-parallel
 spreading, the time the disk needs for them, and the recovery time after a
-node is lost. docs/scale.md shows its output for a 1,024-GPU job.
+node is lost. The last section of docs/scaling.md shows its output for a
+1,024-GPU job.
 
     tools/scale_model.py [--nodes 128] [--ranks-per-node 8] [--params 6.7e9] ...
 """
