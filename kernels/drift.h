@@ -31,6 +31,14 @@
 
 namespace ckpt::drift {
 
+// The element types the kernels read, in the kernels' own numbering, not
+// ckpt.v1.DType's: the kernels include nothing of ours (docs/architecture.md),
+// the CUDA twin packs these values into its device tasks and checks them by
+// range (cuda/drift.cu), and they never leave the process. The daemon's
+// element-type table (base/dtype.h) names each type's code here in its
+// drift_code column; the engine converts in one place
+// (daemon/engine/engine_layercheck.cc, checked at compile time) and
+// tests/base/dtype_test.cc checks that the codes round-trip.
 enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class Optimizer : uint8_t { kNone = 0, kAdamW = 1, kAdam = 2, kSgd = 3 };
 

@@ -47,13 +47,14 @@ absl::Status CheckBudget(const LayerCheckConfig& config, const Registration& req
 }
 
 // The drift kernel's element type of `t`; false for one it does not read.
+// The one conversion into the kernels' numbering: base/dtype.h's drift code.
+static_assert(DriftCode(DType::kF32) == static_cast<int>(drift::DType::kF32) &&
+              DriftCode(DType::kBF16) == static_cast<int>(drift::DType::kBF16) &&
+              DriftCode(DType::kF16) == static_cast<int>(drift::DType::kF16));
 bool DriftDType(DType t, drift::DType* out) {
-  switch (t) {
-    case DType::kF32: *out = drift::DType::kF32; return true;
-    case DType::kBF16: *out = drift::DType::kBF16; return true;
-    case DType::kF16: *out = drift::DType::kF16; return true;
-    default: return false;
-  }
+  if (DriftCode(t) == kNoDriftCode) return false;
+  *out = static_cast<drift::DType>(DriftCode(t));
+  return true;
 }
 
 // The optimizer state of layer tensor `w` (the tensors whose `param` names

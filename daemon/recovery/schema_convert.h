@@ -1,8 +1,12 @@
 // Conversions into the store's own table types (ckpt.store, store.proto):
-// from the daemon's tensor types (daemon/common/tensor_types.h), and out of them into the public API's (ckpt.v1) for
-// the replies that describe stored tensors (export, the admin queries). The
-// three enum sets carry the same numbers; the static_asserts in
-// schema_convert.cc fail the build if one of them changes alone.
+// from the daemon's tensor types (daemon/common/tensor_types.h), and out of
+// them into the public API's (ckpt.v1) for the replies that describe stored
+// tensors (export, the admin queries). The enums of all three carry the
+// numbers of one table each (base/dtype.h for DType, tensor_types.h for
+// TensorRole and LayerKind), so these are casts; a value without a row stays
+// the same unknown number. The domain-to-store direction has no other
+// converter; store-to-domain is not needed (what is read back from disk is
+// used as store types or sent out as ckpt.v1).
 //
 // Thread-safety: pure functions.
 #pragma once

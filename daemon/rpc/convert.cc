@@ -9,26 +9,21 @@
 namespace ckpt {
 namespace {
 
-template <typename A, typename B>
-constexpr bool Same(A a, B b) {
-  return static_cast<int>(a) == static_cast<int>(b);
-}
+// The daemon's enums carry the API's numbers (base/dtype.h,
+// daemon/common/tensor_types.h), so converting is a cast; an unknown API value
+// stays unknown and validation names it. The highest numbers are checked
+// here; every name and number by tests/base/dtype_test.cc and
+// tests/daemon/common/tensor_types_test.cc.
+static_assert(v1::DType_MIN == 0 && v1::DType_MAX == kMaxDTypeNumber,
+              "ckpt.v1.DType and base/dtype.h differ");
+static_assert(v1::TensorRole_MIN == 0 && v1::TensorRole_MAX == kMaxTensorRoleNumber,
+              "ckpt.v1.TensorRole and daemon/common/tensor_types.h differ");
+static_assert(v1::LayerKind_MIN == 0 && v1::LayerKind_MAX == kMaxLayerKindNumber,
+              "ckpt.v1.LayerKind and daemon/common/tensor_types.h differ");
 
-// The daemon's enums carry the API's numbers (tensor_types.h), so converting
-// is a cast; an unknown API value stays unknown and validation names it.
-static_assert(Same(DType::kF32, v1::DTYPE_F32) && Same(DType::kF16, v1::DTYPE_F16) &&
-              Same(DType::kBF16, v1::DTYPE_BF16) && Same(DType::kF64, v1::DTYPE_F64) &&
-              Same(DType::kI64, v1::DTYPE_I64) && Same(DType::kI32, v1::DTYPE_I32) &&
-              Same(DType::kU8, v1::DTYPE_U8) && Same(v1::DType_MAX, DType::kU8));
-static_assert(Same(TensorRole::kParam, v1::ROLE_PARAM) && Same(TensorRole::kMaster, v1::ROLE_MASTER) &&
-              Same(TensorRole::kExpAvg, v1::ROLE_EXP_AVG) &&
-              Same(TensorRole::kExpAvgSq, v1::ROLE_EXP_AVG_SQ) &&
-              Same(TensorRole::kMomentum, v1::ROLE_MOMENTUM) &&
-              Same(TensorRole::kOther, v1::ROLE_OTHER) && Same(v1::TensorRole_MAX, TensorRole::kOther));
-static_assert(Same(LayerKind::kEmbedding, v1::LAYER_EMBEDDING) &&
-              Same(LayerKind::kBlock, v1::LAYER_BLOCK) && Same(LayerKind::kNorm, v1::LAYER_NORM) &&
-              Same(LayerKind::kHead, v1::LAYER_HEAD) && Same(LayerKind::kOther, v1::LAYER_OTHER) &&
-              Same(v1::LayerKind_MAX, LayerKind::kOther));
+DType DTypeOf(v1::DType dtype) { return static_cast<DType>(dtype); }
+TensorRole RoleOf(v1::TensorRole role) { return static_cast<TensorRole>(role); }
+LayerKind KindOf(v1::LayerKind kind) { return static_cast<LayerKind>(kind); }
 
 absl::StatusOr<PolicyKind> PolicyKindOf(v1::PolicyKind kind) {
   switch (kind) {
@@ -91,10 +86,10 @@ LayerCheckConfig LayerCheckOf(const v1::LayerCheckSpec& spec) {
 TensorDesc TensorOf(const v1::TensorSpec& t) {
   TensorDesc d;
   d.name = t.name();
-  d.dtype = static_cast<DType>(t.dtype());
+  d.dtype = DTypeOf(t.dtype());
   d.shape.assign(t.shape().begin(), t.shape().end());
   d.nbytes = t.nbytes();
-  d.role = static_cast<TensorRole>(t.role());
+  d.role = RoleOf(t.role());
   d.region = t.region();
   d.offset = t.offset();
   d.group = t.group();
@@ -120,7 +115,7 @@ absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req) {
     LayerDesc& d = r.layers.emplace_back();
     d.id = l.id();
     d.name = l.name();
-    d.kind = static_cast<LayerKind>(l.kind());
+    d.kind = KindOf(l.kind());
     d.frozen = l.frozen();
     d.tensors.reserve(static_cast<size_t>(l.tensors_size()));
     for (const v1::TensorSpec& t : l.tensors()) d.tensors.push_back(TensorOf(t));
