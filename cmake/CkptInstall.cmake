@@ -89,7 +89,7 @@ install(TARGETS ${CKPT_EXPORTED_LIBS} EXPORT ckptTargets
 install(EXPORT ckptTargets NAMESPACE ckpt:: DESTINATION ${CKPT_INSTALL_CMAKEDIR}
   COMPONENT dev)
 
-# Public headers: client.h includes ckpt/v1/ckpt.pb.h and ckpt/v1/dtype.h.
+# Public headers: client.h includes ckpt/v1/ckpt.pb.h.
 # The gRPC stubs (ckpt.grpc.pb.h, compiled into libckpt_proto.a) and the
 # .proto itself go along for programs that call the API directly.
 get_target_property(CKPT_PROTO_BINARY_DIR ckpt_proto BINARY_DIR)
@@ -98,7 +98,6 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/client/include/ckpt
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT dev FILES_MATCHING PATTERN "*.h")
 install(FILES
   ${CKPT_PROTO_SOURCE_DIR}/ckpt/v1/ckpt.proto
-  ${CKPT_PROTO_SOURCE_DIR}/ckpt/v1/dtype.h
   ${CKPT_PROTO_BINARY_DIR}/gen/ckpt/v1/ckpt.pb.h
   ${CKPT_PROTO_BINARY_DIR}/gen/ckpt/v1/ckpt.grpc.pb.h
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/ckpt/v1 COMPONENT dev)

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
-#include "ckpt/v1/dtype.h"
+#include "base/dtype.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "base/handover_wire.h"
@@ -74,7 +74,36 @@ void AddDrift(const std::vector<LayerSums>& sums,
   }
 }
 
+// The one conversion of a tensor the caller describes into the API's: the
+// fields as given, nbytes from the shape and the element size.
+v1::TensorSpec TensorSpecOf(const TensorDesc& t) {
+  v1::TensorSpec ts;
+  ts.set_name(t.name);
+  ts.set_dtype(t.dtype);
+  uint64_t elems = 1;
+  for (uint64_t d : t.shape) {
+    ts.add_shape(d);
+    elems *= d;
+  }
+  ts.set_nbytes(elems * DTypeBytes(t.dtype));
+  ts.set_role(t.role);
+  ts.set_group(t.group);
+  ts.set_region(t.region);
+  ts.set_offset(t.offset);
+  ts.set_param(t.param);
+  ts.set_lr_scale(t.lr_scale);
+  ts.set_beta1(t.beta1);
+  ts.set_beta2(t.beta2);
+  ts.set_eps(t.eps);
+  ts.set_weight_decay(t.weight_decay);
+  return ts;
+}
+
 }  // namespace
+
+// ckpt.v1.DType carries the numbers of base/dtype.h's table (checked by
+// tests/base/dtype_test.cc), so a value is a row's number or has no row.
+uint64_t DTypeBytes(v1::DType dtype) { return ElementBytes(static_cast<DType>(dtype)); }
 
 struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
@@ -172,27 +201,7 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
     ls->set_name(l.name);
     ls->set_kind(l.kind);
     ls->set_frozen(l.frozen);
-    for (const TensorDesc& t : l.tensors) {
-      v1::TensorSpec* ts = ls->add_tensors();
-      ts->set_name(t.name);
-      ts->set_dtype(t.dtype);
-      uint64_t elems = 1;
-      for (uint64_t d : t.shape) {
-        ts->add_shape(d);
-        elems *= d;
-      }
-      ts->set_nbytes(elems * DTypeBytes(t.dtype));
-      ts->set_role(t.role);
-      ts->set_group(t.group);
-      ts->set_region(t.region);
-      ts->set_offset(t.offset);
-      ts->set_param(t.param);
-      ts->set_lr_scale(t.lr_scale);
-      ts->set_beta1(t.beta1);
-      ts->set_beta2(t.beta2);
-      ts->set_eps(t.eps);
-      ts->set_weight_decay(t.weight_decay);
-    }
+    for (const TensorDesc& t : l.tensors) *ls->add_tensors() = TensorSpecOf(t);
   }
   // The handover just reached the daemon; give the gRPC channel the same
   // chance to connect instead of failing fast from reconnect backoff.

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "ckpt/v1/dtype.h"
+#include "base/dtype.h"
 #include "daemon/common/validate.h"
 #include "daemon/engine/registration.h"
 #include "daemon/io/io_backend.h"
@@ -96,7 +96,7 @@ v1::RegisterRequest BuildRequest(FuzzedDataProvider& p, std::vector<uint64_t>* r
         ts->add_shape(n);
         elems *= n;
       }
-      const uint64_t nbytes = elems * std::max<uint64_t>(DTypeBytes(dt), 1);
+      const uint64_t nbytes = elems * std::max<uint64_t>(ElementBytes(static_cast<DType>(dt)), 1);
       ts->set_nbytes(rare(16) ? p.ConsumeIntegral<uint64_t>() : nbytes);
       ts->set_region(rare(16) ? p.ConsumeIntegral<uint32_t>() : 0);
       if (rare(8)) {
@@ -176,7 +176,7 @@ void CheckValidRequest(const v1::RegisterRequest& req, const std::vector<uint64_
     std::set<std::string> names;
     for (const v1::TensorSpec& t : layer.tensors()) {
       CKPT_FUZZ_CHECK(!t.name().empty() && names.insert(t.name()).second, "tensor names");
-      const uint64_t esize = DTypeBytes(t.dtype());
+      const uint64_t esize = ElementBytes(static_cast<DType>(t.dtype()));
       CKPT_FUZZ_CHECK(esize > 0, "unknown dtype accepted");
       unsigned __int128 prod = esize;
       for (uint64_t d : t.shape()) prod = std::min<unsigned __int128>(prod * d, ~uint64_t{0} + static_cast<unsigned __int128>(1));

@@ -122,7 +122,6 @@ def check_layout(prefix, c, have_python):
         under(prefix, c["CMAKE_INSTALL_BINDIR"]) + "/ckptctl",
         under(prefix, c["CMAKE_INSTALL_INCLUDEDIR"]) + "/ckpt/client.h",
         under(prefix, c["CMAKE_INSTALL_INCLUDEDIR"]) + "/ckpt/v1/ckpt.pb.h",
-        under(prefix, c["CMAKE_INSTALL_INCLUDEDIR"]) + "/ckpt/v1/dtype.h",
         under(prefix, c["CMAKE_INSTALL_LIBDIR"]) + "/cmake/ckpt/ckptConfig.cmake",
         under(prefix, c["CMAKE_INSTALL_LIBDIR"]) + "/cmake/ckpt/ckptConfigVersion.cmake",
         under(prefix, c["CMAKE_INSTALL_LIBDIR"]) + "/pkgconfig/ckpt.pc",

@@ -37,7 +37,6 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
-#include "ckpt/v1/dtype.h"  // DTypeBytes
 
 namespace ckpt {
 
@@ -56,6 +55,17 @@ struct ClientOptions {
   OnDaemonLoss on_daemon_loss = OnDaemonLoss::kError;
 };
 
+// Bytes per element of `dtype` (4 for DTYPE_F32); 0 for DTYPE_UNSPECIFIED and
+// for a value this library does not know.
+uint64_t DTypeBytes(v1::DType dtype);
+
+// One tensor as the trainer describes it to this library. It is not the API's
+// ckpt.v1.TensorSpec because the library fills in what the caller should not
+// have to (nbytes, from the shape and DTypeBytes) and gives the defaults a
+// trainer means (DTYPE_F32 and ROLE_PARAM; LayerDesc: LAYER_BLOCK, and its
+// index as the layer's id), where the protos' defaults are UNSPECIFIED.
+// Register() converts it into a ckpt.v1.TensorSpec in one place
+// (client/src/client.cc, TensorSpecOf).
 struct TensorDesc {
   std::string name;
   v1::DType dtype = v1::DTYPE_F32;

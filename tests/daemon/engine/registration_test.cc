@@ -6,7 +6,6 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/v1/dtype.h"
 #include "daemon/common/validate.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/schema_convert.h"
@@ -71,24 +70,6 @@ void ExpectInvalid(const std::function<void(v1::RegisterRequest*)>& mutate,
 
 v1::TensorSpec* Tensor(v1::RegisterRequest* req, int layer, int tensor) {
   return req->mutable_layers(layer)->mutable_tensors(tensor);
-}
-
-TEST(DTypeBytesTest, DaemonAndApiSizesAgree) {
-  for (int d = 0; d < 100; ++d) {
-    EXPECT_EQ(ElementBytes(static_cast<DType>(d)), DTypeBytes(static_cast<v1::DType>(d))) << d;
-  }
-}
-
-TEST(DTypeBytesTest, Sizes) {
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_F32), 4u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_I32), 4u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_F16), 2u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_BF16), 2u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_F64), 8u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_I64), 8u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_U8), 1u);
-  EXPECT_EQ(DTypeBytes(v1::DTYPE_UNSPECIFIED), 0u);
-  EXPECT_EQ(DTypeBytes(static_cast<v1::DType>(99)), 0u);
 }
 
 TEST(ValidateRegistrationTest, ValidRequestPasses) {
