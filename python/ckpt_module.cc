@@ -17,7 +17,10 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <google/protobuf/descriptor.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -79,6 +82,23 @@ E EnumFromName(const py::dict& d, const char* key, bool (*parse)(const std::stri
   for (char& c : upper) c = static_cast<char>(std::toupper(c));
   if (!parse(upper, &e)) throw py::value_error(absl::StrCat("unknown ", key, " '", name, "'"));
   return e;
+}
+
+// Every element type a tensor's "dtype" may name, with its bytes per
+// element: the API's names (ckpt.v1.DType values are DTYPE_<name>, parsed by
+// EnumFromName) and the client's sizes (DTypeBytes, from base/dtype.h's
+// table). tests/python/test_dtype_names.py checks ckpt.torch's names of torch
+// dtypes against it.
+std::map<std::string, uint64_t> DTypeSizes() {
+  constexpr std::string_view kPrefix = "DTYPE_";
+  std::map<std::string, uint64_t> sizes;
+  const google::protobuf::EnumDescriptor* d = v1::DType_descriptor();
+  for (int i = 0; i < d->value_count(); ++i) {
+    const uint64_t bytes = DTypeBytes(static_cast<v1::DType>(d->value(i)->number()));
+    if (bytes == 0) continue;  // DTYPE_UNSPECIFIED
+    sizes[d->value(i)->name().substr(kPrefix.size())] = bytes;
+  }
+  return sizes;
 }
 
 template <typename T>
@@ -414,6 +434,8 @@ PYBIND11_MODULE(_ckpt, m) {
   m.doc() = "ckptd client (see ckpt/__init__.py)";
   // The project's version (CMake's project VERSION), as ckptd's Status reports it.
   m.attr("__version__") = CKPT_VERSION;
+  m.def("dtype_sizes", &ckpt::DTypeSizes,
+        "{name: bytes per element} of every dtype a tensor spec may name");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -76,6 +76,8 @@ class SnapshotDict(TypedDict):
     skipped: int     # of them, not taken (staging full)
     lost: bool       # the step was reported before ckptd restarted
 
+def dtype_sizes() -> Dict[str, int]: ...  # {"F32": 4, ...}: every dtype a TensorSpec may name
+
 class Region:
     """A memfd region of the client, writable through the buffer protocol."""
     @property
