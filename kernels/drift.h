@@ -42,7 +42,12 @@ namespace ckpt::drift {
 enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class Optimizer : uint8_t { kNone = 0, kAdamW = 1, kAdam = 2, kSgd = 3 };
 
-// One weight tensor and the optimizer state that belongs to it.
+// One weight tensor and the optimizer state that belongs to it, as a kernel
+// reads them: addresses it can read, an element count, the optimizer and its
+// hyper-parameters with every default filled in. It exists because the
+// kernels see no type of ours; the daemon builds one per weight tensor when a
+// rank registers and sets lr and step at each step
+// (daemon/engine/engine_layercheck.cc).
 struct TensorTask {
   uint32_t layer = 0;  // index into the output array
   uint64_t n = 0;      // elements

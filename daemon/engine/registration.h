@@ -29,6 +29,11 @@ namespace ckpt {
 // LayerCheck's drift accounting, how its optimizer treats it. A state tensor
 // (exp_avg, exp_avg_sq, momentum) names its weight tensor in `param`; a
 // weight tensor carries its optimizer's hyper-parameters (lr_scale 0 means 1).
+// It has the fields of ckpt.v1.TensorSpec and of the stored ckpt.store.TensorSpec
+// and is neither, so that the engine, the policies and the GPU code see no API
+// type and the API can change without the store: daemon/rpc/convert.cc makes
+// it from the request, TableEntryOf below the stored record, and
+// engine_layercheck.cc the drift kernels' tasks.
 struct TensorDesc {
   std::string name;
   DType dtype = DType::kUnspecified;
