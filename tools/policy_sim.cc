@@ -165,63 +165,82 @@ int Usage() {
   return 2;
 }
 
-}  // namespace
+// Which form the --budget-* values take.
+enum class BudgetForm { kNone, kPerStep, kPerSecond, kShare };
 
-int main(int argc, char** argv) {
+// The command line.
+struct Options {
   std::string trace;
   std::vector<double> k0s, budgets;
   std::vector<uint64_t> s_maxes, warmups;
-  enum class BudgetForm { kNone, kPerStep, kPerSecond, kShare } form = BudgetForm::kNone;
+  BudgetForm form = BudgetForm::kNone;
   LayerCheckConfig base;
   LayerCheckBudget budget_opts;  // the bounds and step time given on the command line
   bool json = false, series = false, no_budget = false, have_k0e = false, have_interval = false;
   bool have_k_min = false, have_k_max = false, have_horizon = false, have_step_s = false;
   bool overridden = false;  // anything but --json / --series
+};
+
+// Sets a --budget-bytes-per-step, --budget-bytes-per-s or --budget-share list;
+// 2 after a message when another form was given already.
+int SetBudgets(const std::string& k, const std::string& v, Options* o, bool* ok) {
+  const BudgetForm f = k == "--budget-bytes-per-step" ? BudgetForm::kPerStep
+                       : k == "--budget-bytes-per-s"  ? BudgetForm::kPerSecond
+                                                      : BudgetForm::kShare;
+  if (o->form != BudgetForm::kNone && o->form != f) {
+    std::fprintf(stderr, "ckpt_policy_sim: give one form of budget\n");
+    return 2;
+  }
+  o->form = f;
+  *ok = ParseList(v, &o->budgets);
+  return 0;
+}
+
+// Fills `o` from argv. Returns 0, or 2 after the usage text or a message.
+int ParseOptions(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
-    if (k != "--trace" && k != "--json" && k != "--series") overridden = true;
+    if (k != "--trace" && k != "--json" && k != "--series") o->overridden = true;
     if (k == "--trace") {
-      trace = v;
+      o->trace = v;
     } else if (k == "--k0") {
-      ok = ParseList(v, &k0s);
+      ok = ParseList(v, &o->k0s);
     } else if (k == "--s-max") {
-      ok = ParseList(v, &s_maxes);
+      ok = ParseList(v, &o->s_maxes);
     } else if (k == "--warmup") {
-      ok = ParseList(v, &warmups);
+      ok = ParseList(v, &o->warmups);
     } else if (k == "--warmup-interval") {
-      ok = absl::SimpleAtoi(v, &base.warmup_interval), have_interval = true;
+      ok = absl::SimpleAtoi(v, &o->base.warmup_interval);
+      o->have_interval = true;
     } else if (k == "--k0-embedding") {
-      ok = absl::SimpleAtod(v, &base.k0_embedding), have_k0e = true;
+      ok = absl::SimpleAtod(v, &o->base.k0_embedding);
+      o->have_k0e = true;
     } else if (k == "--full-every") {
-      ok = absl::SimpleAtoi(v, &base.full_every);
+      ok = absl::SimpleAtoi(v, &o->base.full_every);
     } else if (k == "--budget-bytes-per-step" || k == "--budget-bytes-per-s" ||
                k == "--budget-share") {
-      const BudgetForm f = k == "--budget-bytes-per-step" ? BudgetForm::kPerStep
-                           : k == "--budget-bytes-per-s"  ? BudgetForm::kPerSecond
-                                                          : BudgetForm::kShare;
-      if (form != BudgetForm::kNone && form != f) {
-        std::fprintf(stderr, "ckpt_policy_sim: give one form of budget\n");
-        return 2;
-      }
-      form = f;
-      ok = ParseList(v, &budgets);
+      if (int rc = SetBudgets(k, v, o, &ok); rc != 0) return rc;
     } else if (k == "--step-s") {
-      ok = absl::SimpleAtod(v, &budget_opts.step_s), have_step_s = true;
+      ok = absl::SimpleAtod(v, &o->budget_opts.step_s);
+      o->have_step_s = true;
     } else if (k == "--device-write-bytes-per-s") {
-      ok = ParseSize(v, &budget_opts.device_write_bytes_per_s);
+      ok = ParseSize(v, &o->budget_opts.device_write_bytes_per_s);
     } else if (k == "--budget-k-min") {
-      ok = absl::SimpleAtod(v, &budget_opts.k_min), have_k_min = true;
+      ok = absl::SimpleAtod(v, &o->budget_opts.k_min);
+      o->have_k_min = true;
     } else if (k == "--budget-k-max") {
-      ok = absl::SimpleAtod(v, &budget_opts.k_max), have_k_max = true;
+      ok = absl::SimpleAtod(v, &o->budget_opts.k_max);
+      o->have_k_max = true;
     } else if (k == "--budget-horizon") {
-      ok = absl::SimpleAtoi(v, &budget_opts.horizon), have_horizon = true;
+      ok = absl::SimpleAtoi(v, &o->budget_opts.horizon);
+      o->have_horizon = true;
     } else if (k == "--no-budget") {
-      no_budget = true;
+      o->no_budget = true;
     } else if (k == "--json") {
-      json = true;
+      o->json = true;
     } else if (k == "--series") {
-      series = true;
+      o->series = true;
     } else {
       return Usage();
     }
@@ -230,124 +249,160 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (trace.empty()) return Usage();
-  std::ifstream in(trace);
-  if (!in) {
-    std::fprintf(stderr, "ckpt_policy_sim: cannot read %s\n", trace.c_str());
-    return 1;
-  }
+  if (o->trace.empty()) return Usage();
+  return 0;
+}
+
+// What a trace holds: the layer table, the steps (the newest timeline when
+// a restart replayed some) and the recorded config.
+struct Trace {
   std::vector<ckpt::LayerKind> kinds;
   std::vector<uint64_t> bytes;
   std::vector<Step> steps;
   LayerCheckConfig recorded;
   bool recorded_budget = false;
+};
+
+// A header's recorded config, over the defaults in `t`.
+void ReadRecordedConfig(const nlohmann::json& c, Trace* t) {
+  LayerCheckConfig& recorded = t->recorded;
+  recorded.k0 = c.value("k0", recorded.k0);
+  recorded.k0_embedding = c.value("k0_embedding", recorded.k0_embedding);
+  recorded.k_floor = c.value("k_floor", recorded.k_floor);
+  recorded.s_max = c.value("s_max", recorded.s_max);
+  recorded.warmup = c.value("warmup", recorded.warmup);
+  recorded.warmup_interval = c.value("warmup_interval", recorded.warmup_interval);
+  recorded.full_every = c.value("full_every", recorded.full_every);
+  if (c.contains("budget") && c["budget"].is_object()) {
+    const auto& b = c["budget"];
+    t->recorded_budget = true;
+    recorded.budget.bytes_per_step = b.value("bytes_per_step", 0.0);
+    recorded.budget.step_s = b.value("step_s", 0.0);
+    recorded.budget.k_min = b.value("k_min", recorded.budget.k_min);
+    recorded.budget.k_max = b.value("k_max", recorded.budget.k_max);
+    recorded.budget.horizon = b.value("horizon", recorded.budget.horizon);
+    recorded.budget.layer_bytes = b.value("layer_bytes", std::vector<uint64_t>{});
+  }
+}
+
+// A header: a (re-)registration. Later headers must describe the same
+// model; false after a message when one does not.
+bool ReadHeader(const nlohmann::json& j, Trace* t) {
+  std::vector<ckpt::LayerKind> k;
+  std::vector<uint64_t> b;
+  for (const auto& l : j["layers"]) {
+    k.push_back(static_cast<ckpt::LayerKind>(l.value("kind", 2)));
+    b.push_back(l.value("bytes", uint64_t{0}));
+  }
+  if (!t->kinds.empty() && (k != t->kinds || b != t->bytes)) {
+    std::fprintf(stderr, "ckpt_policy_sim: the trace changes its layer table\n");
+    return false;
+  }
+  t->kinds = k;
+  t->bytes = b;
+  if (j.contains("config") && j["config"].is_object()) ReadRecordedConfig(j["config"], t);
+  return true;
+}
+
+// A step line, appended to the steps.
+void AddStep(const nlohmann::json& j, std::vector<Step>* steps) {
+  Step s{j["step"].get<uint64_t>(), j.value("lr", 0.0),    j["d"].get<std::vector<double>>(), {},
+         j.contains("persist"),     j.value("unix_s", 0.0)};
+  if (s.has_persist) s.persist = j["persist"].get<std::vector<uint32_t>>();
+  if (!steps->empty() && s.step <= steps->back().step) {
+    // A restart replayed steps: keep the newest timeline.
+    while (!steps->empty() && steps->back().step >= s.step) steps->pop_back();
+  }
+  steps->push_back(std::move(s));
+}
+
+// Reads the trace at `path`. Returns 0, or 1 after a message.
+int ReadTrace(const std::string& path, Trace* t) {
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "ckpt_policy_sim: cannot read %s\n", path.c_str());
+    return 1;
+  }
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
     if (j.is_discarded() || !j.is_object()) continue;  // a torn last line
     if (j.contains("layers") && j["layers"].is_array() && j["layers"].size() > 0 &&
         j["layers"][0].is_object()) {
-      // A header: a (re-)registration. Later headers must describe the same model.
-      std::vector<ckpt::LayerKind> k;
-      std::vector<uint64_t> b;
-      for (const auto& l : j["layers"]) {
-        k.push_back(static_cast<ckpt::LayerKind>(l.value("kind", 2)));
-        b.push_back(l.value("bytes", uint64_t{0}));
-      }
-      if (!kinds.empty() && (k != kinds || b != bytes)) {
-        std::fprintf(stderr, "ckpt_policy_sim: the trace changes its layer table\n");
-        return 1;
-      }
-      kinds = k;
-      bytes = b;
-      if (j.contains("config") && j["config"].is_object()) {
-        const auto& c = j["config"];
-        recorded.k0 = c.value("k0", recorded.k0);
-        recorded.k0_embedding = c.value("k0_embedding", recorded.k0_embedding);
-        recorded.k_floor = c.value("k_floor", recorded.k_floor);
-        recorded.s_max = c.value("s_max", recorded.s_max);
-        recorded.warmup = c.value("warmup", recorded.warmup);
-        recorded.warmup_interval = c.value("warmup_interval", recorded.warmup_interval);
-        recorded.full_every = c.value("full_every", recorded.full_every);
-        if (c.contains("budget") && c["budget"].is_object()) {
-          const auto& b = c["budget"];
-          recorded_budget = true;
-          recorded.budget.bytes_per_step = b.value("bytes_per_step", 0.0);
-          recorded.budget.step_s = b.value("step_s", 0.0);
-          recorded.budget.k_min = b.value("k_min", recorded.budget.k_min);
-          recorded.budget.k_max = b.value("k_max", recorded.budget.k_max);
-          recorded.budget.horizon = b.value("horizon", recorded.budget.horizon);
-          recorded.budget.layer_bytes = b.value("layer_bytes", std::vector<uint64_t>{});
-        }
-      }
+      if (!ReadHeader(j, t)) return 1;
       continue;
     }
     if (!j.contains("step") || !j.contains("d")) continue;
-    Step s{j["step"].get<uint64_t>(), j.value("lr", 0.0), j["d"].get<std::vector<double>>(), {},
-           j.contains("persist"), j.value("unix_s", 0.0)};
-    if (s.has_persist) s.persist = j["persist"].get<std::vector<uint32_t>>();
-    if (!steps.empty() && s.step <= steps.back().step) {
-      // A restart replayed steps: keep the newest timeline.
-      while (!steps.empty() && steps.back().step >= s.step) steps.pop_back();
-    }
-    steps.push_back(std::move(s));
+    AddStep(j, &t->steps);
   }
-  if (kinds.empty() || steps.empty()) {
-    std::fprintf(stderr, "ckpt_policy_sim: %s has no header or no steps\n", trace.c_str());
+  if (t->kinds.empty() || t->steps.empty()) {
+    std::fprintf(stderr, "ckpt_policy_sim: %s has no header or no steps\n", path.c_str());
     return 1;
   }
-  if (k0s.empty()) k0s = {recorded.k0};
-  if (s_maxes.empty()) s_maxes = {recorded.s_max};
-  if (warmups.empty()) warmups = {recorded.warmup};
-  if (!have_k0e) base.k0_embedding = recorded.k0_embedding;
-  if (!have_interval) base.warmup_interval = recorded.warmup_interval;
-  base.k_floor = recorded.k_floor;
-  if (base.full_every == 0) base.full_every = recorded.full_every;
-  // The budget: the command line's, else the recorded one (unless --no-budget).
-  LayerCheckBudget budget_base = recorded_budget && !no_budget ? recorded.budget : LayerCheckBudget();
-  if (have_k_min) budget_base.k_min = budget_opts.k_min;
-  if (have_k_max) budget_base.k_max = budget_opts.k_max;
-  if (have_horizon) budget_base.horizon = budget_opts.horizon;
-  if (have_step_s) budget_base.step_s = budget_opts.step_s;
-  budget_base.device_write_bytes_per_s = budget_opts.device_write_bytes_per_s;
-  std::vector<LayerCheckBudget> budget_list;
-  if (form == BudgetForm::kNone) {
-    budget_list.push_back(budget_base);
-  } else {
-    for (double b : budgets) {
-      LayerCheckBudget x = budget_base;
-      x.bytes_per_step = x.bytes_per_s = x.share = 0;
-      (form == BudgetForm::kPerStep     ? x.bytes_per_step
-       : form == BudgetForm::kPerSecond ? x.bytes_per_s
-                                        : x.share) = b;
-      budget_list.push_back(x);
-    }
-  }
-  // The step interval the recorded wall times imply (median of the gaps
-  // between consecutive steps).
-  double measured_step_s = 0;
-  {
-    std::vector<double> gaps;
-    for (size_t i = 1; i < steps.size(); ++i) {
-      if (steps[i].unix_s > 0 && steps[i - 1].unix_s > 0 && steps[i].step == steps[i - 1].step + 1) {
-        gaps.push_back(steps[i].unix_s - steps[i - 1].unix_s);
-      }
-    }
-    if (!gaps.empty()) {
-      std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
-      measured_step_s = gaps[gaps.size() / 2];
-    }
-  }
+  return 0;
+}
 
-  uint64_t all_bytes = 0;
-  for (uint64_t b : bytes) all_bytes += b;
-  all_bytes *= steps.size();
-  std::vector<Result> results;
-  for (double k0 : k0s) {
-    for (uint64_t s_max : s_maxes) {
-      for (uint64_t w : warmups) {
+// What the command line leaves open comes from the recorded config.
+void UseRecorded(const Trace& t, Options* o) {
+  const LayerCheckConfig& recorded = t.recorded;
+  if (o->k0s.empty()) o->k0s = {recorded.k0};
+  if (o->s_maxes.empty()) o->s_maxes = {recorded.s_max};
+  if (o->warmups.empty()) o->warmups = {recorded.warmup};
+  if (!o->have_k0e) o->base.k0_embedding = recorded.k0_embedding;
+  if (!o->have_interval) o->base.warmup_interval = recorded.warmup_interval;
+  o->base.k_floor = recorded.k_floor;
+  if (o->base.full_every == 0) o->base.full_every = recorded.full_every;
+}
+
+// The budgets to replay: the command line's, else the recorded one (unless
+// --no-budget), with the command line's bounds and step time.
+std::vector<LayerCheckBudget> BudgetsToReplay(const Options& o, const Trace& t) {
+  LayerCheckBudget budget_base =
+      t.recorded_budget && !o.no_budget ? t.recorded.budget : LayerCheckBudget();
+  if (o.have_k_min) budget_base.k_min = o.budget_opts.k_min;
+  if (o.have_k_max) budget_base.k_max = o.budget_opts.k_max;
+  if (o.have_horizon) budget_base.horizon = o.budget_opts.horizon;
+  if (o.have_step_s) budget_base.step_s = o.budget_opts.step_s;
+  budget_base.device_write_bytes_per_s = o.budget_opts.device_write_bytes_per_s;
+  std::vector<LayerCheckBudget> budget_list;
+  if (o.form == BudgetForm::kNone) {
+    budget_list.push_back(budget_base);
+    return budget_list;
+  }
+  for (double b : o.budgets) {
+    LayerCheckBudget x = budget_base;
+    x.bytes_per_step = x.bytes_per_s = x.share = 0;
+    (o.form == BudgetForm::kPerStep     ? x.bytes_per_step
+     : o.form == BudgetForm::kPerSecond ? x.bytes_per_s
+                                        : x.share) = b;
+    budget_list.push_back(x);
+  }
+  return budget_list;
+}
+
+// The step interval the recorded wall times imply (median of the gaps
+// between consecutive steps); 0 without wall times.
+double MeasuredStepSeconds(const std::vector<Step>& steps) {
+  std::vector<double> gaps;
+  for (size_t i = 1; i < steps.size(); ++i) {
+    if (steps[i].unix_s > 0 && steps[i - 1].unix_s > 0 && steps[i].step == steps[i - 1].step + 1) {
+      gaps.push_back(steps[i].unix_s - steps[i - 1].unix_s);
+    }
+  }
+  if (gaps.empty()) return 0;
+  std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+  return gaps[gaps.size() / 2];
+}
+
+// Replays every combination of the listed values. Returns 0, or 2 after a
+// message for a combination that is not a valid config.
+int ReplayAll(const Options& o, const Trace& t, std::vector<Result>* results) {
+  const std::vector<LayerCheckBudget> budget_list = BudgetsToReplay(o, t);
+  for (double k0 : o.k0s) {
+    for (uint64_t s_max : o.s_maxes) {
+      for (uint64_t w : o.warmups) {
         for (const LayerCheckBudget& b : budget_list) {
-          LayerCheckConfig c = base;
+          LayerCheckConfig c = o.base;
           c.k0 = k0;
           c.s_max = s_max;
           c.warmup = w;
@@ -357,66 +412,90 @@ int main(int argc, char** argv) {
                          static_cast<unsigned long>(s_max), std::string(st.message()).c_str());
             return 2;
           }
-          results.push_back(Replay(c, kinds, bytes, steps, series));
+          results->push_back(Replay(c, t.kinds, t.bytes, t.steps, o.series));
         }
       }
     }
   }
+  return 0;
+}
+
+// The report's inputs besides the results.
+struct Totals {
+  uint64_t all_bytes = 0;      // what policy `all` would write over the trace
+  double measured_step_s = 0;  // MeasuredStepSeconds
   // Seconds per step for the per-second figures: the budget's declared step
   // time, else the one the trace's wall times imply.
-  auto step_seconds = [&](const Result& r) {
+  double StepSeconds(const Result& r) const {
     return r.config.budget.step_s > 0 ? r.config.budget.step_s : measured_step_s;
-  };
-  if (json) {
-    nlohmann::json out;
-    out["steps"] = steps.size();
-    out["layers"] = kinds.size();
-    out["bytes_all"] = all_bytes;
-    out["measured_step_s"] = measured_step_s;
-    for (const Result& r : results) {
-      nlohmann::json x = {{"k0", r.config.k0},
-                          {"s_max", r.config.s_max},
-                          {"warmup", r.config.warmup},
-                          {"layer_writes", r.layer_writes},
-                          {"bytes", r.bytes},
-                          {"bytes_fraction_of_all", all_bytes ? double(r.bytes) / all_bytes : 0},
-                          {"forced_bytes", r.forced_bytes},
-                          {"achieved_bytes_per_step", r.achieved_bytes_per_step},
-                          {"events", r.events},
-                          {"mean_staleness", r.mean_staleness},
-                          {"max_staleness", r.max_staleness},
-                          {"mean_size_weighted_staleness", r.mean_weighted_staleness},
-                          {"mean_k_multiplier", r.mean_multiplier}};
-      if (r.budget_bytes_per_step > 0) {
-        x["budget_bytes_per_step"] = r.budget_bytes_per_step;
-        x["achieved_over_budget"] = r.achieved_bytes_per_step / r.budget_bytes_per_step;
-        x["budget_k_min"] = r.config.budget.k_min;
-        x["budget_k_max"] = r.config.budget.k_max;
-        x["budget_horizon"] = r.config.budget.horizon;
-      }
-      if (step_seconds(r) > 0) {
-        x["step_s"] = step_seconds(r);
-        x["achieved_bytes_per_s"] = r.achieved_bytes_per_step / step_seconds(r);
-        if (r.budget_bytes_per_step > 0) {
-          x["budget_bytes_per_s"] = r.budget_bytes_per_step / step_seconds(r);
-        }
-      }
-      if (!overridden) x["steps_matching_trace"] = r.matching_steps;
-      if (series) {
-        x["series"] = {{"bytes", r.series_bytes},
-                       {"max_staleness", r.series_max_staleness},
-                       {"k_multiplier", r.series_multiplier},
-                       {"persist", r.series_persist}};
-      }
-      out["results"].push_back(x);
-    }
-    std::printf("%s\n", out.dump(2).c_str());
-    return 0;
   }
+};
+
+// One result as JSON.
+nlohmann::json ResultJson(const Options& o, const Totals& totals, const Result& r) {
+  const uint64_t all_bytes = totals.all_bytes;
+  nlohmann::json x = {{"k0", r.config.k0},
+                      {"s_max", r.config.s_max},
+                      {"warmup", r.config.warmup},
+                      {"layer_writes", r.layer_writes},
+                      {"bytes", r.bytes},
+                      {"bytes_fraction_of_all", all_bytes ? double(r.bytes) / all_bytes : 0},
+                      {"forced_bytes", r.forced_bytes},
+                      {"achieved_bytes_per_step", r.achieved_bytes_per_step},
+                      {"events", r.events},
+                      {"mean_staleness", r.mean_staleness},
+                      {"max_staleness", r.max_staleness},
+                      {"mean_size_weighted_staleness", r.mean_weighted_staleness},
+                      {"mean_k_multiplier", r.mean_multiplier}};
+  if (r.budget_bytes_per_step > 0) {
+    x["budget_bytes_per_step"] = r.budget_bytes_per_step;
+    x["achieved_over_budget"] = r.achieved_bytes_per_step / r.budget_bytes_per_step;
+    x["budget_k_min"] = r.config.budget.k_min;
+    x["budget_k_max"] = r.config.budget.k_max;
+    x["budget_horizon"] = r.config.budget.horizon;
+  }
+  const double step_s = totals.StepSeconds(r);
+  if (step_s > 0) {
+    x["step_s"] = step_s;
+    x["achieved_bytes_per_s"] = r.achieved_bytes_per_step / step_s;
+    if (r.budget_bytes_per_step > 0) {
+      x["budget_bytes_per_s"] = r.budget_bytes_per_step / step_s;
+    }
+  }
+  if (!o.overridden) x["steps_matching_trace"] = r.matching_steps;
+  if (o.series) {
+    x["series"] = {{"bytes", r.series_bytes},
+                   {"max_staleness", r.series_max_staleness},
+                   {"k_multiplier", r.series_multiplier},
+                   {"persist", r.series_persist}};
+  }
+  return x;
+}
+
+// --json: one document with the trace's figures and one object per result.
+void PrintJson(const Options& o, const Trace& t, const Totals& totals,
+               const std::vector<Result>& results) {
+  nlohmann::json out;
+  out["steps"] = t.steps.size();
+  out["layers"] = t.kinds.size();
+  out["bytes_all"] = totals.all_bytes;
+  out["measured_step_s"] = totals.measured_step_s;
+  for (const Result& r : results) out["results"].push_back(ResultJson(o, totals, r));
+  std::printf("%s\n", out.dump(2).c_str());
+}
+
+// The table: one line per result, then the per-second figures and, for a
+// replay of the recorded config, how much of the trace it reproduces.
+void PrintTable(const Options& o, const Trace& t, const Totals& totals,
+                const std::vector<Result>& results) {
+  const std::vector<Step>& steps = t.steps;
+  const uint64_t all_bytes = totals.all_bytes;
   std::printf("trace: %zu steps (%lu..%lu), %zu layers; policy all would write %.1f MiB",
               steps.size(), static_cast<unsigned long>(steps.front().step),
-              static_cast<unsigned long>(steps.back().step), kinds.size(), all_bytes / 1048576.0);
-  if (measured_step_s > 0) std::printf("; recorded step interval %.3f s (median)", measured_step_s);
+              static_cast<unsigned long>(steps.back().step), t.kinds.size(), all_bytes / 1048576.0);
+  if (totals.measured_step_s > 0) {
+    std::printf("; recorded step interval %.3f s (median)", totals.measured_step_s);
+  }
   std::printf("\n");
   std::printf("%9s %5s %6s %7s %11s %11s %7s %7s %8s %7s %10s %9s %8s %6s\n", "K0", "S_MAX",
               "WARMUP", "WRITES", "MIB WRITTEN", "BUDGET/STEP", "ACHIEVED", "FORCED", "OF ALL",
@@ -442,19 +521,41 @@ int main(int argc, char** argv) {
   std::printf("ACHIEVED = bytes written per step / BUDGET/STEP; FORCED = share of the bytes "
               "written by the base, never-persisted, staleness and full-checkpoint rules.\n");
   for (const Result& r : results) {
-    if (r.budget_bytes_per_step > 0 && step_seconds(r) > 0) {
+    const double step_s = totals.StepSeconds(r);
+    if (r.budget_bytes_per_step > 0 && step_s > 0) {
       std::printf("K0 %.1e budget %.2f MiB/s -> achieved %.2f MiB/s (%.3f s per step%s)\n",
-                  r.config.k0, r.budget_bytes_per_step / step_seconds(r) / 1048576.0,
-                  r.achieved_bytes_per_step / step_seconds(r) / 1048576.0, step_seconds(r),
+                  r.config.k0, r.budget_bytes_per_step / step_s / 1048576.0,
+                  r.achieved_bytes_per_step / step_s / 1048576.0, step_s,
                   r.config.budget.step_s > 0 ? ", declared" : ", from the trace's wall times");
     }
   }
-  if (!overridden) {
+  if (!o.overridden) {
     for (const Result& r : results) {
       std::printf("replay of the recorded config: %lu of %zu steps persist what the trace "
                   "recorded\n",
                   static_cast<unsigned long>(r.matching_steps), steps.size());
     }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (int rc = ParseOptions(argc, argv, &o); rc != 0) return rc;
+  Trace t;
+  if (int rc = ReadTrace(o.trace, &t); rc != 0) return rc;
+  UseRecorded(t, &o);
+  Totals totals;
+  totals.measured_step_s = MeasuredStepSeconds(t.steps);
+  for (uint64_t b : t.bytes) totals.all_bytes += b;
+  totals.all_bytes *= t.steps.size();
+  std::vector<Result> results;
+  if (int rc = ReplayAll(o, t, &results); rc != 0) return rc;
+  if (o.json) {
+    PrintJson(o, t, totals, results);
+  } else {
+    PrintTable(o, t, totals, results);
   }
   return 0;
 }
