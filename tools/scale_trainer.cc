@@ -362,95 +362,103 @@ class RankRunner {
     }
   }
 
-  bool Train(nlohmann::json* out) {
-    std::vector<double> stepdone, fence, durable;
+  // What the measured steps of Train count.
+  struct Figures {
+    std::vector<double> stepdone, fence, durable;  // seconds per call
     uint64_t skipped = 0, reported = 0, counted = 0;
-    std::vector<uint32_t> layers;
-    const uint64_t first = step_ + 1;
-    const double seconds = a_.seconds;
-    auto t_measure = std::chrono::steady_clock::now();
     // A StepDone refused for a quota (RESOURCE_EXHAUSTED: ckptd is behind)
     // is counted and the step goes unreported, as a trainer that keeps
     // training would do; the next step is reported instead.
     uint64_t refused = 0;
-    bool unfenced = false;  // step_ was reported and not fenced yet
-    for (uint64_t t = first;; ++t) {
-      const uint64_t i = t - first;  // steps done so far
-      // --seconds counts from the common start of the measured steps.
-      if (seconds > 0 ? i > a_.warmup && Since(shared_->measure_start) >= seconds
-                      : i >= a_.warmup + a_.steps) {
-        break;
-      }
-      if (i == a_.warmup) {
-        // The warm-up's versions (the first step writes every layer) are
-        // written before the measured steps start.
-        if (unfenced) {
-          auto snap = client_->WaitSnapshot(step_);
-          auto d = snap.ok() ? client_->WaitDurable(step_) : absl::StatusOr<uint64_t>(snap.status());
-          if (!d.ok() && !absl::IsAborted(d.status())) {
-            (*out)["error"] = absl::StrCat("warm-up wait durable: ", d.status().ToString());
-            return false;
-          }
-          unfenced = false;
-        }
-        warm_ = true;
-        WarmupDone();
-        t_measure = shared_->measure_start;
-      }
-      const bool measured = i >= a_.warmup;
-      if (unfenced) {
-        auto f0 = std::chrono::steady_clock::now();
-        auto snap = client_->WaitSnapshot(step_);
-        const double f = Since(f0);
-        if (!snap.ok()) {
-          (*out)["error"] = absl::StrCat("wait snapshot ", step_, ": ", snap.status().ToString());
-          return false;
-        }
-        unfenced = false;
-        if (measured) {
-          fence.push_back(f);
-          skipped += snap->skipped;
-        }
-      }
-      Select(t, &layers);
-      if (a_.policy == "explicit") {
-        for (uint32_t l : layers) Touch(l, t);
-      } else {
-        for (uint32_t l = 0; l < a_.layers; ++l) Touch(l, t);
-      }
-      if (a_.compute_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a_.compute_ms));
-      auto s0 = std::chrono::steady_clock::now();
-      absl::Status s = client_->StepDone(t, 1e-4, "", layers);
-      const double sd = Since(s0);
-      if (absl::IsResourceExhausted(s)) {
-        if (measured) ++refused;
-        continue;
-      }
-      if (!s.ok()) {
-        (*out)["error"] = absl::StrCat("step done ", t, ": ", s.ToString());
+  };
+
+  // Whether the loop ends before step index i (steps done so far): after
+  // --warmup + --steps steps, or with --seconds once that long has passed
+  // since the common start of the measured steps.
+  bool Finished(uint64_t i) const {
+    return a_.seconds > 0 ? i > a_.warmup && Since(shared_->measure_start) >= a_.seconds
+                          : i >= a_.warmup + a_.steps;
+  }
+
+  // The warm-up's versions (the first step writes every layer) are written
+  // before the measured steps start; then this rank waits for the others.
+  bool EndWarmup(nlohmann::json* out) {
+    if (unfenced_) {
+      auto snap = client_->WaitSnapshot(step_);
+      auto d = snap.ok() ? client_->WaitDurable(step_) : absl::StatusOr<uint64_t>(snap.status());
+      if (!d.ok() && !absl::IsAborted(d.status())) {
+        (*out)["error"] = absl::StrCat("warm-up wait durable: ", d.status().ToString());
         return false;
       }
-      step_ = t;
-      unfenced = true;
-      if (measured) {
-        stepdone.push_back(sd);
-        ++counted;
-        reported += a_.policy == "explicit" ? layers.size() : (a_.policy == "all" ? a_.layers : 0);
-      }
-      if (a_.durable_every > 0 && t % a_.durable_every == 0) {
-        auto d0 = std::chrono::steady_clock::now();
-        auto d = client_->WaitDurable(t);
-        if (measured) durable.push_back(Since(d0));
-        if (!d.ok() && !absl::IsAborted(d.status())) {
-          (*out)["error"] = absl::StrCat("wait durable ", t, ": ", d.status().ToString());
-          return false;
-        }
+      unfenced_ = false;
+    }
+    warm_ = true;
+    WarmupDone();
+    return true;
+  }
+
+  // The fence: the snapshot of the step reported last.
+  bool Fence(bool measured, nlohmann::json* out) {
+    auto f0 = std::chrono::steady_clock::now();
+    auto snap = client_->WaitSnapshot(step_);
+    const double f = Since(f0);
+    if (!snap.ok()) {
+      (*out)["error"] = absl::StrCat("wait snapshot ", step_, ": ", snap.status().ToString());
+      return false;
+    }
+    unfenced_ = false;
+    if (measured) {
+      figures_.fence.push_back(f);
+      figures_.skipped += snap->skipped;
+    }
+    return true;
+  }
+
+  // Step t: the layers it reports change, the compute time passes, and
+  // StepDone reports it. False on an error; a refused step is counted and
+  // goes unreported.
+  bool Step(uint64_t t, bool measured, nlohmann::json* out) {
+    Select(t, &layers_);
+    if (a_.policy == "explicit") {
+      for (uint32_t l : layers_) Touch(l, t);
+    } else {
+      for (uint32_t l = 0; l < a_.layers; ++l) Touch(l, t);
+    }
+    if (a_.compute_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a_.compute_ms));
+    auto s0 = std::chrono::steady_clock::now();
+    absl::Status s = client_->StepDone(t, 1e-4, "", layers_);
+    const double sd = Since(s0);
+    if (absl::IsResourceExhausted(s)) {
+      if (measured) ++figures_.refused;
+      return true;
+    }
+    if (!s.ok()) {
+      (*out)["error"] = absl::StrCat("step done ", t, ": ", s.ToString());
+      return false;
+    }
+    step_ = t;
+    unfenced_ = true;
+    if (measured) {
+      figures_.stepdone.push_back(sd);
+      ++figures_.counted;
+      figures_.reported +=
+          a_.policy == "explicit" ? layers_.size() : (a_.policy == "all" ? a_.layers : 0);
+    }
+    if (a_.durable_every > 0 && t % a_.durable_every == 0) {
+      auto d0 = std::chrono::steady_clock::now();
+      auto d = client_->WaitDurable(t);
+      if (measured) figures_.durable.push_back(Since(d0));
+      if (!d.ok() && !absl::IsAborted(d.status())) {
+        (*out)["error"] = absl::StrCat("wait durable ", t, ": ", d.status().ToString());
+        return false;
       }
     }
-    const double train_s = Since(t_measure);
-    MeasuredDone();
-    // Everything reported becomes durable (a layer skipped for a full pool
-    // makes this ABORTED: counted, not an error).
+    return true;
+  }
+
+  // Everything reported becomes durable (a layer skipped for a full pool
+  // makes this ABORTED: counted, not an error).
+  bool Drain(nlohmann::json* out) {
     auto d0 = std::chrono::steady_clock::now();
     auto snap = client_->WaitSnapshot(step_);
     absl::StatusOr<uint64_t> d =
@@ -466,17 +474,38 @@ class RankRunner {
       return false;
     }
     (*out)["final_durable_ok"] = d.ok();
+    return true;
+  }
+
+  // The warm-up, the measured steps and the drain; the figures go to `out`.
+  bool Train(nlohmann::json* out) {
+    const uint64_t first = step_ + 1;
+    auto t_measure = std::chrono::steady_clock::now();
+    for (uint64_t t = first;; ++t) {
+      const uint64_t i = t - first;  // steps done so far
+      if (Finished(i)) break;
+      if (i == a_.warmup) {
+        if (!EndWarmup(out)) return false;
+        t_measure = shared_->measure_start;
+      }
+      const bool measured = i >= a_.warmup;
+      if (unfenced_ && !Fence(measured, out)) return false;
+      if (!Step(t, measured, out)) return false;
+    }
+    const double train_s = Since(t_measure);
+    MeasuredDone();
+    if (!Drain(out)) return false;
     Drained();
     (*out)["last_step"] = step_;
-    (*out)["steps"] = counted;
+    (*out)["steps"] = figures_.counted;
     (*out)["seconds"] = train_s;
-    (*out)["steps_per_s"] = train_s > 0 ? static_cast<double>(counted) / train_s : 0.0;
-    (*out)["versions_reported"] = reported;
-    (*out)["skipped"] = skipped;
-    (*out)["refused"] = refused;
-    (*out)["stepdone"] = Summary(stepdone);
-    (*out)["fence"] = Summary(fence);
-    (*out)["durable"] = Summary(durable);
+    (*out)["steps_per_s"] = train_s > 0 ? static_cast<double>(figures_.counted) / train_s : 0.0;
+    (*out)["versions_reported"] = figures_.reported;
+    (*out)["skipped"] = figures_.skipped;
+    (*out)["refused"] = figures_.refused;
+    (*out)["stepdone"] = Summary(figures_.stepdone);
+    (*out)["fence"] = Summary(figures_.fence);
+    (*out)["durable"] = Summary(figures_.durable);
     return true;
   }
 
@@ -497,6 +526,11 @@ class RankRunner {
   char* base_ = nullptr;
   uint64_t step_ = 0;
   bool warm_ = false;
+  // Train's state: step_ was reported and not fenced yet; the layers the
+  // step reports; the figures of the measured steps.
+  bool unfenced_ = false;
+  std::vector<uint32_t> layers_;
+  Figures figures_;
 };
 
 std::mutex RankRunner::hold_mu_;
