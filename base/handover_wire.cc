@@ -44,7 +44,8 @@ absl::Status SendWithFds(int sock, const void* data, size_t len, absl::Span<cons
     n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::DeadlineExceededError("sendmsg timed out");
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return absl::DeadlineExceededError("sendmsg timed out");
     return ErrnoStatus(errno, "sendmsg");
   }
   if (static_cast<size_t>(n) != len) return absl::UnavailableError("short sendmsg");
@@ -66,7 +67,8 @@ absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>
     n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::DeadlineExceededError("recvmsg timed out");
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return absl::DeadlineExceededError("recvmsg timed out");
     return ErrnoStatus(errno, "recvmsg");
   }
   // Collect every descriptor first so that none leaks on an error below.
@@ -102,8 +104,8 @@ absl::Status ConnectUnix(int sock, const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
-                                        absl::Span<const int> fds, absl::Duration timeout) {
+absl::StatusOr<std::string> HandOverFds(const std::string& socket_path, absl::Span<const int> fds,
+                                        absl::Duration timeout) {
   if (fds.empty() || fds.size() > kMaxHandoverFds) {
     return absl::InvalidArgumentError(
         absl::StrCat("handover takes 1..", kMaxHandoverFds, " regions, got ", fds.size()));

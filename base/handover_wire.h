@@ -56,8 +56,8 @@ absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>
 // Every step is bounded by `timeout`; a missing daemon is UNAVAILABLE. A
 // refusal keeps the daemon's code, with the message prefixed "ckptd refused
 // the handover: ".
-absl::StatusOr<std::string> HandOverFds(const std::string& socket_path,
-                                        absl::Span<const int> fds, absl::Duration timeout);
+absl::StatusOr<std::string> HandOverFds(const std::string& socket_path, absl::Span<const int> fds,
+                                        absl::Duration timeout);
 
 // Sets SO_RCVTIMEO and SO_SNDTIMEO.
 absl::Status SetSocketTimeout(int sock, absl::Duration timeout);

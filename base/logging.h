@@ -40,8 +40,8 @@ struct LogVoidify {
 #define CKPT_LOG_LEVEL_WARNING ::ckpt::LogLevel::kWarning
 #define CKPT_LOG_LEVEL_ERROR ::ckpt::LogLevel::kError
 // An expression (not an if/else), so it is safe inside an unbraced if.
-#define CKPT_LOG(level)                                                  \
-  (CKPT_LOG_LEVEL_##level < ::ckpt::MinLogLevel())                       \
-      ? (void)0                                                          \
-      : ::ckpt::LogVoidify() &                                           \
+#define CKPT_LOG(level)                            \
+  (CKPT_LOG_LEVEL_##level < ::ckpt::MinLogLevel()) \
+      ? (void)0                                    \
+      : ::ckpt::LogVoidify() &                     \
             ::ckpt::LogMessage(CKPT_LOG_LEVEL_##level, __FILE__, __LINE__).stream()

@@ -37,7 +37,9 @@ SharedMapping::~SharedMapping() {
 }
 
 SharedMapping::SharedMapping(SharedMapping&& o) noexcept
-    : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+    : fd_(std::move(o.fd_)),
+      data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)) {}
 
 SharedMapping& SharedMapping::operator=(SharedMapping&& o) noexcept {
   if (this != &o) {

@@ -32,16 +32,26 @@ ErrorReason ReasonOf(const absl::Status& status) {
 
 const char* ReasonName(ErrorReason reason) {
   switch (reason) {
-    case ErrorReason::kUnspecified: return "unspecified";
-    case ErrorReason::kNotRegistered: return "not_registered";
-    case ErrorReason::kStaleGeneration: return "stale_generation";
-    case ErrorReason::kShuttingDown: return "shutting_down";
-    case ErrorReason::kDiskFull: return "disk_full";
-    case ErrorReason::kFsync: return "fsync";
-    case ErrorReason::kIndex: return "index";
-    case ErrorReason::kWrite: return "write";
-    case ErrorReason::kSnapshotCopy: return "snapshot_copy";
-    case ErrorReason::kQuota: return "quota";
+    case ErrorReason::kUnspecified:
+      return "unspecified";
+    case ErrorReason::kNotRegistered:
+      return "not_registered";
+    case ErrorReason::kStaleGeneration:
+      return "stale_generation";
+    case ErrorReason::kShuttingDown:
+      return "shutting_down";
+    case ErrorReason::kDiskFull:
+      return "disk_full";
+    case ErrorReason::kFsync:
+      return "fsync";
+    case ErrorReason::kIndex:
+      return "index";
+    case ErrorReason::kWrite:
+      return "write";
+    case ErrorReason::kSnapshotCopy:
+      return "snapshot_copy";
+    case ErrorReason::kQuota:
+      return "quota";
   }
   return "unspecified";
 }

@@ -21,10 +21,10 @@
 #define CKPT_STATUS_CONCAT_(a, b) CKPT_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the current function when `expr` (an absl::Status) is not OK.
-#define CKPT_RETURN_IF_ERROR(expr)                  \
-  do {                                              \
-    ::absl::Status ckpt_status_ = (expr);           \
-    if (!ckpt_status_.ok()) return ckpt_status_;    \
+#define CKPT_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::absl::Status ckpt_status_ = (expr);        \
+    if (!ckpt_status_.ok()) return ckpt_status_; \
   } while (0)
 
 // `lhs = value of expr` (an absl::StatusOr<T>), or returns its error.
@@ -47,15 +47,15 @@ absl::Status ErrnoStatus(int err, absl::string_view what);
 // are the wire values of ckpt.v1.ErrorReason (ckpt.proto); append only.
 enum class ErrorReason : int {
   kUnspecified = 0,
-  kNotRegistered = 1,     // ckptd has no live registration of the rank (it restarted)
-  kStaleGeneration = 2,   // a newer registration of the rank replaced this one
-  kShuttingDown = 3,      // ckptd is stopping; the call will not succeed here
-  kDiskFull = 4,          // the disk bound, the free-space reserve or ENOSPC
-  kFsync = 5,             // fdatasync/fsync of a layer version or directory failed
-  kIndex = 6,             // the RocksDB index failed
-  kWrite = 7,             // creating or writing a layer version's file failed
-  kSnapshotCopy = 8,      // copying a snapshot out of the trainer's memory failed
-  kQuota = 9,             // the caller's uid reached one of its quotas (bytes or queued steps)
+  kNotRegistered = 1,    // ckptd has no live registration of the rank (it restarted)
+  kStaleGeneration = 2,  // a newer registration of the rank replaced this one
+  kShuttingDown = 3,     // ckptd is stopping; the call will not succeed here
+  kDiskFull = 4,         // the disk bound, the free-space reserve or ENOSPC
+  kFsync = 5,            // fdatasync/fsync of a layer version or directory failed
+  kIndex = 6,            // the RocksDB index failed
+  kWrite = 7,            // creating or writing a layer version's file failed
+  kSnapshotCopy = 8,     // copying a snapshot out of the trainer's memory failed
+  kQuota = 9,            // the caller's uid reached one of its quotas (bytes or queued steps)
 };
 inline constexpr int kErrorReasonCount = 10;
 

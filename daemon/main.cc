@@ -14,19 +14,19 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
-#include "base/logging.h"
 #include "daemon/common/systemd_notify.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/config/config.h"
 #include "daemon/engine/engine.h"
 #include "daemon/gpu/cuda_host.h"
+#include "daemon/io/file_system.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/remote/posix_store.h"
 #include "daemon/remote/remote_auth.h"
 #include "daemon/remote/s3_store.h"
-#include "daemon/io/file_system.h"
 #include "daemon/rpc/server.h"
 #include "daemon/shm/handover.h"
 #include "daemon/staging/staging_pool.h"
@@ -50,8 +50,8 @@ constexpr int kExitNeedsOperator = 78;
 // ckptd's credentials or does not answer is logged and kept: training and
 // local checkpoints go on, and the uploader retries (docs/remote.md).
 // The cluster key of the remote tier, when there is one (`store`).
-absl::StatusOr<std::optional<ckpt::remote::RemoteKey>> LoadRemoteKey(const ckpt::RemoteConfig& rc,
-                                                                     ckpt::remote::RemoteStore* store) {
+absl::StatusOr<std::optional<ckpt::remote::RemoteKey>> LoadRemoteKey(
+    const ckpt::RemoteConfig& rc, ckpt::remote::RemoteStore* store) {
   if (store == nullptr) return std::optional<ckpt::remote::RemoteKey>();
   absl::StatusOr<ckpt::remote::RemoteKey> key = ckpt::remote::RemoteKey::FromFile(rc.key_file);
   if (!key.ok()) return key.status();
@@ -124,7 +124,6 @@ int FailDataDir(const std::string& what, const absl::Status& s) {
                      "(or replace the link with what it points to) and start ckptd again";
   return kExitNeedsOperator;
 }
-
 
 // Reads the command line: --config=FILE first, then every other --key=value
 // over it, then Validate(). Returns the exit status when main() is to stop
@@ -256,9 +255,9 @@ std::string StartMetricsEndpoint(const std::string& address, Metrics* metrics) {
     return std::string();
   }
   auto colon = address.rfind(':');
-  std::string listening = absl::StrCat(
-      colon == std::string::npos ? std::string("0.0.0.0") : address.substr(0, colon), ":",
-      metrics->port());
+  std::string listening =
+      absl::StrCat(colon == std::string::npos ? std::string("0.0.0.0") : address.substr(0, colon),
+                   ":", metrics->port());
   CKPT_LOG(INFO) << "metrics on http://" << listening << "/metrics";
   return listening;
 }
@@ -289,7 +288,8 @@ void CollectServerMetrics(const HandoverServer& handover, const RpcServer& rpc,
                           ServerCounters* seen, Metrics* metrics) {
   const HandoverServer::Stats now = handover.stats();
   metrics->Set(Gauge::kHandoverFdsHeld, static_cast<double>(now.fds_held));
-  metrics->Inc(Counter::kHandoverRefused, static_cast<double>(now.refused - seen->handover.refused));
+  metrics->Inc(Counter::kHandoverRefused,
+               static_cast<double>(now.refused - seen->handover.refused));
   metrics->Inc(Counter::kHandoverAcceptErrors,
                static_cast<double>(now.accept_errors - seen->handover.accept_errors));
   seen->handover = now;

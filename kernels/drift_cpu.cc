@@ -12,8 +12,8 @@
 namespace ckpt::drift {
 namespace {
 
-constexpr uint64_t kBlock = 2048;       // elements converted and reduced at a time
-constexpr uint64_t kChunk = 1 << 16;    // elements per unit of parallel work
+constexpr uint64_t kBlock = 2048;     // elements converted and reduced at a time
+constexpr uint64_t kChunk = 1 << 16;  // elements per unit of parallel work
 
 float LoadOne(const void* p, DType t, uint64_t i) {
   switch (t) {
@@ -258,9 +258,9 @@ uint16_t F32ToF16(float f) {
   std::memcpy(&bits, &f, 4);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
   const uint32_t abs = bits & 0x7fffffff;
-  if (abs > 0x7f800000) return sign | 0x7e00;             // NaN
-  if (abs >= 0x477ff000) return sign | 0x7c00;            // overflow -> inf
-  if (abs < 0x33000000) return sign;                      // underflow -> 0
+  if (abs > 0x7f800000) return sign | 0x7e00;   // NaN
+  if (abs >= 0x477ff000) return sign | 0x7c00;  // overflow -> inf
+  if (abs < 0x33000000) return sign;            // underflow -> 0
   int exp = static_cast<int>(abs >> 23) - 127 + 15;
   uint32_t mant = (abs & 0x7fffff) | 0x800000;
   if (exp <= 0) {  // subnormal half
@@ -314,8 +314,8 @@ void ComputeDriftCpu(const std::vector<TensorTask>& tasks, std::vector<LayerSums
     }
   }
   const size_t layers = out->size();
-  const size_t n = std::max<size_t>(1, std::min<size_t>(static_cast<size_t>(std::max(1, threads)),
-                                                         units.size()));
+  const size_t n = std::max<size_t>(
+      1, std::min<size_t>(static_cast<size_t>(std::max(1, threads)), units.size()));
   std::vector<std::vector<LayerSums>> per_worker(n, std::vector<LayerSums>(layers));
   auto work = [&](size_t worker) {
     std::vector<LayerSums>& acc = per_worker[worker];

@@ -8,6 +8,7 @@
 // release the GIL. A host region is exposed through the buffer protocol by a
 // Region object that keeps the client (and so the mapping) alive as long as
 // anything (a torch tensor made with torch.frombuffer, say) refers to it.
+#include <google/protobuf/descriptor.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -19,8 +20,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <google/protobuf/descriptor.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -115,8 +114,8 @@ void CheckKeys(const py::dict& d, const char* what, std::initializer_list<const 
     if (!ok) {
       std::string list;
       for (const char* k : known) absl::StrAppend(&list, list.empty() ? "" : ", ", k);
-      throw py::value_error(absl::StrCat("unknown ", what, " parameter '", key, "' (known: ",
-                                         list, ")"));
+      throw py::value_error(
+          absl::StrCat("unknown ", what, " parameter '", key, "' (known: ", list, ")"));
     }
   }
 }
@@ -125,14 +124,14 @@ v1::PolicySpec PolicyFromDict(const py::dict& p) {
   v1::PolicySpec spec;
   spec.set_kind(EnumFromName(p, "kind", v1::PolicyKind_Parse, "POLICY_", v1::POLICY_ALL));
   spec.set_every_n(Get<uint64_t>(p, "every_n", 0));
-  spec.set_optimizer(
-      EnumFromName(p, "optimizer", v1::OptimizerKind_Parse, "OPTIMIZER_", v1::OPTIMIZER_UNSPECIFIED));
+  spec.set_optimizer(EnumFromName(p, "optimizer", v1::OptimizerKind_Parse, "OPTIMIZER_",
+                                  v1::OPTIMIZER_UNSPECIFIED));
   spec.set_record_trace(Get<bool>(p, "record_trace", false));
   if (p.contains("layercheck")) {
     const py::dict lc = p["layercheck"];
     CheckKeys(lc, "layercheck",
-              {"k0", "k0_embedding", "k_floor", "s_max", "warmup", "warmup_interval",
-               "full_every", "local_drift", "budget"});
+              {"k0", "k0_embedding", "k_floor", "s_max", "warmup", "warmup_interval", "full_every",
+               "local_drift", "budget"});
     v1::LayerCheckSpec* l = spec.mutable_layercheck();
     l->set_k0(Get<double>(lc, "k0", 0));
     l->set_k0_embedding(Get<double>(lc, "k0_embedding", 0));
@@ -246,7 +245,9 @@ class PyClient {
     client_ = std::shared_ptr<Client>(Value(Client::Connect(o)).release());
   }
 
-  Region AllocateRegion(uint64_t bytes) { return Region{client_, Value(client_->AllocateRegion(bytes))}; }
+  Region AllocateRegion(uint64_t bytes) {
+    return Region{client_, Value(client_->AllocateRegion(bytes))};
+  }
 
   py::tuple AddGpuTensor(uint64_t ptr, uint64_t bytes, const std::string& name) {
     const Client::GpuPlace p =
@@ -320,8 +321,7 @@ class PyClient {
     return Value(client_->WaitDurable(step, tier == "remote"));
   }
 
-  py::dict Plan(uint64_t target_step, const std::optional<std::string>& job,
-               uint32_t rank) {
+  py::dict Plan(uint64_t target_step, const std::optional<std::string>& job, uint32_t rank) {
     v1::Plan plan;
     {
       py::gil_scoped_release release;
@@ -367,21 +367,21 @@ class PyClient {
       for (const v1::ExportTensor& t : h.tensors()) {
         auto it = out.find(t.name());
         if (it == out.end()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "tensor '", t.name(), "' of layer '", t.layer_name(), "' of job ", job, " rank ",
-              rank, " has no place in this model"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("tensor '", t.name(), "' of layer '", t.layer_name(), "' of job ", job,
+                           " rank ", rank, " has no place in this model"));
         }
         if (it->second.size != t.nbytes()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "tensor '", t.name(), "' has ", t.nbytes(), " bytes in the checkpoint and ",
-              it->second.size, " in this model"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("tensor '", t.name(), "' has ", t.nbytes(),
+                           " bytes in the checkpoint and ", it->second.size, " in this model"));
         }
         it->second.filled = true;
       }
       for (const auto& [name, d] : out) {
         if (!d.filled) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "tensor '", name, "' is not in job ", job, " rank ", rank, "'s checkpoint"));
+          return absl::FailedPreconditionError(absl::StrCat("tensor '", name, "' is not in job ",
+                                                            job, " rank ", rank, "'s checkpoint"));
         }
       }
       return absl::OkStatus();

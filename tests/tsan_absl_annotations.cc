@@ -123,7 +123,8 @@ bool CKPT_REAL(_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4T
 bool CKPT_WRAP(_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE)(
     Mutex* mu, const Condition& c, Time t) {
   return WhileReleased(mu, 0, [&] {
-    return CKPT_REAL(_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE)(mu, c, t);
+    return CKPT_REAL(_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE)(mu, c,
+                                                                                            t);
   });
 }
 bool CKPT_REAL(_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE)(
@@ -131,7 +132,8 @@ bool CKPT_REAL(_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8Du
 bool CKPT_WRAP(_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE)(
     Mutex* mu, const Condition& c, Duration d) {
   return WhileReleased(mu, 0, [&] {
-    return CKPT_REAL(_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE)(mu, c, d);
+    return CKPT_REAL(_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE)(
+        mu, c, d);
   });
 }
 
@@ -151,7 +153,8 @@ bool CKPT_WRAP(_ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0
     Mutex* mu, const Condition& c, Time t) {
   AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
   AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
-  const bool r = CKPT_REAL(_ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE)(mu, c, t);
+  const bool r =
+      CKPT_REAL(_ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE)(mu, c, t);
   AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
   AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
   Acquire(mu, 0);  // held on return whether or not the condition became true

@@ -13,15 +13,15 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
-#include <type_traits>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #define XXH_INLINE_ALL
@@ -55,7 +55,7 @@ struct Args {
   uint64_t reconnect_ms = 300;
   bool adamw = false;  // --optimizer=adamw: real AdamW steps on w, exp_avg, exp_avg_sq
   double lr = 1e-4;
-  double k0 = 0;       // layercheck overrides (0 = daemon default)
+  double k0 = 0;  // layercheck overrides (0 = daemon default)
   uint64_t s_max = 0;
   int64_t warmup = -1;
   uint64_t warmup_interval = 0;
@@ -87,7 +87,8 @@ bool Number(const std::string& k, const std::string& v, T* out) {
   } else {
     ok = absl::SimpleAtoi(v, out);
   }
-  if (!ok) std::fprintf(stderr, "ckpt_example_trainer: %s: '%s' is not a number\n", k.c_str(), v.c_str());
+  if (!ok)
+    std::fprintf(stderr, "ckpt_example_trainer: %s: '%s' is not a number\n", k.c_str(), v.c_str());
   return ok;
 }
 
@@ -95,41 +96,68 @@ bool ParseArgs(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
     const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
-    if (k == "--socket") a->socket = v;
-    else if (k == "--job") a->job = v;
-    else if (k == "--rank") ok = Number(k, v, &a->rank);
-    else if (k == "--layers") ok = Number(k, v, &a->layers);
+    if (k == "--socket")
+      a->socket = v;
+    else if (k == "--job")
+      a->job = v;
+    else if (k == "--rank")
+      ok = Number(k, v, &a->rank);
+    else if (k == "--layers")
+      ok = Number(k, v, &a->layers);
     else if (k == "--layer-bytes") {
       a->layer_bytes.clear();
-      for (absl::string_view p : absl::StrSplit(v, ',')) a->layer_bytes.push_back(ParseBytes(std::string(p)));
-    } else if (k == "--steps") ok = Number(k, v, &a->steps);
-    else if (k == "--policy") a->policy = v;
-    else if (k == "--restore") a->restore = true;
-    else if (k == "--log") a->log = v;
-    else if (k == "--ack-log") a->ack_log = v;
-    else if (k == "--verify-log") a->verify_log = v;
-    else if (k == "--dump") a->dump = v;
-    else if (k == "--durable-every") ok = Number(k, v, &a->durable_every);
-    else if (k == "--compute-ms") ok = Number(k, v, &a->compute_ms);
-    else if (k == "--on-daemon-loss") a->continue_unprotected = (v == "continue");
-    else if (k == "--seed") ok = Number(k, v, &a->seed);
-    else if (k == "--quiet") a->quiet = true;
-    else if (k == "--reconnect-ms") ok = Number(k, v, &a->reconnect_ms);
-    else if (k == "--optimizer") a->adamw = (v == "adamw");
-    else if (k == "--lr") ok = Number(k, v, &a->lr);
-    else if (k == "--k0") ok = Number(k, v, &a->k0);
-    else if (k == "--s-max") ok = Number(k, v, &a->s_max);
-    else if (k == "--warmup") ok = Number(k, v, &a->warmup);
-    else if (k == "--warmup-interval") ok = Number(k, v, &a->warmup_interval);
-    else if (k == "--record-trace") a->record_trace = true;
+      for (absl::string_view p : absl::StrSplit(v, ','))
+        a->layer_bytes.push_back(ParseBytes(std::string(p)));
+    } else if (k == "--steps")
+      ok = Number(k, v, &a->steps);
+    else if (k == "--policy")
+      a->policy = v;
+    else if (k == "--restore")
+      a->restore = true;
+    else if (k == "--log")
+      a->log = v;
+    else if (k == "--ack-log")
+      a->ack_log = v;
+    else if (k == "--verify-log")
+      a->verify_log = v;
+    else if (k == "--dump")
+      a->dump = v;
+    else if (k == "--durable-every")
+      ok = Number(k, v, &a->durable_every);
+    else if (k == "--compute-ms")
+      ok = Number(k, v, &a->compute_ms);
+    else if (k == "--on-daemon-loss")
+      a->continue_unprotected = (v == "continue");
+    else if (k == "--seed")
+      ok = Number(k, v, &a->seed);
+    else if (k == "--quiet")
+      a->quiet = true;
+    else if (k == "--reconnect-ms")
+      ok = Number(k, v, &a->reconnect_ms);
+    else if (k == "--optimizer")
+      a->adamw = (v == "adamw");
+    else if (k == "--lr")
+      ok = Number(k, v, &a->lr);
+    else if (k == "--k0")
+      ok = Number(k, v, &a->k0);
+    else if (k == "--s-max")
+      ok = Number(k, v, &a->s_max);
+    else if (k == "--warmup")
+      ok = Number(k, v, &a->warmup);
+    else if (k == "--warmup-interval")
+      ok = Number(k, v, &a->warmup_interval);
+    else if (k == "--record-trace")
+      a->record_trace = true;
     else {
-      std::fprintf(stderr,
-                   "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
-                   "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
-                   "  [--restore] [--verify-log=FILE] [--dump=FILE] [--log=FILE] [--ack-log=FILE]\n"
-                   "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
-                   "  [--reconnect-ms=MS] [--quiet] [--optimizer=none|adamw] [--lr=LR]\n"
-                   "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] [--record-trace]\n");
+      std::fprintf(
+          stderr,
+          "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
+          "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
+          "  [--restore] [--verify-log=FILE] [--dump=FILE] [--log=FILE] [--ack-log=FILE]\n"
+          "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
+          "  [--reconnect-ms=MS] [--quiet] [--optimizer=none|adamw] [--lr=LR]\n"
+          "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] "
+          "[--record-trace]\n");
       return false;
     }
     if (!ok) return false;
@@ -146,7 +174,9 @@ uint64_t Mix(uint64_t x) {
 }
 
 // Uniform in [-1, 1) from a hash.
-float Uniform(uint64_t x) { return static_cast<float>(Mix(x) >> 40) / static_cast<float>(1 << 23) - 1.0f; }
+float Uniform(uint64_t x) {
+  return static_cast<float>(Mix(x) >> 40) / static_cast<float>(1 << 23) - 1.0f;
+}
 
 // One AdamW step (PyTorch's order: decay, moments, bias-corrected update) on a
 // layer whose gradient is a layer-specific mix of a fixed direction and noise,
@@ -249,7 +279,8 @@ int BuildModel(const Args& a, ckpt::Client* client, ckpt::RankSpec* spec, Model*
     if (a.adamw) {
       const uint64_t tensor_bytes = m->bytes[l] / tensors_per_layer;
       float* w = reinterpret_cast<float*>(base + off);
-      for (uint64_t i = 0; i < tensor_bytes / 4; ++i) w[i] = Uniform(a.seed * 1000003 + l * 7919 + i);
+      for (uint64_t i = 0; i < tensor_bytes / 4; ++i)
+        w[i] = Uniform(a.seed * 1000003 + l * 7919 + i);
     } else {
       for (uint64_t i = 0; i < m->bytes[l] / 8; ++i) {
         m->words[l][i] = Mix(a.seed * 1000003 + l * 7919 + i);

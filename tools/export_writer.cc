@@ -17,7 +17,7 @@ namespace ckpt {
 namespace {
 
 absl::Status Errno(absl::string_view what) {
-  return absl::Status(errno == ENOSPC || errno == EDQUOT ? absl::StatusCode::kResourceExhausted
+  return absl::Status(errno == ENOSPC || errno == EDQUOT  ? absl::StatusCode::kResourceExhausted
                       : errno == EACCES || errno == EPERM ? absl::StatusCode::kPermissionDenied
                                                           : absl::StatusCode::kInternal,
                       absl::StrCat(what, ": ", std::strerror(errno)));
@@ -40,7 +40,9 @@ class BeneathFile {
     return f;
   }
   BeneathFile(BeneathFile&& o) noexcept
-      : dir_fd_(o.dir_fd_), name_(std::move(o.name_)), tmp_(std::move(o.tmp_)),
+      : dir_fd_(o.dir_fd_),
+        name_(std::move(o.name_)),
+        tmp_(std::move(o.tmp_)),
         fd_(std::exchange(o.fd_, -1)) {}
   BeneathFile(const BeneathFile&) = delete;
   BeneathFile& operator=(const BeneathFile&) = delete;
@@ -97,14 +99,22 @@ absl::Status WriteFileBeneath(int dir_fd, const std::string& name, const std::st
 
 std::string SafetensorsDType(v1::DType dtype) {
   switch (dtype) {
-    case v1::DTYPE_F32: return "F32";
-    case v1::DTYPE_F16: return "F16";
-    case v1::DTYPE_BF16: return "BF16";
-    case v1::DTYPE_F64: return "F64";
-    case v1::DTYPE_I64: return "I64";
-    case v1::DTYPE_I32: return "I32";
-    case v1::DTYPE_U8: return "U8";
-    default: return "";
+    case v1::DTYPE_F32:
+      return "F32";
+    case v1::DTYPE_F16:
+      return "F16";
+    case v1::DTYPE_BF16:
+      return "BF16";
+    case v1::DTYPE_F64:
+      return "F64";
+    case v1::DTYPE_I64:
+      return "I64";
+    case v1::DTYPE_I32:
+      return "I32";
+    case v1::DTYPE_U8:
+      return "U8";
+    default:
+      return "";
   }
 }
 
@@ -125,14 +135,16 @@ absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, int dir
   std::map<uint32_t, std::vector<std::string>> names_by_layer;
   uint64_t offset = 0;
   for (const v1::ExportTensor& t : h.tensors()) {
-    const std::string name = seen[t.name()] > 1 ? absl::StrCat(t.layer_name(), "/", t.name()) : t.name();
+    const std::string name =
+        seen[t.name()] > 1 ? absl::StrCat(t.layer_name(), "/", t.name()) : t.name();
     if (name == "__metadata__" || header.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", t.name(), "' of layer ", t.layer(), " would be named '", name,
           "' in the safetensors file, which another tensor (or the metadata) already uses"));
     }
     const std::string dtype = SafetensorsDType(t.dtype());
-    if (dtype.empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": unknown dtype"));
+    if (dtype.empty())
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", name, ": unknown dtype"));
     header[name] = {{"dtype", dtype},
                     {"shape", std::vector<uint64_t>(t.shape().begin(), t.shape().end())},
                     {"data_offsets", {offset, offset + t.nbytes()}}};
@@ -156,14 +168,15 @@ absl::StatusOr<nlohmann::json> WriteSafetensors(const ChunkSource& next, int dir
   uint64_t done = 0;
   while (next(&chunk)) {
     if (!chunk.has_data()) return absl::DataLossError("a second header in the export stream");
-    if (done + chunk.data().size() > offset) return absl::DataLossError("more bytes than announced");
+    if (done + chunk.data().size() > offset)
+      return absl::DataLossError("more bytes than announced");
     CKPT_RETURN_IF_ERROR(out.Write(chunk.data().data(), chunk.data().size()));
     done += chunk.data().size();
     if (progress) progress(done, offset);
   }
   if (done != offset) {
-    return absl::DataLossError(absl::StrCat("the export stream ended after ", done, " of ", offset,
-                                            " bytes"));
+    return absl::DataLossError(
+        absl::StrCat("the export stream ended after ", done, " of ", offset, " bytes"));
   }
   CKPT_RETURN_IF_ERROR(out.Commit());
   nlohmann::json layers = nlohmann::json::array();

@@ -21,6 +21,8 @@
 // Usage: ckpt_history_gen --data-dir=DIR --job=ID [--rank=R] --versions=N
 //        [--layers=100] [--tensors=1] [--tensor-bytes=256] [--per-step=0]
 #include <fcntl.h>
+#include <rocksdb/env.h>
+#include <rocksdb/file_system.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,9 +35,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <rocksdb/env.h>
-#include <rocksdb/file_system.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -112,15 +111,24 @@ bool Parse(int argc, char** argv, Args* a) {
   for (int i = 1; i < argc; ++i) {
     const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
-    if (k == "--data-dir") a->data_dir = v;
-    else if (k == "--job") a->job = v;
-    else if (k == "--rank") ok = absl::SimpleAtoi(v, &a->rank);
-    else if (k == "--versions") ok = absl::SimpleAtoi(v, &a->versions);
-    else if (k == "--layers") ok = absl::SimpleAtoi(v, &a->layers) && a->layers > 0;
-    else if (k == "--tensors") ok = absl::SimpleAtoi(v, &a->tensors) && a->tensors > 0;
-    else if (k == "--tensor-bytes") ok = absl::SimpleAtoi(v, &a->tensor_bytes) && a->tensor_bytes > 0;
-    else if (k == "--per-step") ok = absl::SimpleAtoi(v, &a->per_step);
-    else ok = false;
+    if (k == "--data-dir")
+      a->data_dir = v;
+    else if (k == "--job")
+      a->job = v;
+    else if (k == "--rank")
+      ok = absl::SimpleAtoi(v, &a->rank);
+    else if (k == "--versions")
+      ok = absl::SimpleAtoi(v, &a->versions);
+    else if (k == "--layers")
+      ok = absl::SimpleAtoi(v, &a->layers) && a->layers > 0;
+    else if (k == "--tensors")
+      ok = absl::SimpleAtoi(v, &a->tensors) && a->tensors > 0;
+    else if (k == "--tensor-bytes")
+      ok = absl::SimpleAtoi(v, &a->tensor_bytes) && a->tensor_bytes > 0;
+    else if (k == "--per-step")
+      ok = absl::SimpleAtoi(v, &a->per_step);
+    else
+      ok = false;
     if (!ok) {
       std::fprintf(stderr, "ckpt_history_gen: bad argument '%s'\n", argv[i]);
       return false;

@@ -73,7 +73,7 @@ bool ParseSize(absl::string_view s, double* out) {
     const char* suffix;
     double scale;
   } units[] = {{"Ki", 1024.0}, {"Mi", 1048576.0}, {"Gi", 1073741824.0},
-               {"K", 1e3},     {"M", 1e6},         {"G", 1e9}};
+               {"K", 1e3},     {"M", 1e6},        {"G", 1e9}};
   for (const auto& u : units) {
     if (absl::EndsWith(s, u.suffix)) {
       s.remove_suffix(std::char_traits<char>::length(u.suffix));
@@ -154,14 +154,13 @@ Result Replay(const LayerCheckConfig& config, const std::vector<ckpt::LayerKind>
 }
 
 int Usage() {
-  std::fprintf(
-      stderr,
-      "usage: ckpt_policy_sim --trace=FILE [--k0=LIST] [--s-max=LIST] [--warmup=LIST]\n"
-      "         [--warmup-interval=N] [--k0-embedding=X] [--full-every=N]\n"
-      "         [--budget-bytes-per-step=LIST | --budget-bytes-per-s=LIST --step-s=S |\n"
-      "          --budget-share=LIST --step-s=S --device-write-bytes-per-s=X]\n"
-      "         [--budget-k-min=X] [--budget-k-max=X] [--budget-horizon=N] [--no-budget]\n"
-      "         [--json] [--series]\n");
+  std::fprintf(stderr,
+               "usage: ckpt_policy_sim --trace=FILE [--k0=LIST] [--s-max=LIST] [--warmup=LIST]\n"
+               "         [--warmup-interval=N] [--k0-embedding=X] [--full-every=N]\n"
+               "         [--budget-bytes-per-step=LIST | --budget-bytes-per-s=LIST --step-s=S |\n"
+               "          --budget-share=LIST --step-s=S --device-write-bytes-per-s=X]\n"
+               "         [--budget-k-min=X] [--budget-k-max=X] [--budget-horizon=N] [--no-budget]\n"
+               "         [--json] [--series]\n");
   return 2;
 }
 
@@ -509,17 +508,19 @@ void PrintTable(const Options& o, const Trace& t, const Totals& totals,
       std::snprintf(buf, sizeof(buf), "%.3fx", r.achieved_bytes_per_step / r.budget_bytes_per_step);
       achieved = buf;
     }
-    std::printf("%9.1e %5lu %6lu %7lu %11.1f %11s %7s %6.1f%% %7.1f%% %7lu %10.2f %9lu %8.2f %6.2f\n",
-                r.config.k0, static_cast<unsigned long>(r.config.s_max),
-                static_cast<unsigned long>(r.config.warmup),
-                static_cast<unsigned long>(r.layer_writes), r.bytes / 1048576.0, budget.c_str(),
-                achieved.c_str(), r.bytes ? 100.0 * r.forced_bytes / r.bytes : 0.0,
-                all_bytes ? 100.0 * r.bytes / all_bytes : 0.0, static_cast<unsigned long>(r.events),
-                r.mean_staleness, static_cast<unsigned long>(r.max_staleness),
-                r.mean_weighted_staleness, r.mean_multiplier);
+    std::printf(
+        "%9.1e %5lu %6lu %7lu %11.1f %11s %7s %6.1f%% %7.1f%% %7lu %10.2f %9lu %8.2f %6.2f\n",
+        r.config.k0, static_cast<unsigned long>(r.config.s_max),
+        static_cast<unsigned long>(r.config.warmup), static_cast<unsigned long>(r.layer_writes),
+        r.bytes / 1048576.0, budget.c_str(), achieved.c_str(),
+        r.bytes ? 100.0 * r.forced_bytes / r.bytes : 0.0,
+        all_bytes ? 100.0 * r.bytes / all_bytes : 0.0, static_cast<unsigned long>(r.events),
+        r.mean_staleness, static_cast<unsigned long>(r.max_staleness), r.mean_weighted_staleness,
+        r.mean_multiplier);
   }
-  std::printf("ACHIEVED = bytes written per step / BUDGET/STEP; FORCED = share of the bytes "
-              "written by the base, never-persisted, staleness and full-checkpoint rules.\n");
+  std::printf(
+      "ACHIEVED = bytes written per step / BUDGET/STEP; FORCED = share of the bytes "
+      "written by the base, never-persisted, staleness and full-checkpoint rules.\n");
   for (const Result& r : results) {
     const double step_s = totals.StepSeconds(r);
     if (r.budget_bytes_per_step > 0 && step_s > 0) {
@@ -531,9 +532,10 @@ void PrintTable(const Options& o, const Trace& t, const Totals& totals,
   }
   if (!o.overridden) {
     for (const Result& r : results) {
-      std::printf("replay of the recorded config: %lu of %zu steps persist what the trace "
-                  "recorded\n",
-                  static_cast<unsigned long>(r.matching_steps), steps.size());
+      std::printf(
+          "replay of the recorded config: %lu of %zu steps persist what the trace "
+          "recorded\n",
+          static_cast<unsigned long>(r.matching_steps), steps.size());
     }
   }
 }

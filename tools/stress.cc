@@ -94,10 +94,18 @@ class Actor {
   void Run(Op op, std::mt19937_64* rng, Admin::Stub* admin) {
     if (client_ == nullptr && !Connect(/*restore=*/false)) return;
     switch (op) {
-      case kStep: Step(rng); break;
-      case kDurable: Durable(); break;
-      case kPlan: PlanCheck("plan"); break;
-      case kRestore: Connect(/*restore=*/true); break;
+      case kStep:
+        Step(rng);
+        break;
+      case kDurable:
+        Durable();
+        break;
+      case kPlan:
+        PlanCheck("plan");
+        break;
+      case kRestore:
+        Connect(/*restore=*/true);
+        break;
       case kGc: {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -115,7 +123,8 @@ class Actor {
         Connect(/*restore=*/false);
         break;
       }
-      default: break;
+      default:
+        break;
     }
     c_->ops[op].fetch_add(1);
   }
@@ -224,8 +233,8 @@ class Actor {
     if (acked_durable_ == 0) return;
     absl::StatusOr<ckpt::v1::Plan> plan = client_->Plan(0);
     if (!plan.ok()) {
-      Violation(absl::StrCat(what, ": no plan after an acknowledged step: ",
-                             plan.status().ToString()));
+      Violation(
+          absl::StrCat(what, ": no plan after an acknowledged step: ", plan.status().ToString()));
       return;
     }
     CheckPlan(*plan, what);
@@ -290,16 +299,26 @@ bool Parse(int argc, char** argv, Options* o) {
   for (int i = 1; i < argc; ++i) {
     const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
     bool ok = true;
-    if (k == "--socket") o->socket = v;
-    else if (k == "--jobs") ok = absl::SimpleAtoi(v, &o->jobs) && o->jobs > 0;
-    else if (k == "--ranks") ok = absl::SimpleAtoi(v, &o->ranks) && o->ranks > 0;
-    else if (k == "--threads") ok = absl::SimpleAtoi(v, &o->threads) && o->threads > 0;
-    else if (k == "--layers") ok = absl::SimpleAtoi(v, &o->layers) && o->layers > 0;
-    else if (k == "--layer-bytes") ok = absl::SimpleAtoi(v, &o->layer_bytes) && o->layer_bytes % 4 == 0 && o->layer_bytes > 0;
-    else if (k == "--seconds") ok = absl::SimpleAtod(v, &o->seconds);
-    else if (k == "--seed") ok = absl::SimpleAtoi(v, &o->seed);
-    else if (k == "--prefix") o->prefix = v;
-    else ok = false;
+    if (k == "--socket")
+      o->socket = v;
+    else if (k == "--jobs")
+      ok = absl::SimpleAtoi(v, &o->jobs) && o->jobs > 0;
+    else if (k == "--ranks")
+      ok = absl::SimpleAtoi(v, &o->ranks) && o->ranks > 0;
+    else if (k == "--threads")
+      ok = absl::SimpleAtoi(v, &o->threads) && o->threads > 0;
+    else if (k == "--layers")
+      ok = absl::SimpleAtoi(v, &o->layers) && o->layers > 0;
+    else if (k == "--layer-bytes")
+      ok = absl::SimpleAtoi(v, &o->layer_bytes) && o->layer_bytes % 4 == 0 && o->layer_bytes > 0;
+    else if (k == "--seconds")
+      ok = absl::SimpleAtod(v, &o->seconds);
+    else if (k == "--seed")
+      ok = absl::SimpleAtoi(v, &o->seed);
+    else if (k == "--prefix")
+      o->prefix = v;
+    else
+      ok = false;
     if (!ok) {
       std::fprintf(stderr, "ckpt_stress: bad argument '%s'\n", argv[i]);
       return false;
@@ -324,7 +343,8 @@ int main(int argc, char** argv) {
   Counters counters;
   std::vector<std::unique_ptr<Actor>> actors;
   for (uint32_t j = 0; j < o.jobs; ++j) {
-    for (uint32_t r = 0; r < o.ranks; ++r) actors.push_back(std::make_unique<Actor>(o, j, r, &counters));
+    for (uint32_t r = 0; r < o.ranks; ++r)
+      actors.push_back(std::make_unique<Actor>(o, j, r, &counters));
   }
   const absl::Time end = absl::Now() + absl::Seconds(o.seconds);
   std::vector<std::thread> threads;
@@ -351,8 +371,8 @@ int main(int argc, char** argv) {
     std::printf(" %s=%" PRIu64, kOpNames[i], counters.ops[i].load());
     total += counters.ops[i].load();
   }
-  std::printf(" total=%" PRIu64 "\nlayers restored and compared=%" PRIu64
-              " allowed errors=%" PRIu64 " violations=%" PRIu64 "\n",
+  std::printf(" total=%" PRIu64 "\nlayers restored and compared=%" PRIu64 " allowed errors=%" PRIu64
+              " violations=%" PRIu64 "\n",
               total, counters.layers_restored.load(), counters.errors.load(),
               counters.violations.load());
   return counters.violations.load() == 0 ? 0 : 1;

@@ -57,10 +57,17 @@ std::string TerminalSafe(absl::string_view text) {
     }
     if (c < 0x80) {  // C0 and DEL
       switch (c) {
-        case '\n': out += "\\n"; break;
-        case '\r': out += "\\r"; break;
-        case '\t': out += "\\t"; break;
-        default: absl::StrAppendFormat(&out, "\\x%02x", c);
+        case '\n':
+          out += "\\n";
+          break;
+        case '\r':
+          out += "\\r";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
+        default:
+          absl::StrAppendFormat(&out, "\\x%02x", c);
       }
       ++i;
       continue;

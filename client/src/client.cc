@@ -4,12 +4,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "ckpt/v1/ckpt.grpc.pb.h"
 #include "base/dtype.h"
-#include "base/logging.h"
-#include "base/status.h"
 #include "base/handover_wire.h"
+#include "base/logging.h"
 #include "base/region.h"
+#include "base/status.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
 #include "gpu_export.h"
 
 namespace ckpt {
@@ -123,8 +123,8 @@ struct Client::Impl {
     // Own subchannels: the global pool would hand a new channel the old,
     // broken connection to a daemon that has since restarted.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    channel = grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(),
-                                        args);
+    channel =
+        grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
     stub = v1::Trainer::NewStub(channel);
     admin = v1::Admin::NewStub(channel);
   }
@@ -145,11 +145,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 absl::StatusOr<size_t> Client::AllocateRegion(uint64_t bytes) {
   if (registered_) return absl::FailedPreconditionError("allocate regions before Register");
   if (impl_->gpu != nullptr) {
-    return absl::FailedPreconditionError("this rank already has GPU tensors; a rank registers "
-                                         "host regions or GPU tensors, not both");
+    return absl::FailedPreconditionError(
+        "this rank already has GPU tensors; a rank registers "
+        "host regions or GPU tensors, not both");
   }
-  CKPT_ASSIGN_OR_RETURN(MemfdRegion r,
-                        MemfdRegion::Create(absl::StrCat("ckpt-region-", impl_->regions.size()), bytes));
+  CKPT_ASSIGN_OR_RETURN(
+      MemfdRegion r,
+      MemfdRegion::Create(absl::StrCat("ckpt-region-", impl_->regions.size()), bytes));
   impl_->regions.push_back(std::move(r));
   return impl_->regions.size() - 1;
 }
@@ -161,8 +163,9 @@ absl::StatusOr<Client::GpuPlace> Client::AddGpuTensor(const void* ptr, uint64_t 
                                                       const std::string& name) {
   if (registered_) return absl::FailedPreconditionError("add GPU tensors before Register");
   if (!impl_->regions.empty()) {
-    return absl::FailedPreconditionError("this rank already has host regions; a rank registers "
-                                         "host regions or GPU tensors, not both");
+    return absl::FailedPreconditionError(
+        "this rank already has host regions; a rank registers "
+        "host regions or GPU tensors, not both");
   }
   if (impl_->gpu == nullptr) {
     CKPT_ASSIGN_OR_RETURN(impl_->gpu, internal::GpuExport::Create());
@@ -186,8 +189,8 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   } else {
     std::vector<int> fds;
     for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());
-    CKPT_ASSIGN_OR_RETURN(std::string token, HandOverFds(options_.handover_socket_path, fds,
-                                                         wait_for_daemon));
+    CKPT_ASSIGN_OR_RETURN(std::string token,
+                          HandOverFds(options_.handover_socket_path, fds, wait_for_daemon));
     req.set_handover_token(token);
   }
   req.set_job_id(spec_.job_id);
@@ -206,13 +209,15 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   // The handover just reached the daemon; give the gRPC channel the same
   // chance to connect instead of failing fast from reconnect backoff.
   if (!impl_->channel->WaitForConnected(absl::ToChronoTime(absl::Now() + wait_for_daemon))) {
-    return absl::UnavailableError("ckptd accepted the handover but its gRPC socket did not connect");
+    return absl::UnavailableError(
+        "ckptd accepted the handover but its gRPC socket did not connect");
   }
   grpc::ClientContext ctx;
   // A first registration may wait (bounded, server side) for a previous
   // registration of the rank to drain; a re-registration from inside a
   // training step is bounded by the call timeout.
-  SetDeadline(&ctx, registered_ ? options_.call_timeout : options_.call_timeout + absl::Seconds(60));
+  SetDeadline(&ctx,
+              registered_ ? options_.call_timeout : options_.call_timeout + absl::Seconds(60));
   v1::RegisterReply reply;
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(&ctx, req, &reply)));
   registered_ = true;
@@ -285,7 +290,8 @@ absl::Status Client::StepDone(const StepInfo& info) {
     for (uint32_t l : info.layers) req.add_layers(l);
     for (const v1::GroupStep& g : info.group_steps) *req.add_group_steps() = g;
     AddDrift(info.client_drift, req.mutable_client_drift());
-    if (info.global_durable_step.has_value()) req.set_global_durable_step(*info.global_durable_step);
+    if (info.global_durable_step.has_value())
+      req.set_global_durable_step(*info.global_durable_step);
     grpc::ClientContext ctx;
     SetDeadline(&ctx, options_.call_timeout);
     v1::StepDoneReply reply;
@@ -398,7 +404,8 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, bool remote) {
     bool rereg = false;
     absl::Status handled = OnCallError(s, &rereg);
     if (DaemonLost(s)) {
-      return absl::AbortedError(absl::StrCat("ckptd was lost before step ", step, " became durable"));
+      return absl::AbortedError(
+          absl::StrCat("ckptd was lost before step ", step, " became durable"));
     }
     return handled;
   }
@@ -409,8 +416,7 @@ absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step) {
   return Plan(spec_.job_id, spec_.rank, target_step);
 }
 
-absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank,
-                                      uint64_t target_step) {
+absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uint64_t target_step) {
   v1::PlanRequest req;
   req.set_job_id(job);
   req.set_rank(rank);
@@ -514,7 +520,8 @@ absl::Status Client::Unregister(bool drain) {
   if (DaemonLost(s) && options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected) {
     return absl::OkStatus();
   }
-  if (DaemonLost(s)) return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));
+  if (DaemonLost(s))
+    return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));
   return s;
 }
 

@@ -1,7 +1,7 @@
 #include "daemon/common/accept_backoff.h"
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 
 #include "daemon/common/sync_point.h"
 

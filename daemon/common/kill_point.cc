@@ -52,7 +52,8 @@ void Load() {
   if (const char* log = std::getenv("CKPT_DELAY_LOG")) c->delay_log_path = log;
   if (const char* until = std::getenv("CKPT_DELAY_UNTIL")) c->delay_until_path = until;
   const char* seed = std::getenv("CKPT_KILL_SEED");
-  c->rng.seed(seed ? std::strtoull(seed, nullptr, 10) : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
+  c->rng.seed(seed ? std::strtoull(seed, nullptr, 10)
+                   : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
   g_config = c;
   g_armed.store(!c->at.empty() || c->odds > 0 || !c->delay_at.empty(), std::memory_order_relaxed);
 }
@@ -101,7 +102,8 @@ void DelayPointHit(const char* name) {
     return;
   }
   // Held until the test creates the file, never past the delay.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(g_config->delay_ms);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(g_config->delay_ms);
   while (::access(g_config->delay_until_path.c_str(), F_OK) != 0 &&
          std::chrono::steady_clock::now() < deadline) {
     ::usleep(5000);

@@ -141,8 +141,8 @@ void SyncPoint::ProcessSlow(const char* point, void* arg) {
     const absl::Duration timeout = wait_timeout_;
     if (!mu_.AwaitWithDeadline(absl::Condition(&ready), absl::Now() + timeout)) {
       ++timeouts_;
-      CKPT_LOG(ERROR) << "sync point " << name << " gave up after " << timeout
-                      << " waiting for [" << absl::StrJoin(MissingLocked(name), ", ")
+      CKPT_LOG(ERROR) << "sync point " << name << " gave up after " << timeout << " waiting for ["
+                      << absl::StrJoin(MissingLocked(name), ", ")
                       << "]; going on without them (the test's ordering did not happen)";
     }
     if (!enabled_locked_) return;

@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-
 #include "base/status.h"
 
 namespace ckpt {
@@ -32,7 +31,8 @@ absl::StatusOr<UniqueFd> ListenUnixSocket(const std::string& path, mode_t mode) 
   std::memset(&addr, 0, sizeof(addr));
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path '", path, "' is empty or too long"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path '", path, "' is empty or too long"));
   }
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0) {
@@ -64,7 +64,8 @@ absl::Status CheckSocketDirectory(int dir_fd, const std::string& path) {
   struct stat st;
   if (::fstat(dir_fd, &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
   if (!S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("socket directory ", path, " is not a directory"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("socket directory ", path, " is not a directory"));
   }
   if (st.st_uid != ::geteuid() && st.st_uid != 0) {
     return absl::FailedPreconditionError(absl::StrCat(

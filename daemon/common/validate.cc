@@ -19,8 +19,8 @@ absl::Status ValidateJobId(absl::string_view job_id) {
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
               c == '.' || c == '_' || c == '-';
     if (!ok) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "job id has byte 0x%02x at position %d; allowed: [A-Za-z0-9._-]", c, i));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("job id has byte 0x%02x at position %d; allowed: [A-Za-z0-9._-]", c, i));
     }
   }
   return absl::OkStatus();
@@ -28,15 +28,14 @@ absl::Status ValidateJobId(absl::string_view job_id) {
 
 absl::Status ValidateName(absl::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
-    return absl::InvalidArgumentError(absl::StrCat("the name has ", name.size(),
-                                                   " bytes; expected 1..", kMaxNameLength));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the name has ", name.size(), " bytes; expected 1..", kMaxNameLength));
   }
   for (size_t i = 0; i < name.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(name[i]);
     if (c < 0x20 || c == 0x7f) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the name has the control character 0x", absl::Hex(c, absl::kZeroPad2),
-                       " at byte ", i));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the name has the control character 0x", absl::Hex(c, absl::kZeroPad2), " at byte ", i));
     }
   }
   return absl::OkStatus();

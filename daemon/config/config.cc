@@ -26,7 +26,8 @@ struct Option {
 };
 
 // The field an option binds: `DaemonConfig& -> T&`.
-#define CKPT_FIELD(expr) [](DaemonConfig& c) -> auto& { return c.expr; }
+#define CKPT_FIELD(expr) \
+  [](DaemonConfig & c) -> auto& { return c.expr; }
 
 template <typename Field>
 auto& Get(const Field& field, const DaemonConfig& c) {
@@ -34,7 +35,8 @@ auto& Get(const Field& field, const DaemonConfig& c) {
 }
 
 absl::Status NotANumber(const char* name, const std::string& v) {
-  return absl::InvalidArgumentError(absl::StrCat("option ", name, ": '", v, "' is not a valid number"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("option ", name, ": '", v, "' is not a valid number"));
 }
 
 absl::Status OutOfBounds(const char* name, uint64_t min, uint64_t max) {
@@ -53,7 +55,8 @@ Option Num(const char* name, const char* help, Field field, uint64_t min,
                   uint64_t x;
                   if (!absl::SimpleAtoi(v, &x)) return NotANumber(name, v);
                   if (x > static_cast<uint64_t>(std::numeric_limits<T>::max())) {
-                    return OutOfBounds(name, min, std::min<uint64_t>(max, std::numeric_limits<T>::max()));
+                    return OutOfBounds(name, min,
+                                       std::min<uint64_t>(max, std::numeric_limits<T>::max()));
                   }
                   field(*c) = static_cast<T>(x);
                   return absl::OkStatus();
@@ -72,7 +75,8 @@ Option Time(const char* name, const char* help, Field field, absl::Duration unit
   return Option{name, help,
                 [name, field, unit](const std::string& v, DaemonConfig* c) {
                   uint64_t x;
-                  if (!absl::SimpleAtoi(v, &x) || x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+                  if (!absl::SimpleAtoi(v, &x) ||
+                      x > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
                     return NotANumber(name, v);
                   }
                   field(*c) = unit * static_cast<int64_t>(x);
@@ -108,37 +112,38 @@ Option Str(const char* name, const char* help, Field field, bool required = fals
 
 template <typename Field>
 Option Bool(const char* name, const char* help, Field field) {
-  return Option{name, help,
-                [name, field](const std::string& v, DaemonConfig* c) {
-                  if (v == "true" || v == "1" || v == "yes") {
-                    field(*c) = true;
-                  } else if (v == "false" || v == "0" || v == "no") {
-                    field(*c) = false;
-                  } else {
-                    return absl::InvalidArgumentError(
-                        absl::StrCat("option ", name, ": '", v, "' is not true or false"));
-                  }
-                  return absl::OkStatus();
-                },
-                [field](const DaemonConfig& c) { return std::string(Get(field, c) ? "true" : "false"); },
-                [](const DaemonConfig&) { return absl::OkStatus(); }};
+  return Option{
+      name, help,
+      [name, field](const std::string& v, DaemonConfig* c) {
+        if (v == "true" || v == "1" || v == "yes") {
+          field(*c) = true;
+        } else if (v == "false" || v == "0" || v == "no") {
+          field(*c) = false;
+        } else {
+          return absl::InvalidArgumentError(
+              absl::StrCat("option ", name, ": '", v, "' is not true or false"));
+        }
+        return absl::OkStatus();
+      },
+      [field](const DaemonConfig& c) { return std::string(Get(field, c) ? "true" : "false"); },
+      [](const DaemonConfig&) { return absl::OkStatus(); }};
 }
 
 Option Backend(const char* name, const char* help) {
-  return Option{name, help,
-                [name](const std::string& v, DaemonConfig* c) {
-                  absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(v);
-                  if (!kind.ok()) {
-                    return absl::InvalidArgumentError(
-                        absl::StrCat("option ", name, ": '", v, "' is not auto, io_uring or pwrite"));
-                  }
-                  c->engine.io_backend = *kind;
-                  return absl::OkStatus();
-                },
-                [](const DaemonConfig& c) { return std::string(IoBackendKindName(c.engine.io_backend)); },
-                [](const DaemonConfig&) { return absl::OkStatus(); }};
+  return Option{
+      name, help,
+      [name](const std::string& v, DaemonConfig* c) {
+        absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(v);
+        if (!kind.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("option ", name, ": '", v, "' is not auto, io_uring or pwrite"));
+        }
+        c->engine.io_backend = *kind;
+        return absl::OkStatus();
+      },
+      [](const DaemonConfig& c) { return std::string(IoBackendKindName(c.engine.io_backend)); },
+      [](const DaemonConfig&) { return absl::OkStatus(); }};
 }
-
 
 // Below this not even a Register of one small layer fits.
 constexpr uint64_t kMinMessageBytes = 4096;
@@ -167,8 +172,8 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(staging.chunk_bytes), kChunkAlignment),
       Bool("lock_staging_memory", "mlock the staging pool (needs LimitMEMLOCK)",
            CKPT_FIELD(staging.lock_memory)),
-      Num("writer_threads", "layer versions written concurrently", CKPT_FIELD(engine.writer_threads),
-          1, 64),
+      Num("writer_threads", "layer versions written concurrently",
+          CKPT_FIELD(engine.writer_threads), 1, 64),
       Num("snapshot_threads", "ranks snapshotted concurrently", CKPT_FIELD(engine.snapshot_threads),
           1, 64),
       Backend("io_backend", "auto | io_uring | pwrite (auto falls back to pwrite)"),
@@ -195,7 +200,8 @@ const std::vector<Option>& Options() {
           "Register calls above max_request_bytes running at once, node-wide; more fail with "
           "RESOURCE_EXHAUSTED",
           CKPT_FIELD(rpc.max_large_calls), 1, 1 << 16),
-      Num("max_calls_per_uid", "calls one user may have in flight; more fail with RESOURCE_EXHAUSTED",
+      Num("max_calls_per_uid",
+          "calls one user may have in flight; more fail with RESOURCE_EXHAUSTED",
           CKPT_FIELD(rpc.max_calls_per_uid), 1, 1 << 20),
       Num("max_heavy_calls", "verify, export and gc calls running at once, node-wide",
           CKPT_FIELD(rpc.max_heavy_calls), 1, 1 << 20),
@@ -325,7 +331,8 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(remote.key_file)),
       Bool("remote_path_style",
            "s3 remote tier: address objects as endpoint/bucket/key (RGW, MinIO) rather than "
-           "bucket.host/key", CKPT_FIELD(remote.path_style)),
+           "bucket.host/key",
+           CKPT_FIELD(remote.path_style)),
       Str("remote_ca_file", "s3 remote tier over https: a CA bundle (empty = the system's)",
           CKPT_FIELD(remote.ca_file)),
       Num("remote_part_bytes", "s3 remote tier: multipart part size; larger objects go in parts",
@@ -377,14 +384,15 @@ absl::Status DaemonConfig::Validate() const {
         "remote_kind s3 needs remote_endpoint, remote_bucket and remote_credentials_file");
   }
   if (engine.max_aux_bytes + kStepListBytes > static_cast<uint64_t>(rpc.max_request_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_request_bytes must be at least max_aux_bytes + ", kStepListBytes,
-        " (a StepDone carries the aux blob and per-layer lists)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_request_bytes must be at least max_aux_bytes + ", kStepListBytes,
+                     " (a StepDone carries the aux blob and per-layer lists)"));
   }
   return absl::OkStatus();
 }
 
-absl::Status SetConfigOption(const std::string& key, const std::string& value, DaemonConfig* config) {
+absl::Status SetConfigOption(const std::string& key, const std::string& value,
+                             DaemonConfig* config) {
   for (const Option& o : Options()) {
     if (key == o.name) return o.set(value, config);
   }
@@ -400,12 +408,14 @@ absl::Status ParseConfigText(const std::string& text, DaemonConfig* config) {
     if (line.empty()) continue;
     auto eq = line.find('=');
     if (eq == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("config line ", line_no, ": expected key = value"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config line ", line_no, ": expected key = value"));
     }
     std::string key(absl::StripAsciiWhitespace(line.substr(0, eq)));
     std::string value(absl::StripAsciiWhitespace(line.substr(eq + 1)));
     absl::Status s = SetConfigOption(key, value, config);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config line ", line_no, ": ", s.message()));
+    if (!s.ok())
+      return absl::InvalidArgumentError(absl::StrCat("config line ", line_no, ": ", s.message()));
   }
   return absl::OkStatus();
 }

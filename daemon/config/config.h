@@ -36,13 +36,13 @@ struct RemoteConfig {
   std::string endpoint;       // s3: http(s)://host[:port]
   std::string bucket;
   std::string region = "us-east-1";
-  std::string prefix;         // s3: prepended to every key
+  std::string prefix;            // s3: prepended to every key
   std::string credentials_file;  // s3: access_key_id / secret_access_key (mode 0600)
   // The cluster key that signs what goes to the remote tier (remote_auth.h);
   // the same file on every node (mode 0600).
   std::string key_file;
-  bool path_style = true;     // s3: endpoint/bucket/key rather than bucket.host/key
-  std::string ca_file;        // s3 over https: a CA bundle instead of the system's
+  bool path_style = true;                    // s3: endpoint/bucket/key rather than bucket.host/key
+  std::string ca_file;                       // s3 over https: a CA bundle instead of the system's
   uint64_t part_bytes = uint64_t{16} << 20;  // s3 multipart part size
   uint32_t parallel_parts = 4;               // s3 parts in flight per object
 };
@@ -76,7 +76,8 @@ absl::Status ParseConfigText(const std::string& text, DaemonConfig* config);
 absl::Status LoadConfigFile(const std::string& path, DaemonConfig* config);
 // Sets one option by name; INVALID_ARGUMENT for an unknown key or a value
 // that is not of the option's type (bounds are Validate's).
-absl::Status SetConfigOption(const std::string& key, const std::string& value, DaemonConfig* config);
+absl::Status SetConfigOption(const std::string& key, const std::string& value,
+                             DaemonConfig* config);
 
 // The config file text: every option with its documentation and value.
 // kDefaults titles it as the shipped default file, kEffective as the

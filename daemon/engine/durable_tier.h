@@ -123,8 +123,7 @@ class DurableTier {
   // OK when it now names `owner`, PERMISSION_DENIED when it names another
   // uid. Without `must_know` (Register), a tier whose last operation failed
   // answers UNAVAILABLE at once rather than wait for its store.
-  virtual absl::StatusOr<std::optional<uid_t>> JobOwner(const std::string& job,
-                                                        bool must_know) = 0;
+  virtual absl::StatusOr<std::optional<uid_t>> JobOwner(const std::string& job, bool must_know) = 0;
   virtual absl::Status ClaimJob(const std::string& job, uid_t owner, bool must_know) = 0;
 
   virtual TierReport Report(const Caller& caller) = 0;

@@ -41,7 +41,7 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
     ro.retry_max = options_.remote_retry_max;
     ro.pull_wait = options_.restore_timeout;
     ro.retention = options_.retention;
-    RemoteTierDeps deps{index_,  store_,  &leases_,         &quota_, &disk_,
+    RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
                         &history_, &owners_, options_.metrics, clock_};
     tiers_.push_back(std::make_unique<RemoteTier>(std::move(ro), deps));
   }
@@ -64,14 +64,16 @@ absl::Status Engine::Start() {
     backends.push_back(std::move(io));
   }
   io_backend_name_ = backends[0]->Name();
-  if (options_.metrics != nullptr) options_.metrics->Set(Gauge::kIoBackendInfo, io_backend_name_, 1);
+  if (options_.metrics != nullptr)
+    options_.metrics->Set(Gauge::kIoBackendInfo, io_backend_name_, 1);
   CKPT_RETURN_IF_ERROR(SeedUsage());
   if (options_.io_backend == IoBackendKind::kAuto && io_backend_name_ != "io_uring") {
     CKPT_LOG(WARNING) << "io_uring is unavailable (kernel or seccomp); writing with pwrite";
   }
   publisher_ = std::make_unique<Publisher>(store_);
   for (auto& io : backends) {
-    writer_threads_.emplace_back([this, b = io.release()] { WriterLoop(std::unique_ptr<IoBackend>(b)); });
+    writer_threads_.emplace_back(
+        [this, b = io.release()] { WriterLoop(std::unique_ptr<IoBackend>(b)); });
   }
   for (unsigned i = 0; i < std::max(1u, options_.snapshot_threads); ++i) {
     snapshot_threads_.emplace_back([this] { SnapshotLoop(); });
@@ -166,11 +168,11 @@ absl::Status Engine::SeedUsage() {
       const Index::RankVersions counted = index_->VersionsOf(job, rank);
       files += counted.total.file_bytes;
       index_bytes += counted.total.versions * kVersionIndexBytes;
-      CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
-          job, rank, /*newest_first=*/false, [&](uint64_t, const store::EventRecord& e) {
-            index_bytes += EventIndexBytes(e.aux().size());
-            return true;
-          }));
+      CKPT_RETURN_IF_ERROR(index_->ForEachEvent(job, rank, /*newest_first=*/false,
+                                                [&](uint64_t, const store::EventRecord& e) {
+                                                  index_bytes += EventIndexBytes(e.aux().size());
+                                                  return true;
+                                                }));
     }
     used += files;
     quota_.Seed(QuotaOwner{uid, job}, files, index_bytes);

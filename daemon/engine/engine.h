@@ -87,23 +87,23 @@ namespace ckpt {
 // configurable one to its config-file key (config.cc), so they are declared
 // here and nowhere else.
 struct EngineOptions {
-  std::string data_dir;               // reported by Status
-  std::string metrics_address;        // reported by Status ("" = off)
-  unsigned writer_threads = 2;        // layer versions written concurrently
-  unsigned snapshot_threads = 1;      // ranks snapshotted concurrently
+  std::string data_dir;           // reported by Status
+  std::string metrics_address;    // reported by Status ("" = off)
+  unsigned writer_threads = 2;    // layer versions written concurrently
+  unsigned snapshot_threads = 1;  // ranks snapshotted concurrently
   IoBackendKind io_backend = IoBackendKind::kAuto;
-  unsigned io_queue_depth = 16;       // chunk writes in flight per writer
+  unsigned io_queue_depth = 16;                         // chunk writes in flight per writer
   absl::Duration admission_timeout = absl::Seconds(2);  // wait for staging, then skip
   absl::Duration drain_timeout = absl::Seconds(60);     // re-register waits this long
   absl::Duration restore_timeout = absl::Minutes(30);
   uint64_t max_aux_bytes = 1 << 20;
-  int drift_threads = 2;              // CPU drift kernel workers per snapshot
+  int drift_threads = 2;  // CPU drift kernel workers per snapshot
   // The data device's sustained write bandwidth in bytes/s, as the operator
   // measured it; a LayerCheck write budget given as a share is relative to
   // it. 0 = unknown: such budgets are refused.
   uint64_t device_write_bytes_per_s = 0;
   RetentionPolicy retention;
-  uint64_t max_disk_bytes = 0;        // bound on committed version bytes; 0 = none
+  uint64_t max_disk_bytes = 0;  // bound on committed version bytes; 0 = none
   // Layer versions are refused while the data file system has less free than
   // this (plus the version), so RocksDB's WAL never meets a full disk.
   uint64_t min_free_disk_bytes = 64 << 20;
@@ -122,7 +122,7 @@ struct EngineOptions {
   uint32_t max_queued_steps_per_uid = 1024;
   // Ranks one uid may have registered at once (stale ones included); 0 = none.
   uint32_t max_registrations_per_uid = 256;
-  Metrics* metrics = nullptr;         // optional; not owned
+  Metrics* metrics = nullptr;                     // optional; not owned
   absl::Duration gc_interval = absl::Minutes(5);  // periodic GC of every job; 0 = off
   RegistrationLimits limits;
   // The CUDA calls behind GPU registrations; null = the CUDA runtime's (or,
@@ -209,8 +209,7 @@ class Engine {
   // without its generation: its memory is released and its staged versions
   // are written first (bounded by drain_timeout). Returns the generation that
   // ended. NOT_FOUND when the rank is not registered.
-  absl::StatusOr<uint64_t> ReleaseRank(const std::string& job, uint32_t rank,
-                                       const Caller& caller);
+  absl::StatusOr<uint64_t> ReleaseRank(const std::string& job, uint32_t rank, const Caller& caller);
 
   // ---- the snapshotter (engine_snapshot.cc) ----
   // Queues the step and returns. FAILED_PRECONDITION for a stale
@@ -252,8 +251,8 @@ class Engine {
   // `discard_later`, the rank's versions and events after the restored step
   // are then deleted (versions first, so a crash in between leaves no later
   // version under a surviving event), and the next step may be target + 1.
-  absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step,
-                                   const Caller& caller, bool discard_later = false);
+  absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step, const Caller& caller,
+                                   bool discard_later = false);
   // Streams a rank's composite checkpoint: the header, then every tensor's
   // verified bytes. `sink` returns false when the reader went away (CANCELLED).
   absl::Status Export(const v1::ExportRequest& req, const Caller& caller,
@@ -334,11 +333,10 @@ class Engine {
   // Builds the state of a new registration (its memory, layer templates,
   // policy), not yet published.
   absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req,
-                                                     std::vector<MappedRegion> regions,
-                                                     uid_t owner, const Caller& caller);
+                                                     std::vector<MappedRegion> regions, uid_t owner,
+                                                     const Caller& caller);
   // Reserves the caller's registration slot for `key`; Unclaim gives it back.
-  absl::Status ClaimRegistration(const RankKey& key, const Caller& caller)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ClaimRegistration(const RankKey& key, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
   void UnclaimRegistration(const RankKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases the memory (GPU mappings, memfd regions) of ranks whose trainer
   // process exited.
@@ -366,9 +364,9 @@ class Engine {
   bool Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory);
   // What a snapshot has handed to the writers so far.
   struct SpillState {
-    bool pending = false;          // the step's PendingStep is in r->pending
-    std::vector<uint32_t> layers;  // layers handed over, in order
-    uint64_t count = 0, bytes = 0; // versions and payload bytes handed over
+    bool pending = false;           // the step's PendingStep is in r->pending
+    std::vector<uint32_t> layers;   // layers handed over, in order
+    uint64_t count = 0, bytes = 0;  // versions and payload bytes handed over
   };
   // Copies the selected layers of `task` into staging; `staged` holds what
   // is not handed to the writers yet, `skipped` the layers left out.
@@ -506,8 +504,8 @@ class Engine {
   // under mu_ or RankState::mu. Waits on one rank's state wait on its
   // RankState::mu.
   mutable absl::Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // no new steps; snapshot workers exit
-  bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;   // writers exit, queue discarded
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;      // no new steps; snapshot workers exit
+  bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;  // writers exit, queue discarded
   std::map<RankKey, std::shared_ptr<RankState>> ranks_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<RankState>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);

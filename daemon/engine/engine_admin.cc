@@ -1,14 +1,13 @@
 // Admin queries: Status, Jobs, Layers, History, metrics collection.
-#include "daemon/engine/engine.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
-#include "daemon/recovery/schema_convert.h"
 #include "daemon/gpu/ipc_memory.h"
+#include "daemon/recovery/schema_convert.h"
 
 namespace ckpt {
 
@@ -178,7 +177,8 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
     reply.set_policy(PolicyName(r.policy.kind));
     if (r.layercheck != nullptr) {
       reply.set_s_max(r.layercheck->config().s_max);
-      for (size_t l = 0; l < r.layercheck->layers() && l < static_cast<size_t>(reply.layers_size()); ++l) {
+      for (size_t l = 0; l < r.layercheck->layers() && l < static_cast<size_t>(reply.layers_size());
+           ++l) {
         v1::LayerInfo* li = reply.mutable_layers(static_cast<int>(l));
         li->set_live(true);
         li->set_accumulated_drift(r.layercheck->accumulated(l));
@@ -208,14 +208,14 @@ absl::StatusOr<v1::HistoryReply> Engine::History(const v1::HistoryRequest& req,
   v1::HistoryReply reply;
   // Steps whose manifest is in the remote tier.
   DurableTier* const tier = TierNamed("remote");
-  const std::set<uint64_t> remote =
-      tier != nullptr ? tier->DurableSteps(RankKey(req.job_id(), req.rank())) : std::set<uint64_t>();
+  const std::set<uint64_t> remote = tier != nullptr
+                                        ? tier->DurableSteps(RankKey(req.job_id(), req.rank()))
+                                        : std::set<uint64_t>();
   CKPT_RETURN_IF_ERROR(index_->ForEachEvent(
       req.job_id(), req.rank(), /*newest_first=*/true,
       [&](uint64_t step, const store::EventRecord& e) {
-        if (req.layer() >= 0 &&
-            std::find(e.layers().begin(), e.layers().end(), static_cast<uint32_t>(req.layer())) ==
-                e.layers().end()) {
+        if (req.layer() >= 0 && std::find(e.layers().begin(), e.layers().end(),
+                                          static_cast<uint32_t>(req.layer())) == e.layers().end()) {
           return true;
         }
         v1::HistoryEvent* h = reply.add_events();
@@ -241,7 +241,8 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kUidDiskLimitBytes, static_cast<double>(quota.disk_bytes));
   m->Set(Gauge::kUidIndexLimitBytes, static_cast<double>(quota.index_bytes));
   for (const auto& [uid, u] : quota_.All()) {
-    m->Set(Gauge::kUidDiskUsedBytes, absl::StrCat(uid), static_cast<double>(u.file_bytes + u.index_bytes));
+    m->Set(Gauge::kUidDiskUsedBytes, absl::StrCat(uid),
+           static_cast<double>(u.file_bytes + u.index_bytes));
     m->Set(Gauge::kUidIndexUsedBytes, absl::StrCat(uid), static_cast<double>(u.index_bytes));
   }
   m->Set(Gauge::kIndexDegraded, index_->degraded() ? 1 : 0);
@@ -266,9 +267,9 @@ void Engine::CollectLagLocked(Metrics* m) {
     absl::MutexLock rank_lock(&r->mu);
     // 0 is "none agreed yet" (a job whose ranks have no common durable step).
     if (r->active && r->global_durable_step.value_or(0) > 0) {
-      global_lag = std::max(global_lag, static_cast<double>(
-                                            r->last_step_seen -
-                                            std::min(r->last_step_seen, *r->global_durable_step)));
+      global_lag = std::max(
+          global_lag, static_cast<double>(r->last_step_seen -
+                                          std::min(r->last_step_seen, *r->global_durable_step)));
     }
     for (const PendingStep& p : r->pending) {
       lag_bytes += static_cast<double>(p.staged_bytes - std::min(p.staged_bytes, p.event.bytes()));
@@ -277,10 +278,10 @@ void Engine::CollectLagLocked(Metrics* m) {
     for (uint32_t l = 0; r->active && l < r->last_committed.size(); ++l) {
       const bool frozen = l < static_cast<uint32_t>(r->table.layers_size()) &&
                           r->table.layers(static_cast<int>(l)).frozen();
-      const double staleness = !frozen && r->last_committed[l] > 0 &&
-                                       r->durable_step >= r->last_committed[l]
-                                   ? static_cast<double>(r->durable_step - r->last_committed[l])
-                                   : 0.0;
+      const double staleness =
+          !frozen && r->last_committed[l] > 0 && r->durable_step >= r->last_committed[l]
+              ? static_cast<double>(r->durable_step - r->last_committed[l])
+              : 0.0;
       const double drift = r->layercheck != nullptr ? r->layercheck->accumulated(l) : 0.0;
       m->SetLayer(r->job, r->rank, l, staleness, drift);
     }

@@ -1,10 +1,9 @@
 // Commit pipeline: writer threads write staged layer versions; the publisher
 // makes them durable and visible in groups (daemon/store/publisher.h).
-#include "daemon/engine/engine.h"
-
 #include "absl/strings/str_cat.h"
-#include "daemon/common/kill_point.h"
 #include "base/logging.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 
 namespace ckpt {

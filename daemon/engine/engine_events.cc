@@ -1,15 +1,14 @@
 // Event sequencer: version outcomes, ordered checkpoint events, WaitDurable.
-#include "daemon/engine/engine.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "daemon/common/kill_point.h"
-#include "daemon/common/sync_point.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 
 namespace ckpt {
@@ -29,7 +28,8 @@ void Engine::FinishVersion(const std::shared_ptr<RankState>& r, uint64_t step, u
       // What failed, as the commit pipeline tagged it; a write by default.
       ErrorReason reason = ReasonOf(rec.status());
       if (reason == ErrorReason::kUnspecified) {
-        reason = absl::IsResourceExhausted(rec.status()) ? ErrorReason::kDiskFull : ErrorReason::kWrite;
+        reason =
+            absl::IsResourceExhausted(rec.status()) ? ErrorReason::kDiskFull : ErrorReason::kWrite;
       }
       const char* kind = ReasonName(reason);
       m->Inc(Counter::kVersionsFailed);
@@ -126,9 +126,9 @@ absl::StatusOr<uint64_t> Engine::WaitDurable(const RankRef& rank, uint64_t step,
   if (!tier.empty()) {
     copy = TierNamed(tier);
     if (copy == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "ckptd has no ", std::string(tier), " tier configured",
-          tier == "remote" ? " (remote_kind)" : "", "; wait for local durability"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("ckptd has no ", std::string(tier), " tier configured",
+                       tier == "remote" ? " (remote_kind)" : "", "; wait for local durability"));
     }
   }
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, Find(rank, caller));
@@ -148,8 +148,8 @@ absl::StatusOr<uint64_t> Engine::WaitLocallyDurable(const std::shared_ptr<RankSt
   r->mu.AwaitWithDeadline(absl::Condition(&durable), deadline);
   if (r->durable_step < step && r->event_failed_step >= step) {
     // The event of this step (or of one after it) could not be written.
-    return r->event_failure.ok() ? absl::AbortedError(absl::StrCat(
-                                       "the checkpoint event of step ", step, " was not recorded"))
+    return r->event_failure.ok() ? absl::AbortedError(absl::StrCat("the checkpoint event of step ",
+                                                                   step, " was not recorded"))
                                  : r->event_failure;
   }
   if (r->durable_step < step) {

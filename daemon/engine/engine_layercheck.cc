@@ -1,13 +1,12 @@
 // LayerCheck in the engine: drift tasks, decisions, multi-rank drift.
-#include "daemon/engine/engine.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/common/kill_point.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "nlohmann/json.hpp"
@@ -21,9 +20,9 @@ absl::Status CheckBudget(const LayerCheckConfig& config, const Registration& req
   if (!config.budget.enabled()) return absl::OkStatus();
   const LayerCheckBudget& b = config.budget;
   if (!b.layer_bytes.empty() && b.layer_bytes.size() != req.layers.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layercheck budget: layer_bytes has ", b.layer_bytes.size(),
-                     " entries; the rank has ", req.layers.size(), " layers"));
+    return absl::InvalidArgumentError(absl::StrCat("layercheck budget: layer_bytes has ",
+                                                   b.layer_bytes.size(), " entries; the rank has ",
+                                                   req.layers.size(), " layers"));
   }
   if (req.world_size > 1 && !config.local_drift) {
     // Ranks that all-reduce their drift must compute the same multiplier.
@@ -41,8 +40,8 @@ absl::Status CheckBudget(const LayerCheckConfig& config, const Registration& req
     }
   }
   CKPT_LOG(INFO) << "job " << req.job << " rank " << req.rank << ": layercheck write budget "
-                 << b.BytesPerStep() << " bytes per step, multiplier of K0 in [" << b.k_min
-                 << ", " << b.k_max << "], horizon " << b.horizon << " steps";
+                 << b.BytesPerStep() << " bytes per step, multiplier of K0 in [" << b.k_min << ", "
+                 << b.k_max << "], horizon " << b.horizon << " steps";
   return absl::OkStatus();
 }
 
@@ -59,9 +58,8 @@ bool DriftDType(DType t, drift::DType* out) {
 
 // The optimizer state of layer tensor `w` (the tensors whose `param` names
 // it), into `task`.
-absl::Status AddOptimizerState(const LayerDesc& layer, const LayerTemplate& lt,
-                               const TensorDesc& w, const std::string& where,
-                               drift::TensorTask* task) {
+absl::Status AddOptimizerState(const LayerDesc& layer, const LayerTemplate& lt, const TensorDesc& w,
+                               const std::string& where, drift::TensorTask* task) {
   for (size_t j = 0; j < layer.tensors.size(); ++j) {
     const TensorDesc& st = layer.tensors[j];
     if (st.param != w.name) continue;
@@ -74,8 +72,8 @@ absl::Status AddOptimizerState(const LayerDesc& layer, const LayerTemplate& lt,
     }
     drift::DType dt;
     if (!DriftDType(st.dtype, &dt)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": state '", st.name,
-                                                     "' must be f32, bf16 or f16"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": state '", st.name, "' must be f32, bf16 or f16"));
     }
     if (m_role) {
       task->m = p;
@@ -138,18 +136,23 @@ nlohmann::json TraceHeader(const RankState& r, const Registration& req,
   for (const LayerDesc& layer : req.layers) {
     uint64_t bytes = 0;
     for (const TensorDesc& t : layer.tensors) bytes += t.nbytes;
-    layers.push_back({{"name", layer.name}, {"kind", static_cast<int>(layer.kind)},
-                      {"bytes", bytes}});
+    layers.push_back(
+        {{"name", layer.name}, {"kind", static_cast<int>(layer.kind)}, {"bytes", bytes}});
   }
   header["layers"] = layers;
-  header["config"] = {{"k0", config.k0}, {"k0_embedding", config.k0_embedding},
-                      {"k_floor", config.k_floor}, {"s_max", config.s_max},
-                      {"warmup", config.warmup}, {"warmup_interval", config.warmup_interval},
+  header["config"] = {{"k0", config.k0},
+                      {"k0_embedding", config.k0_embedding},
+                      {"k_floor", config.k_floor},
+                      {"s_max", config.s_max},
+                      {"warmup", config.warmup},
+                      {"warmup_interval", config.warmup_interval},
                       {"full_every", config.full_every}};
   if (config.budget.enabled()) {
     const LayerCheckBudget& b = config.budget;
-    nlohmann::json budget = {{"bytes_per_step", b.BytesPerStep()}, {"k_min", b.k_min},
-                             {"k_max", b.k_max}, {"horizon", b.horizon}};
+    nlohmann::json budget = {{"bytes_per_step", b.BytesPerStep()},
+                             {"k_min", b.k_min},
+                             {"k_max", b.k_max},
+                             {"horizon", b.horizon}};
     if (b.bytes_per_s > 0) budget["bytes_per_s"] = b.bytes_per_s;
     if (b.share > 0) budget["share"] = b.share;
     if (b.step_s > 0) budget["step_s"] = b.step_s;
@@ -161,8 +164,7 @@ nlohmann::json TraceHeader(const RankState& r, const Registration& req,
 
 }  // namespace
 
-absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory,
-                                     RankState* r) {
+absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory, RankState* r) {
   const RegistrationPolicy& spec = req.policy;
   LayerCheckConfig config = spec.layercheck;
   config.budget.device_write_bytes_per_s = static_cast<double>(options_.device_write_bytes_per_s);
@@ -209,8 +211,9 @@ absl::Status Engine::SetUpLayerCheck(const Registration& req, RankMemory* memory
       r->drift_task_lr_scale.push_back(w.lr_scale > 0 ? w.lr_scale : 1.0);
     }
     if (r->drift_tasks.empty() || r->drift_tasks.back().layer != l) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", l, " has no ", has_master ? "master" : "param", " tensor for drift accounting"));
+      return absl::InvalidArgumentError(absl::StrCat("layer ", l, " has no ",
+                                                     has_master ? "master" : "param",
+                                                     " tensor for drift accounting"));
     }
   }
   r->layercheck = std::make_unique<LayerCheckPolicy>(config, std::move(kinds), std::move(frozen),
@@ -315,7 +318,8 @@ absl::StatusOr<std::vector<drift::LayerSums>> Engine::DriftPartials(const RankRe
                                                                     const Caller& caller,
                                                                     absl::Time deadline) {
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, Find(rank, caller));
-  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (r->layercheck == nullptr)
+    return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
   CKPT_RETURN_IF_ERROR(r->CheckReported(step));
   auto ready = [&r, step]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
@@ -325,7 +329,8 @@ absl::StatusOr<std::vector<drift::LayerSums>> Engine::DriftPartials(const RankRe
   auto it = r->partials.find(step);
   if (it == r->partials.end()) {
     if (r->snapshot_step >= step) return absl::NotFoundError("step is too old");
-    if (!r->active || r->stopping) return RegistrationEndedError(r->stopping, "the registration ended");
+    if (!r->active || r->stopping)
+      return RegistrationEndedError(r->stopping, "the registration ended");
     return absl::DeadlineExceededError(absl::StrCat("drift of step ", step, " not ready in time"));
   }
   return it->second;
@@ -336,7 +341,8 @@ absl::Status Engine::SetGlobalDrift(const RankRef& rank, uint64_t step,
                                     const Caller& caller) {
   absl::MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, FindLocked(rank, caller));
-  if (r->layercheck == nullptr) return absl::FailedPreconditionError("the rank's policy is not layercheck");
+  if (r->layercheck == nullptr)
+    return absl::FailedPreconditionError("the rank's policy is not layercheck");
   absl::MutexLock rank_lock(&r->mu);
   if (global.size() != r->layers.size()) {
     return absl::InvalidArgumentError(absl::StrCat("global drift has ", global.size(),

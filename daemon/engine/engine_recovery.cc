@@ -1,6 +1,4 @@
 // Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
-#include "daemon/engine/engine.h"
-
 #include <cmath>
 #include <string_view>
 
@@ -9,6 +7,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 #include "daemon/recovery/export.h"
 #include "daemon/recovery/plan.h"
@@ -27,7 +26,8 @@ constexpr absl::Duration kSnapshotIdleWait = absl::Seconds(5);
 // Another user's job reads exactly like a missing one (JobOwners), in the
 // tiers too.
 absl::Status OwnerOnly(absl::Status s, const std::string& job) {
-  if (absl::IsPermissionDenied(s)) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
+  if (absl::IsPermissionDenied(s))
+    return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
   return s;
 }
 
@@ -188,21 +188,19 @@ absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_ste
     }
   }
   if (!reply.ok()) {
-    CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank << " failed: "
-                    << reply.status();
+    CKPT_LOG(ERROR) << "restore of job " << r->job << " rank " << r->rank
+                    << " failed: " << reply.status();
     return reply.status();
   }
   CKPT_LOG(INFO) << "restored job " << r->job << " rank " << r->rank << " to step "
                  << reply->plan.target_step << ": " << reply->bytes << " bytes ("
-                 << reply->memory_bytes << " from the memory tier) in "
-                 << reply->seconds << " s (read calls under way "
-                 << std::lround(100 * reply->ReadingShare())
+                 << reply->memory_bytes << " from the memory tier) in " << reply->seconds
+                 << " s (read calls under way " << std::lround(100 * reply->ReadingShare())
                  << " % of it), max staleness " << reply->plan.max_staleness;
   return reply;
 }
 
-absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req,
-                                               const Caller& caller) {
+absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req, const Caller& caller) {
   CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   std::vector<uint32_t> ranks;
   if (req.rank() < 0) {

@@ -1,6 +1,4 @@
 // RankState registry: Register, Unregister, ownership, drain, trainer exit.
-#include "daemon/engine/engine.h"
-
 #include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,13 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
-#include "base/status.h"
-#include "daemon/common/validate.h"
-#include "daemon/common/sync_point.h"
-#include "daemon/engine/rank_state.h"
-#include "daemon/recovery/schema_convert.h"
-#include "daemon/gpu/ipc_memory.h"
 #include "base/region.h"
+#include "base/status.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/common/validate.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/rank_state.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "daemon/recovery/schema_convert.h"
 
 namespace ckpt {
 
@@ -36,7 +35,8 @@ void Engine::WatchTrainersLoop() {
       }
     }
     // A pidfd becomes readable when its process exits.
-    const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(options_.trainer_watch_interval));
+    const int timeout_ms =
+        static_cast<int>(absl::ToInt64Milliseconds(options_.trainer_watch_interval));
     if (fds.empty()) {
       absl::SleepFor(options_.trainer_watch_interval);
       continue;
@@ -54,7 +54,7 @@ void Engine::WatchTrainersLoop() {
 }
 
 absl::StatusOr<std::shared_ptr<RankState>> Engine::FindLocked(const RankRef& ref,
-                                                                 const Caller& caller) {
+                                                              const Caller& caller) {
   // Every call of a registration fails alike once ckptd is stopping, so the
   // client sees the loss of ckptd whatever it calls (a wait for a step that
   // a refused StepDone never reported included).
@@ -81,8 +81,7 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::FindLocked(const RankRef& ref
   return r;
 }
 
-absl::StatusOr<std::shared_ptr<RankState>> Engine::Find(const RankRef& ref,
-                                                           const Caller& caller) {
+absl::StatusOr<std::shared_ptr<RankState>> Engine::Find(const RankRef& ref, const Caller& caller) {
   absl::MutexLock lock(&mu_);
   return FindLocked(ref, caller);
 }
@@ -266,7 +265,8 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     if (it != ranks_.end()) {
       old = it->second;
       if (old->uid != caller.uid && !IsRoot(caller)) {
-        return absl::PermissionDeniedError(absl::StrCat("job ", r->job, " belongs to another user"));
+        return absl::PermissionDeniedError(
+            absl::StrCat("job ", r->job, " belongs to another user"));
       }
       EndRegistrationLocked(*old, "the rank registered again", &closing);
     }
@@ -319,9 +319,8 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     quota_.AddRank(r->uid);  // its share of the uid's steps in flight
   }
   CKPT_LOG(INFO) << "registered job " << r->job << " rank " << r->rank << " generation "
-                 << r->generation << ": " << n << " layers, policy "
-                 << PolicyName(r->policy.kind) << ", latest durable step " << durable << ", uid "
-                 << caller.uid;
+                 << r->generation << ": " << n << " layers, policy " << PolicyName(r->policy.kind)
+                 << ", latest durable step " << durable << ", uid " << caller.uid;
   Registered reply;
   reply.generation = r->generation;
   reply.latest_durable_step = durable;

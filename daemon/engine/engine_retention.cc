@@ -1,13 +1,12 @@
 // Retention: GC of each rank's history under leases.
-#include "daemon/engine/engine.h"
-
 #include <algorithm>
 #include <map>
 
 #include "absl/time/clock.h"
-#include "daemon/common/kill_point.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 
 namespace ckpt {
@@ -73,7 +72,8 @@ absl::Status Engine::GcRank(const std::string& job, uint32_t rank, bool dry_run,
     const store::VersionRecord& rec = found->second;
     if (!dry_run) {
       CKPT_KILL_POINT("gc.before_remove");
-      CKPT_RETURN_IF_ERROR(history_.RemoveVersion(h.owner, VersionKey{job, rank, layer, step}, rec));
+      CKPT_RETURN_IF_ERROR(
+          history_.RemoveVersion(h.owner, VersionKey{job, rank, layer, step}, rec));
     }
     reply->set_versions_deleted(reply->versions_deleted() + 1);
     reply->set_bytes_deleted(reply->bytes_deleted() + rec.file_bytes());
@@ -85,7 +85,8 @@ absl::StatusOr<v1::GcReply> Engine::Gc(const v1::GcRequest& req, const Caller& c
   CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
   CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(req.job_id()));
   v1::GcReply reply;
-  for (uint32_t rank : ranks) CKPT_RETURN_IF_ERROR(GcRank(req.job_id(), rank, req.dry_run(), &reply));
+  for (uint32_t rank : ranks)
+    CKPT_RETURN_IF_ERROR(GcRank(req.job_id(), rank, req.dry_run(), &reply));
   if (!req.dry_run() && reply.versions_deleted() > 0) {
     CKPT_LOG(INFO) << "gc of job " << req.job_id() << ": deleted " << reply.versions_deleted()
                    << " versions (" << reply.bytes_deleted() << " bytes) and "
@@ -114,8 +115,8 @@ absl::Status Engine::EndJobRegistrations(const std::string& job,
     if (r->active && r->memory != nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", key.second, " of job ", job,
-          " is registered by a running trainer; stop it or release the rank (ckptctl release ",
-          job, " ", key.second, ") first"));
+          " is registered by a running trainer; stop it or release the rank (ckptctl release ", job,
+          " ", key.second, ") first"));
     }
   }
   for (const auto& [key, r] : ranks_) {
@@ -158,8 +159,8 @@ absl::Status Engine::DeleteJobHistory(const std::string& job, JobDeleted* out) {
       s = history_.DeleteEvent(h->owner, job, rank, h->events[i]);
       if (s.ok()) ++out->events;
     }
-    for (auto it = s.ok() ? h->versions.begin() : h->versions.end(); s.ok() && it != h->versions.end();
-         ++it) {
+    for (auto it = s.ok() ? h->versions.begin() : h->versions.end();
+         s.ok() && it != h->versions.end(); ++it) {
       s = history_.RemoveVersion(h->owner, VersionKey{job, rank, it->first.first, it->first.second},
                                  it->second);
       if (s.ok()) {
@@ -229,6 +230,5 @@ void Engine::GcLoop() {
     }
   }
 }
-
 
 }  // namespace ckpt

@@ -1,21 +1,20 @@
 // Snapshotter: StepDone, the snapshot workers, WaitSnapshot (the fence).
-#include "daemon/engine/engine.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/common/kill_point.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/kill_point.h"
+#include "daemon/engine/engine.h"
 #include "daemon/engine/rank_state.h"
 
 namespace ckpt {
 
 absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   if (req.aux.size() > options_.max_aux_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("aux blob of ", req.aux.size(),
-                                                   " bytes exceeds ", options_.max_aux_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("aux blob of ", req.aux.size(), " bytes exceeds ", options_.max_aux_bytes));
   }
   absl::MutexLock lock(&mu_);
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r, FindLocked(req.rank, caller));
@@ -32,23 +31,24 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
         " rank ", r->rank, " (restore the job, or use a new job id to start over)"));
   }
   if (req.global_durable_step.value_or(0) > req.step) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "global_durable_step ", *req.global_durable_step, " is above the step ", req.step));
+    return absl::InvalidArgumentError(absl::StrCat("global_durable_step ", *req.global_durable_step,
+                                                   " is above the step ", req.step));
   }
   SnapTask task;
   task.step = req.step;
   task.lr = req.lr;
   if (r->layercheck != nullptr) {
     if (!req.layers.empty()) {
-      return absl::InvalidArgumentError("a layer list was given but the rank's policy is layercheck");
+      return absl::InvalidArgumentError(
+          "a layer list was given but the rank's policy is layercheck");
     }
     const bool client = r->optimizer == OptimizerKind::kClient;
     if (client != !req.client_drift.empty() ||
         (client && req.client_drift.size() != r->layers.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          client ? "optimizer client needs client_drift with one entry per layer ("
-                 : "client_drift is only for optimizer client (",
-          r->layers.size(), " layers)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(client ? "optimizer client needs client_drift with one entry per layer ("
+                              : "client_drift is only for optimizer client (",
+                       r->layers.size(), " layers)"));
     }
     for (const drift::LayerSums& d : req.client_drift) {
       if (!(d.dw2 >= 0) || !(d.w2 >= 0)) {
@@ -58,10 +58,9 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
     task.client_drift = std::move(req.client_drift);
   } else {
     // Validate the layer list now so that the caller sees the error.
-    CKPT_ASSIGN_OR_RETURN(task.layers, SelectLayers(r->policy, req.step,
-                                                    static_cast<uint32_t>(r->layers.size()),
-                                                    req.layers, r->never_persisted, r->retry,
-                                                    r->frozen));
+    CKPT_ASSIGN_OR_RETURN(task.layers,
+                          SelectLayers(r->policy, req.step, static_cast<uint32_t>(r->layers.size()),
+                                       req.layers, r->never_persisted, r->retry, r->frozen));
   }
   // Bounded memory and index per rank and per uid: the step is admitted only
   // within the rank's StepDone queue bound and the owner's quotas (quota.h:
@@ -80,8 +79,8 @@ absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
         ErrorReason::kQuota);
   }
   QuotaKind refused = QuotaKind::kDisk;
-  absl::StatusOr<StepCharge> charge =
-      quota_.AdmitStep(QuotaOwner{r->uid, r->job, r->rank}, EventIndexBytes(req.aux.size()), &refused);
+  absl::StatusOr<StepCharge> charge = quota_.AdmitStep(QuotaOwner{r->uid, r->job, r->rank},
+                                                       EventIndexBytes(req.aux.size()), &refused);
   if (!charge.ok()) {
     if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
     return charge.status();
@@ -161,9 +160,9 @@ bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankM
   // Wait (on ckptd's side) for the reported step to be complete in the
   // trainer's memory. Without memory, or when that fails, nothing is copied
   // and every selected layer is retried.
-  absl::Status copy_status =
-      memory == nullptr ? absl::FailedPreconditionError("the rank's memory was released")
-                        : memory->BeginSnapshot();
+  absl::Status copy_status = memory == nullptr
+                                 ? absl::FailedPreconditionError("the rank's memory was released")
+                                 : memory->BeginSnapshot();
   // Layers selected at StepDone time may since have become retry candidates;
   // the retry set is folded in at the next StepDone, not here (LayerCheck
   // decides here, with the current retry set).
@@ -389,7 +388,8 @@ absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t
     if (!r->active || r->stopping) {
       return RegistrationEndedError(r->stopping, "the registration ended before the snapshot");
     }
-    return absl::DeadlineExceededError(absl::StrCat("snapshot of step ", step, " not taken in time"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("snapshot of step ", step, " not taken in time"));
   }
   auto it = r->snap_results.find(step);
   if (it == r->snap_results.end()) return SnapshotTaken();  // an old step: taken long ago

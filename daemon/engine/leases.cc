@@ -4,9 +4,8 @@ namespace ckpt {
 
 absl::Status LeaseTable::Acquire(const RankKey& key, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  auto free = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return gc_active_.count(key) == 0;
-  };
+  auto free = [this, &key]()
+                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return gc_active_.count(key) == 0; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&free), deadline)) {
     return absl::UnavailableError("garbage collection of this rank is running; retry");
   }

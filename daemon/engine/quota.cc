@@ -19,9 +19,12 @@ uint64_t Sub(uint64_t a, uint64_t b) { return a > b ? a - b : 0; }
 
 const char* QuotaKindName(QuotaKind kind) {
   switch (kind) {
-    case QuotaKind::kDisk: return "disk";
-    case QuotaKind::kIndex: return "index";
-    case QuotaKind::kQueuedSteps: return "queued_steps";
+    case QuotaKind::kDisk:
+      return "disk";
+    case QuotaKind::kIndex:
+      return "index";
+    case QuotaKind::kQueuedSteps:
+      return "queued_steps";
   }
   return "disk";
 }
@@ -97,8 +100,7 @@ absl::Status QuotaTable::RefuseLocked(QuotaKind kind, QuotaKind* refused, std::s
   return QuotaError(std::move(message));
 }
 
-void QuotaTable::ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files,
-                              uint64_t index) {
+void QuotaTable::ChargeLocked(const QuotaOwner& owner, int sign, uint64_t files, uint64_t index) {
   auto apply = [&](Usage& u) {
     if (sign > 0) {
       u.file_bytes += files;

@@ -166,8 +166,8 @@ class QuotaTable {
   QuotaLimits limits_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, Usage> usage_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Usage, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<uid_t, uint32_t> ranks_ ABSL_GUARDED_BY(mu_);          // registered ranks per uid
-  std::map<RankKey, uint64_t> rank_steps_ ABSL_GUARDED_BY(mu_);   // steps in flight per rank
+  std::map<uid_t, uint32_t> ranks_ ABSL_GUARDED_BY(mu_);         // registered ranks per uid
+  std::map<RankKey, uint64_t> rank_steps_ ABSL_GUARDED_BY(mu_);  // steps in flight per rank
   uint64_t refused_[kQuotaKindCount] ABSL_GUARDED_BY(mu_) = {};
 };
 

@@ -6,7 +6,7 @@
 namespace ckpt {
 
 void RankState::ReleaseMemory(const std::string& why,
-                                 std::vector<std::shared_ptr<RankMemory>>* closing) {
+                              std::vector<std::shared_ptr<RankMemory>>* closing) {
   if (memory == nullptr) return;
   if (std::string(memory->kind()) == "cuda") {
     CKPT_LOG(INFO) << "job " << job << " rank " << rank << ": closing GPU mappings (" << why << ")";
@@ -27,9 +27,7 @@ void RankState::ReleaseDeferred() {
 }
 
 absl::Status RankState::Drain(absl::Time deadline) {
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    return Idle() || stopping;
-  };
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return Idle() || stopping; };
   if (!mu.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
     return absl::UnavailableError(
         absl::StrCat("job ", job, " rank ", rank, " is still writing earlier steps; retry"));

@@ -17,13 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "ckpt/v1/ckpt.pb.h"
 #include "base/status.h"
 #include "base/unique_fd.h"
+#include "ckpt/v1/ckpt.pb.h"
 #include "daemon/engine/caller.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
@@ -57,9 +57,9 @@ struct PendingStep {
   // snapshot still runs; its event waits for this.
   bool sealed = false;
   store::EventRecord event;
-  absl::Time staged_at;    // for the durability lag
+  absl::Time staged_at;  // for the durability lag
   uint64_t staged_bytes = 0;
-  StepCharge charge;       // the step's queue slot and event bytes (quota.h)
+  StepCharge charge;  // the step's queue slot and event bytes (quota.h)
 };
 
 struct SnapTask {
@@ -102,8 +102,8 @@ struct RankState {
   // a CUDA kernel on the rank's device (owned here) for GPU memory.
   drift::DriftKernel* drift_kernel = nullptr;
   std::unique_ptr<drift::DriftKernel> own_drift_kernel;
-  std::vector<drift::TensorTask> drift_tasks;    // pointers into `memory`
-  std::vector<uint32_t> drift_task_groups;       // optimizer group of each task
+  std::vector<drift::TensorTask> drift_tasks;  // pointers into `memory`
+  std::vector<uint32_t> drift_task_groups;     // optimizer group of each task
   std::vector<double> drift_task_lr_scale;
   // drift.jsonl, when recorded. Written by Register before the rank is
   // published and then only by the rank's snapshot worker (one at a time per

@@ -5,11 +5,11 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "base/region.h"
 #include "base/status.h"
 #include "daemon/common/validate.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/schema_convert.h"
-#include "base/region.h"
 #include "daemon/store/format.h"
 
 namespace ckpt {
@@ -130,9 +130,9 @@ absl::Status CheckLayerFits(const Registration& req, const LayerDesc& layer,
   // example, name a group twice).
   if (limits.max_layer_file_bytes > 0 &&
       layout->file_bytes + kDirectAlignment > limits.max_layer_file_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
-        limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " needs ", layout->file_bytes, " bytes of staging; the pool has ",
+                     limits.max_layer_file_bytes, " (raise staging_pool_bytes)"));
   }
   return absl::OkStatus();
 }
@@ -173,8 +173,7 @@ absl::Status ValidateRegistration(const Registration& req,
     for (size_t ti = 0; ti < layer.tensors.size(); ++ti) {
       const TensorDesc& t = layer.tensors[ti];
       if (absl::Status s = ValidateName(t.name); !s.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, " tensor ", ti, ": ", s.message()));
+        return absl::InvalidArgumentError(absl::StrCat(where, " tensor ", ti, ": ", s.message()));
       }
       auto tw = [&] { return TensorWhere(req, li, ti); };
       if (!tensor_names.insert(t.name).second) {
@@ -200,9 +199,9 @@ absl::Status ValidateRegistration(const Registration& req,
       }
       const uint64_t rsize = region_sizes[t.region];
       if (t.offset > rsize || t.nbytes > rsize - t.offset) {
-        return absl::InvalidArgumentError(absl::StrCat(tw(), ": [", t.offset, ", ",
-                                                       t.offset + t.nbytes, ") lies outside region ",
-                                                       t.region, " of ", rsize, " bytes"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(tw(), ": [", t.offset, ", ", t.offset + t.nbytes, ") lies outside region ",
+                         t.region, " of ", rsize, " bytes"));
       }
       spans.emplace_back(t.region, t.offset, t.offset + t.nbytes, li, ti);
     }

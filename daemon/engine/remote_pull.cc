@@ -61,8 +61,8 @@ absl::Status RemoteTier::Pull(const std::string& job, uint32_t rank, const Calle
       return pulling_.count(key) == 0 || stop_;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&free), options_.pull_wait)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "job ", job, " rank ", rank, " is still being pulled from the remote tier"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("job ", job, " rank ", rank, " is still being pulled from the remote tier"));
     }
     pulling_.insert(key);
   }
@@ -123,7 +123,7 @@ absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool
     RankCopy& rc = ranks_[key];
     rc.owner = pull.owner;
     rc.local_step = std::max(rc.local_step, newest);
-    rc.seeded = false;         // listed afresh by the uploader
+    rc.seeded = false;          // listed afresh by the uploader
     error_ = absl::OkStatus();  // the store answered
   }
   if (pull.steps.front() > newest) OnRewind(key, newest);
@@ -145,7 +145,8 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
     if (pull->usable.size() >= kMaxPulledManifests || ++tried > kMaxTriedManifests) break;
     absl::StatusOr<store::RemoteManifest> m = ReadManifest(job, rank, step);
     if (!m.ok()) {
-      NoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step), pull->caller.uid);
+      NoteFailure(m.status(), absl::StrCat("reading the manifest of step ", step),
+                  pull->caller.uid);
       if (remote_tier::Unusable(m.status())) continue;
       return pull->GiveUp(m.status());
     }
@@ -214,8 +215,8 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
       // flaky store or a local error is no reason to give the step up.
       const bool damaged = fetched.ok() ? absl::IsDataLoss(ok) : absl::IsNotFound(fetched);
       if (!damaged) return pull->GiveUp(ok);
-      CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank "
-                        << rank << " is not restorable from there: " << ok;
+      CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank " << rank
+                        << " is not restorable from there: " << ok;
       return absl::OkStatus();  // *usable stays false
     }
     pull->have.insert(v.record().file());
@@ -233,7 +234,8 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   Index* const index = deps_.index;
   CKPT_RETURN_IF_ERROR(deps_.owners->Claim(job, pull->owner));
   CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index->GetRank(job, rank));
-  if (!table.has_value()) CKPT_RETURN_IF_ERROR(index->PutRank(job, rank, pull->usable.front().table()));
+  if (!table.has_value())
+    CKPT_RETURN_IF_ERROR(index->PutRank(job, rank, pull->usable.front().table()));
   std::vector<std::pair<uint64_t, store::EventRecord>> events;
   uint64_t event_bytes = 0;
   for (auto it = pull->usable.rbegin(); it != pull->usable.rend(); ++it) {
@@ -269,7 +271,8 @@ absl::Status RemoteTier::RaiseGenerations(PullState* pull) {
   uint64_t highest = 0;
   absl::StatusOr<std::vector<remote::ObjectInfo>> versions =
       store_->List(remote::RankPrefix(job, rank) + "v/");
-  for (const remote::ObjectInfo& o : versions.ok() ? *versions : std::vector<remote::ObjectInfo>()) {
+  for (const remote::ObjectInfo& o :
+       versions.ok() ? *versions : std::vector<remote::ObjectInfo>()) {
     std::string file;
     uint64_t gen = 0;
     if (remote::ParseVersionObjectKey(o.key, job, rank, &file) &&

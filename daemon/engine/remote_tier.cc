@@ -81,11 +81,11 @@ absl::StatusOr<std::optional<uid_t>> RemoteTier::JobOwner(const std::string& job
   if (!bytes.ok()) return bytes.status();
   absl::StatusOr<store::RemoteJob> record = remote::DecodeOwner(*bytes, *key_);
   if (!record.ok() || record->job_id() != job) {
-    return absl::DataLossError(absl::StrCat(
-        "the remote tier's owner record of job ", job, " is not authentic (",
-        record.ok() ? "it names another job" : record.status().message(),
-        "); ckptd does not use the job until an operator removes ", remote::OwnerKey(job),
-        " there"));
+    return absl::DataLossError(
+        absl::StrCat("the remote tier's owner record of job ", job, " is not authentic (",
+                     record.ok() ? "it names another job" : record.status().message(),
+                     "); ckptd does not use the job until an operator removes ",
+                     remote::OwnerKey(job), " there"));
   }
   return std::optional<uid_t>(record->owner_uid());
 }
@@ -201,7 +201,8 @@ void RemoteTier::OnRewind(const RankKey& key, uint64_t step) {
 void RemoteTier::ForgetJob(const std::string& job) {
   // Its remote copy stays (docs/remote.md); this node stops uploading it.
   absl::MutexLock lock(&mu_);
-  for (auto it = ranks_.lower_bound(RankKey(job, 0)); it != ranks_.end() && it->first.first == job;) {
+  for (auto it = ranks_.lower_bound(RankKey(job, 0));
+       it != ranks_.end() && it->first.first == job;) {
     it = ranks_.erase(it);
   }
   WakeLocked();

@@ -55,7 +55,7 @@ struct RemoteTierOptions {
   // The cluster key every manifest, object and owner record is signed with
   // (remote_auth.h); not owned. REQUIRED with a store.
   const remote::RemoteKey* key = nullptr;
-  unsigned upload_threads = 4;           // versions uploaded at once
+  unsigned upload_threads = 4;  // versions uploaded at once
   // Per rank, the oldest events not yet uploaded that local GC keeps.
   uint32_t max_pending_events = 64;
   // The back-off after a failure: doubles from the first value up to the

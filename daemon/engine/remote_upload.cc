@@ -69,9 +69,8 @@ bool RemoteTier::NextDue(RankKey* last, uid_t* owner) {
     }
   }
   const uint64_t seen = wakeups_;
-  auto woken = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stop_ || wakeups_ != seen;
-  };
+  auto woken = [this, seen]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || wakeups_ != seen; };
   // Bounded: a rank's back-off ends without a wake-up.
   mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Milliseconds(500));
   return false;
@@ -86,9 +85,8 @@ void RemoteTier::NoteTurn(const RankKey& key, const absl::Status& s) {
     rc->retry_at = absl::InfinitePast();
     return;
   }
-  rc->backoff = rc->backoff == absl::ZeroDuration()
-                    ? options_.retry_min
-                    : std::min(rc->backoff * 2, options_.retry_max);
+  rc->backoff = rc->backoff == absl::ZeroDuration() ? options_.retry_min
+                                                    : std::min(rc->backoff * 2, options_.retry_max);
   rc->retry_at = absl::Now() + rc->backoff;
 }
 
@@ -96,7 +94,7 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
   const auto& [job, rank] = key;
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> objects,
                         store_->List(remote::RankPrefix(job, rank)));
-  std::map<std::string, uint64_t> listed;  // version objects there -> bytes
+  std::map<std::string, uint64_t> listed;   // version objects there -> bytes
   std::map<std::string, std::string> macs;  // version objects a manifest names -> their MAC
   for (const remote::ObjectInfo& o : objects) {
     std::string file;
@@ -116,8 +114,8 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
       continue;
     }
     if (m->owner_uid() != out->owner) {
-      out->blocked = absl::StrCat("owner: the remote tier holds ", RankName(key),
-                                  " for another user");
+      out->blocked =
+          absl::StrCat("owner: the remote tier holds ", RankName(key), " for another user");
     }
     out->manifests[step] =
         RankCopy::Manifest{m->event().unix_ms(), m->event().agreed_step(), FilesOf(*m)};
@@ -152,9 +150,10 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   CKPT_ASSIGN_OR_RETURN(auto local, index->EventAtOrBefore(job, rank, ~uint64_t{0}));
   const uint64_t local_head = local.has_value() ? local->first : 0;
   if (newest > local_head) {
-    return absl::StrCat("history: the remote tier holds ", RankName(key), " up to step ", newest,
-                        ", this node only up to ", local_head,
-                        " (started without restoring from it?); restore from it, or delete it there");
+    return absl::StrCat(
+        "history: the remote tier holds ", RankName(key), " up to step ", newest,
+        ", this node only up to ", local_head,
+        " (started without restoring from it?); restore from it, or delete it there");
   }
   // Where this node still has the step, its plan must name the same files.
   CKPT_ASSIGN_OR_RETURN(auto at, index->EventAtOrBefore(job, rank, newest));
@@ -267,12 +266,13 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
   // has), so catching up costs one step, not the backlog. Steps and agreed
   // steps only: the chosen event (with its aux blob) is read once below.
   std::vector<std::pair<uint64_t, uint64_t>> pending;  // step, agreed step
-  CKPT_RETURN_IF_ERROR(index->ForEachEvent(
-      job, rank, /*newest_first=*/false, [&](uint64_t s, const store::EventRecord& e) {
-        turn.newest_local = s;
-        if (s > remote_step) pending.emplace_back(s, e.agreed_step());
-        return true;
-      }));
+  CKPT_RETURN_IF_ERROR(index->ForEachEvent(job, rank, /*newest_first=*/false,
+                                           [&](uint64_t s, const store::EventRecord& e) {
+                                             turn.newest_local = s;
+                                             if (s > remote_step)
+                                               pending.emplace_back(s, e.agreed_step());
+                                             return true;
+                                           }));
   if (pending.empty()) {
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
@@ -404,7 +404,8 @@ absl::Status RemoteTier::PutManifest(const RankKey& key, uid_t owner, const Uplo
   if (old.ok() && old->owner_uid() != owner) {
     absl::MutexLock lock(&mu_);
     if (RankCopy* rc = FindLocked(key); rc != nullptr) {
-      rc->blocked = absl::StrCat("owner: the remote tier holds ", RankName(key), " for another user");
+      rc->blocked =
+          absl::StrCat("owner: the remote tier holds ", RankName(key), " for another user");
     }
     return absl::FailedPreconditionError(
         absl::StrCat("the remote tier holds ", RankName(key), " for another user"));

@@ -27,10 +27,10 @@ struct StepReport {
   RankRef rank;
   uint64_t step = 0;
   double lr = 0;
-  std::string aux;                             // stored with the step, opaque
-  std::vector<uint32_t> layers;                // policy explicit: the layers to persist
+  std::string aux;               // stored with the step, opaque
+  std::vector<uint32_t> layers;  // policy explicit: the layers to persist
   std::vector<GroupStep> group_steps;
-  std::vector<drift::LayerSums> client_drift;  // optimizer client: one per layer
+  std::vector<drift::LayerSums> client_drift;   // optimizer client: one per layer
   std::optional<uint64_t> global_durable_step;  // agreed by the job's ranks; unset: not agreed
 };
 

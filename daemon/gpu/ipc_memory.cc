@@ -5,8 +5,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
-#include "base/status.h"
 #include "base/region.h"
+#include "base/status.h"
 
 namespace ckpt {
 namespace {
@@ -43,8 +43,8 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
     const GpuRegion& r = handover.regions[i];
     if (r.ipc_handle.size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle.size(),
-                       " bytes, not a ", kCudaIpcHandleBytes, "-byte cudaIpcMemHandle_t"));
+          absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle.size(), " bytes, not a ",
+                       kCudaIpcHandleBytes, "-byte cudaIpcMemHandle_t"));
     }
     if (r.bytes == 0 || r.bytes > kMaxRegionBytes) {
       return absl::InvalidArgumentError(

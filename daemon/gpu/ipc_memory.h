@@ -65,8 +65,7 @@ GpuMappingStats OpenGpuMappings();
 class GpuMemory final : public RankMemory {
  public:
   // `ipc` must outlive the returned object.
-  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover,
-                                                         CudaIpc* ipc);
+  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover, CudaIpc* ipc);
   ~GpuMemory() override;
   GpuMemory(const GpuMemory&) = delete;
   GpuMemory& operator=(const GpuMemory&) = delete;

@@ -20,8 +20,8 @@ namespace {
 
 // A single path component that cannot climb out of its directory.
 bool IsPlainName(const std::string& name) {
-  return !name.empty() && name.find('/') == std::string::npos && name.find('\0') == std::string::npos &&
-         name != "." && name != "..";
+  return !name.empty() && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos && name != "." && name != "..";
 }
 
 // InvalidArgument naming `name` unless it is a plain name; `what` is "file"
@@ -58,8 +58,9 @@ int OpenBeneath(int dir_fd, const std::string& name, int flags, mode_t mode) {
 // O_DIRECTORY) says so, so start-up can name it.
 absl::Status OpenError(int err, int dir_fd, const std::string& what, const std::string& name) {
   struct stat st;
-  if (err == ELOOP || (err == ENOTDIR && ::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                       S_ISLNK(st.st_mode))) {
+  if (err == ELOOP ||
+      (err == ENOTDIR && ::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+       S_ISLNK(st.st_mode))) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " ", name, ": is a symbolic link, which ckptd does not follow"));
   }

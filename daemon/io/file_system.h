@@ -38,8 +38,8 @@ class FileSystem {
   // was written through). With `direct` it asks for
   // O_DIRECT; where the file system refuses O_DIRECT (tmpfs) it falls back to
   // buffered I/O and sets *direct_used = false.
-  virtual absl::StatusOr<UniqueFd> CreateExclusive(int dir_fd, const std::string& name,
-                                                   bool direct, bool* direct_used);
+  virtual absl::StatusOr<UniqueFd> CreateExclusive(int dir_fd, const std::string& name, bool direct,
+                                                   bool* direct_used);
   virtual absl::StatusOr<UniqueFd> OpenForRead(int dir_fd, const std::string& name, bool direct,
                                                bool* direct_used);
   // Reserves `len` bytes (fallocate); ENOSPC surfaces here as RESOURCE_EXHAUSTED.

@@ -114,12 +114,14 @@ class UringBackend final : public IoBackend {
     in_flight_ = 0;
     unsubmitted_ = 0;
     fatal_ = false;
-    first_error_ = broken_ ? absl::UnavailableError("io_uring ring failed earlier") : absl::OkStatus();
+    first_error_ =
+        broken_ ? absl::UnavailableError("io_uring ring failed earlier") : absl::OkStatus();
     if (first_error_.ok()) Pump();
   }
 
   absl::Status Wait() override {
-    while (!fatal_ && ((!todo_.empty() && first_error_.ok()) || in_flight_ > 0 || unsubmitted_ > 0)) {
+    while (!fatal_ &&
+           ((!todo_.empty() && first_error_.ok()) || in_flight_ > 0 || unsubmitted_ > 0)) {
       Pump();
       if (fatal_) break;
       if (in_flight_ == 0) {
@@ -194,7 +196,8 @@ class UringBackend final : public IoBackend {
     if (res == -EINTR || res == -EAGAIN) {
       todo_.push_front(op);
     } else if (res < 0) {
-      if (first_error_.ok()) first_error_ = ErrnoStatus(-res, write_ ? "io_uring write" : "io_uring read");
+      if (first_error_.ok())
+        first_error_ = ErrnoStatus(-res, write_ ? "io_uring write" : "io_uring read");
     } else if (res == 0) {
       if (first_error_.ok()) {
         first_error_ = write_ ? absl::InternalError("io_uring write made no progress")
@@ -218,8 +221,8 @@ class UringBackend final : public IoBackend {
       if (rc < 0) {
         // The kernel may still write into buffers we cannot reclaim: returning
         // would let the caller hand them out again. Fail-stop instead.
-        CKPT_LOG(ERROR) << "io_uring: cannot reap " << in_flight_
-                        << " operations in flight (" << std::strerror(-rc) << "); aborting";
+        CKPT_LOG(ERROR) << "io_uring: cannot reap " << in_flight_ << " operations in flight ("
+                        << std::strerror(-rc) << "); aborting";
         std::abort();
       }
       ::io_uring_cqe_seen(&ring_, cqe);
@@ -274,8 +277,7 @@ absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(unsigned queue_depth
   return std::unique_ptr<IoBackend>(std::move(b));
 }
 
-absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackend(IoBackendKind kind,
-                                                         unsigned queue_depth) {
+absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackend(IoBackendKind kind, unsigned queue_depth) {
   switch (kind) {
     case IoBackendKind::kPwrite:
       return MakePwriteBackend();

@@ -42,16 +42,17 @@ absl::Status LayerCheckBudget::Validate() const {
                "bytes per step; measured step times differ between ranks)");
   }
   if (share > 0 && !(device_write_bytes_per_s > 0)) {
-    return bad("a share needs the device's write bandwidth, and this ckptd has none configured "
-               "(option device_write_bytes_per_s); give bytes_per_s instead");
+    return bad(
+        "a share needs the device's write bandwidth, and this ckptd has none configured "
+        "(option device_write_bytes_per_s); give bytes_per_s instead");
   }
   if (!std::isfinite(k_min) || !std::isfinite(k_max) || !(k_min > 0) || !(k_max >= k_min)) {
-    return bad("k_min and k_max must be finite with 0 < k_min <= k_max (got ", k_min, ", ",
-               k_max, ")");
+    return bad("k_min and k_max must be finite with 0 < k_min <= k_max (got ", k_min, ", ", k_max,
+               ")");
   }
   if (horizon == 0) return bad("horizon must be >= 1 step");
-  if (!(BytesPerStep() >= 1)) return bad("the budget comes to ", BytesPerStep(),
-                                         " bytes per step; it must be at least 1");
+  if (!(BytesPerStep() >= 1))
+    return bad("the budget comes to ", BytesPerStep(), " bytes per step; it must be at least 1");
   for (uint64_t b : layer_bytes) {
     if (b == 0) return bad("layer_bytes must be > 0 for every layer");
   }
@@ -98,7 +99,7 @@ LayerCheckPolicy::LayerCheckPolicy(const LayerCheckConfig& config, std::vector<L
       accumulated_(kinds_.size(), 0.0),
       threshold_(kinds_.size(), 0.0),
       layer_bytes_(config.budget.layer_bytes.size() == kinds_.size() ? config.budget.layer_bytes
-                                                                      : std::move(layer_bytes)) {
+                                                                     : std::move(layer_bytes)) {
   layer_bytes_.resize(kinds_.size(), 0);
   if (config_.budget.enabled() && config_.budget.Validate().ok()) {
     budget_bytes_ = config_.budget.BytesPerStep();
@@ -136,8 +137,8 @@ std::vector<LayerDecision> LayerCheckPolicy::Decide(uint64_t step, double lr,
   const bool warmup_full =
       in_warmup && (first || step == config_.warmup ||
                     (config_.warmup_interval > 0 && step % config_.warmup_interval == 0));
-  const bool periodic_full = !in_warmup && config_.full_every > 0 &&
-                             (step - config_.warmup) % config_.full_every == 0;
+  const bool periodic_full =
+      !in_warmup && config_.full_every > 0 && (step - config_.warmup) % config_.full_every == 0;
   std::vector<LayerDecision> out(kinds_.size());
   uint64_t selected = 0, charged = 0;
   for (size_t l = 0; l < kinds_.size(); ++l) {

@@ -79,7 +79,7 @@ struct LayerCheckBudget {
   // ckptd's configured write bandwidth of its data device (not from the
   // registration); 0 = unknown, which refuses a share.
   double device_write_bytes_per_s = 0;
-  double k_min = 0.01;   // bounds of the multiplier m on K0
+  double k_min = 0.01;  // bounds of the multiplier m on K0
   double k_max = 1000;
   uint64_t horizon = 10;  // H: the controller's response time in steps
   // The bytes each layer counts for; empty = the bytes the rank registered.
@@ -101,7 +101,7 @@ struct LayerCheckConfig {
   // the first step persists every layer as never persisted).
   uint64_t warmup = 1;
   uint64_t warmup_interval = 50;  // full checkpoints during a warm-up longer than 1
-  uint64_t full_every = 0;     // periodic full checkpoints after warm-up (0 = off)
+  uint64_t full_every = 0;        // periodic full checkpoints after warm-up (0 = off)
   // With world_size > 1: decide from this rank's sums alone (its layers are
   // written by no other rank), without waiting for global sums.
   bool local_drift = false;
@@ -115,8 +115,8 @@ enum class OptimizerKind : int {
   kUnspecified = 0,  // layercheck needs one of the others
   kAdamW = 1,
   kAdam = 2,
-  kSgd = 3,          // non-Nesterov momentum
-  kClient = 4,       // the client sends per-layer sums with each step
+  kSgd = 3,     // non-Nesterov momentum
+  kClient = 4,  // the client sends per-layer sums with each step
 };
 
 // Why a layer was persisted at a step.
@@ -132,9 +132,9 @@ enum class PersistReason : uint8_t {
 const char* PersistReasonName(PersistReason r);
 
 struct LayerDecision {
-  double d = 0;          // this step's normalized drift
+  double d = 0;            // this step's normalized drift
   double accumulated = 0;  // D after this step (before a reset by persisting)
-  double threshold = 0;  // K(t)
+  double threshold = 0;    // K(t)
   PersistReason reason = PersistReason::kNone;
 };
 

@@ -71,7 +71,8 @@ absl::StatusOr<std::vector<uint32_t>> SelectLayers(const PolicyConfig& config, u
   }
   std::vector<uint32_t> out;
   for (uint32_t l = 0; l < num_layers; ++l) {
-    bool forced = (l < never_persisted.size() && never_persisted[l]) || (l < retry.size() && retry[l]);
+    bool forced =
+        (l < never_persisted.size() && never_persisted[l]) || (l < retry.size() && retry[l]);
     const bool by_policy = pick[l] && !(l < frozen.size() && frozen[l]);
     if (by_policy || forced) out.push_back(l);
   }

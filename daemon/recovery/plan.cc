@@ -12,10 +12,10 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
   const uint64_t max = target_step == 0 ? ~uint64_t{0} : target_step;
   CKPT_ASSIGN_OR_RETURN(auto event, index->EventAtOrBefore(job, rank, max));
   if (!event.has_value()) {
-    return absl::NotFoundError(target_step == 0
-                                   ? absl::StrCat("job ", job, " rank ", rank, " has no durable step")
-                                   : absl::StrCat("job ", job, " rank ", rank,
-                                                  " has no durable step at or before ", target_step));
+    return absl::NotFoundError(
+        target_step == 0 ? absl::StrCat("job ", job, " rank ", rank, " has no durable step")
+                         : absl::StrCat("job ", job, " rank ", rank,
+                                        " has no durable step at or before ", target_step));
   }
   if (target_step != 0 && event->first != target_step) {
     return absl::NotFoundError(absl::StrCat(

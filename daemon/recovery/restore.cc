@@ -4,9 +4,9 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <string_view>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -166,8 +166,7 @@ class RestoreRun {
         table_(table),
         target_(target),
         sources_(sources),
-        copy_on_cpu_(target.memory == nullptr ||
-                     std::string_view(target.memory->kind()) == "host"),
+        copy_on_cpu_(target.memory == nullptr || std::string_view(target.memory->kind()) == "host"),
         start_(absl::Now()),
         deadline_(start_ + sources.timeout),
         threads_(std::min(sources.readers.size(), plan.layers.size())),
@@ -317,8 +316,8 @@ class RestoreRun {
     if (lp.layer >= static_cast<uint32_t>(table_.layers_size())) {
       return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
     }
-    CKPT_ASSIGN_OR_RETURN(auto rec,
-                          sources_.index->VersionAtOrBefore(plan_.job, plan_.rank, lp.layer, lp.step));
+    CKPT_ASSIGN_OR_RETURN(
+        auto rec, sources_.index->VersionAtOrBefore(plan_.job, plan_.rank, lp.layer, lp.step));
     if (!rec.has_value() || rec->first != lp.step) {
       return absl::AbortedError(absl::StrCat("layer ", lp.layer, " version ", lp.step,
                                              " vanished during the restore; plan again"));

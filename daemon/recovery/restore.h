@@ -69,9 +69,9 @@ class VersionSource {
 // bounds. For each version it asks the `in_memory` sources in order, then
 // reads the local store.
 struct RecoverySources {
-  Index* index = nullptr;        // the plan's records
-  LayerStore* store = nullptr;   // the local store
-  StagingPool* pool = nullptr;   // room for versions read from disk
+  Index* index = nullptr;       // the plan's records
+  LayerStore* store = nullptr;  // the local store
+  StagingPool* pool = nullptr;  // room for versions read from disk
   // One backend per restore thread: thread k reads, checks and copies
   // versions k, k + n, ... and (on a backend that Overlaps()) checks and
   // copies one version out while the reads of its next are in flight. A

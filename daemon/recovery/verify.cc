@@ -10,7 +10,8 @@ namespace ckpt {
 
 absl::Status VerifyRank(const std::string& job, uint32_t rank, bool deep,
                         const RecoverySources& sources, v1::VerifyReply* reply) {
-  if (deep && sources.readers.empty()) return absl::InvalidArgumentError("verify needs an I/O backend");
+  if (deep && sources.readers.empty())
+    return absl::InvalidArgumentError("verify needs an I/O backend");
   std::vector<std::pair<VersionKey, store::VersionRecord>> versions;
   CKPT_RETURN_IF_ERROR(sources.index->ForEachVersion(
       job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
@@ -18,11 +19,11 @@ absl::Status VerifyRank(const std::string& job, uint32_t rank, bool deep,
         return true;
       }));
   for (const auto& [key, rec] : versions) {
-    absl::Status v = deep ? sources.store
-                                ->Read(key, rec, sources.readers[0], sources.pool,
-                                       absl::Now() + sources.timeout)
-                                .status()
-                          : sources.store->CheckFile(key, rec);
+    absl::Status v =
+        deep ? sources.store
+                   ->Read(key, rec, sources.readers[0], sources.pool, absl::Now() + sources.timeout)
+                   .status()
+             : sources.store->CheckFile(key, rec);
     if (absl::IsDeadlineExceeded(v)) return v;  // no staging memory: not a verdict on the data
     if (absl::IsNotFound(v)) continue;          // removed concurrently
     reply->set_versions_checked(reply->versions_checked() + 1);

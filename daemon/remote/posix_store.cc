@@ -79,8 +79,8 @@ absl::StatusOr<UniqueFd> OpenDir(int parent, const std::string& name, bool creat
   int fd = openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ELOOP || errno == ENOTDIR) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(name, " in the remote directory is not a directory (or is a symbolic link)"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          name, " in the remote directory is not a directory (or is a symbolic link)"));
     }
     return ErrnoStatus(errno, absl::StrCat("open directory ", name));
   }
@@ -108,10 +108,11 @@ absl::Status CheckRootTrusted(const std::string& root, int root_fd) {
     const std::string above = path.substr(0, slash);
     if (stat(above.c_str(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", above));
     const bool sticky_roots = st.st_uid == 0 && (st.st_mode & S_ISVTX) != 0;
-    if (std::string why = OthersCanWrite(st, /*root_may_own=*/true); !why.empty() && !sticky_roots) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the remote directory ", root, " is under ", above,
-          ", which another user could change (", why, "); move it, or fix ", above));
+    if (std::string why = OthersCanWrite(st, /*root_may_own=*/true);
+        !why.empty() && !sticky_roots) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the remote directory ", root, " is under ", above,
+                       ", which another user could change (", why, "); move it, or fix ", above));
     }
   }
   return absl::OkStatus();
@@ -146,7 +147,8 @@ absl::StatusOr<uint64_t> Copy(int in, int out, uint64_t size) {
     if (r == 0) {
       return absl::DataLossError(absl::StrCat("short read: ", done, " of ", size, " bytes"));
     }
-    CKPT_RETURN_IF_ERROR(WriteAll(out, buf.data(), static_cast<size_t>(r), static_cast<off_t>(done)));
+    CKPT_RETURN_IF_ERROR(
+        WriteAll(out, buf.data(), static_cast<size_t>(r), static_cast<off_t>(done)));
     done += static_cast<uint64_t>(r);
   }
   return done;
@@ -260,8 +262,7 @@ absl::StatusOr<UniqueFd> PosixStore::OpenObject(const std::string& key, uint64_t
   return src;
 }
 
-absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd,
-                                               uint64_t max_bytes) {
+absl::StatusOr<uint64_t> PosixStore::GetToFile(const std::string& key, int fd, uint64_t max_bytes) {
   uint64_t size = 0;
   CKPT_ASSIGN_OR_RETURN(UniqueFd src, OpenObject(key, max_bytes, &size));
   return Copy(src.get(), fd, size);
@@ -354,7 +355,8 @@ absl::Status PosixStore::Delete(const std::string& key) {
   if (unlinkat(dir->get(), name.c_str(), 0) != 0 && errno != ENOENT) {
     return ErrnoStatus(errno, absl::StrCat("unlink ", key));
   }
-  if (fsync(dir->get()) != 0) return ErrnoStatus(errno, absl::StrCat("fsync the directory of ", key));
+  if (fsync(dir->get()) != 0)
+    return ErrnoStatus(errno, absl::StrCat("fsync the directory of ", key));
   return absl::OkStatus();
 }
 

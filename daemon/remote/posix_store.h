@@ -48,7 +48,8 @@ class PosixStore final : public RemoteStore {
   absl::Status Delete(const std::string& key) override;
 
  private:
-  PosixStore(std::string root, UniqueFd root_fd) : root_(std::move(root)), root_fd_(std::move(root_fd)) {}
+  PosixStore(std::string root, UniqueFd root_fd)
+      : root_(std::move(root)), root_fd_(std::move(root_fd)) {}
   // The directory holding `key` (created when `create`) and the key's last
   // component.
   absl::StatusOr<UniqueFd> OpenParent(const std::string& key, bool create, std::string* name) const;

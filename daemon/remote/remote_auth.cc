@@ -39,8 +39,8 @@ std::unique_ptr<EVP_MAC_CTX, MacCtxFree> Begin(const std::string& secret,
   char digest[] = "SHA256";
   OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
                          OSSL_PARAM_construct_end()};
-  if (EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(secret.data()),
-                   secret.size(), params) != 1) {
+  if (EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(secret.data()), secret.size(),
+                   params) != 1) {
     return nullptr;
   }
   const unsigned char nul = 0;
@@ -77,7 +77,8 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
   // O_NONBLOCK: a FIFO planted in its place must not block start-up.
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (!fd.valid()) {
-    if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("remote_key_file ", path, " does not exist"));
+    if (errno == ENOENT)
+      return absl::NotFoundError(absl::StrCat("remote_key_file ", path, " does not exist"));
     if (errno == ELOOP) {
       return absl::FailedPreconditionError(
           absl::StrCat("remote_key_file ", path, " is a symbolic link; name the file itself"));
@@ -90,14 +91,13 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
     return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " is not a file"));
   }
   if ((st.st_mode & 077) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "remote_key_file ", path, " may be read or written by others (mode ",
-        absl::StrCat(absl::Hex(st.st_mode & 0777)), "); chmod 600 it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote_key_file ", path, " may be read or written by others (mode ",
+                     absl::StrCat(absl::Hex(st.st_mode & 0777)), "); chmod 600 it"));
   }
   if (st.st_uid != geteuid() && st.st_uid != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("remote_key_file ", path, " belongs to uid ", st.st_uid,
-                     ", neither ckptd's nor root"));
+    return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " belongs to uid ",
+                                                      st.st_uid, ", neither ckptd's nor root"));
   }
   if (static_cast<uint64_t>(st.st_size) > kMaxSecretBytes) {
     return absl::FailedPreconditionError(
@@ -106,7 +106,8 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
   std::string secret(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
   while (done < secret.size()) {
-    ssize_t r = pread(fd.get(), secret.data() + done, secret.size() - done, static_cast<off_t>(done));
+    ssize_t r =
+        pread(fd.get(), secret.data() + done, secret.size() - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return ErrnoStatus(errno, absl::StrCat("read ", path));
     if (r == 0) break;
@@ -126,7 +127,8 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
 std::string RemoteKey::Mac(std::string_view purpose, std::string_view data) const {
   auto ctx = Begin(secret_, purpose);
   if (ctx == nullptr ||
-      EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(data.data()), data.size()) != 1) {
+      EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(data.data()), data.size()) !=
+          1) {
     return "";
   }
   return Finish(ctx.get());
@@ -143,7 +145,8 @@ absl::StatusOr<std::string> RemoteKey::MacOfFile(std::string_view purpose, int f
     ssize_t r = pread(fd, buf.data(), want, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return ErrnoStatus(errno, "read for the MAC");
-    if (r == 0) return absl::DataLossError(absl::StrCat("short file: ", done, " of ", size, " bytes"));
+    if (r == 0)
+      return absl::DataLossError(absl::StrCat("short file: ", done, " of ", size, " bytes"));
     if (EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(buf.data()),
                        static_cast<size_t>(r)) != 1) {
       return absl::InternalError("HMAC-SHA256 failed in OpenSSL");
@@ -155,7 +158,8 @@ absl::StatusOr<std::string> RemoteKey::MacOfFile(std::string_view purpose, int f
   return mac;
 }
 
-bool RemoteKey::Verify(std::string_view purpose, std::string_view data, std::string_view mac) const {
+bool RemoteKey::Verify(std::string_view purpose, std::string_view data,
+                       std::string_view mac) const {
   return MacEqual(Mac(purpose, data), mac);
 }
 

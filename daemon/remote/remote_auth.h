@@ -27,7 +27,7 @@ namespace ckpt::remote {
 
 class RemoteKey {
  public:
-  static constexpr size_t kMacBytes = 32;      // HMAC-SHA256
+  static constexpr size_t kMacBytes = 32;  // HMAC-SHA256
   static constexpr size_t kMinSecretBytes = 32;
   static constexpr size_t kMaxSecretBytes = 4096;
 

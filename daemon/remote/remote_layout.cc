@@ -6,9 +6,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status.h"
 #include "daemon/store/format.h"
 #include "daemon/store/layer_store.h"
-#include "base/status.h"
 
 namespace ckpt::remote {
 namespace {
@@ -35,9 +35,10 @@ absl::StatusOr<absl::string_view> Unseal(const char (&magic)[8], std::string_vie
     return absl::DataLossError(absl::StrCat("not a ckptd ", what, " (bad magic or truncated)"));
   }
   if (bytes[7] != magic[7]) {
-    return absl::DataLossError(absl::StrCat(
-        "a ", what, " of another format version (", static_cast<int>(bytes[7]), ", this ckptd reads ",
-        static_cast<int>(magic[7]), "): written by an older ckptd without the cluster key"));
+    return absl::DataLossError(
+        absl::StrCat("a ", what, " of another format version (", static_cast<int>(bytes[7]),
+                     ", this ckptd reads ", static_cast<int>(magic[7]),
+                     "): written by an older ckptd without the cluster key"));
   }
   if (bytes.size() < kHeadBytes) {
     return absl::DataLossError(absl::StrCat("not a ckptd ", what, " (truncated)"));
@@ -45,9 +46,10 @@ absl::StatusOr<absl::string_view> Unseal(const char (&magic)[8], std::string_vie
   const absl::string_view body(bytes.data() + kHeadBytes, bytes.size() - kHeadBytes);
   if (!key.Verify(purpose, std::string_view(body.data(), body.size()),
                   std::string_view(bytes.data() + 8, RemoteKey::kMacBytes))) {
-    return absl::DataLossError(absl::StrCat(
-        "the ", what, "'s MAC does not match: it was not written by a ckptd holding this cluster's "
-        "remote_key_file (damaged, or written by someone else)"));
+    return absl::DataLossError(
+        absl::StrCat("the ", what,
+                     "'s MAC does not match: it was not written by a ckptd holding this cluster's "
+                     "remote_key_file (damaged, or written by someone else)"));
   }
   return body;
 }

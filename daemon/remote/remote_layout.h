@@ -34,13 +34,13 @@ namespace ckpt::remote {
 // aux blob fit many times).
 inline constexpr uint64_t kMaxManifestBytes = uint64_t{64} << 20;
 
-std::string JobsPrefix();                                    // "jobs/"
-std::string JobPrefix(const std::string& job);               // "jobs/<job>/"
+std::string JobsPrefix();                       // "jobs/"
+std::string JobPrefix(const std::string& job);  // "jobs/<job>/"
 std::string RankPrefix(const std::string& job, uint32_t rank);
 std::string VersionObjectKey(const std::string& job, uint32_t rank, const std::string& file);
 std::string ManifestPrefix(const std::string& job, uint32_t rank);
 std::string ManifestKey(const std::string& job, uint32_t rank, uint64_t step);
-std::string OwnerKey(const std::string& job);                // "jobs/<job>/owner"
+std::string OwnerKey(const std::string& job);  // "jobs/<job>/owner"
 
 // Parse keys as List returns them. False for anything else.
 bool ParseManifestKey(const std::string& key, const std::string& job, uint32_t rank,

@@ -64,8 +64,7 @@ class RemoteStore {
   // Stores `data` as `key`. With `if_absent`, ALREADY_EXISTS when `key`
   // exists (where the store can tell; S3 with If-None-Match: *, POSIX with a
   // no-replace rename).
-  virtual absl::Status PutBytes(const std::string& key, std::string_view data,
-                                bool if_absent) = 0;
+  virtual absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) = 0;
 
   // Writes the whole object into `fd` from offset 0 and returns its size.
   // NOT_FOUND when missing; INVALID_ARGUMENT (nothing written past it) when

@@ -39,7 +39,8 @@ absl::StatusOr<PolicyKind> PolicyKindOf(v1::PolicyKind kind) {
     case v1::POLICY_LAYERCHECK:
       return PolicyKind::kLayerCheck;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown policy kind ", static_cast<int>(kind)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown policy kind ", static_cast<int>(kind)));
   }
 }
 

@@ -1,6 +1,6 @@
 // ckpt.v1 messages <-> the engine's own types (engine/step_types.h,
-// engine/registration.h, recovery/plan.h), in one place on the daemon side. The handlers in server.cc validate nothing
-// themselves: they convert, call the engine, and convert back.
+// engine/registration.h, recovery/plan.h), in one place on the daemon side. The handlers in
+// server.cc validate nothing themselves: they convert, call the engine, and convert back.
 #pragma once
 
 #include <cstdint>

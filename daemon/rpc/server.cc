@@ -8,19 +8,19 @@
 #include <malloc.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
-#include "ckpt/v1/ckpt.grpc.pb.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "ckpt/v1/ckpt.grpc.pb.h"
 #include "daemon/common/accept_backoff.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/rpc/convert.h"
@@ -134,27 +134,31 @@ class TrainerService final : public v1::Trainer::Service {
 
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterReply* reply) override {
-    return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
-      // GPU registrations carry their IPC handles in the request itself.
-      // The token is claimed first, so a refused request releases its
-      // descriptors now rather than when the token expires; the claim keeps
-      // them counted against the caller's handover limits until Register
-      // has taken them over or failed.
-      HandoverClaim claim;
-      if (!req->has_gpu() || !req->handover_token().empty()) {
-        CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->handover_token(), c.uid));
-      }
-      CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
-      CKPT_ASSIGN_OR_RETURN(Registered registered,
-                            s_->engine()->Register(registration, claim.TakeFds(), c));
-      *reply = ToProto(registered);
-      return absl::OkStatus();
-    }, Weight::kRegister);
+    return WithCaller(
+        s_, ctx, *req,
+        [&](const Caller& c) -> absl::Status {
+          // GPU registrations carry their IPC handles in the request itself.
+          // The token is claimed first, so a refused request releases its
+          // descriptors now rather than when the token expires; the claim keeps
+          // them counted against the caller's handover limits until Register
+          // has taken them over or failed.
+          HandoverClaim claim;
+          if (!req->has_gpu() || !req->handover_token().empty()) {
+            CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->handover_token(), c.uid));
+          }
+          CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
+          CKPT_ASSIGN_OR_RETURN(Registered registered,
+                                s_->engine()->Register(registration, claim.TakeFds(), c));
+          *reply = ToProto(registered);
+          return absl::OkStatus();
+        },
+        Weight::kRegister);
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
                         v1::StepDoneReply*) override {
-    return WithCaller(s_, ctx, *req,
-                      [&](const Caller& c) { return s_->engine()->StepDone(StepReportOf(*req), c); });
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
+      return s_->engine()->StepDone(StepReportOf(*req), c);
+    });
   }
   grpc::Status WaitSnapshot(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                             v1::WaitSnapshotReply* reply) override {
@@ -169,10 +173,10 @@ class TrainerService final : public v1::Trainer::Service {
   grpc::Status WaitDurable(grpc::ServerContext* ctx, const v1::WaitRequest* req,
                            v1::WaitDurableReply* reply) override {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(uint64_t durable,
-                            s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
-                                                      WaitDeadline(*req, DeadlineOf(*ctx)),
-                                                      TierName(req->tier())));
+      CKPT_ASSIGN_OR_RETURN(
+          uint64_t durable,
+          s_->engine()->WaitDurable(RankRefOf(*req), req->step(), c,
+                                    WaitDeadline(*req, DeadlineOf(*ctx)), TierName(req->tier())));
       reply->set_durable_step(durable);
       return absl::OkStatus();
     });
@@ -194,15 +198,16 @@ class TrainerService final : public v1::Trainer::Service {
                                           c);
     });
   }
-  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
+  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req,
+                    v1::Plan* reply) override {
     return PlanCall(s_, ctx, *req, reply);
   }
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                        v1::RestoreReply* reply) override {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(Restored restored,
-                            s_->engine()->Restore(RankRefOf(*req), req->target_step(), c,
-                                                  req->discard_later()));
+      CKPT_ASSIGN_OR_RETURN(
+          Restored restored,
+          s_->engine()->Restore(RankRefOf(*req), req->target_step(), c, req->discard_later()));
       *reply = ToProto(restored);
       return absl::OkStatus();
     });
@@ -229,24 +234,32 @@ class AdminService final : public v1::Admin::Service {
       return absl::OkStatus();
     });
   }
-  grpc::Status Jobs(grpc::ServerContext* ctx, const v1::JobsRequest* req, v1::JobsReply* reply) override {
-    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Jobs(c), reply); });
+  grpc::Status Jobs(grpc::ServerContext* ctx, const v1::JobsRequest* req,
+                    v1::JobsReply* reply) override {
+    return WithCaller(s_, ctx, *req,
+                      [&](const Caller& c) { return Assign(s_->engine()->Jobs(c), reply); });
   }
   grpc::Status Layers(grpc::ServerContext* ctx, const v1::LayersRequest* req,
                       v1::LayersReply* reply) override {
-    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Layers(*req, c), reply); });
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
+      return Assign(s_->engine()->Layers(*req, c), reply);
+    });
   }
   grpc::Status History(grpc::ServerContext* ctx, const v1::HistoryRequest* req,
                        v1::HistoryReply* reply) override {
-    return WithCaller(s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->History(*req, c), reply); });
+    return WithCaller(s_, ctx, *req, [&](const Caller& c) {
+      return Assign(s_->engine()->History(*req, c), reply);
+    });
   }
-  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req, v1::Plan* reply) override {
+  grpc::Status Plan(grpc::ServerContext* ctx, const v1::PlanRequest* req,
+                    v1::Plan* reply) override {
     return PlanCall(s_, ctx, *req, reply);
   }
   grpc::Status Verify(grpc::ServerContext* ctx, const v1::VerifyRequest* req,
                       v1::VerifyReply* reply) override {
     return WithCaller(
-        s_, ctx, *req, [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); },
+        s_, ctx, *req,
+        [&](const Caller& c) { return Assign(s_->engine()->Verify(*req, c), reply); },
         Weight::kHeavy);
   }
   grpc::Status Gc(grpc::ServerContext* ctx, const v1::GcRequest* req, v1::GcReply* reply) override {

@@ -37,8 +37,8 @@
 #include <sys/types.h>
 
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 

@@ -11,8 +11,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "ckpt/v1/ckpt.pb.h"
 #include "base/status.h"
+#include "ckpt/v1/ckpt.pb.h"
 
 namespace ckpt {
 

@@ -33,7 +33,8 @@ int PollTimeoutMs(absl::Time now, absl::Time until) {
   if (until == absl::InfiniteFuture()) return 1000;  // only Stop() ends this wait
   absl::Duration d = until - now;
   if (d <= absl::ZeroDuration()) return 0;
-  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d + absl::Milliseconds(1)), 1000));
+  return static_cast<int>(
+      std::min<int64_t>(absl::ToInt64Milliseconds(d + absl::Milliseconds(1)), 1000));
 }
 
 }  // namespace
@@ -73,7 +74,8 @@ size_t HandoverServer::DefaultMaxFds(uint64_t nofile, size_t reserve) {
 }
 
 HandoverServer::HandoverServer(HandoverOptions options)
-    : options_(std::move(options)), backoff_(options_.accept_backoff, "HandoverServer::AcceptBackoff") {}
+    : options_(std::move(options)),
+      backoff_(options_.accept_backoff, "HandoverServer::AcceptBackoff") {}
 
 HandoverServer::~HandoverServer() { Stop(); }
 
@@ -199,8 +201,7 @@ void HandoverServer::AcceptSome(std::vector<Conn>* conns, std::map<uid_t, size_t
       }
       const AcceptBackoff::Pause pause = backoff_.Fail(absl::Now());
       if (pause.log) {
-        CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err) << " (and "
-                          << pause.unlogged
+        CKPT_LOG(WARNING) << "handover accept: " << std::strerror(err) << " (and " << pause.unlogged
                           << " failures since the last report); not accepting for "
                           << absl::FormatDuration(pause.length) << "; " << stats().fds_held
                           << " handed-over descriptors held";
@@ -219,15 +220,14 @@ void HandoverServer::AcceptSome(std::vector<Conn>* conns, std::map<uid_t, size_t
     if (open >= options_.max_connections_per_uid || conns->size() >= options_.max_connections) {
       if (open == 0) per_uid->erase(uid);
       const bool mine = open >= options_.max_connections_per_uid;
-      Refuse(conn.get(), absl::ResourceExhaustedError(
-                             mine ? absl::StrCat("uid ", uid, " has ", open,
-                                                 " handover connections open (limit ",
-                                                 options_.max_connections_per_uid,
-                                                 ", handover_max_connections_per_uid)")
-                                  : absl::StrCat("ckptd has ", conns->size(),
-                                                 " handover connections open (limit ",
-                                                 options_.max_connections,
-                                                 ", handover_max_connections); retry")));
+      Refuse(
+          conn.get(),
+          absl::ResourceExhaustedError(
+              mine ? absl::StrCat("uid ", uid, " has ", open, " handover connections open (limit ",
+                                  options_.max_connections_per_uid,
+                                  ", handover_max_connections_per_uid)")
+                   : absl::StrCat("ckptd has ", conns->size(), " handover connections open (limit ",
+                                  options_.max_connections, ", handover_max_connections); retry")));
       continue;
     }
     ++open;
@@ -299,7 +299,8 @@ bool HandoverServer::Serve(Conn& conn) {
       bad = ErrnoStatus(errno, "fstat of a handed-over descriptor");
     } else if (!files.insert({st.st_dev, st.st_ino}).second) {
       bad = absl::InvalidArgumentError(
-          absl::StrCat("descriptor ", i, " is a second descriptor of a region already in this "
+          absl::StrCat("descriptor ", i,
+                       " is a second descriptor of a region already in this "
                        "handover; hand over each region once"));
     }
     if (!bad.ok()) {
@@ -331,10 +332,11 @@ absl::Status HandoverServer::CheckLimitsLocked(uid_t uid, size_t nfds) {
   auto it = usage_.find(uid);
   const UidUsage u = it == usage_.end() ? UidUsage{} : it->second;
   if (u.pending >= options_.max_pending_per_uid) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "uid ", uid, " has ", u.pending, " unclaimed handovers (limit ",
-        options_.max_pending_per_uid, ", handover_max_pending_per_uid); register or let them "
-        "expire"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("uid ", uid, " has ", u.pending, " unclaimed handovers (limit ",
+                     options_.max_pending_per_uid,
+                     ", handover_max_pending_per_uid); register or let them "
+                     "expire"));
   }
   if (u.fds + nfds > options_.max_fds_per_uid) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -342,9 +344,9 @@ absl::Status HandoverServer::CheckLimitsLocked(uid_t uid, size_t nfds) {
         " more exceed the limit of ", options_.max_fds_per_uid, " (handover_max_fds_per_uid)"));
   }
   if (pending_.size() >= options_.max_pending) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "ckptd holds ", pending_.size(), " unclaimed handovers (limit ", options_.max_pending,
-        ", handover_max_pending); retry"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ckptd holds ", pending_.size(), " unclaimed handovers (limit ",
+                     options_.max_pending, ", handover_max_pending); retry"));
   }
   if (fds_held_ + nfds > max_fds_) {
     return absl::ResourceExhaustedError(absl::StrCat(

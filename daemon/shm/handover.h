@@ -52,11 +52,11 @@ struct HandoverOptions {
   // How long one connection may take from accept to its complete message.
   absl::Duration connection_deadline = absl::Seconds(5);
   absl::Duration token_ttl = absl::Seconds(120);
-  size_t max_pending = 1024;         // unclaimed tokens, node-wide
-  size_t max_pending_per_uid = 64;   // unclaimed tokens of one uid
-  size_t max_connections = 256;      // open handover connections, node-wide
+  size_t max_pending = 1024;        // unclaimed tokens, node-wide
+  size_t max_pending_per_uid = 64;  // unclaimed tokens of one uid
+  size_t max_connections = 256;     // open handover connections, node-wide
   size_t max_connections_per_uid = 8;
-  size_t max_fds_per_uid = 4096;     // descriptors held for one uid (see above)
+  size_t max_fds_per_uid = 4096;  // descriptors held for one uid (see above)
   // Descriptors held node-wide; 0 = derived from RLIMIT_NOFILE at Start()
   // (DefaultMaxFds).
   size_t max_fds = 0;
@@ -99,12 +99,12 @@ class HandoverServer {
  public:
   // What the server holds and has refused; for tests and logs.
   struct Stats {
-    size_t connections = 0;     // open, not yet answered
-    size_t pending = 0;         // unclaimed tokens
-    size_t fds_held = 0;        // pending + claimed, not yet released
-    size_t max_fds = 0;         // the node-wide cap in force
-    uint64_t refused = 0;       // handovers refused for a limit or a bad message
-    uint64_t accept_errors = 0; // accept failures that started a back-off
+    size_t connections = 0;      // open, not yet answered
+    size_t pending = 0;          // unclaimed tokens
+    size_t fds_held = 0;         // pending + claimed, not yet released
+    size_t max_fds = 0;          // the node-wide cap in force
+    uint64_t refused = 0;        // handovers refused for a limit or a bad message
+    uint64_t accept_errors = 0;  // accept failures that started a back-off
   };
 
   explicit HandoverServer(HandoverOptions options);
@@ -147,8 +147,8 @@ class HandoverServer {
     std::vector<UniqueFd> fds;
   };
   struct UidUsage {
-    size_t pending = 0;      // tokens
-    size_t fds = 0;          // pending + claimed descriptors
+    size_t pending = 0;  // tokens
+    size_t fds = 0;      // pending + claimed descriptors
   };
 
   void Loop();

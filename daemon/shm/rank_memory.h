@@ -47,7 +47,6 @@ class RankMemory {
   virtual absl::Status FinishSnapshot() = 0;
   // Copies n host bytes into this memory at `dst`; complete on return.
   virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
-
 };
 
 // Host memfd regions, mapped by ckptd. Copies are memcpy.

@@ -53,8 +53,8 @@ void StagingLease::Zero(uint64_t offset, uint64_t len) {
 
 absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingPoolOptions& o) {
   if (o.chunk_bytes == 0 || o.chunk_bytes % kChunkAlignment != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("staging chunk size ", o.chunk_bytes, " is not a positive multiple of ", kChunkAlignment));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "staging chunk size ", o.chunk_bytes, " is not a positive multiple of ", kChunkAlignment));
   }
   if (o.budget_bytes < o.chunk_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("staging budget ", o.budget_bytes,
@@ -76,9 +76,8 @@ absl::StatusOr<std::unique_ptr<StagingPool>> StagingPool::Create(const StagingPo
     if (::mlock(p, pool->map_bytes_) == 0) {
       pool->locked_ = true;
     } else {
-      CKPT_LOG(WARNING) << "staging pool: mlock of " << pool->map_bytes_
-                        << " bytes failed (" << std::strerror(errno)
-                        << "); raise LimitMEMLOCK. Continuing unlocked.";
+      CKPT_LOG(WARNING) << "staging pool: mlock of " << pool->map_bytes_ << " bytes failed ("
+                        << std::strerror(errno) << "); raise LimitMEMLOCK. Continuing unlocked.";
     }
   }
   absl::MutexLock lock(&pool->mu_);
@@ -95,13 +94,14 @@ StagingPool::~StagingPool() {
 
 absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time deadline) {
   // Compare before rounding up: bytes near UINT64_MAX would wrap around.
-  const size_t need = bytes > budget_bytes()
-                          ? total_chunks_ + 1
-                          : std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
+  const size_t need =
+      bytes > budget_bytes()
+          ? total_chunks_ + 1
+          : std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
   if (need > total_chunks_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "a version of ", bytes, " bytes does not fit the staging pool of ", budget_bytes(),
-        " bytes; raise staging_pool_bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a version of ", bytes, " bytes does not fit the staging pool of ",
+                     budget_bytes(), " bytes; raise staging_pool_bytes"));
   }
   // While it waits, the reclaimer is asked again every kReclaimInterval:
   // what it holds can grow meanwhile (the memory tier keeps each version a
@@ -118,20 +118,22 @@ absl::StatusOr<StagingLease> StagingPool::Acquire(uint64_t bytes, absl::Time dea
     }
     if (reclaimer != nullptr) (*reclaimer)(missing);
     absl::MutexLock lock(&mu_);
-    auto enough = [this, need]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= need; };
+    auto enough = [this, need]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return free_.size() >= need; };
     const absl::Time until =
         reclaimer == nullptr ? deadline : std::min(deadline, absl::Now() + kReclaimInterval);
     if (mu_.AwaitWithDeadline(absl::Condition(&enough), until)) return TakeLocked(need);
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "staging pool full: ", need, " chunks wanted, ", free_.size(), " free"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("staging pool full: ", need, " chunks wanted, ", free_.size(), " free"));
     }
   }
 }
 
 std::optional<StagingLease> StagingPool::TryAcquire(uint64_t bytes) {
   if (bytes > budget_bytes()) return std::nullopt;
-  const size_t need = std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
+  const size_t need =
+      std::max<size_t>(1, static_cast<size_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_));
   absl::MutexLock lock(&mu_);
   if (free_.size() < need) return std::nullopt;
   return TakeLocked(need);
@@ -148,8 +150,8 @@ StagingLease StagingPool::TakeLocked(size_t chunks) {
 
 void StagingPool::SetReclaimer(std::function<void(uint64_t bytes)> reclaimer) {
   absl::MutexLock lock(&mu_);
-  reclaimer_ = reclaimer ? std::make_shared<std::function<void(uint64_t)>>(std::move(reclaimer))
-                         : nullptr;
+  reclaimer_ =
+      reclaimer ? std::make_shared<std::function<void(uint64_t)>>(std::move(reclaimer)) : nullptr;
 }
 
 void StagingPool::Release(std::vector<char*>* chunks) {

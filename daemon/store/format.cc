@@ -149,8 +149,10 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file
   char prefix[kPrefixBytes];
   image.CopyOut(0, prefix, kPrefixBytes);
   if (std::memcmp(prefix, kFormatMagic, 8) != 0) return absl::DataLossError("bad file magic");
-  if (HashBytes(prefix, 40) != GetU64(prefix + 40)) return absl::DataLossError("file prefix checksum mismatch");
-  if (GetU32(prefix + 20) != 0 || std::any_of(prefix + 48, prefix + 64, [](char c) { return c != 0; })) {
+  if (HashBytes(prefix, 40) != GetU64(prefix + 40))
+    return absl::DataLossError("file prefix checksum mismatch");
+  if (GetU32(prefix + 20) != 0 ||
+      std::any_of(prefix + 48, prefix + 64, [](char c) { return c != 0; })) {
     return absl::DataLossError("file prefix reserved bytes are not zero");
   }
   if (GetU32(prefix + 8) != kFormatVersion) {
@@ -164,20 +166,21 @@ absl::StatusOr<DecodedHeader> DecodeHeader(const ByteImage& image, uint64_t file
   // to a small file size and let tensors point far past the file.
   if (d.layout.header_bytes > file_bytes ||
       d.layout.payload_bytes > file_bytes - d.layout.header_bytes) {
-    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ", d.layout.header_bytes,
-                                            " + ", d.layout.payload_bytes, " bytes, file has ",
-                                            file_bytes));
+    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ",
+                                            d.layout.header_bytes, " + ", d.layout.payload_bytes,
+                                            " bytes, file has ", file_bytes));
   }
   d.layout.file_bytes = d.layout.header_bytes + AlignUp(d.layout.payload_bytes, kDirectAlignment);
-  if (d.layout.header_bytes % kDirectAlignment != 0 || kPrefixBytes + body_len > d.layout.header_bytes ||
-      d.layout.file_bytes != file_bytes) {
-    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ", d.layout.file_bytes,
-                                            ", file has ", file_bytes));
+  if (d.layout.header_bytes % kDirectAlignment != 0 ||
+      kPrefixBytes + body_len > d.layout.header_bytes || d.layout.file_bytes != file_bytes) {
+    return absl::DataLossError(absl::StrCat("file sizes disagree: header says ",
+                                            d.layout.file_bytes, ", file has ", file_bytes));
   }
   std::string body(body_len, '\0');
   image.CopyOut(kPrefixBytes, body.data(), body_len);
   d.body_xxh3 = HashBytes(body.data(), body.size());
-  if (d.body_xxh3 != GetU64(prefix + 32)) return absl::DataLossError("file header checksum mismatch");
+  if (d.body_xxh3 != GetU64(prefix + 32))
+    return absl::DataLossError("file header checksum mismatch");
   if (!d.header.ParseFromString(body)) return absl::DataLossError("file header does not parse");
   for (const store::TensorEntry& t : d.header.tensors()) {
     if (t.offset() > d.layout.payload_bytes || t.nbytes() > d.layout.payload_bytes - t.offset()) {
@@ -194,8 +197,9 @@ absl::Status VerifyTensor(const DecodedHeader& d, const store::TensorEntry& t,
   CKPT_RETURN_IF_ERROR(
       HashImageThrough(image, d.layout.header_bytes + t.offset(), t.nbytes(), piece, then, &hash));
   if (hash != t.xxh3()) {
-    return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(), "' of layer ",
-                                            d.header.layer(), " step ", d.header.step()));
+    return absl::DataLossError(absl::StrCat("checksum mismatch in tensor '", t.name(),
+                                            "' of layer ", d.header.layer(), " step ",
+                                            d.header.step()));
   }
   return absl::OkStatus();
 }

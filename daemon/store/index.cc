@@ -5,12 +5,11 @@
 // in index_versions.cc, events in index_events.cc.
 #include "daemon/store/index.h"
 
+#include <fcntl.h>
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
-
-#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 
@@ -104,16 +103,16 @@ absl::StatusOr<std::unique_ptr<Index>> Index::Open(const std::string& path, rock
   if (!lock.valid()) return ErrnoStatus(errno, absl::StrCat("open ", lock_path));
   if (::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the index ", path, " is in use by another ckptd (", lock_path, " is locked)"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the index ", path, " is in use by another ckptd (", lock_path, " is locked)"));
     }
     return ErrnoStatus(errno, absl::StrCat("flock ", lock_path));
   }
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, path, &raw);
   CKPT_RETURN_IF_ERROR(FromRocks(s, absl::StrCat("open ", path)));
-  std::unique_ptr<Index> index(new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock), path,
-                                         env, std::move(logger)));
+  std::unique_ptr<Index> index(
+      new Index(std::unique_ptr<rocksdb::DB>(raw), std::move(lock), path, env, std::move(logger)));
   CKPT_RETURN_IF_ERROR(index->CheckSchema(path));
   CKPT_RETURN_IF_ERROR(index->CountVersions());
   return index;
@@ -212,12 +211,13 @@ absl::Status Index::CheckSchema(const std::string& path) {
   if (!v.has_value()) return Put(std::string(kKey), absl::StrCat(kIndexSchemaVersion));
   uint32_t version = 0;
   if (!absl::SimpleAtoi(*v, &version)) {
-    return absl::DataLossError(absl::StrCat("index ", path, ": schema version '", *v, "' is corrupt"));
+    return absl::DataLossError(
+        absl::StrCat("index ", path, ": schema version '", *v, "' is corrupt"));
   }
   if (version > kIndexSchemaVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "index ", path, " has schema version ", version, "; this ckptd reads up to ",
-        kIndexSchemaVersion, " (it was written by a newer ckptd)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("index ", path, " has schema version ", version, "; this ckptd reads up to ",
+                     kIndexSchemaVersion, " (it was written by a newer ckptd)"));
   }
   return absl::OkStatus();
 }

@@ -58,7 +58,7 @@ class Env;
 class Logger;
 class WriteBatch;
 struct WriteOptions;
-}
+}  // namespace rocksdb
 
 namespace ckpt {
 

@@ -95,7 +95,8 @@ absl::Status LayerStore::RemoveRankDir(const std::string& job, uint32_t rank,
   CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir->get()));
   *job_dir = UniqueFd();
   // The job's directory goes once its last rank's has.
-  if (fs_->RemoveDir(jobs_dir_.get(), job).ok()) CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
+  if (fs_->RemoveDir(jobs_dir_.get(), job).ok())
+    CKPT_RETURN_IF_ERROR(fs_->SyncDir(jobs_dir_.get()));
   return absl::OkStatus();
 }
 
@@ -123,7 +124,8 @@ absl::StatusOr<LayerStore::DirRef> LayerStore::RankDir(const std::string& job, u
   }
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));
   CKPT_ASSIGN_OR_RETURN(UniqueFd job_dir, fs_->OpenSubdir(jobs_dir_.get(), job, create));
-  CKPT_ASSIGN_OR_RETURN(UniqueFd rank_dir, fs_->OpenSubdir(job_dir.get(), RankDirName(rank), create));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd rank_dir,
+                        fs_->OpenSubdir(job_dir.get(), RankDirName(rank), create));
   if (create) {
     // Make the new entries themselves durable before any file inside them.
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(job_dir.get()));

@@ -67,7 +67,6 @@ class LeaseImage final : public ByteImage {
   const StagingLease& lease_;
 };
 
-
 // Names of the directory layout above: "rank-<rank:8>" and
 // "L<layer:8>-S<step:16>-G<gen:16>.ckv" (the parsers accept exactly that).
 std::string RankDirName(uint32_t rank);
@@ -130,15 +129,14 @@ struct LoadedVersion {
   StagingLease lease;
 };
 
-
 // What start-up reconciliation did. Layer files are never deleted there: a
 // file the index does not name may be an acknowledged version whose record a
 // damaged index lost, so it is moved to <data_dir>/quarantine/ instead (and
 // `ckptctl repair` puts it back, repair.h).
 struct ReconcileReport {
-  uint64_t temp_files_removed = 0;          // tmp.* (never acknowledged)
-  uint64_t orphan_files_quarantined = 0;    // layer files without a record
-  uint64_t dangling_records_removed = 0;    // records without a (whole) file
+  uint64_t temp_files_removed = 0;            // tmp.* (never acknowledged)
+  uint64_t orphan_files_quarantined = 0;      // layer files without a record
+  uint64_t dangling_records_removed = 0;      // records without a (whole) file
   uint64_t uncommitted_versions_removed = 0;  // records after the last event
   // Files moved to quarantine/: the orphans and the files of the versions
   // after the last event.

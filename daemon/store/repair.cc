@@ -32,8 +32,8 @@ constexpr size_t kFileNameLength = 1 + 8 + 2 + 16 + 2 + 16 + 4;
 struct Found {
   std::string job;
   uint32_t rank = 0;
-  std::string name;        // canonical name (quarantine suffix stripped)
-  std::string entry;       // name in its directory
+  std::string name;   // canonical name (quarantine suffix stripped)
+  std::string entry;  // name in its directory
   bool quarantined = false;
   store::LayerFileHeader header;
   store::VersionRecord record;

@@ -48,16 +48,16 @@ struct RepairOptions {
 };
 
 struct RepairReport {
-  bool index_rebuilt = false;         // the old index did not open
-  std::string damaged_index;          // where it was moved (index_rebuilt)
-  std::string open_error;             // why it did not open
-  uint64_t files_checked = 0;         // layer files read and verified
-  uint64_t records_kept = 0;          // files the index already named
-  uint64_t records_added = 0;         // files that became records again
-  uint64_t files_unquarantined = 0;   // of those, moved back from quarantine/
-  uint64_t events_added = 0;          // synthesized checkpoint events
-  uint64_t ranks_added = 0;           // synthesized rank records
-  uint64_t jobs_added = 0;            // created job records
+  bool index_rebuilt = false;        // the old index did not open
+  std::string damaged_index;         // where it was moved (index_rebuilt)
+  std::string open_error;            // why it did not open
+  uint64_t files_checked = 0;        // layer files read and verified
+  uint64_t records_kept = 0;         // files the index already named
+  uint64_t records_added = 0;        // files that became records again
+  uint64_t files_unquarantined = 0;  // of those, moved back from quarantine/
+  uint64_t events_added = 0;         // synthesized checkpoint events
+  uint64_t ranks_added = 0;          // synthesized rank records
+  uint64_t jobs_added = 0;           // created job records
   // Files left in place: "path: why" (checksum, name/header mismatch, or a
   // version the index already names with another, intact file).
   std::vector<std::string> skipped;

@@ -14,8 +14,8 @@ RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput&
   // so a huge value keeps every event instead of overflowing.
   int64_t horizon_ms = INT64_MAX;
   if (policy.keep_hours > 0) {
-    const __int128 h = static_cast<__int128>(in.now_unix_ms) -
-                       static_cast<__int128>(policy.keep_hours) * 3600000;
+    const __int128 h =
+        static_cast<__int128>(in.now_unix_ms) - static_cast<__int128>(policy.keep_hours) * 3600000;
     horizon_ms = h < INT64_MIN ? INT64_MIN : static_cast<int64_t>(h);
   }
   // The newest event at or below the agreed step (n when none).
@@ -31,7 +31,8 @@ RetentionPlan PlanRetention(const RetentionPolicy& policy, const RetentionInput&
     const auto& [step, ms] = in.events[i];
     const bool pending = step > in.pending_after && pending_left > 0;
     if (pending) --pending_left;
-    keep[i] = i + 1 == n || pending || (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
+    keep[i] = i + 1 == n || pending ||
+              (policy.keep_last_events > 0 && n - i <= policy.keep_last_events) ||
               (policy.keep_every_steps > 0 && step % policy.keep_every_steps == 0) ||
               ms >= horizon_ms || i == agreed;
     (keep[i] ? plan.retained_targets : plan.delete_events).push_back(step);

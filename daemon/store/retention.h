@@ -31,7 +31,7 @@ struct RetentionPolicy {
 };
 
 struct RetentionInput {
-  std::vector<std::pair<uint64_t, int64_t>> events;   // (step, unix_ms), ascending steps
+  std::vector<std::pair<uint64_t, int64_t>> events;    // (step, unix_ms), ascending steps
   std::map<uint32_t, std::vector<uint64_t>> versions;  // layer -> ascending steps
   int64_t now_unix_ms = 0;
   // The job's agreed durable step (several ranks; 0 = none): the newest
@@ -45,8 +45,8 @@ struct RetentionInput {
 };
 
 struct RetentionPlan {
-  std::vector<uint64_t> retained_targets;                    // ascending
-  std::vector<uint64_t> delete_events;                       // ascending
+  std::vector<uint64_t> retained_targets;                      // ascending
+  std::vector<uint64_t> delete_events;                         // ascending
   std::vector<std::pair<uint32_t, uint64_t>> delete_versions;  // (layer, step)
   uint64_t versions_kept = 0;
 };

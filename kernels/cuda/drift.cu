@@ -152,7 +152,8 @@ __global__ void __launch_bounds__(kThreads)
       const double w = LoadElem(t.w, t.w_dtype, i);
       double d = 0.0;
       if (opt == Optimizer::kAdamW || opt == Optimizer::kAdam) {
-        const double u = AdamUpdate(LoadElem(t.m, t.m_dtype, i), LoadElem(t.v, t.v_dtype, i), t.adam);
+        const double u =
+            AdamUpdate(LoadElem(t.m, t.m_dtype, i), LoadElem(t.v, t.v_dtype, i), t.adam);
         d = opt == Optimizer::kAdamW ? t.adamw_scale * (t.wd * w + u) : -t.lr * u;
       } else if (opt == Optimizer::kSgd) {
         d = -t.lr * static_cast<double>(LoadElem(t.m, t.m_dtype, i));

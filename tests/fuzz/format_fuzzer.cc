@@ -76,7 +76,8 @@ void Unpoison(const StagingLease& lease, uint64_t len) {
   }
 }
 void Repoison(const StagingLease& lease) {
-  for (size_t i = 0; i < lease.chunk_count(); ++i) ASAN_POISON_MEMORY_REGION(lease.chunk(i), kChunk);
+  for (size_t i = 0; i < lease.chunk_count(); ++i)
+    ASAN_POISON_MEMORY_REGION(lease.chunk(i), kChunk);
 }
 
 // A valid file image written the way LayerStore::Commit writes one: layout
@@ -125,7 +126,9 @@ std::string ValidImage(const std::vector<uint64_t>& sizes, uint64_t step, int gr
 
 std::vector<std::string> Seeds() {
   std::vector<std::string> seeds;
-  auto add = [&](char flags, const std::string& image) { seeds.push_back(std::string(1, flags) + image); };
+  auto add = [&](char flags, const std::string& image) {
+    seeds.push_back(std::string(1, flags) + image);
+  };
   add(0, ValidImage({100}, 5, 0));
   add(1, ValidImage({5000, 1, 333}, 1234, 2));
   add(3, ValidImage({}, 1, 0));
@@ -148,7 +151,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
     image.resize(std::min<uint64_t>(image.size(), GetU32(image, 12)));
   }
   const bool exact = (flags & 2) != 0;
-  const uint64_t file_bytes = exact ? image.size() : AlignUp(std::max<uint64_t>(image.size(), 1), kChunk);
+  const uint64_t file_bytes =
+      exact ? image.size() : AlignUp(std::max<uint64_t>(image.size(), 1), kChunk);
   std::string file = image;
   file.resize(file_bytes, '\0');
   if ((flags & 4) != 0 && file.size() >= kPrefixBytes) {

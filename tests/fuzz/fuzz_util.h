@@ -9,6 +9,8 @@
 // seeds always match the current format.
 #pragma once
 
+#include <google/protobuf/stubs/logging.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -16,18 +18,16 @@
 #include <string>
 #include <vector>
 
-#include <google/protobuf/stubs/logging.h>
-
 namespace ckpt::fuzz {
 
 // Aborts (a libFuzzer crash, with the input saved) when `cond` is false.
-#define CKPT_FUZZ_CHECK(cond, msg)                                                       \
-  do {                                                                                    \
-    if (!(cond)) {                                                                        \
-      std::fprintf(stderr, "%s:%d: fuzz invariant violated: %s: %s\n", __FILE__, __LINE__, \
-                   #cond, std::string(msg).c_str());                                      \
-      std::abort();                                                                       \
-    }                                                                                     \
+#define CKPT_FUZZ_CHECK(cond, msg)                                                                \
+  do {                                                                                            \
+    if (!(cond)) {                                                                                \
+      std::fprintf(stderr, "%s:%d: fuzz invariant violated: %s: %s\n", __FILE__, __LINE__, #cond, \
+                   std::string(msg).c_str());                                                     \
+      std::abort();                                                                               \
+    }                                                                                             \
   } while (0)
 
 inline void InitFuzzTarget(const std::vector<std::string>& seeds) {
@@ -53,12 +53,12 @@ inline void InitFuzzTarget(const std::vector<std::string>& seeds) {
 }  // namespace ckpt::fuzz
 
 // libFuzzer's entry points over ckpt::Seeds() and ckpt::FuzzOne().
-#define CKPT_FUZZ_ENTRY_POINTS()                                        \
-  extern "C" int LLVMFuzzerInitialize(int*, char***) {                  \
-    ckpt::fuzz::InitFuzzTarget(ckpt::Seeds());                          \
-    return 0;                                                           \
-  }                                                                     \
+#define CKPT_FUZZ_ENTRY_POINTS()                                            \
+  extern "C" int LLVMFuzzerInitialize(int*, char***) {                      \
+    ckpt::fuzz::InitFuzzTarget(ckpt::Seeds());                              \
+    return 0;                                                               \
+  }                                                                         \
   extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { \
-    ckpt::FuzzOne(data, size);                                          \
-    return 0;                                                           \
+    ckpt::FuzzOne(data, size);                                              \
+    return 0;                                                               \
   }

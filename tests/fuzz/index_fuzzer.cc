@@ -28,12 +28,12 @@
 // File operations go through a FileSystem that refuses names which are not a
 // single path component, so a corrupt record can never make the fuzzer touch
 // anything outside its temp directory.
+#include <fcntl.h>
 #include <fuzzer/FuzzedDataProvider.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 #include <stdlib.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -108,7 +108,8 @@ class SandboxFs : public FileSystem {
     CKPT_RETURN_IF_ERROR(Check(name));
     return FileSystem::OpenForRead(dir_fd, name, direct, direct_used);
   }
-  absl::Status RenameNoReplace(int dir_fd, const std::string& from, const std::string& to) override {
+  absl::Status RenameNoReplace(int dir_fd, const std::string& from,
+                               const std::string& to) override {
     CKPT_RETURN_IF_ERROR(Check(from));
     CKPT_RETURN_IF_ERROR(Check(to));
     return FileSystem::RenameNoReplace(dir_fd, from, to);
@@ -148,30 +149,46 @@ class Gen {
   uint64_t Small(uint64_t max) { return p_.ConsumeIntegralInRange<uint64_t>(0, max); }
   uint64_t Step() {
     switch (p_.ConsumeIntegralInRange<int>(0, 3)) {
-      case 0: return Small(12);
-      case 1: return Small(2000);
-      case 2: return ~uint64_t{0} - Small(2);
-      default: return p_.ConsumeIntegral<uint64_t>();
+      case 0:
+        return Small(12);
+      case 1:
+        return Small(2000);
+      case 2:
+        return ~uint64_t{0} - Small(2);
+      default:
+        return p_.ConsumeIntegral<uint64_t>();
     }
   }
-  uint32_t Rank() { return p_.ConsumeBool() ? static_cast<uint32_t>(Small(2)) : p_.ConsumeIntegral<uint32_t>(); }
+  uint32_t Rank() {
+    return p_.ConsumeBool() ? static_cast<uint32_t>(Small(2)) : p_.ConsumeIntegral<uint32_t>();
+  }
   // A number field of `width` hex digits, usually well-formed.
   std::string Num(uint64_t v, int width) {
     switch (p_.ConsumeIntegralInRange<int>(0, 9)) {
-      case 0: return absl::StrFormat("%0*X", width, v);           // upper case
-      case 1: return absl::StrFormat("%0*x", width + 1, v);       // too wide
-      case 2: return absl::StrFormat("%x", v);                    // unpadded
-      case 3: return "+" + absl::StrFormat("%0*x", width - 1, v & ((uint64_t{1} << (4 * (width - 1))) - 1));
-      case 4: return "0x" + absl::StrFormat("%0*x", width - 2, v & ((uint64_t{1} << (4 * (width - 2))) - 1));
-      case 5: return p_.ConsumeBytesAsString(static_cast<size_t>(width));
-      default: return absl::StrFormat("%0*x", width, v);
+      case 0:
+        return absl::StrFormat("%0*X", width, v);  // upper case
+      case 1:
+        return absl::StrFormat("%0*x", width + 1, v);  // too wide
+      case 2:
+        return absl::StrFormat("%x", v);  // unpadded
+      case 3:
+        return "+" +
+               absl::StrFormat("%0*x", width - 1, v & ((uint64_t{1} << (4 * (width - 1))) - 1));
+      case 4:
+        return "0x" +
+               absl::StrFormat("%0*x", width - 2, v & ((uint64_t{1} << (4 * (width - 2))) - 1));
+      case 5:
+        return p_.ConsumeBytesAsString(static_cast<size_t>(width));
+      default:
+        return absl::StrFormat("%0*x", width, v);
     }
   }
 
   store::VersionRecord Version() {
     store::VersionRecord r;
-    r.set_file(p_.ConsumeBool() ? absl::StrFormat("L%08x-S%016x-G%016x.ckv", Small(3), Step(), Small(9))
-                                : p_.ConsumeRandomLengthString(40));
+    r.set_file(p_.ConsumeBool()
+                   ? absl::StrFormat("L%08x-S%016x-G%016x.ckv", Small(3), Step(), Small(9))
+                   : p_.ConsumeRandomLengthString(40));
     r.set_file_bytes(p_.ConsumeBool() ? 4096 * Small(3) : p_.ConsumeIntegral<uint64_t>());
     r.set_payload_bytes(p_.ConsumeBool() ? Small(1 << 20) : p_.ConsumeIntegral<uint64_t>());
     r.set_header_xxh3(p_.ConsumeIntegral<uint64_t>());
@@ -202,7 +219,7 @@ class Gen {
     for (uint64_t l = 0; l < layers; ++l) {
       store::LayerSpec* ls = r.add_layers();
       ls->set_id(p_.ConsumeIntegralInRange<int>(0, 7) == 0 ? static_cast<uint32_t>(Small(9))
-                                                          : static_cast<uint32_t>(l));
+                                                           : static_cast<uint32_t>(l));
       ls->set_name(absl::StrCat("layer", l));
       for (uint64_t t = 1 + Small(1); t > 0; --t) {
         store::TensorSpec* ts = ls->add_tensors();
@@ -231,8 +248,9 @@ class Gen {
       case 1: {
         store::JobRecord j;
         j.set_owner_uid(p_.ConsumeIntegral<uint32_t>());
-        entries->emplace_back(absl::StrCat("j/", Job()),
-                              p_.ConsumeBool() ? j.SerializeAsString() : p_.ConsumeRandomLengthString(16));
+        entries->emplace_back(absl::StrCat("j/", Job()), p_.ConsumeBool()
+                                                             ? j.SerializeAsString()
+                                                             : p_.ConsumeRandomLengthString(16));
         return;
       }
       case 2: {
@@ -245,9 +263,9 @@ class Gen {
       case 5: {
         const std::string job = Job();
         const uint32_t rank = Rank();
-        entries->emplace_back(absl::StrCat("v/", job, "/", Num(rank, 8), "/", Num(Small(4), 8), "/",
-                                           Num(Step(), 16)),
-                              Value(&Gen::Version));
+        entries->emplace_back(
+            absl::StrCat("v/", job, "/", Num(rank, 8), "/", Num(Small(4), 8), "/", Num(Step(), 16)),
+            Value(&Gen::Version));
         return;
       }
       case 6:
@@ -258,11 +276,16 @@ class Gen {
         return;
       }
       case 8: {
-        static const char* const kPrefixes[] = {"v/", "e/", "r/", "j/", "m/", "v/job/00000000/",
-                                                "e/job/00000000/", "v/job/00000000/00000000/"};
-        entries->emplace_back(
-            absl::StrCat(kPrefixes[Small(7)], p_.ConsumeRandomLengthString(32)),
-            p_.ConsumeRandomLengthString(32));
+        static const char* const kPrefixes[] = {"v/",
+                                                "e/",
+                                                "r/",
+                                                "j/",
+                                                "m/",
+                                                "v/job/00000000/",
+                                                "e/job/00000000/",
+                                                "v/job/00000000/00000000/"};
+        entries->emplace_back(absl::StrCat(kPrefixes[Small(7)], p_.ConsumeRandomLengthString(32)),
+                              p_.ConsumeRandomLengthString(32));
         return;
       }
       default:
@@ -282,8 +305,8 @@ void CheckCode(const absl::Status& s, const std::string& what, bool not_found_ok
 
 // What the scans of one rank returned.
 struct RankModel {
-  std::vector<std::pair<uint64_t, int64_t>> events;             // (step, unix_ms), ascending
-  std::map<uint32_t, std::vector<uint64_t>> versions;           // layer -> ascending steps
+  std::vector<std::pair<uint64_t, int64_t>> events;    // (step, unix_ms), ascending
+  std::map<uint32_t, std::vector<uint64_t>> versions;  // layer -> ascending steps
   std::map<std::pair<uint32_t, uint64_t>, store::VersionRecord> records;
   bool events_ok = false;
   bool versions_ok = false;
@@ -292,11 +315,13 @@ struct RankModel {
 RankModel ScanRank(Index* index, const std::string& job, uint32_t rank) {
   RankModel m;
   const std::string where = absl::StrCat(job, "/", rank);
-  absl::Status s = index->ForEachEvent(job, rank, false, [&](uint64_t step, const store::EventRecord& e) {
-    CKPT_FUZZ_CHECK(m.events.empty() || m.events.back().first < step, "events out of order " + where);
-    m.events.emplace_back(step, e.unix_ms());
-    return true;
-  });
+  absl::Status s =
+      index->ForEachEvent(job, rank, false, [&](uint64_t step, const store::EventRecord& e) {
+        CKPT_FUZZ_CHECK(m.events.empty() || m.events.back().first < step,
+                        "events out of order " + where);
+        m.events.emplace_back(step, e.unix_ms());
+        return true;
+      });
   CheckCode(s, "ForEachEvent " + where);
   m.events_ok = s.ok();
   std::vector<uint64_t> newest_first;
@@ -313,15 +338,16 @@ RankModel ScanRank(Index* index, const std::string& job, uint32_t rank) {
     }
   }
   std::optional<std::pair<uint32_t, uint64_t>> prev;
-  s = index->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
-    CKPT_FUZZ_CHECK(k.job == job && k.rank == rank, "version of another rank " + where);
-    const auto lk = std::make_pair(k.layer, k.step);
-    CKPT_FUZZ_CHECK(!prev.has_value() || *prev < lk, "versions out of order " + where);
-    prev = lk;
-    m.versions[k.layer].push_back(k.step);
-    m.records[lk] = rec;
-    return true;
-  });
+  s = index->ForEachVersion(
+      job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
+        CKPT_FUZZ_CHECK(k.job == job && k.rank == rank, "version of another rank " + where);
+        const auto lk = std::make_pair(k.layer, k.step);
+        CKPT_FUZZ_CHECK(!prev.has_value() || *prev < lk, "versions out of order " + where);
+        prev = lk;
+        m.versions[k.layer].push_back(k.step);
+        m.records[lk] = rec;
+        return true;
+      });
   CheckCode(s, "ForEachVersion " + where);
   m.versions_ok = s.ok();
   if (m.versions_ok) {
@@ -329,11 +355,12 @@ RankModel ScanRank(Index* index, const std::string& job, uint32_t rank) {
       const uint32_t layer = entry.first;
       const std::vector<uint64_t>& steps = entry.second;
       std::vector<uint64_t> one;
-      absl::Status s1 = index->ForEachVersion(job, rank, layer, [&](const VersionKey& k, const store::VersionRecord&) {
-        CKPT_FUZZ_CHECK(k.layer == layer, "layer scan returned another layer " + where);
-        one.push_back(k.step);
-        return true;
-      });
+      absl::Status s1 = index->ForEachVersion(
+          job, rank, layer, [&](const VersionKey& k, const store::VersionRecord&) {
+            CKPT_FUZZ_CHECK(k.layer == layer, "layer scan returned another layer " + where);
+            one.push_back(k.step);
+            return true;
+          });
       CKPT_FUZZ_CHECK(s1.ok() && one == steps, "layer scan disagrees with the rank scan " + where);
     }
   }
@@ -360,8 +387,8 @@ void CheckLookups(Index* index, const std::string& job, uint32_t rank, const Ran
       std::optional<uint64_t> want = AtOrBefore(steps, b);
       CKPT_FUZZ_CHECK(got->has_value() == want.has_value() && (!want || (*got)->first == *want),
                       absl::StrCat("EventAtOrBefore(", b, ") ", where, " returned ",
-                                   got->has_value() ? absl::StrCat((*got)->first) : "none", ", want ",
-                                   want ? absl::StrCat(*want) : "none"));
+                                   got->has_value() ? absl::StrCat((*got)->first) : "none",
+                                   ", want ", want ? absl::StrCat(*want) : "none"));
     }
   }
   if (m.versions_ok) {
@@ -376,10 +403,11 @@ void CheckLookups(Index* index, const std::string& job, uint32_t rank, const Ran
         CheckCode(got.status(), "VersionAtOrBefore " + where);
         if (!got.ok()) continue;
         std::optional<uint64_t> want = AtOrBefore(steps, b);
-        CKPT_FUZZ_CHECK(got->has_value() == want.has_value() && (!want || (*got)->first == *want),
-                        absl::StrCat("VersionAtOrBefore(layer ", layer, ", ", b, ") ", where,
-                                     " returned ", got->has_value() ? absl::StrCat((*got)->first) : "none",
-                                     ", want ", want ? absl::StrCat(*want) : "none"));
+        CKPT_FUZZ_CHECK(
+            got->has_value() == want.has_value() && (!want || (*got)->first == *want),
+            absl::StrCat("VersionAtOrBefore(layer ", layer, ", ", b, ") ", where, " returned ",
+                         got->has_value() ? absl::StrCat((*got)->first) : "none", ", want ",
+                         want ? absl::StrCat(*want) : "none"));
       }
     }
   }
@@ -394,10 +422,12 @@ void CheckPlan(Index* index, const std::string& job, uint32_t rank, uint64_t tar
   const uint64_t tau = plan->target_step;
   if (target != 0) CKPT_FUZZ_CHECK(tau == target, "plan for another step " + where);
   if (m.events_ok) {
-    CKPT_FUZZ_CHECK(std::any_of(m.events.begin(), m.events.end(), [&](auto& e) { return e.first == tau; }),
-                    "plan targets a step without an event " + where);
+    CKPT_FUZZ_CHECK(
+        std::any_of(m.events.begin(), m.events.end(), [&](auto& e) { return e.first == tau; }),
+        "plan targets a step without an event " + where);
   }
-  CKPT_FUZZ_CHECK(plan->layers.size() == static_cast<size_t>(table.layers_size()), "plan layer count " + where);
+  CKPT_FUZZ_CHECK(plan->layers.size() == static_cast<size_t>(table.layers_size()),
+                  "plan layer count " + where);
   bool complete = true;
   uint64_t max_staleness = 0;
   for (const PlannedLayer& lp : plan->layers) {
@@ -406,7 +436,7 @@ void CheckPlan(Index* index, const std::string& job, uint32_t rank, uint64_t tar
       continue;
     }
     CKPT_FUZZ_CHECK(lp.step <= tau, absl::StrCat("layer ", lp.layer, " step ", lp.step,
-                                                    " is after the target ", tau, " ", where));
+                                                 " is after the target ", tau, " ", where));
     CKPT_FUZZ_CHECK(lp.staleness == tau - lp.step, "staleness " + where);
     max_staleness = std::max(max_staleness, lp.staleness);
     if (m.versions_ok) {
@@ -418,9 +448,9 @@ void CheckPlan(Index* index, const std::string& job, uint32_t rank, uint64_t tar
   CKPT_FUZZ_CHECK(plan->complete == complete, "plan completeness " + where);
   CKPT_FUZZ_CHECK(plan->max_staleness == max_staleness, "max staleness " + where);
   const double w = plan->size_weighted_staleness;
-  CKPT_FUZZ_CHECK(std::isfinite(w) && w >= 0 &&
-                      w <= static_cast<double>(max_staleness) * (1 + 1e-9) + 1e-9,
-                  absl::StrCat("size-weighted staleness ", w, " outside [0, ", max_staleness, "] ", where));
+  CKPT_FUZZ_CHECK(
+      std::isfinite(w) && w >= 0 && w <= static_cast<double>(max_staleness) * (1 + 1e-9) + 1e-9,
+      absl::StrCat("size-weighted staleness ", w, " outside [0, ", max_staleness, "] ", where));
 }
 
 void CheckRetention(const RankModel& m, const RetentionPolicy& policy, int64_t now_ms) {
@@ -441,26 +471,31 @@ void CheckRetention(const RankModel& m, const RetentionPolicy& policy, int64_t n
   CKPT_FUZZ_CHECK(plan.retained_targets.size() + plan.delete_events.size() == m.events.size(),
                   "retention loses events");
   if (policy.keep_last_events > 0) {
-    CKPT_FUZZ_CHECK(plan.retained_targets.size() >= std::min<uint64_t>(policy.keep_last_events, m.events.size()),
+    CKPT_FUZZ_CHECK(plan.retained_targets.size() >=
+                        std::min<uint64_t>(policy.keep_last_events, m.events.size()),
                     "retention keeps fewer than keep_last_events");
   }
   if (policy.keep_hours > 0) {
     // Age rule: an event whose age is below keep_hours is retained.
     for (const auto& [step, ms] : m.events) {
-      const bool young = static_cast<__int128>(now_ms) - ms <=
-                         static_cast<__int128>(policy.keep_hours) * 3600000;
+      const bool young =
+          static_cast<__int128>(now_ms) - ms <= static_cast<__int128>(policy.keep_hours) * 3600000;
       if (young) {
-        CKPT_FUZZ_CHECK(std::binary_search(plan.retained_targets.begin(), plan.retained_targets.end(), step),
-                        absl::StrCat("event ", step, " younger than keep_hours was not retained"));
+        CKPT_FUZZ_CHECK(
+            std::binary_search(plan.retained_targets.begin(), plan.retained_targets.end(), step),
+            absl::StrCat("event ", step, " younger than keep_hours was not retained"));
       }
     }
   }
-  std::set<std::pair<uint32_t, uint64_t>> deleted(plan.delete_versions.begin(), plan.delete_versions.end());
+  std::set<std::pair<uint32_t, uint64_t>> deleted(plan.delete_versions.begin(),
+                                                  plan.delete_versions.end());
   size_t total = 0;
   for (const auto& [layer, steps] : m.versions) {
     total += steps.size();
     for (uint64_t s : steps) {
-      if (s > latest) CKPT_FUZZ_CHECK(!deleted.count({layer, s}), "retention deletes a version above the latest event");
+      if (s > latest)
+        CKPT_FUZZ_CHECK(!deleted.count({layer, s}),
+                        "retention deletes a version above the latest event");
     }
     for (uint64_t target : plan.retained_targets) {
       std::optional<uint64_t> need = AtOrBefore(steps, target);
@@ -471,7 +506,8 @@ void CheckRetention(const RankModel& m, const RetentionPolicy& policy, int64_t n
       }
     }
   }
-  CKPT_FUZZ_CHECK(plan.versions_kept + plan.delete_versions.size() == total, "retention version count");
+  CKPT_FUZZ_CHECK(plan.versions_kept + plan.delete_versions.size() == total,
+                  "retention version count");
 }
 
 void WriteFile(const std::string& path, uint64_t size) {
@@ -498,13 +534,17 @@ void CheckReconcile(Index* index, FuzzedDataProvider* p, const std::string& data
     if (it != models.end()) {
       for (const auto& [lk, rec] : it->second.records) {
         if (!PlainName(rec.file()) || !p->ConsumeBool()) continue;
-        const uint64_t size = rec.file_bytes() <= (1 << 16) && p->ConsumeBool() ? rec.file_bytes() : p->ConsumeIntegralInRange<uint64_t>(0, 9000);
+        const uint64_t size = rec.file_bytes() <= (1 << 16) && p->ConsumeBool()
+                                  ? rec.file_bytes()
+                                  : p->ConsumeIntegralInRange<uint64_t>(0, 9000);
         WriteFile(dir + "/" + rec.file(), size);
       }
     }
-    if (p->ConsumeBool()) WriteFile(dir + "/tmp." + std::to_string(p->ConsumeIntegral<uint16_t>()), 10);
+    if (p->ConsumeBool())
+      WriteFile(dir + "/tmp." + std::to_string(p->ConsumeIntegral<uint16_t>()), 10);
     if (p->ConsumeBool()) {
-      WriteFile(dir + absl::StrFormat("/L%08x-S%016x-G%016x.ckv", p->ConsumeIntegralInRange<uint32_t>(0, 3),
+      WriteFile(dir + absl::StrFormat("/L%08x-S%016x-G%016x.ckv",
+                                      p->ConsumeIntegralInRange<uint32_t>(0, 3),
                                       p->ConsumeIntegralInRange<uint64_t>(0, 20), 1),
                 4096);
     }
@@ -528,15 +568,18 @@ void CheckReconcile(Index* index, FuzzedDataProvider* p, const std::string& data
     auto last = index->EventAtOrBefore(job, rank, ~uint64_t{0});
     if (!last.ok()) continue;
     const uint64_t last_step = last->has_value() ? (*last)->first : 0;
-    absl::Status s = index->ForEachVersion(job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
-      CKPT_FUZZ_CHECK(k.step <= last_step, absl::StrCat("version ", k.step, " above the last event ",
-                                                        last_step, " survived Reconcile"));
-      struct stat st;
-      CKPT_FUZZ_CHECK(PlainName(rec.file()) && ::stat((dir + "/" + rec.file()).c_str(), &st) == 0 &&
-                          static_cast<uint64_t>(st.st_size) == rec.file_bytes(),
-                      "a record whose file is missing or short survived Reconcile: " + rec.file());
-      return true;
-    });
+    absl::Status s = index->ForEachVersion(
+        job, rank, -1, [&](const VersionKey& k, const store::VersionRecord& rec) {
+          CKPT_FUZZ_CHECK(k.step <= last_step,
+                          absl::StrCat("version ", k.step, " above the last event ", last_step,
+                                       " survived Reconcile"));
+          struct stat st;
+          CKPT_FUZZ_CHECK(
+              PlainName(rec.file()) && ::stat((dir + "/" + rec.file()).c_str(), &st) == 0 &&
+                  static_cast<uint64_t>(st.st_size) == rec.file_bytes(),
+              "a record whose file is missing or short survived Reconcile: " + rec.file());
+          return true;
+        });
     (void)s;
   }
 }
@@ -592,7 +635,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
                              ? 1700000000000 + static_cast<int64_t>(p.ConsumeIntegral<uint32_t>())
                              : p.ConsumeIntegral<int64_t>();
   std::vector<std::pair<std::string, std::string>> entries;
-  for (int n = p.ConsumeIntegralInRange<int>(0, 24); n > 0 && p.remaining_bytes() > 0; --n) gen.Entry(&entries);
+  for (int n = p.ConsumeIntegralInRange<int>(0, 24); n > 0 && p.remaining_bytes() > 0; --n)
+    gen.Entry(&entries);
   if (std::getenv("CKPT_FUZZ_DEBUG") != nullptr) {  // to read a reproducer
     for (const auto& [k, v] : entries) {
       std::fprintf(stderr, "entry key '%s' (%zu bytes) value %zu bytes\n",
@@ -667,7 +711,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
   CheckCode(g1.status(), "NextGeneration");
   if (g1.ok()) {
     absl::StatusOr<uint64_t> g2 = index->NextGeneration();
-    CKPT_FUZZ_CHECK(g2.ok() && *g2 != *g1, absl::StrCat("NextGeneration handed out ", *g1, " twice"));
+    CKPT_FUZZ_CHECK(g2.ok() && *g2 != *g1,
+                    absl::StrCat("NextGeneration handed out ", *g1, " twice"));
   }
 
   timer.Mark("generation");

@@ -36,6 +36,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
+#include "base/region.h"
 #include "daemon/common/validate.h"
 #include "daemon/engine/registration.h"
 #include "daemon/io/io_backend.h"
@@ -43,7 +44,6 @@
 #include "daemon/policy/selection.h"
 #include "daemon/recovery/schema_convert.h"
 #include "daemon/rpc/convert.h"
-#include "base/region.h"
 #include "daemon/store/format.h"
 #include "tests/fuzz/fuzz_util.h"
 
@@ -63,7 +63,8 @@ v1::RegisterRequest BuildRequest(FuzzedDataProvider& p, std::vector<uint64_t>* r
   auto rare = [&p](int n) { return p.ConsumeIntegralInRange<int>(0, n - 1) == n - 1; };
   v1::RegisterRequest req;
   req.set_job_id(rare(16) ? p.ConsumeRandomLengthString(20) : std::string("job-1"));
-  req.set_world_size(rare(16) ? p.ConsumeIntegral<uint32_t>() : 1 + p.ConsumeIntegralInRange<uint32_t>(0, 7));
+  req.set_world_size(rare(16) ? p.ConsumeIntegral<uint32_t>()
+                              : 1 + p.ConsumeIntegralInRange<uint32_t>(0, 7));
   req.set_rank(rare(16) ? p.ConsumeIntegral<uint32_t>() : p.ConsumeIntegralInRange<uint32_t>(0, 7));
   const int nregions = (p.ConsumeIntegralInRange<int>(0, 3) + 1) % 4;  // 0 regions is rare
   for (int i = 0; i < nregions; ++i) {
@@ -92,7 +93,8 @@ v1::RegisterRequest BuildRequest(FuzzedDataProvider& p, std::vector<uint64_t>* r
       uint64_t elems = 1;
       const int dims = p.ConsumeIntegralInRange<int>(0, 3);
       for (int d = 0; d < dims; ++d) {
-        const uint64_t n = rare(16) ? p.ConsumeIntegral<uint64_t>() : 1 + p.ConsumeIntegralInRange<uint64_t>(0, 63);
+        const uint64_t n = rare(16) ? p.ConsumeIntegral<uint64_t>()
+                                    : 1 + p.ConsumeIntegralInRange<uint64_t>(0, 63);
         ts->add_shape(n);
         elems *= n;
       }
@@ -107,7 +109,8 @@ v1::RegisterRequest BuildRequest(FuzzedDataProvider& p, std::vector<uint64_t>* r
         cursor += nbytes;
       }
       ts->set_role(static_cast<v1::TensorRole>(p.ConsumeIntegralInRange<int>(0, 6)));
-      ts->set_group(rare(4) ? p.ConsumeIntegral<uint32_t>() : p.ConsumeIntegralInRange<uint32_t>(0, 3));
+      ts->set_group(rare(4) ? p.ConsumeIntegral<uint32_t>()
+                            : p.ConsumeIntegralInRange<uint32_t>(0, 3));
       if (p.ConsumeBool()) ts->set_param("weight");
     }
   }
@@ -162,14 +165,16 @@ void CheckValidRequest(const v1::RegisterRequest& req, const std::vector<uint64_
   CKPT_FUZZ_CHECK(req.world_size() >= 1 && req.world_size() <= limits.max_world_size &&
                       req.rank() < req.world_size(),
                   "rank/world_size accepted out of range");
-  CKPT_FUZZ_CHECK(req.layers_size() >= 1 && static_cast<uint32_t>(req.layers_size()) <= limits.max_layers,
-                  "layer count");
+  CKPT_FUZZ_CHECK(
+      req.layers_size() >= 1 && static_cast<uint32_t>(req.layers_size()) <= limits.max_layers,
+      "layer count");
   std::set<std::string> layer_names;
   std::vector<std::tuple<uint32_t, uint64_t, uint64_t>> spans;
   for (int li = 0; li < req.layers_size(); ++li) {
     const v1::LayerSpec& layer = req.layers(li);
     CKPT_FUZZ_CHECK(layer.id() == static_cast<uint32_t>(li), "layer ids not dense");
-    CKPT_FUZZ_CHECK(!layer.name().empty() && layer_names.insert(layer.name()).second, "layer names");
+    CKPT_FUZZ_CHECK(!layer.name().empty() && layer_names.insert(layer.name()).second,
+                    "layer names");
     CKPT_FUZZ_CHECK(layer.tensors_size() >= 1 &&
                         static_cast<uint32_t>(layer.tensors_size()) <= limits.max_tensors_per_layer,
                     "tensor count");
@@ -179,14 +184,17 @@ void CheckValidRequest(const v1::RegisterRequest& req, const std::vector<uint64_
       const uint64_t esize = ElementBytes(static_cast<DType>(t.dtype()));
       CKPT_FUZZ_CHECK(esize > 0, "unknown dtype accepted");
       unsigned __int128 prod = esize;
-      for (uint64_t d : t.shape()) prod = std::min<unsigned __int128>(prod * d, ~uint64_t{0} + static_cast<unsigned __int128>(1));
-      CKPT_FUZZ_CHECK(t.nbytes() > 0 && prod == t.nbytes(), absl::StrCat("tensor '", t.name(), "' nbytes ",
-                                                                         t.nbytes(), " != prod(shape) * ", esize));
+      for (uint64_t d : t.shape())
+        prod =
+            std::min<unsigned __int128>(prod * d, ~uint64_t{0} + static_cast<unsigned __int128>(1));
+      CKPT_FUZZ_CHECK(
+          t.nbytes() > 0 && prod == t.nbytes(),
+          absl::StrCat("tensor '", t.name(), "' nbytes ", t.nbytes(), " != prod(shape) * ", esize));
       CKPT_FUZZ_CHECK(t.region() < regions.size(), "region index out of range");
       const unsigned __int128 end = static_cast<unsigned __int128>(t.offset()) + t.nbytes();
-      CKPT_FUZZ_CHECK(end <= regions[t.region()], absl::StrCat("tensor '", t.name(), "' [", t.offset(),
-                                                               ", +", t.nbytes(), ") outside region ",
-                                                               t.region(), " of ", regions[t.region()]));
+      CKPT_FUZZ_CHECK(end <= regions[t.region()],
+                      absl::StrCat("tensor '", t.name(), "' [", t.offset(), ", +", t.nbytes(),
+                                   ") outside region ", t.region(), " of ", regions[t.region()]));
       spans.emplace_back(t.region(), t.offset(), static_cast<uint64_t>(end));
     }
     store::LayerFileHeader h = EngineHeader(req, layer);
@@ -241,12 +249,15 @@ void CheckSelection(FuzzedDataProvider& p, const Registration& req) {
       CKPT_FUZZ_CHECK(d.size() == n, "one decision per layer");
       for (uint32_t l = 0; l < n; ++l) {
         if (before[l] == 0 || forced[l]) {
-          CKPT_FUZZ_CHECK(d[l].reason != PersistReason::kNone, "a never-persisted or forced layer was not persisted");
+          CKPT_FUZZ_CHECK(d[l].reason != PersistReason::kNone,
+                          "a never-persisted or forced layer was not persisted");
         }
-        if (d[l].reason != PersistReason::kNone) CKPT_FUZZ_CHECK(lc.last_persisted(l) == step, "t_l not updated");
+        if (d[l].reason != PersistReason::kNone)
+          CKPT_FUZZ_CHECK(lc.last_persisted(l) == step, "t_l not updated");
         if (sane_lr) CKPT_FUZZ_CHECK(!std::isnan(d[l].threshold), "NaN threshold");
         if (step - before[l] >= config.s_max && step > config.warmup) {
-          CKPT_FUZZ_CHECK(d[l].reason != PersistReason::kNone, "staleness guard S_max not honoured");
+          CKPT_FUZZ_CHECK(d[l].reason != PersistReason::kNone,
+                          "staleness guard S_max not honoured");
         }
       }
     }
@@ -262,7 +273,8 @@ void CheckSelection(FuzzedDataProvider& p, const Registration& req) {
     explicit_layers.push_back(p.ConsumeIntegralInRange<uint32_t>(0, n + 1));
   }
   const uint64_t step = p.ConsumeIntegral<uint64_t>();
-  absl::StatusOr<std::vector<uint32_t>> sel = SelectLayers(policy, step, n, explicit_layers, never, retry);
+  absl::StatusOr<std::vector<uint32_t>> sel =
+      SelectLayers(policy, step, n, explicit_layers, never, retry);
   if (!sel.ok()) {
     CKPT_FUZZ_CHECK(absl::IsInvalidArgument(sel.status()), sel.status().ToString());
     return;
@@ -274,11 +286,13 @@ void CheckSelection(FuzzedDataProvider& p, const Registration& req) {
   if (policy.kind != PolicyKind::kNone) {
     for (uint32_t l = 0; l < n; ++l) {
       if (never[l] || retry[l]) {
-        CKPT_FUZZ_CHECK(std::binary_search(sel->begin(), sel->end(), l), "a forced layer was not selected");
+        CKPT_FUZZ_CHECK(std::binary_search(sel->begin(), sel->end(), l),
+                        "a forced layer was not selected");
       }
     }
     for (uint32_t l : explicit_layers) {
-      CKPT_FUZZ_CHECK(std::binary_search(sel->begin(), sel->end(), l), "an explicit layer was not selected");
+      CKPT_FUZZ_CHECK(std::binary_search(sel->begin(), sel->end(), l),
+                      "an explicit layer was not selected");
     }
   }
 }
@@ -317,7 +331,7 @@ std::vector<std::string> Seeds() {
       ts->set_nbytes(128);
       ts->set_offset(offset);
       offset += 128;
-      ts->set_role(std::string(name) == "weight" ? v1::ROLE_PARAM
+      ts->set_role(std::string(name) == "weight"    ? v1::ROLE_PARAM
                    : std::string(name) == "exp_avg" ? v1::ROLE_EXP_AVG
                                                     : v1::ROLE_EXP_AVG_SQ);
       if (std::string(name) != "weight") ts->set_param("weight");
@@ -352,7 +366,8 @@ bool ParseRaw(const uint8_t* data, size_t size, v1::RegisterRequest* req,
   if (pos >= size) return false;
   const uint8_t limit = data[pos++];
   limits->max_layer_file_bytes = (limit & 1) ? 0 : 4096 * (1 + (limit >> 1) % 64);
-  return req->ParseFromArray(data + pos, static_cast<int>(size - pos));  // false: gRPC fails the call
+  return req->ParseFromArray(data + pos,
+                             static_cast<int>(size - pos));  // false: gRPC fails the call
 }
 
 void FuzzOne(const uint8_t* data, size_t size) {
@@ -370,7 +385,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
     }
     // The staging budget in bytes, so that CMP tracing can match it to a
     // layer's size exactly; 0 = unlimited.
-    limits.max_layer_file_bytes = p.ConsumeBool() ? p.ConsumeIntegralInRange<uint64_t>(4096, 1 << 24) : 0;
+    limits.max_layer_file_bytes =
+        p.ConsumeBool() ? p.ConsumeIntegralInRange<uint64_t>(4096, 1 << 24) : 0;
     req = BuildRequest(p, &regions);
   } else if (!ParseRaw(data, size, &req, &regions, &limits)) {
     return;
@@ -382,7 +398,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
     return;
   }
   absl::Status s = ValidateRegistration(*registration, regions, limits);
-  CKPT_FUZZ_CHECK(s.ok() || absl::IsInvalidArgument(s), "ValidateRegistration returned " + s.ToString());
+  CKPT_FUZZ_CHECK(s.ok() || absl::IsInvalidArgument(s),
+                  "ValidateRegistration returned " + s.ToString());
   if (!s.ok()) return;
   CheckValidRequest(req, regions, limits);
   const PolicyConfig& policy = registration->policy.selection;

@@ -4,12 +4,12 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
-#include <cstring>
-#include <memory>
-#include <string>
 #include <algorithm>
 #include <condition_variable>
+#include <cstring>
+#include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -99,9 +99,16 @@ class DaemonApiTest : public ::testing::Test {
 
 TEST_F(DaemonApiTest, InvalidJobIdsAreRejected) {
   StartDaemon();
-  const std::vector<std::string> bad = {"",       "..",          ".",
-                                       "a/b",    "../etc",      std::string(129, 'x'),
-                                       "sp ace", "j\xc3\xb6" "b", std::string("nul\0x", 5)};
+  const std::vector<std::string> bad = {"",
+                                        "..",
+                                        ".",
+                                        "a/b",
+                                        "../etc",
+                                        std::string(129, 'x'),
+                                        "sp ace",
+                                        "j\xc3\xb6"
+                                        "b",
+                                        std::string("nul\0x", 5)};
   for (const std::string& job : bad) {
     TestRank r = MakeRank(daemon_->socket(), job, 2, 256);
     absl::Status s = r.client->Register(r.spec);
@@ -280,8 +287,8 @@ TEST_F(DaemonApiTest, FullPoolSkipIsReportedThroughTheApi) {
 // (the writer is not held here, and the admission timeout is long, so no
 // layer may be skipped).
 TEST_F(DaemonApiTest, StepLargerThanThePoolIsWrittenWhole) {
-  StartDaemon({"--staging_pool_bytes=2097152", "--admission_timeout_ms=60000",
-               "--writer_threads=1"});
+  StartDaemon(
+      {"--staging_pool_bytes=2097152", "--admission_timeout_ms=60000", "--writer_threads=1"});
   TestRank r = MakeRank(daemon_->socket(), "big_step", 8, 128 << 10);  // 4 MiB a step, 2 MiB pool
   ASSERT_TRUE(r.client->Register(r.spec).ok());
   for (uint64_t step = 1; step <= 2; ++step) {
@@ -646,7 +653,8 @@ TEST_F(DaemonApiTest, LayerCheckContinuesAfterARestore) {
 
 TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
   StartDaemon();
-  auto channel = grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("unix:" + daemon_->socket(), grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
   {
     grpc::ClientContext ctx;
@@ -667,7 +675,8 @@ TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
     std::vector<grpc::Slice> slices;
     ASSERT_TRUE(response.Dump(&slices).ok());
     std::string bytes;
-    for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    for (const grpc::Slice& sl : slices)
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
     EXPECT_EQ(bytes, std::string("\x08\x01", 2));  // status: SERVING
   }
   {
@@ -693,7 +702,8 @@ TEST_F(DaemonApiTest, HealthAndReflectionAreServed) {
     std::vector<grpc::Slice> slices;
     ASSERT_TRUE(response.Dump(&slices).ok());
     std::string bytes;
-    for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    for (const grpc::Slice& sl : slices)
+      bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
     EXPECT_NE(bytes.find("ckpt.v1.Trainer"), std::string::npos);
     EXPECT_NE(bytes.find("ckpt.v1.Admin"), std::string::npos);
     rw->WritesDone(reinterpret_cast<void*>(4));

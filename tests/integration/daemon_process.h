@@ -38,11 +38,10 @@ class DaemonProcess {
   ~DaemonProcess() { Kill(); }
 
   bool Start() {
-    std::vector<std::string> args = {BuildDir() + "/daemon/ckptd", "--socket=" + socket_,
-                                     "--data_dir=" + root_ + "/data",
-                                     "--staging_pool_bytes=67108864",
-                                     "--staging_chunk_bytes=1048576",
-                                     "--metrics_address=127.0.0.1:0"};
+    std::vector<std::string> args = {
+        BuildDir() + "/daemon/ckptd",    "--socket=" + socket_,
+        "--data_dir=" + root_ + "/data", "--staging_pool_bytes=67108864",
+        "--staging_chunk_bytes=1048576", "--metrics_address=127.0.0.1:0"};
     args.insert(args.end(), flags_.begin(), flags_.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -54,7 +53,8 @@ class DaemonProcess {
     std::vector<char*> envp;
     for (auto& e : envs) envp.push_back(e.data());
     envp.push_back(nullptr);
-    if (::posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) return false;
+    if (::posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0)
+      return false;
     for (int i = 0; i < 600; ++i) {
       if (Connectable()) return true;
       int st;

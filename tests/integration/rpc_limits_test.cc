@@ -209,7 +209,8 @@ TEST_F(RpcLimitsTest, OversizedSmallRequestsAreRefusedNamingTheLimitWhileATraine
 }
 
 TEST_F(RpcLimitsTest, MemoryOfLargeRegistersIsReleasedAfterwards) {
-  if (testing::kSanitizerBuild) GTEST_SKIP() << "a sanitizer's allocator holds freed memory by design";
+  if (testing::kSanitizerBuild)
+    GTEST_SKIP() << "a sanitizer's allocator holds freed memory by design";
   StartDaemon();
   const pid_t pid = ServerPid(daemon_->socket());
   ASSERT_GT(pid, 0);

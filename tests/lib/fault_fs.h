@@ -48,8 +48,8 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>

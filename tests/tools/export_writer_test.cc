@@ -1,5 +1,7 @@
 // WriteSafetensors and WriteFileBeneath: what `ckptctl export` writes into a
 // directory it may not control, and the names it gives tensors.
+#include "tools/export_writer.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,7 +13,6 @@
 
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
-#include "tools/export_writer.h"
 
 namespace ckpt {
 namespace {
@@ -79,9 +80,9 @@ class ExportWriterTest : public ::testing::Test {
 // named "__metadata__" was replaced by the metadata; the file silently lost
 // or mislabelled tensors.
 TEST_F(ExportWriterTest, NamesThatWouldCollideAreRefused) {
-  absl::StatusOr<nlohmann::json> e = WriteSafetensors(
-      From(Stream({{"a", 0, "x", "1"}, {"b", 1, "x", "2"}, {"c", 2, "a/x", "3"}})), dir_,
-      "r.safetensors", nullptr);
+  absl::StatusOr<nlohmann::json> e =
+      WriteSafetensors(From(Stream({{"a", 0, "x", "1"}, {"b", 1, "x", "2"}, {"c", 2, "a/x", "3"}})),
+                       dir_, "r.safetensors", nullptr);
   CKPT_EXPECT_CODE(e, kInvalidArgument);
   e = WriteSafetensors(From(Stream({{"a", 0, "__metadata__", "1"}})), dir_, "r.safetensors",
                        nullptr);
@@ -105,13 +106,13 @@ TEST_F(ExportWriterTest, NamesThatWouldCollideAreRefused) {
 TEST_F(ExportWriterTest, PlantedSymbolicLinksAreReplacedNotFollowed) {
   const std::string victim = tmp_.Join("victim");
   { std::ofstream(victim) << "precious"; }
-  for (const char* link : {"r.safetensors.tmp", "r.safetensors", "manifest.json",
-                           "manifest.json.tmp"}) {
+  for (const char* link :
+       {"r.safetensors.tmp", "r.safetensors", "manifest.json", "manifest.json.tmp"}) {
     ASSERT_EQ(::symlinkat(victim.c_str(), dir_, link), 0) << link;
   }
-  CKPT_ASSERT_OK(WriteSafetensors(From(Stream({{"a", 0, "x", "abc"}})), dir_, "r.safetensors",
-                                  nullptr)
-                     .status());
+  CKPT_ASSERT_OK(
+      WriteSafetensors(From(Stream({{"a", 0, "x", "abc"}})), dir_, "r.safetensors", nullptr)
+          .status());
   CKPT_ASSERT_OK(WriteFileBeneath(dir_, "manifest.json", "{}\n"));
   EXPECT_EQ(Read(victim), "precious");
   for (const char* name : {"r.safetensors", "manifest.json"}) {

@@ -28,20 +28,26 @@ TEST(TerminalSafeTest, C0ControlsAndDelAreEscaped) {
 
 TEST(TerminalSafeTest, C1ControlsAreEscapedAsCodePoints) {
   EXPECT_EQ(TerminalSafe("\xc2\x80"), "\\u0080");
-  EXPECT_EQ(TerminalSafe("x\xc2\x9b" "31my"), "x\\u009b31my");  // CSI
-  EXPECT_EQ(TerminalSafe("\xc2\x9d" "0;title\xc2\x9c"), "\\u009d0;title\\u009c");  // OSC .. ST
+  EXPECT_EQ(TerminalSafe("x\xc2\x9b"
+                         "31my"),
+            "x\\u009b31my");  // CSI
+  EXPECT_EQ(TerminalSafe("\xc2\x9d"
+                         "0;title\xc2\x9c"),
+            "\\u009d0;title\\u009c");  // OSC .. ST
   EXPECT_EQ(TerminalSafe("\xc2\x9f"), "\\u009f");
 }
 
 TEST(TerminalSafeTest, InvalidUtf8IsEscapedBytewise) {
-  EXPECT_EQ(TerminalSafe("\x9b" "31m"), "\\x9b31m");          // a bare C1 byte
-  EXPECT_EQ(TerminalSafe("a\x80"), "a\\x80");                 // stray continuation
-  EXPECT_EQ(TerminalSafe("\xc3"), "\\xc3");                   // truncated at the end
-  EXPECT_EQ(TerminalSafe("\xe2\x82z"), "\\xe2\\x82z");        // truncated inside
-  EXPECT_EQ(TerminalSafe("\xc0\xaf"), "\\xc0\\xaf");          // overlong '/'
-  EXPECT_EQ(TerminalSafe("\xc1\x9b"), "\\xc1\\x9b");          // overlong ESC-ish
-  EXPECT_EQ(TerminalSafe("\xe0\x80\xaf"), "\\xe0\\x80\\xaf");  // overlong, 3 bytes
-  EXPECT_EQ(TerminalSafe("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(TerminalSafe("\x9b"
+                         "31m"),
+            "\\x9b31m");                                                // a bare C1 byte
+  EXPECT_EQ(TerminalSafe("a\x80"), "a\\x80");                           // stray continuation
+  EXPECT_EQ(TerminalSafe("\xc3"), "\\xc3");                             // truncated at the end
+  EXPECT_EQ(TerminalSafe("\xe2\x82z"), "\\xe2\\x82z");                  // truncated inside
+  EXPECT_EQ(TerminalSafe("\xc0\xaf"), "\\xc0\\xaf");                    // overlong '/'
+  EXPECT_EQ(TerminalSafe("\xc1\x9b"), "\\xc1\\x9b");                    // overlong ESC-ish
+  EXPECT_EQ(TerminalSafe("\xe0\x80\xaf"), "\\xe0\\x80\\xaf");           // overlong, 3 bytes
+  EXPECT_EQ(TerminalSafe("\xed\xa0\x80"), "\\xed\\xa0\\x80");           // a surrogate
   EXPECT_EQ(TerminalSafe("\xf4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80");  // > U+10FFFF
   EXPECT_EQ(TerminalSafe("\xff\xfe"), "\\xff\\xfe");
 }

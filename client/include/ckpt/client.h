@@ -47,7 +47,7 @@ enum class OnDaemonLoss {
 
 struct ClientOptions {
   std::string socket_path = "/run/ckptd/ckptd.sock";
-  std::string handover_socket_path;  // empty: socket_path + ".fds"
+  std::string handover_socket_path;                  // empty: socket_path + ".fds"
   absl::Duration call_timeout = absl::Seconds(10);   // unary calls
   absl::Duration wait_timeout = absl::Seconds(120);  // WaitSnapshot / WaitDurable
   absl::Duration restore_timeout = absl::Minutes(30);
@@ -163,7 +163,8 @@ class Client {
     std::vector<uint32_t> layers;
     std::vector<v1::GroupStep> group_steps;
     std::vector<LayerSums> client_drift;  // one per layer (Σ‖ΔW‖², Σ‖W‖²)
-    std::optional<uint64_t> global_durable_step;  // as the job's ranks last agreed; unset: not agreed
+    std::optional<uint64_t>
+        global_durable_step;  // as the job's ranks last agreed; unset: not agreed
   };
   absl::Status StepDone(const StepInfo& info);
 
@@ -171,8 +172,8 @@ class Client {
   // WaitSnapshot(t), hand the daemon the all-reduced per-layer drift so every
   // rank decides alike. `allreduce_sum` sums the vector in place over the
   // trainer's process group (2 doubles per layer).
-  absl::Status ExchangeDrift(uint64_t step,
-                             const std::function<absl::Status(std::vector<double>*)>& allreduce_sum);
+  absl::Status ExchangeDrift(
+      uint64_t step, const std::function<absl::Status(std::vector<double>*)>& allreduce_sum);
   // A lost daemon makes both fail (and unprotected() true with
   // on_daemon_loss = continue): a rank that cannot exchange still takes part
   // in the all-reduce (with zeros), so that the other ranks do not wait.

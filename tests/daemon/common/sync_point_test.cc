@@ -1,6 +1,8 @@
 // Tests of daemon/common/sync_point: dependencies order threads, callbacks
 // see their argument, nothing happens while processing is off, and every wait
 // ends (deadline or DisableProcessing).
+#include "daemon/common/sync_point.h"
+
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -9,7 +11,6 @@
 
 #include "absl/time/clock.h"
 #include "daemon/common/kill_point.h"
-#include "daemon/common/sync_point.h"
 #include "gtest/gtest.h"
 
 namespace ckpt {
@@ -84,8 +85,7 @@ TEST_F(SyncPointTest, PointWithTwoPredecessorsWaitsForBoth) {
 TEST_F(SyncPointTest, ChainOrdersThreeThreadsAndTheirCallbacks) {
   sp_->LoadDependency({{"Test:1", "Test:2"}, {"Test:2", "Test:3"}});
   for (int i = 1; i <= 3; ++i) {
-    sp_->SetCallBack("Test:" + std::to_string(i),
-                     [this, i](void*) { Record(std::to_string(i)); });
+    sp_->SetCallBack("Test:" + std::to_string(i), [this, i](void*) { Record(std::to_string(i)); });
   }
   std::vector<std::thread> threads;
   for (int i = 3; i >= 1; --i) {

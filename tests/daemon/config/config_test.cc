@@ -1,8 +1,9 @@
 // Tests of daemon/config: parsing, dumping and validation of DaemonConfig.
+#include "daemon/config/config.h"
+
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/config/config.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -58,11 +59,11 @@ TEST(ConfigTest, EveryOptionRoundTrips) {
 
 TEST(ConfigTest, DumpDocumentsEveryOption) {
   const std::string text = DumpConfig(DaemonConfig());
-  for (const char* key : {"socket", "handover_socket", "data_dir", "staging_pool_bytes",
-                          "staging_chunk_bytes", "lock_staging_memory", "writer_threads",
-                          "snapshot_threads", "io_backend", "io_queue_depth", "direct_io",
-                          "admission_timeout_ms", "drain_timeout_ms", "shutdown_grace_ms",
-                          "max_message_bytes", "max_aux_bytes", "handover_token_ttl_s"}) {
+  for (const char* key :
+       {"socket", "handover_socket", "data_dir", "staging_pool_bytes", "staging_chunk_bytes",
+        "lock_staging_memory", "writer_threads", "snapshot_threads", "io_backend", "io_queue_depth",
+        "direct_io", "admission_timeout_ms", "drain_timeout_ms", "shutdown_grace_ms",
+        "max_message_bytes", "max_aux_bytes", "handover_token_ttl_s"}) {
     EXPECT_TRUE(Contains(text, std::string("\n") + key + " = ")) << key;
     EXPECT_TRUE(Contains(ConfigHelp(), std::string("--") + key + "=")) << key;
   }
@@ -70,13 +71,13 @@ TEST(ConfigTest, DumpDocumentsEveryOption) {
 
 TEST(ConfigTest, CommentsWhitespaceAndBlankLines) {
   DaemonConfig c;
-  CKPT_ASSERT_OK(ParseConfigText(
-      "# a comment\n"
-      "\n"
-      "   writer_threads   =   9   # trailing comment\n"
-      "\tdirect_io=no\r\n"
-      "data_dir = /srv/ckpt\n",
-      &c));
+  CKPT_ASSERT_OK(
+      ParseConfigText("# a comment\n"
+                      "\n"
+                      "   writer_threads   =   9   # trailing comment\n"
+                      "\tdirect_io=no\r\n"
+                      "data_dir = /srv/ckpt\n",
+                      &c));
   EXPECT_EQ(c.engine.writer_threads, 9u);
   EXPECT_FALSE(c.direct_io);
   EXPECT_EQ(c.data_dir, "/srv/ckpt");
@@ -175,8 +176,8 @@ TEST(ConfigTest, DefaultsAreTheSubsystemsDefaults) {
   EXPECT_EQ(c.rpc.max_calls_per_uid, RpcServerOptions().max_calls_per_uid);
   const std::string text = DumpConfig(c);
   EXPECT_TRUE(Contains(text, absl::StrCat("\nwriter_threads = ", engine.writer_threads, "\n")));
-  EXPECT_TRUE(Contains(text, absl::StrCat("\ngc_interval_s = ",
-                                          absl::ToInt64Seconds(engine.gc_interval), "\n")));
+  EXPECT_TRUE(Contains(
+      text, absl::StrCat("\ngc_interval_s = ", absl::ToInt64Seconds(engine.gc_interval), "\n")));
 }
 
 // Regression: the metrics endpoint, which names every user's jobs, listened

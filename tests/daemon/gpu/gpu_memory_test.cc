@@ -190,7 +190,8 @@ TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
   char* a = ipc.Allocate(1, 4096);
   ipc.Allocate(2, 8192 + 512);  // the driver may round an allocation up
   {
-    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc));
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
+                              GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc));
     EXPECT_EQ(m->region_count(), 2u);
     EXPECT_EQ(m->region_size(1), 8192u);  // the declared size bounds every copy
     EXPECT_EQ(m->base(0), a);
@@ -338,8 +339,7 @@ class GpuEngineTest : public ::testing::Test {
   void Step(uint64_t gen, uint64_t step, const Caller& c) {
     CKPT_ASSERT_OK(engine_->StepDone(Report(gen, step), c));
     CKPT_ASSERT_OK(
-        engine_->WaitSnapshot(Ref(gen), step, c, absl::Now() + absl::Seconds(10))
-            .status());
+        engine_->WaitSnapshot(Ref(gen), step, c, absl::Now() + absl::Seconds(10)).status());
   }
 
   TempDir tmp_;
@@ -353,8 +353,7 @@ class GpuEngineTest : public ::testing::Test {
 };
 
 TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
-  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
-                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg, engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);  // three layers, two allocations
   for (uint64_t step = 1; step <= 3; ++step) {
     Fill(step);
@@ -363,18 +362,16 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
     Fill(step + 100);
   }
   EXPECT_EQ(ipc_.event_waits(), 3);
-  CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation), 3, owner_,
-                                   absl::Now() + absl::Seconds(10))
-                     .status());
+  CKPT_ASSERT_OK(
+      engine_->WaitDurable(Ref(reg.generation), 3, owner_, absl::Now() + absl::Seconds(10))
+          .status());
   // A new process of the same trainer: re-register (the old mappings close),
   // restore into the GPU buffers.
   CKPT_ASSERT_OK_AND_ASSIGN(Registered again,
                             engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   EXPECT_EQ(ipc_.open_mappings(), 2);
   Fill(0);
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
-                            engine_->Restore(Ref(again.generation), 0, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(again.generation), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 3u);
   EXPECT_EQ(restored.bytes, kLayers * kFloats * 4);
   EXPECT_TRUE(Holds(3)) << "restore must write exactly step 3, never the mutation after its fence";
@@ -386,31 +383,27 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
 }
 
 TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
-  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg,
-                            engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg, engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   Fill(1);
   ipc_.fail_copies = true;
   CKPT_ASSERT_OK(engine_->StepDone(Report(reg.generation, 1), owner_));
-  CKPT_ASSERT_OK_AND_ASSIGN(SnapshotTaken snap,
-                            engine_->WaitSnapshot(Ref(reg.generation), 1, owner_,
-                                                  absl::Now() + absl::Seconds(10)));
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      SnapshotTaken snap,
+      engine_->WaitSnapshot(Ref(reg.generation), 1, owner_, absl::Now() + absl::Seconds(10)));
   EXPECT_EQ(snap.layers.size(), 0u);  // no partial step
   EXPECT_EQ(snap.skipped, kLayers);
-  CKPT_EXPECT_CODE(engine_
-                       ->WaitDurable(Ref(reg.generation), 1, owner_,
-                                     absl::Now() + absl::Seconds(10))
-                       .status(),
-                   kAborted);
+  CKPT_EXPECT_CODE(
+      engine_->WaitDurable(Ref(reg.generation), 1, owner_, absl::Now() + absl::Seconds(10))
+          .status(),
+      kAborted);
   ipc_.fail_copies = false;
   Fill(2);
   Step(reg.generation, 2, owner_);  // every layer is retried
-  CKPT_ASSERT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation), 2, owner_,
-                                   absl::Now() + absl::Seconds(10))
-                     .status());
+  CKPT_ASSERT_OK(
+      engine_->WaitDurable(Ref(reg.generation), 2, owner_, absl::Now() + absl::Seconds(10))
+          .status());
   Fill(0);
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
-                            engine_->Restore(Ref(reg.generation), 0, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(reg.generation), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 2u);
   EXPECT_TRUE(Holds(2));
 }
@@ -481,10 +474,9 @@ TEST_F(GpuEngineTest, TrainerExitClosesItsMappings) {
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("trainer process exited"), std::string::npos) << s;
   // What was acknowledged before the exit stays restorable.
-  CKPT_EXPECT_OK(engine_
-                     ->WaitDurable(Ref(reg.generation), 1, trainer,
-                                   absl::Now() + absl::Seconds(10))
-                     .status());
+  CKPT_EXPECT_OK(
+      engine_->WaitDurable(Ref(reg.generation), 1, trainer, absl::Now() + absl::Seconds(10))
+          .status());
 }
 
 TEST_F(GpuEngineTest, ShutdownClosesEveryMapping) {

@@ -233,8 +233,8 @@ TEST(MetricsTest, LayerSeriesAreCappedAndCounted) {
   const std::string text = m.Scrape();
   EXPECT_EQ(Samples(text, "ckpt_layer_staleness_steps").size(), 4u);
   EXPECT_EQ(Samples(text, "ckpt_layer_accumulated_drift").size(), 4u);
-  EXPECT_TRUE(
-      absl::StrContains(text, "ckpt_layer_staleness_steps{ckpt_job=\"job\",layer=\"3\",rank=\"0\"} 7\n"))
+  EXPECT_TRUE(absl::StrContains(
+      text, "ckpt_layer_staleness_steps{ckpt_job=\"job\",layer=\"3\",rank=\"0\"} 7\n"))
       << text;
   EXPECT_TRUE(absl::StrContains(
       text, "ckpt_layer_accumulated_drift{ckpt_job=\"job\",layer=\"3\",rank=\"0\"} 1.5\n"));

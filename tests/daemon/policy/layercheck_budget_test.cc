@@ -77,9 +77,9 @@ DriftTrace FromFile(const std::string& name) {
 }
 
 struct Outcome {
-  uint64_t bytes = 0;           // selected over the trace
-  uint64_t forced_bytes = 0;    // selected by another reason than drift
-  uint64_t max_staleness = 0;   // after the base checkpoint
+  uint64_t bytes = 0;          // selected over the trace
+  uint64_t forced_bytes = 0;   // selected by another reason than drift
+  uint64_t max_staleness = 0;  // after the base checkpoint
   double mean_multiplier = 0;
   std::vector<std::vector<uint64_t>> persist_steps;  // per layer
   std::vector<double> multipliers;
@@ -346,14 +346,14 @@ TEST(LayerCheckBudget, ValidationNamesWhatIsWrong) {
 // the staleness guard's floor and twice the unbudgeted rate is met within
 // 10 % on each of them.
 TEST(LayerCheckBudget, FidelityTracesMeetTheirBudgets) {
-  for (const char* name : {"lc_1e-4_ff.drift.jsonl", "lc_1e-3_ff.drift.jsonl",
-                           "lc_1e-2_ff.drift.jsonl"}) {
+  for (const char* name :
+       {"lc_1e-4_ff.drift.jsonl", "lc_1e-3_ff.drift.jsonl", "lc_1e-2_ff.drift.jsonl"}) {
     const DriftTrace t = FromFile(name);
     ASSERT_GE(t.steps.size(), 100u) << name;
     uint64_t total = 0;
     for (uint64_t b : t.bytes) total += b;
     LayerCheckConfig c;
-    c.s_max = 50;  // the experiment's
+    c.s_max = 50;                                      // the experiment's
     for (double frac : {0.04, 0.06, 0.1, 0.2, 0.4}) {  // of a full checkpoint per step
       c.budget.bytes_per_step = frac * static_cast<double>(total);
       const Outcome o = Replay(c, t);

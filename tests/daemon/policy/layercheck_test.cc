@@ -10,7 +10,7 @@ namespace ckpt {
 namespace {
 
 struct Trace {
-  std::vector<double> lr;                        // per step (index = step - 1)
+  std::vector<double> lr;  // per step (index = step - 1)
   std::vector<std::vector<drift::LayerSums>> sums;
 };
 
@@ -138,8 +138,10 @@ TEST(LayerCheck, WarmupPersistsEverythingOnScheduleAndTakesABase) {
     std::vector<LayerDecision> d = p.Decide(s, 1e-3, zero, {});
     int n = 0;
     for (const LayerDecision& x : d) n += x.reason != PersistReason::kNone;
-    if (n == 3) full_steps.push_back(s);
-    else EXPECT_EQ(n, 0) << "step " << s;
+    if (n == 3)
+      full_steps.push_back(s);
+    else
+      EXPECT_EQ(n, 0) << "step " << s;
   }
   EXPECT_EQ(full_steps, (std::vector<uint64_t>{1, 4, 8, 10}));  // zero drift: nothing after
 }

@@ -59,7 +59,8 @@ TEST(RemoteLayout, ManifestRoundTripsAndDamageIsDetected) {
     EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bad, key).status())) << "byte " << i;
   }
   for (size_t n = 0; n < bytes.size(); ++n) {
-    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bytes.substr(0, n), key).status())) << "length " << n;
+    EXPECT_TRUE(absl::IsDataLoss(DecodeManifest(bytes.substr(0, n), key).status()))
+        << "length " << n;
   }
 }
 
@@ -75,7 +76,8 @@ TEST(RemoteLayout, OnlyWhatTheClusterKeySignedIsAccepted) {
   const std::string forged = EncodeManifest(m, other);
   absl::StatusOr<store::RemoteManifest> got = DecodeManifest(forged, key);
   EXPECT_TRUE(absl::IsDataLoss(got.status())) << got.status();
-  EXPECT_NE(got.status().message().find("remote_key_file"), absl::string_view::npos) << got.status();
+  EXPECT_NE(got.status().message().find("remote_key_file"), absl::string_view::npos)
+      << got.status();
   // An owner record carries the same body bytes a manifest could: the
   // purposes keep them apart.
   store::RemoteJob job;
@@ -105,7 +107,8 @@ TEST(RemoteKey, FromFileRefusesWhatIsNotASecretFile) {
   ASSERT_EQ(chmod(good.c_str(), 0600), 0);
   absl::StatusOr<RemoteKey> key = RemoteKey::FromFile(good);
   ASSERT_TRUE(key.ok()) << key.status();
-  EXPECT_EQ(key->Mac("object", "x"), RemoteKey::FromSecret(std::string(44, 'a'))->Mac("object", "x"));
+  EXPECT_EQ(key->Mac("object", "x"),
+            RemoteKey::FromSecret(std::string(44, 'a'))->Mac("object", "x"));
   ASSERT_EQ(chmod(good.c_str(), 0640), 0);
   EXPECT_TRUE(absl::IsFailedPrecondition(RemoteKey::FromFile(good).status()));
   ASSERT_EQ(chmod(good.c_str(), 0600), 0);

@@ -1,9 +1,6 @@
 // Tests of daemon/rpc: call admission (RpcServerOptions limits), the
 // release of memory after large requests, and the accept loop (connection
 // caps, back-off when out of descriptors).
-#include "daemon/rpc/server.h"
-#include "base/handover_wire.h"
-
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -20,8 +17,10 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "base/handover_wire.h"
 #include "base/unique_fd.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/rpc/server.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -111,7 +110,8 @@ class AcceptLoopTest : public ::testing::Test {
 // Defined first: it forks, and the gRPC server it runs lives only in the
 // child.
 TEST_F(AcceptLoopTest, BacksOffWhenOutOfDescriptors) {
-  if (testing::kSanitizerBuild) GTEST_SKIP() << "the sanitizer must be able to open its report file";
+  if (testing::kSanitizerBuild)
+    GTEST_SKIP() << "the sanitizer must be able to open its report file";
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -152,7 +152,8 @@ TEST_F(AcceptLoopTest, BacksOffWhenOutOfDescriptors) {
     exhausted.Release();
     struct timeval tv = {static_cast<time_t>(absl::ToInt64Seconds(kWait)), 0};
     ::setsockopt(client.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    if (Exchange(client.get()) <= 0) fail(18, "the waiting client was not served after the back-off");
+    if (Exchange(client.get()) <= 0)
+      fail(18, "the waiting client was not served after the back-off");
     std::fprintf(stderr, "child: %zu pauses, %llu accept errors, served after\n", pauses.size(),
                  static_cast<unsigned long long>(errors));
     server.Shutdown(absl::ZeroDuration());
@@ -225,7 +226,6 @@ TEST_F(AcceptLoopTest, NodeWideCapClosesTheNextConnection) {
   EXPECT_GT(Exchange(a.get()), 0);  // the first two are served
   EXPECT_EQ(server_->connection_stats().refused, 1u);
 }
-
 
 TEST(CallLimitsTest, PerUidCapLeavesOtherUsersAlone) {
   RpcServer server(Limits(3, 2), nullptr, nullptr);

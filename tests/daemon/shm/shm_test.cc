@@ -22,12 +22,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "base/unique_fd.h"
-#include "daemon/shm/handover.h"
-#include "daemon/shm/rank_memory.h"
 #include "base/handover_wire.h"
 #include "base/region.h"
+#include "base/unique_fd.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/shm/handover.h"
+#include "daemon/shm/rank_memory.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -345,8 +345,7 @@ class HandoverServerTest : public ::testing::Test {
     EXPECT_TRUE(::ckpt::testing::IsOk(SendWithFds(sock.get(), &header, sizeof(header), fds)));
     HandoverReply reply;
     std::memset(&reply, 0, sizeof(reply));
-    EXPECT_TRUE(
-        ::ckpt::testing::IsOk(RecvWithFds(sock.get(), &reply, sizeof(reply), nullptr, 0)));
+    EXPECT_TRUE(::ckpt::testing::IsOk(RecvWithFds(sock.get(), &reply, sizeof(reply), nullptr, 0)));
     return reply;
   }
 
@@ -431,10 +430,9 @@ TEST_F(HandoverServerTest, HeaderCountMismatchIsInvalidArgument) {
   const size_t before = CountOpenFds();
   HandoverReply reply = RawHandover(HandoverHeader{kHandoverMagic, 3}, Fds(regions));
   EXPECT_EQ(reply.magic, kHandoverMagic);
-  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument))
-      << reply.message;
+  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument)) << reply.message;
   EXPECT_EQ(server_->pending(), 0u);
-  server_->Stop();  // joins the server thread: the connection is finished
+  server_->Stop();                       // joins the server thread: the connection is finished
   EXPECT_EQ(CountOpenFds(), before - 2)  // the listening socket and the loop's eventfd
       << "the server kept a refused descriptor";
 }
@@ -443,11 +441,9 @@ TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
   StartServer();
   std::vector<MemfdRegion> regions = MakeRegions(1);
   HandoverReply reply = RawHandover(HandoverHeader{0xdeadbeef, 1}, Fds(regions));
-  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument))
-      << reply.message;
+  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument)) << reply.message;
   reply = RawHandover(HandoverHeader{kHandoverMagic, 0}, {});
-  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument))
-      << reply.message;
+  EXPECT_EQ(reply.code, static_cast<uint32_t>(absl::StatusCode::kInvalidArgument)) << reply.message;
   EXPECT_EQ(server_->pending(), 0u);
 }
 
@@ -488,7 +484,6 @@ TEST_F(HandoverServerTest, StopClosesUnclaimedDescriptors) {
   EXPECT_EQ(server_->pending(), 0u);
   CKPT_EXPECT_CODE(HandOver(regions), kUnavailable);
 }
-
 
 // ---- HandoverServer: one user cannot exhaust the socket or ckptd's fds ----
 
@@ -783,7 +778,7 @@ TEST_F(HandoverLimitsTest, NodeDescriptorCapRefusesBeyondIt) {
   CKPT_EXPECT_CODE(refused, kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "handover_max_fds"))
       << refused.status();
-  CKPT_EXPECT_OK(HandOver(MakeRegions(1)));  // exactly at the cap
+  CKPT_EXPECT_OK(HandOver(MakeRegions(1)));           // exactly at the cap
   CKPT_EXPECT_OK(server_->Claim(token, ::getuid()));  // claimed and released at once
   CKPT_EXPECT_OK(HandOver(two));
 }
@@ -792,7 +787,8 @@ TEST_F(HandoverLimitsTest, NodeDescriptorCapRefusesBeyondIt) {
 // on the readable listening socket, and serves the waiting client once
 // descriptors are free again. Runs in a child whose RLIMIT_NOFILE is lowered.
 TEST_F(HandoverLimitsTest, AcceptBacksOffWhenOutOfDescriptors) {
-  if (testing::kSanitizerBuild) GTEST_SKIP() << "the sanitizer must be able to open its report file";
+  if (testing::kSanitizerBuild)
+    GTEST_SKIP() << "the sanitizer must be able to open its report file";
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {

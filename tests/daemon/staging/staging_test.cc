@@ -160,8 +160,7 @@ TEST(StagingPoolTest, LargerThanPoolIsResourceExhaustedAtOnce) {
   ASSERT_NE(pool, nullptr);
   // With a far deadline a wait would end in DEADLINE_EXCEEDED much later; the
   // contract is RESOURCE_EXHAUSTED without waiting.
-  CKPT_EXPECT_CODE(pool->Acquire(kChunks * kChunk + 1, absl::InfiniteFuture()),
-                   kResourceExhausted);
+  CKPT_EXPECT_CODE(pool->Acquire(kChunks * kChunk + 1, absl::InfiniteFuture()), kResourceExhausted);
   CKPT_EXPECT_CODE(pool->Acquire(~uint64_t{0} - kChunk, absl::InfiniteFuture()),
                    kResourceExhausted);
   EXPECT_EQ(pool->bytes_in_use(), 0u);
@@ -196,9 +195,8 @@ TEST(StagingPoolTest, ReleaseFromAnotherThreadUnblocksWaiter) {
   const bool blocked =
       ::ckpt::testing::WaitUntilThreadSleeps(waiter_tid, absl::Now() + absl::Seconds(20));
   EXPECT_TRUE(blocked) << "the waiter never blocked in Acquire";
-  std::thread releaser([lease = std::move(all)]() mutable {
-    StagingLease gone = std::move(lease);
-  });
+  std::thread releaser(
+      [lease = std::move(all)]() mutable { StagingLease gone = std::move(lease); });
   releaser.join();
   waiter.join();
   CKPT_EXPECT_OK(waiter_status);

@@ -214,8 +214,8 @@ class FaultTest : public ::testing::TestWithParam<IoBackendKind> {
     if (static_cast<size_t>(h.tensors_size()) != want.size()) return ReadOutcome::kWrongBytes;
     for (int i = 0; i < h.tensors_size(); ++i) {
       const store::TensorEntry& t = h.tensors(i);
-      if (HashImage(LeaseImage(got->lease), got->decoded.layout.header_bytes + t.offset(), t.nbytes()) !=
-          want[static_cast<size_t>(i)]) {
+      if (HashImage(LeaseImage(got->lease), got->decoded.layout.header_bytes + t.offset(),
+                    t.nbytes()) != want[static_cast<size_t>(i)]) {
         return ReadOutcome::kWrongBytes;
       }
     }

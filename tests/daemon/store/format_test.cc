@@ -1,13 +1,14 @@
 // Tests of daemon/store/format: layout planning, header encoding and checks.
+#include "daemon/store/format.h"
+
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <xxhash.h>
-
-#include "daemon/store/format.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/store/store_test_util.h"
 #include "tests/lib/test_util.h"
@@ -130,7 +131,8 @@ class FormatTest : public ::testing::Test {
 
 TEST_F(FormatTest, EncodeDecodeRoundTrip) {
   const StagedVersion& v = s_.version;
-  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
+  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d,
+                            DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
   EXPECT_EQ(d.header.SerializeAsString(), v.header.SerializeAsString());
   EXPECT_EQ(d.layout.header_bytes, v.layout.header_bytes);
   EXPECT_EQ(d.layout.payload_bytes, v.layout.payload_bytes);
@@ -237,13 +239,15 @@ TEST_F(FormatTest, PayloadSizeThatWrapsWhenRoundedUpIsDataLoss) {
     const uint64_t prefix_hash = HashBytes(prefix.data(), 40);
     std::memcpy(prefix.data() + 40, &prefix_hash, 8);
     v.lease.CopyIn(0, prefix.data(), kPrefixBytes);
-    CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.layout.header_bytes), kDataLoss) << payload;
+    CKPT_EXPECT_CODE(DecodeHeader(LeaseImage(v.lease), v.layout.header_bytes), kDataLoss)
+        << payload;
   }
 }
 
 TEST_F(FormatTest, VerifyPayloadNamesTheCorruptTensor) {
   const StagedVersion& v = s_.version;
-  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d, DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
+  CKPT_ASSERT_OK_AND_ASSIGN(DecodedHeader d,
+                            DecodeHeader(LeaseImage(v.lease), v.layout.file_bytes));
   std::mt19937_64 rng(77);
   for (int i = 0; i < d.header.tensors_size(); ++i) {
     const store::TensorEntry& t = d.header.tensors(i);

@@ -12,11 +12,10 @@
 //
 // Run: hash_bench --benchmark_min_time=0.5
 #include <benchmark/benchmark.h>
+#include <xxhash.h>
 
 #include <cstdint>
 #include <vector>
-
-#include <xxhash.h>
 
 #include "daemon/store/format.h"
 

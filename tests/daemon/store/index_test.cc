@@ -1,4 +1,6 @@
 // Tests of daemon/store/index against a real RocksDB in a temp directory.
+#include "daemon/store/index.h"
+
 #include <rocksdb/db.h>
 
 #include <algorithm>
@@ -11,7 +13,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/store/index.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -112,7 +113,7 @@ TEST_F(IndexTest, AtOrBeforeQueriesMatchAModel) {
   // model[(job, rank, layer)] = steps
   std::map<std::tuple<std::string, uint32_t, uint32_t>, std::vector<uint64_t>> versions;
   std::map<std::pair<std::string, uint32_t>, std::vector<uint64_t>> events;
-  const std::vector<uint64_t> special = {0, 1, 255, 256, 0xFFFFFFFFull, ~uint64_t{0} - 1,
+  const std::vector<uint64_t> special = {0,           1, 255, 256, 0xFFFFFFFFull, ~uint64_t{0} - 1,
                                          ~uint64_t{0}};
   for (int i = 0; i < 300; ++i) {
     VersionKey k{jobs[rng() % jobs.size()], static_cast<uint32_t>(rng() % 3),
@@ -182,13 +183,13 @@ TEST_F(IndexTest, VersionsOfSimilarJobIdsStaySeparate) {
   EXPECT_EQ(v->first, 3u);
   EXPECT_EQ(v->second.file(), "a.b");
   int seen = 0;
-  CKPT_ASSERT_OK(index_->ForEachVersion("a", 0, -1, [&](const VersionKey& k,
-                                                         const store::VersionRecord& r) {
-    EXPECT_EQ(k.job, "a");
-    EXPECT_EQ(r.file(), "a");
-    ++seen;
-    return true;
-  }));
+  CKPT_ASSERT_OK(
+      index_->ForEachVersion("a", 0, -1, [&](const VersionKey& k, const store::VersionRecord& r) {
+        EXPECT_EQ(k.job, "a");
+        EXPECT_EQ(r.file(), "a");
+        ++seen;
+        return true;
+      }));
   EXPECT_EQ(seen, 1);
 }
 
@@ -197,20 +198,20 @@ TEST_F(IndexTest, ForEachVersionOrderFilterAndEarlyStop) {
   for (uint32_t layer : {2u, 0u, 1u}) {
     for (uint64_t step : {30u, 5u, 300u, 17u}) keys.push_back({"job", 1, layer, step});
   }
-  keys.push_back({"job", 0, 0, 1});    // another rank
-  keys.push_back({"job", 2, 0, 1});    // another rank
-  keys.push_back({"job2", 1, 0, 1});   // another job
+  keys.push_back({"job", 0, 0, 1});   // another rank
+  keys.push_back({"job", 2, 0, 1});   // another rank
+  keys.push_back({"job2", 1, 0, 1});  // another job
   for (const VersionKey& k : keys) CKPT_ASSERT_OK(index_->PutVersion(k, Rec(FileFor(k))));
 
   std::vector<std::pair<uint32_t, uint64_t>> all;
-  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, -1, [&](const VersionKey& k,
-                                                           const store::VersionRecord& r) {
-    EXPECT_EQ(k.job, "job");
-    EXPECT_EQ(k.rank, 1u);
-    EXPECT_EQ(r.file(), FileFor(k));
-    all.emplace_back(k.layer, k.step);
-    return true;
-  }));
+  CKPT_ASSERT_OK(
+      index_->ForEachVersion("job", 1, -1, [&](const VersionKey& k, const store::VersionRecord& r) {
+        EXPECT_EQ(k.job, "job");
+        EXPECT_EQ(k.rank, 1u);
+        EXPECT_EQ(r.file(), FileFor(k));
+        all.emplace_back(k.layer, k.step);
+        return true;
+      }));
   std::vector<std::pair<uint32_t, uint64_t>> want;
   for (uint32_t layer = 0; layer < 3; ++layer) {
     for (uint64_t step : {5u, 17u, 30u, 300u}) want.emplace_back(layer, step);
@@ -218,19 +219,17 @@ TEST_F(IndexTest, ForEachVersionOrderFilterAndEarlyStop) {
   EXPECT_EQ(all, want);
 
   std::vector<uint64_t> steps;
-  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, 1, [&](const VersionKey& k,
-                                                          const store::VersionRecord&) {
-    EXPECT_EQ(k.layer, 1u);
-    steps.push_back(k.step);
-    return true;
-  }));
+  CKPT_ASSERT_OK(
+      index_->ForEachVersion("job", 1, 1, [&](const VersionKey& k, const store::VersionRecord&) {
+        EXPECT_EQ(k.layer, 1u);
+        steps.push_back(k.step);
+        return true;
+      }));
   EXPECT_EQ(steps, (std::vector<uint64_t>{5, 17, 30, 300}));
 
   int calls = 0;
-  CKPT_ASSERT_OK(index_->ForEachVersion("job", 1, -1, [&](const VersionKey&,
-                                                           const store::VersionRecord&) {
-    return ++calls < 2;
-  }));
+  CKPT_ASSERT_OK(index_->ForEachVersion(
+      "job", 1, -1, [&](const VersionKey&, const store::VersionRecord&) { return ++calls < 2; }));
   EXPECT_EQ(calls, 2);
 
   CKPT_ASSERT_OK(index_->DeleteVersion({"job", 1, 1, 17}));
@@ -253,13 +252,13 @@ TEST_F(IndexTest, EventsBatchOrderAndDelete) {
   CKPT_ASSERT_OK(index_->PutEvent("job2", 2, 25, store::EventRecord()));
 
   std::vector<uint64_t> oldest_first, newest_first;
-  CKPT_ASSERT_OK(index_->ForEachEvent("job", 2, false, [&](uint64_t s,
-                                                            const store::EventRecord& e) {
-    EXPECT_EQ(e.bytes(), s * 100);
-    EXPECT_DOUBLE_EQ(e.lr(), 0.5);
-    oldest_first.push_back(s);
-    return true;
-  }));
+  CKPT_ASSERT_OK(
+      index_->ForEachEvent("job", 2, false, [&](uint64_t s, const store::EventRecord& e) {
+        EXPECT_EQ(e.bytes(), s * 100);
+        EXPECT_DOUBLE_EQ(e.lr(), 0.5);
+        oldest_first.push_back(s);
+        return true;
+      }));
   CKPT_ASSERT_OK(index_->ForEachEvent("job", 2, true, [&](uint64_t s, const store::EventRecord&) {
     newest_first.push_back(s);
     return true;
@@ -337,7 +336,8 @@ TEST(IndexSchemaTest, NewerSchemaIsRefusedAndAnUnversionedIndexIsStamped) {
   }
   absl::StatusOr<std::unique_ptr<Index>> newer = Index::Open(path);
   CKPT_EXPECT_CODE(newer, kFailedPrecondition);
-  EXPECT_NE(newer.status().message().find("newer ckptd"), absl::string_view::npos) << newer.status();
+  EXPECT_NE(newer.status().message().find("newer ckptd"), absl::string_view::npos)
+      << newer.status();
 
   const std::string fresh = tmp.Join("fresh");
   {
@@ -441,8 +441,8 @@ TEST_F(IndexTest, PutVersionsCountsAGroupAsItsRecords) {
   EXPECT_EQ(got->second.file_bytes(), 35u);
   ASSERT_NO_FATAL_FAILURE(Reopen());
   check("after reopen");
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      index_->PutVersions({{"job", 3, 0, 1}, {"job", 3, 1, 1}}, {rec(1)})));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(index_->PutVersions({{"job", 3, 0, 1}, {"job", 3, 1, 1}}, {rec(1)})));
   EXPECT_EQ(index_->VersionsOf("job", 3).total.versions, 0u);
   CKPT_ASSERT_OK_AND_ASSIGN(auto none, index_->VersionAtOrBefore("job", 3, 0, 1));
   EXPECT_FALSE(none.has_value());
@@ -483,7 +483,8 @@ TEST_F(IndexTest, ForEachVersionAfterReadsLayersPlusWhatItFinds) {
         ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), k, rec).ok());
       }
     }
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000002/00000000/0000000000000009", rec).ok());
+    ASSERT_TRUE(
+        db->Put(rocksdb::WriteOptions(), "v/job/00000002/00000000/0000000000000009", rec).ok());
     ASSERT_TRUE(db->Close().ok());
   }
   ASSERT_NO_FATAL_FAILURE(Reopen());
@@ -504,27 +505,29 @@ TEST_F(IndexTest, ForEachVersionAfterReadsLayersPlusWhatItFinds) {
   EXPECT_EQ(found, want);
   // Nothing after the newest step; everything after 0; an early stop.
   found.clear();
-  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, 2000, [&](const VersionKey& k, const store::VersionRecord&) {
-    found.emplace_back(k.layer, k.step);
-    return true;
-  }));
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, 2000,
+                                             [&](const VersionKey& k, const store::VersionRecord&) {
+                                               found.emplace_back(k.layer, k.step);
+                                               return true;
+                                             }));
   EXPECT_TRUE(found.empty());
-  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, ~uint64_t{0}, [&](const VersionKey& k, const store::VersionRecord&) {
-    found.emplace_back(k.layer, k.step);
-    return true;
-  }));
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, ~uint64_t{0},
+                                             [&](const VersionKey& k, const store::VersionRecord&) {
+                                               found.emplace_back(k.layer, k.step);
+                                               return true;
+                                             }));
   EXPECT_TRUE(found.empty());
   uint64_t all = 0;
-  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 2, 0, [&](const VersionKey& k, const store::VersionRecord&) {
-    EXPECT_EQ(k.step, 9u);
-    ++all;
-    return true;
-  }));
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 2, 0,
+                                             [&](const VersionKey& k, const store::VersionRecord&) {
+                                               EXPECT_EQ(k.step, 9u);
+                                               ++all;
+                                               return true;
+                                             }));
   EXPECT_EQ(all, 1u);
   int calls = 0;
-  CKPT_ASSERT_OK(index_->ForEachVersionAfter("job", 1, 1990, [&](const VersionKey&, const store::VersionRecord&) {
-    return ++calls < 3;
-  }));
+  CKPT_ASSERT_OK(index_->ForEachVersionAfter(
+      "job", 1, 1990, [&](const VersionKey&, const store::VersionRecord&) { return ++calls < 3; }));
   EXPECT_EQ(calls, 3);
 }
 
@@ -539,15 +542,17 @@ TEST_F(IndexTest, NonCanonicalNumberInAKeyIsDataLoss) {
     ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), tmp_.Join("index"), &raw).ok());
     std::unique_ptr<rocksdb::DB> db(raw);
     const std::string rec = Rec("f").SerializeAsString();
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000001/00000003/000000000000000A", rec).ok());
-    ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "v/job/00000002/+0000003/000000000000000a", rec).ok());
+    ASSERT_TRUE(
+        db->Put(rocksdb::WriteOptions(), "v/job/00000001/00000003/000000000000000A", rec).ok());
+    ASSERT_TRUE(
+        db->Put(rocksdb::WriteOptions(), "v/job/00000002/+0000003/000000000000000a", rec).ok());
     ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), "e/job/00000001/0x00000000000009", "").ok());
     ASSERT_TRUE(db->Close().ok());
   }
   ASSERT_NO_FATAL_FAILURE(Reopen());
   auto scan = [&](uint32_t rank) {
-    return index_->ForEachVersion("job", rank, -1,
-                                  [](const VersionKey&, const store::VersionRecord&) { return true; });
+    return index_->ForEachVersion(
+        "job", rank, -1, [](const VersionKey&, const store::VersionRecord&) { return true; });
   };
   CKPT_EXPECT_CODE(scan(1), kDataLoss);
   CKPT_EXPECT_CODE(scan(2), kDataLoss);

@@ -1,5 +1,7 @@
 // Tests of daemon/store/layer_store: the commit protocol, verified reads and
 // start-up reconciliation, over both io backends.
+#include "daemon/store/layer_store.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,7 +19,6 @@
 #include "daemon/common/sync_point.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
-#include "daemon/store/layer_store.h"
 #include "daemon/store/publisher.h"
 #include "daemon/store/repair.h"
 #include "gtest/gtest.h"
@@ -173,8 +174,7 @@ TEST_P(LayerStoreTest, CorruptPayloadByteIsDataLoss) {
       FlipByte(FilePath(key, rec), s.version.layout.header_bytes + t.offset() + 1234));
   absl::StatusOr<LoadedVersion> loaded = Read(key, rec);
   CKPT_EXPECT_CODE(loaded, kDataLoss);
-  EXPECT_NE(loaded.status().message().find(t.name()), absl::string_view::npos)
-      << loaded.status();
+  EXPECT_NE(loaded.status().message().find(t.name()), absl::string_view::npos) << loaded.status();
 }
 
 TEST_P(LayerStoreTest, CorruptHeaderByteIsDataLoss) {
@@ -272,7 +272,8 @@ TEST_P(LayerStoreTest, HeaderThatFillsItsPlannedSizeCommits) {
   ASSERT_GT(edge, 16u);
   for (size_t len = edge - 16; len <= edge + 16; ++len) {
     Staged s;
-    ASSERT_NO_FATAL_FAILURE(StageVersion(pool_.get(), key, 3, {256}, 21, &s, std::string(len, 'n')));
+    ASSERT_NO_FATAL_FAILURE(
+        StageVersion(pool_.get(), key, 3, {256}, 21, &s, std::string(len, 'n')));
     absl::StatusOr<store::VersionRecord> rec = store_->Commit(&s.version, io_.get());
     CKPT_ASSERT_OK(rec) << "layer name of " << len << " bytes";
     CKPT_EXPECT_OK(Read(key, *rec));
@@ -299,8 +300,7 @@ TEST_P(LayerStoreTest, ReconcileCleansUpAndKeepsCommittedVersions) {
   ASSERT_NO_FATAL_FAILURE(Commit({job, 2, 0, 3}, 1, {5000}, 34, &noevent_s, &noevent));
 
   const std::string dir0 = RankDir(job, 0);
-  WriteFile(dir0 + "/tmp." + LayerStore::FileName({job, 0, 0, 9}, 1) + ".00000000deadbeef",
-            "half");
+  WriteFile(dir0 + "/tmp." + LayerStore::FileName({job, 0, 0, 9}, 1) + ".00000000deadbeef", "half");
   const std::string orphan = LayerStore::FileName({job, 0, 2, 1}, 9);
   WriteFile(dir0 + "/" + orphan, std::string(8192, 'o'));
   WriteFile(dir0 + "/notes.txt", "not ours");
@@ -418,7 +418,8 @@ TEST_P(LayerStoreTest, AnIndexRolledBackLosesNoFileAndRepairRestoresEveryVersion
   EXPECT_EQ(report.files_quarantined, 0u);
   EXPECT_EQ(report.dangling_records_removed, 0u);
   for (uint32_t i = 0; i < 4; ++i) {
-    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(job, 0, keys[i].layer, keys[i].step));
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v,
+                              index_->VersionAtOrBefore(job, 0, keys[i].layer, keys[i].step));
     ASSERT_TRUE(v.has_value() && v->first == keys[i].step) << "step " << keys[i].step;
     EXPECT_EQ(v->second.header_xxh3(), rec[i].header_xxh3());
     CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(keys[i], v->second));
@@ -537,8 +538,11 @@ TEST_P(LayerStoreTest, PublishMakesAGroupVisibleWithOneDirectoryFsyncPerRank) {
   DirSyncCounter counter;
   fs_ = &counter;
   ASSERT_NO_FATAL_FAILURE(NewStore());
-  const std::vector<VersionKey> keys = {{"job-g", 0, 0, 5}, {"job-g", 0, 1, 5}, {"job-g", 1, 0, 5},
-                                        {"job-g", 0, 2, 5}, {"job-g", 1, 1, 5}};
+  const std::vector<VersionKey> keys = {{"job-g", 0, 0, 5},
+                                        {"job-g", 0, 1, 5},
+                                        {"job-g", 1, 0, 5},
+                                        {"job-g", 0, 2, 5},
+                                        {"job-g", 1, 1, 5}};
   std::vector<Staged> stageds(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     ASSERT_NO_FATAL_FAILURE(
@@ -563,8 +567,8 @@ TEST_P(LayerStoreTest, PublishMakesAGroupVisibleWithOneDirectoryFsyncPerRank) {
     CKPT_ASSERT_OK(recs[i]);
     EXPECT_GT(recs[i]->committed_unix_ms(), 0);
     EXPECT_GT(group[i].timings.total_seconds, 0.0);
-    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank,
-                                                                keys[i].layer, keys[i].step));
+    CKPT_ASSERT_OK_AND_ASSIGN(
+        auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank, keys[i].layer, keys[i].step));
     ASSERT_TRUE(v.has_value());
     EXPECT_EQ(v->second.file(), recs[i]->file());
     CKPT_ASSERT_OK_AND_ASSIGN(LoadedVersion loaded, Read(keys[i], *recs[i]));
@@ -601,8 +605,8 @@ TEST_P(LayerStoreTest, AFailedDirectoryFsyncFailsOnlyThatDirectorysVersions) {
   EXPECT_EQ(fault.injected(FaultClass::kDirSync), 1u);
   ASSERT_EQ(recs.size(), keys.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank,
-                                                                keys[i].layer, keys[i].step));
+    CKPT_ASSERT_OK_AND_ASSIGN(
+        auto v, index_->VersionAtOrBefore(keys[i].job, keys[i].rank, keys[i].layer, keys[i].step));
     if (keys[i].rank == 0) {
       EXPECT_FALSE(recs[i].ok());
       EXPECT_EQ(ReasonOf(recs[i].status()), ErrorReason::kFsync) << recs[i].status();

@@ -1,4 +1,6 @@
 // Tests of daemon/recovery/plan: composite plans and restore.
+#include "daemon/recovery/plan.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,7 +19,6 @@
 #include "absl/time/time.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
-#include "daemon/recovery/plan.h"
 #include "daemon/recovery/restore.h"
 #include "daemon/shm/rank_memory.h"
 #include "gtest/gtest.h"
@@ -573,10 +574,11 @@ TEST_F(PlanTest, RestoreCopiesAVersionOutWhileTheNextIsRead) {
         RestoreInto(plan, table, TargetOfLayers(&out, &memory), Sources({&io})));
     EXPECT_EQ(stats.bytes, 3u * 5000u);
     const std::vector<std::string> want =
-        overlaps ? std::vector<std::string>{"read", "read done", "read", "copy 0", "read done",
-                                            "read", "copy 1", "read done", "copy 2"}
-                 : std::vector<std::string>{"read", "read done", "copy 0", "read", "read done",
-                                            "copy 1", "read", "read done", "copy 2"};
+        overlaps
+            ? std::vector<std::string>{"read", "read done", "read",      "copy 0", "read done",
+                                       "read", "copy 1",    "read done", "copy 2"}
+            : std::vector<std::string>{"read",   "read done", "copy 0",    "read",  "read done",
+                                       "copy 1", "read",      "read done", "copy 2"};
     EXPECT_EQ(log, want) << "overlaps " << overlaps;
     for (uint32_t l = 0; l < 3; ++l) EXPECT_TRUE((out[l] == data_[{l, 10}][0])) << l;
     EXPECT_EQ(pool_->bytes_in_use(), 0u);

@@ -75,8 +75,11 @@ TEST_P(RetentionProperties, RetainedPlansSurviveAndNewerVersionsAreUntouched) {
     EXPECT_LE(s, last_event) << "a version above the latest event was deleted";
     ASSERT_EQ(after[l].erase(s), 1u);
   }
-  EXPECT_EQ(plan.versions_kept + plan.delete_versions.size(),
-            [&] { size_t n = 0; for (auto& [l, s] : have) n += s.size(); return n; }());
+  EXPECT_EQ(plan.versions_kept + plan.delete_versions.size(), [&] {
+    size_t n = 0;
+    for (auto& [l, s] : have) n += s.size();
+    return n;
+  }());
   for (uint64_t target : plan.retained_targets) {
     for (uint32_t l = 0; l < layers; ++l) {
       ASSERT_EQ(NewestAtOrBefore(after[l], target), NewestAtOrBefore(have[l], target))

@@ -69,8 +69,8 @@ inline void StageVersion(StagingPool* pool, const VersionKey& key, uint64_t gene
   out->data.clear();
   for (int i = 0; i < out->version.header.tensors_size(); ++i) {
     const store::TensorEntry& t = out->version.header.tensors(i);
-    out->data.push_back(::ckpt::testing::RandomBytes(seed * 1000 + static_cast<uint64_t>(i),
-                                                     t.nbytes()));
+    out->data.push_back(
+        ::ckpt::testing::RandomBytes(seed * 1000 + static_cast<uint64_t>(i), t.nbytes()));
     out->version.lease.CopyIn(layout->header_bytes + t.offset(), out->data.back().data(),
                               t.nbytes());
   }
