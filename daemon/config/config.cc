@@ -340,12 +340,12 @@ const std::vector<Option>& Options() {
       Num("remote_parallel_parts", "s3 remote tier: parts of one object uploaded at once",
           CKPT_FIELD(remote.parallel_parts), 1, 64),
       Num("remote_upload_threads", "layer versions uploaded to the remote tier at once",
-          CKPT_FIELD(engine.remote_upload_threads), 1, 64),
+          CKPT_FIELD(engine.remote.upload_threads), 1, 64),
       Num("remote_max_pending_events",
           "per rank, the oldest checkpoint events not yet uploaded that local GC keeps for the "
           "uploader; beyond them (a long outage) the ordinary retention applies and the "
           "uploader skips to the events that are left",
-          CKPT_FIELD(engine.remote_max_pending_events), 1, 1 << 20),
+          CKPT_FIELD(engine.remote.max_pending_events), 1, 1 << 20),
   };
   return *options;
 }

@@ -31,14 +31,8 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();
   }
-  if (options_.remote != nullptr && options_.remote_key != nullptr) {
-    RemoteTierOptions ro;
-    ro.store = options_.remote;
-    ro.key = options_.remote_key;
-    ro.upload_threads = options_.remote_upload_threads;
-    ro.max_pending_events = options_.remote_max_pending_events;
-    ro.retry_min = options_.remote_retry_min;
-    ro.retry_max = options_.remote_retry_max;
+  if (options_.remote.store != nullptr && options_.remote.key != nullptr) {
+    RemoteTierOptions ro = options_.remote;
     ro.pull_wait = options_.restore_timeout;
     ro.retention = options_.retention;
     RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
@@ -54,7 +48,7 @@ Engine::~Engine() {
 }
 
 absl::Status Engine::Start() {
-  if (options_.remote != nullptr && options_.remote_key == nullptr) {
+  if (options_.remote.store != nullptr && options_.remote.key == nullptr) {
     return absl::FailedPreconditionError(
         "a remote tier needs the cluster key that signs what goes there (remote_key_file)");
   }

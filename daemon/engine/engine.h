@@ -64,6 +64,7 @@
 #include "daemon/engine/memory_tier.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
+#include "daemon/engine/remote_tier.h"
 #include "daemon/engine/step_types.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/io/io_backend.h"
@@ -136,19 +137,10 @@ struct EngineOptions {
   // The memory tier (memory_tier.h): staging-pool bytes that keep the
   // newest committed version of each layer for restores; 0 = off.
   uint64_t memory_tier_bytes = 0;
-  // The remote tier (remote_tier.h, docs/remote.md); null = none. Not
-  // owned.
-  remote::RemoteStore* remote = nullptr;
-  // The cluster key that signs what goes to the remote tier
-  // (remote_auth.h); required with `remote`. Not owned.
-  const remote::RemoteKey* remote_key = nullptr;
-  unsigned remote_upload_threads = 4;  // versions uploaded at once
-  // Per rank, the oldest events not yet uploaded that local GC keeps.
-  uint32_t remote_max_pending_events = 64;
-  // The uploader's back-off after a failure: doubles from the first value
-  // up to the second.
-  absl::Duration remote_retry_min = absl::Seconds(1);
-  absl::Duration remote_retry_max = absl::Seconds(30);
+  // The remote tier (remote_tier.h, docs/remote.md): off while
+  // remote.store is null. Its retention and pull wait are the engine's
+  // (`retention`, `restore_timeout`).
+  RemoteTierOptions remote;
 };
 
 // What DeleteJob removed.

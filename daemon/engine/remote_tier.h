@@ -62,9 +62,11 @@ struct RemoteTierOptions {
   // second.
   absl::Duration retry_min = absl::Seconds(1);
   absl::Duration retry_max = absl::Seconds(30);
-  // How long a pull waits for another pull of the same rank.
+  // How long a pull waits for another pull of the same rank (the engine
+  // sets it to its restore_timeout).
   absl::Duration pull_wait = absl::Minutes(30);
-  RetentionPolicy retention;  // applied to the remote copies as well
+  // Applied to the remote copies as well (the engine sets its own).
+  RetentionPolicy retention;
 };
 
 // The parts of the engine the tier reads and writes; none owned, all

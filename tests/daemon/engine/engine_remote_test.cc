@@ -43,10 +43,10 @@ class RemoteTierTest : public EnginePipelineTest {
   }
   EngineOptions WithRemote() {
     EngineOptions o = OneWriter();
-    o.remote = faulty_.get();
-    o.remote_key = &key_;
-    o.remote_retry_min = absl::Milliseconds(10);
-    o.remote_retry_max = absl::Milliseconds(50);
+    o.remote.store = faulty_.get();
+    o.remote.key = &key_;
+    o.remote.retry_min = absl::Milliseconds(10);
+    o.remote.retry_max = absl::Milliseconds(50);
     return o;
   }
   absl::StatusOr<uint64_t> WaitRemote(const TestRank& r, uint64_t step,
