@@ -165,20 +165,8 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
   }
   for (const LayerDesc& spec : req.layers) {
     LayerTemplate lt;
-    lt.header.set_job_id(req.job);
-    lt.header.set_rank(req.rank);
-    lt.header.set_layer(spec.id);
-    lt.header.set_layer_name(spec.name);
-    for (const TensorDesc& t : spec.tensors) {
-      store::TensorEntry* e = lt.header.add_tensors();
-      e->set_name(t.name);
-      e->set_dtype(ToStore(t.dtype));
-      e->mutable_shape()->Add(t.shape.begin(), t.shape.end());
-      e->set_role(ToStore(t.role));
-      e->set_group(t.group);
-      e->set_nbytes(t.nbytes);
-      lt.src.push_back(memory->base(t.region) + t.offset);
-    }
+    lt.header = HeaderTemplateOf(req.job, req.rank, spec);
+    for (const TensorDesc& t : spec.tensors) lt.src.push_back(memory->base(t.region) + t.offset);
     CKPT_RETURN_IF_ERROR(PlanLayout(&lt.header).status());  // assigns tensor offsets
     r->layers.push_back(std::move(lt));
     *r->table.add_layers() = TableEntryOf(spec);

@@ -14,6 +14,25 @@
 
 namespace ckpt {
 
+store::LayerFileHeader HeaderTemplateOf(const std::string& job, uint32_t rank,
+                                        const LayerDesc& layer) {
+  store::LayerFileHeader header;
+  header.set_job_id(job);
+  header.set_rank(rank);
+  header.set_layer(layer.id);
+  header.set_layer_name(layer.name);
+  for (const TensorDesc& t : layer.tensors) {
+    store::TensorEntry* e = header.add_tensors();
+    e->set_name(t.name);
+    e->set_dtype(ToStore(t.dtype));
+    e->mutable_shape()->Add(t.shape.begin(), t.shape.end());
+    e->set_role(ToStore(t.role));
+    e->set_group(t.group);
+    e->set_nbytes(t.nbytes);
+  }
+  return header;
+}
+
 store::LayerSpec TableEntryOf(const LayerDesc& layer) {
   store::LayerSpec out;
   out.set_id(layer.id);
@@ -99,22 +118,9 @@ absl::Status CheckLayerFits(const Registration& req, const LayerDesc& layer,
                             const std::string& where, const RegistrationLimits& limits) {
   // Every field a version's header carries (Engine::Register/Snapshot),
   // the per-version ones at their widest.
-  store::LayerFileHeader sizing;
+  store::LayerFileHeader sizing = HeaderTemplateOf(req.job, req.rank, layer);
   std::set<uint32_t> groups;
-  for (const TensorDesc& t : layer.tensors) {
-    store::TensorEntry* e = sizing.add_tensors();
-    e->set_name(t.name);
-    e->set_dtype(ToStore(t.dtype));
-    e->set_role(ToStore(t.role));
-    e->set_group(t.group);
-    e->set_nbytes(t.nbytes);
-    for (uint64_t d : t.shape) e->add_shape(d);
-    groups.insert(t.group);
-  }
-  sizing.set_job_id(req.job);
-  sizing.set_rank(req.rank);
-  sizing.set_layer(layer.id);
-  sizing.set_layer_name(layer.name);
+  for (const TensorDesc& t : layer.tensors) groups.insert(t.group);
   sizing.set_step(~uint64_t{0});
   sizing.set_generation(~uint64_t{0});
   for (uint32_t g : groups) {

@@ -94,6 +94,11 @@ struct RegistrationLimits {
 
 // The layer's entry in the rank's stored table (index: the rank record).
 store::LayerSpec TableEntryOf(const LayerDesc& layer);
+// The header every version file of the layer starts from (format.h): the
+// job, rank, layer and its tensors; step, generation, checksums and
+// offsets are filled per version.
+store::LayerFileHeader HeaderTemplateOf(const std::string& job, uint32_t rank,
+                                        const LayerDesc& layer);
 
 absl::Status ValidateRegistration(const Registration& req,
                                   const std::vector<uint64_t>& region_sizes,
