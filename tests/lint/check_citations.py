@@ -27,19 +27,16 @@ Usage: check_citations.py ROOT [--pending FILE]   check the tree
        check_citations.py ROOT --suggest            the pending list for today's tree
        check_citations.py --self-test               the check catches a bad citation
 """
-import argparse
 import ast
 import collections
 import io
 import os
 import re
-import shutil
 import sys
-import tempfile
 import tokenize
 
 from cpp_lex import lex
-from lint_common import list_entries, print_table, read_text, source_files, write_tree
+from lint_common import list_entries, parse_args, print_table, read_text, SelfTest, source_files
 
 C_STYLE = (".cc", ".h", ".cu", ".cuh", ".cpp", ".hpp", ".proto")
 HASH_STYLE = (".sh", ".cmake", "CMakeLists.txt")
@@ -221,23 +218,8 @@ def self_test():
             "daemon/ok.h": "// See docs/real.md, real.md and daemon/ok.h; RFC 3986 " + SECTION +
                            "2.3.\n// tools/prog names the program of tools/prog.cc.\n",
             "tools/prog.cc": "int main() { return 0; }\n"}
-    failures, cases = [], []
-
-    def expect(name, files, pending, want_failing, want_text=()):
-        cases.append(name)
-        root = tempfile.mkdtemp(prefix="ckpt-cite-")
-        try:
-            write_tree(root, dict(base, **files))
-            write_tree(root, {"pending.txt": pending})
-            out = io.StringIO()
-            got = check(root, os.path.join(root, "pending.txt"), out)
-            text = out.getvalue()
-            missing = [w for w in want_text if w not in text]
-            if got != want_failing or missing:
-                failures.append(f"{name}: {got} failing, wanted {want_failing}; missing {missing}\n"
-                                f"{text}")
-        finally:
-            shutil.rmtree(root)
+    test = SelfTest("check_citations", check, base)
+    expect = test.expect
 
     outside = "// The invariant (PLAN " + SECTION + "4, " + SECTION + "5) holds.\n"
     wrapped = "// Rows of the fault matrix (PLAN\n// " + SECTION + "6.2 rows 3 and 4).\n"
@@ -265,32 +247,20 @@ def self_test():
     expect("pending entry above its count", {"daemon/a.cc": outside},
            "daemon/a.cc PLAN 2\n", 1, ["lower it to 1"])
     expect("stale pending entry", {}, "daemon/a.cc PLAN 1\n", 1, ["remove it"])
-    if failures:
-        print("check_citations self-test FAILED:\n" + "\n".join(failures))
-        return 1
-    print(f"check_citations self-test: {len(cases)} cases passed")
-    return 0
+    return test.result()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("root", nargs="?")
-    parser.add_argument("--pending")
-    parser.add_argument("--suggest", action="store_true")
-    parser.add_argument("--self-test", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "pending")
     if args.self_test:
         return self_test()
-    if not args.root:
-        parser.error("ROOT is required")
-    root = os.path.abspath(args.root)
     if args.suggest:
-        counts = collections.Counter((h[0], h[2]) for h in scan(root))
+        counts = collections.Counter((h[0], h[2]) for h in scan(args.root))
         for (path, cited), count in sorted(counts.items()):
             print(f"{path}  {cited}  {count}")
         return 0
-    pending = args.pending or os.path.join(root, "tests", "lint", "citation_pending.txt")
-    return 1 if check(root, pending, sys.stdout) else 0
+    pending = args.list_file or os.path.join(args.root, "tests", "lint", "citation_pending.txt")
+    return 1 if check(args.root, pending, sys.stdout) else 0
 
 
 if __name__ == "__main__":

@@ -13,16 +13,13 @@ Usage: check_format.py ROOT [--pending FILE]   check the tree
        check_format.py ROOT --suggest          the pending list for today's tree
        check_format.py --self-test             the check catches an unformatted file
 """
-import argparse
 import concurrent.futures
-import io
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
-from lint_common import CPP_EXTENSIONS, list_entries, print_table, source_files, write_tree
+from lint_common import CPP_EXTENSIONS, list_entries, parse_args, print_table, SelfTest, source_files
 
 CANDIDATES = ("clang-format-14", "clang-format")
 
@@ -88,22 +85,9 @@ def self_test(binary):
     tidy = "int Add(int a, int b) { return a + b; }\n"
     messy = "int   Add( int a,int b ){\nreturn a+b;}\n"
     base = {".clang-format": style, "daemon/ok.cc": tidy, "tests/ok_test.cc": tidy}
-    failures, cases = [], []
-
-    def expect(name, files, pending, want_problems, want_text=()):
-        cases.append(name)
-        root = tempfile.mkdtemp(prefix="ckpt-format-")
-        try:
-            write_tree(root, dict(base, **files))
-            write_tree(root, {"pending.txt": pending})
-            out = io.StringIO()
-            got = check(binary, root, os.path.join(root, "pending.txt"), out)
-            text = out.getvalue()
-            missing = [w for w in want_text if w not in text]
-            if (got > 0) != want_problems or missing:
-                failures.append(f"{name}: {got} problem(s); missing {missing}\n{text}")
-        finally:
-            shutil.rmtree(root)
+    test = SelfTest("check_format", lambda root, pending, out: check(binary, root, pending, out),
+                    base)
+    expect = test.expect
 
     expect("formatted tree", {}, "", False)
     expect("unformatted file", {"tests/bad.h": messy}, "", True, ["tests/bad.h", "not formatted"])
@@ -113,20 +97,11 @@ def self_test(binary):
     expect("pending file gone", {}, "daemon/gone.cc\n", True, ["no such file"])
     expect("build trees are not checked", {"build-x/gen.cc": messy, "sub/b/CMakeCache.txt": "",
                                            "sub/b/gen.cc": messy}, "", False)
-    if failures:
-        print("check_format self-test FAILED:\n" + "\n".join(failures))
-        return 1
-    print(f"check_format self-test: {len(cases)} cases passed")
-    return 0
+    return test.result()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("root", nargs="?")
-    parser.add_argument("--pending")
-    parser.add_argument("--suggest", action="store_true")
-    parser.add_argument("--self-test", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "pending")
     binary, version = find_clang_format()
     if not binary:
         print(f"check_format: {version}")
@@ -134,15 +109,12 @@ def main():
     print(f"check_format: {binary}: {version}", file=sys.stderr if args.suggest else sys.stdout)
     if args.self_test:
         return self_test(binary)
-    if not args.root:
-        parser.error("ROOT is required")
-    root = os.path.abspath(args.root)
-    pending = args.pending or os.path.join(root, "tests", "lint", "format_pending.txt")
     if args.suggest:
-        bad = unformatted(binary, root, source_files(root, CPP_EXTENSIONS))
+        bad = unformatted(binary, args.root, source_files(args.root, CPP_EXTENSIONS))
         sys.stdout.write("".join(f"{path}\n" for path in sorted(bad)))
         return 0
-    return 1 if check(binary, root, pending, sys.stdout) else 0
+    pending = args.list_file or os.path.join(args.root, "tests", "lint", "format_pending.txt")
+    return 1 if check(binary, args.root, pending, sys.stdout) else 0
 
 
 if __name__ == "__main__":

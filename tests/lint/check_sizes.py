@@ -21,17 +21,13 @@ Usage: check_sizes.py ROOT [--allowlist FILE]   check the tree
        check_sizes.py ROOT --suggest            entries for today's violations
        check_sizes.py --self-test               the check catches a violation
 """
-import argparse
 import ast
-import io
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 from cpp_functions import find_functions
-from lint_common import line_count, list_entries, print_table, read_text, source_files, write_tree
+from lint_common import line_count, list_entries, parse_args, print_table, read_text, SelfTest, source_files
 
 SOURCE_DIRS = ["base", "client", "daemon", "kernels", "python", "tools"]
 EXTENSIONS = (".cc", ".h", ".cu", ".py")
@@ -176,24 +172,8 @@ def self_test():
                "    auto f = [&] { return \"}\"; };  // } in a string and a comment\n"
                + long_body + "    return x;\n  }\n};\n}  // namespace ckpt\n")
     long_py = "class Trainer:\n    def step(self):\n" + "        x = 1\n" * FUNCTION_LIMIT
-    failures, cases = [], []
-
-    def expect(name, files, allowlist, want_problems, want_text=()):
-        cases.append(name)
-        root = tempfile.mkdtemp(prefix="ckpt-sizes-")
-        try:
-            write_tree(root, dict(tree, **files))
-            listing = os.path.join(root, "allow.txt")
-            write_tree(root, {"allow.txt": allowlist})
-            out = io.StringIO()
-            got = check(root, listing, out)
-            text = out.getvalue()
-            missing = [w for w in want_text if w not in text]
-            if (got > 0) != want_problems or missing:
-                failures.append(f"{name}: {got} problem(s), wanted "
-                                f"{'some' if want_problems else 'none'}; missing {missing}\n{text}")
-        finally:
-            shutil.rmtree(root)
+    test = SelfTest("check_sizes", check, tree)
+    expect = test.expect
 
     expect("clean tree", {}, "", False)
     expect("function too long", {"daemon/a/long.cc": long_fn}, "", True,
@@ -214,30 +194,18 @@ def self_test():
            ["entry for nothing"])
     expect("entry without a reason", {"daemon/a/long.cc": long_fn},
            f"daemon/a/long.cc:Engine::Grow  {grow}\n", True, ["malformed entry"])
-    if failures:
-        print("check_sizes self-test FAILED:\n" + "\n".join(failures))
-        return 1
-    print(f"check_sizes self-test: {len(cases)} cases passed")
-    return 0
+    return test.result()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("root", nargs="?")
-    parser.add_argument("--allowlist")
-    parser.add_argument("--suggest", action="store_true")
-    parser.add_argument("--self-test", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, "allowlist")
     if args.self_test:
         return self_test()
-    if not args.root:
-        parser.error("ROOT is required")
-    root = os.path.abspath(args.root)
     if args.suggest:
-        suggest(root, sys.stdout)
+        suggest(args.root, sys.stdout)
         return 0
-    allowlist = args.allowlist or os.path.join(root, "tests", "lint", "size_allowlist.txt")
-    return 1 if check(root, allowlist, sys.stdout) else 0
+    allowlist = args.list_file or os.path.join(args.root, "tests", "lint", "size_allowlist.txt")
+    return 1 if check(args.root, allowlist, sys.stdout) else 0
 
 
 if __name__ == "__main__":

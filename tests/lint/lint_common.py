@@ -1,5 +1,10 @@
-"""What the lint checks share: the files of the tree, list files, tables."""
+"""What the lint checks share: the files of the tree, list files, tables,
+the command line and the self-tests' harness."""
+import argparse
+import io
 import os
+import shutil
+import tempfile
 
 # Directories never scanned: build trees (at the top, as .gitignore has them,
 # and anywhere else a CMakeCache.txt marks one), hidden directories (.git,
@@ -80,3 +85,53 @@ def write_tree(root, files):
         os.makedirs(os.path.dirname(path) or root, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def parse_args(doc, list_option):
+    """ROOT, --LIST_OPTION FILE, --suggest and --self-test, as every check takes them."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("root", nargs="?")
+    parser.add_argument("--" + list_option, dest="list_file")
+    parser.add_argument("--suggest", action="store_true")
+    parser.add_argument("--self-test", action="store_true")
+    args = parser.parse_args()
+    if not args.self_test and not args.root:
+        parser.error("ROOT is required")
+    if args.root:
+        args.root = os.path.abspath(args.root)
+    return args
+
+
+class SelfTest:
+    """Runs a check over small trees written for each case and collects what it
+    got wrong. `check(root, list_path, out)` returns its count of problems."""
+
+    def __init__(self, name, check, base, list_name="list.txt"):
+        self.name, self.check, self.base, self.list_name = name, check, base, list_name
+        self.cases, self.failures = [], []
+
+    def expect(self, case, files, list_text, want, want_text=()):
+        """`want`: the exact count of problems (an int), or whether any (a bool)."""
+        self.cases.append(case)
+        root = tempfile.mkdtemp(prefix="ckpt-lint-")
+        try:
+            write_tree(root, dict(self.base, **files))
+            write_tree(root, {self.list_name: list_text})
+            out = io.StringIO()
+            got = self.check(root, os.path.join(root, self.list_name), out)
+            text = out.getvalue()
+            missing = [w for w in want_text if w not in text]
+            wrong = (got > 0) != want if isinstance(want, bool) else got != want
+            if wrong or missing:
+                self.failures.append(f"{case}: {got} problem(s), wanted {want}; missing "
+                                     f"{missing}\n{text}")
+        finally:
+            shutil.rmtree(root)
+
+    def result(self):
+        """Prints the outcome; 0 when every case passed."""
+        if self.failures:
+            print(f"{self.name} self-test FAILED:\n" + "\n".join(self.failures))
+            return 1
+        print(f"{self.name} self-test: {len(self.cases)} cases passed")
+        return 0
