@@ -211,9 +211,12 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
       deps_.disk->Release(n);
       deps_.quota->ReleaseVersion(quota_owner, n);
       NoteFailure(ok, absl::StrCat("reading ", okey), pull->caller.uid);
-      // Unusable only when the object is missing or did not check; a
-      // flaky store or a local error is no reason to give the step up.
-      const bool damaged = fetched.ok() ? absl::IsDataLoss(ok) : absl::IsNotFound(fetched);
+      // Unusable only when the object is missing or is not what ckptd wrote
+      // (it did not check, or the store says it is not an object: a FIFO in
+      // its place); a flaky store or a local error is no reason to give the
+      // step up.
+      const bool damaged = fetched.ok() ? absl::IsDataLoss(ok)
+                                        : absl::IsNotFound(fetched) || absl::IsDataLoss(fetched);
       if (!damaged) return pull->GiveUp(ok);
       CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank " << rank
                         << " is not restorable from there: " << ok;

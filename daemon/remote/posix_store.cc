@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 
@@ -41,7 +42,7 @@ std::string OthersCanWrite(const struct stat& st, bool root_may_own) {
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     return absl::StrCat("its group or everyone may write it (mode ",
-                        absl::StrCat(absl::Hex(st.st_mode & 07777)), ")");
+                        absl::StrFormat("%04o", st.st_mode & 07777), ")");
   }
   return "";
 }

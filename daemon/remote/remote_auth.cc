@@ -14,6 +14,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "base/unique_fd.h"
 
@@ -93,7 +94,7 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
   if ((st.st_mode & 077) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("remote_key_file ", path, " may be read or written by others (mode ",
-                     absl::StrCat(absl::Hex(st.st_mode & 0777)), "); chmod 600 it"));
+                     absl::StrFormat("%04o", st.st_mode & 07777), "); chmod 600 it"));
   }
   if (st.st_uid != geteuid() && st.st_uid != 0) {
     return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " belongs to uid ",
