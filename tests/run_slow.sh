@@ -34,5 +34,8 @@ echo "== power-loss images and fault injection on the real store"
 echo "== ckpt_stress for $(share 0.05) min"
 /usr/bin/python3 "$top/tests/integration/test_stress.py" \
   --seconds="$(awk -v m="$minutes" 'BEGIN { printf "%d", m * 60 * 0.05 }')" --seed="$seed"
+echo "== a StepDone in flight at every stop of ckptd, 20 times per client"
+CKPT_SHUTDOWN_IN_FLIGHT_RUNS=20 "$top/.venv/bin/python" "$top/tests/integration/test_shutdown.py" \
+  || CKPT_SHUTDOWN_IN_FLIGHT_RUNS=20 /usr/bin/python3 "$top/tests/integration/test_shutdown.py"
 echo "== tests labelled slow"
 (cd "$top/build" && ctest -L slow --output-on-failure --no-tests=ignore)

@@ -15,13 +15,36 @@
 namespace ckpt {
 namespace {
 
+// Whether a status the gRPC runtime made (not ckptd: no details) means the
+// call did not reach a ckptd that answers: cancelled as the server stopped,
+// a connection reset or broken mid-call.
+bool RuntimeLostTheCall(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::CANCELLED:
+    case grpc::StatusCode::UNKNOWN:
+    case grpc::StatusCode::INTERNAL:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::UNAVAILABLE:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // grpc::Status -> absl::Status, in one place on the client side: the code,
-// the message, and the ErrorReason ckptd put in the status details.
+// the message, and the ErrorReason ckptd put in the status details. ckptd
+// puts details in every error it answers; a transport status without them
+// (gRPC's own CANCELLED for a call in flight when ckptd stopped, say) is the
+// loss of ckptd, marked kShuttingDown like ckptd's own refusals.
 absl::Status FromGrpc(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
   absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
   v1::RpcStatus details;
-  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) return out;
+  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) {
+    return RuntimeLostTheCall(s.error_code())
+               ? WithReason(std::move(out), ErrorReason::kShuttingDown)
+               : out;
+  }
   for (const google::protobuf::Any& any : details.details()) {
     v1::ErrorInfo info;
     if (any.UnpackTo(&info) && info.reason() > 0 && info.reason() < kErrorReasonCount) {

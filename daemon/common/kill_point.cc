@@ -24,6 +24,11 @@ struct KillConfig {
   long hits = 0;
   std::string delay_at;
   long delay_ms = 0;
+  long delay_hit = 0;  // hold only this hit of the delay point (0: every hit)
+  long delay_hits = 0;
+  std::string cancel_at;
+  long cancel_hit = 1;
+  long cancel_hits = 0;
   std::string delay_log_path;
   std::string delay_until_path;
 };
@@ -47,6 +52,14 @@ void Load() {
     auto colon = s.find(':');
     c->delay_at = s.substr(0, colon);
     c->delay_ms = colon == std::string::npos ? 100 : std::atol(s.c_str() + colon + 1);
+    auto second = colon == std::string::npos ? std::string::npos : s.find(':', colon + 1);
+    if (second != std::string::npos) c->delay_hit = std::atol(s.c_str() + second + 1);
+  }
+  if (const char* cancel = std::getenv("CKPT_CANCEL_AT")) {
+    std::string s = cancel;
+    auto colon = s.find(':');
+    c->cancel_at = s.substr(0, colon);
+    if (colon != std::string::npos) c->cancel_hit = std::atol(s.c_str() + colon + 1);
   }
   if (const char* log = std::getenv("CKPT_KILL_LOG")) c->log_path = log;
   if (const char* log = std::getenv("CKPT_DELAY_LOG")) c->delay_log_path = log;
@@ -55,7 +68,8 @@ void Load() {
   c->rng.seed(seed ? std::strtoull(seed, nullptr, 10)
                    : static_cast<uint64_t>(::getpid()) * 7919 + ::time(nullptr));
   g_config = c;
-  g_armed.store(!c->at.empty() || c->odds > 0 || !c->delay_at.empty(), std::memory_order_relaxed);
+  g_armed.store(!c->at.empty() || c->odds > 0 || !c->delay_at.empty() || !c->cancel_at.empty(),
+                std::memory_order_relaxed);
 }
 
 // Appends `name` as one line to `path` (fsynced); best effort.
@@ -94,8 +108,18 @@ void KillPointHit(const char* name) {
   }
 }
 
+bool CancelPointHit(const char* name) {
+  if (g_config->cancel_at != name) return false;
+  std::lock_guard<std::mutex> lock(g_mu);
+  return ++g_config->cancel_hits == g_config->cancel_hit;
+}
+
 void DelayPointHit(const char* name) {
   if (g_config->delay_at != name || g_config->delay_ms <= 0) return;
+  if (g_config->delay_hit > 0) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (++g_config->delay_hits != g_config->delay_hit) return;
+  }
   if (!g_config->delay_log_path.empty()) AppendLine(g_config->delay_log_path, name);
   if (g_config->delay_until_path.empty()) {
     ::usleep(static_cast<useconds_t>(g_config->delay_ms) * 1000);

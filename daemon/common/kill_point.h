@@ -8,11 +8,16 @@
 //   CKPT_KILL_ODDS=<k>          die at each hit with probability 1/k
 //   CKPT_KILL_SEED=<seed>       seed for the odds (default: time)
 //   CKPT_KILL_LOG=<path>        append each hit's name (one line) before dying
-//   CKPT_DELAY_AT=<name>:<ms>   sleep <ms> at every hit of the delay point
-//                               <name> (to widen a race by hand against a real
-//                               ckptd; the tests order races with sync points)
+//   CKPT_DELAY_AT=<name>:<ms>[:<n>]   sleep <ms> at every hit of the delay
+//                               point <name>, or only at its n-th hit (to widen
+//                               a race by hand against a real ckptd; the tests
+//                               order races with sync points)
 //   CKPT_DELAY_LOG=<path>       append the delay point's name (one line) at
-//                               each hit, before sleeping
+//                               each hit it sleeps at, before sleeping
+//   CKPT_CANCEL_AT=<name>:<n>   the n-th hit of the cancel point <name> says
+//                               "cancel": a gRPC handler there cancels its
+//                               call as the runtime does when ckptd stops
+//                               mid-call (the client sees gRPC's own status)
 //   CKPT_DELAY_UNTIL=<path>     a delay ends early once <path> exists; with
 //                               the log, a test holds a real ckptd at a point
 //                               (it sees the line) and releases it (creates
@@ -34,6 +39,7 @@ namespace ckpt {
 void InitKillPoints();
 void KillPointHit(const char* name);
 void DelayPointHit(const char* name);
+bool CancelPointHit(const char* name);
 bool KillPointsArmed();
 
 }  // namespace ckpt
@@ -49,7 +55,10 @@ bool KillPointsArmed();
     CKPT_SYNC_POINT(name);                                     \
     if (::ckpt::KillPointsArmed()) ::ckpt::KillPointHit(name); \
   } while (0)
+// True at the hit CKPT_CANCEL_AT names.
+#define CKPT_CANCEL_POINT(name) (::ckpt::KillPointsArmed() && ::ckpt::CancelPointHit(name))
 #else
+#define CKPT_CANCEL_POINT(name) false
 #define CKPT_DELAY_POINT(name) \
   do {                         \
   } while (0)

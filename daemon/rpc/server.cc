@@ -22,6 +22,7 @@
 #include "base/status.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "daemon/common/accept_backoff.h"
+#include "daemon/common/kill_point.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status_convert.h"
@@ -156,6 +157,13 @@ class TrainerService final : public v1::Trainer::Service {
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
                         v1::StepDoneReply*) override {
+    // A test holds a StepDone here while ckptd stops under it, or has the
+    // call cancelled as the runtime cancels one in flight when ckptd stops.
+    CKPT_DELAY_POINT("rpc.step_done");
+    if (CKPT_CANCEL_POINT("rpc.step_done")) {
+      ctx->TryCancel();
+      return grpc::Status::CANCELLED;
+    }
     return WithCaller(s_, ctx, *req, [&](const Caller& c) {
       return s_->engine()->StepDone(StepReportOf(*req), c);
     });

@@ -2,7 +2,10 @@
 // status's ErrorReason (base/status.h) travels in the gRPC status details as
 // an RpcStatus (the shape of google.rpc.Status) holding a packed
 // ckpt.v1.ErrorInfo; the client converts it back in one place
-// (client/src/client.cc).
+// (client/src/client.cc). Every error ckptd answers carries the details,
+// with ERROR_REASON_UNSPECIFIED when it has no reason: a status without them
+// was made by the gRPC runtime (a call cancelled as ckptd stopped, a broken
+// connection), which the client takes as the loss of ckptd.
 #pragma once
 
 #include <grpcpp/support/status.h>
@@ -30,9 +33,6 @@ inline grpc::Status ToGrpcStatus(const absl::Status& s) {
   if (reword) message = "(message reworded for a test)";
 #endif
   const ErrorReason reason = ReasonOf(s);
-  if (reason == ErrorReason::kUnspecified) {
-    return grpc::Status(static_cast<grpc::StatusCode>(s.code()), message);
-  }
   v1::ErrorInfo info;
   info.set_reason(static_cast<v1::ErrorReason>(reason));
   v1::RpcStatus details;

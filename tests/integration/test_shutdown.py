@@ -14,7 +14,16 @@ the trainer go on only once ckptd is in the state the case wants:
   (the reported failure: StepDone refused, then the fence of that step);
 - stopped: ckptd has exited (status 0) before the trainer goes on;
 - restarted: after the stop the trainer trains steps 4-6 with no ckptd, a
-  new ckptd starts on the same data directory, and the trainer carries on.
+  new ckptd starts on the same data directory, and the trainer carries on;
+- in flight: the trainer's StepDone of step 3 is held inside ckptd's handler
+  (the delay point rpc.step_done, its third hit) while ckptd stops, so the
+  gRPC server cancels it under the stop; repeated $CKPT_SHUTDOWN_IN_FLIGHT_RUNS
+  times per client in continue mode (3 by default; tests/run_slow.sh: 20);
+- cancelled: the StepDone of step 3 comes back with gRPC's own CANCELLED (the
+  cancel point rpc.step_done makes the handler cancel its call, as the
+  runtime does to a call in flight when ckptd stops): a status ckptd did not
+  answer, which the client takes as the loss of ckptd (it was reported as
+  "step done 204: CANCELLED: CANCELLED" killing a trainer).
 
 In both daemon-loss modes no trainer dies:
 - continue (OnDaemonLoss::kContinueUnprotected, on_daemon_loss="continue"):
@@ -49,6 +58,7 @@ CPP_TRAINER = os.path.join(harness.BUILD, "tests", "integration", "ckpt_shutdown
 PY_TRAINER = os.path.join(HERE, "shutdown_torch_trainer.py")
 STOPPED_ON_LOSS = 3
 DEADLINE_S = 60
+IN_FLIGHT_RUNS = int(os.environ.get("CKPT_SHUTDOWN_IN_FLIGHT_RUNS", "3"))
 
 
 class Trainer:
@@ -138,8 +148,12 @@ class Case:
         return "%s/%s/%s/%s" % (self.client, self.mode, self.state, self.point)
 
 
+def steps_of(case):
+    return 5 if case.state in ("in_flight", "cancelled") else 12
+
+
 def trainer_cmd(case, socket, job, pauses, py_env):
-    args = ["--socket=" + socket, "--job=" + job, "--steps=12",
+    args = ["--socket=" + socket, "--job=" + job, "--steps=%d" % steps_of(case),
             "--on-daemon-loss=" + case.mode, "--reconnect-ms=0"]
     args += ["--pause=" + p for p in pauses]
     if case.client == "cpp":
@@ -153,6 +167,11 @@ def run_case(case, root, py_env):
     release = os.path.join(root, "release")
     delay_log = os.path.join(root, "delay.log")
     env = None
+    if case.state == "in_flight":
+        env = {"CKPT_DELAY_AT": "rpc.step_done:%d:3" % (DEADLINE_S * 1000),
+               "CKPT_DELAY_LOG": delay_log, "CKPT_DELAY_UNTIL": release}
+    if case.state == "cancelled":
+        env = {"CKPT_CANCEL_AT": "rpc.step_done:3"}
     if case.state == "stopping":
         # Hold ckptd right after its engine started stopping; its sockets
         # still answer. 60 s is only the hold's deadline; the test releases it.
@@ -160,22 +179,43 @@ def run_case(case, root, py_env):
                "CKPT_DELAY_LOG": delay_log, "CKPT_DELAY_UNTIL": release}
     daemon = harness.Daemon(root, env=env).start()
     failures = []
-    pauses = ["%s:3" % case.point]
+    pauses = ["%s:3" % case.point] if case.state not in ("in_flight", "cancelled") else []
     if case.state == "restarted":
         pauses.append("before_fence:6")
     cmd, tenv = trainer_cmd(case, daemon.socket, job, pauses, py_env)
     trainer = Trainer(cmd, tenv)
     try:
-        trainer.wait_line("pause %s 3" % case.point)
-        daemon.proc.send_signal(signal.SIGTERM)
-        if case.state == "stopping":
+        if case.state == "in_flight":
+            # The trainer's third StepDone is inside ckptd's handler: stop
+            # ckptd under it, then let the handler go (the server has
+            # cancelled the call by then or does so once it stops).
+            wait_for("StepDone 3 to be held in ckptd",
+                     lambda: file_has_line(delay_log, "rpc.step_done"))
+            daemon.proc.send_signal(signal.SIGTERM)
+            # The server cancels the held call within its stop deadline; the
+            # trainer takes that as the loss of ckptd and trains on to its end.
+            wait_for("the trainer to go on past the cancelled StepDone",
+                     lambda: trainer.proc.poll() is not None)
+            open(release, "w").close()
+            rc_daemon = daemon.proc.wait(timeout=DEADLINE_S)
+            if rc_daemon != 0:
+                failures.append("ckptd exited %d after SIGTERM" % rc_daemon)
+        elif case.state == "cancelled":
+            pass  # ckptd keeps running: the trainer trains on and re-registers
+        else:
+            trainer.wait_line("pause %s 3" % case.point)
+            daemon.proc.send_signal(signal.SIGTERM)
+        if case.state in ("in_flight", "cancelled"):
+            pass
+        elif case.state == "stopping":
             wait_for("ckptd to hold at engine.shutdown.stopping",
                      lambda: file_has_line(delay_log, "engine.shutdown.stopping"))
         else:
             rc = daemon.proc.wait(timeout=DEADLINE_S)
             if rc != 0:
                 failures.append("ckptd exited %d after SIGTERM" % rc)
-        trainer.go()
+        if case.state not in ("in_flight", "cancelled"):
+            trainer.go()
         if case.state == "restarted":
             trainer.wait_line("pause before_fence 6")
             daemon = harness.Daemon(root).start()  # same socket and data directory
@@ -184,11 +224,13 @@ def run_case(case, root, py_env):
     finally:
         if trainer.proc.poll() is None:
             trainer.proc.kill()
-        if case.state == "stopping":
+        if case.state in ("stopping", "in_flight"):
             open(release, "w").close()
     out = "\n".join(trainer.lines)
     if "FAILED_PRECONDITION" in out + trainer.stderr():
         failures.append("a call failed with FAILED_PRECONDITION")
+    if case.state in ("in_flight", "cancelled") and "ckptd unreachable" not in trainer.stderr():
+        failures.append("the client did not take the call's failure as the loss of ckptd")
     if case.state == "stopping" and "shutting down" not in out + trainer.stderr():
         failures.append("no call was answered by the stopping ckptd")
     done = [l for l in trainer.lines if l.startswith("done ")]
@@ -197,9 +239,12 @@ def run_case(case, root, py_env):
             failures.append("the trainer died (exit %s)" % rc)
         else:
             summary = json.loads(done[0][len("done "):])
-            if summary["steps"] != 12:
-                failures.append("trained %d of 12 steps" % summary["steps"])
-            if case.state == "restarted":
+            if summary["steps"] != steps_of(case):
+                failures.append("trained %d of %d steps" % (summary["steps"], steps_of(case)))
+            if case.state == "cancelled":
+                if summary["unprotected"]:
+                    failures.append("not protected again after the cancelled call: %s" % summary)
+            elif case.state == "restarted":
                 if summary["unprotected"] or summary["durable"] != 12:
                     failures.append("not protected again after the restart: %s" % summary)
                 plan = daemon.ctl("plan", job)
@@ -207,6 +252,8 @@ def run_case(case, root, py_env):
                     failures.append("the new ckptd's plan targets %s, not 12" % plan["target_step"])
             elif not summary["unprotected"] or summary["durable"] is not None:
                 failures.append("the run does not say it ended unprotected: %s" % summary)
+            if case.state == "cancelled" and "CANCELLED" not in trainer.stderr():
+                failures.append("the StepDone did not come back as gRPC's CANCELLED")
     else:
         calls = [l for l in trainer.lines if l.startswith("call ")]
         if rc != STOPPED_ON_LOSS:
@@ -252,6 +299,9 @@ def main():
             cases.append(Case(client, mode, "stopping", "before_step_done"))
             cases.append(Case(client, mode, "stopped", "before_fence"))
         cases.append(Case(client, "continue", "restarted", "before_fence"))
+        cases.append(Case(client, "continue", "cancelled", "step_done"))
+        for _ in range(IN_FLIGHT_RUNS):
+            cases.append(Case(client, "continue", "in_flight", "step_done"))
     base = harness.tempdir("ckpt-shutdown-")
     tally = {}
     failed = 0
