@@ -12,9 +12,7 @@ Run by ctest (PYTHONPATH=<build>/python); exits 77 (skipped) when torch or
 the module is missing.
 """
 
-import importlib
 import os
-import pkgutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,19 +24,12 @@ harness.require_torch()
 import torch  # noqa: E402
 
 from ckpt import _ckpt  # noqa: E402
-from ckpt import torch as ckpt_torch  # noqa: E402
+from ckpt.torch import layout as ckpt_layout  # noqa: E402
 
 
 def dtype_names():
-    """ckpt.torch's {torch dtype: name}, in the module or, once ckpt.torch is
-    a package, in whichever of its modules keeps it."""
-    if hasattr(ckpt_torch, "_DTYPE_NAMES"):
-        return ckpt_torch._DTYPE_NAMES
-    for info in pkgutil.iter_modules(getattr(ckpt_torch, "__path__", [])):
-        module = importlib.import_module("ckpt.torch." + info.name)
-        if hasattr(module, "_DTYPE_NAMES"):
-            return module._DTYPE_NAMES
-    raise AssertionError("ckpt.torch keeps no _DTYPE_NAMES")
+    """ckpt.torch's {torch dtype: name} (ckpt/torch/layout.py)."""
+    return ckpt_layout.DTYPE_NAMES
 
 
 def main():
