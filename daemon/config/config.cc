@@ -231,16 +231,20 @@ const std::vector<Option>& Options() {
           "unclaimed handovers of one user; more are refused with RESOURCE_EXHAUSTED",
           CKPT_FIELD(handover.max_pending_per_uid), 1, 1 << 20),
       Num("handover_max_fds_per_uid",
-          "handed-over descriptors ckptd holds for one user (unclaimed, or claimed by a "
-          "Register still running)",
+          "handed-over descriptors ckptd holds for one user: unclaimed, claimed by a Register "
+          "still running, or held by its live registrations (each is a mapping too)",
           CKPT_FIELD(handover.max_fds_per_uid), 1, 1 << 24),
       Num("handover_max_fds",
           "handed-over descriptors held node-wide (0 = the RLIMIT_NOFILE soft limit minus "
-          "handover_fd_reserve, or half the limit when the reserve is more than half)",
+          "handover_fd_reserve, or half the limit when the reserve is more than half, and at "
+          "most vm.max_map_count minus handover_map_reserve)",
           CKPT_FIELD(handover.max_fds), 0, 1 << 24),
       Num("handover_fd_reserve",
           "descriptors left to RocksDB, io_uring, gRPC and layer files when handover_max_fds is 0",
           CKPT_FIELD(handover.fd_reserve), 0, 1 << 24),
+      Num("handover_map_reserve",
+          "mappings of vm.max_map_count left to the rest of ckptd when handover_max_fds is 0",
+          CKPT_FIELD(handover.map_reserve), 0, 1 << 24),
       Time("handover_accept_backoff_ms",
            "first pause of the handover accept loop when out of descriptors; doubles up to 1 s",
            CKPT_FIELD(handover.accept_backoff), absl::Milliseconds(1), 1, 1000),

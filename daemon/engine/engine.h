@@ -55,6 +55,7 @@
 #include "base/unique_fd.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/holding.h"
 #include "daemon/engine/caller.h"
 #include "daemon/engine/disk_budget.h"
 #include "daemon/engine/durable_tier.h"
@@ -187,8 +188,12 @@ class Engine {
   // returns a new generation. A live registration of the same rank is
   // drained (bounded) and replaced. The rank's memory (GPU mappings or memfd
   // regions) is released again when the calling process (caller.pid) exits.
+  // `held` (may be null) is what the handover counts for `fds`: the
+  // registration keeps it as long as it keeps the regions, so they count
+  // against the caller's descriptor caps for as long as they are held.
   absl::StatusOr<Registered> Register(const Registration& req, std::vector<UniqueFd> fds,
-                                      const Caller& caller);
+                                      const Caller& caller,
+                                      std::unique_ptr<Holding> held = nullptr);
   // Ends the registration; with `drain`, first waits (until `deadline`) for
   // its staged versions to become durable. Without, the engine keeps the
   // rank until they are written, then forgets it.
@@ -325,7 +330,8 @@ class Engine {
   // Builds the state of a new registration (its memory, layer templates,
   // policy), not yet published.
   absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req,
-                                                     std::vector<MappedRegion> regions, uid_t owner,
+                                                     std::vector<MappedRegion> regions,
+                                                     std::unique_ptr<Holding> held, uid_t owner,
                                                      const Caller& caller);
   // Reserves the caller's registration slot for `key`; Unclaim gives it back.
   absl::Status ClaimRegistration(const RankKey& key, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);

@@ -134,6 +134,7 @@ absl::StatusOr<uid_t> Engine::OwnerForRegistration(const std::string& job,
 
 absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& req,
                                                            std::vector<MappedRegion> regions,
+                                                           std::unique_ptr<Holding> held,
                                                            uid_t owner, const Caller& caller) {
   // An IPC handle that is still open in the registration this one replaces
   // is opened again (the driver counts references), so the old one keeps
@@ -161,7 +162,7 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
   if (req.gpu.has_value()) {
     CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_));
   } else {
-    memory = std::make_shared<HostMemory>(std::move(regions));
+    memory = std::make_shared<HostMemory>(std::move(regions), std::move(held));
   }
   for (const LayerDesc& spec : req.layers) {
     LayerTemplate lt;
@@ -195,7 +196,7 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
 // Register is one numbered sequence: each step may refuse the registration,
 // and nothing before step 5 leaves a trace.
 absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
-                                            const Caller& caller) {
+                                            const Caller& caller, std::unique_ptr<Holding> held) {
   // 1. Host regions are mapped first (each must already be sealed against
   //    shrinking, so its size cannot change under us); GPU regions are only
   //    checked against the sizes their trainer declared, and opened below
@@ -240,7 +241,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
 
   // 3. The rank's state, starting with its memory.
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r,
-                        NewRank(req, std::move(regions), owner, caller));
+                        NewRank(req, std::move(regions), std::move(held), owner, caller));
   const size_t n = r->layers.size();
 
   // 4. Replace a live registration of the same rank once its pipeline drained.

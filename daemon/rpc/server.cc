@@ -141,15 +141,18 @@ class TrainerService final : public v1::Trainer::Service {
           // GPU registrations carry their IPC handles in the request itself.
           // The token is claimed first, so a refused request releases its
           // descriptors now rather than when the token expires; the claim keeps
-          // them counted against the caller's handover limits until Register
-          // has taken them over or failed.
+          // them counted against the caller's handover limits for as long as
+          // they are held: the registration keeps the claim with its memory.
           HandoverClaim claim;
           if (!req->has_gpu() || !req->handover_token().empty()) {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->handover_token(), c.uid));
           }
           CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
-          CKPT_ASSIGN_OR_RETURN(Registered registered,
-                                s_->engine()->Register(registration, claim.TakeFds(), c));
+          std::vector<UniqueFd> fds = claim.TakeFds();
+          CKPT_ASSIGN_OR_RETURN(
+              Registered registered,
+              s_->engine()->Register(registration, std::move(fds), c,
+                                     std::make_unique<HandoverClaim>(std::move(claim))));
           *reply = ToProto(registered);
           return absl::OkStatus();
         },

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <set>
 #include <utility>
 
@@ -73,6 +74,24 @@ size_t HandoverServer::DefaultMaxFds(uint64_t nofile, size_t reserve) {
   return static_cast<size_t>(half);
 }
 
+size_t HandoverServer::DefaultMaxFds(uint64_t nofile, size_t reserve, uint64_t max_map_count,
+                                     size_t map_reserve) {
+  size_t cap = DefaultMaxFds(nofile, reserve);
+  if (max_map_count > 0) cap = std::min(cap, DefaultMaxFds(max_map_count, map_reserve));
+  return cap;
+}
+
+namespace {
+
+// vm.max_map_count, or 0 when it cannot be read.
+uint64_t MaxMapCount() {
+  std::ifstream in("/proc/sys/vm/max_map_count");
+  uint64_t n = 0;
+  return in >> n ? n : 0;
+}
+
+}  // namespace
+
 HandoverServer::HandoverServer(HandoverOptions options)
     : options_(std::move(options)),
       backoff_(options_.accept_backoff, "HandoverServer::AcceptBackoff") {}
@@ -84,7 +103,7 @@ absl::Status HandoverServer::Start() {
   if (max_fds_ == 0) {
     struct rlimit rl;
     if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return ErrnoStatus(errno, "getrlimit(RLIMIT_NOFILE)");
-    max_fds_ = DefaultMaxFds(rl.rlim_cur, options_.fd_reserve);
+    max_fds_ = DefaultMaxFds(rl.rlim_cur, options_.fd_reserve, MaxMapCount(), options_.map_reserve);
   }
   wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_.valid()) return ErrnoStatus(errno, "eventfd");

@@ -15,11 +15,13 @@
 //   - open connections per uid and node-wide;
 //   - unclaimed tokens per uid and node-wide;
 //   - descriptors held per uid and node-wide, where "held" is every
-//     descriptor the server has received and not yet seen registered or
-//     closed: those waiting under a token plus those claimed by a Register
-//     that is still running (a HandoverClaim not yet destroyed). The
-//     node-wide cap is derived from RLIMIT_NOFILE unless set, leaving
-//     `fd_reserve` descriptors to RocksDB, io_uring, gRPC and layer files.
+//     descriptor the server has received and not yet seen closed: those
+//     waiting under a token, those claimed by a Register that is still
+//     running, and those of every live registration (each keeps its
+//     HandoverClaim until its memory is released). Each is also one mapping
+//     of ckptd's, so the node-wide cap, derived unless set, keeps
+//     `fd_reserve` descriptors free of RLIMIT_NOFILE for RocksDB, io_uring,
+//     gRPC and layer files, and `map_reserve` mappings of vm.max_map_count.
 // One message that carries two descriptors of the same file (st_dev,
 // st_ino) is INVALID_ARGUMENT; all of its descriptors are closed.
 //
@@ -44,6 +46,7 @@
 #include "base/unique_fd.h"
 #include "daemon/common/accept_backoff.h"
 #include "daemon/common/clock.h"
+#include "daemon/common/holding.h"
 
 namespace ckpt {
 
@@ -61,6 +64,9 @@ struct HandoverOptions {
   // (DefaultMaxFds).
   size_t max_fds = 0;
   size_t fd_reserve = 4096;  // kept free for the rest of ckptd when max_fds is derived
+  // Mappings kept free of vm.max_map_count when max_fds is derived (each held
+  // descriptor of a live registration is one mapping too).
+  size_t map_reserve = 8192;
   // First pause of the accept loop after EMFILE/ENFILE; doubles up to 1 s.
   absl::Duration accept_backoff = absl::Milliseconds(50);
   Clock* clock = nullptr;  // token expiry; null = the real clock. Not owned.
@@ -69,13 +75,13 @@ struct HandoverOptions {
 class HandoverServer;
 
 // Descriptors claimed with a token. They count against their uid's and the
-// node's descriptor caps until this object is destroyed, so the caller keeps
-// it alive until the registration has either taken the descriptors over or
-// failed. Move-only.
-class HandoverClaim {
+// node's descriptor caps until this object is destroyed: a registration that
+// took the descriptors over keeps it (as a Holding) for as long as it holds
+// them, so a uid's live registrations count against its cap too. Move-only.
+class HandoverClaim final : public Holding {
  public:
   HandoverClaim() = default;
-  ~HandoverClaim() { Release(); }
+  ~HandoverClaim() override { Release(); }
   HandoverClaim(HandoverClaim&& other) noexcept;
   HandoverClaim& operator=(HandoverClaim&& other) noexcept;
   HandoverClaim(const HandoverClaim&) = delete;
@@ -131,6 +137,10 @@ class HandoverServer {
   // The node-wide descriptor cap derived from a RLIMIT_NOFILE soft limit:
   // nofile - reserve, or nofile / 2 when the reserve is more than half of nofile.
   static size_t DefaultMaxFds(uint64_t nofile, size_t reserve);
+  // That cap, also bounded by vm.max_map_count less `map_reserve` (0 =
+  // unknown: not bounded by it).
+  static size_t DefaultMaxFds(uint64_t nofile, size_t reserve, uint64_t max_map_count,
+                              size_t map_reserve);
 
  private:
   friend class HandoverClaim;

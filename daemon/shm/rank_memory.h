@@ -20,11 +20,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "base/region.h"
+#include "daemon/common/holding.h"
 
 namespace ckpt {
 
@@ -49,10 +51,13 @@ class RankMemory {
   virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
 };
 
-// Host memfd regions, mapped by ckptd. Copies are memcpy.
+// Host memfd regions, mapped by ckptd. Copies are memcpy. `held` (may be
+// null) is the handover's count of the regions' descriptors, given back when
+// this memory is destroyed (its mappings and descriptors closed).
 class HostMemory final : public RankMemory {
  public:
-  explicit HostMemory(std::vector<MappedRegion> regions) : regions_(std::move(regions)) {}
+  explicit HostMemory(std::vector<MappedRegion> regions, std::unique_ptr<Holding> held = nullptr)
+      : held_(std::move(held)), regions_(std::move(regions)) {}
 
   const char* kind() const override { return "host"; }
   size_t region_count() const override { return regions_.size(); }
@@ -64,6 +69,9 @@ class HostMemory final : public RankMemory {
   absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
 
  private:
+  // Declared first, so the regions are unmapped and closed before the
+  // count of them is given back.
+  std::unique_ptr<Holding> held_;
   std::vector<MappedRegion> regions_;
 };
 

@@ -5,7 +5,7 @@
 Repeats ATTACK until STOP_FILE exists (or 180 s pass), then prints one JSON
 line counting what ckptd answered. Only the standard library, except the
 attacks that go through ckptd's Python client (aux, big_register,
-registrations). Exits non-zero only when ckptd answers something an attack
+registrations, held_descriptors). Exits non-zero only when ckptd answers something an attack
 must never get (an accepted duplicate descriptor, a handover that is neither
 accepted nor refused, an unexpected error code).
 """
@@ -22,6 +22,7 @@ HANDOVER_MAGIC = 0x31484B43  # "CKH1", base/handover_wire.h
 REPLY = struct.Struct("<II16s200s")
 CODES = {0: "OK", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED"}
 MAX_SECONDS = 180
+REGIONS_PER_RANK = 30  # held_descriptors: descriptors (and mappings) per registration
 
 
 class Counter(dict):
@@ -261,6 +262,31 @@ def client_attack(name, sock, stop_file, started, client_dir):
                 c.add(e.code + (" max_registrations_per_uid"
                                 if "max_registrations_per_uid" in e.message else ""))
             i += 1
+        while not stopped(stop_file, started):
+            time.sleep(0.2)
+    elif name == "held_descriptors":
+        # Registrations of many regions each, kept alive: each region is a
+        # descriptor and a mapping ckptd holds for as long as the
+        # registration lives, so they must count against the uid's cap.
+        clients = []
+        i = 0
+        while not stopped(stop_file, started) and i < 64:
+            client = ckpt.Client(sock)
+            regions = [client.allocate_region(4096) for _ in range(REGIONS_PER_RANK)]
+            spec = {"job_id": "held-%d" % i, "layers": [
+                {"name": "l%d" % j, "tensors": [{"name": "w", "shape": [1024],
+                                                "region": r.index, "offset": 0}]}
+                for j, r in enumerate(regions)]}
+            try:
+                client.register(spec)
+                c.add("OK")
+                clients.append(client)
+            except ckpt.Error as e:
+                c.add(e.code + (" handover_max_fds_per_uid"
+                                if "handover_max_fds_per_uid" in e.message else ""))
+                time.sleep(0.05)
+            i += 1
+        c.add("regions_per_rank", REGIONS_PER_RANK)
         while not stopped(stop_file, started):
             time.sleep(0.2)
     else:

@@ -10,6 +10,9 @@ process, until the victim is done:
   disk                 16 MiB of layers per step, never waiting
   big_register         a 1 MiB layer name and ~12 MiB tensor tables, again and again
   registrations        more ranks than max_registrations_per_uid
+  held_descriptors     registrations of 30 memfd regions each, kept alive
+                       (a third uid): live registrations' descriptors and
+                       mappings count against handover_max_fds_per_uid
   grpc_connections     2,000 idle connections to the gRPC socket
   handover_connections 200 idle connections to the handover socket
   handover_duplicates  one memfd listed 250 times per handover message
@@ -39,7 +42,7 @@ import harness  # noqa: E402
 # The victim; the user whose calls attack through ckptd's API; the user
 # who floods its sockets (a second attacker, so that the floods, which are
 # refused per uid, do not only shut out the first one's calls).
-VICTIM, ATTACKER, FLOODER, GROUP = 4242, 4243, 4245, 0
+VICTIM, ATTACKER, FLOODER, HOLDER, GROUP = 4242, 4243, 4245, 4246, 0
 STEPS = 300
 MiB = 1 << 20
 
@@ -70,7 +73,7 @@ BOUNDS = {
 ATTACKS = [(ATTACKER, "aux"), (ATTACKER, "disk"), (ATTACKER, "big_register"), (ATTACKER, "registrations"),
            (FLOODER, "grpc_connections"), (FLOODER, "handover_connections"),
            (FLOODER, "handover_duplicates"), (FLOODER, "handover_pending"),
-           (FLOODER, "handover_lies")]
+           (FLOODER, "handover_lies"), (HOLDER, "held_descriptors")]
 
 # What each attack must have been answered with at least once: the bound
 # that was meant for it (a code, or a code and the option it names).
@@ -79,6 +82,7 @@ EXPECTED = {
     "disk": "RESOURCE_EXHAUSTED max_",
     "big_register": "INVALID_ARGUMENT",
     "registrations": "RESOURCE_EXHAUSTED max_registrations_per_uid",
+    "held_descriptors": "RESOURCE_EXHAUSTED handover_max_fds_per_uid",
     "handover_duplicates": "last: INVALID_ARGUMENT",
     "handover_pending": "RESOURCE_EXHAUSTED",
     "handover_lies": "last: announce 250 carry 1: INVALID_ARGUMENT",
@@ -152,12 +156,12 @@ def main():
     try:
         pid = d.proc.pid
         rss0, fds0 = harness.rss_bytes(pid), open_fds(pid)
-        # What each of the three uids can make ckptd hold (the victim's
+        # What each of the four uids can make ckptd hold (the victim's
         # share is a few connections and descriptors), the descriptors of
         # the one handover message being examined (up to 250, before a
         # duplicate is found and they are closed), and slack for RocksDB,
         # io_uring and gRPC's threads.
-        fd_bound = fds0 + 3 * (BOUNDS["max_connections_per_uid"] +
+        fd_bound = fds0 + 4 * (BOUNDS["max_connections_per_uid"] +
                                BOUNDS["handover_max_connections_per_uid"] +
                                BOUNDS["handover_max_fds_per_uid"]) + 250 + 64
         # The staging pool, each uid's index quota in memory (memtables,
@@ -228,6 +232,12 @@ def main():
         assert h.get("answered_or_closed", 0) >= h.get("opened", 0) - BOUNDS[
             "handover_max_connections_per_uid"], h
         assert calls[1] > 0 and calls[2] == 0, calls
+        held = answers["held_descriptors"]
+        held_fds = held.get("OK", 0) * held["regions_per_rank"]
+        print("held descriptors: %d registrations of %d regions live, %d descriptors, cap %d" %
+              (held.get("OK", 0), held["regions_per_rank"], held_fds,
+               BOUNDS["handover_max_fds_per_uid"]))
+        assert held_fds <= BOUNDS["handover_max_fds_per_uid"], held
 
         print("FIGURES hostile: victim %d of %d steps acknowledged durable; ckptd rss start %d "
               "peak %d bound %d; fds start %d peak %d bound %d; data dir peak %d bound %d"

@@ -13,7 +13,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -752,19 +754,60 @@ TEST_F(HandoverLimitsTest, PerUidDescriptorCapCountsPendingAndClaimed) {
   EXPECT_EQ(server_->stats().fds_held, 2u);
 }
 
+// A registration keeps its claim with its memory (HostMemory holds it as a
+// Holding): its descriptors stay counted against the uid's cap until the
+// memory is released, so live registrations cannot go past the cap (65 of
+// 250 memfds each once took ckptd to its RLIMIT_NOFILE).
+TEST_F(HandoverLimitsTest, LiveRegistrationsKeepTheirDescriptorsCounted) {
+  HandoverOptions o = TestOptions();
+  o.max_fds_per_uid = 4;
+  o.max_fds = 1000;
+  StartServerWith(o);
+  std::vector<MemfdRegion> three = MakeRegions(3);
+  std::vector<MemfdRegion> two = MakeRegions(2);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string token, HandOver(three));
+  std::unique_ptr<HostMemory> memory;
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(HandoverClaim claim, server_->Claim(token, ::getuid()));
+    std::vector<MappedRegion> regions;
+    for (UniqueFd& fd : claim.TakeFds()) {
+      CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion r, MappedRegion::Map(std::move(fd)));
+      regions.push_back(std::move(r));
+    }
+    memory = std::make_unique<HostMemory>(std::move(regions),
+                                          std::make_unique<HandoverClaim>(std::move(claim)));
+  }
+  EXPECT_EQ(server_->stats().fds_held, 3u) << "registered: still held";
+  absl::StatusOr<std::string> refused = HandOver(two);
+  CKPT_EXPECT_CODE(refused, kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "handover_max_fds_per_uid"))
+      << refused.status();
+  memory.reset();  // the trainer exited, or the rank unregistered
+  EXPECT_EQ(server_->stats().fds_held, 0u);
+  CKPT_EXPECT_OK(HandOver(two));
+}
+
 // The node-wide cap holds across uids and is derived from RLIMIT_NOFILE
 // when not set.
 TEST_F(HandoverLimitsTest, NodeDescriptorCapRefusesBeyondIt) {
   EXPECT_EQ(HandoverServer::DefaultMaxFds(65536, 4096), 61440u);
   EXPECT_EQ(HandoverServer::DefaultMaxFds(1024, 4096), 512u);
   EXPECT_EQ(HandoverServer::DefaultMaxFds(1024, 512), 512u);
+  // Each held descriptor is a mapping too: vm.max_map_count bounds the cap.
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(1 << 20, 4096, 65530, 8192), 57338u);
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(65536, 4096, 1 << 20, 8192), 61440u);
+  EXPECT_EQ(HandoverServer::DefaultMaxFds(65536, 4096, 0, 8192), 61440u);
   {
     HandoverOptions o = TestOptions();
     o.max_fds = 0;
     StartServerWith(o);
     struct rlimit rl;
     ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &rl), 0);
-    EXPECT_EQ(server_->stats().max_fds, HandoverServer::DefaultMaxFds(rl.rlim_cur, o.fd_reserve));
+    uint64_t max_map_count = 0;
+    std::ifstream("/proc/sys/vm/max_map_count") >> max_map_count;
+    EXPECT_EQ(
+        server_->stats().max_fds,
+        HandoverServer::DefaultMaxFds(rl.rlim_cur, o.fd_reserve, max_map_count, o.map_reserve));
     server_.reset();
   }
   HandoverOptions o = TestOptions();
