@@ -161,6 +161,7 @@ struct Restored : RestoreStats {
 struct PendingStep;  // rank_state.h
 struct RankState;    // rank_state.h
 struct SnapTask;     // rank_state.h
+struct SpillState;   // rank_state.h
 struct WriteTask;    // rank_state.h
 
 class Engine {
@@ -344,12 +345,6 @@ class Engine {
   void EndRegistrationLocked(RankState& r, const std::string& why,
                              std::vector<std::shared_ptr<RankMemory>>* closing)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops `r` from ranks_ once it is unregistered and idle (RankState::Idle):
-  // nothing else would, and every unregistered job would stay in memory and
-  // in every walk over ranks_ for good. REQUIRES: a reference to `r` of the
-  // caller's own (the map's may be the last but one).
-  void ForgetIfDoneLocked(const std::shared_ptr<RankState>& r)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, r->mu);
   // Waits (until `deadline`) for what the ended registration `r` still has
   // in flight, then forgets it.
   absl::Status DrainAndForget(const std::shared_ptr<RankState>& r, absl::Time deadline)
@@ -360,12 +355,6 @@ class Engine {
   // Returns false when the task now waits for SetGlobalDrift.
   // `memory` is the rank's memory (null once released).
   bool Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory);
-  // What a snapshot has handed to the writers so far.
-  struct SpillState {
-    bool pending = false;           // the step's PendingStep is in r->pending
-    std::vector<uint32_t> layers;   // layers handed over, in order
-    uint64_t count = 0, bytes = 0;  // versions and payload bytes handed over
-  };
   // Copies the selected layers of `task` into staging; `staged` holds what
   // is not handed to the writers yet, `skipped` the layers left out.
   // Returns the copy's status (an error drops what `staged` holds).
@@ -384,11 +373,6 @@ class Engine {
   bool SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
                    std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                    SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
-  // Queues `staged` for the writers as versions of task.step, making the
-  // step's PendingStep the first time; returns it.
-  PendingStep* QueueStagedLocked(const std::shared_ptr<RankState>& r, SnapTask& task,
-                                 std::vector<StagedVersion>& staged, SpillState* spill)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, r->mu);
 
   // ---- LayerCheck (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published

@@ -83,7 +83,7 @@ void Engine::FinishCommit(std::unique_ptr<WriteTask> task, bool reserved,
   absl::MutexLock lock(&mu_);
   --commits_in_flight_;
   absl::MutexLock rank_lock(&r->mu);
-  ForgetIfDoneLocked(r);  // the last version of a rank unregistered meanwhile
+  ForgetIfDone(&ranks_, r);  // the last version of a rank unregistered meanwhile
 }
 
 }  // namespace ckpt

@@ -327,7 +327,7 @@ absl::Status Engine::Unregister(const RankRef& rank, bool drain, const Caller& c
     EndRegistrationLocked(*r, "unregistered", &closing);
     if (!drain) {
       absl::MutexLock rank_lock(&r->mu);
-      ForgetIfDoneLocked(r);
+      ForgetIfDone(&ranks_, r);
     }
   }
   // Without drain a rank still writing stays (inactive) until its staged
@@ -355,12 +355,6 @@ void Engine::EndRegistrationLocked(RankState& r, const std::string& why,
   store_->ForgetRankDir(r.job, r.rank);
 }
 
-void Engine::ForgetIfDoneLocked(const std::shared_ptr<RankState>& r) {
-  if (r->active || !r->Idle()) return;
-  auto it = ranks_.find(RankKey(r->job, r->rank));
-  if (it != ranks_.end() && it->second == r) ranks_.erase(it);
-}
-
 size_t Engine::RanksHeld() {
   absl::MutexLock lock(&mu_);
   return ranks_.size();
@@ -374,7 +368,7 @@ absl::Status Engine::DrainAndForget(const std::shared_ptr<RankState>& r, absl::T
   }
   absl::MutexLock lock(&mu_);
   absl::MutexLock rank_lock(&r->mu);
-  ForgetIfDoneLocked(r);  // idle and inactive now
+  ForgetIfDone(&ranks_, r);  // idle and inactive now
   return absl::OkStatus();
 }
 

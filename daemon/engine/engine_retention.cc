@@ -128,7 +128,7 @@ absl::Status Engine::EndJobRegistrations(const std::string& job,
   // out) when their last version is written.
   for (const std::shared_ptr<RankState>& r : *ended) {
     absl::MutexLock rank_lock(&r->mu);
-    ForgetIfDoneLocked(r);
+    ForgetIfDone(&ranks_, r);
   }
   deleting_jobs_.insert(job);
   return absl::OkStatus();

@@ -143,7 +143,7 @@ void Engine::SnapshotLoop() {
       } else {
         r->snap_queue.clear();  // nobody will send the global vectors
         r->snap_busy = false;
-        ForgetIfDoneLocked(r);
+        ForgetIfDone(&ranks_, r);
       }
       continue;
     }
@@ -151,7 +151,7 @@ void Engine::SnapshotLoop() {
       snapshot_ready_.push_back(r);
     } else {
       r->snap_busy = false;
-      ForgetIfDoneLocked(r);  // unregistered meanwhile, and nothing was staged
+      ForgetIfDone(&ranks_, r);  // unregistered meanwhile, and nothing was staged
     }
   }
 }
@@ -299,7 +299,7 @@ bool Engine::FinishSnapshot(const std::shared_ptr<RankState>& r, SnapTask& task,
                       << ": snapshot finished after its fence was abandoned; discarded";
     staged.clear();
   }
-  PendingStep* p = QueueStagedLocked(r, task, staged, spill);
+  PendingStep* p = QueueStaged(&write_queue_, clock_->Now(), r, task, staged, spill);
   p->sealed = true;
   p->event.set_skipped(static_cast<uint32_t>(skipped.size()));
   SnapshotTaken result;
@@ -332,39 +332,8 @@ bool Engine::SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
     staged.clear();
     return false;
   }
-  QueueStagedLocked(r, task, staged, spill);
+  QueueStaged(&write_queue_, clock_->Now(), r, task, staged, spill);
   return true;
-}
-
-PendingStep* Engine::QueueStagedLocked(const std::shared_ptr<RankState>& r, SnapTask& task,
-                                       std::vector<StagedVersion>& staged, SpillState* spill) {
-  if (!spill->pending) {
-    // The step's place in the event order, taken by its first versions. The
-    // rank's snapshots run one at a time, in step order, so it is the newest.
-    PendingStep p;
-    p.step = task.step;
-    p.event = std::move(task.event);
-    p.staged_at = clock_->Now();
-    p.charge = std::move(task.charge);
-    r->pending.push_back(std::move(p));
-    spill->pending = true;
-  }
-  PendingStep& p = r->pending.back();
-  for (StagedVersion& v : staged) {
-    spill->layers.push_back(v.key.layer);
-    r->never_persisted[v.key.layer] = false;
-    r->retry[v.key.layer] = false;
-    spill->bytes += v.layout.payload_bytes;
-    ++spill->count;
-    p.staged_bytes += v.layout.payload_bytes;
-    ++p.remaining;
-    auto w = std::make_unique<WriteTask>();
-    w->rank = r;
-    w->version = std::move(v);
-    write_queue_.push_back(std::move(w));
-  }
-  staged.clear();
-  return &p;
 }
 
 absl::StatusOr<SnapshotTaken> Engine::WaitSnapshot(const RankRef& rank, uint64_t step,

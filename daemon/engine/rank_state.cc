@@ -47,4 +47,41 @@ void RankState::RecordOutcome(uint32_t layer, uint64_t step, bool durable) {
   while (o.size() > kOutcomesKept) o.erase(o.begin());
 }
 
+void ForgetIfDone(RankTable* ranks, const std::shared_ptr<RankState>& r) {
+  if (r->active || !r->Idle()) return;
+  auto it = ranks->find(RankKey(r->job, r->rank));
+  if (it != ranks->end() && it->second == r) ranks->erase(it);
+}
+
+PendingStep* QueueStaged(WriteQueue* queue, absl::Time now, const std::shared_ptr<RankState>& r,
+                         SnapTask& task, std::vector<StagedVersion>& staged, SpillState* spill) {
+  if (!spill->pending) {
+    // The step's place in the event order, taken by its first versions. The
+    // rank's snapshots run one at a time, in step order, so it is the newest.
+    PendingStep p;
+    p.step = task.step;
+    p.event = std::move(task.event);
+    p.staged_at = now;
+    p.charge = std::move(task.charge);
+    r->pending.push_back(std::move(p));
+    spill->pending = true;
+  }
+  PendingStep& p = r->pending.back();
+  for (StagedVersion& v : staged) {
+    spill->layers.push_back(v.key.layer);
+    r->never_persisted[v.key.layer] = false;
+    r->retry[v.key.layer] = false;
+    spill->bytes += v.layout.payload_bytes;
+    ++spill->count;
+    p.staged_bytes += v.layout.payload_bytes;
+    ++p.remaining;
+    auto w = std::make_unique<WriteTask>();
+    w->rank = r;
+    w->version = std::move(v);
+    queue->push_back(std::move(w));
+  }
+  staged.clear();
+  return &p;
+}
+
 }  // namespace ckpt

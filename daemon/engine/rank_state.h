@@ -25,6 +25,7 @@
 #include "base/unique_fd.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/engine/caller.h"
+#include "daemon/engine/leases.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/step_types.h"
@@ -82,6 +83,18 @@ struct WriteTask {
   std::shared_ptr<RankState> rank;
   StagedVersion version;
 };
+
+// What a snapshot has handed to the writers so far.
+struct SpillState {
+  bool pending = false;           // the step's PendingStep is in r->pending
+  std::vector<uint32_t> layers;   // layers handed over, in order
+  uint64_t count = 0, bytes = 0;  // versions and payload bytes handed over
+};
+
+// The engine's table of ranks and its write queue (both guarded by
+// Engine::mu_).
+using RankTable = std::map<RankKey, std::shared_ptr<RankState>>;
+using WriteQueue = std::deque<std::unique_ptr<WriteTask>>;
 
 struct RankState {
   // Immutable after registration (set before the rank is published in
@@ -187,5 +200,20 @@ struct RankState {
   // durable (WaitDurable reads it).
   void RecordOutcome(uint32_t layer, uint64_t step, bool durable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
+
+// Drops `r` from `ranks` once it is unregistered and idle (RankState::Idle):
+// nothing else would, and every unregistered job would stay in memory and
+// in every walk over the table for good. REQUIRES: Engine::mu_ (it guards
+// `ranks`), and a reference to `r` of the caller's own (the table's may be
+// the last but one).
+void ForgetIfDone(RankTable* ranks, const std::shared_ptr<RankState>& r)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu);
+
+// Queues `staged` on `queue` for the writers as versions of task.step,
+// making the step's PendingStep (staged at `now`) the first time; returns
+// it. REQUIRES: Engine::mu_ (it guards `queue`).
+PendingStep* QueueStaged(WriteQueue* queue, absl::Time now, const std::shared_ptr<RankState>& r,
+                         SnapTask& task, std::vector<StagedVersion>& staged, SpillState* spill)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu);
 
 }  // namespace ckpt

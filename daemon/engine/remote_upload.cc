@@ -334,7 +334,9 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
 }
 
 absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
-  const auto& [job, rank] = key;
+  // Named, not bound: the workers below capture them.
+  const std::string& job = key.first;
+  const uint32_t rank = key.second;
   std::atomic<size_t> next{0};
   absl::Mutex err_mu;
   absl::Status first_error;
