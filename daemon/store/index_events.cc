@@ -14,6 +14,7 @@
 
 namespace ckpt {
 
+using index_internal::BoundedIterator;
 using index_internal::EventKey;
 using index_internal::FromRocks;
 using index_internal::IndexClosed;
@@ -47,7 +48,7 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> Index::Ev
   const std::string prefix = RankPrefix('e', job, rank);
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   it->SeekForPrev(EventKey(job, rank, max_step));
   if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
   if (!it->Valid() || !it->key().starts_with(prefix)) {
@@ -69,7 +70,7 @@ absl::Status Index::ForEachEvent(
   const std::string prefix = RankPrefix('e', job, rank);
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   if (newest_first) {
     it->SeekForPrev(EventKey(job, rank, ~uint64_t{0}));
   } else {

@@ -4,11 +4,14 @@
 // Internal to the Index.
 #pragma once
 
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
 #include <rocksdb/slice.h>
 #include <rocksdb/status.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
@@ -42,6 +45,36 @@ inline absl::Status IndexClosed() {
                              "at the next write"),
       ErrorReason::kIndex);
 }
+
+// An iterator over the keys that start with `prefix`, and only those: its
+// seeks and steps stop at the prefix's bounds (iterate_lower_bound and
+// iterate_upper_bound), so a lookup never wades through other ranks' or
+// jobs' keys, nor through the tombstones a deleted job leaves until
+// compaction (a SeekForPrev for a layer with no version once walked back
+// through every key of the job before it). `prefix` must end with '/'.
+// Non-copyable; the iterator and the bounds it points to live as long as it.
+class BoundedIterator {
+ public:
+  BoundedIterator(rocksdb::DB* db, std::string prefix) : lower_(std::move(prefix)), upper_(lower_) {
+    upper_.back() = static_cast<char>(upper_.back() + 1);  // '/' -> '0'
+    lower_slice_ = lower_;
+    upper_slice_ = upper_;
+    options_.iterate_lower_bound = &lower_slice_;
+    options_.iterate_upper_bound = &upper_slice_;
+    it_.reset(db->NewIterator(options_));
+  }
+  BoundedIterator(const BoundedIterator&) = delete;
+  BoundedIterator& operator=(const BoundedIterator&) = delete;
+
+  rocksdb::Iterator* operator->() const { return it_.get(); }
+  const std::string& prefix() const { return lower_; }
+
+ private:
+  std::string lower_, upper_;
+  rocksdb::Slice lower_slice_, upper_slice_;
+  rocksdb::ReadOptions options_;
+  std::unique_ptr<rocksdb::Iterator> it_;
+};
 
 // "<kind>/<job>/<rank:8>/": the prefix of a rank's version or event keys.
 inline std::string RankPrefix(char kind, const std::string& job, uint32_t rank) {

@@ -13,6 +13,7 @@
 
 namespace ckpt {
 
+using index_internal::BoundedIterator;
 using index_internal::FromRocks;
 using index_internal::IndexClosed;
 using index_internal::ParseHex32;
@@ -34,7 +35,7 @@ absl::StatusOr<std::vector<std::string>> Index::ListJobs() {
   std::vector<std::string> jobs;
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), "j/");
   for (it->Seek("j/"); it->Valid() && it->key().starts_with("j/"); it->Next()) {
     entries_read_.fetch_add(1, std::memory_order_relaxed);
     jobs.push_back(it->key().ToString().substr(2));
@@ -48,6 +49,23 @@ absl::Status Index::PutRank(const std::string& job, uint32_t rank, const store::
 }
 
 absl::Status Index::DeleteJob(const std::string& job) { return Delete(absl::StrCat("j/", job)); }
+
+absl::Status Index::CompactJob(const std::string& job) {
+  absl::ReaderMutexLock db_lock(&db_mu_);
+  if (db_ == nullptr) return IndexClosed();
+  // Forced at the bottom level: a range that fits one file would otherwise
+  // be moved down as it is, tombstones and all.
+  rocksdb::CompactRangeOptions options;
+  options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  for (const char kind : {'e', 'r', 'v'}) {
+    const std::string begin = absl::StrCat(std::string(1, kind), "/", job, "/");
+    std::string end = begin;
+    end.back() = static_cast<char>(end.back() + 1);
+    const rocksdb::Slice b(begin), e(end);
+    CKPT_RETURN_IF_ERROR(FromRocks(db_->CompactRange(options, &b, &e), "compact"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status Index::DeleteRank(const std::string& job, uint32_t rank) {
   return Delete(absl::StrFormat("r/%s/%08x", job, rank));
@@ -67,7 +85,7 @@ absl::StatusOr<std::vector<uint32_t>> Index::ListRanks(const std::string& job) {
   const std::string prefix = absl::StrCat("r/", job, "/");
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     entries_read_.fetch_add(1, std::memory_order_relaxed);
     uint32_t r;

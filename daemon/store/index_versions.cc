@@ -17,6 +17,7 @@
 
 namespace ckpt {
 
+using index_internal::BoundedIterator;
 using index_internal::FromRocks;
 using index_internal::IndexClosed;
 using index_internal::ParseHex32;
@@ -118,7 +119,7 @@ absl::Status Index::CountVersions() {
   versions_.clear();
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), "v/");
   // v/<job>/<rank:8>/<layer:8>/<step:16>; consecutive records are mostly of
   // one rank, whose entry is looked up once per run.
   RankVersions* current = nullptr;
@@ -163,7 +164,7 @@ absl::StatusOr<std::optional<std::pair<uint64_t, store::VersionRecord>>> Index::
   const std::string prefix = absl::StrFormat("v/%s/%08x/%08x/", job, rank, layer);
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   it->SeekForPrev(absl::StrFormat("%s%016x", prefix, max_step));
   if (it->Valid()) entries_read_.fetch_add(1, std::memory_order_relaxed);
   if (!it->Valid() || !it->key().starts_with(prefix)) {
@@ -189,7 +190,7 @@ absl::Status Index::ForEachVersion(
   const size_t rank_prefix = absl::StrFormat("v/%s/%08x/", job, rank).size();
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     entries_read_.fetch_add(1, std::memory_order_relaxed);
     absl::string_view k(it->key().data(), it->key().size());
@@ -210,7 +211,7 @@ absl::Status Index::ForEachVersionAfter(
   const std::string prefix = absl::StrFormat("v/%s/%08x/", job, rank);
   absl::ReaderMutexLock db_lock(&db_mu_);
   if (db_ == nullptr) return IndexClosed();
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  BoundedIterator it(db_.get(), prefix);
   it->Seek(prefix);
   while (it->Valid() && it->key().starts_with(prefix)) {
     entries_read_.fetch_add(1, std::memory_order_relaxed);
