@@ -293,6 +293,10 @@ const std::vector<Option>& Options() {
           "steps of one user's ranks from StepDone until their checkpoint event is written; more "
           "fail with RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_queued_steps_per_uid), 0, 1 << 24),
+      Num("max_registration_table_bytes",
+          "the largest table one registration may record (every layer's and tensor's name, "
+          "shape, role); its bytes also count against max_index_bytes_per_uid",
+          CKPT_FIELD(engine.limits.max_table_bytes), 4096, uint64_t{1} << 30),
       Num("max_registrations_per_uid",
           "ranks one user may have registered at once (each maps its memory and holds its "
           "descriptors); more fail with RESOURCE_EXHAUSTED (0 = none)",

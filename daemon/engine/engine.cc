@@ -162,6 +162,8 @@ absl::Status Engine::SeedUsage() {
       const Index::RankVersions counted = index_->VersionsOf(job, rank);
       files += counted.total.file_bytes;
       index_bytes += counted.total.versions * kVersionIndexBytes;
+      CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index_->GetRank(job, rank));
+      if (table.has_value()) index_bytes += RankIndexBytes(*table);
       CKPT_RETURN_IF_ERROR(index_->ForEachEvent(job, rank, /*newest_first=*/false,
                                                 [&](uint64_t, const store::EventRecord& e) {
                                                   index_bytes += EventIndexBytes(e.aux().size());

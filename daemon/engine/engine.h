@@ -334,6 +334,29 @@ class Engine {
                                                      std::vector<MappedRegion> regions,
                                                      std::unique_ptr<Holding> held, uid_t owner,
                                                      const Caller& caller);
+  // A new registration's steps, from the rank's history in the index: its
+  // latest durable step (returned), each layer's newest version at or below
+  // it. DEADLINE_EXCEEDED past `deadline`.
+  absl::StatusOr<uint64_t> ResumeFromIndex(const std::shared_ptr<RankState>& r,
+                                           absl::Time deadline);
+  // A rank's new table counts against its owner's index quota. It replaces
+  // the rank's old table, so only what it adds is reserved, before anything
+  // of a new job is created (whatever generation it takes); RESOURCE_EXHAUSTED
+  // (kQuota) past the quota. PutTable writes it and settles the charge to
+  // the table's real size; on failure the reservation is given back.
+  struct TableCharge {
+    uint64_t reserved = 0;
+    uint64_t old_bytes = 0;
+  };
+  absl::StatusOr<TableCharge> ReserveTable(const RankState& r);
+  // Register's first step: the registration's host regions mapped, and the
+  // registration checked against their sizes and the limits.
+  absl::StatusOr<std::vector<MappedRegion>> MapRegistration(const Registration& req,
+                                                            std::vector<UniqueFd> fds);
+  // Register's fifth: a new job's records (`job_exists` false) and the
+  // rank's table with a fresh generation, charged to the index quota.
+  absl::Status CreateRankRecords(RankState* r, bool job_exists, uid_t owner);
+  absl::Status PutTable(const RankState& r, const TableCharge& charge);
   // Reserves the caller's registration slot for `key`; Unclaim gives it back.
   absl::Status ClaimRegistration(const RankKey& key, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
   void UnclaimRegistration(const RankKey& key) ABSL_LOCKS_EXCLUDED(mu_);

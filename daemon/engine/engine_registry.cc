@@ -3,6 +3,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -120,6 +121,71 @@ void Engine::UnclaimRegistration(const RankKey& key) {
   registering_.erase(key);
 }
 
+absl::StatusOr<uint64_t> Engine::ResumeFromIndex(const std::shared_ptr<RankState>& r,
+                                                 absl::Time deadline) {
+  const size_t n = r->layers.size();
+  CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
+  const uint64_t durable = last_event.has_value() ? last_event->first : 0;
+  std::vector<uint64_t> last_committed(n, 0);
+  std::vector<bool> never_persisted(n, true);
+  // One pass over the rank's versions (one seek, within its own key range):
+  // each layer's are in step order, so its newest at or below `durable` is
+  // the last one seen.
+  uint64_t seen = 0;
+  bool late = false;
+  CKPT_RETURN_IF_ERROR(index_->ForEachVersion(
+      r->job, r->rank, /*layer=*/-1, [&](const VersionKey& k, const store::VersionRecord&) {
+        if (++seen % 1024 == 0 && absl::Now() >= deadline) {
+          late = true;
+          return false;
+        }
+        if (k.layer < n && k.step <= durable) {
+          last_committed[k.layer] = k.step;
+          never_persisted[k.layer] = false;
+        }
+        return true;
+      }));
+  if (late) return absl::DeadlineExceededError("the registration ran past its caller's deadline");
+  absl::MutexLock rank_lock(&r->mu);
+  if (r->layercheck != nullptr && last_event.has_value()) {
+    r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
+  }
+  r->last_step_seen = durable;
+  r->snapshot_step = durable;
+  r->durable_step = durable;
+  r->last_committed = std::move(last_committed);
+  r->never_persisted = std::move(never_persisted);
+  return durable;
+}
+
+absl::StatusOr<Engine::TableCharge> Engine::ReserveTable(const RankState& r) {
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> old, index_->GetRank(r.job, r.rank));
+  TableCharge charge;
+  charge.old_bytes = old.has_value() ? RankIndexBytes(*old) : 0;
+  store::RankRecord largest = r.table;
+  largest.set_generation(~uint64_t{0});  // the longest generation it can take
+  const uint64_t most = RankIndexBytes(largest);
+  charge.reserved = most > charge.old_bytes ? most - charge.old_bytes : 0;
+  QuotaKind refused = QuotaKind::kIndex;
+  if (absl::Status s = quota_.ReserveIndex(QuotaOwner{r.uid, r.job}, charge.reserved, &refused);
+      !s.ok()) {
+    if (Metrics* m = options_.metrics) m->Inc(Counter::kQuotaRefused, QuotaKindName(refused), 1);
+    return s;
+  }
+  return charge;
+}
+
+absl::Status Engine::PutTable(const RankState& r, const TableCharge& charge) {
+  const QuotaOwner owner{r.uid, r.job};
+  if (absl::Status s = index_->PutRank(r.job, r.rank, r.table); !s.ok()) {
+    quota_.ReleaseIndex(owner, charge.reserved);
+    return s;
+  }
+  // Charged so far: old_bytes + reserved >= the new table's bytes.
+  quota_.ReleaseIndex(owner, charge.reserved + charge.old_bytes - RankIndexBytes(r.table));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uid_t> Engine::OwnerForRegistration(const std::string& job,
                                                    std::optional<uid_t> local_owner,
                                                    const Caller& caller) {
@@ -193,15 +259,13 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
   return r;
 }
 
-// Register is one numbered sequence: each step may refuse the registration,
-// and nothing before step 5 leaves a trace.
-absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
-                                            const Caller& caller, std::unique_ptr<Holding> held) {
-  // 1. Host regions are mapped first (each must already be sealed against
-  //    shrinking, so its size cannot change under us); GPU regions are only
-  //    checked against the sizes their trainer declared, and opened below
-  //    once the caller is known to own the job. Every tensor is validated
-  //    against these sizes before any pointer into them is formed.
+absl::StatusOr<std::vector<MappedRegion>> Engine::MapRegistration(const Registration& req,
+                                                                  std::vector<UniqueFd> fds) {
+  // Host regions are mapped first (each must already be sealed against
+  // shrinking, so its size cannot change under us); GPU regions are only
+  // checked against the sizes their trainer declared, and opened once the
+  // caller is known to own the job. Every tensor is validated against these
+  // sizes before any pointer into them is formed.
   std::vector<MappedRegion> regions;
   std::vector<uint64_t> sizes;
   if (req.gpu.has_value()) {
@@ -220,6 +284,44 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   limits.max_layer_file_bytes = pool_->budget_bytes();
   CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
   CKPT_RETURN_IF_ERROR(req.policy.selection.Validate());
+  return regions;
+}
+
+absl::Status Engine::CreateRankRecords(RankState* r, bool job_exists, uid_t owner) {
+  // The table's quota is reserved before anything is created, so a refused
+  // registration leaves no job. A new job is created in the tiers first:
+  // check and creation are one step (ClaimJob, JobOwners::Claim: of two uids
+  // racing for a new id, the second is refused). These records stay above
+  // the index's free-space floor too.
+  CKPT_RETURN_IF_ERROR(disk_.CheckIndexRoom(r->table.ByteSizeLong() + 4096));
+  CKPT_ASSIGN_OR_RETURN(const TableCharge charge, ReserveTable(*r));
+  absl::Status created = job_exists ? absl::OkStatus() : ClaimInTiers(r->job, owner);
+  if (created.ok()) created = owners_.Claim(r->job, owner);
+  if (created.ok()) {
+    absl::StatusOr<uint64_t> generation = index_->NextGeneration();
+    created = generation.status();
+    if (generation.ok()) r->generation = *generation;
+  }
+  if (!created.ok()) {
+    quota_.ReleaseIndex(QuotaOwner{r->uid, r->job}, charge.reserved);
+    return created;
+  }
+  r->table.set_generation(r->generation);
+  return PutTable(*r, charge);
+}
+
+// Register is one numbered sequence: each step may refuse the registration,
+// and nothing before step 5 leaves a trace.
+absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
+                                            const Caller& caller, std::unique_ptr<Holding> held) {
+  // 1. The handed-over memory, mapped and checked (MapRegistration).
+  CKPT_ASSIGN_OR_RETURN(std::vector<MappedRegion> regions, MapRegistration(req, std::move(fds)));
+  // Every later step may take time (the tiers, a drain, the index): none
+  // goes on once the caller has stopped waiting.
+  auto caller_gone = [&req]() -> absl::Status {
+    if (absl::Now() < req.deadline) return absl::OkStatus();
+    return absl::DeadlineExceededError("the registration ran past its caller's deadline");
+  };
 
   // 2. Ownership: another uid's job is refused here. A new job is created
   //    only once the registration has succeeded up to writing its table
@@ -229,6 +331,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   CKPT_RETURN_IF_ERROR(PullFromTiers(req.job, req.rank, caller, /*must_know=*/false));
   CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> local_owner, owners_.OwnerOf(req.job));
   CKPT_ASSIGN_OR_RETURN(const uid_t owner, OwnerForRegistration(req.job, local_owner, caller));
+  CKPT_RETURN_IF_ERROR(caller_gone());
   // One registration of a rank at a time, so its table and generation are
   // written by a single caller.
   const RankKey key(req.job, req.rank);
@@ -261,40 +364,16 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     }
   }
   if (old != nullptr) {
-    CKPT_RETURN_IF_ERROR(DrainAndForget(old, absl::Now() + options_.drain_timeout));
+    CKPT_RETURN_IF_ERROR(
+        DrainAndForget(old, std::min(absl::Now() + options_.drain_timeout, req.deadline)));
   }
+  CKPT_RETURN_IF_ERROR(caller_gone());
 
-  // 5. Create the job if it is new, in the tiers first: check and creation
-  //    are one step (ClaimJob, JobOwners::Claim: two uids racing for a new
-  //    id, the second is refused). Then persist the rank's table; take a fresh generation.
-  //    LayerCheck's reference learning rate carries over in the latest
-  //    event. These records stay above the index's free-space floor too.
-  CKPT_RETURN_IF_ERROR(disk_.CheckIndexRoom(r->table.ByteSizeLong() + 4096));
-  if (!local_owner.has_value()) CKPT_RETURN_IF_ERROR(ClaimInTiers(r->job, owner));
-  CKPT_RETURN_IF_ERROR(owners_.Claim(r->job, owner));
-  CKPT_ASSIGN_OR_RETURN(r->generation, index_->NextGeneration());
-  r->table.set_generation(r->generation);
-  CKPT_RETURN_IF_ERROR(index_->PutRank(r->job, r->rank, r->table));
-  CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(r->job, r->rank, ~uint64_t{0}));
-  const uint64_t durable = last_event.has_value() ? last_event->first : 0;
-  std::vector<uint64_t> last_committed(n, 0);
-  std::vector<bool> never_persisted(n, true);
-  for (uint32_t l = 0; l < n; ++l) {
-    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(r->job, r->rank, l, durable));
-    never_persisted[l] = !v.has_value();
-    if (v.has_value()) last_committed[l] = v->first;
-  }
-  {
-    absl::MutexLock rank_lock(&r->mu);
-    if (r->layercheck != nullptr && last_event.has_value()) {
-      r->layercheck->RaiseLrReference(last_event->second.layercheck_lr_ref());
-    }
-    r->last_step_seen = durable;
-    r->snapshot_step = durable;
-    r->durable_step = durable;
-    r->last_committed = std::move(last_committed);
-    r->never_persisted = std::move(never_persisted);
-  }
+  // 5. The job if it is new and the rank's table (CreateRankRecords); then
+  //    the rank's steps so far, from the index. LayerCheck's reference
+  //    learning rate carries over in the latest event.
+  CKPT_RETURN_IF_ERROR(CreateRankRecords(r.get(), local_owner.has_value(), owner));
+  CKPT_ASSIGN_OR_RETURN(const uint64_t durable, ResumeFromIndex(r, req.deadline));
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
   // 6. Publish the rank.

@@ -168,7 +168,14 @@ absl::Status Engine::DeleteJobHistory(const std::string& job, JobDeleted* out) {
         out->bytes += it->second.file_bytes();
       }
     }
-    if (s.ok()) s = index_->DeleteRank(job, rank);
+    if (s.ok()) {
+      absl::StatusOr<std::optional<store::RankRecord>> table = index_->GetRank(job, rank);
+      s = table.status();
+      if (s.ok()) s = index_->DeleteRank(job, rank);
+      if (s.ok() && table->has_value()) {
+        quota_.ReleaseIndex(QuotaOwner{h->owner, job}, RankIndexBytes(**table));
+      }
+    }
     if (s.ok()) s = store_->RemoveRankDir(job, rank, {kDriftTraceFile});
     if (!s.ok()) break;
     ++out->ranks;
@@ -203,6 +210,7 @@ absl::StatusOr<JobDeleted> Engine::DeleteJob(const std::string& job, const Calle
     return s;
   }
   if (Metrics* m = options_.metrics) m->Inc(Counter::kJobsDeleted);
+  IgnoreError(index_->CompactJob(job), "compaction only speeds up later lookups");
   memory_tier_.DropJob(job);
   // Its copies in the tiers stay (docs/remote.md); this node stops copying it.
   for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->ForgetJob(job);

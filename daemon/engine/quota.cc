@@ -194,6 +194,19 @@ void QuotaTable::ReleaseVersion(const QuotaOwner& owner, uint64_t file_bytes) {
   ChargeLocked(owner, -1, file_bytes, kVersionIndexBytes);
 }
 
+absl::Status QuotaTable::ReserveIndex(const QuotaOwner& owner, uint64_t index_bytes,
+                                      QuotaKind* refused) {
+  absl::MutexLock lock(&mu_);
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(owner, 0, index_bytes, refused));
+  ChargeLocked(owner, +1, 0, index_bytes);
+  return absl::OkStatus();
+}
+
+void QuotaTable::ReleaseIndex(const QuotaOwner& owner, uint64_t index_bytes) {
+  absl::MutexLock lock(&mu_);
+  ChargeLocked(owner, -1, 0, index_bytes);
+}
+
 void QuotaTable::ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) {
   absl::MutexLock lock(&mu_);
   ChargeLocked(owner, -1, 0, event_bytes);

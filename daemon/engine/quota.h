@@ -128,6 +128,12 @@ class QuotaTable {
   // quota or the job's disk quota; nothing is reserved then.
   absl::Status ReserveVersion(const QuotaOwner& owner, uint64_t file_bytes,
                               QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // Reserves index bytes of a record other than a version or an event (a
+  // rank's table); RESOURCE_EXHAUSTED (kQuota) when they would pass the
+  // uid's index or disk quota or the job's disk quota.
+  absl::Status ReserveIndex(const QuotaOwner& owner, uint64_t index_bytes,
+                            QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseIndex(const QuotaOwner& owner, uint64_t index_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Gives back a version (failed commit, GC) or an event (GC).
   void ReleaseVersion(const QuotaOwner& owner, uint64_t file_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) ABSL_LOCKS_EXCLUDED(mu_);

@@ -33,6 +33,11 @@ store::LayerFileHeader HeaderTemplateOf(const std::string& job, uint32_t rank,
   return header;
 }
 
+uint64_t RankIndexBytes(const store::RankRecord& table) {
+  constexpr uint64_t kRecordOverhead = 512;  // the key and RocksDB's own bytes
+  return table.ByteSizeLong() + kRecordOverhead;
+}
+
 store::LayerSpec TableEntryOf(const LayerDesc& layer) {
   store::LayerSpec out;
   out.set_id(layer.id);
@@ -169,6 +174,7 @@ absl::Status ValidateRegistration(const Registration& req,
   // hold millions of tensors.
   std::vector<TensorSpan> spans;
   std::set<std::string> layer_names;
+  uint64_t table_bytes = 0;
   for (size_t li = 0; li < req.layers.size(); ++li) {
     const LayerDesc& layer = req.layers[li];
     CKPT_RETURN_IF_ERROR(ValidateLayer(req, li, limits, &layer_names));
@@ -212,6 +218,13 @@ absl::Status ValidateRegistration(const Registration& req,
       spans.emplace_back(t.region, t.offset, t.offset + t.nbytes, li, ti);
     }
     CKPT_RETURN_IF_ERROR(CheckLayerFits(req, layer, where, limits));
+    table_bytes += TableEntryOf(layer).ByteSizeLong();
+    if (table_bytes > limits.max_table_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the rank's table reaches ", table_bytes, " bytes at layer ", li,
+                       ", more than max_registration_table_bytes (", limits.max_table_bytes,
+                       "): fewer layers or tensors, or shorter names"));
+    }
   }
   return CheckNoOverlaps(req, std::move(spans));
 }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "daemon/common/tensor_types.h"
 #include "daemon/gpu/ipc_memory.h"
 #include "daemon/policy/layercheck.h"
@@ -76,6 +77,10 @@ struct Registration {
   std::vector<LayerDesc> layers;
   RegistrationPolicy policy;
   std::optional<GpuHandover> gpu;  // instead of host regions
+  // When the caller stops waiting (its call's deadline): Register gives up
+  // with DEADLINE_EXCEEDED between its steps, rather than work on for a
+  // caller that has gone.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 // What a successful registration returns.
@@ -90,10 +95,16 @@ struct RegistrationLimits {
   uint32_t max_tensors_per_layer = 4096;
   uint32_t max_world_size = 1 << 20;
   uint64_t max_layer_file_bytes = 0;  // the staging pool budget
+  // The rank's table as the index stores it (every layer's and tensor's
+  // name, shape, role, ...): a bound per registration, whose bytes also
+  // count against the owner's index quota.
+  uint64_t max_table_bytes = uint64_t{8} << 20;
 };
 
 // The layer's entry in the rank's stored table (index: the rank record).
 store::LayerSpec TableEntryOf(const LayerDesc& layer);
+// What a rank's stored table counts for in its owner's index quota.
+uint64_t RankIndexBytes(const store::RankRecord& table);
 // The header every version file of the layer starts from (format.h): the
 // job, rank, layer and its tensors; step, generation, checksums and
 // offsets are filled per version.

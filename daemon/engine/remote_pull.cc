@@ -7,6 +7,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/validate.h"
+#include "daemon/engine/registration.h"
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/remote_tier_internal.h"
 #include "daemon/remote/remote_layout.h"
@@ -237,8 +238,11 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   Index* const index = deps_.index;
   CKPT_RETURN_IF_ERROR(deps_.owners->Claim(job, pull->owner));
   CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index->GetRank(job, rank));
-  if (!table.has_value())
+  uint64_t table_bytes = 0;  // what it counts for in the owner's index quota
+  if (!table.has_value()) {
     CKPT_RETURN_IF_ERROR(index->PutRank(job, rank, pull->usable.front().table()));
+    table_bytes = RankIndexBytes(pull->usable.front().table());
+  }
   std::vector<std::pair<uint64_t, store::EventRecord>> events;
   uint64_t event_bytes = 0;
   for (auto it = pull->usable.rbegin(); it != pull->usable.rend(); ++it) {
@@ -246,7 +250,7 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
     event_bytes += EventIndexBytes(it->event().aux().size());
   }
   CKPT_RETURN_IF_ERROR(index->PutEvents(job, rank, events));
-  deps_.quota->Seed(QuotaOwner{pull->owner, job}, 0, event_bytes);
+  deps_.quota->Seed(QuotaOwner{pull->owner, job}, 0, event_bytes + table_bytes);
   // The steps are durable here now. A version no usable step names (of a
   // manifest that turned out unusable) goes again: left in the index, a
   // later plan could pick it up.

@@ -148,6 +148,7 @@ class TrainerService final : public v1::Trainer::Service {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->handover_token(), c.uid));
           }
           CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
+          registration.deadline = DeadlineOf(*ctx);
           std::vector<UniqueFd> fds = claim.TakeFds();
           CKPT_ASSIGN_OR_RETURN(
               Registered registered,

@@ -63,6 +63,17 @@ TEST_F(EnginePipelineTest, RegistrationsPerUidAreCapped) {
   CKPT_EXPECT_OK(Register(&c).status());
 }
 
+// What a first registration `req`'s table counts for in the index quota.
+uint64_t TableBytes(const Registration& req) {
+  store::RankRecord table;
+  for (const LayerDesc& layer : req.layers) {
+    *table.add_layers() = TableEntryOf(layer);
+  }
+  table.set_world_size(1);
+  table.set_generation(1);  // one byte, as every generation below 128
+  return RankIndexBytes(table);
+}
+
 // Regression: aux blobs went into the index with no bound, so one user could
 // grow it without limit. Uid A floods 16 KiB aux blobs against an index quota
 // of four steps' records: its fifth step is refused with RESOURCE_EXHAUSTED
@@ -71,8 +82,9 @@ TEST_F(EnginePipelineTest, RegistrationsPerUidAreCapped) {
 TEST_F(EnginePipelineTest, IndexQuotaOfOneUidLeavesAnotherUidsStepsDurable) {
   constexpr size_t kAux = 16 << 10;
   constexpr uint64_t kPerStep = kAux + kEventIndexOverhead + kVersionIndexBytes;  // 1 layer
+  const uint64_t kTable = TableBytes(RegistrationOf(MakeRank("flood", 1)));  // charged at Register
   EngineOptions o = OneWriter();
-  o.max_index_bytes_per_uid = 4 * kPerStep;
+  o.max_index_bytes_per_uid = 4 * kPerStep + kTable;
   o.max_disk_bytes_per_uid = uint64_t{1} << 40;
   Metrics metrics;
   o.metrics = &metrics;
@@ -86,10 +98,11 @@ TEST_F(EnginePipelineTest, IndexQuotaOfOneUidLeavesAnotherUidsStepsDurable) {
     CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurableAs(kUidA, a, t));
     EXPECT_EQ(durable, t);
   }
-  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep);
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep + kTable);
   const absl::Status refused = StepDoneAs(kUidA, a, 5, kAux);
   EXPECT_TRUE(IsQuota(refused, "max_index_bytes_per_uid")) << refused;
-  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep) << "nothing was charged";
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 4 * kPerStep + kTable)
+      << "nothing was charged";
   // A small aux blob does not fit either: the quota is full.
   EXPECT_TRUE(IsQuota(StepDoneAs(kUidA, a, 5, 0), "max_index_bytes_per_uid"));
 
@@ -106,9 +119,65 @@ TEST_F(EnginePipelineTest, IndexQuotaOfOneUidLeavesAnotherUidsStepsDurable) {
   EXPECT_EQ(last_b->first, 4u);
   const std::string scrape = (engine_->CollectMetrics(), metrics.Scrape());
   EXPECT_NE(scrape.find("ckpt_quota_refused_total{kind=\"index\"} 2"), std::string::npos) << scrape;
-  EXPECT_NE(scrape.find(absl::StrCat("ckpt_uid_index_limit_bytes ", 4 * kPerStep)),
+  EXPECT_NE(scrape.find(absl::StrCat("ckpt_uid_index_limit_bytes ", 4 * kPerStep + kTable)),
             std::string::npos)
       << scrape;
+}
+
+// A rank's table is a record of the index like any other: its bytes count
+// against its owner's index quota from Register on (a registration that
+// would pass it is refused, naming the quota), a new table replaces the old
+// one's charge, and deleting the job gives it back. A table past
+// max_registration_table_bytes is refused before anything is written (two
+// uncharged 59 MiB tables once slowed every other user's Register 40-fold).
+TEST_F(EnginePipelineTest, RankTablesCountAgainstTheIndexQuota) {
+  EngineOptions o = OneWriter();
+  const uint64_t kTable = TableBytes(RegistrationOf(MakeRank("tables", 4)));
+  o.max_index_bytes_per_uid = kTable + kTable / 2;
+  o.limits.max_table_bytes = 4 * kTable;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank r = MakeRank("tables", 4);
+  CKPT_ASSERT_OK(Register(&r, Caller(), kUidA).status());
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, kTable);
+  CKPT_ASSERT_OK(Register(&r, Caller(), kUidA).status());  // the same rank again
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, kTable) << "the old table's charge went";
+  TestRank second = MakeRank("tables-2", 4);
+  const absl::StatusOr<Registered> over = Register(&second, Caller(), kUidA);
+  EXPECT_TRUE(IsQuota(over.status(), "max_index_bytes_per_uid")) << over.status();
+  CKPT_ASSERT_OK_AND_ASSIGN(auto none, index_->GetJob("tables-2"));
+  EXPECT_FALSE(none.has_value()) << "a refused registration leaves no job";
+  // Too large a table, whatever the quota.
+  TestRank wide = MakeRank("wide", 4);
+  Registration big = RegistrationOf(wide);
+  for (size_t l = 0; l < big.layers.size(); ++l) {
+    big.layers[l].name = std::string(1000, 'n') + std::to_string(l);
+  }
+  std::vector<UniqueFd> wide_fds;
+  wide_fds.emplace_back(::dup(wide.region.fd()));
+  absl::StatusOr<Registered> refused =
+      engine_->Register(big, std::move(wide_fds), Caller{kUidB, 0});
+  CKPT_EXPECT_CODE(refused, kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("max_registration_table_bytes"), std::string::npos)
+      << refused.status();
+  CKPT_ASSERT_OK(
+      engine_->Unregister(Ref(r), /*drain=*/true, Caller{kUidA, 0}, absl::Now() + kWait));
+  CKPT_ASSERT_OK(engine_->DeleteJob("tables", Caller{kUidA, 0}).status());
+  EXPECT_EQ(engine_->quota_usage(kUidA).index_bytes, 0u) << "the deleted job's table went";
+}
+
+// A registration whose caller has stopped waiting ends there: nothing is
+// written for it.
+TEST_F(EnginePipelineTest, RegisterPastItsCallersDeadlineWritesNothing) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("late", 2);
+  Registration req = RegistrationOf(r);
+  req.deadline = absl::Now() - absl::Seconds(1);
+  std::vector<UniqueFd> fds;
+  fds.emplace_back(::dup(r.region.fd()));
+  CKPT_EXPECT_CODE(engine_->Register(req, std::move(fds), Caller{kUidA, 0}), kDeadlineExceeded);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto none, index_->GetJob("late"));
+  EXPECT_FALSE(none.has_value());
+  EXPECT_EQ(engine_->RanksHeld(), 0u);
 }
 
 // The disk quota counts layer files too: uid A's third version passes it and
