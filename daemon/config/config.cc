@@ -306,7 +306,7 @@ const std::vector<Option>& Options() {
           "by default, since it lists every user's jobs: bind 0.0.0.0 (or one interface) to "
           "let a remote Prometheus scrape it",
           CKPT_FIELD(metrics_address)),
-      Num("max_layer_series", "cap on per-layer metric series (job, rank, layer) exported",
+      Num("max_layer_series", "cap on per-layer metric series, shared fairly among uids",
           CKPT_FIELD(max_layer_series), 0),
       Num("memory_tier_bytes",
           "staging-pool bytes that keep the newest committed version of each layer in memory, "

@@ -283,7 +283,7 @@ void Engine::CollectLagLocked(Metrics* m) {
               ? static_cast<double>(r->durable_step - r->last_committed[l])
               : 0.0;
       const double drift = r->layercheck != nullptr ? r->layercheck->accumulated(l) : 0.0;
-      m->SetLayer(r->job, r->rank, l, staleness, drift);
+      m->SetLayer(r->job, r->rank, l, r->uid, staleness, drift);
     }
   }
   m->Set(Gauge::kDurabilityLagBytes, lag_bytes);

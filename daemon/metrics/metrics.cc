@@ -1,5 +1,6 @@
 #include "daemon/metrics/metrics.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <iterator>
@@ -215,46 +216,102 @@ void Metrics::Observe(Histogram h, double seconds) {
   histograms_[static_cast<size_t>(h)]->Observe(seconds);
 }
 
-void Metrics::SetLayer(const std::string& job, uint32_t rank, uint32_t layer, double staleness,
-                       double accumulated_drift) {
+void Metrics::SetLayer(const std::string& job, uint32_t rank, uint32_t layer, uint32_t uid,
+                       double staleness, double accumulated_drift) {
   absl::MutexLock lock(&mu_);
-  auto& rank_layers = layers_[LayerKey(job, rank)];
-  auto it = rank_layers.find(layer);
-  if (it == rank_layers.end()) {
-    if (layer_series_ >= max_layer_series_) {
-      if (rank_layers.empty()) layers_.erase(LayerKey(job, rank));
-      CountDropped();
+  auto found = layers_.find(LayerKey(job, rank));
+  if (found != layers_.end() && found->second.uid != uid) {
+    RemoveRankLocked(found);  // the job id now belongs to another uid
+    found = layers_.end();
+  }
+  if (found != layers_.end()) {
+    auto it = found->second.layers.find(layer);
+    if (it != found->second.layers.end()) {
+      it->second.staleness->Set(staleness);
+      it->second.drift->Set(accumulated_drift);
       return;
     }
-    const prometheus::Labels labels = {
-        {"ckpt_job", job}, {"rank", absl::StrCat(rank)}, {"layer", absl::StrCat(layer)}};
-    LayerSeries s;
-    s.staleness = &gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)]->Add(labels);
-    s.drift = &gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)]->Add(labels);
-    it = rank_layers.emplace(layer, s).first;
-    ++layer_series_;
   }
-  it->second.staleness->Set(staleness);
-  it->second.drift->Set(accumulated_drift);
+  if (layer_series_ >= max_layer_series_ && !TakeFairShareLocked(uid)) {
+    CountDropped();
+    return;
+  }
+  RankSeries& rank_series = layers_[LayerKey(job, rank)];  // TakeFairShareLocked may erase
+  rank_series.uid = uid;
+  const prometheus::Labels labels = {
+      {"ckpt_job", job}, {"rank", absl::StrCat(rank)}, {"layer", absl::StrCat(layer)}};
+  LayerSeries s;
+  s.staleness = &gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)]->Add(labels);
+  s.drift = &gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)]->Add(labels);
+  s.staleness->Set(staleness);
+  s.drift->Set(accumulated_drift);
+  rank_series.layers.emplace(layer, s);
+  ++layer_series_;
+  ++uid_series_[uid];
+}
+
+bool Metrics::TakeFairShareLocked(uint32_t uid) {
+  if (max_layer_series_ == 0) return false;
+  auto mine = uid_series_.find(uid);
+  const size_t held = mine == uid_series_.end() ? 0 : mine->second;
+  const size_t holders = uid_series_.size() + (mine == uid_series_.end() ? 1 : 0);
+  if (held >= max_layer_series_ / holders) return false;
+  // The budget is full and `uid` is under an equal share, so another uid is
+  // over it: the one holding the most gives up its largest rank's highest
+  // layer.
+  auto richest = uid_series_.begin();
+  for (auto it = uid_series_.begin(); it != uid_series_.end(); ++it) {
+    if (it->second > richest->second) richest = it;
+  }
+  auto largest = layers_.end();
+  for (auto it = layers_.begin(); it != layers_.end(); ++it) {
+    if (it->second.uid == richest->first &&
+        (largest == layers_.end() || it->second.layers.size() > largest->second.layers.size())) {
+      largest = it;
+    }
+  }
+  if (largest == layers_.end() || largest->second.layers.empty()) return false;
+  auto victim = std::prev(largest->second.layers.end());
+  RemoveSeriesLocked(victim->second);
+  largest->second.layers.erase(victim);
+  if (largest->second.layers.empty()) layers_.erase(largest);
+  --layer_series_;
+  if (--richest->second == 0) uid_series_.erase(richest);
+  return true;
+}
+
+void Metrics::RemoveSeriesLocked(const LayerSeries& s) {
+  gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)]->Remove(s.staleness);
+  gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)]->Remove(s.drift);
 }
 
 void Metrics::RemoveRank(const std::string& job, uint32_t rank) {
   absl::MutexLock lock(&mu_);
   auto it = layers_.find(LayerKey(job, rank));
-  if (it == layers_.end()) return;
-  auto* staleness = gauge_families_[static_cast<size_t>(Gauge::kLayerStalenessSteps)];
-  auto* drift = gauge_families_[static_cast<size_t>(Gauge::kLayerAccumulatedDrift)];
-  for (const auto& [layer, s] : it->second) {
-    staleness->Remove(s.staleness);
-    drift->Remove(s.drift);
+  if (it != layers_.end()) RemoveRankLocked(it);
+}
+
+void Metrics::RemoveRankLocked(std::map<LayerKey, RankSeries>::iterator it) {
+  for (const auto& [layer, s] : it->second.layers) RemoveSeriesLocked(s);
+  const size_t n = it->second.layers.size();
+  layer_series_ -= n;
+  auto owner = uid_series_.find(it->second.uid);
+  if (owner != uid_series_.end()) {
+    owner->second -= std::min(owner->second, n);
+    if (owner->second == 0) uid_series_.erase(owner);
   }
-  layer_series_ -= it->second.size();
   layers_.erase(it);
 }
 
 size_t Metrics::layer_series() const {
   absl::MutexLock lock(&mu_);
   return layer_series_;
+}
+
+size_t Metrics::layer_series_of(uint32_t uid) const {
+  absl::MutexLock lock(&mu_);
+  auto it = uid_series_.find(uid);
+  return it == uid_series_.end() ? 0 : it->second;
 }
 
 void Metrics::SetCollectHook(std::function<void()> hook) {

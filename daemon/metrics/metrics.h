@@ -11,10 +11,14 @@
 // Cardinality is bounded. Labelled families other than the per-layer ones hold
 // at most kMaxSeriesPerLabelledFamily label values; the per-layer family
 // (ckpt_layer_staleness_steps, ckpt_layer_accumulated_drift, labels ckpt_job, rank,
-// layer) holds at most `max_layer_series` (job, rank, layer) triples. Each
-// update that would create a series beyond a cap is dropped and counted in
-// ckpt_metric_series_dropped_total (so the counter keeps rising while the cap
-// is hit). RemoveRank() frees a rank's triples.
+// layer) holds at most `max_layer_series` (job, rank, layer) triples, shared
+// fairly among the uids owning the ranks: once the budget is full, a uid
+// holding fewer than an equal share (the budget over the uids holding series,
+// itself included) takes a series from the uid holding the most, so one
+// user's huge registration cannot leave another's layers without any. Each
+// update that would create a series beyond a cap or share is dropped and
+// counted in ckpt_metric_series_dropped_total (so the counter keeps rising
+// while it is hit). RemoveRank() frees a rank's triples.
 //
 // Thread-safety: all public methods are thread-safe. Inc/Set/Observe on
 // unlabelled metrics are lock-free (prometheus-cpp atomics); labelled updates
@@ -185,14 +189,17 @@ class Metrics {
   void Observe(Histogram h, double seconds);
 
   // Sets ckpt_layer_staleness_steps and ckpt_layer_accumulated_drift of one
-  // (job, rank, layer). A triple beyond max_layer_series is dropped and
-  // counted.
-  void SetLayer(const std::string& job, uint32_t rank, uint32_t layer, double staleness,
-                double accumulated_drift);
+  // (job, rank, layer) of a rank owned by `uid`. A new triple beyond
+  // max_layer_series is dropped and counted, unless `uid` holds less than an
+  // equal share: then the uid holding the most gives up its rank's highest
+  // layer for it.
+  void SetLayer(const std::string& job, uint32_t rank, uint32_t layer, uint32_t uid,
+                double staleness, double accumulated_drift);
   // Removes every per-layer series of (job, rank), e.g. when it unregisters.
   void RemoveRank(const std::string& job, uint32_t rank);
-  // Number of (job, rank, layer) triples held now.
+  // Number of (job, rank, layer) triples held now, in all and by `uid`.
   size_t layer_series() const;
+  size_t layer_series_of(uint32_t uid) const;
 
   // `hook` runs before every scrape (HTTP or Scrape()), serialized, so cheap
   // gauges (pool usage, queue depth, disk usage) can be read on demand instead
@@ -218,9 +225,19 @@ class Metrics {
     prometheus::Gauge* staleness;
     prometheus::Gauge* drift;
   };
+  struct RankSeries {
+    uint32_t uid = 0;
+    std::map<uint32_t, LayerSeries> layers;
+  };
 
   void BeforeScrape();
   void CountDropped();
+  // Frees one series of the uid holding the most, when `uid` holds less than
+  // an equal share of the full budget; false when it does not.
+  bool TakeFairShareLocked(uint32_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveSeriesLocked(const LayerSeries& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveRankLocked(std::map<LayerKey, RankSeries>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The series of a labelled family for `label_value`, created on first use
   // while the family holds fewer than kMaxSeriesPerLabelledFamily; nullptr
   // beyond.
@@ -247,8 +264,9 @@ class Metrics {
       ABSL_GUARDED_BY(mu_);
   std::array<std::map<std::string, prometheus::Gauge*>, kNumGauges> labelled_gauges_
       ABSL_GUARDED_BY(mu_);
-  std::map<LayerKey, std::map<uint32_t, LayerSeries>> layers_ ABSL_GUARDED_BY(mu_);
+  std::map<LayerKey, RankSeries> layers_ ABSL_GUARDED_BY(mu_);
   size_t layer_series_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint32_t, size_t> uid_series_ ABSL_GUARDED_BY(mu_);  // no entry at 0
 
   absl::Mutex hook_mu_;  // serializes scrapes and guards the hook
   std::function<void()> hook_ ABSL_GUARDED_BY(hook_mu_);

@@ -51,13 +51,15 @@ std::vector<std::string> Samples(const std::string& text, const std::string& nam
   return out;
 }
 
+constexpr uint32_t kUid = 1000;  // the owner of the ranks of most tests
+
 // Gives every labelled family at least one series, so that every family of
 // the table appears in a scrape.
 void PopulateLabelled(Metrics* m) {
   m->Set(Gauge::kIoBackendInfo, "io_uring", 1);
   m->Set(Gauge::kUidDiskUsedBytes, "1000", 4096);
   m->Set(Gauge::kUidIndexUsedBytes, "1000", 512);
-  m->SetLayer("job-a", 0, 0, 2, 0.5);
+  m->SetLayer("job-a", 0, 0, /*uid=*/1000, 2, 0.5);
 }
 
 // A plain HTTP/1.0 GET of `path` on 127.0.0.1:port; the whole response, or ""
@@ -225,10 +227,11 @@ TEST(MetricsTest, LabelledFamilyIsCapped) {
 
 TEST(MetricsTest, LayerSeriesAreCappedAndCounted) {
   Metrics m(/*max_layer_series=*/4);
-  for (uint32_t layer = 0; layer < 6; ++layer) m.SetLayer("job", 0, layer, layer, 0.25 * layer);
+  for (uint32_t layer = 0; layer < 6; ++layer)
+    m.SetLayer("job", 0, layer, kUid, layer, 0.25 * layer);
   EXPECT_EQ(m.layer_series(), 4u);
-  m.SetLayer("job", 0, 3, 7, 1.5);    // an existing triple is updated at the cap
-  m.SetLayer("other", 1, 0, 1, 0.0);  // a new one is not
+  m.SetLayer("job", 0, 3, kUid, 7, 1.5);    // an existing triple is updated at the cap
+  m.SetLayer("other", 1, 0, kUid, 1, 0.0);  // a new one of the same uid is not
   EXPECT_EQ(m.layer_series(), 4u);
   const std::string text = m.Scrape();
   EXPECT_EQ(Samples(text, "ckpt_layer_staleness_steps").size(), 4u);
@@ -243,11 +246,51 @@ TEST(MetricsTest, LayerSeriesAreCappedAndCounted) {
   EXPECT_TRUE(absl::StrContains(text, "\nckpt_metric_series_dropped_total 3\n"));
 }
 
+// Regression: a stale 65,536-layer registration took all 4,096 per-layer
+// series, and another user's layers got none. The budget is shared per uid:
+// a uid under an equal share takes series from the uid holding the most, and
+// one at its share takes none, so the shares settle instead of flapping.
+TEST(MetricsTest, LayerSeriesAreSharedFairlyAmongUids) {
+  constexpr uint32_t kHog = 4243, kVictim = 4242, kThird = 4244;
+  Metrics m(/*max_layer_series=*/64);
+  for (uint32_t layer = 0; layer < 1000; ++layer) m.SetLayer("hog", 0, layer, kHog, 1, 0);
+  EXPECT_EQ(m.layer_series_of(kHog), 64u);
+  for (uint32_t layer = 0; layer < 10; ++layer) m.SetLayer("victim", 0, layer, kVictim, 2, 0);
+  EXPECT_EQ(m.layer_series_of(kVictim), 10u) << "under its share of 32, it gets all it needs";
+  EXPECT_EQ(m.layer_series_of(kHog), 54u);
+  for (uint32_t layer = 0; layer < 100; ++layer) m.SetLayer("third", 0, layer, kThird, 3, 0);
+  EXPECT_EQ(m.layer_series_of(kThird), 64u / 3);
+  EXPECT_EQ(m.layer_series_of(kVictim), 10u);
+  EXPECT_EQ(m.layer_series_of(kHog), 64u - 10 - 64 / 3);
+  EXPECT_EQ(m.layer_series(), 64u);
+  // A second scrape's updates change nothing: the shares are stable.
+  for (int round = 0; round < 2; ++round) {
+    for (uint32_t layer = 0; layer < 1000; ++layer) m.SetLayer("hog", 0, layer, kHog, 1, 0);
+    for (uint32_t layer = 0; layer < 100; ++layer) m.SetLayer("third", 0, layer, kThird, 3, 0);
+    for (uint32_t layer = 0; layer < 10; ++layer) m.SetLayer("victim", 0, layer, kVictim, 2, 0);
+  }
+  EXPECT_EQ(m.layer_series_of(kVictim), 10u);
+  EXPECT_EQ(m.layer_series_of(kThird), 64u / 3);
+  const std::string text = m.Scrape();
+  EXPECT_EQ(Samples(text, "ckpt_layer_staleness_steps").size(), 64u);
+  for (uint32_t layer = 0; layer < 10; ++layer) {
+    EXPECT_TRUE(absl::StrContains(
+        text, absl::StrCat("ckpt_layer_staleness_steps{ckpt_job=\"victim\",layer=\"", layer,
+                           "\",rank=\"0\"} 2\n")))
+        << layer;
+  }
+  // Once the hog unregisters, the others may grow into the whole budget.
+  m.RemoveRank("hog", 0);
+  for (uint32_t layer = 0; layer < 100; ++layer) m.SetLayer("third", 0, layer, kThird, 3, 0);
+  EXPECT_EQ(m.layer_series_of(kThird), 64u - 10);
+  EXPECT_EQ(m.layer_series_of(kHog), 0u);
+}
+
 TEST(MetricsTest, RemoveRankRemovesItsSeriesAndFreesTheCap) {
   Metrics m(/*max_layer_series=*/4);
   for (uint32_t layer = 0; layer < 2; ++layer) {
-    m.SetLayer("job", 0, layer, 1, 0);
-    m.SetLayer("job", 1, layer, 2, 0);
+    m.SetLayer("job", 0, layer, kUid, 1, 0);
+    m.SetLayer("job", 1, layer, kUid, 2, 0);
   }
   EXPECT_EQ(m.layer_series(), 4u);
   m.RemoveRank("job", 0);
@@ -256,8 +299,8 @@ TEST(MetricsTest, RemoveRankRemovesItsSeriesAndFreesTheCap) {
   std::string text = m.Scrape();
   EXPECT_FALSE(absl::StrContains(text, "rank=\"0\""));
   EXPECT_EQ(Samples(text, "ckpt_layer_staleness_steps").size(), 2u);
-  m.SetLayer("job2", 0, 0, 3, 0);
-  m.SetLayer("job2", 0, 1, 3, 0);
+  m.SetLayer("job2", 0, 0, kUid, 3, 0);
+  m.SetLayer("job2", 0, 1, kUid, 3, 0);
   EXPECT_EQ(m.layer_series(), 4u);
   m.RemoveRank("job", 1);
   m.RemoveRank("job2", 0);
@@ -323,7 +366,7 @@ TEST(MetricsTest, ConcurrentUpdatesAndScrapes) {
         m.Inc(Counter::kVersionsStaged);
         m.Inc(Counter::kErrors, i % 2 ? "write" : "read", 1);
         m.Observe(Histogram::kCommitSeconds, 0.001 * (i % 10));
-        m.SetLayer("job", t, i % 8, i, 0.1);
+        m.SetLayer("job", t, i % 8, kUid, i, 0.1);
         if (i % 100 == 99) m.RemoveRank("job", t);
       }
     });
