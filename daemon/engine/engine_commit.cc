@@ -74,7 +74,7 @@ void Engine::FinishCommit(std::unique_ptr<WriteTask> task, bool reserved,
   std::shared_ptr<RankState> r = std::move(task->rank);
   if (rec.ok() && memory_tier_.enabled()) {
     // The committed image stays in memory for restores (memory_tier.h).
-    memory_tier_.Put(RankKey(r->job, r->rank), layer, step, rec->file(),
+    memory_tier_.Put(RankKey(r->job, r->rank), layer, step, rec->file(), r->uid,
                      std::move(task->version.lease));
   }
   task.reset();  // returns the staging chunks (those the memory tier did not keep)

@@ -1,6 +1,7 @@
 #include "daemon/engine/memory_tier.h"
 
 #include <iterator>
+#include <optional>
 #include <vector>
 
 namespace ckpt {
@@ -8,20 +9,36 @@ namespace ckpt {
 std::map<MemoryTier::Key, MemoryTier::Entry>::iterator MemoryTier::EraseLocked(
     std::map<Key, Entry>::iterator it, std::vector<std::shared_ptr<const StagingLease>>* out) {
   bytes_ -= it->second.bytes;
-  by_stamp_.erase(it->second.stamp);
+  auto owner = uids_.find(it->second.uid);
+  owner->second.bytes -= it->second.bytes;
+  owner->second.by_stamp.erase(it->second.stamp);
+  if (owner->second.by_stamp.empty()) uids_.erase(owner);
   out->push_back(std::move(it->second.image));
   return entries_.erase(it);
 }
 
-void MemoryTier::EvictLocked(uint64_t target,
+void MemoryTier::EvictLocked(uint64_t target, std::optional<uint32_t> storing,
                              std::vector<std::shared_ptr<const StagingLease>>* out) {
-  while (bytes_ > target && !by_stamp_.empty()) {
-    EraseLocked(entries_.find(by_stamp_.begin()->second), out);
+  while (bytes_ > target && !uids_.empty()) {
+    // The uid holding the most; of equals, the one storing (it may not take
+    // an equal's room), else the one with the oldest entry.
+    auto richest = uids_.begin();
+    for (auto it = std::next(uids_.begin()); it != uids_.end(); ++it) {
+      const uint64_t mine = it->second.bytes, best = richest->second.bytes;
+      if (mine != best) {
+        if (mine > best) richest = it;
+      } else if (richest->first != storing &&
+                 (it->first == storing ||
+                  it->second.by_stamp.begin()->first < richest->second.by_stamp.begin()->first)) {
+        richest = it;
+      }
+    }
+    EraseLocked(entries_.find(richest->second.by_stamp.begin()->second), out);
   }
 }
 
 void MemoryTier::Put(const RankKey& rank, uint32_t layer, uint64_t step, const std::string& file,
-                     StagingLease image) {
+                     uint32_t uid, StagingLease image) {
   std::vector<std::shared_ptr<const StagingLease>> released;
   const uint64_t size = image.capacity();
   auto shared = std::make_shared<const StagingLease>(std::move(image));
@@ -37,14 +54,17 @@ void MemoryTier::Put(const RankKey& rank, uint32_t layer, uint64_t step, const s
     released.push_back(std::move(shared));  // too large to keep
     return;
   }
-  EvictLocked(budget_ - size, &released);
+  EvictLocked(budget_ - size, uid, &released);
   Entry& e = entries_[key];
   e.step = step;
   e.file = file;
   e.image = std::move(shared);
   e.bytes = size;
+  e.uid = uid;
   e.stamp = next_stamp_++;
-  by_stamp_[e.stamp] = key;
+  UidEntries& owner = uids_[uid];
+  owner.by_stamp[e.stamp] = key;
+  owner.bytes += size;
   bytes_ += size;
 }
 
@@ -59,7 +79,7 @@ std::shared_ptr<const StagingLease> MemoryTier::Find(const RankKey& rank, uint32
 void MemoryTier::Shrink(uint64_t bytes) {
   std::vector<std::shared_ptr<const StagingLease>> released;
   absl::MutexLock lock(&mu_);
-  EvictLocked(bytes_ > bytes ? bytes_ - bytes : 0, &released);
+  EvictLocked(bytes_ > bytes ? bytes_ - bytes : 0, std::nullopt, &released);
 }
 
 void MemoryTier::DropJob(const std::string& job) {
@@ -73,6 +93,12 @@ void MemoryTier::DropJob(const std::string& job) {
 uint64_t MemoryTier::bytes() const {
   absl::MutexLock lock(&mu_);
   return bytes_;
+}
+
+uint64_t MemoryTier::bytes_of(uint32_t uid) const {
+  absl::MutexLock lock(&mu_);
+  auto it = uids_.find(uid);
+  return it == uids_.end() ? 0 : it->second.bytes;
 }
 
 }  // namespace ckpt
