@@ -230,6 +230,16 @@ def check(cond, what):
     print("ok:", what)
 
 
+def wait_for(predicate, timeout_s, what):
+    """Polls `predicate` every 50 ms until it holds; fails naming `what`
+    after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError("timed out after %g s waiting for %s" % (timeout_s, what))
+        time.sleep(0.05)
+
+
 def tempdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("CKPT_TEST_TMP", "/tmp"))
 

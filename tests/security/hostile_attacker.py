@@ -5,7 +5,7 @@
 Repeats ATTACK until STOP_FILE exists (or 180 s pass), then prints one JSON
 line counting what ckptd answered. Only the standard library, except the
 attacks that go through ckptd's Python client (aux, big_register,
-registrations, held_descriptors). Exits non-zero only when ckptd answers something an attack
+registrations, held_descriptors, wide). Exits non-zero only when ckptd answers something an attack
 must never get (an accepted duplicate descriptor, a handover that is neither
 accepted nor refused, an unexpected error code).
 """
@@ -23,6 +23,7 @@ REPLY = struct.Struct("<II16s200s")
 CODES = {0: "OK", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 8: "RESOURCE_EXHAUSTED"}
 MAX_SECONDS = 180
 REGIONS_PER_RANK = 30  # held_descriptors: descriptors (and mappings) per registration
+WIDE_LAYERS = 1000  # wide: layers of the stale registration, above max_layer_series
 
 
 class Counter(dict):
@@ -262,6 +263,21 @@ def client_attack(name, sock, stop_file, started, client_dir):
                 c.add(e.code + (" max_registrations_per_uid"
                                 if "max_registrations_per_uid" in e.message else ""))
             i += 1
+        while not stopped(stop_file, started):
+            time.sleep(0.2)
+    elif name == "wide":
+        # One registration of more layers than max_layer_series, kept
+        # registered and never stepped (a stale job): each of its layers
+        # asks for a per-layer metric series at every scrape.
+        client = ckpt.Client(sock)
+        region = client.allocate_region(WIDE_LAYERS * 64)
+        register(client, {"job_id": "wide", "layers": [
+            {"name": "l%d" % i, "tensors": [{"name": "w", "shape": [16],
+                                             "region": region.index, "offset": i * 64}]}
+            for i in range(WIDE_LAYERS)]})
+        c.add("OK")
+        c.add("layers", WIDE_LAYERS)
+        open(stop_file + ".registered-wide", "w").close()
         while not stopped(stop_file, started):
             time.sleep(0.2)
     elif name == "held_descriptors":

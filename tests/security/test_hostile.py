@@ -13,6 +13,8 @@ process, until the victim is done:
   held_descriptors     registrations of 30 memfd regions each, kept alive
                        (a third uid): live registrations' descriptors and
                        mappings count against handover_max_fds_per_uid
+  wide                 a stale registration of 1,000 layers, more than
+                       max_layer_series: the victim's layers keep their series
   grpc_connections     2,000 idle connections to the gRPC socket
   handover_connections 200 idle connections to the handover socket
   handover_duplicates  one memfd listed 250 times per handover message
@@ -20,11 +22,14 @@ process, until the victim is done:
   handover_lies        headers announcing descriptors they do not carry
   verify               `ckptctl verify --deep` and `status`, 8 at a time
 
-While they run, ckptd's RSS, open descriptors and data-directory bytes are
-sampled every 0.1 s and must stay under bounds derived from the
-configuration (all printed). Afterwards: the victim kept every step, each
-attack was refused by the bound meant for it, ckptd gives back the
-attacker's descriptors, still serves, and stops cleanly.
+While they run, ckptd's RSS, open descriptors, mappings and data-directory
+bytes are sampled every 0.1 s, and each uid's disk and index bytes and the
+per-layer metric series at every scrape; all must stay under bounds derived
+from the configuration (all printed). Afterwards: the victim kept every
+step, each attack was refused by the bound meant for it, ckptd gives back
+the attacker's descriptors, still serves, and stops cleanly. Last, a third
+uid pushes three times the memory tier's budget through it: the victim's
+restore still comes from memory in full.
 
 Needs root and setpriv (two uids) and the Python client; exits 77 otherwise.
 """
@@ -68,12 +73,15 @@ BOUNDS = {
     "max_disk_bytes_per_uid": 96 * MiB,
     "max_queued_steps_per_rank": 8,
     "max_queued_steps_per_uid": 16,
+    "max_layer_series": 256,
+    "memory_tier_bytes": 8 * MiB,
 }
+VICTIM_LAYERS, VICTIM_LAYER_BYTES = 4, 64 << 10
 
 ATTACKS = [(ATTACKER, "aux"), (ATTACKER, "disk"), (ATTACKER, "big_register"), (ATTACKER, "registrations"),
            (FLOODER, "grpc_connections"), (FLOODER, "handover_connections"),
            (FLOODER, "handover_duplicates"), (FLOODER, "handover_pending"),
-           (FLOODER, "handover_lies"), (HOLDER, "held_descriptors")]
+           (FLOODER, "handover_lies"), (HOLDER, "held_descriptors"), (ATTACKER, "wide")]
 
 # What each attack must have been answered with at least once: the bound
 # that was meant for it (a code, or a code and the option it names).
@@ -95,6 +103,11 @@ def setpriv(uid):
 
 def open_fds(pid):
     return len(os.listdir("/proc/%d/fd" % pid))
+
+
+def mappings(pid):
+    with open("/proc/%d/maps" % pid) as f:
+        return sum(1 for _ in f)
 
 
 def verify_flood(d, stop_file):
@@ -122,6 +135,36 @@ def verify_flood(d, stop_file):
                 failed += 1
                 errors[err.strip()[-200:]] = errors.get(err.strip()[-200:], 0) + 1
         yield calls, refused, failed, errors
+
+
+def check_memory_tier_share(d):
+    """The victim trains two more steps (their versions go into the memory
+    tier); a third uid then commits steps of more layers than the tier
+    holds. The victim's versions stay in memory, so its restore reads them
+    all from there (oldest-first eviction once left it nothing)."""
+    def trainer(uid, job, layers, layer_bytes, steps, *extra):
+        out = subprocess.run(setpriv(uid) + harness.trainer_cmd(
+            d, job, "--layers=%d" % layers, "--layer-bytes=%d" % layer_bytes,
+            "--steps=%d" % steps, "--policy=all", "--durable-every=1", *extra),
+            capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    trainer(VICTIM, "victim", VICTIM_LAYERS, VICTIM_LAYER_BYTES, STEPS + 2, "--restore")
+    # More layers than the tier holds (each entry takes whole 1 MiB chunks),
+    # in steps small enough that the staging pool never needs the tier's
+    # room (a snapshot waiting for the pool takes it all, by design).
+    flood_layers, flood_bytes, flood_steps = 12, 512 << 10, 3
+    trainer(HOLDER, "memory-flood", flood_layers, flood_bytes, flood_steps)
+    out = trainer(VICTIM, "victim", VICTIM_LAYERS, VICTIM_LAYER_BYTES, STEPS + 2, "--restore")
+    line = [x for x in out.splitlines() if "bytes from the memory tier" in x]
+    assert line, out
+    from_memory = int(line[0].rsplit(",", 1)[1].split()[0])
+    print("memory tier: another uid committed %d steps of %d layers of %d bytes through a "
+          "%d-byte tier; the victim's restore took %d of %d bytes from memory"
+          % (flood_steps, flood_layers, flood_bytes, BOUNDS["memory_tier_bytes"], from_memory,
+             VICTIM_LAYERS * VICTIM_LAYER_BYTES))
+    assert from_memory == VICTIM_LAYERS * VICTIM_LAYER_BYTES, out
 
 
 def main():
@@ -155,7 +198,7 @@ def main():
     victim = None
     try:
         pid = d.proc.pid
-        rss0, fds0 = harness.rss_bytes(pid), open_fds(pid)
+        rss0, fds0, maps0 = harness.rss_bytes(pid), open_fds(pid), mappings(pid)
         # What each of the four uids can make ckptd hold (the victim's
         # share is a few connections and descriptors), the descriptors of
         # the one handover message being examined (up to 250, before a
@@ -172,6 +215,10 @@ def main():
                      2 * BOUNDS["max_large_calls"] * BOUNDS["max_message_bytes"] +
                      BOUNDS["max_calls_per_uid"] * 2 * BOUNDS["max_request_bytes"] + 160 * MiB)
         disk_bound = 2 * BOUNDS["max_disk_bytes_per_uid"] + 32 * MiB
+        # Each registered region is one mapping, and every uid's regions
+        # are bounded by its descriptor cap; plus the gRPC and RocksDB
+        # threads' stacks and arenas.
+        maps_bound = maps0 + 4 * BOUNDS["handover_max_fds_per_uid"] + 256
 
         env = dict(os.environ, PYTHONPATH=client_dir)
         for uid, name in ATTACKS:
@@ -179,14 +226,22 @@ def main():
                 setpriv(uid) + [sys.executable, attacker_py, name, d.socket, stop_file,
                                      client_dir],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
+        # The stale wide registration holds every series it can get before
+        # the victim registers.
+        harness.wait_for(lambda: os.path.exists(stop_file + ".registered-wide"), 60,
+                         "the wide registration")
+        address = d.ctl("status")["metrics_address"]
+        taken = sum(name == "ckpt_layer_staleness_steps" for name, _ in harness.scrape(address))
+        assert taken == BOUNDS["max_layer_series"], taken
         ack_log = os.path.join(work, "acks.jsonl")
         victim = subprocess.Popen(setpriv(VICTIM) + harness.trainer_cmd(
-            d, "victim", "--layers=4", "--layer-bytes=64K", "--steps=%d" % STEPS,
+            d, "victim", "--layers=%d" % VICTIM_LAYERS, "--layer-bytes=%d" % VICTIM_LAYER_BYTES,
+            "--steps=%d" % STEPS,
             "--compute-ms=20", "--policy=all", "--durable-every=1", "--ack-log=" + ack_log),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-        address = d.ctl("status")["metrics_address"]
-        peak = {"rss": 0, "fds": 0, "disk": 0, "uid_disk": {}, "uid_index": {}}
+        peak = {"rss": 0, "fds": 0, "maps": 0, "disk": 0, "uid_disk": {}, "uid_index": {},
+                "series": 0, "victim_series": 0}
         flood = verify_flood(d, stop_file)
         calls = (0, 0, 0, {})
         while victim.poll() is None:
@@ -194,13 +249,19 @@ def main():
             for _ in range(3):
                 peak["rss"] = max(peak["rss"], harness.rss_bytes(pid))
                 peak["fds"] = max(peak["fds"], open_fds(pid))
+                peak["maps"] = max(peak["maps"], mappings(pid))
                 peak["disk"] = max(peak["disk"], harness.dir_bytes(d.data, allocated=True))
                 time.sleep(0.1)
-            for (name, labels), value in harness.scrape(address).items():
+            scraped = harness.scrape(address)
+            for (name, labels), value in scraped.items():
                 for key, metric in (("uid_disk", "ckpt_uid_disk_used_bytes"),
                                     ("uid_index", "ckpt_uid_index_used_bytes")):
                     if name == metric:
                         peak[key][labels] = max(peak[key].get(labels, 0), value)
+            series = [labels for name, labels in scraped if name == "ckpt_layer_staleness_steps"]
+            peak["series"] = max(peak["series"], len(series))
+            peak["victim_series"] = max(peak["victim_series"],
+                                        sum('ckpt_job="victim"' in labels for labels in series))
         with open(stop_file, "w"):
             pass
         vout, verr = victim.communicate(timeout=60)
@@ -238,11 +299,19 @@ def main():
               (held.get("OK", 0), held["regions_per_rank"], held_fds,
                BOUNDS["handover_max_fds_per_uid"]))
         assert held_fds <= BOUNDS["handover_max_fds_per_uid"], held
+        print("per-layer metric series: peak %d, bound max_layer_series %d; the victim's %d "
+              "layers had %d (a stale registration of %d layers held the rest)"
+              % (peak["series"], BOUNDS["max_layer_series"], VICTIM_LAYERS,
+                 peak["victim_series"], answers["wide"]["layers"]))
+        assert peak["series"] <= BOUNDS["max_layer_series"], peak
+        assert peak["victim_series"] == VICTIM_LAYERS, peak
 
         print("FIGURES hostile: victim %d of %d steps acknowledged durable; ckptd rss start %d "
-              "peak %d bound %d; fds start %d peak %d bound %d; data dir peak %d bound %d"
+              "peak %d bound %d; fds start %d peak %d bound %d; mappings start %d peak %d "
+              "bound %d; data dir peak %d bound %d"
               % (len(acked & set(range(1, STEPS + 1))), STEPS, rss0, peak["rss"], rss_bound,
-                 fds0, peak["fds"], fd_bound, peak["disk"], disk_bound))
+                 fds0, peak["fds"], fd_bound, maps0, peak["maps"], maps_bound, peak["disk"],
+                 disk_bound))
         m = harness.scrape(address)
         refused = {labels: int(v) for (name, labels), v in m.items()
                    if name == "ckpt_quota_refused_total"}
@@ -256,6 +325,7 @@ def main():
             assert used <= BOUNDS["max_index_bytes_per_uid"], (labels, used)
         assert peak["rss"] <= rss_bound, ("rss", peak["rss"], rss_bound)
         assert peak["fds"] <= fd_bound, ("fds", peak["fds"], fd_bound)
+        assert peak["maps"] <= maps_bound, ("mappings", peak["maps"], maps_bound)
         assert peak["disk"] <= disk_bound, ("disk", peak["disk"], disk_bound)
 
         # The attacker is gone: its connections, handovers and registered
@@ -272,6 +342,7 @@ def main():
         assert fds_after <= fds0 + BOUNDS["handover_max_pending_per_uid"] + 16, fds_after
         p = d.ctl_raw("verify", "victim", "--deep")
         assert p.returncode == 0, p.stdout + p.stderr
+        check_memory_tier_share(d)
         assert d.stop() == 0, d.log()[-3000:]
         return 0
     finally:
