@@ -19,11 +19,13 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "ckpt/client.h"
 
@@ -332,63 +334,103 @@ class PyClient {
   }
 
   // Copies each tensor of `job` rank `rank`'s composite checkpoint into
-  // dests[tensor name] (a writable buffer of exactly its size); returns the
-  // plan. Every tensor of the checkpoint needs a destination and every
+  // its destination in `dests` (a writable buffer of exactly its size);
+  // returns the plan. A destination's key is the tensor's name, or a
+  // (layer name, tensor name) tuple; a bare name that two layers of the
+  // checkpoint share is refused, naming them, since it could be either.
+  // Every tensor of the checkpoint needs exactly one destination and every
   // destination a tensor, or nothing is claimed to be restored.
   py::dict ExportInto(const std::string& job, uint32_t rank, uint64_t target_step,
                       const py::dict& dests) {
     struct Dest {
+      std::string key;  // as the caller wrote it, for errors
       char* ptr;
       uint64_t size;
-      bool filled = false;
+      bool used = false;
     };
-    std::map<std::string, Dest> out;
+    // (layer name, tensor name) for a tuple key; ("", name) for a bare one.
+    using Key = std::pair<std::string, std::string>;
+    std::map<Key, Dest> out;
     std::vector<py::buffer_info> held;  // keeps every buffer valid without the GIL
     for (const auto& [k, v] : dests) {
+      Key key;
+      std::string shown;
+      if (py::isinstance<py::tuple>(k)) {
+        const auto pair = py::cast<std::pair<std::string, std::string>>(k);
+        key = pair;
+        shown = absl::StrCat("('", pair.first, "', '", pair.second, "')");
+      } else {
+        key = Key("", py::cast<std::string>(k));
+        shown = absl::StrCat("'", key.second, "'");
+      }
       py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request(/*writable=*/true);
       // The bytes are copied to [ptr, ptr + size * itemsize): only a
       // C-contiguous buffer is that range.
       py::ssize_t expect = info.itemsize;
       for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
         if (info.shape[d] > 1 && info.strides[d] != expect) {
-          throw py::value_error(absl::StrCat("the destination of '", py::cast<std::string>(k),
-                                             "' is not a contiguous buffer"));
+          throw py::value_error(
+              absl::StrCat("the destination of ", shown, " is not a contiguous buffer"));
         }
         expect *= info.shape[d];
       }
-      out[py::cast<std::string>(k)] =
-          Dest{static_cast<char*>(info.ptr), static_cast<uint64_t>(info.size * info.itemsize)};
+      out[key] = Dest{shown, static_cast<char*>(info.ptr),
+                      static_cast<uint64_t>(info.size * info.itemsize)};
       held.push_back(std::move(info));
     }
     v1::Plan plan;
+    std::map<Key, Dest*> placed;  // (layer name, tensor name) -> its destination
     Client::ExportSink sink;
     sink.header = [&](const v1::ExportHeader& h) -> absl::Status {
       plan = h.plan();
+      std::map<std::string, std::vector<std::string>> layers_of;  // tensor name -> layers
+      for (const v1::ExportTensor& t : h.tensors()) layers_of[t.name()].push_back(t.layer_name());
       for (const v1::ExportTensor& t : h.tensors()) {
-        auto it = out.find(t.name());
+        const std::string where = absl::StrCat("tensor '", t.name(), "' of layer '", t.layer_name(),
+                                               "' of job ", job, " rank ", rank);
+        auto it = out.find(Key(t.layer_name(), t.name()));
         if (it == out.end()) {
+          it = out.find(Key("", t.name()));
+          if (it != out.end() && layers_of[t.name()].size() > 1) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("tensor name '", t.name(), "' is in layers '",
+                             absl::StrJoin(layers_of[t.name()], "', '"), "' of job ", job, " rank ",
+                             rank, ": key its destinations by (layer name, tensor name)"));
+          }
+        }
+        if (it == out.end()) {
+          return absl::FailedPreconditionError(absl::StrCat(where, " has no place in this model"));
+        }
+        if (it->second.used) {
           return absl::FailedPreconditionError(
-              absl::StrCat("tensor '", t.name(), "' of layer '", t.layer_name(), "' of job ", job,
-                           " rank ", rank, " has no place in this model"));
+              absl::StrCat("the destination ", it->second.key, " is named by two tensors"));
         }
         if (it->second.size != t.nbytes()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("tensor '", t.name(), "' has ", t.nbytes(),
-                           " bytes in the checkpoint and ", it->second.size, " in this model"));
+          return absl::FailedPreconditionError(absl::StrCat(where, " has ", t.nbytes(),
+                                                            " bytes in the checkpoint and ",
+                                                            it->second.size, " in this model"));
         }
-        it->second.filled = true;
+        it->second.used = true;
+        placed[Key(t.layer_name(), t.name())] = &it->second;
       }
-      for (const auto& [name, d] : out) {
-        if (!d.filled) {
-          return absl::FailedPreconditionError(absl::StrCat("tensor '", name, "' is not in job ",
-                                                            job, " rank ", rank, "'s checkpoint"));
+      for (const auto& [key, d] : out) {
+        if (!d.used) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the destination ", d.key, " is not in job ", job, " rank ", rank, "'s checkpoint"));
         }
       }
       return absl::OkStatus();
     };
     sink.data = [&](const v1::ExportTensor& t, uint64_t offset,
                     std::string_view piece) -> absl::Status {
-      std::memcpy(out[t.name()].ptr + offset, piece.data(), piece.size());
+      auto it = placed.find(Key(t.layer_name(), t.name()));
+      if (it == placed.end() || offset > it->second->size ||
+          piece.size() > it->second->size - offset) {
+        return absl::DataLossError(absl::StrCat("ckptd sent bytes of tensor '", t.name(),
+                                                "' of layer '", t.layer_name(),
+                                                "' outside its destination"));
+      }
+      std::memcpy(it->second->ptr + offset, piece.data(), piece.size());
       return absl::OkStatus();
     };
     {
