@@ -67,6 +67,56 @@ absl::Status OpenError(int err, int dir_fd, const std::string& what, const std::
   return ErrnoStatus(err, absl::StrCat(what, " ", name));
 }
 
+const char* FileTypeName(mode_t mode) {
+  switch (mode & S_IFMT) {
+    case S_IFDIR:
+      return "a directory";
+    case S_IFIFO:
+      return "a FIFO";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    case S_IFSOCK:
+      return "a socket";
+    default:
+      return "not a file";
+  }
+}
+
+absl::Status NotRegular(const char* what, const std::string& name, mode_t mode) {
+  return absl::DataLossError(
+      absl::StrCat(what, " ", name, ": not a regular file but ", FileTypeName(mode)));
+}
+
+// OpenBeneath for a file ckptd reads or appends to but did not just
+// create: O_NONBLOCK, so that a FIFO or a device in its place cannot block
+// the calling thread in open() (a FIFO planted in quarantine/ hung `ckptctl
+// repair` with the index locked), then anything but a regular file refused
+// with DATA_LOSS; the descriptor goes back to blocking for the caller.
+absl::StatusOr<UniqueFd> OpenRegular(int dir_fd, const std::string& name, int flags, mode_t mode,
+                                     const char* what) {
+  UniqueFd fd(OpenBeneath(dir_fd, name, flags | O_NONBLOCK, mode));
+  struct stat st;
+  if (!fd.valid()) {
+    // ENXIO: a FIFO without a reader, opened for writing without blocking.
+    const int err = errno;
+    if (err == ENXIO && ::fstatat(dir_fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+        !S_ISREG(st.st_mode)) {
+      return NotRegular(what, name, st.st_mode);
+    }
+    return OpenError(err, dir_fd, what, name);
+  }
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("fstat ", name));
+  if (!S_ISREG(st.st_mode)) {
+    return NotRegular(what, name, st.st_mode);
+  }
+  if (::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK & (O_APPEND | O_DIRECT)) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("fcntl ", name));
+  }
+  return fd;
+}
+
 }  // namespace
 
 absl::StatusOr<UniqueFd> FileSystem::MakeDirs(const std::string& path) {
@@ -112,15 +162,15 @@ absl::StatusOr<UniqueFd> FileSystem::CreateExclusive(int dir_fd, const std::stri
 
 absl::StatusOr<UniqueFd> FileSystem::OpenForRead(int dir_fd, const std::string& name, bool direct,
                                                  bool* direct_used) {
-  int fd = OpenBeneath(dir_fd, name, O_RDONLY | (direct ? O_DIRECT : 0), 0);
+  absl::StatusOr<UniqueFd> fd =
+      OpenRegular(dir_fd, name, O_RDONLY | (direct ? O_DIRECT : 0), 0, "open");
   bool used = direct;
-  if (fd < 0 && direct && errno == EINVAL) {
-    fd = OpenBeneath(dir_fd, name, O_RDONLY, 0);
+  if (!fd.ok() && direct && absl::IsInvalidArgument(fd.status())) {
+    fd = OpenRegular(dir_fd, name, O_RDONLY, 0, "open");
     used = false;
   }
-  if (fd < 0) return OpenError(errno, dir_fd, "open", name);
-  if (direct_used) *direct_used = used;
-  return UniqueFd(fd);
+  if (fd.ok() && direct_used) *direct_used = used;
+  return fd;
 }
 
 absl::Status FileSystem::Allocate(int fd, uint64_t len) {
@@ -157,9 +207,7 @@ absl::Status FileSystem::MoveNoReplace(int from_dir, const std::string& from, in
 }
 
 absl::StatusOr<UniqueFd> FileSystem::OpenForAppend(int dir_fd, const std::string& name) {
-  int fd = OpenBeneath(dir_fd, name, O_WRONLY | O_CREAT | O_APPEND, 0640);
-  if (fd < 0) return OpenError(errno, dir_fd, "open", name);
-  return UniqueFd(fd);
+  return OpenRegular(dir_fd, name, O_WRONLY | O_CREAT | O_APPEND, 0640, "open");
 }
 
 absl::Status FileSystem::Append(int fd, absl::string_view data) {

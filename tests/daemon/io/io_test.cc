@@ -468,6 +468,29 @@ TEST_F(FileSystemTest, SymlinksAreNotFollowed) {
   EXPECT_FALSE(fs_->OpenSubdir(dir_.get(), "dirlink", false).ok());
 }
 
+// Regression: a FIFO planted where a layer file is read (quarantine/, read
+// by `ckptctl repair` with the index locked) blocked the thread in open()
+// until a writer came, forever. Reads and appends now open without blocking
+// and refuse anything but a regular file with DATA_LOSS, naming its type;
+// a regular file opened so is blocking again for its caller.
+TEST_F(FileSystemTest, FifosAndDirectoriesAreRefusedWithoutBlocking) {
+  ASSERT_EQ(::mkfifo(Path("fifo").c_str(), 0600), 0);
+  ASSERT_EQ(::mkdir(Path("subdir").c_str(), 0750), 0);
+  for (bool direct : {false, true}) {
+    absl::StatusOr<UniqueFd> fifo = fs_->OpenForRead(dir_.get(), "fifo", direct, nullptr);
+    CKPT_EXPECT_CODE(fifo, kDataLoss);
+    EXPECT_NE(fifo.status().message().find("a FIFO"), std::string::npos) << fifo.status();
+    CKPT_EXPECT_CODE(fs_->OpenForRead(dir_.get(), "subdir", direct, nullptr), kDataLoss);
+  }
+  CKPT_EXPECT_CODE(fs_->OpenForAppend(dir_.get(), "fifo"), kDataLoss);
+  Create("plain", "bytes");
+  CKPT_ASSERT_OK_AND_ASSIGN(UniqueFd fd, fs_->OpenForRead(dir_.get(), "plain", false, nullptr));
+  EXPECT_EQ(::fcntl(fd.get(), F_GETFL) & O_NONBLOCK, 0);
+  CKPT_ASSERT_OK_AND_ASSIGN(UniqueFd app, fs_->OpenForAppend(dir_.get(), "side"));
+  EXPECT_NE(::fcntl(app.get(), F_GETFL) & O_APPEND, 0);
+  EXPECT_EQ(::fcntl(app.get(), F_GETFL) & O_NONBLOCK, 0);
+}
+
 TEST_F(FileSystemTest, RejectsNamesThatAreNotOneComponent) {
   ASSERT_EQ(::mkdir(Path("sub").c_str(), 0750), 0);
   WriteFile(Path("sub/f"), "data");
