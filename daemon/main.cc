@@ -120,8 +120,8 @@ int FailDataDir(const std::string& what, const absl::Status& s) {
   CKPT_LOG(ERROR) << what << ": " << s;
   if (!absl::IsFailedPrecondition(s)) return 1;
   CKPT_LOG(ERROR) << what
-                  << ": refusing to start; move the path named above out of the data directory "
-                     "(or replace the link with what it points to) and start ckptd again";
+                  << ": refusing to start; move each path named above out of the data directory "
+                     "(or replace a link with what it points to) and start ckptd again";
   return kExitNeedsOperator;
 }
 

@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -216,6 +217,11 @@ class LayerStore {
   // Removes a committed version: index record first (sync), then the file,
   // then fsync of the directory.
   absl::Status Remove(const VersionKey& key, const store::VersionRecord& rec);
+  // Takes a committed version found damaged out of the history: its record
+  // first (sync), then its file, when there is one, moved to
+  // <data_dir>/quarantine/ (logged with `why`; never deleted).
+  absl::Status QuarantineVersion(const VersionKey& key, const store::VersionRecord& rec,
+                                 const std::string& why);
 
   // How start-up checks the files of the versions the index records.
   enum class ReconcileCheck {
@@ -235,7 +241,9 @@ class LayerStore {
   // every layer file no record names, to <data_dir>/quarantine/ (each logged
   // with its path). Layer files are never deleted here.
   // FAILED_PRECONDITION naming the path when the data directory holds a
-  // symbolic link where ckptd opens a directory or (kSizes) a recorded file.
+  // symbolic link where ckptd opens a directory or (kSizes) a recorded file;
+  // every such entry is named in the one error (the ranks without one are
+  // reconciled all the same), so one start-up shows them all.
   absl::StatusOr<ReconcileReport> Reconcile(ReconcileCheck check = ReconcileCheck::kSizes);
 
   static std::string FileName(const VersionKey& key, uint64_t generation);
@@ -275,11 +283,14 @@ class LayerStore {
   void DropTemp(int dir, UniqueFd* fd, const std::string& tmp_name);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileCheck check, ReconcileReport* report);
+  // Reconcile's one error for every problem it met (the first ones listed,
+  // each logged): FAILED_PRECONDITION when any needs an operator.
+  absl::Status AllProblems(const std::vector<absl::Status>& problems);
   // Moves `name` of the rank directory `dir` to quarantine/<job>/rank-<rank>/
   // (a free name: `name`, else `name`.1, .2, ...), then fsyncs both
   // directories. `why` goes into the log line.
   absl::Status Quarantine(const std::string& job, uint32_t rank, int dir, const std::string& name,
-                          const char* why);
+                          std::string_view why);
 
   const std::string data_dir_;
   FileSystem* const fs_;

@@ -4,7 +4,9 @@
 // no record names -- or of steps after the rank's last event -- are moved
 // to quarantine/, never deleted.
 #include <algorithm>
+#include <iterator>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -29,6 +31,10 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
     CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> rs, index_->ListRanks(job));
     for (uint32_t r : rs) ranks.emplace(job, r);
   }
+  // What an operator must fix (a link, a FIFO, an unreadable directory) is
+  // gathered over the whole data directory and reported at once; the ranks
+  // without a problem are reconciled meanwhile.
+  std::vector<absl::Status> problems;
   std::vector<bool> is_dir;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> job_dirs, fs_->List(jobs_dir_.get(), &is_dir));
   for (size_t i = 0; i < job_dirs.size(); ++i) {
@@ -38,10 +44,16 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
     }
     const std::string job_path = absl::StrCat(data_dir_, "/jobs/", job_dirs[i]);
     absl::StatusOr<UniqueFd> jd = fs_->OpenSubdir(jobs_dir_.get(), job_dirs[i], false);
-    if (!jd.ok()) return AtPath(jd.status(), job_path);
     std::vector<bool> rank_is_dir;
-    absl::StatusOr<std::vector<std::string>> rank_dirs = fs_->List(jd->get(), &rank_is_dir);
-    if (!rank_dirs.ok()) return AtPath(rank_dirs.status(), job_path);
+    absl::StatusOr<std::vector<std::string>> rank_dirs =
+        jd.ok() ? fs_->List(jd->get(), &rank_is_dir) : jd.status();
+    if (!rank_dirs.ok()) {
+      problems.push_back(AtPath(rank_dirs.status(), job_path));
+      for (auto it = ranks.begin(); it != ranks.end();) {  // none of its ranks is looked at
+        it = it->first == job_dirs[i] ? ranks.erase(it) : std::next(it);
+      }
+      continue;
+    }
     for (size_t j = 0; j < rank_dirs->size(); ++j) {
       uint32_t r;
       if (rank_is_dir[j] && ParseRankDirName((*rank_dirs)[j], &r)) ranks.emplace(job_dirs[i], r);
@@ -49,13 +61,33 @@ absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
   }
   for (const auto& [job, rank] : ranks) {
     absl::StatusOr<DirRef> dir = RankDir(job, rank, /*create=*/true);
-    if (!dir.ok()) return AtPath(dir.status(), RankDirPath(job, rank));
-    CKPT_RETURN_IF_ERROR(ReconcileRank(job, rank, (*dir)->get(), check, &report));
+    absl::Status s = dir.ok() ? ReconcileRank(job, rank, (*dir)->get(), check, &report)
+                              : AtPath(dir.status(), RankDirPath(job, rank));
     // Start-up visits every rank ever written; only the ranks that write
     // again keep a descriptor.
     ForgetRankDir(job, rank);
+    if (!s.ok()) problems.push_back(std::move(s));
   }
-  return report;
+  return problems.empty() ? absl::StatusOr<ReconcileReport>(report) : AllProblems(problems);
+}
+
+absl::Status LayerStore::AllProblems(const std::vector<absl::Status>& problems) {
+  constexpr size_t kListed = 32;
+  std::string listed;
+  for (size_t i = 0; i < problems.size() && i < kListed; ++i) {
+    CKPT_LOG(ERROR) << "reconcile: " << problems[i];
+    absl::StrAppend(&listed, "\n  ", problems[i].message());
+  }
+  if (problems.size() > kListed) {
+    absl::StrAppend(&listed, "\n  and ", problems.size() - kListed, " more");
+  }
+  // One that needs an operator makes the whole start need one.
+  absl::StatusCode code = problems.front().code();
+  for (const absl::Status& p : problems) {
+    if (absl::IsFailedPrecondition(p)) code = absl::StatusCode::kFailedPrecondition;
+  }
+  return absl::Status(code, absl::StrCat(problems.size(), " entries of the data directory ",
+                                         data_dir_, " cannot be used:", listed));
 }
 
 absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, int dir,
@@ -160,7 +192,7 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
 }
 
 absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int dir,
-                                    const std::string& name, const char* why) {
+                                    const std::string& name, std::string_view why) {
   const std::string qpath =
       absl::StrCat(data_dir_, "/", kQuarantineDir, "/", job, "/", RankDirName(rank));
   absl::StatusOr<UniqueFd> q = fs_->OpenSubdir(data_dir_fd_.get(), kQuarantineDir, true);
@@ -183,10 +215,21 @@ absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int d
   }
   CKPT_RETURN_IF_ERROR(fs_->SyncDir(qrank->get()));
   CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir));
-  CKPT_LOG(WARNING) << "reconcile: quarantined " << RankDirPath(job, rank) << "/" << name << " -> "
-                    << qpath << "/" << target << " (" << why
-                    << "); `ckptctl repair` restores it to the index";
+  CKPT_LOG(WARNING) << "quarantined " << RankDirPath(job, rank) << "/" << name << " -> " << qpath
+                    << "/" << target << " (" << why
+                    << "); `ckptctl repair` puts it back in the index if it verifies";
   return absl::OkStatus();
+}
+
+absl::Status LayerStore::QuarantineVersion(const VersionKey& key, const store::VersionRecord& rec,
+                                           const std::string& why) {
+  CKPT_RETURN_IF_ERROR(index_->DeleteVersion(key));
+  absl::StatusOr<DirRef> dir = RankDir(key.job, key.rank, /*create=*/false);
+  if (!dir.ok()) return absl::IsNotFound(dir.status()) ? absl::OkStatus() : dir.status();
+  absl::StatusOr<uint64_t> size = fs_->FileSizeAt((*dir)->get(), rec.file());
+  if (absl::IsNotFound(size.status())) return absl::OkStatus();  // nothing to keep
+  if (!size.ok()) return AtPath(size.status(), RankDirPath(key.job, key.rank));
+  return Quarantine(key.job, key.rank, (*dir)->get(), rec.file(), why);
 }
 
 }  // namespace ckpt

@@ -4,11 +4,12 @@
    been replaced by a symbolic link to a file elsewhere. ckptd opened the
    trace with std::ofstream by path and appended to the link's target; now
    the registration fails naming the path and the target is untouched.
-2. Start-up: a rank directory replaced by a symbolic link (to a copy of it).
-   ckptd failed with a bare ELOOP ("open dir rank-00000000") and, under
-   systemd's Restart=on-failure, restarted forever. Now it exits with 78
-   (listed in the unit's RestartPreventExitStatus=) and a log line naming
-   the full path; the linked data is untouched.
+2. Start-up: two rank directories replaced by symbolic links (to copies of
+   them). ckptd failed with a bare ELOOP ("open dir rank-00000000") and,
+   under systemd's Restart=on-failure, restarted forever; then it named one
+   path per start, so N links took N restarts to find. Now one start exits
+   with 78 (listed in the unit's RestartPreventExitStatus=) and names both
+   full paths; the linked data is untouched.
 """
 
 import os
@@ -28,6 +29,8 @@ def main():
     try:
         d.start()
         out = harness.run_trainer(d, "sl", "--steps=5", *LC)
+        assert out.returncode == 0, out.stdout + out.stderr
+        out = harness.run_trainer(d, "sl2", "--steps=2", *LC)
         assert out.returncode == 0, out.stdout + out.stderr
         rank_dir = os.path.join(d.data, "jobs", "sl", "rank-00000000")
         trace = os.path.join(rank_dir, "drift.jsonl")
@@ -50,10 +53,13 @@ def main():
         os.unlink(trace)
         assert d.stop() == 0, d.log()
 
-        # 2. A rank directory that is a link.
-        moved = os.path.join(root, "rank-copy")
+        # 2. Two rank directories that are links.
+        rank_dir2 = os.path.join(d.data, "jobs", "sl2", "rank-00000000")
+        moved, moved2 = os.path.join(root, "rank-copy"), os.path.join(root, "rank-copy-2")
         shutil.move(rank_dir, moved)
         os.symlink(moved, rank_dir)
+        shutil.move(rank_dir2, moved2)
+        os.symlink(moved2, rank_dir2)
         try:
             d.start()
             raise AssertionError("ckptd started with a symbolic link in its data directory")
@@ -61,11 +67,12 @@ def main():
             pass
         log = d.log()
         lines = [l for l in log.splitlines() if "symbolic link" in l]
-        print("start-up with a linked rank directory: exit %d; %s" % (
+        print("start-up with two linked rank directories: exit %d; %s" % (
             d.proc.returncode, lines[-1] if lines else "(no line)"))
         assert d.proc.returncode == 78, (d.proc.returncode, log[-2000:])
-        assert any(rank_dir in l for l in lines), log[-2000:]
-        assert os.listdir(moved), "the linked directory was emptied"
+        for path in (rank_dir, rank_dir2):
+            assert any(path in l for l in lines), (path, log[-2000:])
+        assert os.listdir(moved) and os.listdir(moved2), "a linked directory was emptied"
         with open(os.path.join(REPO, "deploy", "systemd", "ckptd.service")) as f:
             assert "RestartPreventExitStatus=78" in f.read()
         return 0
