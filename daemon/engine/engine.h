@@ -433,9 +433,18 @@ class Engine {
   // memory; FAILED_PRECONDITION while it has steps in the pipeline.
   absl::StatusOr<std::pair<std::shared_ptr<RankState>, std::shared_ptr<RankMemory>>> BeginRestore(
       const RankRef& ref, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
-  // Plans and reads under the rank's lease, into `memory`.
+  // Plans and reads under the rank's lease, into `memory`. A version found
+  // damaged on disk is quarantined (QuarantineDamaged) and the restore
+  // planned again, falling back to each such layer's previous version, up
+  // to kMaxDamagedFallbacks times.
+  static constexpr int kMaxDamagedFallbacks = 8;
   absl::StatusOr<Restored> RestoreUnderLease(const RankState& r, RankMemory* memory,
                                              uint64_t target_step, bool discard_later);
+  // Takes the versions of (job, rank) in `damaged` out of the history
+  // (LocalHistory::QuarantineVersion), each logged with `why`. The caller
+  // holds the rank's lease.
+  absl::Status QuarantineDamaged(uid_t owner, const std::vector<VersionKey>& damaged,
+                                 const absl::Status& why);
   // The rank's state after a successful restore (or only its flag, after a
   // failed one).
   void EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, bool discard_later);

@@ -133,7 +133,6 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
   CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
   ScopedLease lease(&leases_, key);
   Restored reply;
-  CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r.job, r.rank, target_step, r.table));
   // Two threads, each checking and copying one version out while its next
   // version's reads are in flight.
   std::vector<std::unique_ptr<IoBackend>> io;
@@ -141,10 +140,38 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
   RestoreTarget target;
   target.memory = memory;
   for (const LayerTemplate& lt : r.layers) target.tensors.push_back(lt.src);
-  CKPT_ASSIGN_OR_RETURN(RestoreStats stats, RestoreInto(reply.plan, r.table, target, sources));
-  static_cast<RestoreStats&>(reply) = stats;
+  for (int fallbacks = 0;; ++fallbacks) {
+    CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r.job, r.rank, target_step, r.table));
+    std::vector<VersionKey> damaged;
+    absl::StatusOr<RestoreStats> stats =
+        RestoreInto(reply.plan, r.table, target, sources, &damaged);
+    if (stats.ok()) {
+      static_cast<RestoreStats&>(reply) = *stats;
+      break;
+    }
+    // A damaged file (truncated, a flipped bit) is found here when nothing
+    // checked it before (start-up after a clean stop looks files up by
+    // name only): its layer falls back to its previous version, as after
+    // the start-up check of a crash.
+    if (damaged.empty() || fallbacks == kMaxDamagedFallbacks) return stats.status();
+    CKPT_RETURN_IF_ERROR(QuarantineDamaged(r.uid, damaged, stats.status()));
+  }
   if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
   return reply;
+}
+
+absl::Status Engine::QuarantineDamaged(uid_t owner, const std::vector<VersionKey>& damaged,
+                                       const absl::Status& why) {
+  for (const VersionKey& k : damaged) {
+    CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(k.job, k.rank, k.layer, k.step));
+    if (!v.has_value() || v->first != k.step) continue;  // gone already
+    CKPT_LOG(ERROR) << "job " << k.job << " rank " << k.rank << " layer " << k.layer << " step "
+                    << k.step << ": the version on disk is damaged (" << why.message()
+                    << "); taking it out of the history, plans fall back to the previous version";
+    CKPT_RETURN_IF_ERROR(
+        history_.QuarantineVersion(owner, k, v->second, absl::StrCat("damaged: ", why.message())));
+  }
+  return absl::OkStatus();
 }
 
 void Engine::EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, bool discard_later) {
@@ -241,11 +268,23 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
   // Export reads disk only, as before the memory tier existed.
   sources.in_memory.clear();
-  CKPT_ASSIGN_OR_RETURN(uint64_t bytes, ExportPlan(plan, *table, sources, sink));
+  std::vector<VersionKey> damaged;
+  absl::StatusOr<uint64_t> bytes = ExportPlan(plan, *table, sources, sink, &damaged);
+  if (!bytes.ok() && !damaged.empty()) {
+    // The plan went out with the stream's header, so this export cannot
+    // fall back; the next one plans without the damaged versions.
+    CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> owner, owners_.OwnerOf(req.job_id()));
+    CKPT_RETURN_IF_ERROR(QuarantineDamaged(owner.value_or(caller.uid), damaged, bytes.status()));
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat(bytes.status().message(),
+                                     "; the damaged version was taken out of the history: export "
+                                     "again to read the layer's previous version"));
+  }
+  CKPT_RETURN_IF_ERROR(bytes.status());
   // An export is a restore into files (ckptctl export and restore).
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kRestores);
-    m->Inc(Counter::kRestoredBytes, static_cast<double>(bytes));
+    m->Inc(Counter::kRestoredBytes, static_cast<double>(*bytes));
   }
   return absl::OkStatus();
 }

@@ -50,4 +50,14 @@ absl::Status LocalHistory::RemoveVersion(uid_t owner, const VersionKey& key,
   return absl::OkStatus();
 }
 
+absl::Status LocalHistory::QuarantineVersion(uid_t owner, const VersionKey& key,
+                                             const store::VersionRecord& rec,
+                                             const std::string& why) {
+  CKPT_RETURN_IF_ERROR(store_->QuarantineVersion(key, rec, why));
+  disk_->Release(rec.file_bytes());
+  quota_->ReleaseVersion(QuotaOwner{owner, key.job}, rec.file_bytes());
+  if (metrics_ != nullptr) metrics_->Inc(Counter::kVersionsQuarantined);
+  return absl::OkStatus();
+}
+
 }  // namespace ckpt

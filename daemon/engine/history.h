@@ -63,6 +63,11 @@ class LocalHistory {
   // Deletes one committed version (its record, then its file) and gives its
   // bytes back to the disk budget and the owner's quota.
   absl::Status RemoveVersion(uid_t owner, const VersionKey& key, const store::VersionRecord& rec);
+  // Takes a version a read found damaged out of the history (its record
+  // deleted, its file moved to quarantine/, `why` logged) and gives its
+  // bytes back like RemoveVersion.
+  absl::Status QuarantineVersion(uid_t owner, const VersionKey& key,
+                                 const store::VersionRecord& rec, const std::string& why);
 
  private:
   Index* const index_;

@@ -82,6 +82,7 @@ enum class Counter {
   kRemotePulledBytes,             // ckpt_remote_pulled_bytes_total
   kRemoteGcDeletedObjects,        // ckpt_remote_gc_deleted_objects_total
   kMemoryTierRestoredBytes,       // ckpt_memory_tier_restored_bytes_total
+  kVersionsQuarantined,           // ckpt_versions_quarantined_total
   kCount
 };
 

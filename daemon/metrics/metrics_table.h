@@ -97,6 +97,10 @@ constexpr MetricInfo kCounterTable[] = {
     {"ckpt_memory_tier_restored_bytes_total", "counter",
      "Restored bytes served from the memory tier (checksums verified) instead of the disk.", "",
      ""},
+    {"ckpt_versions_quarantined_total", "counter",
+     "Committed layer versions a restore or export found damaged on disk (missing, "
+     "short, a checksum): taken out of the history, their files moved to quarantine/.",
+     "", ""},
 };
 
 constexpr MetricInfo kGaugeTable[] = {

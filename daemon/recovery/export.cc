@@ -12,7 +12,8 @@
 namespace ckpt {
 
 absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
-                                    const RecoverySources& sources, const ExportSink& sink) {
+                                    const RecoverySources& sources, const ExportSink& sink,
+                                    std::vector<VersionKey>* damaged) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(
         absl::StrCat("the plan for step ", plan.target_step, " is incomplete"));
@@ -63,7 +64,7 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
     std::vector<char*>& dest = target.tensors[lp.layer];
     dest.clear();
     for (uint64_t off : offsets) dest.push_back(buffer.data() + off);
-    CKPT_RETURN_IF_ERROR(RestoreInto(one, table, target, one_reader).status());
+    CKPT_RETURN_IF_ERROR(RestoreInto(one, table, target, one_reader, damaged).status());
     for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
       v1::ExportChunk chunk;
       chunk.set_data(buffer.substr(off, kExportPieceBytes));

@@ -31,8 +31,9 @@ using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 // not the whole export: a slow reader may take as long as it likes. The
 // errors of RestoreInto; FAILED_PRECONDITION when the plan is incomplete;
 // CANCELLED when `sink` returned false or `sources.cancelled` is set.
-// On success, the tensor bytes streamed.
+// On success, the tensor bytes streamed. `damaged` as RestoreInto's.
 absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
-                                    const RecoverySources& sources, const ExportSink& sink);
+                                    const RecoverySources& sources, const ExportSink& sink,
+                                    std::vector<VersionKey>* damaged = nullptr);
 
 }  // namespace ckpt

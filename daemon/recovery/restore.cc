@@ -161,8 +161,9 @@ double SecondsCovered(const std::vector<std::vector<std::pair<absl::Time, absl::
 class RestoreRun {
  public:
   RestoreRun(const CompositePlan& plan, const store::RankRecord& table, const RestoreTarget& target,
-             const RecoverySources& sources)
-      : plan_(plan),
+             const RecoverySources& sources, std::vector<VersionKey>* damaged)
+      : damaged_(damaged),
+        plan_(plan),
         table_(table),
         target_(target),
         sources_(sources),
@@ -215,6 +216,13 @@ class RestoreRun {
     std::vector<std::pair<absl::Time, absl::Time>> reads;
   };
 
+  // A version read from the local store did not verify.
+  void NoteDamaged(const VersionKey& key) {
+    if (damaged_ == nullptr) return;
+    absl::MutexLock lock(&damaged_mu_);
+    damaged_->push_back(key);
+  }
+
   // Past the deadline or cancelled: every thread stops.
   absl::Status Stopping() const {
     if (absl::Now() >= deadline_) {
@@ -252,7 +260,10 @@ class RestoreRun {
       }
       absl::StatusOr<Fetched> f = Claim(seq, self);
       absl::Status s = f.status();
-      if (s.ok() && f->image == nullptr) s = Read(*f, io, self);
+      if (s.ok() && f->image == nullptr) {
+        s = Read(*f, io, self);
+        if (absl::IsDataLoss(s)) NoteDamaged(f->key);
+      }
       FinishHeld(self);  // where no read ran it (memory, or a failure first)
       if (!s.ok()) {
         Record(seq, s);
@@ -273,6 +284,7 @@ class RestoreRun {
     if (turns_.Going(self.held_seq)) {
       s = Stopping();
       if (s.ok()) s = CopyOut(*self.held, &self.stats);
+      if (absl::IsDataLoss(s) && self.held->image == nullptr) NoteDamaged(self.held->key);
     }
     self.held.reset();
     Record(self.held_seq, s);
@@ -450,6 +462,8 @@ class RestoreRun {
     return absl::OkStatus();
   }
 
+  absl::Mutex damaged_mu_;
+  std::vector<VersionKey>* const damaged_ ABSL_PT_GUARDED_BY(damaged_mu_);
   const CompositePlan& plan_;
   const store::RankRecord& table_;
   const RestoreTarget& target_;
@@ -467,14 +481,15 @@ class RestoreRun {
 
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreTarget& target,
-                                         const RecoverySources& sources) {
+                                         const RecoverySources& sources,
+                                         std::vector<VersionKey>* damaged) {
   if (!plan.complete) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
   }
   if (sources.readers.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
   if (plan.layers.empty()) return RestoreStats();
-  return RestoreRun(plan, table, target, sources).Run();
+  return RestoreRun(plan, table, target, sources, damaged).Run();
 }
 
 }  // namespace ckpt

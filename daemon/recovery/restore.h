@@ -100,8 +100,12 @@ struct RestoreStats {
   double ReadingShare() const { return seconds > 0 ? reading_seconds / seconds : 0; }
 };
 
+// With `damaged`, every planned version read from the local store that did
+// not verify (DATA_LOSS: missing, short, a checksum) is added to it, so the
+// caller can take it out of the history and plan again.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreTarget& target,
-                                         const RecoverySources& sources);
+                                         const RecoverySources& sources,
+                                         std::vector<VersionKey>* damaged = nullptr);
 
 }  // namespace ckpt

@@ -3,6 +3,7 @@
 // tier serving a restore without the disk, within its budget.
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/store/index.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine/engine_test_util.h"
@@ -147,6 +149,63 @@ TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
   EXPECT_GT(restored.memory_bytes, 0u);
   EXPECT_LT(restored.memory_bytes, restored.bytes);
   EXPECT_TRUE(HoldsStep(a, 4));
+}
+
+// Regression: after a clean stop the start-up check looks files up by name
+// only, so a newest version truncated (or with a flipped bit) while ckptd
+// was stopped was found by the restore, which failed with DATA_LOSS
+// although the step before was intact. The restore now takes each damaged
+// version out of the history (its file to quarantine/, its bytes off the
+// quota) and plans again: the layers fall back to their previous version,
+// as the start-up check of a crash makes them.
+TEST_F(EnginePipelineTest, RestoreFallsBackPastVersionsDamagedOnDisk) {
+  EngineOptions o = OneWriter();
+  Metrics metrics;
+  o.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank r = MakeRank("damaged", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  for (uint64_t t = 1; t <= 2; ++t) {
+    WriteStep(r, t);
+    CKPT_ASSERT_OK(StepDone(r, t));
+    CKPT_ASSERT_OK(WaitDurable(r, t).status());
+  }
+  const uint64_t used = engine_->quota_usage(owner_.uid).file_bytes;
+  // Step 2's layer 0 truncated, its layer 1 with one payload bit flipped.
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v0, index_->VersionAtOrBefore("damaged", 0, 0, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v1, index_->VersionAtOrBefore("damaged", 0, 1, 2));
+  ASSERT_TRUE(v0.has_value() && v0->first == 2 && v1.has_value() && v1->first == 2);
+  const std::filesystem::path dir =
+      std::filesystem::path(tmp_.path()) / "jobs/damaged/rank-00000000";
+  std::filesystem::resize_file(dir / v0->second.file(), v0->second.file_bytes() / 2);
+  {
+    std::fstream f(dir / v1->second.file(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(v1->second.file_bytes() - 64));
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(static_cast<std::streamoff>(v1->second.file_bytes() - 64));
+    c = static_cast<char>(c ^ 0x10);
+    f.write(&c, 1);
+  }
+  WriteStep(r, 99);
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(r), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 2u);
+  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{1, 1}));
+  EXPECT_TRUE(HoldsStep(r, 1));
+  for (const auto& v : {v0, v1}) {
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(tmp_.path()) /
+                                        "quarantine/damaged/rank-00000000" / v->second.file()))
+        << v->second.file();
+    EXPECT_FALSE(std::filesystem::exists(dir / v->second.file()));
+  }
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes,
+            used - v0->second.file_bytes() - v1->second.file_bytes());
+  EXPECT_NE(metrics.Scrape().find("\nckpt_versions_quarantined_total 2\n"), std::string::npos);
+  // The next restore reads the intact versions only.
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(r), 0, owner_));
+  EXPECT_EQ(PlannedSteps(again.plan), (std::vector<uint64_t>{1, 1}));
 }
 
 }  // namespace
