@@ -57,6 +57,9 @@ Commands:
   release JOB [--rank=R]  end the rank's registration without its trainer
                           (one that exited, or is stuck): its memory is
                           released after its staged versions are written
+  release JOB --evict     (root) end every registration of the job and keep
+                          them out until the job is deleted: a trainer that
+                          registers again is refused
   delete JOB              delete the job and its whole history (every version,
                           event and rank); the job id is free again. Refused
                           while a rank is registered by a running trainer
@@ -235,6 +238,10 @@ int ParseArgs(int argc, char** argv, Options* o) {
       o->deep = true;
       continue;
     }
+    if (arg == "--evict") {
+      o->evict = true;
+      continue;
+    }
     if (!absl::StartsWith(arg, "--")) return UsageError(absl::StrCat("unknown flag '", arg, "'"));
     std::string name, value;
     size_t eq = arg.find('=');
@@ -298,7 +305,9 @@ int ValidateCommand(const Options& o) {
                  reject(o.limit.has_value(), limit_ok, "--limit"),
                  reject(o.step.has_value(), step_ok, "--step"),
                  reject(!o.data_dir.empty(), c == "repair", "--data-dir"),
-                 reject(o.owner_uid.has_value(), c == "repair", "--owner-uid")}) {
+                 reject(o.owner_uid.has_value(), c == "repair", "--owner-uid"),
+                 reject(o.evict, c == "release", "--evict"),
+                 reject(o.evict && o.rank.has_value(), false, "--rank with --evict")}) {
     if (rc != kExitOk) return rc;
   }
   return kExitOk;

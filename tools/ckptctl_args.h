@@ -40,6 +40,7 @@ struct Options {
   std::string out;
   bool dry_run = false;
   bool deep = false;
+  bool evict = false;
   std::string data_dir;
   std::optional<uint32_t> owner_uid;
 };

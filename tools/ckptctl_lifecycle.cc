@@ -43,8 +43,22 @@ int ReleaseCommand(const Options& o, const AdminConnection& admin) {
   v1::ReleaseRankRequest req;
   req.set_job_id(o.positional[0]);
   req.set_rank(o.rank.value_or(0));
+  req.set_evict(o.evict);
   v1::ReleaseRankReply r;
   if (int rc = admin.Call(&v1::Admin::Stub::ReleaseRank, req, &r); rc != kExitOk) return rc;
+  if (o.evict) {
+    if (o.json) {
+      PrintJson(Json{
+          {"job_id", req.job_id()}, {"evicted", true}, {"ranks_released", r.ranks_released()}});
+    } else {
+      std::printf(
+          "evicted job %s: %u registrations released; none registers again until the "
+          "job is deleted (ckptctl delete %s)\n",
+          TerminalSafe(req.job_id()).c_str(), r.ranks_released(),
+          TerminalSafe(req.job_id()).c_str());
+    }
+    return kExitOk;
+  }
   if (o.json) {
     PrintJson(Json{{"job_id", req.job_id()}, {"rank", req.rank()}, {"generation", r.generation()}});
     return kExitOk;

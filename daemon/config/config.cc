@@ -263,7 +263,7 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(engine.retention.keep_every_steps), 0),
       Num("keep_hours", "retention: plans of events younger than T hours stay restorable (0 = off)",
           CKPT_FIELD(engine.retention.keep_hours), 0),
-      Time("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc`)",
+      Time("gc_interval_s", "how often retention runs over every job (0 = only `ckptctl gc JOB`)",
            CKPT_FIELD(engine.gc_interval), absl::Seconds(1), 0, 365 * 24 * 3600),
       Num("max_disk_bytes",
           "bound on committed version bytes; past it new versions fail, counted (0 = none)",

@@ -12,10 +12,12 @@ absl::Status DiskBudget::Reserve(uint64_t file_bytes) {
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
     if (max_bytes_ > 0 && used + file_bytes > max_bytes_) {
-      return WithReason(absl::ResourceExhaustedError(
-                            absl::StrCat("disk bound of ", max_bytes_, " bytes reached (", used,
-                                         " used); run `ckptctl gc` or raise max_disk_bytes")),
-                        ErrorReason::kDiskFull);
+      return WithReason(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "disk bound of ", max_bytes_, " bytes reached (", used,
+              " used); run `ckptctl gc JOB` on the largest jobs (`ckptctl jobs` lists them) or "
+              "raise max_disk_bytes")),
+          ErrorReason::kDiskFull);
     }
   } while (!used_.compare_exchange_weak(used, used + file_bytes, std::memory_order_relaxed));
   if (absl::Status room = CheckFreeSpace(file_bytes); !room.ok()) {
@@ -37,9 +39,10 @@ absl::Status DiskBudget::CheckFreeSpace(uint64_t file_bytes) {
   absl::StatusOr<uint64_t> free = store_->FreeBytes();
   if (!free.ok() || *free >= min_free_bytes_ + file_bytes) return absl::OkStatus();
   return WithReason(
-      absl::ResourceExhaustedError(absl::StrCat(
-          "the data file system has ", *free, " bytes free; min_free_disk_bytes keeps ",
-          min_free_bytes_, " for the index (free space or run `ckptctl gc`)")),
+      absl::ResourceExhaustedError(
+          absl::StrCat("the data file system has ", *free,
+                       " bytes free; min_free_disk_bytes keeps ", min_free_bytes_,
+                       " for the index (free space, or run `ckptctl gc JOB` on the largest jobs)")),
       ErrorReason::kDiskFull);
 }
 
@@ -52,7 +55,9 @@ absl::Status DiskBudget::CheckIndexRoom(uint64_t index_bytes) {
           "the data file system has ", *free, " bytes free; ", index_bytes,
           " bytes of index records would leave less than a quarter of "
           "min_free_disk_bytes (",
-          index_floor_bytes(), "), which is kept for RocksDB (free space or run `ckptctl gc`)")),
+          index_floor_bytes(),
+          "), which is kept for RocksDB (free space, or run `ckptctl gc JOB` on the largest "
+          "jobs)")),
       ErrorReason::kDiskFull);
 }
 

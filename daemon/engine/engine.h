@@ -208,6 +208,13 @@ class Engine {
   // are written first (bounded by drain_timeout). Returns the generation that
   // ended. NOT_FOUND when the rank is not registered.
   absl::StatusOr<uint64_t> ReleaseRank(const std::string& job, uint32_t rank, const Caller& caller);
+  // Root's release of a whole job that stays released: the job is marked
+  // evicted (JobOwners::Evict) so that no rank of it registers again until
+  // it is deleted, registrations under way are waited for (bounded by
+  // drain_timeout), then every registered rank is released. Returns how
+  // many were. PERMISSION_DENIED for any caller but root.
+  absl::StatusOr<uint32_t> EvictJob(const std::string& job, const Caller& caller)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- the snapshotter (engine_snapshot.cc) ----
   // Queues the step and returns. FAILED_PRECONDITION for a stale

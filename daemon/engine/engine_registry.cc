@@ -341,6 +341,9 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
     const RankKey& k;
     ~Unclaim() { e->UnclaimRegistration(k); }
   } unclaim{this, key};
+  // After the claim: an eviction either came first (refused here) or waits
+  // for this registration and then releases it.
+  CKPT_RETURN_IF_ERROR(owners_.CheckAdmits(req.job));
 
   // 3. The rank's state, starting with its memory.
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r,
@@ -477,6 +480,45 @@ absl::StatusOr<uint64_t> Engine::ReleaseRank(const std::string& job, uint32_t ra
   CKPT_LOG(INFO) << "released job " << job << " rank " << rank << " generation " << r->generation
                  << " (by uid " << caller.uid << ")";
   return r->generation;
+}
+
+absl::StatusOr<uint32_t> Engine::EvictJob(const std::string& job, const Caller& caller) {
+  CKPT_RETURN_IF_ERROR(owners_.CheckVisible(job, caller));
+  if (!IsRoot(caller)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("only root evicts a job; its owner releases a rank (ckptctl release ", job,
+                     " --rank=R) or deletes the job (ckptctl delete ", job, ")"));
+  }
+  CKPT_RETURN_IF_ERROR(owners_.Evict(job));
+  std::vector<uint32_t> ranks;
+  {
+    absl::MutexLock lock(&mu_);
+    auto settled = [this, &job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = registering_.lower_bound(RankKey(job, 0));
+      return it == registering_.end() || it->first.first != job;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&settled), options_.drain_timeout)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", job, " is evicted, but a registration of it is still under way; release again"));
+    }
+    for (auto it = ranks_.lower_bound(RankKey(job, 0));
+         it != ranks_.end() && it->first.first == job; ++it) {
+      absl::MutexLock rank_lock(&it->second->mu);
+      if (it->second->active) ranks.push_back(it->first.second);
+    }
+  }
+  uint32_t released = 0;
+  for (uint32_t rank : ranks) {
+    absl::StatusOr<uint64_t> g = ReleaseRank(job, rank, caller);
+    if (g.ok()) {
+      ++released;
+    } else if (!absl::IsNotFound(g.status())) {  // gone meanwhile is fine
+      return g.status();
+    }
+  }
+  CKPT_LOG(WARNING) << "job " << job << " evicted by uid " << caller.uid << ": " << released
+                    << " registrations released; none registers until the job is deleted";
+  return released;
 }
 
 }  // namespace ckpt

@@ -115,8 +115,10 @@ absl::Status Engine::EndJobRegistrations(const std::string& job,
     if (r->active && r->memory != nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", key.second, " of job ", job,
-          " is registered by a running trainer; stop it or release the rank (ckptctl release ", job,
-          " ", key.second, ") first"));
+          " is registered by a running trainer; stop it or release the rank first (`ckptctl "
+          "release ",
+          job, " --rank=", key.second,
+          "`; root keeps a squatting trainer out with `ckptctl release ", job, " --evict`)"));
     }
   }
   for (const auto& [key, r] : ranks_) {

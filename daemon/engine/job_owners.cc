@@ -1,5 +1,8 @@
 #include "daemon/engine/job_owners.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "daemon/common/validate.h"
@@ -33,6 +36,26 @@ absl::Status JobOwners::Claim(const std::string& job, uid_t owner) {
   jr.set_owner_uid(owner);
   jr.set_created_unix_ms(absl::ToUnixMillis(clock_->Now()));
   return index_->PutJob(job, jr);
+}
+
+absl::Status JobOwners::Evict(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(job));
+  if (!now.has_value()) return absl::NotFoundError(absl::StrCat("job ", job, " does not exist"));
+  if (now->evicted_unix_ms() != 0) return absl::OkStatus();
+  now->set_evicted_unix_ms(std::max<int64_t>(1, absl::ToUnixMillis(clock_->Now())));
+  return index_->PutJob(job, *now);
+}
+
+absl::Status JobOwners::CheckAdmits(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  CKPT_ASSIGN_OR_RETURN(std::optional<store::JobRecord> now, index_->GetJob(job));
+  if (!now.has_value() || now->evicted_unix_ms() == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("job ", job,
+                   " was evicted by root: none of its ranks may register until it is deleted "
+                   "(ckptctl delete ",
+                   job, ")"));
 }
 
 }  // namespace ckpt

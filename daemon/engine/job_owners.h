@@ -5,6 +5,10 @@
 // it does not exist: CheckVisible answers NOT_FOUND, so no uid learns which
 // job ids others use.
 //
+// Root may evict a job (its squatting trainers re-register at once after a
+// plain release): the record then refuses every registration of the job
+// until the job is deleted, across restarts.
+//
 // Used by registration, recovery, retention and admin queries, and by the
 // remote tier when a pull creates the job on a replacement node.
 // Thread-safety: thread-safe. mu_ makes check-and-create one step (two uids
@@ -42,6 +46,12 @@ class JobOwners {
   // Records the job as `owner`'s unless it exists. PERMISSION_DENIED when it
   // belongs to another uid; index errors as is.
   absl::Status Claim(const std::string& job, uid_t owner) ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks an existing job evicted (durably): CheckAdmits refuses it from
+  // then on, until the job record is deleted with the job.
+  absl::Status Evict(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
+  // OK unless the job exists and was evicted: FAILED_PRECONDITION naming
+  // what frees it.
+  absl::Status CheckAdmits(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   Index* const index_;

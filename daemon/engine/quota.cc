@@ -66,8 +66,8 @@ absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t file
         absl::StrCat("uid ", owner.uid, " holds ", u.index_bytes,
                      " bytes of index records (aux blobs, events, versions); ", index,
                      " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
-                     " (run `ckptctl gc` on its jobs, send smaller aux blobs, or raise "
-                     "the option)"));
+                     " (run `ckptctl gc JOB` or `ckptctl delete JOB` on its jobs, send smaller "
+                     "aux blobs, or raise the option)"));
   }
   const uint64_t held = u.file_bytes + u.index_bytes;
   if (limits_.disk_bytes > 0 && held + files + index > limits_.disk_bytes) {
@@ -76,7 +76,8 @@ absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t file
         absl::StrCat("uid ", owner.uid, " holds ", held,
                      " bytes of layer files and index records; ", files + index,
                      " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
-                     " (run `ckptctl gc` on its jobs or raise the option)"));
+                     " (run `ckptctl gc JOB` or `ckptctl delete JOB` on its jobs, or raise the "
+                     "option)"));
   }
   if (limits_.job_disk_bytes > 0) {
     auto it = jobs_.find(owner.job);
@@ -88,7 +89,7 @@ absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t file
           absl::StrCat("job ", std::string(owner.job), " holds ", job_held,
                        " bytes of layer files and index records; ", files + index,
                        " more would pass max_disk_bytes_per_job = ", limits_.job_disk_bytes,
-                       " (run `ckptctl gc` on it or raise the option)"));
+                       " (run `ckptctl gc ", std::string(owner.job), "` or raise the option)"));
     }
   }
   return absl::OkStatus();

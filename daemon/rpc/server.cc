@@ -300,9 +300,15 @@ class AdminService final : public v1::Admin::Service {
   grpc::Status ReleaseRank(grpc::ServerContext* ctx, const v1::ReleaseRankRequest* req,
                            v1::ReleaseRankReply* reply) override {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
+      if (req->evict()) {
+        CKPT_ASSIGN_OR_RETURN(uint32_t released, s_->engine()->EvictJob(req->job_id(), c));
+        reply->set_ranks_released(released);
+        return absl::OkStatus();
+      }
       CKPT_ASSIGN_OR_RETURN(uint64_t generation,
                             s_->engine()->ReleaseRank(req->job_id(), req->rank(), c));
       reply->set_generation(generation);
+      reply->set_ranks_released(1);
       return absl::OkStatus();
     });
   }

@@ -217,7 +217,8 @@ absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int d
   CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir));
   CKPT_LOG(WARNING) << "quarantined " << RankDirPath(job, rank) << "/" << name << " -> " << qpath
                     << "/" << target << " (" << why
-                    << "); `ckptctl repair` puts it back in the index if it verifies";
+                    << "); with ckptd stopped, `ckptctl repair --data-dir=" << data_dir_
+                    << "` puts it back in the index if it verifies";
   return absl::OkStatus();
 }
 

@@ -8,11 +8,14 @@ Then a live trainer's job cannot be deleted; once it is gone, its owner
 deletes the job (every file and record), and uid 4243, which could not
 register under the id while it was taken, takes it. uid 4243's attempts on
 4242's job read exactly like attempts on a job that does not exist.
-Skips (77) when not root or without setpriv.
+Last, a squatting trainer that registers again as soon as it is released
+is evicted by root and the job deleted (evicted_squatter). Skips (77) when
+not root or without setpriv.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -66,6 +69,65 @@ def start_trainer(d, uid, *extra):
     return subprocess.Popen(setpriv(uid) + harness.trainer_cmd(d, "life", "--steps=1000000",
                                                                *(TRAIN + list(extra))),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def squat_rank(d):
+    job = [j for j in d.ctl("jobs")["jobs"] if j["job_id"] == "squat"]
+    return job[0]["ranks"][0] if job and job[0]["ranks"] else None
+
+
+def suggested(stderr, needle):
+    """The command in backquotes in `stderr` that contains `needle`, as
+    arguments after `ckptctl`."""
+    found = [c for c in re.findall(r"`(ckptctl [^`]*)`", stderr) if needle in c]
+    assert found, "no suggested command with %r in: %s" % (needle, stderr)
+    return found[0].split()[1:]
+
+
+def evicted_squatter(d):
+    """7. A trainer that keeps coming back. uid 4243's trainer runs on
+    through the loss of its registration (--on-daemon-loss=continue) and
+    registers again at once after root releases it, so the job could never
+    be deleted. Every command ckptd suggests is run as suggested: the plain
+    release (`--rank=`), then root's `--evict`, after which the trainer's
+    next registration is refused and the job is deleted."""
+    squatter = subprocess.Popen(
+        setpriv(OTHER) + harness.trainer_cmd(d, "squat", "--steps=1000000",
+                                             "--on-daemon-loss=continue", *TRAIN),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_for("the squatter's first durable step",
+                         lambda: (squat_rank(d) or {}).get("latest_durable_step", 0) >= 1 and
+                         squat_rank(d))
+        refused = d.ctl_raw("delete", "squat")
+        assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr, refused.stderr
+        p = d.ctl_raw(*suggested(refused.stderr, "--rank="))
+        assert p.returncode == 0 and "released job squat rank 0" in p.stdout, p.stdout + p.stderr
+        back = wait_for("the squatter to register again",
+                        lambda: (squat_rank(d) or {}).get("registered") and
+                        squat_rank(d)["generation"] > first["generation"] and squat_rank(d))
+        print("ok: a plain release does not keep it out: registered again (generation %d -> %d)"
+              % (first["generation"], back["generation"]))
+        p = ctl(d, OTHER, "release", "squat", "--evict")
+        assert p.returncode == 1 and "PERMISSION_DENIED" in p.stderr, p.stdout + p.stderr
+        refused = d.ctl_raw("delete", "squat")
+        assert refused.returncode == 1 and "FAILED_PRECONDITION" in refused.stderr, refused.stderr
+        p = d.ctl_raw(*suggested(refused.stderr, "--evict"))
+        assert p.returncode == 0 and "evicted job squat: 1 registrations" in p.stdout, \
+            p.stdout + p.stderr
+        _, err = squatter.communicate(timeout=120)
+        assert "was evicted by root" in err, err[-2000:]
+        print("ok: evicted by root; the squatter's next registration was refused and it stopped "
+              "(exit %d)" % squatter.returncode)
+        squatter = None
+        assert not squat_rank(d)["registered"], squat_rank(d)
+        p = d.ctl_raw("delete", "squat")
+        assert p.returncode == 0, p.stderr
+        print("ok: the evicted job is deleted")
+    finally:
+        if squatter is not None:
+            squatter.kill()
+            squatter.wait()
 
 
 def main():
@@ -149,6 +211,7 @@ def main():
         job = [j for j in d.ctl("jobs")["jobs"] if j["job_id"] == "life"][0]
         assert job["owner_uid"] == OTHER and job["ranks"][0]["latest_durable_step"] == 2, job
         print("ok: uid %d took the freed id" % OTHER)
+        evicted_squatter(d)
         return 0
     finally:
         if trainer is not None:

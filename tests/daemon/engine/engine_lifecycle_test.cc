@@ -149,6 +149,40 @@ TEST_F(EnginePipelineTest, ReleaseRankEndsTheRegistrationAfterItsStagedVersions)
   CKPT_ASSERT_OK(WaitDurable(r, 2).status());
 }
 
+// Regression: a plain release did not stick: the squatting trainer
+// registered again at once, so the job could not be deleted. Root's
+// EvictJob ends every registration of the job and refuses new ones (the
+// mark is in the job's record) until the job is deleted; nobody else may
+// evict.
+TEST_F(EnginePipelineTest, AnEvictedJobRegistersAgainOnlyOnceDeleted) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("squat", 1), other = MakeRank("bystander", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(Register(&other).status());
+  CKPT_ASSERT_OK(StepDone(a, 1));
+  CKPT_ASSERT_OK(WaitDurable(a, 1).status());
+  absl::StatusOr<uint32_t> by_owner = engine_->EvictJob("squat", owner_);
+  CKPT_EXPECT_CODE(by_owner, kPermissionDenied);
+  EXPECT_NE(by_owner.status().message().find("ckptctl release squat --rank=R"), std::string::npos)
+      << by_owner.status();
+  const Caller root;
+  CKPT_ASSERT_OK_AND_ASSIGN(uint32_t released, engine_->EvictJob("squat", root));
+  EXPECT_EQ(released, 1u);
+  CKPT_EXPECT_CODE(StepDone(a, 2), kNotFound);
+  CKPT_EXPECT_OK(StepDone(other, 1)) << "another job is not touched";
+  const absl::StatusOr<Registered> again = Register(&a);
+  CKPT_EXPECT_CODE(again, kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("ckptctl delete squat"), std::string::npos)
+      << again.status();
+  CKPT_EXPECT_CODE(Register(&a, root).status(), kFailedPrecondition) << "root's too";
+  // Evicting again is harmless; deleting the job frees the id.
+  CKPT_ASSERT_OK_AND_ASSIGN(released, engine_->EvictJob("squat", root));
+  EXPECT_EQ(released, 0u);
+  CKPT_ASSERT_OK(engine_->DeleteJob("squat", owner_).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered fresh, Register(&a));
+  EXPECT_EQ(fresh.latest_durable_step, 0u) << "a new job, without the old history";
+}
+
 // Regression: ckptd kept an open descriptor of every rank directory it had
 // ever written, so a long-lived node's descriptors grew with every job it
 // served (846 after 846 ranks had come and gone, docs/scaling.md). A rank's
