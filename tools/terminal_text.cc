@@ -42,6 +42,18 @@ size_t Utf8Sequence(absl::string_view text, size_t i, uint32_t* code_point) {
   return n;
 }
 
+// Format characters that change how the text around them reads without
+// showing themselves: the bidirectional controls (an override can make a
+// name display as another, "Trojan Source"), the zero-width ones, the BOM,
+// and the line and paragraph separators (a forged table row).
+bool IsInvisibleFormat(uint32_t cp) {
+  return cp == 0x061c ||                    // ARABIC LETTER MARK
+         (cp >= 0x200b && cp <= 0x200f) ||  // zero-width space/joiners, LRM, RLM
+         (cp >= 0x2028 && cp <= 0x202e) ||  // LS, PS, LRE, RLE, PDF, LRO, RLO
+         (cp >= 0x2060 && cp <= 0x2069) ||  // word joiner.., LRI, RLI, FSI, PDI
+         cp == 0xfeff;                      // BOM, zero-width no-break space
+}
+
 }  // namespace
 
 std::string TerminalSafe(absl::string_view text) {
@@ -77,7 +89,7 @@ std::string TerminalSafe(absl::string_view text) {
     if (n == 0) {
       absl::StrAppendFormat(&out, "\\x%02x", c);
       ++i;
-    } else if (cp <= 0x9f) {  // C1
+    } else if (cp <= 0x9f || IsInvisibleFormat(cp)) {  // C1, bidi and invisible format
       absl::StrAppendFormat(&out, "\\u%04x", cp);
       i += n;
     } else {

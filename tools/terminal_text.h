@@ -19,6 +19,9 @@ namespace ckpt {
 // `text` with every byte a terminal could act on written as an escape:
 // - C0 controls and DEL: \n, \r, \t, else \xHH (e.g. ESC -> \x1b);
 // - C1 controls (U+0080..U+009F, valid UTF-8): \u0080 .. \u009f;
+// - the bidirectional controls (U+202A..U+202E, U+2066..U+2069, LRM, RLM,
+//   ALM), the zero-width characters, the BOM and U+2028/U+2029, which
+//   reorder or hide text without showing: \u202e and so on;
 // - each byte of an invalid UTF-8 sequence (stray continuation, truncated
 //   or overlong sequence, surrogate, above U+10FFFF): \xHH;
 // - the backslash itself: \\, so an escape in the output is never

@@ -37,6 +37,24 @@ TEST(TerminalSafeTest, C1ControlsAreEscapedAsCodePoints) {
   EXPECT_EQ(TerminalSafe("\xc2\x9f"), "\\u009f");
 }
 
+// Regression: U+202E (RIGHT-TO-LEFT OVERRIDE) and U+202C printed raw, so a
+// job named "safe\u202egnp.exe" showed in ckptctl's tables as another name.
+TEST(TerminalSafeTest, BidiAndInvisibleFormatCharactersAreEscaped) {
+  EXPECT_EQ(TerminalSafe("job\xe2\x80\xae"
+                         "321\xe2\x80\xac"),
+            "job\\u202e321\\u202c");
+  EXPECT_EQ(TerminalSafe("\xe2\x81\xa6x\xe2\x81\xa9"), "\\u2066x\\u2069");  // LRI .. PDI
+  EXPECT_EQ(TerminalSafe("a\xe2\x80\x8b"
+                         "b"),
+            "a\\u200bb");                              // zero-width space
+  EXPECT_EQ(TerminalSafe("\xef\xbb\xbf"), "\\ufeff");  // BOM
+  EXPECT_EQ(TerminalSafe("row\xe2\x80\xa8next"), "row\\u2028next");
+  EXPECT_EQ(TerminalSafe("\xd8\x9c"), "\\u061c");
+  // Neighbours that are ordinary text still pass.
+  EXPECT_EQ(TerminalSafe("\xe2\x80\x94\xe2\x80\xb0"),
+            "\xe2\x80\x94\xe2\x80\xb0");  // em dash, per mille
+}
+
 TEST(TerminalSafeTest, InvalidUtf8IsEscapedBytewise) {
   EXPECT_EQ(TerminalSafe("\x9b"
                          "31m"),
