@@ -13,15 +13,15 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
-#include <system_error>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "base/unique_fd.h"
 #include "tools/ckptctl_commands.h"
 #include "tools/ckptctl_output.h"
@@ -69,26 +69,48 @@ int CheckPlans(const Options& o, const AdminConnection& admin, const std::vector
   return kExitOk;
 }
 
-// The output directory: created private (0700) when missing, then
-// opened once without following a symbolic link; every file is created
-// beneath it (export_writer.h), so links planted in it are never followed.
+// The output directory, walked one component at a time from / (or the
+// working directory): each is opened without following a symbolic link and
+// created private (0700) when missing. A link anywhere in the path is
+// refused, naming it: root's `export --out=link/sub` once followed a link
+// another user controlled. Every file is then created beneath the opened
+// directory (export_writer.h), so links planted in it are never followed
+// either.
 int OpenOutputDir(const Options& o, UniqueFd* dir) {
-  std::error_code mkdir_error;
-  const bool created = std::filesystem::create_directories(o.out, mkdir_error);
-  if (mkdir_error) {
-    std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", TerminalSafe(o.out).c_str(),
-                 TerminalSafe(mkdir_error.message()).c_str());
+  const std::string& path = o.out;
+  UniqueFd at(
+      ::open(!path.empty() && path[0] == '/' ? "/" : ".", O_DIRECTORY | O_RDONLY | O_CLOEXEC));
+  if (!at.valid()) {
+    std::fprintf(stderr, "ckptctl: cannot open the start of %s: %s\n", TerminalSafe(path).c_str(),
+                 std::strerror(errno));
     return kExitLocalError;
   }
-  if (created) ::chmod(o.out.c_str(), 0700);
-  const int dir_fd = ::open(o.out.c_str(), O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (dir_fd < 0) {
-    std::fprintf(stderr,
-                 "ckptctl: cannot open %s as a directory (%s; a symbolic link is refused)\n",
-                 TerminalSafe(o.out).c_str(), std::strerror(errno));
-    return kExitLocalError;
+  std::string walked = path[0] == '/' ? "" : ".";
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    const std::string name(part);
+    walked += "/" + name;
+    if (::mkdirat(at.get(), name.c_str(), 0700) != 0 && errno != EEXIST) {
+      std::fprintf(stderr, "ckptctl: cannot create %s: %s\n", TerminalSafe(walked).c_str(),
+                   std::strerror(errno));
+      return kExitLocalError;
+    }
+    UniqueFd next(
+        ::openat(at.get(), name.c_str(), O_DIRECTORY | O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+    if (!next.valid()) {
+      struct stat st;
+      const bool link =
+          errno == ELOOP ||
+          (::fstatat(at.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode));
+      std::fprintf(stderr, "ckptctl: cannot open %s as a directory: %s\n",
+                   TerminalSafe(walked).c_str(),
+                   link ? "it is a symbolic link, which export does not follow (give the path "
+                          "it resolves to)"
+                        : std::strerror(errno));
+      return kExitLocalError;
+    }
+    at = std::move(next);
   }
-  *dir = UniqueFd(dir_fd);
+  *dir = std::move(at);
   return kExitOk;
 }
 

@@ -10,6 +10,8 @@
    path per start, so N links took N restarts to find. Now one start exits
    with 78 (listed in the unit's RestartPreventExitStatus=) and names both
    full paths; the linked data is untouched.
+3. `ckptctl export --out=` through a link in the middle of the path is
+   refused, naming it (export_through_links).
 """
 
 import os
@@ -21,6 +23,31 @@ import harness  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 LC = ["--layers=3", "--layer-bytes=32K", "--policy=layercheck", "--record-trace"]
+
+
+def export_through_links(d, root):
+    """3. `ckptctl export --out=` with a symbolic link in the middle of the
+    path (in a directory another user could write): ckptctl created the
+    directories through the link and wrote the export where it pointed. Now
+    every component is opened without following a link and the export is
+    refused, naming the link; a path without one works, its new directories
+    private."""
+    elsewhere = os.path.join(root, "elsewhere-dir")
+    os.makedirs(elsewhere)
+    shared = os.path.join(root, "shared")
+    os.makedirs(shared)
+    os.symlink(elsewhere, os.path.join(shared, "link"))
+    p = d.ctl_raw("export", "sl", "--out=" + os.path.join(shared, "link", "sub"))
+    print("export through an intermediate link: exit %d: %s" % (p.returncode, p.stderr.strip()))
+    assert p.returncode != 0, p.stdout
+    assert "symbolic link" in p.stderr and os.path.join(shared, "link") in p.stderr, p.stderr
+    assert os.listdir(elsewhere) == [], "the export went through the link: %s" % os.listdir(elsewhere)
+    out = os.path.join(shared, "a", "b")
+    p = d.ctl_raw("export", "sl", "--out=" + out)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert os.path.exists(os.path.join(out, "rank-00000.safetensors")), os.listdir(out)
+    for made in (os.path.join(shared, "a"), out):
+        assert os.stat(made).st_mode & 0o777 == 0o700, (made, oct(os.stat(made).st_mode))
 
 
 def main():
@@ -51,6 +78,7 @@ def main():
         assert out.returncode != 0, out.stdout
         assert "drift.jsonl" in out.stderr and "symbolic link" in out.stderr, out.stderr
         os.unlink(trace)
+        export_through_links(d, root)
         assert d.stop() == 0, d.log()
 
         # 2. Two rank directories that are links.
