@@ -282,8 +282,8 @@ const std::vector<Option>& Options() {
           "RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_disk_bytes_per_job), 0),
       Num("max_index_bytes_per_uid",
-          "index records (aux blobs, events, version records) one user's jobs may hold; past it "
-          "that user's steps fail with RESOURCE_EXHAUSTED (0 = none)",
+          "index records (rank tables, aux blobs, events, versions) one user's jobs may hold; "
+          "past it that user's steps fail with RESOURCE_EXHAUSTED (0 = none)",
           CKPT_FIELD(engine.max_index_bytes_per_uid), 0),
       Num("max_queued_steps_per_rank",
           "steps of one rank queued for a snapshot (each holds its aux blob); more fail with "

@@ -113,7 +113,7 @@ struct EngineOptions {
   // layer files and index records; 0 here means half the size of the data
   // file system, measured at start.
   uint64_t max_disk_bytes_per_uid = 0;
-  uint64_t max_index_bytes_per_uid = uint64_t{1} << 30;  // aux blobs, events, version records
+  uint64_t max_index_bytes_per_uid = uint64_t{1} << 30;  // tables, aux blobs, events, versions
   // One job's layer files and index records, whoever owns it; 0 = none.
   uint64_t max_disk_bytes_per_job = 0;
   // A rank's StepDone queue (steps not yet taken by a snapshot worker), and

@@ -64,7 +64,7 @@ absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t file
     return RefuseLocked(
         QuotaKind::kIndex, refused,
         absl::StrCat("uid ", owner.uid, " holds ", u.index_bytes,
-                     " bytes of index records (aux blobs, events, versions); ", index,
+                     " bytes of index records (rank tables, aux blobs, events, versions); ", index,
                      " more would pass max_index_bytes_per_uid = ", limits_.index_bytes,
                      " (run `ckptctl gc JOB` or `ckptctl delete JOB` on its jobs, send smaller "
                      "aux blobs, or raise the option)"));

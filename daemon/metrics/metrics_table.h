@@ -144,7 +144,7 @@ constexpr MetricInfo kGaugeTable[] = {
      "data file system when that is 0.",
      "", ""},
     {"ckpt_uid_index_limit_bytes", "gauge",
-     "Per-uid quota on index records (aux blobs, events, version records): "
+     "Per-uid quota on index records (rank tables, aux blobs, events, versions): "
      "max_index_bytes_per_uid; 0 = none.",
      "", ""},
     {"ckpt_uid_disk_used_bytes", "gauge",
