@@ -8,7 +8,8 @@ one layer was restored nowhere. Now:
 - destinations keyed by (layer name, tensor name) get each layer's own bytes;
 - a unique bare name still works next to tuple keys;
 - a destination that matches no tensor, and a tensor with no destination,
-  are refused.
+  are refused;
+- `ckptctl layers` prints a layer name's U+202E/U+202C escaped, not raw.
 
 Run by ctest (imports ckpt from <build>/python); exits 77 when it is not built.
 """
@@ -30,6 +31,9 @@ except ImportError as e:  # pragma: no cover - reported as a skip
     sys.exit(77)
 
 N = 1024  # bytes of each tensor (uint8)
+# A layer name with a right-to-left override and its pop: printed raw, it
+# displays as another name.
+BIDI_LAYER = "c\u202eevil\u202c"
 
 
 def refused(client, dests, needle):
@@ -55,7 +59,7 @@ def main():
                                        "region": region.index, "offset": 0}]},
             {"name": "b", "tensors": [{"name": "w", "shape": [N], "dtype": "U8",
                                        "region": region.index, "offset": N}]},
-            {"name": "c", "tensors": [{"name": "bias", "shape": [N], "dtype": "U8",
+            {"name": BIDI_LAYER, "tensors": [{"name": "bias", "shape": [N], "dtype": "U8",
                                        "region": region.index, "offset": 2 * N}]}]})
         trainer.step_done(1, 0.1)
         trainer.wait_durable(1)
@@ -78,6 +82,9 @@ def main():
         check(ok, "a destination of no tensor is refused: %s" % why)
         ok, why = refused(reader, {("a", "w"): a, "bias": bias}, "layer 'b'")
         check(ok, "a tensor without a destination is refused: %s" % why)
+        p = d.ctl_raw("layers", "dup")
+        check(p.returncode == 0 and "c\\u202eevil\\u202c" in p.stdout and "\u202e" not in p.stdout,
+              "ckptctl layers prints the bidirectional controls escaped")
         trainer.unregister()
         assert d.stop() == 0, d.log()[-3000:]
         return 0
