@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -26,6 +27,8 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
     return rc;
   }
   if (o.json) {
+    Json poisoned = Json::array();
+    for (const std::string& gpu : r.gpu_poisoned()) poisoned.push_back(gpu);
     PrintJson(Json{{"version", r.version()},
                    {"data_dir", r.data_dir()},
                    {"io_backend", r.io_backend()},
@@ -48,6 +51,7 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
                    {"gpu", r.gpu()},
                    {"open_gpu_mappings", r.open_gpu_mappings()},
                    {"open_gpu_mapping_bytes", r.open_gpu_mapping_bytes()},
+                   {"gpu_poisoned", poisoned},
                    {"remote", r.remote()},
                    {"remote_lag_steps", r.remote_lag_steps()},
                    {"remote_lag_bytes", r.remote_lag_bytes()},
@@ -80,6 +84,10 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
       {"gpu", OrDash(r.gpu())},
       {"open_gpu_mappings",
        absl::StrCat(r.open_gpu_mappings(), " (", BytesWithRaw(r.open_gpu_mapping_bytes()), ")")},
+      {"gpu_poisoned", r.gpu_poisoned().empty()
+                           ? "-"
+                           : absl::StrCat(absl::StrJoin(r.gpu_poisoned(), "; "),
+                                          " (restart ckptd to use these GPUs again)")},
       {"metrics_address", r.metrics_address().empty() ? "- (off)" : r.metrics_address()},
       {"disk_bytes_used", BytesWithRaw(r.disk_bytes_used())},
       {"disk_bytes_limit",

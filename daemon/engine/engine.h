@@ -68,6 +68,7 @@
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/step_types.h"
 #include "daemon/gpu/cuda_ipc.h"
+#include "daemon/gpu/gpu_health.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/policy/layercheck.h"
@@ -133,6 +134,11 @@ struct EngineOptions {
   // What the engine stamps and ages records with (event times, retention,
   // the durability lag); null = the real clock. Not owned.
   Clock* clock = nullptr;
+  // GPU ranks: how long a snapshot waits for a step's event (from the first
+  // poll that found it pending, on `clock`) and for ckptd's own copies (in
+  // real time) before the step is given up and its layers are retried.
+  // The snapshot threads serve other ranks meanwhile.
+  absl::Duration gpu_wait_timeout = absl::Seconds(120);
   // How often the exit of trainers holding GPU mappings is checked.
   absl::Duration trainer_watch_interval = absl::Milliseconds(200);
   // The memory tier (memory_tier.h): staging-pool bytes that keep the
@@ -370,6 +376,10 @@ class Engine {
   // Releases the memory (GPU mappings, memfd regions) of ranks whose trainer
   // process exited.
   void WatchTrainersLoop();
+  // Releases the memory of every rank on a GPU a sticky CUDA error poisoned
+  // (GpuHealth), with the reason; their StepDone fails with it. Cheap when
+  // nothing was poisoned since the last call.
+  void ReleaseRanksOnPoisonedGpus() ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a registration: inactive, parked steps dropped, memory moved to
   // `closing` (dropped by the caller once every lock is released).
   void EndRegistrationLocked(RankState& r, const std::string& why,
@@ -382,9 +392,24 @@ class Engine {
 
   // ---- the snapshotter (engine_snapshot.cc) ----
   void SnapshotLoop();
+  // The next rank to snapshot: the first of snapshot_ready_, once the ranks
+  // of snapshot_waiting_ whose poll is due have joined its end. False once
+  // stopping (every queued rank is let go).
+  bool NextRankLocked(std::shared_ptr<RankState>* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `task`'s step can be snapshotted now: OK when its device has
+  // finished it, the error that gives the step up (its deadline passed, its
+  // fence gave up, the rank was released, ckptd stops, the query failed),
+  // or nullopt while it must wait. Never waits.
+  std::optional<absl::Status> PollStep(const std::shared_ptr<RankState>& r, SnapTask& task,
+                                       RankMemory* memory) ABSL_LOCKS_EXCLUDED(mu_);
+  // Puts `task` back at the front of its rank's queue, and the rank in
+  // snapshot_waiting_ until its next poll (after a pause that grows).
+  void ParkForPoll(const std::shared_ptr<RankState>& r, SnapTask task) ABSL_LOCKS_EXCLUDED(mu_);
   // Returns false when the task now waits for SetGlobalDrift.
-  // `memory` is the rank's memory (null once released).
-  bool Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory);
+  // `memory` is the rank's memory (null once released); `ready` is
+  // PollStep's answer (an error: nothing is copied, every layer retried).
+  bool Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory,
+                absl::Status ready);
   // Copies the selected layers of `task` into staging; `staged` holds what
   // is not handed to the writers yet, `skipped` the layers left out.
   // Returns the copy's status (an error drops what `staged` holds).
@@ -403,6 +428,10 @@ class Engine {
   bool SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
                    std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                    SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
+  // Keeps the staging chunks of `staged` out of the pool for good: copies
+  // into them were not seen to complete and may still land.
+  void WithholdStaging(const std::shared_ptr<RankState>& r, const SnapTask& task,
+                       std::vector<StagedVersion>& staged) ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- LayerCheck (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published
@@ -508,6 +537,8 @@ class Engine {
   // whose queued steps hold charges against it, so that it outlives them.
   QuotaTable quota_;
   LeaseTable leases_;
+  GpuHealth gpu_health_;                    // devices a sticky CUDA error poisoned
+  std::atomic<uint64_t> poisoned_seen_{0};  // gpu_health_.version() acted on
   DiskBudget disk_;
   JobOwners owners_;
   LocalHistory history_;
@@ -520,7 +551,7 @@ class Engine {
   // Locks. mu_ guards the engine-wide state below; each rank's mutable state
   // has its own mutex (RankState::mu, rank_state.h). Lock order:
   //   JobOwners -> mu_ -> RankState::event_mu -> RankState::mu -> leaf mutexes
-  // (LeaseTable, StagingPool, Metrics, the tiers). RankState::event_mu is
+  // (LeaseTable, StagingPool, Metrics, GpuHealth, the tiers). RankState::event_mu is
   // never taken with mu_ held. No file I/O, index write or CUDA call happens
   // under mu_ or RankState::mu. Waits on one rank's state wait on its
   // RankState::mu.
@@ -529,6 +560,12 @@ class Engine {
   bool stop_writers_ ABSL_GUARDED_BY(mu_) = false;  // writers exit, queue discarded
   std::map<RankKey, std::shared_ptr<RankState>> ranks_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<RankState>> snapshot_ready_ ABSL_GUARDED_BY(mu_);
+  // Ranks whose next step waits for its device (a GPU step event still
+  // pending), by the time of their next poll; still snap_busy.
+  std::multimap<absl::Time, std::shared_ptr<RankState>> snapshot_waiting_ ABSL_GUARDED_BY(mu_);
+  // Staging chunks GPU copies were writing into when their wait gave up
+  // (WithholdStaging); back to the pool only with the engine.
+  std::vector<StagingLease> withheld_staging_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   // Versions taken from write_queue_ whose commit has not finished yet
   // (being written, or waiting for the publisher).

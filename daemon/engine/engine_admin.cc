@@ -34,6 +34,9 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
   const GpuMappingStats gpu = OpenGpuMappings();
   s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
   s.set_open_gpu_mapping_bytes(gpu.bytes);
+  for (const PoisonedGpu& p : gpu_health_.Poisoned()) {
+    s.add_gpu_poisoned(absl::StrCat(p.uuid, " (CUDA device ", p.device, "): ", p.error));
+  }
   const bool all = IsRoot(caller);
   absl::StatusOr<std::vector<std::string>> jobs = index_->ListJobs();
   if (jobs.ok()) {
@@ -250,6 +253,7 @@ void Engine::CollectMetrics() {
   const GpuMappingStats gpu = OpenGpuMappings();
   m->Set(Gauge::kOpenGpuMappings, static_cast<double>(gpu.mappings));
   m->Set(Gauge::kOpenGpuMappingBytes, static_cast<double>(gpu.bytes));
+  m->Set(Gauge::kGpuDevicesPoisoned, static_cast<double>(gpu_health_.Poisoned().size()));
   m->Set(Gauge::kMemoryTierBytes, static_cast<double>(memory_tier_.bytes()));
   for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->CollectMetrics();
   absl::MutexLock lock(&mu_);

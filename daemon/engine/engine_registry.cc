@@ -226,7 +226,12 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
     }
   }
   if (req.gpu.has_value()) {
-    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_));
+    GpuMemoryOptions gpu;
+    gpu.copy_timeout = options_.gpu_wait_timeout;
+    gpu.close_timeout = std::min(gpu.close_timeout, options_.gpu_wait_timeout);
+    gpu.cancel = &shutting_down_;  // a stopping ckptd waits for no device
+    gpu.health = &gpu_health_;
+    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_, gpu));
   } else {
     memory = std::make_shared<HostMemory>(std::move(regions), std::move(held));
   }
@@ -480,6 +485,24 @@ absl::StatusOr<uint64_t> Engine::ReleaseRank(const std::string& job, uint32_t ra
   CKPT_LOG(INFO) << "released job " << job << " rank " << rank << " generation " << r->generation
                  << " (by uid " << caller.uid << ")";
   return r->generation;
+}
+
+void Engine::ReleaseRanksOnPoisonedGpus() {
+  const uint64_t version = gpu_health_.version();
+  if (poisoned_seen_.exchange(version, std::memory_order_relaxed) == version) return;
+  std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, r] : ranks_) {
+      absl::MutexLock rank_lock(&r->mu);
+      const auto* gpu = dynamic_cast<const GpuMemory*>(r->memory.get());
+      if (gpu == nullptr) continue;
+      const absl::Status usable = gpu_health_.CheckUsable(gpu->device());
+      if (!usable.ok()) r->ReleaseMemory(std::string(usable.message()), &closing);
+    }
+  }
+  closing.clear();
+  CKPT_SYNC_POINT("engine.poisoned_gpu_ranks_released");
 }
 
 absl::StatusOr<uint32_t> Engine::EvictJob(const std::string& job, const Caller& caller) {

@@ -1,5 +1,6 @@
 // Snapshotter: StepDone, the snapshot workers, WaitSnapshot (the fence).
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -10,6 +11,15 @@
 #include "daemon/engine/rank_state.h"
 
 namespace ckpt {
+namespace {
+
+// A GPU step whose event is pending is asked again after 200 us, then after
+// pauses that double up to 5 ms: a step that is nearly done costs little
+// latency, a hung one little CPU.
+constexpr absl::Duration kFirstStepPoll = absl::Microseconds(200);
+constexpr absl::Duration kLongestStepPoll = absl::Milliseconds(5);
+
+}  // namespace
 
 absl::Status Engine::StepDone(StepReport req, const Caller& caller) {
   if (req.aux.size() > options_.max_aux_bytes) {
@@ -107,27 +117,24 @@ void Engine::SnapshotLoop() {
     std::shared_ptr<RankMemory> memory;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !snapshot_ready_.empty();
-      };
-      mu_.Await(absl::Condition(&ready));
-      if (stopping_) {
-        for (auto& q : snapshot_ready_) {
-          absl::MutexLock rank_lock(&q->mu);
-          q->snap_busy = false;
-        }
-        snapshot_ready_.clear();
-        return;
-      }
-      r = std::move(snapshot_ready_.front());
-      snapshot_ready_.pop_front();
+      if (!NextRankLocked(&r)) return;
       absl::MutexLock rank_lock(&r->mu);
       task = std::move(r->snap_queue.front());
       r->snap_queue.pop_front();
       memory = r->memory;
     }
-    const bool done = Snapshot(r, task, memory.get());
+    std::optional<absl::Status> ready = PollStep(r, task, memory.get());
+    if (!ready.has_value()) {
+      // Its device has not finished the step: the other ranks' steps go
+      // first, and this one is asked again after a pause.
+      memory.reset();  // a release meanwhile closes the mappings here
+      ParkForPoll(r, std::move(task));
+      CKPT_SYNC_POINT("snapshot.step_pending");
+      continue;
+    }
+    const bool done = Snapshot(r, task, memory.get(), *std::move(ready));
     memory.reset();  // the last reference of a released rank closes its mappings here
+    ReleaseRanksOnPoisonedGpus();
     CKPT_SYNC_POINT("snapshot.after_publish");
     absl::MutexLock lock(&mu_);
     absl::MutexLock rank_lock(&r->mu);
@@ -156,11 +163,105 @@ void Engine::SnapshotLoop() {
   }
 }
 
-bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory) {
-  // Wait (on ckptd's side) for the reported step to be complete in the
-  // trainer's memory. Without memory, or when that fails, nothing is copied
-  // and every selected layer is retried.
-  absl::Status copy_status = memory == nullptr
+bool Engine::NextRankLocked(std::shared_ptr<RankState>* r) {
+  for (;;) {
+    // Ranks whose poll is due join the end of the queue, behind the ranks
+    // that were ready before them.
+    const absl::Time now = absl::Now();
+    while (!snapshot_waiting_.empty() && snapshot_waiting_.begin()->first <= now) {
+      snapshot_ready_.push_back(std::move(snapshot_waiting_.begin()->second));
+      snapshot_waiting_.erase(snapshot_waiting_.begin());
+    }
+    if (stopping_) {
+      // Their steps stay queued; nobody waits on a device any more.
+      for (auto& q : snapshot_ready_) {
+        absl::MutexLock rank_lock(&q->mu);
+        q->snap_busy = false;
+      }
+      for (auto& [when, q] : snapshot_waiting_) {
+        absl::MutexLock rank_lock(&q->mu);
+        q->snap_busy = false;
+      }
+      snapshot_ready_.clear();
+      snapshot_waiting_.clear();
+      return false;
+    }
+    if (!snapshot_ready_.empty()) {
+      *r = std::move(snapshot_ready_.front());
+      snapshot_ready_.pop_front();
+      return true;
+    }
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopping_ || !snapshot_ready_.empty();
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&ready), snapshot_waiting_.empty()
+                                                       ? absl::InfiniteFuture()
+                                                       : snapshot_waiting_.begin()->first);
+  }
+}
+
+std::optional<absl::Status> Engine::PollStep(const std::shared_ptr<RankState>& r, SnapTask& task,
+                                             RankMemory* memory) {
+  if (memory != nullptr) {
+    absl::StatusOr<bool> ready = memory->StepReady();
+    if (!ready.ok()) return ready.status();
+    if (*ready) return absl::OkStatus();
+  } else if (task.pending_since == absl::InfinitePast()) {
+    return absl::OkStatus();  // Snapshot says the memory was released
+  }
+  // The step's deadline runs from the first poll that found it pending.
+  const absl::Time now = clock_->Now();
+  if (task.pending_since == absl::InfinitePast()) task.pending_since = now;
+  const char* reason = nullptr;
+  std::string why;
+  {
+    absl::MutexLock rank_lock(&r->mu);
+    if (r->stopping || shutting_down_.load(std::memory_order_relaxed)) {
+      reason = "stopping";
+      why = "ckptd is stopping";
+    } else if (!r->active || r->memory == nullptr) {
+      reason = "released";
+      why = "the rank was released";
+    } else if (r->fence_broken_step >= task.step) {
+      reason = "fence";
+      why = "the trainer's fence (WaitSnapshot) gave up";
+    } else if (now - task.pending_since >= options_.gpu_wait_timeout) {
+      reason = "deadline";
+      why = absl::StrCat("gpu_wait_timeout (", absl::FormatDuration(options_.gpu_wait_timeout),
+                         ") has passed");
+    }
+  }
+  if (reason == nullptr) return std::nullopt;
+  task.given_up = true;
+  if (Metrics* m = options_.metrics) m->Inc(Counter::kGpuWaitsAbandoned, reason, 1);
+  CKPT_LOG(WARNING) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                    << ": the trainer's step event on its GPU has not completed (a kernel hung, "
+                    << "or the trainer died with work queued) and " << why
+                    << "; the step is given up and its layers are retried";
+  return absl::DeadlineExceededError(
+      absl::StrCat("the trainer's step event did not complete: ", why));
+}
+
+void Engine::ParkForPoll(const std::shared_ptr<RankState>& r, SnapTask task) {
+  task.poll_pause = task.poll_pause == absl::ZeroDuration()
+                        ? kFirstStepPoll
+                        : std::min(task.poll_pause * 2, kLongestStepPoll);
+  const absl::Time next = absl::Now() + task.poll_pause;  // a wait: real time
+  absl::MutexLock lock(&mu_);
+  absl::MutexLock rank_lock(&r->mu);
+  r->snap_queue.push_front(std::move(task));
+  snapshot_waiting_.emplace(next, r);  // still snap_busy
+}
+
+bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory,
+                      absl::Status ready) {
+  // The reported step is complete in the trainer's memory (PollStep). When
+  // it was given up, without memory, or when BeginSnapshot fails, nothing is
+  // copied and every selected layer is retried. A test holds a real ckptd
+  // here to copy a step only after the trainer went on (python.torch_swaps).
+  CKPT_DELAY_POINT("snapshot.before_copy");
+  absl::Status copy_status = !ready.ok() ? std::move(ready)
+                             : memory == nullptr
                                  ? absl::FailedPreconditionError("the rank's memory was released")
                                  : memory->BeginSnapshot();
   // Layers selected at StepDone time may since have become retry candidates;
@@ -187,11 +288,15 @@ bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankM
   if (!copy_status.ok()) {
     // No torn version: whatever was staged and not yet handed over is
     // dropped and retried (versions already handed over were copied whole).
-    CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
-                    << ": snapshot copy failed: " << copy_status;
-    if (options_.metrics != nullptr) {
-      options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
+    // A step given up by PollStep was logged and counted there.
+    if (!task.given_up) {
+      CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                      << ": snapshot copy failed: " << copy_status;
+      if (options_.metrics != nullptr) {
+        options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
+      }
     }
+    if (memory != nullptr && memory->CopiesInFlight()) WithholdStaging(r, task, staged);
     for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
     staged.clear();
   }
@@ -220,7 +325,8 @@ absl::Status Engine::CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& t
   // step larger than the pool wait for room only its own writes could free,
   // and skip its last layers at every step.
   absl::Status copy_status;
-  bool abandoned = false;  // a spill found the fence abandoned: copy no more
+  bool abandoned = false;      // a spill found the fence abandoned: copy no more
+  bool finish_failed = false;  // a wait for the copies ended without them
   for (uint32_t l : task.layers) {
     if (!copy_status.ok() || abandoned) {
       skipped->push_back(l);
@@ -255,6 +361,7 @@ absl::Status Engine::CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& t
     if (!lease.ok() && !staged->empty()) {
       // The copies so far must have landed before a writer reads them.
       copy_status = memory->FinishSnapshot();
+      finish_failed = !copy_status.ok();
       if (copy_status.ok()) abandoned = !SpillStaged(r, task, *staged, skipped, spill);
     }
     if (!lease.ok() && copy_status.ok() && !abandoned) {
@@ -277,8 +384,28 @@ absl::Status Engine::CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& t
     }
     staged->push_back(std::move(v));
   }
-  if (copy_status.ok()) copy_status = memory->FinishSnapshot();
+  // After a failed copy too, what was enqueued before it must land (or the
+  // wait for it end) before its staging memory is given back.
+  if (!finish_failed) {
+    absl::Status finished = memory->FinishSnapshot();
+    if (copy_status.ok()) copy_status = std::move(finished);
+  }
   return copy_status;
+}
+
+void Engine::WithholdStaging(const std::shared_ptr<RankState>& r, const SnapTask& task,
+                             std::vector<StagedVersion>& staged) {
+  uint64_t bytes = 0;
+  absl::MutexLock lock(&mu_);
+  for (StagedVersion& v : staged) {
+    bytes += v.lease.capacity();
+    withheld_staging_.push_back(std::move(v.lease));
+  }
+  if (Metrics* m = options_.metrics) m->Inc(Counter::kGpuWaitsAbandoned, "copies", 1);
+  CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
+                  << ": the GPU did not finish ckptd's copies; " << bytes
+                  << " bytes of staging memory they write into stay out of the pool until "
+                  << "ckptd restarts";
 }
 
 bool Engine::FinishSnapshot(const std::shared_ptr<RankState>& r, SnapTask& task,

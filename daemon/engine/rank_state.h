@@ -75,6 +75,12 @@ struct SnapTask {
   std::vector<drift::LayerSums> client_drift;  // OPTIMIZER_CLIENT
   std::vector<drift::LayerSums> global;        // the vector the decision uses
   StepCharge charge;  // the step's queue slot and event bytes; moves to PendingStep
+  // A GPU step whose event was pending (Engine::PollStep): when a poll first
+  // found it so (engine clock), the pause before the next poll, and whether
+  // the wait was given up.
+  absl::Time pending_since = absl::InfinitePast();
+  absl::Duration poll_pause = absl::ZeroDuration();
+  bool given_up = false;
 };
 
 struct RankState;
@@ -148,7 +154,8 @@ struct RankState {
   std::optional<uint64_t> global_durable_step ABSL_GUARDED_BY(mu);
   std::deque<SnapTask> snap_queue ABSL_GUARDED_BY(mu);
   // A snapshot worker holds the rank, or it is queued in
-  // Engine::snapshot_ready_ (changed with Engine::mu_ held as well).
+  // Engine::snapshot_ready_ or snapshot_waiting_ (changed with Engine::mu_
+  // held as well).
   bool snap_busy ABSL_GUARDED_BY(mu) = false;
   std::map<uint64_t, SnapshotTaken> snap_results ABSL_GUARDED_BY(mu);  // recent steps
   std::deque<PendingStep> pending ABSL_GUARDED_BY(mu);

@@ -1,12 +1,50 @@
 #include "daemon/gpu/cuda_host.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
 namespace ckpt {
+namespace {
+
+#ifdef CKPT_HAVE_CUDA
+
+class RuntimeCalls final : public HostRegisterCalls {
+ public:
+  absl::Status Register(void* ptr, uint64_t bytes) override {
+    const cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
+    if (e == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();  // leave the thread's runtime state clean
+    return absl::InternalError(absl::StrCat("cudaHostRegister: ", cudaGetErrorString(e)));
+  }
+  absl::Status Unregister(void* ptr) override {
+    const cudaError_t e = cudaHostUnregister(ptr);
+    if (e == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("cudaHostUnregister: ", cudaGetErrorString(e)));
+  }
+};
+
+#else
+
+class RuntimeCalls final : public HostRegisterCalls {
+ public:
+  absl::Status Register(void*, uint64_t) override {
+    return absl::FailedPreconditionError("built without CUDA");
+  }
+  absl::Status Unregister(void*) override {
+    return absl::FailedPreconditionError("built without CUDA");
+  }
+};
+
+#endif
+
+}  // namespace
 
 #ifdef CKPT_HAVE_CUDA
 
@@ -31,19 +69,8 @@ HostRegistration::HostRegistration(void* ptr, uint64_t bytes) {
     reason_ = "no CUDA device; staging memory is locked but not CUDA-registered";
     return;
   }
-  cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
-  if (e != cudaSuccess) {
-    reason_ = absl::StrCat("cudaHostRegister failed: ", cudaGetErrorString(e));
-    cudaGetLastError();
-    return;
-  }
-  ptr_ = ptr;
-  registered_ = true;
-  reason_ = absl::StrCat("cudaHostRegister'ed ", bytes, " bytes");
-}
-
-HostRegistration::~HostRegistration() {
-  if (registered_) cudaHostUnregister(ptr_);
+  calls_ = RuntimeHostRegisterCalls();
+  RegisterChunks(static_cast<char*>(ptr), bytes, kHostRegisterChunkBytes);
 }
 
 #else
@@ -51,8 +78,62 @@ HostRegistration::~HostRegistration() {
 int CudaDeviceCount() { return 0; }
 std::string CudaSupport() { return "none (built without CUDA)"; }
 HostRegistration::HostRegistration(void*, uint64_t) { reason_ = "built without CUDA"; }
-HostRegistration::~HostRegistration() = default;
 
 #endif
+
+HostRegisterCalls* RuntimeHostRegisterCalls() {
+  static HostRegisterCalls* const calls = new RuntimeCalls();
+  return calls;
+}
+
+HostRegistration::HostRegistration(void* ptr, uint64_t bytes, HostRegisterCalls* calls,
+                                   uint64_t chunk_bytes)
+    : calls_(calls) {
+  RegisterChunks(static_cast<char*>(ptr), bytes,
+                 chunk_bytes == 0 ? kHostRegisterChunkBytes : chunk_bytes);
+}
+
+void HostRegistration::RegisterChunks(char* ptr, uint64_t bytes, uint64_t chunk_bytes) {
+  if (bytes == 0) {
+    reason_ = "nothing to register";
+    return;
+  }
+  const uint64_t count = (bytes + chunk_bytes - 1) / chunk_bytes;
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t offset = i * chunk_bytes;
+    const uint64_t n = std::min(chunk_bytes, bytes - offset);
+    const absl::Status s = calls_->Register(ptr + offset, n);
+    if (s.ok()) {
+      chunks_.push_back(ptr + offset);
+      continue;
+    }
+    reason_ = absl::StrCat("registering chunk ", i + 1, " of ", count, " (", n, " bytes at offset ",
+                           offset, " of ", bytes, ") failed: ", s.message(), "; ");
+    // Nothing stays half-registered: the chunks before it are unregistered.
+    uint64_t unregistered = 0;
+    while (!chunks_.empty()) {
+      const absl::Status u = calls_->Unregister(chunks_.back());
+      if (u.ok()) {
+        ++unregistered;
+      } else {
+        absl::StrAppend(&reason_, "unregistering chunk ", chunks_.size(), " failed: ", u.message(),
+                        "; ");
+      }
+      chunks_.pop_back();
+    }
+    absl::StrAppend(&reason_, unregistered, " registered chunk(s) unregistered again; staging ",
+                    "memory is locked but not CUDA-registered (device-to-host copies are slower)");
+    return;
+  }
+  reason_ = absl::StrCat("cudaHostRegister'ed ", bytes, " bytes in ", chunks_.size(),
+                         " chunk(s) of ", "at most ", chunk_bytes, " bytes");
+}
+
+HostRegistration::~HostRegistration() {
+  while (!chunks_.empty()) {
+    IgnoreError(calls_->Unregister(chunks_.back()), "closing: nobody to tell, the pool goes next");
+    chunks_.pop_back();
+  }
+}
 
 }  // namespace ckpt

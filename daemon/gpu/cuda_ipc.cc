@@ -1,5 +1,6 @@
 #include "daemon/gpu/cuda_ipc.h"
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/gpu_uuid.h"
 
@@ -13,12 +14,52 @@
 namespace ckpt {
 namespace {
 
+constexpr char kStickyPayload[] = "type.ckpt/cuda-sticky-error";
+
+// The sticky cudaError_t values of CUDA 13 (driver_types.h: "the process
+// must be terminated and relaunched", and the uncorrectable hardware errors).
+constexpr int kStickyCudaErrors[] = {
+    214,  // cudaErrorECCUncorrectable
+    220,  // cudaErrorNvlinkUncorrectable
+    226,  // cudaErrorContained
+    700,  // cudaErrorIllegalAddress
+    702,  // cudaErrorLaunchTimeout
+    710,  // cudaErrorAssert
+    714,  // cudaErrorHardwareStackError
+    715,  // cudaErrorIllegalInstruction
+    716,  // cudaErrorMisalignedAddress
+    717,  // cudaErrorInvalidAddressSpace
+    718,  // cudaErrorInvalidPc
+    719,  // cudaErrorLaunchFailure
+    721,  // cudaErrorTensorMemoryLeak
+    999,  // cudaErrorUnknown
+};
+
 #ifdef CKPT_HAVE_CUDA
+
+static_assert(cudaErrorECCUncorrectable == 214 && cudaErrorNvlinkUncorrectable == 220 &&
+                  cudaErrorContained == 226 && cudaErrorIllegalAddress == 700 &&
+                  cudaErrorLaunchTimeout == 702 && cudaErrorAssert == 710 &&
+                  cudaErrorHardwareStackError == 714 && cudaErrorIllegalInstruction == 715 &&
+                  cudaErrorMisalignedAddress == 716 && cudaErrorInvalidAddressSpace == 717 &&
+                  cudaErrorInvalidPc == 718 && cudaErrorLaunchFailure == 719 &&
+                  cudaErrorTensorMemoryLeak == 721 && cudaErrorUnknown == 999,
+              "kStickyCudaErrors must match the toolkit's cudaError_t values");
 
 absl::Status CudaStatus(const char* what, cudaError_t e) {
   if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // leave the thread's runtime state clean
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  cudaGetLastError();  // leave the thread's runtime state clean (a sticky error stays)
+  absl::Status s = absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  return IsStickyCudaErrorCode(e) ? MarkStickyCudaError(std::move(s)) : s;
+}
+
+// A query's answer: true when the work is complete, false while it is
+// pending (cudaErrorNotReady is no error), else the failure.
+absl::StatusOr<bool> Completion(const char* what, cudaError_t e) {
+  if (e == cudaErrorNotReady) return false;
+  absl::Status s = CudaStatus(what, e);
+  if (!s.ok()) return s;
+  return true;
 }
 
 // Returns the failure of a CUDA runtime call as a Status.
@@ -110,11 +151,14 @@ class RuntimeCudaIpc final : public CudaIpc {
     if (cudaStreamDestroy(static_cast<cudaStream_t>(stream)) != cudaSuccess) cudaGetLastError();
   }
 
-  absl::Status StreamWaitEvent(int device, void* stream, void* event) override {
+  absl::StatusOr<bool> QueryEvent(int device, void* event) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
-    return CudaStatus(
-        "cudaStreamWaitEvent",
-        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+    return Completion("cudaEventQuery", cudaEventQuery(static_cast<cudaEvent_t>(event)));
+  }
+
+  absl::StatusOr<bool> QueryStream(int device, void* stream) override {
+    CKPT_CUDA_RETURN(cudaSetDevice(device));
+    return Completion("cudaStreamQuery", cudaStreamQuery(static_cast<cudaStream_t>(stream)));
   }
 
   absl::Status CopyToHostAsync(int device, void* stream, void* dst, const char* src,
@@ -125,18 +169,12 @@ class RuntimeCudaIpc final : public CudaIpc {
         cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
   }
 
-  absl::Status CopyToDevice(int device, void* stream, char* dst, const void* src,
-                            uint64_t n) override {
+  absl::Status CopyToDeviceAsync(int device, void* stream, char* dst, const void* src,
+                                 uint64_t n) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
-    auto s = static_cast<cudaStream_t>(stream);
-    CKPT_CUDA_RETURN(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, s));
-    return CudaStatus("cudaStreamSynchronize", cudaStreamSynchronize(s));
-  }
-
-  absl::Status Synchronize(int device, void* stream) override {
-    CKPT_CUDA_RETURN(cudaSetDevice(device));
-    return CudaStatus("cudaStreamSynchronize",
-                      cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+    return CudaStatus(
+        "cudaMemcpyAsync (host to device)",
+        cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
   }
 
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int device) override {
@@ -168,12 +206,14 @@ class NoCudaIpc final : public CudaIpc {
   void DestroyEvent(int, void*) override {}
   absl::StatusOr<void*> CreateStream(int) override { return NoCuda(); }
   void DestroyStream(int, void*) override {}
-  absl::Status StreamWaitEvent(int, void*, void*) override { return NoCuda(); }
+  absl::StatusOr<bool> QueryEvent(int, void*) override { return NoCuda(); }
+  absl::StatusOr<bool> QueryStream(int, void*) override { return NoCuda(); }
   absl::Status CopyToHostAsync(int, void*, void*, const char*, uint64_t) override {
     return NoCuda();
   }
-  absl::Status CopyToDevice(int, void*, char*, const void*, uint64_t) override { return NoCuda(); }
-  absl::Status Synchronize(int, void*) override { return NoCuda(); }
+  absl::Status CopyToDeviceAsync(int, void*, char*, const void*, uint64_t) override {
+    return NoCuda();
+  }
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
     return NoCuda();
   }
@@ -182,6 +222,22 @@ class NoCudaIpc final : public CudaIpc {
 #endif
 
 }  // namespace
+
+bool IsStickyCudaErrorCode(int cuda_error) {
+  for (int e : kStickyCudaErrors) {
+    if (e == cuda_error) return true;
+  }
+  return false;
+}
+
+absl::Status MarkStickyCudaError(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kStickyPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsStickyCudaError(const absl::Status& status) {
+  return status.GetPayload(kStickyPayload).has_value();
+}
 
 std::unique_ptr<CudaIpc> MakeCudaIpc() {
 #ifdef CKPT_HAVE_CUDA

@@ -4,6 +4,18 @@
 // without the toolkit (MakeCudaIpc then returns a twin whose every call is
 // FAILED_PRECONDITION).
 //
+// Nothing here blocks on the device: work is enqueued (copies) and its
+// completion is asked for (QueryEvent, QueryStream), so that the caller
+// decides how long to wait (GpuMemory polls with a deadline). A trainer
+// hung in a kernel, or a wedged device, therefore never holds a ckptd
+// thread for longer than the caller allows.
+//
+// Sticky errors (an illegal address, a launch failure, an uncorrectable ECC
+// error, ...) leave the device's CUDA context in this process unusable: every
+// later call on that device fails the same way until the process restarts.
+// The seam marks the statuses of such errors (IsStickyCudaError), so that
+// GpuMemory can mark the device poisoned (gpu_health.h).
+//
 // Handles are the raw 64-byte cudaIpcMemHandle_t / cudaIpcEventHandle_t.
 // Every call makes `device` current on the calling thread first.
 #pragma once
@@ -18,6 +30,14 @@
 namespace ckpt {
 
 inline constexpr size_t kCudaIpcHandleBytes = 64;
+
+// Whether a cudaError_t value is one of the sticky errors (the CUDA 13
+// headers name them; cudaErrorUnknown counts as one).
+bool IsStickyCudaErrorCode(int cuda_error);
+// `status` marked as a sticky CUDA error (a payload; OK stays OK), and the
+// test for the mark.
+absl::Status MarkStickyCudaError(absl::Status status);
+bool IsStickyCudaError(const absl::Status& status);
 
 class CudaIpc {
  public:
@@ -39,13 +59,19 @@ class CudaIpc {
   virtual absl::StatusOr<void*> CreateStream(int device) = 0;
   virtual void DestroyStream(int device, void* stream) = 0;
 
-  // Makes later work on `stream` wait for the event's latest record.
-  virtual absl::Status StreamWaitEvent(int device, void* stream, void* event) = 0;
+  // Whether the work captured by the event's latest record has completed
+  // (cudaEventQuery): true when it has, false while it is pending. Never
+  // waits.
+  virtual absl::StatusOr<bool> QueryEvent(int device, void* event) = 0;
+  // Whether everything enqueued on `stream` has completed (cudaStreamQuery):
+  // true when it has, false while work is pending; the error of a failed
+  // copy. Never waits.
+  virtual absl::StatusOr<bool> QueryStream(int device, void* stream) = 0;
+  // Enqueue copies on `stream`; complete once QueryStream returns true.
   virtual absl::Status CopyToHostAsync(int device, void* stream, void* dst, const char* src,
                                        uint64_t n) = 0;
-  virtual absl::Status CopyToDevice(int device, void* stream, char* dst, const void* src,
-                                    uint64_t n) = 0;
-  virtual absl::Status Synchronize(int device, void* stream) = 0;
+  virtual absl::Status CopyToDeviceAsync(int device, void* stream, char* dst, const void* src,
+                                         uint64_t n) = 0;
 
   // A drift kernel reading device memory of `device`.
   virtual absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int device) = 0;

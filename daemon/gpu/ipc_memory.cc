@@ -1,9 +1,11 @@
 #include "daemon/gpu/ipc_memory.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/region.h"
 #include "base/status.h"
@@ -13,12 +15,19 @@ namespace {
 
 std::atomic<uint64_t> g_mappings{0};
 std::atomic<uint64_t> g_mapping_bytes{0};
+std::atomic<uint64_t> g_leaked_mappings{0};
+
+// Polls between 20 us and 1 ms apart: a D2H copy of a layer takes about as
+// long as the first pause, a whole step's copies many of the last.
+constexpr absl::Duration kFirstPoll = absl::Microseconds(20);
+constexpr absl::Duration kLongestPoll = absl::Milliseconds(1);
 
 }  // namespace
 
 GpuMappingStats OpenGpuMappings() {
   return GpuMappingStats{g_mappings.load(std::memory_order_relaxed),
-                         g_mapping_bytes.load(std::memory_order_relaxed)};
+                         g_mapping_bytes.load(std::memory_order_relaxed),
+                         g_leaked_mappings.load(std::memory_order_relaxed)};
 }
 
 absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover) {
@@ -62,13 +71,17 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
 }
 
 absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& handover,
-                                                           CudaIpc* ipc) {
+                                                           CudaIpc* ipc, GpuMemoryOptions options) {
   CKPT_RETURN_IF_ERROR(CheckGpuHandover(handover).status());
-  std::unique_ptr<GpuMemory> m(new GpuMemory(ipc));  // closes what was opened on any return
+  // Closes what was opened on any return.
+  std::unique_ptr<GpuMemory> m(new GpuMemory(ipc, options));
   CKPT_ASSIGN_OR_RETURN(m->device_, ipc->FindDevice(handover.device_uuid));
+  m->uuid_ = handover.device_uuid;
+  if (options.health != nullptr) CKPT_RETURN_IF_ERROR(options.health->CheckUsable(m->device_));
   for (size_t i = 0; i < handover.regions.size(); ++i) {
     const GpuRegion& r = handover.regions[i];
     absl::StatusOr<char*> base = ipc->OpenMemHandle(m->device_, r.ipc_handle);
+    m->NoteSticky(base.status());
     if (!base.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
@@ -77,6 +90,7 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& ha
     g_mappings.fetch_add(1, std::memory_order_relaxed);
     g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
     absl::StatusOr<uint64_t> real = ipc->AllocationSize(m->device_, *base);
+    m->NoteSticky(real.status());
     if (!real.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "gpu region ", i, ": cannot read the allocation's range: ", real.status().message()));
@@ -87,18 +101,42 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& ha
     }
   }
   absl::StatusOr<void*> event = ipc->OpenEventHandle(m->device_, handover.step_event);
+  m->NoteSticky(event.status());
   if (!event.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu handover: cannot open the step event: ", event.status().message()));
   }
   m->event_ = *event;
-  CKPT_ASSIGN_OR_RETURN(m->stream_, ipc->CreateStream(m->device_));
+  absl::StatusOr<void*> stream = ipc->CreateStream(m->device_);
+  CKPT_RETURN_IF_ERROR(m->Note(stream.status()));
+  m->stream_ = *stream;
   return m;
+}
+
+void GpuMemory::NoteSticky(const absl::Status& s) {
+  if (options_.health != nullptr && IsStickyCudaError(s)) {
+    options_.health->MarkPoisoned(device_, uuid_, s);
+  }
 }
 
 GpuMemory::~GpuMemory() {
   if (stream_ != nullptr) {
-    IgnoreError(ipc_->Synchronize(device_, stream_), "closing: a failed copy was reported already");
+    // Only ckptd's own copies are on the stream. After a copy deadline the
+    // device is not waited for again.
+    const absl::Status idle =
+        wedged_ ? absl::DeadlineExceededError("copies past their deadline")
+                : WaitForStream(options_.close_timeout, "closing", /*cancellable=*/false);
+    if (!idle.ok()) {
+      CKPT_LOG(ERROR) << "gpu device " << device_ << ": ckptd's copies have not completed ("
+                      << idle.message() << "); leaving its " << regions_.size()
+                      << " IPC mappings, event and stream open rather than closing them "
+                      << "under the device (restart ckptd to release them)";
+      g_mappings.fetch_sub(regions_.size(), std::memory_order_relaxed);
+      for (const Region& r : regions_)
+        g_mapping_bytes.fetch_sub(r.bytes, std::memory_order_relaxed);
+      g_leaked_mappings.fetch_add(regions_.size(), std::memory_order_relaxed);
+      return;
+    }
     ipc_->DestroyStream(device_, stream_);
   }
   if (event_ != nullptr) ipc_->DestroyEvent(device_, event_);
@@ -118,23 +156,75 @@ absl::Status GpuMemory::CheckRange(const char* p, uint64_t n) const {
   return absl::InternalError("gpu copy outside every mapped region");
 }
 
+absl::Status GpuMemory::WaitForStream(absl::Duration timeout, const char* what, bool cancellable) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Duration pause = kFirstPoll;
+  for (;;) {
+    absl::StatusOr<bool> idle = ipc_->QueryStream(device_, stream_);
+    if (!idle.ok()) return Note(idle.status());  // a failed copy: in_flight_ stays
+    if (*idle) {
+      in_flight_ = wedged_ = false;
+      return absl::OkStatus();
+    }
+    if (cancellable && options_.cancel != nullptr &&
+        options_.cancel->load(std::memory_order_relaxed)) {
+      in_flight_ = true;
+      return absl::CancelledError(absl::StrCat(what, ": ckptd is stopping"));
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      in_flight_ = wedged_ = true;
+      return absl::DeadlineExceededError(absl::StrCat(what, ": gpu device ", device_,
+                                                      " did not finish ckptd's copies within ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(std::min(pause, deadline - now));
+    pause = std::min(pause * 2, kLongestPoll);
+  }
+}
+
+absl::StatusOr<bool> GpuMemory::StepReady() {
+  if (options_.health != nullptr) CKPT_RETURN_IF_ERROR(options_.health->CheckUsable(device_));
+  if (in_flight_) {
+    // Copies that missed their deadline may still land in staging memory:
+    // start none until they are seen complete.
+    absl::StatusOr<bool> idle = ipc_->QueryStream(device_, stream_);
+    if (!idle.ok()) return Note(idle.status());
+    if (!*idle) {
+      return absl::UnavailableError(absl::StrCat(
+          "gpu device ", device_, " has not finished the copies of an earlier snapshot"));
+    }
+    in_flight_ = wedged_ = false;
+  }
+  absl::StatusOr<bool> done = ipc_->QueryEvent(device_, event_);
+  CKPT_RETURN_IF_ERROR(Note(done.status()));
+  step_ready_ = *done;
+  return step_ready_;
+}
+
 absl::Status GpuMemory::BeginSnapshot() {
-  CKPT_RETURN_IF_ERROR(ipc_->StreamWaitEvent(device_, stream_, event_));
-  // The drift kernel runs on its own stream: wait here until the trainer's
-  // step has completed, so both it and the copies see that step.
-  return ipc_->Synchronize(device_, stream_);
+  if (!step_ready_) {
+    return absl::FailedPreconditionError("the trainer's step event has not completed");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GpuMemory::CopyOut(void* dst, const char* src, uint64_t n) {
   CKPT_RETURN_IF_ERROR(CheckRange(src, n));
-  return ipc_->CopyToHostAsync(device_, stream_, dst, src, n);
+  in_flight_ = true;
+  return Note(ipc_->CopyToHostAsync(device_, stream_, dst, src, n));
 }
 
-absl::Status GpuMemory::FinishSnapshot() { return ipc_->Synchronize(device_, stream_); }
+absl::Status GpuMemory::FinishSnapshot() {
+  step_ready_ = false;
+  return WaitForStream(options_.copy_timeout, "snapshot", /*cancellable=*/true);
+}
 
 absl::Status GpuMemory::CopyIn(char* dst, const void* src, uint64_t n) {
   CKPT_RETURN_IF_ERROR(CheckRange(dst, n));
-  return ipc_->CopyToDevice(device_, stream_, dst, src, n);
+  in_flight_ = true;
+  CKPT_RETURN_IF_ERROR(Note(ipc_->CopyToDeviceAsync(device_, stream_, dst, src, n)));
+  return WaitForStream(options_.copy_timeout, "restore", /*cancellable=*/true);
 }
 
 }  // namespace ckpt

@@ -12,26 +12,48 @@
 //      no copy can leave it;
 //   3. opens the event and creates ckptd's own stream.
 // Any failure closes whatever was opened and returns an error naming the
-// region; nothing stays mapped.
+// region; nothing stays mapped. A device that a sticky CUDA error poisoned
+// (GpuHealth) is refused before anything is opened (FAILED_PRECONDITION,
+// naming the device and saying that ckptd must restart), and a sticky error
+// returned by any call marks the device poisoned; StepReady then fails with
+// that reason.
 //
-// Snapshots: BeginSnapshot makes ckptd's stream wait on the trainer's event
-// (cudaStreamWaitEvent) and then waits for that stream, so the drift kernel
-// and the copies read exactly the reported step; CopyOut enqueues
-// device-to-host copies into (cudaHostRegister'ed) staging memory on the same
-// stream; FinishSnapshot waits for them. Restore copies host to device.
+// Snapshots never block on the trainer. StepReady asks whether the
+// trainer's step event has completed (cudaEventQuery) and returns at once;
+// the engine polls it, serving other ranks meanwhile, and gives the step up
+// at its deadline. Once it has completed, the drift kernel and the copies
+// read exactly the reported step: CopyOut enqueues device-to-host copies
+// into (cudaHostRegister'ed) staging memory on ckptd's own stream, which
+// never waits on the trainer's event, and FinishSnapshot polls that stream
+// until the copies have landed, DEADLINE_EXCEEDED after `copy_timeout` (a
+// wedged device). After such a deadline CopiesInFlight() is true until the
+// stream is found idle: the staging memory behind the copies may still be
+// written, and StepReady fails (UNAVAILABLE) rather than start new copies.
+// Restore copies host to device the same way (CopyIn polls, bounded).
 //
-// Every mapping is closed by the destructor; the engine drops the object on
-// unregister, re-register, trainer exit and shutdown. OpenGpuMappings()
-// counts the mappings open in this process (for metrics and tests).
+// Every mapping is closed by the destructor, which first polls the stream
+// for at most `close_timeout` (nothing of the trainer's is on it, so this
+// only waits for ckptd's own copies; not at all after a copy deadline).
+// When the stream is still busy then, or after a copy deadline, the
+// mappings, event and stream are left open (leaked, logged, counted in
+// OpenGpuMappings().leaked) rather than closed under a device that may
+// still write through them. The engine drops the object on unregister,
+// re-register, trainer exit and shutdown. OpenGpuMappings() counts the
+// mappings open in this process (for metrics and tests).
+//
+// Thread-safety: as RankMemory (one snapshot or restore at a time).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "daemon/gpu/cuda_ipc.h"
+#include "daemon/gpu/gpu_health.h"
 #include "daemon/shm/rank_memory.h"
 
 namespace ckpt {
@@ -57,15 +79,30 @@ struct GpuHandover {
 absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover);
 
 struct GpuMappingStats {
-  uint64_t mappings = 0;
+  uint64_t mappings = 0;  // open and in use
   uint64_t bytes = 0;
+  uint64_t leaked = 0;  // left open by a destructor that found the device still busy
 };
 GpuMappingStats OpenGpuMappings();
+
+// How long GpuMemory waits for the device (each wait polls), and where it
+// reports a poisoned one.
+struct GpuMemoryOptions {
+  absl::Duration copy_timeout = absl::Seconds(120);  // FinishSnapshot, CopyIn
+  absl::Duration close_timeout = absl::Seconds(5);   // the destructor
+  // When set (the engine's shutdown flag), a wait in progress ends at once
+  // with CANCELLED, as at its deadline. Must outlive the object.
+  const std::atomic<bool>* cancel = nullptr;
+  // Where a sticky CUDA error marks the device poisoned, and what Open and
+  // StepReady check first (null: nothing is recorded). Must outlive the object.
+  GpuHealth* health = nullptr;
+};
 
 class GpuMemory final : public RankMemory {
  public:
   // `ipc` must outlive the returned object.
-  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover, CudaIpc* ipc);
+  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover, CudaIpc* ipc,
+                                                         GpuMemoryOptions options = {});
   ~GpuMemory() override;
   GpuMemory(const GpuMemory&) = delete;
   GpuMemory& operator=(const GpuMemory&) = delete;
@@ -74,9 +111,18 @@ class GpuMemory final : public RankMemory {
   size_t region_count() const override { return regions_.size(); }
   uint64_t region_size(size_t region) const override { return regions_[region].bytes; }
   char* base(size_t region) const override { return regions_[region].base; }
+  // Whether the trainer's step event has completed; never waits.
+  // UNAVAILABLE while copies past their deadline may still land.
+  absl::StatusOr<bool> StepReady() override;
+  // FAILED_PRECONDITION unless StepReady() returned true since the last
+  // snapshot. Does not wait.
   absl::Status BeginSnapshot() override;
   absl::Status CopyOut(void* dst, const char* src, uint64_t n) override;
+  // Polls ckptd's stream; DEADLINE_EXCEEDED after copy_timeout, CANCELLED
+  // once `cancel` is set.
   absl::Status FinishSnapshot() override;
+  bool CopiesInFlight() const override { return in_flight_; }
+  // Complete on OK; DEADLINE_EXCEEDED or CANCELLED as FinishSnapshot.
   absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
   // The CUDA device the mappings live on (the drift kernel must run there).
   int device() const { return device_; }
@@ -86,15 +132,31 @@ class GpuMemory final : public RankMemory {
     char* base = nullptr;
     uint64_t bytes = 0;  // as declared (<= the real allocation)
   };
-  explicit GpuMemory(CudaIpc* ipc) : ipc_(ipc) {}
+  GpuMemory(CudaIpc* ipc, GpuMemoryOptions options) : ipc_(ipc), options_(options) {}
   // Checks that [src, src + n) lies inside one region.
   absl::Status CheckRange(const char* p, uint64_t n) const;
+  // Marks the device poisoned when `s` is a sticky CUDA error (and returns
+  // `s`).
+  void NoteSticky(const absl::Status& s);
+  absl::Status Note(absl::Status s) {
+    NoteSticky(s);
+    return s;
+  }
+  // Polls ckptd's stream until it is idle, for at most `timeout` (and, when
+  // `cancellable`, until options_.cancel is set); sets or clears in_flight_
+  // and wedged_.
+  absl::Status WaitForStream(absl::Duration timeout, const char* what, bool cancellable);
 
   CudaIpc* ipc_;
+  const GpuMemoryOptions options_;
   int device_ = 0;
+  std::string uuid_;
   std::vector<Region> regions_;
   void* event_ = nullptr;
   void* stream_ = nullptr;
+  bool step_ready_ = false;  // StepReady() found the event complete
+  bool in_flight_ = false;   // copies enqueued and not seen complete
+  bool wedged_ = false;      // and a wait for them reached its deadline
 };
 
 }  // namespace ckpt

@@ -83,6 +83,7 @@ enum class Counter {
   kRemoteGcDeletedObjects,        // ckpt_remote_gc_deleted_objects_total
   kMemoryTierRestoredBytes,       // ckpt_memory_tier_restored_bytes_total
   kVersionsQuarantined,           // ckpt_versions_quarantined_total
+  kGpuWaitsAbandoned,             // ckpt_gpu_waits_abandoned_total{reason}
   kCount
 };
 
@@ -115,6 +116,7 @@ enum class Gauge {
   kRemoteLagBytes,         // ckpt_remote_lag_bytes
   kRemoteUp,               // ckpt_remote_up
   kMemoryTierBytes,        // ckpt_memory_tier_bytes
+  kGpuDevicesPoisoned,     // ckpt_gpu_devices_poisoned
   kCount
 };
 

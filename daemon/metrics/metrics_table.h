@@ -101,6 +101,12 @@ constexpr MetricInfo kCounterTable[] = {
      "Committed layer versions a restore or export found damaged on disk (missing, "
      "short, a checksum): taken out of the history, their files moved to quarantine/.",
      "", ""},
+    {"ckpt_gpu_waits_abandoned_total", "counter",
+     "GPU snapshots given up while waiting for the device, by reason: the trainer's step event "
+     "not complete at gpu_wait_timeout (deadline), its fence gave up (fence), the rank was "
+     "released (released), ckptd stopped (stopping), or ckptd's own copies not complete in "
+     "time (copies). The step is not durable; its layers are retried.",
+     "reason", "deadline,fence,released,stopping,copies"},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -178,6 +184,11 @@ constexpr MetricInfo kGaugeTable[] = {
     {"ckpt_memory_tier_bytes", "gauge",
      "Staging-pool bytes the memory tier holds: the newest committed version of layers, kept "
      "for restores (memory_tier_bytes bounds it).",
+     "", ""},
+    {"ckpt_gpu_devices_poisoned", "gauge",
+     "GPUs whose CUDA context in ckptd a sticky error (an illegal address, a launch failure, an "
+     "uncorrectable ECC error) made unusable: their ranks are released and registrations on "
+     "them refused until ckptd restarts.",
      "", ""},
 };
 

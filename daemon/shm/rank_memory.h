@@ -6,7 +6,8 @@
 // protocol serves both: the bytes of a layer are read with CopyOut between
 // BeginSnapshot and FinishSnapshot, written back with CopyIn on restore, and
 // the drift kernel the engine picks for the memory's kind reads the same
-// addresses.
+// addresses. Nothing here waits for a trainer: StepReady says whether the
+// reported step has finished writing the buffers, and the engine polls it.
 //
 // Addresses (base(), and pointers derived from it) are only meaningful to
 // this object and to a drift kernel of its kind: host pointers for HostMemory, device
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "base/region.h"
 #include "daemon/common/holding.h"
 
@@ -39,14 +41,25 @@ class RankMemory {
   virtual uint64_t region_size(size_t region) const = 0;
   virtual char* base(size_t region) const = 0;
 
-  // Waits, on ckptd's side, until the trainer's step that was just reported
-  // has finished writing the buffers (GPU: the trainer's step event).
+  // Whether the trainer's step that was reported last has finished writing
+  // the buffers, without waiting (GPU: a query of the trainer's step event);
+  // always true for memory the trainer writes from the CPU. An error means
+  // the step cannot be snapshotted (its layers are retried).
+  virtual absl::StatusOr<bool> StepReady() { return true; }
+  // Starts the snapshot of that step. REQUIRES: StepReady() returned true.
+  // Does not wait.
   virtual absl::Status BeginSnapshot() = 0;
   // Copies n bytes at `src` (inside this memory) to host memory `dst`; may
   // complete asynchronously until FinishSnapshot.
   virtual absl::Status CopyOut(void* dst, const char* src, uint64_t n) = 0;
-  // Returns when every CopyOut since BeginSnapshot has completed.
+  // Returns when every CopyOut since BeginSnapshot has completed, or with
+  // an error (GPU: DEADLINE_EXCEEDED past its deadline, CANCELLED when
+  // ckptd stops) when it could not see them complete.
   virtual absl::Status FinishSnapshot() = 0;
+  // True after a FinishSnapshot or CopyIn that returned without seeing its
+  // copies complete, until they are seen complete: the host memory they
+  // copy into may still be written, so it must not be reused.
+  virtual bool CopiesInFlight() const { return false; }
   // Copies n host bytes into this memory at `dst`; complete on return.
   virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
 };

@@ -63,10 +63,24 @@ TEST(ConfigTest, DumpDocumentsEveryOption) {
        {"socket", "handover_socket", "data_dir", "staging_pool_bytes", "staging_chunk_bytes",
         "lock_staging_memory", "writer_threads", "snapshot_threads", "io_backend", "io_queue_depth",
         "direct_io", "admission_timeout_ms", "drain_timeout_ms", "shutdown_grace_ms",
-        "max_message_bytes", "max_aux_bytes", "handover_token_ttl_s"}) {
+        "max_message_bytes", "max_aux_bytes", "handover_token_ttl_s", "gpu_wait_timeout_ms"}) {
     EXPECT_TRUE(Contains(text, std::string("\n") + key + " = ")) << key;
     EXPECT_TRUE(Contains(ConfigHelp(), std::string("--") + key + "=")) << key;
   }
+}
+
+// The wait for a GPU step's event and copies: 120 s by default, in
+// milliseconds, never 0 (every step would be given up) and at most an hour.
+TEST(ConfigTest, GpuWaitTimeoutIsReadInMillisecondsAndBounded) {
+  DaemonConfig c;
+  EXPECT_EQ(c.engine.gpu_wait_timeout, absl::Seconds(120));
+  CKPT_ASSERT_OK(SetConfigOption("gpu_wait_timeout_ms", "250", &c));
+  EXPECT_EQ(c.engine.gpu_wait_timeout, absl::Milliseconds(250));
+  CKPT_EXPECT_OK(c.Validate());
+  CKPT_ASSERT_OK(SetConfigOption("gpu_wait_timeout_ms", "0", &c));
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
+  CKPT_ASSERT_OK(SetConfigOption("gpu_wait_timeout_ms", "3600001", &c));
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);
 }
 
 TEST(ConfigTest, CommentsWhitespaceAndBlankLines) {

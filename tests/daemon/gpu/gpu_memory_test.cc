@@ -2,10 +2,10 @@
 // a fake CudaIpc whose "device memory" is host memory. Checks that bad
 // handovers (forged handles, sizes and offsets past the allocation, another
 // uid's job, a stale generation) fail with clear errors and leave nothing
-// mapped, that snapshots read exactly the reported step after waiting on the
-// trainer's event, that restore writes back through the GPU copy path, and
-// that mappings are closed on unregister, re-register, trainer exit and
-// shutdown.
+// mapped, that snapshots read exactly the reported step once the trainer's
+// event has completed, that no wait for the device blocks or lasts past its
+// deadline, that restore writes back through the GPU copy path, and that
+// mappings are closed on unregister, re-register, trainer exit and shutdown.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,132 +27,26 @@
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/convert.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/gpu/gpu_test_util.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
 
 namespace ckpt {
 namespace {
 
+using ::ckpt::gpu_test::FakeCudaIpc;
+using ::ckpt::gpu_test::GpuRequest;
+using ::ckpt::gpu_test::Handle;
+using ::ckpt::gpu_test::kEventId;
+using ::ckpt::gpu_test::kFloats;
+using ::ckpt::gpu_test::kLayers;
+using ::ckpt::gpu_test::Reg;
+using ::ckpt::gpu_test::TwoRegions;
+using ::ckpt::gpu_test::Value;
 using ::ckpt::testing::MakeTestPool;
 using ::ckpt::testing::TempDir;
 
-constexpr char kUuid[] = "GPU-4f4ef90c-85c2-c43d-503a-f1f29e80b23c";
-
-std::string Handle(uint64_t id) {
-  std::string h(kCudaIpcHandleBytes, '\0');
-  std::memcpy(h.data(), &id, sizeof(id));
-  return h;
-}
-
-// Allocations are host buffers named by the id in their handle's first
-// bytes; every call is counted.
-class FakeCudaIpc final : public CudaIpc {
- public:
-  // Adds an allocation of `bytes` (the driver's view) under handle id `id`.
-  char* Allocate(uint64_t id, uint64_t bytes) {
-    absl::MutexLock lock(&mu_);
-    auto& buf = allocations_[id];
-    buf.assign(bytes, '\0');
-    return buf.data();
-  }
-  int open_mappings() {
-    absl::MutexLock lock(&mu_);
-    return opens_ - closes_;
-  }
-  int opens() {
-    absl::MutexLock lock(&mu_);
-    return opens_;
-  }
-  int event_waits() {
-    absl::MutexLock lock(&mu_);
-    return event_waits_;
-  }
-  int open_events() {
-    absl::MutexLock lock(&mu_);
-    return events_open_;
-  }
-
-  absl::StatusOr<int> FindDevice(const std::string& uuid) override {
-    if (uuid != kUuid) return absl::FailedPreconditionError("device not visible");
-    return 0;
-  }
-  absl::StatusOr<char*> OpenMemHandle(int, const std::string& handle) override {
-    uint64_t id = 0;
-    std::memcpy(&id, handle.data(), sizeof(id));
-    absl::MutexLock lock(&mu_);
-    auto it = allocations_.find(id);
-    if (it == allocations_.end()) return absl::InternalError("invalid resource handle");
-    ++opens_;
-    return it->second.data();
-  }
-  absl::StatusOr<uint64_t> AllocationSize(int, const char* base) override {
-    absl::MutexLock lock(&mu_);
-    for (auto& [id, buf] : allocations_) {
-      if (buf.data() == base) return buf.size();
-    }
-    return absl::InternalError("not an allocation");
-  }
-  void CloseMemHandle(int, char*) override {
-    absl::MutexLock lock(&mu_);
-    ++closes_;
-  }
-  absl::StatusOr<void*> OpenEventHandle(int, const std::string& handle) override {
-    if (handle != Handle(kEventId)) return absl::InternalError("invalid event handle");
-    absl::MutexLock lock(&mu_);
-    ++events_open_;
-    return reinterpret_cast<void*>(0x1);
-  }
-  void DestroyEvent(int, void*) override {
-    absl::MutexLock lock(&mu_);
-    --events_open_;
-  }
-  absl::StatusOr<void*> CreateStream(int) override { return reinterpret_cast<void*>(0x2); }
-  void DestroyStream(int, void*) override {}
-  absl::Status StreamWaitEvent(int, void*, void*) override {
-    absl::MutexLock lock(&mu_);
-    ++event_waits_;
-    return absl::OkStatus();
-  }
-  absl::Status CopyToHostAsync(int, void*, void* dst, const char* src, uint64_t n) override {
-    if (fail_copies.load()) return absl::InternalError("cudaMemcpyAsync: an illegal memory access");
-    std::memcpy(dst, src, n);
-    return absl::OkStatus();
-  }
-  absl::Status CopyToDevice(int, void*, char* dst, const void* src, uint64_t n) override {
-    std::memcpy(dst, src, n);
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize(int, void*) override { return absl::OkStatus(); }
-  absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
-    return drift::MakeCpuDriftKernel(1);
-  }
-
-  static constexpr uint64_t kEventId = 999;
-  std::atomic<bool> fail_copies{false};
-
- private:
-  absl::Mutex mu_;
-  std::map<uint64_t, std::vector<char>> allocations_ ABSL_GUARDED_BY(mu_);
-  int opens_ ABSL_GUARDED_BY(mu_) = 0;
-  int closes_ ABSL_GUARDED_BY(mu_) = 0;
-  int event_waits_ ABSL_GUARDED_BY(mu_) = 0;
-  int events_open_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
 // ---- CheckGpuHandover and GpuMemory::Open ----
-
-v1::GpuHandover TwoRegions(uint64_t bytes0 = 4096, uint64_t bytes1 = 8192) {
-  v1::GpuHandover h;
-  h.set_device_uuid(kUuid);
-  v1::GpuRegion* r = h.add_regions();
-  r->set_ipc_handle(Handle(1));
-  r->set_bytes(bytes0);
-  r = h.add_regions();
-  r->set_ipc_handle(Handle(2));
-  r->set_bytes(bytes1);
-  h.set_step_event(Handle(FakeCudaIpc::kEventId));
-  return h;
-}
 
 TEST(GpuUuidTest, PrintedAsNvidiaSmiDoes) {
   const unsigned char bytes[16] = {0xce, 0x06, 0x88, 0xb6, 0xea, 0x84, 0x0d, 0xc3,
@@ -249,45 +143,120 @@ TEST(GpuMemoryTest, ForgedEventAndUnknownDeviceFail) {
   EXPECT_EQ(ipc.opens(), opens);
 }
 
+// ---- Waiting for the device: never blocking, always bounded ----
+
+absl::StatusOr<std::unique_ptr<GpuMemory>> OpenTwo(FakeCudaIpc* ipc, GpuMemoryOptions options,
+                                                   char** first) {
+  *first = ipc->Allocate(1, 4096);
+  ipc->Allocate(2, 8192);
+  return GpuMemory::Open(GpuHandoverOf(TwoRegions()), ipc, options);
+}
+
+GpuMemoryOptions ShortWaits() {
+  GpuMemoryOptions o;
+  o.copy_timeout = absl::Milliseconds(20);
+  o.close_timeout = absl::Milliseconds(20);
+  return o;
+}
+
+TEST(GpuMemoryWaitTest, StepReadyAsksForTheTrainersEventWithoutWaiting) {
+  FakeCudaIpc ipc;
+  char* a = nullptr;
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, {}, &a));
+  ipc.SetEventDone(kEventId, false);  // the trainer's step still runs on its device
+  CKPT_ASSERT_OK_AND_ASSIGN(bool ready, m->StepReady());
+  EXPECT_FALSE(ready);
+  CKPT_EXPECT_CODE(m->BeginSnapshot(), kFailedPrecondition);
+  ipc.SetEventDone(kEventId, true);
+  CKPT_ASSERT_OK_AND_ASSIGN(ready, m->StepReady());
+  EXPECT_TRUE(ready);
+  CKPT_EXPECT_OK(m->BeginSnapshot());
+  char buf[16];
+  CKPT_EXPECT_OK(m->CopyOut(buf, a, sizeof(buf)));
+  CKPT_EXPECT_OK(m->FinishSnapshot());
+  EXPECT_FALSE(m->CopiesInFlight());
+}
+
+// A wedged device: ckptd's own copies do not complete. FinishSnapshot and
+// CopyIn give up at their deadline; no new snapshot starts while the late
+// copies may still land; the memory is usable again once they have.
+TEST(GpuMemoryWaitTest, CopiesPastTheirDeadlineFailAndHoldBackTheNextSnapshot) {
+  FakeCudaIpc ipc;
+  char* a = nullptr;
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
+  CKPT_ASSERT_OK(m->StepReady().status());
+  CKPT_ASSERT_OK(m->BeginSnapshot());
+  char buf[16];
+  CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
+  ipc.SetStreamsDone(false);
+  CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
+  EXPECT_TRUE(m->CopiesInFlight());
+  CKPT_EXPECT_CODE(m->StepReady().status(), kUnavailable);
+  ipc.SetStreamsDone(true);
+  CKPT_ASSERT_OK_AND_ASSIGN(bool ready, m->StepReady());
+  EXPECT_TRUE(ready);
+  EXPECT_FALSE(m->CopiesInFlight());
+  // A restore's copy is bounded the same way.
+  ipc.SetStreamsDone(false);
+  CKPT_EXPECT_CODE(m->CopyIn(a, buf, sizeof(buf)), kDeadlineExceeded);
+  ipc.SetStreamsDone(true);
+  CKPT_EXPECT_OK(m->CopyIn(a, buf, sizeof(buf)));
+  m.reset();
+  EXPECT_EQ(ipc.open_mappings(), 0);
+  EXPECT_EQ(ipc.open_streams(), 0);
+}
+
+// The destructor never hangs on a device that does not finish: after a copy
+// deadline it does not wait at all, otherwise for close_timeout; then it
+// leaves the mappings, event and stream open (counted as leaked) rather
+// than close them under copies that may still run.
+TEST(GpuMemoryWaitTest, ADeviceThatNeverFinishesLeaksTheMappingsRatherThanHang) {
+  for (bool deadline_first : {true, false}) {
+    FakeCudaIpc ipc;
+    char* a = nullptr;
+    const GpuMappingStats before = OpenGpuMappings();
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
+    char buf[16];
+    CKPT_ASSERT_OK(m->StepReady().status());
+    CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
+    ipc.SetStreamsDone(false);
+    if (deadline_first) {
+      CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
+    }
+    m.reset();
+    EXPECT_EQ(ipc.open_mappings(), 2) << deadline_first;
+    EXPECT_EQ(ipc.open_streams(), 1);
+    EXPECT_EQ(ipc.open_events(), 1);
+    EXPECT_EQ(OpenGpuMappings().mappings, before.mappings);
+    EXPECT_EQ(OpenGpuMappings().leaked, before.leaked + 2);
+  }
+}
+
+// ckptd stopping ends a wait at once (CANCELLED); closing still waits,
+// bounded, and closes everything once the copies have landed.
+TEST(GpuMemoryWaitTest, StoppingCancelsAWaitAtOnce) {
+  FakeCudaIpc ipc;
+  char* a = nullptr;
+  std::atomic<bool> stopping{true};
+  GpuMemoryOptions o;
+  o.copy_timeout = absl::Hours(1);
+  o.cancel = &stopping;
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, o, &a));
+  char buf[16];
+  CKPT_ASSERT_OK(m->StepReady().status());
+  CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
+  ipc.SetStreamsDone(false);
+  CKPT_EXPECT_CODE(m->FinishSnapshot(), kCancelled);
+  EXPECT_TRUE(m->CopiesInFlight());
+  ipc.SetStreamsDone(true);
+  m.reset();
+  EXPECT_EQ(ipc.open_mappings(), 0);
+  EXPECT_EQ(ipc.open_streams(), 0);
+}
+
 // ---- The engine's GPU path ----
 
-constexpr uint64_t kFloats = 256;  // per layer
-constexpr uint32_t kLayers = 3;
-
-// Layers 0 and 1 share allocation 1 (at offsets 0 and kFloats*4); layer 2 is
-// alone in allocation 2.
-// The engine's registration of a request, converted as the gRPC handler does.
-Registration Reg(const v1::RegisterRequest& req) {
-  absl::StatusOr<Registration> r = RegistrationOf(req);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? *std::move(r) : Registration{};
-}
-
-v1::RegisterRequest GpuRequest(const std::string& job) {
-  v1::RegisterRequest req;
-  req.set_job_id(job);
-  req.set_world_size(1);
-  req.mutable_policy()->set_kind(v1::POLICY_ALL);
-  *req.mutable_gpu() = TwoRegions(2 * kFloats * 4, kFloats * 4);
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    v1::LayerSpec* layer = req.add_layers();
-    layer->set_id(l);
-    layer->set_name(absl::StrCat("layer", l));
-    v1::TensorSpec* t = layer->add_tensors();
-    t->set_name("w");
-    t->set_dtype(v1::DTYPE_F32);
-    t->add_shape(kFloats);
-    t->set_nbytes(kFloats * 4);
-    t->set_region(l < 2 ? 0 : 1);
-    t->set_offset(l == 1 ? kFloats * 4 : 0);
-  }
-  return req;
-}
-
-float Value(uint32_t layer, uint64_t i, uint64_t step) {
-  return static_cast<float>(layer * 100000 + i * 3 + step * 7);
-}
-
+// Three layers (gpu_test_util.h, GpuRequest) in allocations 1 and 2.
 class GpuEngineTest : public ::testing::Test {
  protected:
   void SetUp() override {

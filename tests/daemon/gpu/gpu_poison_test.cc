@@ -1,0 +1,174 @@
+// A poisoned CUDA context, on the fake CudaIpc: one sticky error (an
+// illegal address in one of ckptd's copies) makes every later call on that
+// device fail until ckptd restarts. ckptd must say so: the device is marked
+// poisoned, every rank on it is released with that reason, registrations
+// on it are refused naming the device and the cure (restart ckptd), and the
+// status and a gauge show it.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "daemon/common/sync_point.h"
+#include "daemon/engine/engine.h"
+#include "daemon/gpu/cuda_ipc.h"
+#include "daemon/gpu/gpu_health.h"
+#include "daemon/gpu/ipc_memory.h"
+#include "daemon/io/file_system.h"
+#include "daemon/metrics/metrics.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/gpu/gpu_test_util.h"
+#include "tests/lib/io_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace gpu_test {
+namespace {
+
+using ::ckpt::testing::MakeTestPool;
+using ::ckpt::testing::TempDir;
+
+constexpr absl::Duration kWait = absl::Seconds(30);
+
+TEST(GpuStickyErrorTest, TheStickyCodesOfCuda13AreKnown) {
+  for (int sticky : {700, 702, 710, 714, 715, 716, 717, 718, 719, 214, 220, 226, 721, 999}) {
+    EXPECT_TRUE(IsStickyCudaErrorCode(sticky)) << sticky;
+  }
+  // Out of memory, an invalid value, not ready, an invalid handle: the
+  // context stays usable.
+  for (int plain : {0, 1, 2, 400, 600, 801}) EXPECT_FALSE(IsStickyCudaErrorCode(plain)) << plain;
+  const absl::Status s = MarkStickyCudaError(absl::InternalError("cudaMemcpyAsync: illegal"));
+  EXPECT_TRUE(IsStickyCudaError(s));
+  EXPECT_EQ(s.message(), "cudaMemcpyAsync: illegal");
+  EXPECT_FALSE(IsStickyCudaError(absl::InternalError("cudaMemcpyAsync: illegal")));
+  EXPECT_TRUE(MarkStickyCudaError(absl::OkStatus()).ok());
+}
+
+TEST(GpuStickyErrorTest, AStickyCopyPoisonsTheDeviceAndNothingOpensOnItAgain) {
+  FakeCudaIpc ipc;
+  GpuHealth health;
+  char* a = ipc.Allocate(1, 4096);
+  ipc.Allocate(2, 8192);
+  GpuMemoryOptions o;
+  o.health = &health;
+  o.close_timeout = absl::Milliseconds(20);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
+                            GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o));
+  CKPT_ASSERT_OK(m->StepReady().status());
+  ipc.Poison();
+  char buf[16];
+  EXPECT_FALSE(m->CopyOut(buf, a, sizeof(buf)).ok());
+  EXPECT_TRUE(health.IsPoisoned(0));
+  const absl::Status refused = m->StepReady().status();
+  CKPT_EXPECT_CODE(refused, kFailedPrecondition);
+  EXPECT_NE(std::string(refused.message()).find(kUuid), std::string::npos) << refused;
+  EXPECT_NE(std::string(refused.message()).find("restart ckptd"), std::string::npos) << refused;
+  m.reset();
+  const int opens = ipc.opens();
+  const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o).status();
+  CKPT_EXPECT_CODE(s, kFailedPrecondition);
+  EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
+  EXPECT_EQ(ipc.opens(), opens) << "nothing is opened on a poisoned device";
+  ASSERT_EQ(health.Poisoned().size(), 1u);
+  EXPECT_EQ(health.Poisoned()[0].uuid, kUuid);
+  EXPECT_NE(health.Poisoned()[0].error.find("illegal memory access"), std::string::npos);
+}
+
+class GpuPoisonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
+    sp_->StartTest(kWait);
+    pool_ = MakeTestPool(64 << 10, 64);
+    ASSERT_NE(pool_, nullptr);
+    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
+    CKPT_ASSERT_OK(store_->Init());
+    a_.Allocate(&ipc_, 1);
+    b_.Allocate(&ipc_, 11);
+    EngineOptions o;
+    o.data_dir = tmp_.path();
+    o.writer_threads = 1;
+    o.io_backend = IoBackendKind::kPwrite;
+    o.cuda_ipc = &ipc_;
+    o.metrics = &metrics_;
+    o.gpu_wait_timeout = absl::Seconds(1);
+    engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
+    CKPT_ASSERT_OK(engine_->Start());
+    CKPT_ASSERT_OK_AND_ASSIGN(Registered ra,
+                              engine_->Register(Reg(GpuRequest("a", 1)), {}, owner_));
+    CKPT_ASSERT_OK_AND_ASSIGN(Registered rb,
+                              engine_->Register(Reg(GpuRequest("b", 11)), {}, owner_));
+    gen_a_ = ra.generation;
+    gen_b_ = rb.generation;
+  }
+  void TearDown() override {
+    if (!kSyncPointsCompiled) return;
+    EXPECT_EQ(sp_->timeouts(), 0u) << "a sync point wait reached its deadline";
+    sp_->DisableProcessing();
+    if (engine_ != nullptr) engine_->Shutdown(absl::Seconds(5));
+    engine_.reset();
+    sp_->EndTest();
+  }
+  absl::Status StepDone(const std::string& job, uint64_t gen, uint64_t step) {
+    StepReport report;
+    report.rank = RankRef{job, 0, gen};
+    report.step = step;
+    return engine_->StepDone(report, owner_);
+  }
+  absl::StatusOr<uint64_t> WaitDurable(const std::string& job, uint64_t gen, uint64_t step) {
+    return engine_->WaitDurable(RankRef{job, 0, gen}, step, owner_, absl::Now() + kWait);
+  }
+
+  SyncPoint* const sp_ = SyncPoint::GetInstance();
+  TempDir tmp_;
+  FakeCudaIpc ipc_;
+  Metrics metrics_;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<LayerStore> store_;
+  std::unique_ptr<Engine> engine_;
+  GpuLayers a_, b_;
+  uint64_t gen_a_ = 0, gen_b_ = 0;
+  const Caller owner_{1000, 0};
+};
+
+// One illegal access in a copy of rank a poisons ckptd's context on the
+// device: a's step fails, and both ranks on that device lose their memory
+// with the reason, which their next StepDone reports; registering again is
+// refused before anything is opened; the status and the gauge name it.
+// What was durable before stays restorable (the plan of step 1).
+TEST_F(GpuPoisonTest, AStickyErrorFailsEveryRankOnTheDeviceUntilRestart) {
+  for (const auto& [job, gen] : {std::pair<std::string, uint64_t>{"a", gen_a_}, {"b", gen_b_}}) {
+    CKPT_ASSERT_OK(StepDone(job, gen, 1));
+    CKPT_ASSERT_OK(WaitDurable(job, gen, 1).status());
+  }
+  ipc_.Poison();
+  CKPT_ASSERT_OK(StepDone("a", gen_a_, 2));
+  ASSERT_TRUE(sp_->WaitForPasses("engine.poisoned_gpu_ranks_released", 1, absl::Now() + kWait));
+  CKPT_EXPECT_CODE(WaitDurable("a", gen_a_, 2).status(), kAborted);
+  for (const auto& [job, gen] : {std::pair<std::string, uint64_t>{"a", gen_a_}, {"b", gen_b_}}) {
+    const absl::Status s = StepDone(job, gen, 3);
+    CKPT_EXPECT_CODE(s, kFailedPrecondition) << job;
+    EXPECT_NE(std::string(s.message()).find(kUuid), std::string::npos) << s;
+    EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
+  }
+  const int opens = ipc_.opens();
+  const absl::Status again = engine_->Register(Reg(GpuRequest("b", 11)), {}, owner_).status();
+  CKPT_EXPECT_CODE(again, kFailedPrecondition);
+  EXPECT_NE(std::string(again.message()).find(kUuid), std::string::npos) << again;
+  EXPECT_NE(std::string(again.message()).find("restart ckptd"), std::string::npos) << again;
+  EXPECT_EQ(ipc_.opens(), opens);
+  const v1::StatusReply status = engine_->GetStatus(owner_);
+  ASSERT_EQ(status.gpu_poisoned_size(), 1);
+  EXPECT_NE(status.gpu_poisoned(0).find(kUuid), std::string::npos) << status.gpu_poisoned(0);
+  engine_->CollectMetrics();  // what the scrape hook of ckptd does
+  EXPECT_NE(metrics_.Scrape().find("ckpt_gpu_devices_poisoned 1"), std::string::npos);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, engine_->Plan("b", 0, 0, owner_));
+  EXPECT_EQ(plan.target_step, 1u);
+}
+
+}  // namespace
+}  // namespace gpu_test
+}  // namespace ckpt

@@ -1,0 +1,276 @@
+// A fake CudaIpc for the GPU tests (no GPU needed): "device memory" is host
+// memory named by the id in a handle's first bytes, events and streams are
+// flags the test sets, and every call is counted. Also the handovers and
+// registrations the GPU tests send.
+//
+// Thread-safety: every method is thread-safe (the engine's threads call the
+// CudaIpc methods while the test thread sets the flags).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/engine/registration.h"
+#include "daemon/gpu/cuda_ipc.h"
+#include "daemon/rpc/convert.h"
+#include "gtest/gtest.h"
+#include "kernels/drift.h"
+
+namespace ckpt {
+namespace gpu_test {
+
+inline constexpr char kUuid[] = "GPU-4f4ef90c-85c2-c43d-503a-f1f29e80b23c";
+inline constexpr uint64_t kEventId = 999;  // the event every default handover names
+
+inline std::string Handle(uint64_t id) {
+  std::string h(kCudaIpcHandleBytes, '\0');
+  std::memcpy(h.data(), &id, sizeof(id));
+  return h;
+}
+
+class FakeCudaIpc final : public CudaIpc {
+ public:
+  FakeCudaIpc() { AddEvent(kEventId); }
+
+  // Adds an allocation of `bytes` (the driver's view) under handle id `id`.
+  char* Allocate(uint64_t id, uint64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    auto& buf = allocations_[id];
+    buf.assign(bytes, '\0');
+    return buf.data();
+  }
+  // Adds an interprocess event under handle id `id`, complete.
+  void AddEvent(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    events_[id] = true;
+  }
+  // Whether the latest record of event `id` has completed (the trainer's
+  // step finished on its device); a never-completing event is a trainer hung
+  // in a kernel.
+  void SetEventDone(uint64_t id, bool done) {
+    absl::MutexLock lock(&mu_);
+    events_[id] = done;
+  }
+  // An illegal address in ckptd's context: from now on every call on the
+  // device fails with a sticky error, as the CUDA runtime's do.
+  void Poison() {
+    absl::MutexLock lock(&mu_);
+    poisoned_ = true;
+  }
+  // Whether ckptd's own streams have finished their copies (false: a dead or
+  // wedged device).
+  void SetStreamsDone(bool done) {
+    absl::MutexLock lock(&mu_);
+    streams_done_ = done;
+  }
+
+  int open_mappings() {
+    absl::MutexLock lock(&mu_);
+    return opens_ - closes_;
+  }
+  int opens() {
+    absl::MutexLock lock(&mu_);
+    return opens_;
+  }
+  // Times an event was found complete (once per snapshotted step).
+  int event_waits() {
+    absl::MutexLock lock(&mu_);
+    return event_waits_;
+  }
+  int open_events() {
+    absl::MutexLock lock(&mu_);
+    return events_open_;
+  }
+  int open_streams() {
+    absl::MutexLock lock(&mu_);
+    return streams_open_;
+  }
+
+  absl::StatusOr<int> FindDevice(const std::string& uuid) override {
+    if (uuid != kUuid) return absl::FailedPreconditionError("device not visible");
+    return 0;
+  }
+  absl::StatusOr<char*> OpenMemHandle(int, const std::string& handle) override {
+    uint64_t id = 0;
+    std::memcpy(&id, handle.data(), sizeof(id));
+    absl::MutexLock lock(&mu_);
+    if (poisoned_) return Sticky("cudaIpcOpenMemHandle");
+    auto it = allocations_.find(id);
+    if (it == allocations_.end()) return absl::InternalError("invalid resource handle");
+    ++opens_;
+    return it->second.data();
+  }
+  absl::StatusOr<uint64_t> AllocationSize(int, const char* base) override {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, buf] : allocations_) {
+      if (buf.data() == base) return buf.size();
+    }
+    return absl::InternalError("not an allocation");
+  }
+  void CloseMemHandle(int, char*) override {
+    absl::MutexLock lock(&mu_);
+    ++closes_;
+  }
+  absl::StatusOr<void*> OpenEventHandle(int, const std::string& handle) override {
+    uint64_t id = 0;
+    std::memcpy(&id, handle.data(), sizeof(id));
+    absl::MutexLock lock(&mu_);
+    if (handle != Handle(id) || events_.count(id) == 0) {
+      return absl::InternalError("invalid event handle");
+    }
+    ++events_open_;
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(id));
+  }
+  void DestroyEvent(int, void*) override {
+    absl::MutexLock lock(&mu_);
+    --events_open_;
+  }
+  absl::StatusOr<void*> CreateStream(int) override {
+    absl::MutexLock lock(&mu_);
+    ++streams_open_;
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(0x1000 + streams_open_));
+  }
+  void DestroyStream(int, void*) override {
+    absl::MutexLock lock(&mu_);
+    --streams_open_;
+  }
+  absl::StatusOr<bool> QueryEvent(int, void* event) override {
+    absl::MutexLock lock(&mu_);
+    if (poisoned_) return Sticky("cudaEventQuery");
+    const bool done = events_[reinterpret_cast<uintptr_t>(event)];
+    if (done) ++event_waits_;
+    return done;
+  }
+  absl::StatusOr<bool> QueryStream(int, void*) override {
+    absl::MutexLock lock(&mu_);
+    if (poisoned_) return Sticky("cudaStreamQuery");
+    return streams_done_;
+  }
+  absl::Status CopyToHostAsync(int, void*, void* dst, const char* src, uint64_t n) override {
+    if (fail_copies.load()) return absl::InternalError("cudaMemcpyAsync: an illegal memory access");
+    {
+      absl::MutexLock lock(&mu_);
+      if (poisoned_) return Sticky("cudaMemcpyAsync (device to host)");
+    }
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status CopyToDeviceAsync(int, void*, char* dst, const void* src, uint64_t n) override {
+    std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
+    return drift::MakeCpuDriftKernel(1);
+  }
+
+  std::atomic<bool> fail_copies{false};
+
+ private:
+  static absl::Status Sticky(const char* what) {
+    return MarkStickyCudaError(
+        absl::InternalError(absl::StrCat(what, ": an illegal memory access was encountered")));
+  }
+
+  absl::Mutex mu_;
+  bool poisoned_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<uint64_t, std::vector<char>> allocations_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, bool> events_ ABSL_GUARDED_BY(mu_);  // id -> latest record complete
+  bool streams_done_ ABSL_GUARDED_BY(mu_) = true;
+  int opens_ ABSL_GUARDED_BY(mu_) = 0;
+  int closes_ ABSL_GUARDED_BY(mu_) = 0;
+  int event_waits_ ABSL_GUARDED_BY(mu_) = 0;
+  int events_open_ ABSL_GUARDED_BY(mu_) = 0;
+  int streams_open_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A handover of two allocations (handle ids `first_id` and `first_id + 1`)
+// and the event `event_id`.
+inline v1::GpuHandover TwoRegions(uint64_t bytes0 = 4096, uint64_t bytes1 = 8192,
+                                  uint64_t first_id = 1, uint64_t event_id = kEventId) {
+  v1::GpuHandover h;
+  h.set_device_uuid(kUuid);
+  v1::GpuRegion* r = h.add_regions();
+  r->set_ipc_handle(Handle(first_id));
+  r->set_bytes(bytes0);
+  r = h.add_regions();
+  r->set_ipc_handle(Handle(first_id + 1));
+  r->set_bytes(bytes1);
+  h.set_step_event(Handle(event_id));
+  return h;
+}
+
+// The engine's registration of a request, converted as the gRPC handler does.
+inline Registration Reg(const v1::RegisterRequest& req) {
+  absl::StatusOr<Registration> r = RegistrationOf(req);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *std::move(r) : Registration{};
+}
+
+inline constexpr uint64_t kFloats = 256;  // per layer
+inline constexpr uint32_t kLayers = 3;
+
+// Layers 0 and 1 share the first allocation (at offsets 0 and kFloats*4);
+// layer 2 is alone in the second.
+inline v1::RegisterRequest GpuRequest(const std::string& job, uint64_t first_id = 1,
+                                      uint64_t event_id = kEventId) {
+  v1::RegisterRequest req;
+  req.set_job_id(job);
+  req.set_world_size(1);
+  req.mutable_policy()->set_kind(v1::POLICY_ALL);
+  *req.mutable_gpu() = TwoRegions(2 * kFloats * 4, kFloats * 4, first_id, event_id);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    v1::LayerSpec* layer = req.add_layers();
+    layer->set_id(l);
+    layer->set_name(absl::StrCat("layer", l));
+    v1::TensorSpec* t = layer->add_tensors();
+    t->set_name("w");
+    t->set_dtype(v1::DTYPE_F32);
+    t->add_shape(kFloats);
+    t->set_nbytes(kFloats * 4);
+    t->set_region(l < 2 ? 0 : 1);
+    t->set_offset(l == 1 ? kFloats * 4 : 0);
+  }
+  return req;
+}
+
+inline float Value(uint32_t layer, uint64_t i, uint64_t step) {
+  return static_cast<float>(layer * 100000 + i * 3 + step * 7);
+}
+
+// The three layers of a rank registered with GpuRequest(job, first_id), in
+// `ipc`'s fake device memory, filled with and compared against Value().
+struct GpuLayers {
+  char* layer[kLayers] = {};
+
+  void Allocate(FakeCudaIpc* ipc, uint64_t first_id) {
+    layer[0] = ipc->Allocate(first_id, 2 * kFloats * 4);
+    layer[1] = layer[0] + kFloats * 4;
+    layer[2] = ipc->Allocate(first_id + 1, kFloats * 4);
+  }
+  void Fill(uint64_t step) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      auto* f = reinterpret_cast<float*>(layer[l]);
+      for (uint64_t i = 0; i < kFloats; ++i) f[i] = Value(l, i, step);
+    }
+  }
+  bool Holds(uint64_t step) const {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      auto* f = reinterpret_cast<const float*>(layer[l]);
+      for (uint64_t i = 0; i < kFloats; ++i) {
+        if (f[i] != Value(l, i, step)) return false;
+      }
+    }
+    return true;
+  }
+};
+
+}  // namespace gpu_test
+}  // namespace ckpt
