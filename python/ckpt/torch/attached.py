@@ -2,9 +2,11 @@
 
 Attached is the facade the training loop sees. It owns one component per
 concern and drives them: the Layout of the rank's tensors (layout.py), its
-memory, host or GPU (host_memory.py, gpu.py), the optimizer hooks and step
-counts (hooks.py), the state saved with each step (state.py), the agreement
-between ranks (agreement.py), and restores (restore.py, reshard.py). It is
+memory, host or GPU (host_memory.py, gpu.py), the checks that the tensors
+stay where ckptd reads them (guard.py), the buffer mirrors (buffers.py), the
+optimizer hooks and step counts (hooks.py), a GradScaler (scaler.py), the
+state saved with each step (state.py), the agreement between ranks
+(agreement.py), and restores (restore.py, reshard.py). It is
 used by one thread, the training loop's; only the agreement runs on a
 thread of its own."""
 
@@ -17,14 +19,17 @@ import torch
 
 import ckpt
 
-from . import hooks
+from . import gpu, hooks
 from .agreement import Agreement, agreement_group, min_over, newest_durable
+from .buffers import BufferMirror
 from .gpu import GpuMemory
+from .guard import StorageGuard
 from .host_memory import HostMemory
 from .layout import Layout, LayerOf, instance_of
 from .policy import budget_for_rank, has_budget, optimizer_kind, parse_policy
 from .reshard import Exchange
 from .restore import Restorer
+from .scaler import ScalerLink
 from .state import SavedState, load_aux
 from .types import Plan, Restored, Stats, composite_of, plan_of, restored_of
 
@@ -37,7 +42,7 @@ class Attached:
                  layercheck: Optional[dict], layers: Optional[LayerOf],
                  scheduler: Any, record_trace: bool, process_group: Any = None,
                  scheduler_step: str = "optimizer", replicated: Optional[bool] = None,
-                 agree_every: int = 10):
+                 agree_every: int = 10, scaler: Any = None):
         if not isinstance(client, ckpt.Client):
             raise TypeError("client must be a ckpt.Client")
         if scheduler_step not in ("optimizer", "manual"):
@@ -65,6 +70,14 @@ class Attached:
                                  (world_size, replicated, self._layout.sharded))
         self._counter = hooks.StepCounter(optimizer)
         self._frozen = hooks.FrozenGuard([])
+        self._guard = StorageGuard(model, optimizer, job_id, self._memory)
+        self._buffers = BufferMirror(model, job_id)
+        self._scaler = ScalerLink(scaler, self._send_pending) if scaler is not None else None
+        self._state.scaler = self._scaler
+        # With a scaler: the step taken and not yet reported (its report
+        # waits for scaler.update()), and whether its count is still to read.
+        self._pending = False
+        self._count_pending = False
         exchange = Exchange(client, self._group, self._layout, self._memory)
         self._restorer = Restorer(client, job_id, self._layout, self._memory, exchange)
         self._step = 0
@@ -77,7 +90,7 @@ class Attached:
         self._fence_wait_s: List[float] = []
         self._step_done_s: List[float] = []
         self._hooks = hooks.StepHooks(optimizer, self._pre_step, self._post_step)
-        hooks.claim(self, optimizer, self._layout.param_ids, client, job_id, rank)
+        hooks.claim(self, model, optimizer, self._layout.param_ids, client, job_id, rank)
 
     def _agree(self, process_group: Any, every: int) -> Tuple[Any, Optional[Agreement]]:
         """The ranks' gloo group and the agreement over it (None, None with
@@ -111,7 +124,9 @@ class Attached:
         self._frozen = hooks.FrozenGuard(layout.frozen_in_optimizer())
         self._counter.read(layout.trained())
         built = layout.build()
+        self._buffers.mirror(built.entries)
         self._memory.place(built.own_entries)
+        self._guard.watch(built.entries, [n for n, l in built.layers.items() if l["frozen"]])
         whole: Dict[str, int] = {}
         if has_budget(self._policy) and layout.world_size > 1 and layout.sharded and \
                 not layout.replicated:
@@ -127,6 +142,8 @@ class Attached:
     # ---- hooks ----
 
     def _pre_step(self) -> None:
+        self._refuse_capture()
+        self._send_pending()  # a scaler whose update() the loop did not call
         if not self._registered:
             return
         if self._step < self._read_only_below:
@@ -136,20 +153,47 @@ class Attached:
                 "go on from an older step under the same job id (restore() the latest step, or "
                 "attach to a new job)")
         self._frozen.check()
-        if self._step < self._first_reported:
-            return  # no step reported to ckptd yet: nothing to fence
-        t0 = time.perf_counter()
-        if self._agreement is not None:
-            self._agreement.join()
-        self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
-        self._fence_wait_s.append(time.perf_counter() - t0)
+        if self._step >= self._first_reported:  # a step was reported: fence it
+            t0 = time.perf_counter()
+            if self._agreement is not None:
+                self._agreement.join()
+            self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
+            self._fence_wait_s.append(time.perf_counter() - t0)
+        # ckptd has finished reading: move back what moved (guard.py).
+        if self._guard.check():
+            self._counter.read(self._layout.trained())
+
+    def _refuse_capture(self) -> None:
+        if gpu.capturing():
+            raise RuntimeError(
+                f"optimizer.step() of the model attached to job '{self.job_id}' is being "
+                "captured into a CUDA graph: ckpt.torch's hooks would run once, at capture, and "
+                "no replay would be checkpointed. Keep the optimizer step out of the graph "
+                "(capture the forward and backward only), or do not attach this run")
 
     def _post_step(self) -> None:
+        self._refuse_capture()
         if not self._registered:
             self._register()  # the optimizer state exists now, counting this step
         else:
-            self._counter.count()
+            self._count_pending = True
+        self._pending = True
+        if self._scaler is None:
+            self._send_pending()
+        # else: sent by scaler.update() (scaler.py)
+
+    def _send_pending(self) -> None:
+        """Reports the step taken (its buffers, the state saved with it)."""
+        if not self._pending:
+            return
+        self._pending = False
+        if self._count_pending:
+            self._count_pending = False
+            # After scaler.update() a device count is read too: the scaler's
+            # state_dict() waits for the step anyway (scaler.py).
+            self._counter.count(read_device=self._scaler is not None)
         t = self._step + 1
+        self._buffers.capture()
         aux = self._state.capture(t, self._counter)
         blob = self._aux_blob(aux, t)
         self._memory.before_step_done()
@@ -290,6 +334,7 @@ class Attached:
         layouts are refused naming a layer. The RNG states and
         data position are old rank 0's; this job's first step is then
         `target_step + 1`."""
+        self._send_pending()
         if self._agreement is not None:
             self._agreement.join()  # its collectives first, on every rank
             self._agreement.agreed = None  # agreed before the restore: no longer true
@@ -304,7 +349,9 @@ class Attached:
         prepared = self._restorer.prepare(step)
         if not self._registered:
             self._register()
+        self._guard.check()  # ckptd writes where the tensors are
         reply = self._restorer.write(prepared, discard_later=agreed)
+        self._buffers.to_live()
         if prepared.aux is not None:
             self._state.apply(prepared.aux, self._counter)
         target, latest = prepared.target, prepared.latest
@@ -330,6 +377,7 @@ class Attached:
         if not self._registered:
             self._register()
         steps, aux_blob, read = self._restorer.read_source(src)
+        self._buffers.to_live()
         aux = load_aux(aux_blob, src.target)
         if aux is not None:
             self._state.apply(aux, self._counter)
@@ -355,6 +403,7 @@ class Attached:
     def wait_durable(self, tier: str = "local") -> int:
         """Waits until everything reported so far is durable; returns that step.
         tier="remote": until it is in ckptd's remote tier too (docs/remote.md)."""
+        self._send_pending()
         if self._agreement is not None:
             self._agreement.join()
         return self.client.wait_durable(self._step, tier)
@@ -370,8 +419,12 @@ class Attached:
         durable when `drain`). CPU tensors stay in the shared memory."""
         if self._closed:
             return
+        if self._registered:
+            self._send_pending()
         self._closed = True
         self._hooks.remove()
+        if self._scaler is not None:
+            self._scaler.remove()
         hooks.release(self)
         if self._agreement is not None:
             self._agreement.close()
@@ -384,7 +437,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
            layercheck: Optional[dict] = None, layers: Optional[LayerOf] = None,
            scheduler: Any = None, record_trace: bool = False,
            process_group: Any = None, scheduler_step: str = "optimizer",
-           replicated: Optional[bool] = None, agree_every: int = 10) -> Attached:
+           replicated: Optional[bool] = None, agree_every: int = 10,
+           scaler: Any = None) -> Attached:
     """Attaches `model` and `optimizer` to ckptd through `client` and returns
     an Attached; the rank registers at the first optimizer step (or at
     restore()). `policy`: "all", "every_n:K", "layercheck", "explicit" or
@@ -414,10 +468,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     every optimizer.step() (restore replays the one after the restored step),
     "manual" when it steps the scheduler elsewhere (per epoch;
     ReduceLROnPlateau is never replayed).
+    `scaler`: the torch.amp.GradScaler of a mixed-precision loop; its state
+    after each scaler.update() is saved with the step and restored (a step
+    is reported to ckptd at that update()).
     Raises ValueError naming the tensor for tensors ckptd cannot map (sparse,
     meta, non-contiguous, another device than the rest), RuntimeError when
     the model or optimizer is attached already, and ckpt.Error for refusals
     by ckptd."""
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
                     layers, scheduler, record_trace, process_group, scheduler_step, replicated,
-                    agree_every)
+                    agree_every, scaler)

@@ -31,6 +31,11 @@ class GpuMemory:
                                                          e.name)
             e.spec.update(region=region, offset=offset)
 
+    def registered_view(self, e: Entry, registered: torch.Tensor) -> torch.Tensor:
+        """The tensor as registered, whose storage the guard holds (guard.py):
+        CUDA storage does not move under a tensor that keeps it."""
+        return registered
+
     def synchronize(self) -> None:
         """Waits for every kernel queued on the device (none writes a tensor
         after a restore, or reads one before)."""
@@ -39,3 +44,9 @@ class GpuMemory:
     def before_step_done(self) -> None:
         """The stream the optimizer step ran on, for StepDone's event."""
         self._client.set_cuda_stream(torch.cuda.current_stream(self._device).cuda_stream)
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph
+    (CUDA not initialized: nothing can be)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -4,8 +4,8 @@
   while ckpt.torch steps the optimizer itself (internal()) and once removed.
 - The claims of live attachments, and the global step pre-hook that refuses
   a step by another optimizer over an attached model's parameters.
-- StepCounter: each trained parameter's optimizer step count, counted in
-  the post-hook (read from the optimizer once, at registration).
+- StepCounter: each trained parameter's optimizer step count, as the
+  optimizer counted it (read in the post-hook where that costs no wait).
 - FrozenGuard: a parameter registered frozen that now requires grad.
 - create_missing_state: the optimizer state of parameters that had no
   gradient yet, made as their first step would make it.
@@ -64,12 +64,14 @@ class StepHooks:
 # ---- live attachments ----
 
 class _Claim(NamedTuple):
-    """What a live attachment holds: its optimizer, its parameters, its client."""
+    """What a live attachment holds: its optimizer, its parameters, its
+    client, and its model (whose parameters may be replaced later)."""
     optimizer: torch.optim.Optimizer
     param_ids: Set[int]
     client: Any
     job_id: str
     rank: int
+    model: "weakref.ref[torch.nn.Module]"
 
 
 # Live attachments (weakly: an attachment that is collected leaves), for the
@@ -94,13 +96,13 @@ def check_unclaimed(optimizer: torch.optim.Optimizer, param_ids: Set[int],
                          "attach() a new ckpt.Client")
 
 
-def claim(owner: Any, optimizer: torch.optim.Optimizer, param_ids: Set[int],
-          client: "ckpt.Client", job_id: str, rank: int) -> None:
+def claim(owner: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          param_ids: Set[int], client: "ckpt.Client", job_id: str, rank: int) -> None:
     """`owner` holds these until release(owner) or until it is collected."""
     global _GUARD_HANDLE
     if _GUARD_HANDLE is None:
         _GUARD_HANDLE = register_optimizer_step_pre_hook(_guard_other_optimizers)
-    _LIVE[owner] = _Claim(optimizer, param_ids, client, job_id, rank)
+    _LIVE[owner] = _Claim(optimizer, param_ids, client, job_id, rank, weakref.ref(model))
 
 
 def release(owner: Any) -> None:
@@ -109,13 +111,17 @@ def release(owner: Any) -> None:
 
 def _guard_other_optimizers(optimizer, args, kwargs):
     """Global step pre-hook: an optimizer that steps parameters of an attached
-    model but is not the attached optimizer would change them unprotected."""
+    model but is not the attached optimizer would change them unprotected:
+    the parameters registered, and those in the model now (a new optimizer
+    over parameters that load_state_dict(assign=True) put in the model)."""
     for c in list(_LIVE.values()):
         if optimizer is c.optimizer:
             continue
+        model = c.model()
+        ids = c.param_ids | ({id(p) for p in model.parameters()} if model is not None else set())
         for g in optimizer.param_groups:
             for p in g["params"]:
-                if id(p) in c.param_ids:
+                if id(p) in ids:
                     raise RuntimeError(
                         f"{type(optimizer).__name__} steps parameters of the model attached to "
                         f"job '{c.job_id}' rank {c.rank} through another optimizer, which "
@@ -126,31 +132,55 @@ def _guard_other_optimizers(optimizer, args, kwargs):
 
 class StepCounter:
     """Each trained parameter's step count (-1: the optimizer keeps none,
-    like SGD). Read from the optimizer once, at registration: a fused or
-    capturable optimizer keeps them on the device, and reading them every
-    step would wait for the step to finish."""
+    like SGD), read from the optimizer at registration and after every step
+    where it is on the host (see count())."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._optimizer = optimizer
         self._trained: List[Param] = []
         self._counts: List[int] = []
+        # Where count() finds each count, sorted once by read(): step
+        # tensors on the host, and on a device, by index into _trained; the
+        # state dicts of counts kept as numbers.
+        self._host: List[Tuple[int, torch.Tensor]] = []
+        self._device: List[Tuple[int, torch.Tensor]] = []
+        self._numbers: List[Tuple[int, dict]] = []
 
     def read(self, trained: List[Param]) -> None:
         """Counts `trained` (the parameters the optimizer steps) from now on,
-        starting from the optimizer's own counts."""
+        starting from the optimizer's own counts. Called again whenever the
+        optimizer's state objects may have been replaced."""
         self._trained = trained
-        counts = []
-        for _, p, _ in trained:
-            s = self._optimizer.state.get(p, {}).get("step")
-            counts.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
-        self._counts = counts
+        self._counts, self._host, self._device, self._numbers = [], [], [], []
+        for i, (_, p, _) in enumerate(trained):
+            st = self._optimizer.state.get(p, {})
+            s = st.get("step")
+            self._counts.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
+            if torch.is_tensor(s):
+                (self._host if s.device.type == "cpu" else self._device).append((i, s))
+            elif s is not None:
+                self._numbers.append((i, st))
 
-    def count(self) -> None:
-        """After an optimizer step: the optimizers count a parameter's step
-        exactly when it had a gradient."""
-        for i, (_, p, _) in enumerate(self._trained):
-            if self._counts[i] >= 0 and p.grad is not None:
-                self._counts[i] += 1
+    def count(self, read_device: bool = False) -> None:
+        """After an optimizer step: what the optimizer counted. A count kept
+        on the host (a number, or a CPU tensor as the for-loop, foreach and
+        CPU fused optimizers keep it) is read as it is, so a step the
+        optimizer rolled back (a fused optimizer under a GradScaler that
+        found inf gradients) is not counted. A count kept on a device is not
+        read (that would wait for the step) unless `read_device`: the
+        optimizers count a step exactly when the parameter had a gradient,
+        except such a rolled-back one (docs/pytorch.md)."""
+        for tensors in (self._host, self._device if read_device else []):
+            if tensors:
+                # One read for all of them (each alone costs microseconds).
+                for (i, _), v in zip(tensors, torch.stack([t for _, t in tensors]).tolist()):
+                    self._counts[i] = int(v)
+        if not read_device:
+            for i, _ in self._device:
+                if self._trained[i][1].grad is not None:
+                    self._counts[i] += 1
+        for i, st in self._numbers:
+            self._counts[i] = int(st["step"])
 
     def group_steps(self) -> List[Tuple[int, int]]:
         """(group, step count) from the first parameter of each group that

@@ -70,6 +70,14 @@ class HostMemory:
                 offset += t.numel() * t.element_size()
         self.region = region
 
+    def registered_view(self, e: Entry, registered: torch.Tensor) -> torch.Tensor:
+        """A new tensor over the bytes `e` was registered at, of the dtype
+        and shape of `registered` (guard.py)."""
+        assert self.region is not None
+        view = torch.frombuffer(self.region, dtype=registered.dtype, count=registered.numel(),
+                                offset=e.spec["offset"])
+        return view.view(registered.shape)
+
     def synchronize(self) -> None:
         """Host tensors have no queued writes."""
 

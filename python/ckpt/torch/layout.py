@@ -77,8 +77,17 @@ def instance_of(obj: Any, module: str, name: str) -> bool:
     return isinstance(obj, cls)
 
 
+_DTENSOR: List[Any] = []  # the DTensor class, looked up once (None: this torch has none)
+
+
 def is_dtensor(t: Any) -> bool:
-    return instance_of(t, "torch.distributed.tensor", "DTensor")
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch without distributed
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +137,13 @@ def spread(layer_bytes: Dict[str, int], world_size: int) -> Dict[str, int]:
     return owner
 
 
+# Where a registered tensor lives in the model or the optimizer, so that it
+# can be found again after registration (guard.py, buffers.py): a parameter
+# or a buffer by its name, an optimizer state tensor by its parameter's name
+# and its key; None for a tensor ckpt.torch made itself.
+Source = Optional[Tuple[str, ...]]  # ("param", name) | ("buffer", name) | ("state", name, key)
+
+
 class ModelTensor(NamedTuple):
     """A tensor of the model or its optimizer, whole, before registration."""
     name: str
@@ -136,6 +152,7 @@ class ModelTensor(NamedTuple):
     kind: str
     frozen: bool
     spec: Dict[str, Any]  # role, optimizer group and hyper-parameters
+    source: Source
 
 
 @dataclasses.dataclass
@@ -149,6 +166,7 @@ class Entry:
     # it (FSDP2's padded shard, which its all-gathers read); None when the
     # tensor owns its storage.
     base: Optional[torch.Tensor] = None
+    source: Source = None
 
 
 class Built(NamedTuple):
@@ -263,24 +281,27 @@ class Layout:
                 continue  # nothing to keep
             lname, kind = self.layer(name)
             if gi is None or not p.requires_grad:
-                out.append(ModelTensor(name, p, lname + ".frozen", kind, True, {"role": "PARAM"}))
+                out.append(ModelTensor(name, p, lname + ".frozen", kind, True, {"role": "PARAM"},
+                                       ("param", name)))
                 continue
             g = groups[gi]
             betas = g.get("betas", (0.0, 0.0))
             out.append(ModelTensor(name, p, lname, kind, False, {
                 "role": "PARAM", "group": gi, "lr_scale": float(g["lr"]) / base_lr,
                 "weight_decay": g.get("weight_decay", 0.0), "beta1": float(betas[0]),
-                "beta2": float(betas[1]), "eps": g.get("eps", 0.0)}))
+                "beta2": float(betas[1]), "eps": g.get("eps", 0.0)}, ("param", name)))
             state = self._optimizer.state.get(p, {})
             for key in sorted(state):
                 v = state[key]
                 if key != "step" and torch.is_tensor(v) and v.shape == p.shape:
                     out.append(ModelTensor(f"{name}.{key}", v, lname, kind, False, {
-                        "role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name}))
+                        "role": _STATE_ROLES.get(key, "OTHER"), "group": gi, "param": name},
+                        ("state", name, key)))
         for name, b in self.buffers:
             if b.numel() > 0:
                 lname, kind = self.layer(name)
-                out.append(ModelTensor(name, b, lname, kind, False, {"role": "OTHER"}))
+                out.append(ModelTensor(name, b, lname, kind, False, {"role": "OTHER"},
+                                       ("buffer", name)))
         return out
 
     def _entries(self) -> Tuple[List[Entry], Dict[str, dict]]:
@@ -302,7 +323,7 @@ class Layout:
                 base = None  # the shard owns its storage
             spec = dict(m.spec, name=m.name, dtype=DTYPE_NAMES[part.dtype],
                         shape=list(part.shape) or [1])
-            entries.append(Entry(m.name, part, m.layer, spec, base))
+            entries.append(Entry(m.name, part, m.layer, spec, base, m.source))
             layer["tensors"].append(spec)
         for lname, layer in layers.items():
             if not layer["tensors"]:

@@ -2,8 +2,8 @@
 
 With every StepDone a rank sends one blob: the torch (and CUDA), ``random``
 and numpy RNG states, the learning rates, the optimizer step counts, the
-scheduler's state, the data position, ``extra_state`` and the layout of the
-ranks. The blob is ``torch.save`` of a dict whose "format" is AUX_FORMAT;
+scheduler's and the GradScaler's state, the data position, ``extra_state``
+and the layout of the ranks. The blob is ``torch.save`` of a dict whose "format" is AUX_FORMAT;
 load_aux reads it only with ``torch.load(weights_only=True)``, PyTorch's
 restricted unpickler, and refuses a blob in any other format without
 loading it. SavedState is used by one thread (the training loop's)."""
@@ -99,6 +99,7 @@ class SavedState:
         self._layout = layout
         self.scheduler = scheduler
         self.scheduler_step = scheduler_step
+        self.scaler: Any = None  # scaler.ScalerLink, when a GradScaler is attached
         self.data_position: Any = None
         self.extra_state: Dict[str, Any] = {}
         # The scheduler state restore() found, before any replay (ckpt.hf
@@ -114,6 +115,7 @@ class SavedState:
                 "lrs": [float(g["lr"]) for g in self._optimizer.param_groups],
                 "group_steps": counter.group_steps(), "param_steps": counter.param_steps(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state() if self.scaler is not None else None,
                 "data_position": self.data_position, "extra": self.extra_state,
                 "world_size": world_size, "replicated": replicated, "sharded": sharded}
 
@@ -148,6 +150,8 @@ class SavedState:
             else:
                 g["lr"] = lr
         counter.restore(aux["param_steps"])
+        if self.scaler is not None:
+            self.scaler.load(aux.get("scaler"))
         self.restored_scheduler_state = aux.get("scheduler")
         if self.scheduler is not None and self.restored_scheduler_state is not None:
             self.scheduler.load_state_dict(self.restored_scheduler_state)
