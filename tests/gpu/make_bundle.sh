@@ -10,7 +10,8 @@
 # the bundle works as CKPT_BUILD_DIR for the tests. Every shared library they
 # load goes to .gpu-bundle/lib, except glibc's, libgcc_s, libstdc++ (the GPU
 # machine's are newer, hence compatible) and libcuda (the driver's own).
-# Fails when the bundle exceeds 60 MiB.
+# Fails when the bundle exceeds 60 MiB, when the bundled Python package does
+# not import with its interpreter, or when the GPU scripts do not parse.
 #
 # It also carries the Python package `ckpt` built for the GPU machine's
 # interpreter (Python 3.12 there; .gpu-bundle/python/ckpt, for
@@ -95,6 +96,21 @@ fi
 for name in "${!libs[@]}"; do
   strip --strip-unneeded -o "$bundle/lib/$name" "${libs[$name]}"
 done
+# The bundled package must import with the interpreter it is for, its
+# libraries taken from the bundle (as run_on_gpu.sh will).
+if [ -d "$bundle/python/ckpt" ]; then
+  if ! version=$(LD_LIBRARY_PATH="$bundle/lib" PYTHONPATH="$bundle/python" "$py" -c \
+                 'import ckpt; print(ckpt.__version__)' 2>&1); then
+    echo "make_bundle: the bundled Python package does not import: $version" >&2
+    exit 1
+  fi
+  echo "make_bundle: the bundled package imports (ckpt $version)"
+fi
+# The scripts that will run there, parsed here: a syntax error must not
+# cost device time.
+for s in run_on_gpu.sh sandbox_check.sh; do
+  bash -n "$top/tests/gpu/$s" || { echo "make_bundle: tests/gpu/$s does not parse" >&2; exit 1; }
+done
 
 {
   echo "built from $(git -C "$top" rev-parse HEAD 2>/dev/null || echo unknown)" \
@@ -112,3 +128,5 @@ if [ "$bytes" -gt "$max_bytes" ]; then
   echo "make_bundle: larger than $((max_bytes >> 20)) MiB" >&2
   exit 1
 fi
+echo "make_bundle: on the GPU machine (carry .gpu-bundle with the working tree):"
+echo "  OUT=\$OUT tests/gpu/run_on_gpu.sh      # at most 280 s; logs in \$OUT/gpu-logs.tar.gz"
