@@ -12,11 +12,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/adam_update.h"
@@ -28,6 +30,24 @@ namespace {
 constexpr int kThreads = 256;  // threads per block (a multiple of 32)
 constexpr int kWarps = kThreads / 32;
 constexpr uint64_t kChunk = 8192;  // elements per chunk: 32 per thread
+// No wait for the device is unbounded: a kernel of ckptd's that has not
+// finished after this long means a dead device, and the snapshot thread
+// must go on (daemon/gpu/ipc_memory.h polls the trainer's events the same
+// way). A kernel that timed out is never used again.
+constexpr std::chrono::seconds kDeviceWaitLimit(120);
+
+// Polls `stream` until its work is done or `limit` has passed
+// (cudaErrorNotReady then).
+cudaError_t PollStream(cudaStream_t stream, std::chrono::steady_clock::duration limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::chrono::microseconds pause(20);
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e != cudaErrorNotReady || std::chrono::steady_clock::now() >= deadline) return e;
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(2));
+  }
+}
 constexpr uint32_t kNoLayer = 0xffffffffu;
 
 // One tensor as the device sees it; the coefficients are computed on the host
@@ -200,10 +220,14 @@ class CudaKernel final : public DriftKernel {
   CudaKernel() = default;
   ~CudaKernel() override {
     DeviceGuard guard(device_);
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);
-      cudaStreamDestroy(stream_);
+    if (stuck_ ||
+        (stream_ != nullptr && PollStream(stream_, std::chrono::seconds(5)) == cudaErrorNotReady)) {
+      // Work still queued may write into these: leak them rather than wait.
+      new std::vector<double>(std::move(host_sums_));
+      new std::vector<DevTask>(std::move(host_tasks_));
+      return;
     }
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (d_tasks_ != nullptr) cudaFree(d_tasks_);
     if (d_sums_ != nullptr) cudaFree(d_sums_);
   }
@@ -234,6 +258,7 @@ class CudaKernel final : public DriftKernel {
   bool Compute(const std::vector<TensorTask>& tasks, std::vector<LayerSums>* out,
                std::string* error) override {
     for (LayerSums& s : *out) s = LayerSums();
+    if (stuck_) return Fail(error, "an earlier drift kernel never finished on this device");
     const size_t layers = out->size();
     host_tasks_.clear();
     uint64_t chunks = 0;
@@ -295,7 +320,13 @@ class CudaKernel final : public DriftKernel {
     e = cudaMemcpyAsync(host_sums_.data(), d_sums_, 2 * layers * sizeof(double),
                         cudaMemcpyDeviceToHost, stream_);
     if (e != cudaSuccess) return Fail(error, CudaError("cudaMemcpyAsync (sums)", e));
-    e = cudaStreamSynchronize(stream_);
+    e = PollStream(stream_, kDeviceWaitLimit);
+    if (e == cudaErrorNotReady) {
+      stuck_ = true;
+      return Fail(error,
+                  "the drift kernel did not finish within 120 s (a hung device?); it "
+                  "is not used again");
+    }
     if (e != cudaSuccess) return Fail(error, CudaError("drift kernel", e));
     for (size_t l = 0; l < layers; ++l) {
       (*out)[l].dw2 = host_sums_[2 * l];
@@ -311,7 +342,11 @@ class CudaKernel final : public DriftKernel {
   bool Reserve(size_t tasks, size_t sums, std::string* error) {
     if (tasks > task_cap_) {
       if (d_tasks_ != nullptr) {
-        cudaStreamSynchronize(stream_);
+        // Idle: every Compute waited for its work (cudaFree would wait too).
+        if (PollStream(stream_, kDeviceWaitLimit) == cudaErrorNotReady) {
+          stuck_ = true;
+          return Fail(error, "the device did not finish earlier work");
+        }
         cudaFree(d_tasks_);
         d_tasks_ = nullptr;
         task_cap_ = 0;
@@ -323,7 +358,10 @@ class CudaKernel final : public DriftKernel {
     }
     if (sums > sums_cap_) {
       if (d_sums_ != nullptr) {
-        cudaStreamSynchronize(stream_);
+        if (PollStream(stream_, kDeviceWaitLimit) == cudaErrorNotReady) {
+          stuck_ = true;
+          return Fail(error, "the device did not finish earlier work");
+        }
         cudaFree(d_sums_);
         d_sums_ = nullptr;
         sums_cap_ = 0;
@@ -345,6 +383,7 @@ class CudaKernel final : public DriftKernel {
   size_t sums_cap_ = 0;
   std::vector<DevTask> host_tasks_;
   std::vector<double> host_sums_;
+  bool stuck_ = false;  // a wait timed out: work may still be queued
 };
 
 // ---- known-answer self-test ----
