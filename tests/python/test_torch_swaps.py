@@ -24,6 +24,8 @@ import copy
 import os
 import shutil
 import sys
+import threading
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -192,6 +194,141 @@ def scaled(daemon):
         run2.close()
 
 
+def unplaced(daemon):
+    """Entries of a layout that another replica writes are not placed where
+    ckptd reads: one that moved is followed, not copied back (it raised
+    KeyError: it has no place)."""
+    from ckpt.torch.guard import StorageGuard
+    from ckpt.torch.host_memory import HostMemory
+    from ckpt.torch.layout import Entry
+    model, opt = build(1)
+    train(model, opt, 0, 1)
+    guard = StorageGuard(model, opt, "unplaced", HostMemory(ckpt.Client(daemon.socket)))
+    named = list(model.named_parameters())
+    entries = [Entry(n, p, "l", {}, None, ("param", n)) for n, p in named]
+    entries += [Entry(n + ".exp_avg", opt.state[p]["exp_avg"], "l", {}, None,
+                      ("state", n, "exp_avg")) for n, p in named]
+    guard.watch(entries, [])
+    model[0].weight.data = model[0].weight.data.clone()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    moved = guard.check()
+    check(moved and all(e.tensor is opt.state[p]["exp_avg"] for e, (_, p) in
+                        zip(entries[len(named):], named)) and guard.check() is False,
+          "unplaced entries follow moved tensors (parameters and loaded optimizer state)")
+
+
+def scaler_not_updated(daemon):
+    """attach(scaler=) with a loop that never updates that scaler: each step
+    is reported at the next one, still with its own buffers (they were
+    taken at the next step's pre-hook, after its forward), and a warning."""
+    k = 4
+    model, opt = build(1, batchnorm=True)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="scaler-missed",
+                            scaler=torch.amp.GradScaler("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(k + 1):
+            opt.zero_grad()
+            model(batch(i)).pow(2).mean().backward()
+            opt.step()
+            if i == k - 1:
+                want = state_of(model, opt)
+    run.close()  # reports step k + 1
+    warned = [w for w in caught if "was not updated" in str(w.message)]
+    model2, opt2 = build(2, batchnorm=True)
+    run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="scaler-missed",
+                             scaler=torch.amp.GradScaler("cpu"))
+    restored = run2.restore(step=k)
+    got = state_of(model2, opt2)
+    run2.close()
+    check(len(warned) == 1, "a scaler never updated: warned once (%d)" % len(warned))
+    check(restored.target_step == k and equal(got, want),
+          "... and step %d restored with its own buffers and state" % k)
+
+
+def loaded_step_counts(daemon):
+    """optimizer.load_state_dict() of a state whose step counts were changed
+    and whose moments came through as the same tensors (load_state_dict
+    keeps a tensor that needs no cast): new state dicts and new step
+    tensors, nothing of what ckptd reads moved. The counts go on from the
+    loaded ones."""
+    model, opt = build(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="loaded-steps")
+    train(model, opt, 0, 2)
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = st["step"] + 10
+    opt.load_state_dict(sd)
+    train(model, opt, 2, 2)
+    want = [float(opt.state[p]["step"]) for p in model.parameters()]
+    run.wait_durable()
+    run.close()
+    model2, opt2 = build(2)
+    run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="loaded-steps")
+    run2.restore()
+    got = [float(opt2.state[p]["step"]) for p in model2.parameters()]
+    run2.close()
+    check(want == [14.0] * 4 and got == want,
+          "step counts loaded into the optimizer go on from there (%s)" % got)
+
+
+def pending_then_restore_or_close(root):
+    """With a scaler, a step left pending (update() not called yet) when
+    restore() or close() comes. restore() reports it and waits for ckptd to
+    copy it before restoring (ckptd refused a restore while it was copying:
+    a delay point holds that copy); close() with ckptd gone still detaches,
+    so the model can be attached again."""
+    log, release = os.path.join(root, "pending.log"), os.path.join(root, "pending-go")
+    daemon = harness.Daemon(os.path.join(root, "pending"), env={
+        "CKPT_DELAY_AT": "snapshot.before_copy:60000:2", "CKPT_DELAY_LOG": log,
+        "CKPT_DELAY_UNTIL": release}).start()
+
+    def release_when_held():
+        harness.wait_for(lambda: os.path.exists(log), 30, "ckptd held at step 2's copy")
+        open(release, "w").close()
+
+    try:
+        model, opt = build(1)
+        scaler = torch.amp.GradScaler("cpu")
+        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="pending",
+                                scaler=scaler)
+        for i in range(2):
+            opt.zero_grad()
+            scaler.scale(model(batch(i)).pow(2).mean()).backward()
+            scaler.step(opt)
+            if i == 0:
+                scaler.update()  # step 2's update() never comes
+        releaser = threading.Thread(target=release_when_held)
+        releaser.start()
+        restored = run.restore()
+        releaser.join()
+        check(restored.target_step in (1, 2),
+              "restore() with a step pending: reported, copied, then restored (step %d)"
+              % restored.target_step)
+        run.close()
+        model, opt = build(1)
+        scaler = torch.amp.GradScaler("cpu")
+        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="pending-close",
+                                scaler=scaler)
+        for i in range(2):
+            opt.zero_grad()
+            scaler.scale(model(batch(i)).pow(2).mean()).backward()
+            scaler.step(opt)
+            if i == 0:
+                scaler.update()
+        daemon.stop()
+        try:
+            run.close()
+            check(False, "close() with ckptd gone and a step pending raises")
+        except ckpt.Error as e:
+            check(e.code == "UNAVAILABLE", "close() with ckptd gone: %s" % e.code)
+        again = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="pending-2")
+        again.close()
+        check(True, "... and the model can be attached again")
+    finally:
+        daemon.stop()
+
+
 def batchnorm(root):
     """K steps, then the forward and backward of step K+1 while ckptd is
     held before copying step K (its K-th snapshot), then durable = K."""
@@ -248,6 +385,10 @@ def main():
         refused(daemon)
         scaled(daemon)
         graph_capture(daemon)
+        unplaced(daemon)
+        scaler_not_updated(daemon)
+        loaded_step_counts(daemon)
+        pending_then_restore_or_close(root)
         batchnorm(root)
     finally:
         daemon.stop()

@@ -13,6 +13,7 @@ thread of its own."""
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -75,9 +76,9 @@ class Attached:
         self._scaler = ScalerLink(scaler, self._send_pending) if scaler is not None else None
         self._state.scaler = self._scaler
         # With a scaler: the step taken and not yet reported (its report
-        # waits for scaler.update()), and whether its count is still to read.
-        self._pending = False
-        self._count_pending = False
+        # waits for scaler.update()): (step, its saved state, its lr).
+        self._pending: Optional[Tuple[int, dict, float]] = None
+        self._warned_update = False
         exchange = Exchange(client, self._group, self._layout, self._memory)
         self._restorer = Restorer(client, job_id, self._layout, self._memory, exchange)
         self._step = 0
@@ -143,7 +144,7 @@ class Attached:
 
     def _pre_step(self) -> None:
         self._refuse_capture()
-        self._send_pending()  # a scaler whose update() the loop did not call
+        self._send_pending(missed_update=True)  # update() was not called
         if not self._registered:
             return
         if self._step < self._read_only_below:
@@ -176,33 +177,46 @@ class Attached:
         if not self._registered:
             self._register()  # the optimizer state exists now, counting this step
         else:
-            self._count_pending = True
-        self._pending = True
-        if self._scaler is None:
-            self._send_pending()
-        # else: sent by scaler.update() (scaler.py)
-
-    def _send_pending(self) -> None:
-        """Reports the step taken (its buffers, the state saved with it)."""
-        if not self._pending:
-            return
-        self._pending = False
-        if self._count_pending:
-            self._count_pending = False
-            # After scaler.update() a device count is read too: the scaler's
-            # state_dict() waits for the step anyway (scaler.py).
-            self._counter.count(read_device=self._scaler is not None)
+            self._counter.count()
+        # Everything of the step is taken now, before the loop goes on (the
+        # next forward writes the buffers, draws from the RNG, the scheduler
+        # steps); with a scaler only its state and the report wait for its
+        # update() (scaler.py).
         t = self._step + 1
         self._buffers.capture()
-        aux = self._state.capture(t, self._counter)
+        self._pending = (t, self._state.capture(t, self._counter),
+                         float(self.optimizer.param_groups[0]["lr"]))
+        if self._scaler is None:
+            self._send_pending()
+
+    def _send_pending(self, missed_update: bool = False) -> None:
+        """Reports the step taken (see _post_step)."""
+        if self._pending is None:
+            return
+        t, aux, lr = self._pending
+        self._pending = None
+        if self._scaler is not None:
+            if missed_update and not self._warned_update:
+                self._warned_update = True
+                warnings.warn(
+                    f"ckpt.torch: the GradScaler attached to job '{self.job_id}' was not "
+                    "updated between two optimizer steps; each step is reported at the next "
+                    "one, with the scaler's state as it is then (pass attach(scaler=) the "
+                    "scaler the loop calls update() on)", stacklevel=3)
+            # After update(): the scaler's state, and step counts kept on a
+            # device (state_dict() waits for the step anyway).
+            if self._counter.on_device:
+                self._counter.count(read_device=True)
+                aux["group_steps"] = self._counter.group_steps()
+                aux["param_steps"] = self._counter.param_steps()
+            aux["scaler"] = self._scaler.state()
         blob = self._aux_blob(aux, t)
         self._memory.before_step_done()
         t0 = time.perf_counter()
         agreed = self._agreement.agreed if self._agreement is not None else None
         if agreed is not None:
             agreed = min(agreed, t)
-        self.client.step_done(t, float(self.optimizer.param_groups[0]["lr"]), blob, [],
-                              aux["group_steps"], global_durable_step=agreed)
+        self.client.step_done(t, lr, blob, [], aux["group_steps"], global_durable_step=agreed)
         self._step_done_s.append(time.perf_counter() - t0)
         self._step = t
         if self._agreement is not None:
@@ -280,7 +294,8 @@ class Attached:
         self._state.restored_scheduler_state = state
 
     def tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
-        """The registered tensors by layer: (name, the live tensor)."""
+        """The registered tensors by layer: (name, the tensor ckptd reads:
+        the live tensor, or a buffer's mirror, buffers.py)."""
         return self._layout.tensors()
 
     def set_data_position(self, position: Any) -> None:
@@ -334,7 +349,9 @@ class Attached:
         layouts are refused naming a layer. The RNG states and
         data position are old rank 0's; this job's first step is then
         `target_step + 1`."""
-        self._send_pending()
+        if self._pending is not None:
+            self._send_pending()
+            self.client.wait_snapshot(self._step)  # ckptd restores no rank it is copying
         if self._agreement is not None:
             self._agreement.join()  # its collectives first, on every rank
             self._agreement.agreed = None  # agreed before the restore: no longer true
@@ -419,15 +436,18 @@ class Attached:
         durable when `drain`). CPU tensors stay in the shared memory."""
         if self._closed:
             return
-        if self._registered:
-            self._send_pending()
-        self._closed = True
-        self._hooks.remove()
-        if self._scaler is not None:
-            self._scaler.remove()
-        hooks.release(self)
-        if self._agreement is not None:
-            self._agreement.close()
+        try:
+            if self._registered:
+                self._send_pending()
+        finally:
+            # Detached whatever happens: a later attach() of the model works.
+            self._closed = True
+            self._hooks.remove()
+            if self._scaler is not None:
+                self._scaler.remove()
+            hooks.release(self)
+            if self._agreement is not None:
+                self._agreement.close()
         if self._registered:
             self.client.unregister(drain)
 

@@ -5,7 +5,7 @@ for. The twin of host_memory.HostMemory."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -31,10 +31,11 @@ class GpuMemory:
                                                          e.name)
             e.spec.update(region=region, offset=offset)
 
-    def registered_view(self, e: Entry, registered: torch.Tensor) -> torch.Tensor:
+    def registered_view(self, e: Entry, registered: torch.Tensor) -> Optional[torch.Tensor]:
         """The tensor as registered, whose storage the guard holds (guard.py):
-        CUDA storage does not move under a tensor that keeps it."""
-        return registered
+        CUDA storage does not move under a tensor that keeps it. None for an
+        entry not placed (a replica's layer another rank writes)."""
+        return registered if "region" in e.spec else None
 
     def synchronize(self) -> None:
         """Waits for every kernel queued on the device (none writes a tensor

@@ -103,9 +103,13 @@ class StorageGuard:
             holder, key, found, ptr, dtensor = f
             w = self._watched[i]
             if w.source[0] == "state":
-                # optimizer.load_state_dict() makes new per-parameter dicts.
+                # optimizer.load_state_dict() makes new per-parameter dicts
+                # (their step counts are new too, even where a state tensor
+                # came through unchanged).
                 holder = state.get(self._params.get(w.source[1]))
-                f[0] = holder
+                if holder is not f[0]:
+                    f[0] = holder
+                    state_moved = True
             obj = holder.get(key) if holder is not None else None
             if obj is found and obj is not None and \
                     (obj._local_tensor if dtensor else obj).data_ptr() == ptr:
@@ -142,6 +146,13 @@ class StorageGuard:
                 f"frozen parameter '{w.name}' now holds other values in new storage; ckptd "
                 f"wrote the frozen weights once, at registration: {fix}")
         view = self._memory.registered_view(w.entry, reg)
+        if view is None:
+            # Not placed where ckptd reads (a layer another replica writes):
+            # nothing reads the old storage, so follow the tensor, which a
+            # restore's broadcast then writes into.
+            w.entry.tensor = cur
+            self._fast[i][2:] = [obj, cur.data_ptr(), is_dtensor(obj)]
+            return
         if view.data_ptr() != self._fast[i][3] or view.dtype != cur.dtype or \
                 view.shape != cur.shape:  # pragma: no cover - the memory moved itself
             raise RuntimeError(f"{where} '{w.name}': ckptd's registered memory moved: {fix}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -139,27 +139,37 @@ class StepCounter:
         self._optimizer = optimizer
         self._trained: List[Param] = []
         self._counts: List[int] = []
-        # Where count() finds each count, sorted once by read(): step
-        # tensors on the host, and on a device, by index into _trained; the
-        # state dicts of counts kept as numbers.
-        self._host: List[Tuple[int, torch.Tensor]] = []
-        self._device: List[Tuple[int, torch.Tensor]] = []
+        # Where count() finds each count, sorted once by read(): the state
+        # dicts of parameters whose step is a tensor on the host, a tensor
+        # on a device, or a number, by index into _trained. count() reads
+        # st["step"] each time: an optimizer may rebind it.
+        self._host: List[Tuple[int, dict]] = []
+        self._device: List[Tuple[int, dict]] = []
         self._numbers: List[Tuple[int, dict]] = []
+        self._canary: Optional[Tuple[torch.nn.Parameter, dict]] = None
 
     def read(self, trained: List[Param]) -> None:
         """Counts `trained` (the parameters the optimizer steps) from now on,
         starting from the optimizer's own counts. Called again whenever the
-        optimizer's state objects may have been replaced."""
+        optimizer's state dicts may have been replaced (guard.py)."""
         self._trained = trained
         self._counts, self._host, self._device, self._numbers = [], [], [], []
+        self._canary = None
         for i, (_, p, _) in enumerate(trained):
             st = self._optimizer.state.get(p, {})
+            if self._canary is None and p in self._optimizer.state:
+                self._canary = (p, st)  # optimizer.load_state_dict() replaces every dict
             s = st.get("step")
             self._counts.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
             if torch.is_tensor(s):
-                (self._host if s.device.type == "cpu" else self._device).append((i, s))
+                (self._host if s.device.type == "cpu" else self._device).append((i, st))
             elif s is not None:
                 self._numbers.append((i, st))
+
+    @property
+    def on_device(self) -> bool:
+        """Whether some counts are kept on a device (not read per step)."""
+        return bool(self._device)
 
     def count(self, read_device: bool = False) -> None:
         """After an optimizer step: what the optimizer counted. A count kept
@@ -170,17 +180,29 @@ class StepCounter:
         read (that would wait for the step) unless `read_device`: the
         optimizers count a step exactly when the parameter had a gradient,
         except such a rolled-back one (docs/pytorch.md)."""
-        for tensors in (self._host, self._device if read_device else []):
-            if tensors:
-                # One read for all of them (each alone costs microseconds).
-                for (i, _), v in zip(tensors, torch.stack([t for _, t in tensors]).tolist()):
+        if self._canary is not None and \
+                self._optimizer.state.get(self._canary[0]) is not self._canary[1]:
+            self.read(self._trained)  # new state dicts: their counts, this step's included
+            return
+        for group in (self._host, self._device if read_device else []):
+            steps = [st.get("step") for _, st in group]
+            if not steps:
+                continue
+            if all(torch.is_tensor(t) and t.device == steps[0].device and
+                   t.dtype == steps[0].dtype for t in steps):
+                values = torch.stack(steps).tolist()  # one read (each alone costs microseconds)
+            else:
+                values = [None if t is None else float(t) for t in steps]
+            for (i, _), v in zip(group, values):
+                if v is not None:
                     self._counts[i] = int(v)
         if not read_device:
             for i, _ in self._device:
                 if self._trained[i][1].grad is not None:
                     self._counts[i] += 1
         for i, st in self._numbers:
-            self._counts[i] = int(st["step"])
+            if st.get("step") is not None:
+                self._counts[i] = int(st["step"])
 
     def group_steps(self) -> List[Tuple[int, int]]:
         """(group, step count) from the first parameter of each group that

@@ -70,10 +70,12 @@ class HostMemory:
                 offset += t.numel() * t.element_size()
         self.region = region
 
-    def registered_view(self, e: Entry, registered: torch.Tensor) -> torch.Tensor:
+    def registered_view(self, e: Entry, registered: torch.Tensor) -> Optional[torch.Tensor]:
         """A new tensor over the bytes `e` was registered at, of the dtype
-        and shape of `registered` (guard.py)."""
-        assert self.region is not None
+        and shape of `registered` (guard.py); None for an entry not placed
+        (a replica's layer another rank writes)."""
+        if self.region is None or "offset" not in e.spec:
+            return None
         view = torch.frombuffer(self.region, dtype=registered.dtype, count=registered.numel(),
                                 offset=e.spec["offset"])
         return view.view(registered.shape)

@@ -9,12 +9,13 @@ they were after that update, or the resumed run scales its losses
 differently from the run it replaces.
 
 So with a scaler attached, the step's report to ckptd waits for the
-scaler: the optimizer's post-step hook leaves it pending, and
-``scaler.update()`` (wrapped on this scaler object, and unwrapped by
+scaler: the optimizer's post-step hook takes everything else of the step
+(buffers, RNG, learning rates, step counts) and leaves the report pending,
+and ``scaler.update()`` (wrapped on this scaler object, and unwrapped by
 remove()) sends it, with ``scaler.state_dict()`` in the state saved with
-the step. A loop that does not call update() before its next step has the
-pending step sent by the next pre-step hook, with the scaler state as it
-is then. On a GPU, ``state_dict()`` reads the scale from the device, so it
+the step. A loop that does not call update() on this scaler before its
+next step has the pending step sent by the next pre-step hook, with the
+scaler's state as it is then, and is warned once. On a GPU, ``state_dict()`` reads the scale from the device, so it
 waits for the step's kernels once per step. Used by one thread (the
 training loop's)."""
 

@@ -99,7 +99,7 @@ class SavedState:
         self._layout = layout
         self.scheduler = scheduler
         self.scheduler_step = scheduler_step
-        self.scaler: Any = None  # scaler.ScalerLink, when a GradScaler is attached
+        self.scaler: Any = None  # scaler.ScalerLink, when a GradScaler is attached (apply())
         self.data_position: Any = None
         self.extra_state: Dict[str, Any] = {}
         # The scheduler state restore() found, before any replay (ckpt.hf
@@ -115,7 +115,7 @@ class SavedState:
                 "lrs": [float(g["lr"]) for g in self._optimizer.param_groups],
                 "group_steps": counter.group_steps(), "param_steps": counter.param_steps(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "scaler": self.scaler.state() if self.scaler is not None else None,
+                "scaler": None,  # set when the step is reported (attached.py)
                 "data_position": self.data_position, "extra": self.extra_state,
                 "world_size": world_size, "replicated": replicated, "sharded": sharded}
 
