@@ -31,6 +31,14 @@
 # newest checkpoint; `df` of that directory is printed before and after.
 # Logs: everything goes into ONE archive, $OUT/gpu-logs.tar.gz (without OUT:
 # beside the temporary directory), with the summary, which is also printed.
+# The archive is rewritten after every step (steps.txt: the results so far),
+# so what ran comes back even when this script is killed.
+#
+# Signals: each step runs as `timeout ... & wait`, so a SIGTERM or SIGINT
+# to this script runs its trap at once (bash defers a trap while a
+# foreground command runs); the trap kills the step's process group (timeout
+# makes one of its own, which a signal to this script's group misses),
+# writes the archive and removes the temporary directory.
 #
 # Exit status: 0 when every step that could run passed (steps skipped for
 # want of a device count as passed: a dry run on a CPU machine exits 0), 1
@@ -61,6 +69,9 @@ fi
 
 tmp_base=${CKPT_GPU_TMP:-${TMPDIR:-/tmp}}
 work=$(mktemp -d "$tmp_base/ckpt-gpu.XXXXXX") || exit 2
+# Other uids may pass through (not list) it: the sandbox step's daemon and
+# trainer use their step's data directory below it.
+chmod 0711 "$work"
 logs=$work/logs
 mkdir -p "$logs" "$work/data"
 if [ -n "${OUT:-}" ]; then
@@ -80,15 +91,40 @@ failed=0
 order=()
 declare -A result=() took=()
 
-# finish: the archive, whatever happened; then the temporary directory goes.
+step_pid=  # the running step's timeout: the leader of the step's process group
+
+# save_logs: the archive, from the logs as they are now (at most the last
+# 4 MiB of any file); written beside and renamed, so a kill midway leaves
+# the previous one whole.
+save_logs() {
+  find "$logs" -type f -size +4M -exec sh -c 'tail -c 4194304 "$1" >"$1.tail" && mv "$1.tail" "$1"' sh {} \;
+  tar -czf "$archive.part" -C "$work" logs 2>/dev/null && mv -f "$archive.part" "$archive"
+}
+
+# finish: the running step killed, the archive, whatever happened; then the
+# temporary directory goes.
 # shellcheck disable=SC2317  # run by the EXIT trap
 finish() {
-  [ -f "$logs/summary.txt" ] || echo "run_on_gpu: ended early, after $((SECONDS - start)) s" >"$logs/summary.txt"
-  # Bounded logs: at most the last 4 MiB of any file.
-  find "$logs" -type f -size +4M -exec sh -c 'tail -c 4194304 "$1" >"$1.tail" && mv "$1.tail" "$1"' sh {} \;
-  if tar -czf "$archive" -C "$work" logs; then
+  trap '' TERM INT
+  if [ -n "$step_pid" ]; then
+    save_logs
+    kill -TERM -- "-$step_pid" 2>/dev/null || kill -TERM "$step_pid" 2>/dev/null
+    for _ in $(seq 1 40); do  # 4 s for the step's own clean-up (sandbox_check.sh's)
+      kill -0 -- "-$step_pid" 2>/dev/null || kill -0 "$step_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL -- "-$step_pid" 2>/dev/null
+    kill -KILL "$step_pid" 2>/dev/null
+    echo "run_on_gpu: stopped the running step after $((SECONDS - start)) s" | tee -a "$logs/steps.txt"
+  fi
+  if [ ! -f "$logs/summary.txt" ]; then
+    { echo "run_on_gpu: ended early, after $((SECONDS - start)) s; the steps so far:"
+      cat "$logs/steps.txt" 2>/dev/null; } >"$logs/summary.txt"
+  fi
+  if save_logs; then
     echo "run_on_gpu: logs in $archive ($(du -h "$archive" | cut -f1))"
   else
+    rm -f "$archive.part"
     echo "run_on_gpu: could not write $archive" >&2
   fi
   rm -rf "$work"
@@ -102,6 +138,8 @@ record() {
   result[$1]=$2
   took[$1]=$3
   echo "== $1: $2"
+  printf '%-18s %s (%s s)\n' "$1" "$2" "$3" >>"$logs/steps.txt"
+  save_logs  # what ran so far comes back even if this script is killed
 }
 
 no_device=  # why there is no device, once nvidia_smi has run
@@ -130,8 +168,12 @@ step() {
   echo "== $name (timeout ${limit} s; $left s of the budget left)"
   local dir=$work/data/$name t0=$SECONDS rc
   mkdir -p "$dir"
-  TMPDIR=$dir CKPT_STEP_LIMIT_S=$limit timeout -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1
+  # In the background and waited for: a signal's trap (finish) runs at once.
+  TMPDIR=$dir CKPT_STEP_LIMIT_S=$limit timeout -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
   rc=$?
+  step_pid=
   rm -rf "$dir"
   echo "after $name: $(df_line)" >>"$logs/df.log"
   local what
@@ -177,11 +219,19 @@ step gpu_snapshot_test 75 25 "$bin/tests/gpu/gpu_snapshot_test" --gtest_brief=1
 if [ -z "$no_device" ]; then
   if [ ! -d "$bin/python/ckpt" ]; then
     no_torch="no Python package in $bin/python (make_bundle.sh found no python3.12)"
-  elif ! probe=$(timeout 60 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print("torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1); then
-    no_torch="python3 has no torch with CUDA: $(echo "$probe" | tail -1)"
   else
-    echo "run_on_gpu: python3 $(python3 --version 2>&1 | cut -d' ' -f2), $probe"
-    echo "$probe" >"$logs/python.log"
+    timeout -k 2 60 python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print("torch", torch.__version__, "CUDA", torch.version.cuda)' \
+      >"$logs/python.log" 2>&1 &
+    step_pid=$!
+    wait "$step_pid"
+    prc=$?
+    step_pid=
+    probe=$(cat "$logs/python.log")
+    if [ "$prc" -ne 0 ]; then
+      no_torch="python3 has no torch with CUDA: $(echo "$probe" | tail -1)"
+    else
+      echo "run_on_gpu: python3 $(python3 --version 2>&1 | cut -d' ' -f2), $probe"
+    fi
   fi
 fi
 torch_step() {
@@ -212,15 +262,24 @@ fi
 step gpu_bench 20 8 "$bin/tests/gpu/ckpt_gpu_bench"
 # A fresh ckptd with 3 GiB of staging (three 1 GiB snapshots), then the
 # trainer's benchmark; the ckptd goes with the step (timeout kills the group).
+# --shutdown_grace_ms=0 and SIGKILL after 3 s: once the trainer has written
+# its JSON, the stop must not eat the step's time (the grace would let the
+# staged 1 GiB versions be written first), or a finished bench reads TIMEOUT.
 # shellcheck disable=SC2016  # expanded by the inner shell
 bench='
 bin=$1 logs=$2 compute_ms=$3 dir=$TMPDIR
 sock=$dir/ckptd.sock
 "$bin/daemon/ckptd" --socket="$sock" --data_dir="$dir/data" --metrics_address= \
   --staging_pool_bytes=3221225472 --lock_staging_memory=false --keep_last_events=1 \
-  --keep_every_steps=0 --gc_interval_s=1 >"$logs/ckptd_bench.log" 2>&1 &
+  --keep_every_steps=0 --gc_interval_s=1 --shutdown_grace_ms=0 >"$logs/ckptd_bench.log" 2>&1 &
 pid=$!
-trap "kill -TERM $pid 2>/dev/null; wait $pid" EXIT
+stop_ckptd() {
+  kill -TERM $pid 2>/dev/null
+  for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+  kill -KILL $pid 2>/dev/null
+  wait $pid
+}
+trap stop_ckptd EXIT
 trap "exit 1" TERM INT
 for _ in $(seq 1 300); do
   kill -0 $pid 2>/dev/null || { echo "ckptd exited; see ckptd_bench.log"; exit 1; }
@@ -229,7 +288,12 @@ for _ in $(seq 1 300); do
 done
 "$bin/tests/gpu/ckpt_gpu_trainer" --mode=bench --socket="$sock" --job=bench --layers=4 \
   --layer-bytes=256M --compute-ms="$compute_ms" --snapshot-steps=3 --fence-steps=10 \
-  --json-out="$logs/trainer_bench.json"
+  --json-out="$logs/trainer_bench.json" &
+wait $!
+rc=$?
+stop_ckptd
+trap - EXIT
+exit $rc
 '
 step trainer_bench 45 20 bash -c "$bench" bench "$bin" "$logs" "$compute_ms"
 

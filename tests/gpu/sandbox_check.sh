@@ -23,10 +23,35 @@
 #
 # Needs root; exit 77 when nothing is possible (not root), 0 when ckptd ran
 # sandboxed and the trainer passed, 1 otherwise. Prints SUMMARY lines for
-# tests/gpu/run_on_gpu.sh. Everything it makes (a copy of the binaries
-# under /opt, the runtime, state and trainer directories) is removed at exit.
+# tests/gpu/run_on_gpu.sh. Everything it makes (a copy of the binaries, the
+# runtime, state and trainer directories, a temporary user entry) is removed
+# at exit, also after SIGTERM or SIGINT.
+#
+# Time: it ends within CKPT_STEP_LIMIT_S seconds (run_on_gpu.sh's timeout
+# for the step; default 225, within torch_gpu_check.py's 240): every wait
+# inside (ckptd's start, the trainer, ckptd's stop) ends 15 s before that,
+# which leaves the stop and the clean-up their time. On SIGTERM it kills
+# what it started at once (the trainer's process group, the transient unit
+# with SIGKILL) and cleans up within the 5 s of run_on_gpu.sh's timeout -k 5.
+#
+# Disk: the copies and the trainer's directory go under TMPDIR (the step's
+# data directory) where the sandbox can see it and both uids can reach it;
+# else under /opt and /tmp. The state directory is /var/lib/NAME under
+# systemd (StateDirectory=), under TMPDIR by hand where it can be.
 set -uo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
+t_start=$SECONDS
+limit_s=${CKPT_STEP_LIMIT_S:-225}
+case $limit_s in '' | *[!0-9]*) limit_s=225 ;; esac
+reserve_s=15  # ckptd's stop (--shutdown_grace_ms=1000, TimeoutStopSec=5) and the clean-up
+deadline=$((t_start + limit_s - reserve_s))
+# left [MAX]: seconds to the deadline, at least 1, at most MAX.
+left() {
+  local l=$((deadline - SECONDS))
+  [ "$l" -ge 1 ] || l=1
+  if [ -n "${1:-}" ] && [ "$l" -gt "$1" ]; then l=$1; fi
+  echo "$l"
+}
 device=cuda
 bin=${CKPT_BUILD_DIR:-$top/.gpu-bundle}
 py=${CKPT_PYTHON:-python3}
@@ -41,7 +66,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 unit_file=$top/deploy/systemd/ckptd.service
-[ -n "$logs" ] || logs=$(mktemp -d /tmp/ckpt-sandbox-logs.XXXXXX)
+[ -n "$logs" ] || logs=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-sandbox-logs.XXXXXX")
 mkdir -p "$logs"
 py=$(command -v "$py" || echo "$py")
 
@@ -63,56 +88,87 @@ free_id() {
 duid=$(free_id 61000)
 tuid=$(free_id $((duid + 1)))
 name=ckptd-gpucheck-$$
+box=      # under TMPDIR: the copies, the trainer's directory, by hand the state
 prefix=/opt/$name
 run=/run/$name
 state=/var/lib/$name
 newdev=/run/$name.dev
 sock=$run/ckptd.sock
-tdir=$(mktemp -d /tmp/ckpt-sandbox-trainer.XXXXXX)
-daemon_pid=
-runner_pid=
-mode=
+tdir=
+daemon_pid=   # ckptd by hand (unshare, then setpriv, exec one another)
+runner_pid=   # systemd-run --wait
+used_unit=    # set once systemd-run was started: the unit may exist
+trainer_pid=  # the trainer's (or the probe's) timeout, leader of its process group
 made_user=
+hurry=        # set by SIGTERM/SIGINT: kill, do not wait
+
+# stop_pid PID SECONDS: SIGTERM, up to SECONDS for it to end, then SIGKILL.
+# PID is a child of this shell: `wait` reaps it afterwards.
+stop_pid() {
+  local pid=$1 i
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for ((i = 0; i < $2 * 10; i++)); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null
+  return 0
+}
+# wait_gone PID SECONDS: up to SECONDS for PID to end; 1 if it did not.
+wait_gone() {
+  local i
+  for ((i = 0; i < $2 * 10; i++)); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+  return 1
+}
+# bg CMD...: CMD in the background, waited for: a SIGTERM or SIGINT to this
+# shell runs its trap at once instead of after CMD (bash defers traps while
+# a foreground command runs, and timeout puts CMD in a group of its own).
+bg() {
+  "$@" &
+  local pid=$!
+  wait "$pid"
+}
+# stop_unit SECONDS: the transient unit stopped (SIGTERM; TimeoutStopSec=5
+# has systemd send SIGKILL after 5 s) within SECONDS, else killed with
+# SIGKILL; then up to 3 s for systemd-run --wait to return, else it is
+# killed too. SECONDS 0: SIGKILL at once, no waiting (the SIGTERM path).
+stop_unit() {
+  [ -n "$used_unit" ] || return 0
+  if [ "$1" -eq 0 ]; then
+    timeout 2 systemctl kill -s KILL "$name" >/dev/null 2>&1
+    timeout 1 systemctl reset-failed "$name" >/dev/null 2>&1
+    [ -z "$runner_pid" ] || kill -KILL "$runner_pid" 2>/dev/null
+    return 0
+  fi
+  bg timeout -k 1 "$1" systemctl stop "$name" >/dev/null 2>&1
+  if timeout 3 systemctl is-active --quiet "$name" 2>/dev/null; then
+    timeout 3 systemctl kill -s KILL "$name" >/dev/null 2>&1
+  fi
+  timeout 3 systemctl reset-failed "$name" >/dev/null 2>&1
+  if [ -n "$runner_pid" ] && ! wait_gone "$runner_pid" 3; then
+    kill -KILL "$runner_pid" 2>/dev/null
+  fi
+  return 0
+}
 
 # shellcheck disable=SC2317  # run by the EXIT trap
 cleanup() {
-  if [ "$mode" = systemd ]; then
-    systemctl stop "$name" >/dev/null 2>&1
-    systemctl reset-failed "$name" >/dev/null 2>&1
+  trap '' TERM INT
+  if [ -n "$trainer_pid" ]; then  # its timeout leads a process group of its own
+    kill -KILL -- "-$trainer_pid" 2>/dev/null
+    kill -KILL "$trainer_pid" 2>/dev/null
   fi
-  if [ -n "$daemon_pid" ] && kill -0 "$daemon_pid" 2>/dev/null; then
-    kill -TERM "$daemon_pid" 2>/dev/null
-    for _ in $(seq 1 100); do kill -0 "$daemon_pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$daemon_pid" 2>/dev/null
+  if [ -n "$hurry" ]; then stop_unit 0; else stop_unit 6; fi
+  if [ -n "$daemon_pid" ]; then
+    if [ -n "$hurry" ]; then kill -KILL "$daemon_pid" 2>/dev/null; else stop_pid "$daemon_pid" 6; fi
   fi
-  [ -n "$runner_pid" ] && wait "$runner_pid" 2>/dev/null
-  rm -rf "$prefix" "$state" "$run" "$newdev" "$tdir"
+  [ -z "$runner_pid" ] || wait "$runner_pid" 2>/dev/null
+  [ -z "$daemon_pid" ] || wait "$daemon_pid" 2>/dev/null
+  rm -rf "$prefix" "$state" "$run" "$newdev" ${tdir:+"$tdir"} ${box:+"$box"}
   if [ -n "$made_user" ]; then
     userdel "$made_user" >/dev/null 2>&1
     groupdel "$made_user" >/dev/null 2>&1
   fi
 }
 trap cleanup EXIT
-trap 'exit 143' TERM INT  # so that a timeout still cleans up
-
-# The binaries, the Python package and the trainer's two scripts, where the
-# sandbox can see them (ProtectHome and PrivateTmp hide /root, /home and
-# /tmp) and the trainer's uid can read them.
-mkdir -p "$prefix/daemon" "$prefix/tools" "$prefix/python" "$prefix/tests/gpu" \
-         "$prefix/tests/integration" || fail "cannot make $prefix"
-if ! { cp "$bin/daemon/ckptd" "$prefix/daemon/" && cp "$bin/tools/ckptctl" "$prefix/tools/" &&
-        cp -rL "$bin/python/ckpt" "$prefix/python/" &&
-        cp "$top/tests/gpu/torch_gpu_check.py" "$prefix/tests/gpu/" &&
-        cp "$top/tests/integration/harness.py" "$prefix/tests/integration/"; }; then
-  fail "cannot copy to $prefix"
-fi
-libpath=
-if [ -d "$bin/lib" ]; then
-  cp -r "$bin/lib" "$prefix/lib" && libpath=$prefix/lib
-fi
-chmod -R a+rX "$prefix"
-chown "$tuid:$tuid" "$tdir"
-chmod 0700 "$tdir"
+trap 'hurry=1; exit 143' TERM INT  # so that a timeout still cleans up
 
 # as_uid UID GID GROUPS CMD...: execs CMD as UID:GID with supplementary
 # GROUPS (comma-separated, may be empty), no capabilities, no new
@@ -139,9 +195,55 @@ os.execvp(sys.argv[4], sys.argv[4:])' "$uid" "$gid" "$groups" "$@"
   fi
 }
 
-ckptd_args=("--socket=$sock" "--data_dir=$state" "--staging_pool_bytes=268435456"
-            "--metrics_address=127.0.0.1:0" "--keep_last_events=1" "--keep_every_steps=0"
-            "--gc_interval_s=1")
+# The step's TMPDIR, for the copies and the trainer's directory, where the
+# sandbox sees it (ProtectHome and PrivateTmp hide /root, /home, /run/user,
+# /tmp and /var/tmp) and the daemon's and the trainer's uids can reach it.
+base=$(realpath -e "${TMPDIR:-/tmp}" 2>/dev/null) || base=/tmp
+box_seen=1
+case "$base/" in /tmp/* | /var/tmp/* | /home/* | /root/* | /run/user/*) box_seen= ;; esac
+box=$(mktemp -d "$base/ckpt-sandbox.XXXXXX" 2>/dev/null) || box=
+if [ -n "$box" ]; then
+  chmod 0755 "$box"
+  if ! (as_uid "$duid" "$duid" "" test -x "$box") 2>/dev/null ||
+     ! (as_uid "$tuid" "$tuid" "" test -x "$box") 2>/dev/null; then
+    rm -rf "$box"; box=  # a parent of TMPDIR the two uids cannot pass: /opt and /tmp
+  fi
+fi
+if [ -n "$box" ] && [ -n "$box_seen" ]; then prefix=$box/opt; fi
+if [ -n "$box" ]; then
+  tdir=$box/trainer
+  mkdir "$tdir" || fail "cannot make $tdir"
+else
+  tdir=$(mktemp -d /tmp/ckpt-sandbox-trainer.XXXXXX) || fail "cannot make a trainer directory in /tmp"
+fi
+
+# The binaries, the Python package and the trainer's two scripts, where the
+# sandbox can see them and the trainer's uid can read them.
+mkdir -p "$prefix/daemon" "$prefix/tools" "$prefix/python" "$prefix/tests/gpu" \
+         "$prefix/tests/integration" || fail "cannot make $prefix"
+if ! { cp "$bin/daemon/ckptd" "$prefix/daemon/" && cp "$bin/tools/ckptctl" "$prefix/tools/" &&
+        cp -rL "$bin/python/ckpt" "$prefix/python/" &&
+        cp "$top/tests/gpu/torch_gpu_check.py" "$prefix/tests/gpu/" &&
+        cp "$top/tests/integration/harness.py" "$prefix/tests/integration/"; }; then
+  fail "cannot copy to $prefix"
+fi
+libpath=
+if [ -d "$bin/lib" ]; then
+  cp -r "$bin/lib" "$prefix/lib" && libpath=$prefix/lib
+fi
+chmod -R a+rX "$prefix"
+chown "$tuid:$tuid" "$tdir"
+chmod 0700 "$tdir"
+echo "sandbox: copies in $prefix, trainer directory $tdir; inner waits end by $((deadline - t_start)) s of CKPT_STEP_LIMIT_S=$limit_s"
+
+# ckptd's arguments for data directory $1. A short shutdown grace: the
+# stop must fit the 15 s kept for it.
+ckptd_args() {
+  ckptd_argv=("--socket=$sock" "--data_dir=$1" "--staging_pool_bytes=268435456"
+              "--metrics_address=127.0.0.1:0" "--keep_last_events=1" "--keep_every_steps=0"
+              "--gc_interval_s=1" "--shutdown_grace_ms=1000")
+}
+ckptd_argv=()
 applied=()
 not_shown=()
 
@@ -162,49 +264,80 @@ unit_properties() {
       RuntimeDirectory) line="RuntimeDirectory=$name" ;;
       StateDirectory) line="StateDirectory=$name" ;;
       ReadWritePaths) line="ReadWritePaths=$state" ;;
+      # Bounded by the step: systemd-run --wait waits out a start, and a stop
+      # must fit the 15 s kept for it.
+      TimeoutStartSec) line="TimeoutStartSec=$(left)" ;;
+      TimeoutStopSec) line="TimeoutStopSec=5" ;;
     esac
     echo "$line"
   done <"$unit_file"
 }
 
+# refused_key LOG: the key of a setting in props that one of systemd-run's
+# own refusal lines in LOG names (not ckptd's output, which shares the log).
+refused_key() {
+  local lines p k
+  lines=$(grep -E '^(Unknown assignment: |Failed to parse |Failed to start transient service unit: )' "$1")
+  [ -n "$lines" ] || return 1
+  for p in "${props[@]}"; do
+    k=${p%%=*}
+    if printf '%s\n' "$lines" | grep -Eq "(^|[^A-Za-z0-9])$k([^A-Za-z0-9]|\$)"; then
+      echo "$k"
+      return 0
+    fi
+  done
+  return 1
+}
+
 start_systemd() {
   mapfile -t props < <(unit_properties)
   [ -n "$libpath" ] && props+=("Environment=LD_LIBRARY_PATH=$libpath")
-  local dropped=()
-  for _ in 1 2 3 4 5 6; do
+  ckptd_args "$state"
+  local dropped=() attempt
+  for attempt in 1 2 3 4 5 6; do
+    [ "$SECONDS" -lt "$deadline" ] || { echo "sandbox: no time left to start ckptd (attempt $attempt)"; break; }
     local args=()
-    for p in "${props[@]}"; do args+=(-p "$p"); done
+    for p in "${props[@]}"; do
+      case "$p" in TimeoutStartSec=*) p="TimeoutStartSec=$(left)" ;; esac
+      args+=(-p "$p")
+    done
     : >"$logs/sandbox_ckptd.log"
+    used_unit=1
     systemd-run --wait --pipe --collect --unit="$name" \
       --description="ckptd under the sandbox of deploy/systemd/ckptd.service (GPU check)" \
-      "${args[@]}" "$prefix/daemon/ckptd" "${ckptd_args[@]}" \
+      "${args[@]}" "$prefix/daemon/ckptd" "${ckptd_argv[@]}" \
       </dev/null >>"$logs/sandbox_ckptd.log" 2>&1 &
     runner_pid=$!
     mode=systemd
-    for _ in $(seq 1 300); do
+    while [ "$SECONDS" -lt "$deadline" ]; do
       [ -S "$sock" ] && break
       kill -0 "$runner_pid" 2>/dev/null || break
       sleep 0.1
     done
     if [ -S "$sock" ]; then
       applied+=("systemd-run with the ${#props[@]} [Service] settings of deploy/systemd/ckptd.service" \
-                "(User=/Group= $duid, RuntimeDirectory=/StateDirectory= $name)")
+                "(User=/Group= $duid, RuntimeDirectory=/StateDirectory= $name; TimeoutStartSec= and TimeoutStopSec=5 sized to the step)")
       for d in "${dropped[@]}"; do not_shown+=("$d (this systemd refused it)"); done
       return 0
     fi
+    # Not started: the unit stopped (or killed) before systemd-run is reaped.
+    stop_unit 3
     wait "$runner_pid" 2>/dev/null
     runner_pid=
     mode=
     # A setting this systemd does not know: drop it and try again.
-    local bad=
-    for p in "${props[@]}"; do
-      if grep -q -- "${p%%=*}" "$logs/sandbox_ckptd.log"; then bad=${p%%=*}; break; fi
-    done
-    if [ -z "$bad" ] && [ -z "$made_user" ] && grep -qi 'user\|credentials' "$logs/sandbox_ckptd.log" &&
+    local bad
+    bad=$(refused_key "$logs/sandbox_ckptd.log")
+    case "$bad" in User | Group)  # never run ckptd as root instead
+      echo "sandbox: systemd-run refused $bad="; bad=; break ;;
+    esac
+    # A systemd that wants User= in the user database (the service failed
+    # with 217/USER or 216/GROUP): a temporary entry.
+    if [ -z "$bad" ] && [ -z "$made_user" ] &&
+       grep -Eq '^Main processes terminated with: code=exited/status=21[67]([^0-9]|$)' "$logs/sandbox_ckptd.log" &&
        command -v useradd >/dev/null && command -v groupadd >/dev/null; then
-      # A systemd that wants User= in the user database: a temporary entry.
-      groupadd --system -g "$duid" "$name" && useradd --system -u "$duid" -g "$duid" -M -d / \
-        -s /usr/sbin/nologin "$name" && made_user=$name && continue
+      groupadd --system -g "$duid" "$name" && made_user=$name &&
+        useradd --system -u "$duid" -g "$duid" -M -d / -s /usr/sbin/nologin "$name" && continue
     fi
     [ -n "$bad" ] || break
     dropped+=("$bad")
@@ -279,12 +412,15 @@ umask 0027 && ok "UMask=0027"
 '
 
 start_by_hand() {
+  # By hand the state directory need not be /var/lib: the step's TMPDIR.
+  if [ -n "$box" ] && [ -n "$box_seen" ]; then state=$box/state; fi
+  ckptd_args "$state"
   mkdir -m 0750 "$run" "$state" || return 1
   chown "$duid:$duid" "$run" "$state" || return 1
   mkdir -p "$newdev"
   local env_cmd=(env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin CKPT_LOG_LEVEL=info)
   [ -n "$libpath" ] && env_cmd+=("LD_LIBRARY_PATH=$libpath")
-  local daemon_cmd=(as_uid "$duid" "$duid" "" "${env_cmd[@]}" "$prefix/daemon/ckptd" "${ckptd_args[@]}")
+  local daemon_cmd=(as_uid "$duid" "$duid" "" "${env_cmd[@]}" "$prefix/daemon/ckptd" "${ckptd_argv[@]}")
   : >"$logs/sandbox_ckptd.log"
   local ns_err
   if command -v unshare >/dev/null && ns_err=$(unshare --mount --propagation private true 2>&1); then
@@ -301,7 +437,7 @@ start_by_hand() {
     daemon_pid=$!
   fi
   mode=hand
-  for _ in $(seq 1 300); do
+  while [ "$SECONDS" -lt "$deadline" ]; do
     [ -S "$sock" ] && break
     kill -0 "$daemon_pid" 2>/dev/null || break
     sleep 0.1
@@ -353,7 +489,8 @@ if [ "$device" = cuda ] && ! echo "$gpu_line" | grep -Eq '[1-9][0-9]* device'; t
 fi
 security=
 if [ "$mode" = systemd ]; then
-  security=$(systemd-analyze security --no-pager "$name" 2>/dev/null | tail -1 | sed 's/^[^A-Za-z]*//')
+  bg timeout "$(left 10)" systemd-analyze security --no-pager "$name" >"$logs/sandbox_security.log" 2>/dev/null
+  security=$(tail -n 1 "$logs/sandbox_security.log" | sed 's/^[^A-Za-z]*//')
   echo "sandbox: systemd-analyze security: ${security:-?}"
 fi
 
@@ -365,32 +502,46 @@ tlib=$libpath${LD_LIBRARY_PATH:+${libpath:+:}$LD_LIBRARY_PATH}
 [ -n "$tlib" ] && tenv+=("LD_LIBRARY_PATH=$tlib")
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && tenv+=("CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES")
 trainer_uid=$tuid
-if ! probe=$(as_uid "$tuid" "$tuid" "$duid" "${tenv[@]}" timeout 120 "$py" -c 'import torch, ckpt' 2>&1); then
-  not_shown+=("a trainer of another uid: uid $tuid cannot run $py with torch and ckpt ($(echo "$probe" | tail -1)); the trainer ran as root")
+# The probe and the trainer run in the background (so that SIGTERM's trap
+# fires at once); timeout leads a process group the clean-up can kill.
+(as_uid "$tuid" "$tuid" "$duid" "${tenv[@]}" timeout -k 2 "$(left 60)" "$py" -c 'import torch, ckpt') \
+  >"$logs/sandbox_probe.log" 2>&1 &
+trainer_pid=$!
+wait "$trainer_pid"
+probe_rc=$?
+trainer_pid=
+if [ "$probe_rc" -ne 0 ]; then
+  not_shown+=("a trainer of another uid: uid $tuid cannot run $py with torch and ckpt ($(tail -n 1 "$logs/sandbox_probe.log"); exit $probe_rc); the trainer ran as root")
   trainer_uid=0
 fi
-trainer=("${tenv[@]}" timeout 200 "$py" "$prefix/tests/gpu/torch_gpu_check.py" --part exact
+trainer=("${tenv[@]}" timeout -k 1 "$(left)" "$py" "$prefix/tests/gpu/torch_gpu_check.py" --part exact
          --device "$device" --socket "$sock" --build-dir "$prefix")
 [ "$device" = cpu ] && trainer+=(--quick)  # the CPU run proves the logic: a tiny model
 if [ "$trainer_uid" -ne 0 ]; then
-  (as_uid "$tuid" "$tuid" "$duid" "${trainer[@]}") >"$logs/sandbox_trainer.log" 2>&1
+  (as_uid "$tuid" "$tuid" "$duid" "${trainer[@]}") >"$logs/sandbox_trainer.log" 2>&1 &
 else
-  "${trainer[@]}" >"$logs/sandbox_trainer.log" 2>&1
+  "${trainer[@]}" >"$logs/sandbox_trainer.log" 2>&1 &
 fi
+trainer_pid=$!
+wait "$trainer_pid"
 trainer_rc=$?
+trainer_pid=
+[ "$trainer_rc" -eq 124 ] && echo "sandbox: the trainer ran out of the step's time ($((deadline - t_start)) s of $limit_s)"
 result=$(grep '^SUMMARY exact ' "$logs/sandbox_trainer.log" | head -1 | sed 's/^SUMMARY exact //')
-"$prefix/tools/ckptctl" --socket="$sock" jobs >"$logs/sandbox_jobs.log" 2>&1
+bg timeout 3 "$prefix/tools/ckptctl" --socket="$sock" jobs >"$logs/sandbox_jobs.log" 2>&1
 jobs_rc=$?
 
 # ---- stop ckptd ----
+# First ckptd (SIGTERM, 1 s of grace; SIGKILL after a few seconds), then
+# systemd-run, whose exit status is the service's.
 if [ "$mode" = systemd ]; then
-  systemctl stop "$name" >/dev/null 2>&1
+  stop_unit 6
   wait "$runner_pid"
   daemon_rc=$?
   runner_pid=
   mode=
 else
-  kill -TERM "$daemon_pid" 2>/dev/null
+  stop_pid "$daemon_pid" 6
   wait "$daemon_pid"
   daemon_rc=$?
   daemon_pid=
