@@ -527,25 +527,9 @@ class DcpSaver:
             self._finished(self.upload[0])
         if self.stager is not None and hasattr(self.stager, "close"):
             self.stager.close()  # its staging threads and pinned buffers
-        stop_dcp_process()
+        harness.stop_dcp_process()
         dist.destroy_process_group()
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def stop_dcp_process():
-    """Ends DCP's checkpoint process (a module-level singleton)."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-    except ImportError:
-        return
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        try:
-            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
-            proc._save_process.join(timeout=60)
-        except Exception:  # noqa: BLE001 - best effort at the end of a run
-            pass
-        ape._CHECKPOINT_PROCESS = None
 
 
 def median_after(xs, skip):
@@ -701,25 +685,6 @@ def part_gpt2(a, root, device):
 DDP_WORLD, DDP_STEPS, DDP_KILL_AT = 2, 16, 10
 
 
-def ordered_mean(_, bucket):
-    """DDP comm hook: the ranks' gradients gathered and summed in rank order,
-    so the result does not depend on how gloo's all-reduce splits a bucket
-    (which changes when DDP rebuilds its buckets in a restarted process)."""
-    import torch.distributed as dist
-    t = bucket.buffer()
-    parts = [torch.empty_like(t) for _ in range(DDP_WORLD)]
-    fut = dist.all_gather(parts, t, async_op=True).get_future()
-
-    def mean(f):
-        got = f.value()
-        total = got[0].clone()
-        for x in got[1:]:
-            total += x
-        return total / DDP_WORLD
-
-    return fut.then(mean)
-
-
 def ddp_rank(rank, spec):
     """One DDP rank (torch.multiprocessing.Process target)."""
     import ckpt
@@ -736,7 +701,7 @@ def ddp_rank(rank, spec):
     torch.manual_seed(7)  # the same initial weights on both ranks
     model = nn.parallel.DistributedDataParallel(
         GPT(**cfg).to(device), device_ids=[0] if device.type == "cuda" else None)
-    model.register_comm_hook(None, ordered_mean)
+    model.register_comm_hook(None, harness.rank_order_mean)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     run = ckpt_torch.attach(model, opt, ckpt.Client(spec["socket"], wait_timeout_s=120),
                             job_id=spec["job"], rank=rank, world_size=DDP_WORLD, policy="all")

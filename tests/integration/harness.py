@@ -240,6 +240,47 @@ def wait_for(predicate, timeout_s, what):
         time.sleep(0.05)
 
 
+def rank_order_mean(_, bucket):
+    """DDP comm hook: the mean of the ranks' gradients summed in rank order.
+    Gloo's ring all-reduce sums each element in an order that depends on
+    where it lies in its bucket, and DDP rebuilds its buckets after the
+    first iteration of a process, so a run restored at step 10 (its first
+    iteration is step 11) would round differently from one that was not.
+    This makes the result a function of the gradients alone."""
+    import torch
+    import torch.distributed as dist
+    t = bucket.buffer()
+    world = dist.get_world_size()
+    parts = [torch.empty_like(t) for _ in range(world)]
+    fut = dist.all_gather(parts, t, async_op=True).get_future()
+
+    def mean(f):
+        got = f.value()
+        total = got[0].clone()
+        for x in got[1:]:
+            total += x
+        return total / world
+
+    return fut.then(mean)
+
+
+def stop_dcp_process():
+    """Ends DCP's checkpoint process of async_save's process executor (a
+    module-level singleton), so that a test's process can exit."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+    except ImportError:
+        return
+    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    if proc is not None:
+        try:
+            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
+            proc._save_process.join(timeout=60)
+        except Exception:  # noqa: BLE001 - best effort at the end of a run
+            pass
+        ape._CHECKPOINT_PROCESS = None
+
+
 def tempdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("CKPT_TEST_TMP", "/tmp"))
 

@@ -379,22 +379,6 @@ def dcp_state(model, opt):
     return {"model": msd, "optim": osd}
 
 
-def stop_dcp_process():
-    """Ends DCP's checkpoint process (it is a module-level singleton)."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-    except ImportError:
-        return
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        try:
-            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
-            proc._save_process.join(timeout=60)
-        except Exception:  # noqa: BLE001 - best effort at the end of a run
-            pass
-        ape._CHECKPOINT_PROCESS = None
-
-
 # ---------------------------------------------------------------- trainer
 
 class Saver:
@@ -574,7 +558,9 @@ def worker(spec):
     for x in h:
         x.remove()
     if method == "dcp_async_process":
-        stop_dcp_process()
+        sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+        import harness
+        harness.stop_dcp_process()
     with open(spec["result"], "w") as f:
         json.dump(res, f)
     if method.startswith("dcp"):

@@ -93,27 +93,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def rank_order_mean(_, bucket):
-    """DDP comm hook: the mean of the ranks' gradients summed in rank order.
-    Gloo's ring all-reduce sums each element in an order that depends on
-    where it lies in its bucket, and DDP rebuilds its buckets after the
-    first iteration of a process, so a run restored at step 10 (its first
-    iteration is step 11) would round differently from one that was not.
-    This makes the result a function of the gradients alone."""
-    t = bucket.buffer()
-    parts = [torch.empty_like(t) for _ in range(WORLD)]
-    fut = dist.all_gather(parts, t, async_op=True).get_future()
-
-    def mean(f):
-        got = f.value()
-        total = got[0].clone()
-        for x in got[1:]:
-            total += x
-        return total / WORLD
-
-    return fut.then(mean)
-
-
 def worker(a):
     global WORLD
     WORLD = a.world
@@ -128,7 +107,7 @@ def worker(a):
     if a.mode == "ddp":
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index or 0] if device.type == "cuda" else None)
-        model.register_comm_hook(None, rank_order_mean)
+        model.register_comm_hook(None, harness.rank_order_mean)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
