@@ -366,7 +366,7 @@ int main(int argc, char** argv) {
   // Staging memory, metrics and the remote tier.
   absl::StatusOr<std::unique_ptr<StagingPool>> pool = CreateStagingPool(config.staging);
   if (!pool.ok()) return Fail("staging pool", pool.status());
-  HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes());
+  HostRegistration cuda_pin((*pool)->base(), (*pool)->budget_bytes(), (*pool)->chunk_bytes());
   CKPT_LOG(INFO) << "gpu: " << CudaSupport() << "; " << cuda_pin.reason();
   Metrics metrics(config.max_layer_series);
   const std::string metrics_address = StartMetricsEndpoint(config.metrics_address, &metrics);

@@ -378,8 +378,9 @@ class Engine {
   void WatchTrainersLoop();
   // Releases the memory of every rank on a GPU a sticky CUDA error poisoned
   // (GpuHealth), with the reason; their StepDone fails with it. Cheap when
-  // nothing was poisoned since the last call.
-  void ReleaseRanksOnPoisonedGpus() ABSL_LOCKS_EXCLUDED(mu_);
+  // nothing was poisoned since the last call; `also` (may be null) is
+  // checked (and released) either way.
+  void ReleaseRanksOnPoisonedGpus(RankState* also = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a registration: inactive, parked steps dropped, memory moved to
   // `closing` (dropped by the caller once every lock is released).
   void EndRegistrationLocked(RankState& r, const std::string& why,
@@ -428,10 +429,13 @@ class Engine {
   bool SpillStaged(const std::shared_ptr<RankState>& r, SnapTask& task,
                    std::vector<StagedVersion>& staged, std::vector<uint32_t>* skipped,
                    SpillState* spill) ABSL_LOCKS_EXCLUDED(mu_);
-  // Keeps the staging chunks of `staged` out of the pool for good: copies
-  // into them were not seen to complete and may still land.
+  // Keeps the staging chunks of `staged` out of the pool while copies into
+  // them, not seen to complete, may still land: `memory` holds them until it
+  // sees its copies complete (RankMemory::HoldUntilCopiesLand). Nothing
+  // (no log, no count) when `staged` is empty.
   void WithholdStaging(const std::shared_ptr<RankState>& r, const SnapTask& task,
-                       std::vector<StagedVersion>& staged) ABSL_LOCKS_EXCLUDED(mu_);
+                       RankMemory* memory, std::vector<StagedVersion>& staged)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- LayerCheck (engine_layercheck.cc) ----
   // Builds the rank's drift tasks over `memory` (the rank's, not published
@@ -563,9 +567,9 @@ class Engine {
   // Ranks whose next step waits for its device (a GPU step event still
   // pending), by the time of their next poll; still snap_busy.
   std::multimap<absl::Time, std::shared_ptr<RankState>> snapshot_waiting_ ABSL_GUARDED_BY(mu_);
-  // Staging chunks GPU copies were writing into when their wait gave up
-  // (WithholdStaging); back to the pool only with the engine.
-  std::vector<StagingLease> withheld_staging_ ABSL_GUARDED_BY(mu_);
+  // Grows with every rank parked in snapshot_waiting_ (ParkForPoll): an
+  // idle snapshot thread's wait ends, and it computes its deadline again.
+  uint64_t waiting_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<std::unique_ptr<WriteTask>> write_queue_ ABSL_GUARDED_BY(mu_);
   // Versions taken from write_queue_ whose commit has not finished yet
   // (being written, or waiting for the publisher).

@@ -121,6 +121,9 @@ Engine::BeginRestore(const RankRef& ref, const Caller& caller) {
                                                       ": memory released (", r->memory_released,
                                                       "); register again"));
   }
+  // A poisoned device (a sticky CUDA error) fails the restore with that
+  // reason before anything is copied.
+  CKPT_RETURN_IF_ERROR(r->memory->CheckUsable());
   r->restoring = true;
   return std::make_pair(r, r->memory);
 }

@@ -385,11 +385,19 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 
   // 6. Publish the rank.
+  CKPT_SYNC_POINT("engine.register.before_publish");
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return ShuttingDownError();
     if (ranks_.count(key) != 0) {
       return absl::AbortedError("a concurrent registration of the same rank won; retry");
+    }
+    {
+      // Its device may have been poisoned since it was opened, after the
+      // ranks on it were released (ReleaseRanksOnPoisonedGpus, under mu_
+      // too): refused here, it cannot escape that release.
+      absl::MutexLock rank_lock(&r->mu);
+      CKPT_RETURN_IF_ERROR(r->memory->CheckUsable());
     }
     ranks_[key] = r;
     quota_.AddRank(r->uid);  // its share of the uid's steps in flight
@@ -487,22 +495,31 @@ absl::StatusOr<uint64_t> Engine::ReleaseRank(const std::string& job, uint32_t ra
   return r->generation;
 }
 
-void Engine::ReleaseRanksOnPoisonedGpus() {
+void Engine::ReleaseRanksOnPoisonedGpus(RankState* also) {
   const uint64_t version = gpu_health_.version();
-  if (poisoned_seen_.exchange(version, std::memory_order_relaxed) == version) return;
+  const bool news = poisoned_seen_.exchange(version, std::memory_order_relaxed) != version;
+  if (!news && also == nullptr) return;
+  if (news) CKPT_SYNC_POINT("engine.release_poisoned_gpu_ranks");
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
+  auto release = [&closing](RankState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
+    if (r.memory == nullptr) return;
+    const absl::Status usable = r.memory->CheckUsable();
+    if (!usable.ok()) r.ReleaseMemory(std::string(usable.message()), &closing);
+  };
   {
     absl::MutexLock lock(&mu_);
-    for (auto& [key, r] : ranks_) {
-      absl::MutexLock rank_lock(&r->mu);
-      const auto* gpu = dynamic_cast<const GpuMemory*>(r->memory.get());
-      if (gpu == nullptr) continue;
-      const absl::Status usable = gpu_health_.CheckUsable(gpu->device());
-      if (!usable.ok()) r->ReleaseMemory(std::string(usable.message()), &closing);
+    if (news) {
+      for (auto& [key, r] : ranks_) {
+        absl::MutexLock rank_lock(&r->mu);
+        release(*r);
+      }
+    } else {
+      absl::MutexLock rank_lock(&also->mu);
+      release(*also);
     }
   }
   closing.clear();
-  CKPT_SYNC_POINT("engine.poisoned_gpu_ranks_released");
+  if (news) CKPT_SYNC_POINT("engine.poisoned_gpu_ranks_released");
 }
 
 absl::StatusOr<uint32_t> Engine::EvictJob(const std::string& job, const Caller& caller) {

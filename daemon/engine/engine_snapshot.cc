@@ -132,9 +132,13 @@ void Engine::SnapshotLoop() {
       CKPT_SYNC_POINT("snapshot.step_pending");
       continue;
     }
+    // A step refused because its device is poisoned releases its rank here,
+    // whether or not a poisoning was newly seen (the rank may have been
+    // published after the others on the device were released).
+    const bool refused = !ready->ok();
     const bool done = Snapshot(r, task, memory.get(), *std::move(ready));
     memory.reset();  // the last reference of a released rank closes its mappings here
-    ReleaseRanksOnPoisonedGpus();
+    ReleaseRanksOnPoisonedGpus(refused ? r.get() : nullptr);
     CKPT_SYNC_POINT("snapshot.after_publish");
     absl::MutexLock lock(&mu_);
     absl::MutexLock rank_lock(&r->mu);
@@ -191,8 +195,13 @@ bool Engine::NextRankLocked(std::shared_ptr<RankState>* r) {
       snapshot_ready_.pop_front();
       return true;
     }
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stopping_ || !snapshot_ready_.empty();
+    CKPT_SYNC_POINT("snapshot.idle");  // under mu_: a test counts it, never blocks it
+    // A rank parked meanwhile (by another snapshot thread) may be due before
+    // this deadline: its epoch ends the wait, and the deadline is computed
+    // again.
+    const uint64_t epoch = waiting_epoch_;
+    auto ready = [this, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopping_ || !snapshot_ready_.empty() || waiting_epoch_ != epoch;
     };
     mu_.AwaitWithDeadline(absl::Condition(&ready), snapshot_waiting_.empty()
                                                        ? absl::InfiniteFuture()
@@ -251,6 +260,7 @@ void Engine::ParkForPoll(const std::shared_ptr<RankState>& r, SnapTask task) {
   absl::MutexLock rank_lock(&r->mu);
   r->snap_queue.push_front(std::move(task));
   snapshot_waiting_.emplace(next, r);  // still snap_busy
+  ++waiting_epoch_;                    // wakes the idle snapshot threads
 }
 
 bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankMemory* memory,
@@ -296,7 +306,7 @@ bool Engine::Snapshot(const std::shared_ptr<RankState>& r, SnapTask& task, RankM
         options_.metrics->Inc(Counter::kErrors, ReasonName(ErrorReason::kSnapshotCopy), 1);
       }
     }
-    if (memory != nullptr && memory->CopiesInFlight()) WithholdStaging(r, task, staged);
+    if (memory != nullptr && memory->CopiesInFlight()) WithholdStaging(r, task, memory, staged);
     for (const StagedVersion& v : staged) skipped.push_back(v.key.layer);
     staged.clear();
   }
@@ -394,18 +404,20 @@ absl::Status Engine::CopyLayers(const std::shared_ptr<RankState>& r, SnapTask& t
 }
 
 void Engine::WithholdStaging(const std::shared_ptr<RankState>& r, const SnapTask& task,
-                             std::vector<StagedVersion>& staged) {
+                             RankMemory* memory, std::vector<StagedVersion>& staged) {
+  // A step refused while earlier copies may still land staged nothing:
+  // nothing is withheld, and the deadline was counted once already.
+  if (staged.empty()) return;
   uint64_t bytes = 0;
-  absl::MutexLock lock(&mu_);
   for (StagedVersion& v : staged) {
     bytes += v.lease.capacity();
-    withheld_staging_.push_back(std::move(v.lease));
+    memory->HoldUntilCopiesLand(std::make_shared<StagingLease>(std::move(v.lease)));
   }
   if (Metrics* m = options_.metrics) m->Inc(Counter::kGpuWaitsAbandoned, "copies", 1);
   CKPT_LOG(ERROR) << "job " << r->job << " rank " << r->rank << " step " << task.step
                   << ": the GPU did not finish ckptd's copies; " << bytes
-                  << " bytes of staging memory they write into stay out of the pool until "
-                  << "ckptd restarts";
+                  << " bytes of staging memory they write into stay out of the pool until the "
+                  << "device is seen to have finished them (until ckptd restarts if it never is)";
 }
 
 bool Engine::FinishSnapshot(const std::shared_ptr<RankState>& r, SnapTask& task,

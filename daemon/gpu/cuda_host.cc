@@ -64,20 +64,20 @@ std::string CudaSupport() {
                       " device(s)");
 }
 
-HostRegistration::HostRegistration(void* ptr, uint64_t bytes) {
+HostRegistration::HostRegistration(void* ptr, uint64_t bytes, uint64_t pool_chunk_bytes) {
   if (CudaDeviceCount() == 0) {
     reason_ = "no CUDA device; staging memory is locked but not CUDA-registered";
     return;
   }
   calls_ = RuntimeHostRegisterCalls();
-  RegisterChunks(static_cast<char*>(ptr), bytes, kHostRegisterChunkBytes);
+  RegisterChunks(static_cast<char*>(ptr), bytes, kHostRegisterChunkBytes, pool_chunk_bytes);
 }
 
 #else
 
 int CudaDeviceCount() { return 0; }
 std::string CudaSupport() { return "none (built without CUDA)"; }
-HostRegistration::HostRegistration(void*, uint64_t) { reason_ = "built without CUDA"; }
+HostRegistration::HostRegistration(void*, uint64_t, uint64_t) { reason_ = "built without CUDA"; }
 
 #endif
 
@@ -87,16 +87,22 @@ HostRegisterCalls* RuntimeHostRegisterCalls() {
 }
 
 HostRegistration::HostRegistration(void* ptr, uint64_t bytes, HostRegisterCalls* calls,
-                                   uint64_t chunk_bytes)
+                                   uint64_t chunk_bytes, uint64_t pool_chunk_bytes)
     : calls_(calls) {
   RegisterChunks(static_cast<char*>(ptr), bytes,
-                 chunk_bytes == 0 ? kHostRegisterChunkBytes : chunk_bytes);
+                 chunk_bytes == 0 ? kHostRegisterChunkBytes : chunk_bytes, pool_chunk_bytes);
 }
 
-void HostRegistration::RegisterChunks(char* ptr, uint64_t bytes, uint64_t chunk_bytes) {
+void HostRegistration::RegisterChunks(char* ptr, uint64_t bytes, uint64_t chunk_bytes,
+                                      uint64_t pool_chunk_bytes) {
   if (bytes == 0) {
     reason_ = "nothing to register";
     return;
+  }
+  // Every range but the last ends on a pool-chunk boundary, so that no
+  // chunk of the pool (one copy's destination) straddles two ranges.
+  if (pool_chunk_bytes > 0) {
+    chunk_bytes = std::max(pool_chunk_bytes, chunk_bytes / pool_chunk_bytes * pool_chunk_bytes);
   }
   const uint64_t count = (bytes + chunk_bytes - 1) / chunk_bytes;
   for (uint64_t i = 0; i < count; ++i) {

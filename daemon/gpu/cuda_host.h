@@ -5,7 +5,9 @@
 // cudaHostRegister when a device is present, so device-to-host copies into
 // the staging pool run at full speed. One call of 512 GiB or more fails on
 // recent drivers (r580 and later), so the range is registered in chunks of
-// at most kHostRegisterChunkBytes, one call each; every return code is
+// at most kHostRegisterChunkBytes, one call each, each ending on a chunk
+// boundary of the staging pool (no pool chunk straddles two registered
+// ranges); every return code is
 // checked, and when a chunk fails the chunks registered before it are
 // unregistered again and `reason` says which chunk failed and why (the pool
 // then works unregistered, with slower copies). Without CUDA, or without a
@@ -54,13 +56,15 @@ class HostRegistration {
  public:
   HostRegistration() = default;
   // Registers [ptr, ptr+bytes) through the runtime when a device exists;
-  // `reason` says what happened.
-  HostRegistration(void* ptr, uint64_t bytes);
+  // `reason` says what happened. `pool_chunk_bytes` is the staging pool's
+  // chunk size (0: none): every range registered ends on a multiple of it.
+  HostRegistration(void* ptr, uint64_t bytes, uint64_t pool_chunk_bytes);
   // Registers [ptr, ptr+bytes) through `calls`, in chunks of `chunk_bytes`
-  // (0: kHostRegisterChunkBytes), whether or not a device exists. `calls`
-  // must outlive this object.
+  // (0: kHostRegisterChunkBytes) rounded down to a multiple of
+  // `pool_chunk_bytes` (when not 0; at least one pool chunk), whether or not
+  // a device exists. `calls` must outlive this object.
   HostRegistration(void* ptr, uint64_t bytes, HostRegisterCalls* calls,
-                   uint64_t chunk_bytes = kHostRegisterChunkBytes);
+                   uint64_t chunk_bytes = kHostRegisterChunkBytes, uint64_t pool_chunk_bytes = 0);
   ~HostRegistration();
   HostRegistration(const HostRegistration&) = delete;
   HostRegistration& operator=(const HostRegistration&) = delete;
@@ -71,7 +75,7 @@ class HostRegistration {
   const std::string& reason() const { return reason_; }
 
  private:
-  void RegisterChunks(char* ptr, uint64_t bytes, uint64_t chunk_bytes);
+  void RegisterChunks(char* ptr, uint64_t bytes, uint64_t chunk_bytes, uint64_t pool_chunk_bytes);
 
   HostRegisterCalls* calls_ = nullptr;
   std::vector<void*> chunks_;  // the start of each registered chunk, in order

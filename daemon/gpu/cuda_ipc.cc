@@ -9,6 +9,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <map>
+
+#include "absl/synchronization/mutex.h"
 #endif
 
 namespace ckpt {
@@ -177,6 +180,18 @@ class RuntimeCudaIpc final : public CudaIpc {
         cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
   }
 
+  absl::Status ProbeDevice(int device) override {
+    CKPT_CUDA_RETURN(cudaSetDevice(device));
+    absl::MutexLock lock(&probe_mu_);  // rare (after an error) and short
+    Probe& p = probes_[device];
+    if (p.buffer == nullptr) CKPT_CUDA_RETURN(cudaMalloc(&p.buffer, 4));
+    if (p.stream == nullptr) {
+      CKPT_CUDA_RETURN(cudaStreamCreateWithFlags(&p.stream, cudaStreamNonBlocking));
+    }
+    CKPT_CUDA_RETURN(cudaMemsetAsync(p.buffer, 0, 4, p.stream));
+    return Completion("cudaStreamQuery (probe)", cudaStreamQuery(p.stream)).status();
+  }
+
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int device) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
     std::string why;
@@ -186,7 +201,16 @@ class RuntimeCudaIpc final : public CudaIpc {
   }
 
  private:
+  // ckptd's own resources ProbeDevice asks on, per device (kept for the
+  // life of the process: four bytes and a stream per device).
+  struct Probe {
+    void* buffer = nullptr;
+    cudaStream_t stream = nullptr;
+  };
+
   GetAddressRangeFn get_range_ = nullptr;  // resolved once, through the runtime
+  absl::Mutex probe_mu_;
+  std::map<int, Probe> probes_ ABSL_GUARDED_BY(probe_mu_);
 };
 
 #else  // no CUDA toolkit at build time
@@ -214,6 +238,7 @@ class NoCudaIpc final : public CudaIpc {
   absl::Status CopyToDeviceAsync(int, void*, char*, const void*, uint64_t) override {
     return NoCuda();
   }
+  absl::Status ProbeDevice(int) override { return NoCuda(); }
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
     return NoCuda();
   }

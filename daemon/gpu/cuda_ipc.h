@@ -13,8 +13,13 @@
 // Sticky errors (an illegal address, a launch failure, an uncorrectable ECC
 // error, ...) leave the device's CUDA context in this process unusable: every
 // later call on that device fails the same way until the process restarts.
-// The seam marks the statuses of such errors (IsStickyCudaError), so that
-// GpuMemory can mark the device poisoned (gpu_health.h).
+// The seam marks the statuses of such errors (IsStickyCudaError). A code
+// classified sticky from a call on a handle the trainer supplied (opening
+// its memory or event handle, querying its event) does not prove that
+// ckptd's context is poisoned (cudaErrorUnknown, for one, also comes from a
+// bad handle), so GpuMemory confirms every sticky error with ProbeDevice,
+// on resources ckptd owns, before it marks the device poisoned
+// (gpu_health.h); a trainer cannot poison a device for the other tenants.
 //
 // Handles are the raw 64-byte cudaIpcMemHandle_t / cudaIpcEventHandle_t.
 // Every call makes `device` current on the calling thread first.
@@ -72,6 +77,13 @@ class CudaIpc {
                                        uint64_t n) = 0;
   virtual absl::Status CopyToDeviceAsync(int device, void* stream, char* dst, const void* src,
                                          uint64_t n) = 0;
+
+  // Whether ckptd's context on `device` is still usable, asked on resources
+  // of ckptd's own (a 4-byte device buffer and a stream, made on first use
+  // and kept): a cudaMemsetAsync into the buffer, then a query of the
+  // stream. OK when both succeed (the memset may still be pending); the
+  // error (sticky when the context is poisoned) otherwise. Never waits.
+  virtual absl::Status ProbeDevice(int device) = 0;
 
   // A drift kernel reading device memory of `device`.
   virtual absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int device) = 0;

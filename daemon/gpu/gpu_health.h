@@ -5,7 +5,9 @@
 // says so, and the engine releases the memory of the ranks on it.
 //
 // Who calls it: GpuMemory marks a device when a call of the CudaIpc seam
-// returns a sticky error and checks it before it opens or snapshots
+// returns a sticky error and a probe on ckptd's own resources
+// (CudaIpc::ProbeDevice) fails sticky too (a trainer's bad handle alone
+// poisons nothing), and checks it before it opens, snapshots or restores
 // anything; the engine reads it for its status, metrics and releases.
 //
 // Thread-safety: every method is thread-safe (one leaf mutex).

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <atomic>
 
+#include "absl/base/const_init.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/region.h"
@@ -16,6 +18,10 @@ namespace {
 std::atomic<uint64_t> g_mappings{0};
 std::atomic<uint64_t> g_mapping_bytes{0};
 std::atomic<uint64_t> g_leaked_mappings{0};
+// What leaked mappings' copies may still read or write (staging leases):
+// never given back, never destroyed.
+absl::Mutex g_leaked_held_mu(absl::kConstInit);
+std::vector<std::shared_ptr<const void>>* g_leaked_held ABSL_GUARDED_BY(g_leaked_held_mu) = nullptr;
 
 // Polls between 20 us and 1 ms apart: a D2H copy of a layer takes about as
 // long as the first pause, a whole step's copies many of the last.
@@ -114,18 +120,51 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& ha
 }
 
 void GpuMemory::NoteSticky(const absl::Status& s) {
-  if (options_.health != nullptr && IsStickyCudaError(s)) {
-    options_.health->MarkPoisoned(device_, uuid_, s);
+  if (options_.health == nullptr || !IsStickyCudaError(s)) return;
+  // The code alone proves nothing: a call on the trainer's handles (its
+  // memory or event handle, its event) returns such codes for a bad handle
+  // too, and the device is shared with other tenants. Only a probe on
+  // ckptd's own resources that fails sticky too poisons it.
+  const absl::Status probe = ipc_->ProbeDevice(device_);
+  if (!IsStickyCudaError(probe)) {
+    CKPT_LOG(WARNING) << "gpu device " << device_ << ": " << s.message()
+                      << "; a probe on ckptd's own resources "
+                      << (probe.ok() ? std::string("succeeded")
+                                     : absl::StrCat("failed (", probe.message(), ")"))
+                      << ", so the device is not marked poisoned (only this call fails)";
+    return;
   }
+  options_.health->MarkPoisoned(device_, uuid_, s);
+}
+
+void GpuMemory::HoldUntilCopiesLand(std::shared_ptr<const void> keep) {
+  absl::MutexLock lock(&held_mu_);
+  held_.push_back(std::move(keep));
+}
+
+void GpuMemory::CopiesLanded() {
+  in_flight_ = wedged_ = false;
+  std::vector<std::shared_ptr<const void>> back;
+  {
+    absl::MutexLock lock(&held_mu_);
+    back.swap(held_);
+  }
+  // Dropped here, outside the lock (a lease goes back to its pool).
 }
 
 GpuMemory::~GpuMemory() {
   if (stream_ != nullptr) {
     // Only ckptd's own copies are on the stream. After a copy deadline the
-    // device is not waited for again.
-    const absl::Status idle =
-        wedged_ ? absl::DeadlineExceededError("copies past their deadline")
-                : WaitForStream(options_.close_timeout, "closing", /*cancellable=*/false);
+    // device is asked once more, not waited for.
+    absl::Status idle;
+    if (wedged_) {
+      absl::StatusOr<bool> landed = ipc_->QueryStream(device_, stream_);
+      idle = !landed.ok() ? landed.status()
+             : *landed    ? absl::OkStatus()
+                          : absl::DeadlineExceededError("copies past their deadline");
+    } else {
+      idle = WaitForStream(options_.close_timeout, "closing", /*cancellable=*/false);
+    }
     if (!idle.ok()) {
       CKPT_LOG(ERROR) << "gpu device " << device_ << ": ckptd's copies have not completed ("
                       << idle.message() << "); leaving its " << regions_.size()
@@ -135,6 +174,14 @@ GpuMemory::~GpuMemory() {
       for (const Region& r : regions_)
         g_mapping_bytes.fetch_sub(r.bytes, std::memory_order_relaxed);
       g_leaked_mappings.fetch_add(regions_.size(), std::memory_order_relaxed);
+      // The staging they may still write into or read from leaks with them.
+      absl::MutexLock held_lock(&held_mu_);
+      if (!held_.empty()) {
+        absl::MutexLock lock(&g_leaked_held_mu);
+        if (g_leaked_held == nullptr) g_leaked_held = new std::vector<std::shared_ptr<const void>>;
+        for (auto& h : held_) g_leaked_held->push_back(std::move(h));
+        held_.clear();
+      }
       return;
     }
     ipc_->DestroyStream(device_, stream_);
@@ -163,7 +210,7 @@ absl::Status GpuMemory::WaitForStream(absl::Duration timeout, const char* what, 
     absl::StatusOr<bool> idle = ipc_->QueryStream(device_, stream_);
     if (!idle.ok()) return Note(idle.status());  // a failed copy: in_flight_ stays
     if (*idle) {
-      in_flight_ = wedged_ = false;
+      CopiesLanded();
       return absl::OkStatus();
     }
     if (cancellable && options_.cancel != nullptr &&
@@ -194,7 +241,7 @@ absl::StatusOr<bool> GpuMemory::StepReady() {
       return absl::UnavailableError(absl::StrCat(
           "gpu device ", device_, " has not finished the copies of an earlier snapshot"));
     }
-    in_flight_ = wedged_ = false;
+    CopiesLanded();
   }
   absl::StatusOr<bool> done = ipc_->QueryEvent(device_, event_);
   CKPT_RETURN_IF_ERROR(Note(done.status()));

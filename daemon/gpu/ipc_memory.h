@@ -15,8 +15,10 @@
 // region; nothing stays mapped. A device that a sticky CUDA error poisoned
 // (GpuHealth) is refused before anything is opened (FAILED_PRECONDITION,
 // naming the device and saying that ckptd must restart), and a sticky error
-// returned by any call marks the device poisoned; StepReady then fails with
-// that reason.
+// returned by any call marks the device poisoned once ProbeDevice, on
+// ckptd's own resources, fails with a sticky error too (a trainer's bad
+// handle alone fails only its own registration or step); StepReady then
+// fails with that reason.
 //
 // Snapshots never block on the trainer. StepReady asks whether the
 // trainer's step event has completed (cudaEventQuery) and returns at once;
@@ -33,7 +35,8 @@
 //
 // Every mapping is closed by the destructor, which first polls the stream
 // for at most `close_timeout` (nothing of the trainer's is on it, so this
-// only waits for ckptd's own copies; not at all after a copy deadline).
+// only waits for ckptd's own copies; after a copy deadline it asks once,
+// without waiting).
 // When the stream is still busy then, or after a copy deadline, the
 // mappings, event and stream are left open (leaked, logged, counted in
 // OpenGpuMappings().leaked) rather than closed under a device that may
@@ -50,7 +53,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/gpu/gpu_health.h"
@@ -122,6 +127,13 @@ class GpuMemory final : public RankMemory {
   // once `cancel` is set.
   absl::Status FinishSnapshot() override;
   bool CopiesInFlight() const override { return in_flight_; }
+  // Held until a poll (FinishSnapshot, CopyIn, StepReady, the destructor)
+  // sees the stream idle; leaked with the mappings when the destructor
+  // does not.
+  void HoldUntilCopiesLand(std::shared_ptr<const void> keep) override;
+  absl::Status CheckUsable() const override {
+    return options_.health == nullptr ? absl::OkStatus() : options_.health->CheckUsable(device_);
+  }
   // Complete on OK; DEADLINE_EXCEEDED or CANCELLED as FinishSnapshot.
   absl::Status CopyIn(char* dst, const void* src, uint64_t n) override;
   // The CUDA device the mappings live on (the drift kernel must run there).
@@ -146,6 +158,9 @@ class GpuMemory final : public RankMemory {
   // `cancellable`, until options_.cancel is set); sets or clears in_flight_
   // and wedged_.
   absl::Status WaitForStream(absl::Duration timeout, const char* what, bool cancellable);
+  // The stream was seen idle: nothing is in flight, and what was held for
+  // the copies is dropped.
+  void CopiesLanded();
 
   CudaIpc* ipc_;
   const GpuMemoryOptions options_;
@@ -157,6 +172,9 @@ class GpuMemory final : public RankMemory {
   bool step_ready_ = false;  // StepReady() found the event complete
   bool in_flight_ = false;   // copies enqueued and not seen complete
   bool wedged_ = false;      // and a wait for them reached its deadline
+  // Kept until the copies in flight are seen complete (HoldUntilCopiesLand).
+  absl::Mutex held_mu_;
+  std::vector<std::shared_ptr<const void>> held_ ABSL_GUARDED_BY(held_mu_);
 };
 
 }  // namespace ckpt

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -204,6 +205,9 @@ class RestoreRun {
     DecodedHeader decoded;
     // ...or read from disk, checked by the thread that copies it out.
     StagingLease lease;
+    // A copy out of it to the target was not seen to complete (a GPU copy
+    // past its deadline) and may still read it.
+    bool copies_in_flight = false;
   };
   // What one thread holds.
   struct Reader {
@@ -286,6 +290,7 @@ class RestoreRun {
       if (s.ok()) s = CopyOut(*self.held, &self.stats);
       if (absl::IsDataLoss(s) && self.held->image == nullptr) NoteDamaged(self.held->key);
     }
+    if (self.held->copies_in_flight) Withhold(*self.held);
     self.held.reset();
     Record(self.held_seq, s);
   }
@@ -408,8 +413,8 @@ class RestoreRun {
     return out;
   }
 
-  // One piece of a tensor into its destination `*out`, advancing it.
-  absl::Status CopyPiece(char** out, const char* piece, uint64_t n) {
+  // One piece of a tensor of `f` into its destination `*out`, advancing it.
+  absl::Status CopyPiece(Fetched& f, char** out, const char* piece, uint64_t n) {
     absl::Status s;
     if (target_.memory == nullptr) {
       std::memcpy(*out, piece, n);
@@ -418,9 +423,29 @@ class RestoreRun {
     } else {
       absl::MutexLock lock(&copy_mu_);  // one DMA copy at a time, its error its own
       s = target_.memory->CopyIn(*out, piece, n);
+      if (!s.ok() && target_.memory->CopiesInFlight()) f.copies_in_flight = true;
     }
     *out += n;
     return s;
+  }
+
+  // The copy out of `f` gave up while the device may still read its bytes
+  // (DEADLINE_EXCEEDED, CANCELLED): its staging (a lease, or a memory-tier
+  // image) stays out of the pool until the target memory sees its copies
+  // complete. Back in the pool meanwhile, it could be refilled with another
+  // job's bytes, which the late copy would carry into this trainer's
+  // memory.
+  void Withhold(Fetched& f) {
+    const uint64_t bytes = f.image != nullptr ? f.image->capacity() : f.lease.capacity();
+    if (f.image != nullptr) {
+      target_.memory->HoldUntilCopiesLand(std::move(f.image));
+    } else {
+      target_.memory->HoldUntilCopiesLand(std::make_shared<StagingLease>(std::move(f.lease)));
+    }
+    CKPT_LOG(ERROR) << "restore of job " << plan_.job << " rank " << plan_.rank << " layer "
+                    << f.lp->layer << ": the GPU did not finish ckptd's copies; " << bytes
+                    << " bytes of staging memory they read stay out of the pool until the device "
+                    << "is seen to have finished them";
   }
 
   // Second half: matches a version's tensors with the registration and
@@ -442,7 +467,7 @@ class RestoreRun {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const store::TensorEntry* t = tensors[i];
       char* out = target_.tensors[lp.layer][i];
-      auto copy_piece = [&](const char* piece, uint64_t n) { return CopyPiece(&out, piece, n); };
+      auto copy_piece = [&](const char* piece, uint64_t n) { return CopyPiece(f, &out, piece, n); };
       if (verify) {
         const uint64_t piece = copy_on_cpu_ ? kVerifyPieceBytes : src.chunk_bytes();
         if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {

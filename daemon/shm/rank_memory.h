@@ -60,6 +60,14 @@ class RankMemory {
   // copies complete, until they are seen complete: the host memory they
   // copy into may still be written, so it must not be reused.
   virtual bool CopiesInFlight() const { return false; }
+  // Keeps `keep` (a staging lease such copies read or write) alive until
+  // the copies in flight are seen complete, then drops it; leaked with the
+  // memory when they never are. Memory without copies in flight drops it
+  // at once. Thread-safe.
+  virtual void HoldUntilCopiesLand(std::shared_ptr<const void> keep) { keep.reset(); }
+  // OK while the memory's device is usable; the reason when it is not
+  // (GPU: a sticky CUDA error poisoned it, gpu_health.h). Thread-safe.
+  virtual absl::Status CheckUsable() const { return absl::OkStatus(); }
   // Copies n host bytes into this memory at `dst`; complete on return.
   virtual absl::Status CopyIn(char* dst, const void* src, uint64_t n) = 0;
 };

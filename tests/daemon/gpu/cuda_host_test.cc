@@ -117,5 +117,33 @@ TEST(GpuHostRegistrationTest, SmallerChunksForTests) {
                                 {0, 4 << 20}, {4 << 20, 4 << 20}, {8 << 20, 2 << 20}}));
 }
 
+// A staging-pool chunk never straddles two registered ranges: every range
+// ends on a pool-chunk boundary (a 3 MiB pool chunk: 64 GiB is no multiple).
+TEST(GpuHostRegistrationTest, RangesEndOnPoolChunkBoundaries) {
+  FakeHostRegisterCalls calls;
+  HostRegistration reg(FakeHostRegisterCalls::At(0), 100, &calls, /*chunk_bytes=*/10,
+                       /*pool_chunk_bytes=*/4);
+  EXPECT_TRUE(reg.registered()) << reg.reason();
+  std::vector<std::pair<uint64_t, uint64_t>> expected;
+  for (uint64_t off = 0; off < 96; off += 8) expected.emplace_back(off, 8);
+  expected.emplace_back(96, 4);
+  EXPECT_EQ(calls.attempts, expected);
+  // The default size, with a pool chunk that does not divide it.
+  FakeHostRegisterCalls big;
+  const uint64_t pool_chunk = 3 << 20;
+  HostRegistration big_reg(FakeHostRegisterCalls::At(0), 200 * kGiB, &big, 0, pool_chunk);
+  ASSERT_GT(big.attempts.size(), 1u);
+  for (const auto& [offset, bytes] : big.attempts) {
+    EXPECT_EQ(offset % pool_chunk, 0u) << offset;
+    EXPECT_LE(bytes, kHostRegisterChunkBytes);
+  }
+  // A pool chunk larger than the largest range is one range of its own.
+  FakeHostRegisterCalls huge;
+  HostRegistration huge_reg(FakeHostRegisterCalls::At(0), 30, &huge, /*chunk_bytes=*/4,
+                            /*pool_chunk_bytes=*/10);
+  EXPECT_EQ(huge.attempts,
+            (std::vector<std::pair<uint64_t, uint64_t>>{{0, 10}, {10, 10}, {20, 10}}));
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -232,6 +232,59 @@ TEST(GpuMemoryWaitTest, ADeviceThatNeverFinishesLeaksTheMappingsRatherThanHang) 
   }
 }
 
+// Regression: once a copy had missed its deadline the destructor leaked the
+// mappings without asking the device again, even when the copies had
+// landed since. What was held until the copies land (staging) goes back
+// with them, or is leaked with the mappings while they may still land.
+TEST(GpuMemoryWaitTest, TheDestructorAsksOnceMoreAfterADeadline) {
+  for (bool landed : {true, false}) {
+    FakeCudaIpc ipc;
+    char* a = nullptr;
+    const GpuMappingStats before = OpenGpuMappings();
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
+    char buf[16];
+    CKPT_ASSERT_OK(m->StepReady().status());
+    CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
+    ipc.SetStreamsDone(false);
+    CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
+    bool given_back = false;
+    m->HoldUntilCopiesLand(std::shared_ptr<const void>(new int(0), [&given_back](const void* p) {
+      delete static_cast<const int*>(p);
+      given_back = true;
+    }));
+    ipc.SetStreamsDone(landed);
+    m.reset();
+    EXPECT_EQ(given_back, landed);
+    EXPECT_EQ(ipc.open_mappings(), landed ? 0 : 2) << landed;
+    EXPECT_EQ(ipc.open_streams(), landed ? 0 : 1);
+    EXPECT_EQ(OpenGpuMappings().leaked, before.leaked + (landed ? 0 : 2));
+  }
+}
+
+// What is held until the copies land goes back once a poll sees them
+// landed, not before.
+TEST(GpuMemoryWaitTest, HeldStagingGoesBackOnceTheCopiesAreSeenLanded) {
+  FakeCudaIpc ipc;
+  char* a = nullptr;
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
+  char buf[16];
+  CKPT_ASSERT_OK(m->StepReady().status());
+  CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
+  ipc.SetStreamsDone(false);
+  CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
+  std::weak_ptr<const void> held;
+  {
+    auto keep = std::make_shared<const int>(0);
+    held = keep;
+    m->HoldUntilCopiesLand(std::move(keep));
+  }
+  CKPT_EXPECT_CODE(m->StepReady().status(), kUnavailable);
+  EXPECT_FALSE(held.expired()) << "the copies may still land";
+  ipc.SetStreamsDone(true);
+  CKPT_ASSERT_OK(m->StepReady().status());
+  EXPECT_TRUE(held.expired());
+}
+
 // ckptd stopping ends a wait at once (CANCELLED); closing still waits,
 // bounded, and closes everything once the copies have landed.
 TEST(GpuMemoryWaitTest, StoppingCancelsAWaitAtOnce) {

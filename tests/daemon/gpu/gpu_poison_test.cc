@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -75,6 +76,53 @@ TEST(GpuStickyErrorTest, AStickyCopyPoisonsTheDeviceAndNothingOpensOnItAgain) {
   EXPECT_NE(health.Poisoned()[0].error.find("illegal memory access"), std::string::npos);
 }
 
+// Regression (a cross-tenant denial of service): a trainer's forged or
+// stale handle failing with a code classified sticky (cudaErrorUnknown)
+// marked the device poisoned for every user until ckptd restarted. Only a
+// probe on ckptd's own resources that fails too confirms it; otherwise the
+// registration alone fails.
+TEST(GpuStickyErrorTest, ATrainersHandleFailingStickyPoisonsOnlyWhenTheProbeFailsToo) {
+  for (bool probe_fails : {false, true}) {
+    FakeCudaIpc ipc;
+    GpuHealth health;
+    ipc.Allocate(1, 4096);
+    ipc.Allocate(2, 8192);
+    ipc.SetHandleSticky(2);
+    ipc.SetProbeFails(probe_fails);
+    GpuMemoryOptions o;
+    o.health = &health;
+    const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o).status();
+    CKPT_EXPECT_CODE(s, kInvalidArgument) << probe_fails;
+    EXPECT_EQ(ipc.probes(), 1) << probe_fails;
+    EXPECT_EQ(health.IsPoisoned(0), probe_fails);
+    EXPECT_EQ(ipc.open_mappings(), 0);
+  }
+}
+
+// The same for the trainer's step event: its query failing sticky fails
+// that step only, unless the probe fails too.
+TEST(GpuStickyErrorTest, ATrainersEventFailingStickyPoisonsOnlyWhenTheProbeFailsToo) {
+  for (bool probe_fails : {false, true}) {
+    FakeCudaIpc ipc;
+    GpuHealth health;
+    ipc.Allocate(1, 4096);
+    ipc.Allocate(2, 8192);
+    GpuMemoryOptions o;
+    o.health = &health;
+    o.close_timeout = absl::Milliseconds(20);
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
+                              GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o));
+    ipc.SetEventSticky(kEventId);
+    ipc.SetProbeFails(probe_fails);
+    const absl::Status s = m->StepReady().status();
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(std::string(s.message()).find("cudaEventQuery"), std::string::npos) << s;
+    EXPECT_EQ(health.IsPoisoned(0), probe_fails);
+    EXPECT_EQ(m->CheckUsable().code(),
+              probe_fails ? absl::StatusCode::kFailedPrecondition : absl::StatusCode::kOk);
+  }
+}
+
 class GpuPoisonTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -96,6 +144,7 @@ class GpuPoisonTest : public ::testing::Test {
     o.gpu_wait_timeout = absl::Seconds(1);
     engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
     CKPT_ASSERT_OK(engine_->Start());
+    c_.Allocate(&ipc_, 21);
     CKPT_ASSERT_OK_AND_ASSIGN(Registered ra,
                               engine_->Register(Reg(GpuRequest("a", 1)), {}, owner_));
     CKPT_ASSERT_OK_AND_ASSIGN(Registered rb,
@@ -120,6 +169,20 @@ class GpuPoisonTest : public ::testing::Test {
   absl::StatusOr<uint64_t> WaitDurable(const std::string& job, uint64_t gen, uint64_t step) {
     return engine_->WaitDurable(RankRef{job, 0, gen}, step, owner_, absl::Now() + kWait);
   }
+  // Steps 1 of a and b, durable.
+  void FirstSteps() {
+    for (const auto& [job, gen] : {std::pair<std::string, uint64_t>{"a", gen_a_}, {"b", gen_b_}}) {
+      CKPT_ASSERT_OK(StepDone(job, gen, 1));
+      CKPT_ASSERT_OK(WaitDurable(job, gen, 1).status());
+    }
+    // And the snapshot thread is done with them.
+    ASSERT_TRUE(sp_->WaitForPasses("snapshot.after_publish", 2, absl::Now() + kWait));
+  }
+  static void ExpectPoisonReason(const absl::Status& s) {
+    CKPT_EXPECT_CODE(s, kFailedPrecondition);
+    EXPECT_NE(std::string(s.message()).find(kUuid), std::string::npos) << s;
+    EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
+  }
 
   SyncPoint* const sp_ = SyncPoint::GetInstance();
   TempDir tmp_;
@@ -129,7 +192,7 @@ class GpuPoisonTest : public ::testing::Test {
   std::unique_ptr<Index> index_;
   std::unique_ptr<LayerStore> store_;
   std::unique_ptr<Engine> engine_;
-  GpuLayers a_, b_;
+  GpuLayers a_, b_, c_;
   uint64_t gen_a_ = 0, gen_b_ = 0;
   const Caller owner_{1000, 0};
 };
@@ -167,6 +230,56 @@ TEST_F(GpuPoisonTest, AStickyErrorFailsEveryRankOnTheDeviceUntilRestart) {
   EXPECT_NE(metrics_.Scrape().find("ckpt_gpu_devices_poisoned 1"), std::string::npos);
   CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, engine_->Plan("b", 0, 0, owner_));
   EXPECT_EQ(plan.target_step, 1u);
+}
+
+// The engine's side of the probe: rank a's event query failing with a
+// sticky code while ckptd's context is fine fails a's step only; b, and
+// new registrations, go on.
+TEST_F(GpuPoisonTest, ATrainersStickyEventFailsOnlyItsOwnStep) {
+  ASSERT_NO_FATAL_FAILURE(FirstSteps());
+  // a and b shared the default event: b registers again with its own.
+  ipc_.AddEvent(5);
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered rb,
+                            engine_->Register(Reg(GpuRequest("b", 11, 5)), {}, owner_));
+  gen_b_ = rb.generation;
+  ipc_.SetEventSticky(kEventId);
+  CKPT_ASSERT_OK(StepDone("a", gen_a_, 2));
+  CKPT_EXPECT_CODE(WaitDurable("a", gen_a_, 2).status(), kAborted);
+  CKPT_ASSERT_OK(StepDone("b", gen_b_, 2));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t durable, WaitDurable("b", gen_b_, 2));
+  EXPECT_EQ(durable, 2u);
+  CKPT_EXPECT_OK(StepDone("a", gen_a_, 3)) << "a's memory is not released";
+  EXPECT_EQ(engine_->GetStatus(owner_).gpu_poisoned_size(), 0);
+  CKPT_EXPECT_OK(engine_->Register(Reg(GpuRequest("c", 21, 5)), {}, owner_).status());
+}
+
+// Regression: a registration whose memory opened before another rank
+// poisoned the device, and that was published after the poisoned ranks
+// were released, kept a rank on the poisoned device for good.
+TEST_F(GpuPoisonTest, ARegistrationPublishedAfterThePoisonReleaseIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(FirstSteps());
+  sp_->LoadDependency({{"engine.poisoned_gpu_ranks_released", "engine.register.before_publish"}});
+  absl::Status registered;
+  std::thread registering([this, &registered] {
+    registered = engine_->Register(Reg(GpuRequest("c", 21)), {}, owner_).status();
+  });
+  ASSERT_TRUE(sp_->WaitForArrivals("engine.register.before_publish", 1, absl::Now() + kWait));
+  ipc_.Poison();
+  CKPT_ASSERT_OK(StepDone("a", gen_a_, 2));
+  registering.join();
+  ExpectPoisonReason(registered);
+}
+
+// A restore on a poisoned device fails with the reason, before it copies
+// anything (here b's memory is not released yet).
+TEST_F(GpuPoisonTest, ARestoreOnAPoisonedDeviceFailsWithTheReason) {
+  ASSERT_NO_FATAL_FAILURE(FirstSteps());
+  sp_->LoadDependency({{"test.restored", "engine.release_poisoned_gpu_ranks"}});
+  ipc_.Poison();
+  CKPT_ASSERT_OK(StepDone("a", gen_a_, 2));
+  ASSERT_TRUE(sp_->WaitForArrivals("engine.release_poisoned_gpu_ranks", 1, absl::Now() + kWait));
+  ExpectPoisonReason(engine_->Restore(RankRef{"b", 0, gen_b_}, 0, owner_).status());
+  CKPT_SYNC_POINT("test.restored");
 }
 
 }  // namespace

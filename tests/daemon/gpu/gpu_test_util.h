@@ -59,11 +59,39 @@ class FakeCudaIpc final : public CudaIpc {
     absl::MutexLock lock(&mu_);
     events_[id] = done;
   }
+  // Event `id` is pending for its next `queries` queries, then complete.
+  void SetEventPendingFor(uint64_t id, int queries) {
+    absl::MutexLock lock(&mu_);
+    events_[id] = false;
+    pending_queries_[id] = queries;
+  }
   // An illegal address in ckptd's context: from now on every call on the
   // device fails with a sticky error, as the CUDA runtime's do.
   void Poison() {
     absl::MutexLock lock(&mu_);
     poisoned_ = true;
+  }
+  // A trainer-supplied handle whose open fails with a code the seam
+  // classifies sticky (cudaErrorUnknown, say) while ckptd's context is fine:
+  // a forged or stale memory handle, or an event whose query fails so.
+  void SetHandleSticky(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    sticky_handles_[id] = true;
+  }
+  void SetEventSticky(uint64_t id) {
+    absl::MutexLock lock(&mu_);
+    sticky_events_[id] = true;
+  }
+  // Makes the probe on ckptd's own resources fail with a sticky error too
+  // (Poison() does as well).
+  void SetProbeFails(bool fails) {
+    absl::MutexLock lock(&mu_);
+    probe_fails_ = fails;
+  }
+  // Times ProbeDevice was called.
+  int probes() {
+    absl::MutexLock lock(&mu_);
+    return probes_;
   }
   // Whether ckptd's own streams have finished their copies (false: a dead or
   // wedged device).
@@ -103,6 +131,9 @@ class FakeCudaIpc final : public CudaIpc {
     std::memcpy(&id, handle.data(), sizeof(id));
     absl::MutexLock lock(&mu_);
     if (poisoned_) return Sticky("cudaIpcOpenMemHandle");
+    if (sticky_handles_[id]) {
+      return MarkStickyCudaError(absl::InternalError("cudaIpcOpenMemHandle: unknown error"));
+    }
     auto it = allocations_.find(id);
     if (it == allocations_.end()) return absl::InternalError("invalid resource handle");
     ++opens_;
@@ -145,7 +176,15 @@ class FakeCudaIpc final : public CudaIpc {
   absl::StatusOr<bool> QueryEvent(int, void* event) override {
     absl::MutexLock lock(&mu_);
     if (poisoned_) return Sticky("cudaEventQuery");
-    const bool done = events_[reinterpret_cast<uintptr_t>(event)];
+    if (sticky_events_[reinterpret_cast<uintptr_t>(event)]) {
+      return MarkStickyCudaError(absl::InternalError("cudaEventQuery: unknown error"));
+    }
+    const uint64_t id = reinterpret_cast<uintptr_t>(event);
+    if (auto it = pending_queries_.find(id); it != pending_queries_.end() && it->second > 0) {
+      if (--it->second == 0) events_[id] = true;
+      return false;
+    }
+    const bool done = events_[id];
     if (done) ++event_waits_;
     return done;
   }
@@ -164,7 +203,17 @@ class FakeCudaIpc final : public CudaIpc {
     return absl::OkStatus();
   }
   absl::Status CopyToDeviceAsync(int, void*, char* dst, const void* src, uint64_t n) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (poisoned_) return Sticky("cudaMemcpyAsync (host to device)");
+    }
     std::memcpy(dst, src, n);
+    return absl::OkStatus();
+  }
+  absl::Status ProbeDevice(int) override {
+    absl::MutexLock lock(&mu_);
+    ++probes_;
+    if (poisoned_ || probe_fails_) return Sticky("cudaMemsetAsync (probe)");
     return absl::OkStatus();
   }
   absl::StatusOr<std::unique_ptr<drift::DriftKernel>> MakeDriftKernel(int) override {
@@ -181,6 +230,11 @@ class FakeCudaIpc final : public CudaIpc {
 
   absl::Mutex mu_;
   bool poisoned_ ABSL_GUARDED_BY(mu_) = false;
+  bool probe_fails_ ABSL_GUARDED_BY(mu_) = false;
+  int probes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, bool> sticky_handles_ ABSL_GUARDED_BY(mu_);  // memory handle ids
+  std::map<uint64_t, bool> sticky_events_ ABSL_GUARDED_BY(mu_);   // event ids
+  std::map<uint64_t, int> pending_queries_ ABSL_GUARDED_BY(mu_);  // event id -> queries left
   std::map<uint64_t, std::vector<char>> allocations_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, bool> events_ ABSL_GUARDED_BY(mu_);  // id -> latest record complete
   bool streams_done_ ABSL_GUARDED_BY(mu_) = true;

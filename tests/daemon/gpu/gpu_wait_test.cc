@@ -79,11 +79,11 @@ class GpuWaitTest : public ::testing::Test {
   // One snapshot thread (the default) for both ranks; `gpu_wait_timeout`
   // bounds the wait for a step's event (on the simulated clock) and for
   // ckptd's own copies (in real time).
-  void StartEngine(absl::Duration gpu_wait_timeout) {
+  void StartEngine(absl::Duration gpu_wait_timeout, int snapshot_threads = 1) {
     EngineOptions o;
     o.data_dir = tmp_.path();
     o.writer_threads = 1;
-    o.snapshot_threads = 1;
+    o.snapshot_threads = snapshot_threads;
     o.io_backend = IoBackendKind::kPwrite;
     o.cuda_ipc = &ipc_;
     o.clock = &clock_;
@@ -261,6 +261,64 @@ TEST_F(GpuWaitTest, CopiesThatNeverCompleteFailTheStepAndTheLayersAreRetried) {
   EXPECT_GT(engine_->GetStatus().pool_bytes_in_use(), 0u) << "the copies' staging is withheld";
   ipc_.SetStreamsDone(true);
   ASSERT_NO_FATAL_FAILURE(LiveSteps(2, 2));
+}
+
+// Regression: after one copy deadline every later step, refused while the
+// late copies may still land, "withheld" an empty staging set: a false
+// "0 bytes" ERROR and one more ckpt_gpu_waits_abandoned_total{copies}.
+// And the withheld staging stayed out of the pool until ckptd restarted:
+// it goes back once the device is seen idle.
+TEST_F(GpuWaitTest, WithheldStagingIsCountedOnceAndGoesBackOnceTheDeviceIsIdle) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(absl::Milliseconds(100)));
+  ipc_.SetStreamsDone(false);
+  live_.mem.Fill(1);
+  CKPT_ASSERT_OK(StepDone(live_, 1));
+  CKPT_EXPECT_CODE(WaitDurable(live_, 1).status(), kAborted);
+  EXPECT_GT(engine_->GetStatus().pool_bytes_in_use(), 0u);
+  for (uint64_t t = 2; t <= 3; ++t) {  // refused: the late copies may still land
+    CKPT_ASSERT_OK(StepDone(live_, t));
+    CKPT_EXPECT_CODE(WaitDurable(live_, t).status(), kAborted);
+  }
+  EXPECT_TRUE(Abandoned("copies", 1)) << metrics_.Scrape();
+  EXPECT_GT(engine_->GetStatus().pool_bytes_in_use(), 0u);
+  ipc_.SetStreamsDone(true);
+  ASSERT_NO_FATAL_FAILURE(LiveSteps(4, 4));
+  EXPECT_EQ(engine_->GetStatus().pool_bytes_in_use(), 0u) << "the withheld staging is back";
+}
+
+// A restore whose copies to the device do not complete keeps its source
+// staging out of the pool while they may still read it (another job's
+// bytes could otherwise be copied into this trainer's GPU memory); it goes
+// back once the device is seen idle.
+TEST_F(GpuWaitTest, ARestoreWhoseCopiesNeverCompleteWithholdsItsStaging) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(absl::Milliseconds(100)));
+  ASSERT_NO_FATAL_FAILURE(LiveSteps(1, 1));
+  ASSERT_EQ(engine_->GetStatus().pool_bytes_in_use(), 0u);
+  ipc_.SetStreamsDone(false);
+  CKPT_EXPECT_CODE(engine_->Restore(Ref(live_), 0, owner_).status(), kDeadlineExceeded);
+  EXPECT_GT(engine_->GetStatus().pool_bytes_in_use(), 0u) << "the restore's staging is withheld";
+  ipc_.SetStreamsDone(true);
+  ASSERT_NO_FATAL_FAILURE(LiveSteps(2, 2));
+  EXPECT_EQ(engine_->GetStatus().pool_bytes_in_use(), 0u);
+}
+
+// Regression (snapshot_threads > 1): an idle snapshot thread slept until a
+// deadline fixed when its wait began, so a rank another thread parked for
+// its next poll waited until that busy thread was done.
+TEST_F(GpuWaitTest, AParkedRankWakesAnIdleSnapshotThread) {
+  // The thread that parks the stuck rank is held right after parking it.
+  sp_->LoadDependency({{"test.parker_released", kStepPending}});
+  ASSERT_NO_FATAL_FAILURE(StartEngine(absl::Hours(1), /*snapshot_threads=*/2));
+  ASSERT_TRUE(sp_->WaitForPasses("snapshot.idle", 2, absl::Now() + kWait));  // both asleep
+  ipc_.SetEventPendingFor(kStuckEvent, 1);  // done from the second query on
+  stuck_.mem.Fill(1);
+  CKPT_ASSERT_OK(StepDone(stuck_, 1));
+  ASSERT_TRUE(sp_->WaitForArrivals(kStepPending, 1, absl::Now() + kWait));
+  // The other thread polls it again and snapshots it.
+  const absl::StatusOr<SnapshotTaken> snap = WaitSnapshot(stuck_, 1, absl::Seconds(10));
+  CKPT_SYNC_POINT("test.parker_released");
+  CKPT_ASSERT_OK(snap.status());
+  EXPECT_EQ(snap->layers, (std::vector<uint32_t>{0, 1, 2}));
 }
 
 }  // namespace
