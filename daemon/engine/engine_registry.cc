@@ -501,7 +501,8 @@ void Engine::ReleaseRanksOnPoisonedGpus(RankState* also) {
   if (!news && also == nullptr) return;
   if (news) CKPT_SYNC_POINT("engine.release_poisoned_gpu_ranks");
   std::vector<std::shared_ptr<RankMemory>> closing;  // closed after the locks are released
-  auto release = [&closing](RankState& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu) {
+  auto release = [&closing](RankState& r) {
+    absl::MutexLock rank_lock(&r.mu);
     if (r.memory == nullptr) return;
     const absl::Status usable = r.memory->CheckUsable();
     if (!usable.ok()) r.ReleaseMemory(std::string(usable.message()), &closing);
@@ -509,12 +510,8 @@ void Engine::ReleaseRanksOnPoisonedGpus(RankState* also) {
   {
     absl::MutexLock lock(&mu_);
     if (news) {
-      for (auto& [key, r] : ranks_) {
-        absl::MutexLock rank_lock(&r->mu);
-        release(*r);
-      }
+      for (auto& [key, r] : ranks_) release(*r);
     } else {
-      absl::MutexLock rank_lock(&also->mu);
       release(*also);
     }
   }
