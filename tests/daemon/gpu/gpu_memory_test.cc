@@ -27,6 +27,7 @@
 #include "daemon/io/file_system.h"
 #include "daemon/rpc/convert.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/gpu/gpu_engine_fixture.h"
 #include "tests/daemon/gpu/gpu_test_util.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
@@ -35,16 +36,16 @@ namespace ckpt {
 namespace {
 
 using ::ckpt::gpu_test::FakeCudaIpc;
+using ::ckpt::gpu_test::GpuEngineFixture;
 using ::ckpt::gpu_test::GpuRequest;
 using ::ckpt::gpu_test::Handle;
 using ::ckpt::gpu_test::kEventId;
 using ::ckpt::gpu_test::kFloats;
 using ::ckpt::gpu_test::kLayers;
+using ::ckpt::gpu_test::OpenTwo;
 using ::ckpt::gpu_test::Reg;
 using ::ckpt::gpu_test::TwoRegions;
 using ::ckpt::gpu_test::Value;
-using ::ckpt::testing::MakeTestPool;
-using ::ckpt::testing::TempDir;
 
 // ---- CheckGpuHandover and GpuMemory::Open ----
 
@@ -145,18 +146,23 @@ TEST(GpuMemoryTest, ForgedEventAndUnknownDeviceFail) {
 
 // ---- Waiting for the device: never blocking, always bounded ----
 
-absl::StatusOr<std::unique_ptr<GpuMemory>> OpenTwo(FakeCudaIpc* ipc, GpuMemoryOptions options,
-                                                   char** first) {
-  *first = ipc->Allocate(1, 4096);
-  ipc->Allocate(2, 8192);
-  return GpuMemory::Open(GpuHandoverOf(TwoRegions()), ipc, options);
-}
-
 GpuMemoryOptions ShortWaits() {
   GpuMemoryOptions o;
   o.copy_timeout = absl::Milliseconds(20);
   o.close_timeout = absl::Milliseconds(20);
   return o;
+}
+
+// Two regions opened with ShortWaits(), one copy out of the first enqueued,
+// and a device that does not finish it.
+absl::StatusOr<std::unique_ptr<GpuMemory>> OpenWithACopyThatNeverLands(FakeCudaIpc* ipc) {
+  char* a = nullptr;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<GpuMemory> m, OpenTwo(ipc, ShortWaits(), &a));
+  static char buf[16];  // outlives the copy, which may land after the caller's frame
+  CKPT_RETURN_IF_ERROR(m->StepReady().status());
+  CKPT_RETURN_IF_ERROR(m->CopyOut(buf, a, sizeof(buf)));
+  ipc->SetStreamsDone(false);
+  return m;
 }
 
 TEST(GpuMemoryWaitTest, StepReadyAsksForTheTrainersEventWithoutWaiting) {
@@ -213,13 +219,8 @@ TEST(GpuMemoryWaitTest, CopiesPastTheirDeadlineFailAndHoldBackTheNextSnapshot) {
 TEST(GpuMemoryWaitTest, ADeviceThatNeverFinishesLeaksTheMappingsRatherThanHang) {
   for (bool deadline_first : {true, false}) {
     FakeCudaIpc ipc;
-    char* a = nullptr;
     const GpuMappingStats before = OpenGpuMappings();
-    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
-    char buf[16];
-    CKPT_ASSERT_OK(m->StepReady().status());
-    CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
-    ipc.SetStreamsDone(false);
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenWithACopyThatNeverLands(&ipc));
     if (deadline_first) {
       CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
     }
@@ -239,13 +240,8 @@ TEST(GpuMemoryWaitTest, ADeviceThatNeverFinishesLeaksTheMappingsRatherThanHang) 
 TEST(GpuMemoryWaitTest, TheDestructorAsksOnceMoreAfterADeadline) {
   for (bool landed : {true, false}) {
     FakeCudaIpc ipc;
-    char* a = nullptr;
     const GpuMappingStats before = OpenGpuMappings();
-    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
-    char buf[16];
-    CKPT_ASSERT_OK(m->StepReady().status());
-    CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
-    ipc.SetStreamsDone(false);
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenWithACopyThatNeverLands(&ipc));
     CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
     bool given_back = false;
     m->HoldUntilCopiesLand(std::shared_ptr<const void>(new int(0), [&given_back](const void* p) {
@@ -265,12 +261,7 @@ TEST(GpuMemoryWaitTest, TheDestructorAsksOnceMoreAfterADeadline) {
 // landed, not before.
 TEST(GpuMemoryWaitTest, HeldStagingGoesBackOnceTheCopiesAreSeenLanded) {
   FakeCudaIpc ipc;
-  char* a = nullptr;
-  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, ShortWaits(), &a));
-  char buf[16];
-  CKPT_ASSERT_OK(m->StepReady().status());
-  CKPT_ASSERT_OK(m->CopyOut(buf, a, sizeof(buf)));
-  ipc.SetStreamsDone(false);
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenWithACopyThatNeverLands(&ipc));
   CKPT_EXPECT_CODE(m->FinishSnapshot(), kDeadlineExceeded);
   std::weak_ptr<const void> held;
   {
@@ -310,29 +301,18 @@ TEST(GpuMemoryWaitTest, StoppingCancelsAWaitAtOnce) {
 // ---- The engine's GPU path ----
 
 // Three layers (gpu_test_util.h, GpuRequest) in allocations 1 and 2.
-class GpuEngineTest : public ::testing::Test {
+class GpuEngineTest : public GpuEngineFixture {
  protected:
   void SetUp() override {
-    pool_ = MakeTestPool(64 << 10, 64);
-    ASSERT_NE(pool_, nullptr);
-    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
-    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
-    CKPT_ASSERT_OK(store_->Init());
+    OpenStore();
     layer_[0] = ipc_.Allocate(1, 2 * kFloats * 4);
     layer_[1] = layer_[0] + kFloats * 4;
     layer_[2] = ipc_.Allocate(2, kFloats * 4);
-    EngineOptions o;
-    o.data_dir = tmp_.path();
-    o.writer_threads = 1;
-    o.io_backend = IoBackendKind::kPwrite;
-    o.cuda_ipc = &ipc_;
+    EngineOptions o = BaseOptions();
     o.trainer_watch_interval = absl::Milliseconds(20);
-    engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
-    CKPT_ASSERT_OK(engine_->Start());
+    StartEngine(o);
   }
-  void TearDown() override {
-    if (engine_) engine_->Shutdown(absl::Seconds(5));
-  }
+  void TearDown() override { StopEngine(); }
 
   void Fill(uint64_t step) {
     for (uint32_t l = 0; l < kLayers; ++l) {
@@ -364,14 +344,7 @@ class GpuEngineTest : public ::testing::Test {
         engine_->WaitSnapshot(Ref(gen), step, c, absl::Now() + absl::Seconds(10)).status());
   }
 
-  TempDir tmp_;
-  FakeCudaIpc ipc_;
-  std::unique_ptr<StagingPool> pool_;
-  std::unique_ptr<Index> index_;
-  std::unique_ptr<LayerStore> store_;
-  std::unique_ptr<Engine> engine_;
   char* layer_[kLayers] = {};
-  const Caller owner_{1000, 0};
 };
 
 TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {

@@ -19,6 +19,7 @@
 #include "daemon/io/file_system.h"
 #include "daemon/metrics/metrics.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/gpu/gpu_engine_fixture.h"
 #include "tests/daemon/gpu/gpu_test_util.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
@@ -26,11 +27,6 @@
 namespace ckpt {
 namespace gpu_test {
 namespace {
-
-using ::ckpt::testing::MakeTestPool;
-using ::ckpt::testing::TempDir;
-
-constexpr absl::Duration kWait = absl::Seconds(30);
 
 TEST(GpuStickyErrorTest, TheStickyCodesOfCuda13AreKnown) {
   for (int sticky : {700, 702, 710, 714, 715, 716, 717, 718, 719, 214, 220, 226, 721, 999}) {
@@ -49,22 +45,17 @@ TEST(GpuStickyErrorTest, TheStickyCodesOfCuda13AreKnown) {
 TEST(GpuStickyErrorTest, AStickyCopyPoisonsTheDeviceAndNothingOpensOnItAgain) {
   FakeCudaIpc ipc;
   GpuHealth health;
-  char* a = ipc.Allocate(1, 4096);
-  ipc.Allocate(2, 8192);
   GpuMemoryOptions o;
   o.health = &health;
   o.close_timeout = absl::Milliseconds(20);
-  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
-                            GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o));
+  char* a = nullptr;
+  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, o, &a));
   CKPT_ASSERT_OK(m->StepReady().status());
   ipc.Poison();
   char buf[16];
   EXPECT_FALSE(m->CopyOut(buf, a, sizeof(buf)).ok());
   EXPECT_TRUE(health.IsPoisoned(0));
-  const absl::Status refused = m->StepReady().status();
-  CKPT_EXPECT_CODE(refused, kFailedPrecondition);
-  EXPECT_NE(std::string(refused.message()).find(kUuid), std::string::npos) << refused;
-  EXPECT_NE(std::string(refused.message()).find("restart ckptd"), std::string::npos) << refused;
+  ExpectPoisonReason(m->StepReady().status());
   m.reset();
   const int opens = ipc.opens();
   const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o).status();
@@ -105,13 +96,10 @@ TEST(GpuStickyErrorTest, ATrainersEventFailingStickyPoisonsOnlyWhenTheProbeFails
   for (bool probe_fails : {false, true}) {
     FakeCudaIpc ipc;
     GpuHealth health;
-    ipc.Allocate(1, 4096);
-    ipc.Allocate(2, 8192);
     GpuMemoryOptions o;
     o.health = &health;
     o.close_timeout = absl::Milliseconds(20);
-    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
-                              GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o));
+    CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m, OpenTwo(&ipc, o));
     ipc.SetEventSticky(kEventId);
     ipc.SetProbeFails(probe_fails);
     const absl::Status s = m->StepReady().status();
@@ -123,27 +111,16 @@ TEST(GpuStickyErrorTest, ATrainersEventFailingStickyPoisonsOnlyWhenTheProbeFails
   }
 }
 
-class GpuPoisonTest : public ::testing::Test {
+class GpuPoisonTest : public GpuSyncFixture {
  protected:
   void SetUp() override {
-    if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
-    sp_->StartTest(kWait);
-    pool_ = MakeTestPool(64 << 10, 64);
-    ASSERT_NE(pool_, nullptr);
-    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
-    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
-    CKPT_ASSERT_OK(store_->Init());
+    GpuSyncFixture::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     a_.Allocate(&ipc_, 1);
     b_.Allocate(&ipc_, 11);
-    EngineOptions o;
-    o.data_dir = tmp_.path();
-    o.writer_threads = 1;
-    o.io_backend = IoBackendKind::kPwrite;
-    o.cuda_ipc = &ipc_;
-    o.metrics = &metrics_;
+    EngineOptions o = BaseOptions();
     o.gpu_wait_timeout = absl::Seconds(1);
-    engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
-    CKPT_ASSERT_OK(engine_->Start());
+    StartEngine(o);
     c_.Allocate(&ipc_, 21);
     CKPT_ASSERT_OK_AND_ASSIGN(Registered ra,
                               engine_->Register(Reg(GpuRequest("a", 1)), {}, owner_));
@@ -152,19 +129,8 @@ class GpuPoisonTest : public ::testing::Test {
     gen_a_ = ra.generation;
     gen_b_ = rb.generation;
   }
-  void TearDown() override {
-    if (!kSyncPointsCompiled) return;
-    EXPECT_EQ(sp_->timeouts(), 0u) << "a sync point wait reached its deadline";
-    sp_->DisableProcessing();
-    if (engine_ != nullptr) engine_->Shutdown(absl::Seconds(5));
-    engine_.reset();
-    sp_->EndTest();
-  }
   absl::Status StepDone(const std::string& job, uint64_t gen, uint64_t step) {
-    StepReport report;
-    report.rank = RankRef{job, 0, gen};
-    report.step = step;
-    return engine_->StepDone(report, owner_);
+    return GpuSyncFixture::StepDone(RankRef{job, 0, gen}, step);
   }
   absl::StatusOr<uint64_t> WaitDurable(const std::string& job, uint64_t gen, uint64_t step) {
     return engine_->WaitDurable(RankRef{job, 0, gen}, step, owner_, absl::Now() + kWait);
@@ -178,23 +144,9 @@ class GpuPoisonTest : public ::testing::Test {
     // And the snapshot thread is done with them.
     ASSERT_TRUE(sp_->WaitForPasses("snapshot.after_publish", 2, absl::Now() + kWait));
   }
-  static void ExpectPoisonReason(const absl::Status& s) {
-    CKPT_EXPECT_CODE(s, kFailedPrecondition);
-    EXPECT_NE(std::string(s.message()).find(kUuid), std::string::npos) << s;
-    EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
-  }
 
-  SyncPoint* const sp_ = SyncPoint::GetInstance();
-  TempDir tmp_;
-  FakeCudaIpc ipc_;
-  Metrics metrics_;
-  std::unique_ptr<StagingPool> pool_;
-  std::unique_ptr<Index> index_;
-  std::unique_ptr<LayerStore> store_;
-  std::unique_ptr<Engine> engine_;
   GpuLayers a_, b_, c_;
   uint64_t gen_a_ = 0, gen_b_ = 0;
-  const Caller owner_{1000, 0};
 };
 
 // One illegal access in a copy of rank a poisons ckptd's context on the

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "daemon/engine/registration.h"
 #include "daemon/gpu/cuda_ipc.h"
+#include "daemon/gpu/ipc_memory.h"
 #include "daemon/rpc/convert.h"
 #include "gtest/gtest.h"
 #include "kernels/drift.h"
@@ -293,6 +294,25 @@ inline v1::RegisterRequest GpuRequest(const std::string& job, uint64_t first_id 
     t->set_offset(l == 1 ? kFloats * 4 : 0);
   }
   return req;
+}
+
+// Allocations 1 (4096 bytes, returned in *first) and 2 (8192 bytes), opened
+// as TwoRegions() with `options`.
+inline absl::StatusOr<std::unique_ptr<GpuMemory>> OpenTwo(FakeCudaIpc* ipc,
+                                                          GpuMemoryOptions options,
+                                                          char** first = nullptr) {
+  char* a = ipc->Allocate(1, 4096);
+  if (first != nullptr) *first = a;
+  ipc->Allocate(2, 8192);
+  return GpuMemory::Open(GpuHandoverOf(TwoRegions()), ipc, options);
+}
+
+// `s` refuses with the poisoned device's reason: FAILED_PRECONDITION naming
+// the GPU and the restart that recovers it.
+inline void ExpectPoisonReason(const absl::Status& s) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(std::string(s.message()).find(kUuid), std::string::npos) << s;
+  EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
 }
 
 inline float Value(uint32_t layer, uint64_t i, uint64_t step) {

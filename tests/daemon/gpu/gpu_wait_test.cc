@@ -22,6 +22,7 @@
 #include "daemon/io/file_system.h"
 #include "daemon/metrics/metrics.h"
 #include "gtest/gtest.h"
+#include "tests/daemon/gpu/gpu_engine_fixture.h"
 #include "tests/daemon/gpu/gpu_test_util.h"
 #include "tests/lib/io_test_util.h"
 #include "tests/lib/test_util.h"
@@ -30,10 +31,6 @@ namespace ckpt {
 namespace gpu_test {
 namespace {
 
-using ::ckpt::testing::MakeTestPool;
-using ::ckpt::testing::TempDir;
-
-constexpr absl::Duration kWait = absl::Seconds(30);
 constexpr uint64_t kStuckFirst = 1;  // handle ids of the stuck rank's allocations
 constexpr uint64_t kStuckEvent = 901;
 constexpr uint64_t kLiveFirst = 11;
@@ -50,16 +47,11 @@ struct GpuRank {
   GpuLayers mem;
 };
 
-class GpuWaitTest : public ::testing::Test {
+class GpuWaitTest : public GpuSyncFixture {
  protected:
   void SetUp() override {
-    if (!kSyncPointsCompiled) GTEST_SKIP() << "built without CKPT_KILL_POINTS: no sync points";
-    sp_->StartTest(kWait);
-    pool_ = MakeTestPool(64 << 10, 64);
-    ASSERT_NE(pool_, nullptr);
-    CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
-    store_ = std::make_unique<LayerStore>(tmp_.path(), DefaultFileSystem(), index_.get(), true);
-    CKPT_ASSERT_OK(store_->Init());
+    GpuSyncFixture::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
     stuck_ = GpuRank{"stuck", kStuckFirst, kStuckEvent};
     live_ = GpuRank{"live", kLiveFirst, kLiveEvent};
     for (GpuRank* r : {&stuck_, &live_}) {
@@ -67,30 +59,15 @@ class GpuWaitTest : public ::testing::Test {
       ipc_.AddEvent(r->event_id);
     }
   }
-  void TearDown() override {
-    if (!kSyncPointsCompiled) return;
-    EXPECT_EQ(sp_->timeouts(), 0u) << "a sync point wait reached its deadline";
-    sp_->DisableProcessing();
-    if (engine_ != nullptr) engine_->Shutdown(absl::Seconds(5));
-    engine_.reset();
-    sp_->EndTest();
-  }
-
   // One snapshot thread (the default) for both ranks; `gpu_wait_timeout`
   // bounds the wait for a step's event (on the simulated clock) and for
   // ckptd's own copies (in real time).
   void StartEngine(absl::Duration gpu_wait_timeout, int snapshot_threads = 1) {
-    EngineOptions o;
-    o.data_dir = tmp_.path();
-    o.writer_threads = 1;
+    EngineOptions o = BaseOptions();
     o.snapshot_threads = snapshot_threads;
-    o.io_backend = IoBackendKind::kPwrite;
-    o.cuda_ipc = &ipc_;
     o.clock = &clock_;
-    o.metrics = &metrics_;
     o.gpu_wait_timeout = gpu_wait_timeout;
-    engine_ = std::make_unique<Engine>(o, index_.get(), store_.get(), pool_.get());
-    CKPT_ASSERT_OK(engine_->Start());
+    GpuSyncFixture::StartEngine(o);
     for (GpuRank* r : {&stuck_, &live_}) {
       CKPT_ASSERT_OK_AND_ASSIGN(
           Registered reg,
@@ -101,10 +78,7 @@ class GpuWaitTest : public ::testing::Test {
 
   static RankRef Ref(const GpuRank& r) { return RankRef{r.job, 0, r.generation}; }
   absl::Status StepDone(const GpuRank& r, uint64_t step) {
-    StepReport report;
-    report.rank = Ref(r);
-    report.step = step;
-    return engine_->StepDone(report, owner_);
+    return GpuSyncFixture::StepDone(Ref(r), step);
   }
   absl::StatusOr<SnapshotTaken> WaitSnapshot(const GpuRank& r, uint64_t step,
                                              absl::Duration timeout = kWait) {
@@ -133,17 +107,8 @@ class GpuWaitTest : public ::testing::Test {
     }
   }
 
-  SyncPoint* const sp_ = SyncPoint::GetInstance();
-  TempDir tmp_;
-  FakeCudaIpc ipc_;
   SimulatedClock clock_{absl::Now()};
-  Metrics metrics_;
-  std::unique_ptr<StagingPool> pool_;
-  std::unique_ptr<Index> index_;
-  std::unique_ptr<LayerStore> store_;
-  std::unique_ptr<Engine> engine_;
   GpuRank stuck_, live_;
-  const Caller owner_{1000, 0};
 };
 
 // Regression: the only snapshot thread blocked in cudaStreamSynchronize on
