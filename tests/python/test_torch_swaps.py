@@ -211,9 +211,14 @@ def unplaced(daemon):
     guard.watch(entries, [])
     model[0].weight.data = model[0].weight.data.clone()
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    moved = guard.check()
-    check(moved and all(e.tensor is opt.state[p]["exp_avg"] for e, (_, p) in
-                        zip(entries[len(named):], named)) and guard.check() is False,
+    def followed():
+        return all(e.tensor is opt.state[p]["exp_avg"]
+                   for e, (_, p) in zip(entries[len(named):], named))
+
+    guard.check()
+    after_one = followed()
+    guard.check()  # and, checked again, nothing more moves
+    check(after_one and followed(),
           "unplaced entries follow moved tensors (parameters and loaded optimizer state)")
 
 
@@ -283,21 +288,26 @@ def pending_then_restore_or_close(root):
         "CKPT_DELAY_AT": "snapshot.before_copy:60000:2", "CKPT_DELAY_LOG": log,
         "CKPT_DELAY_UNTIL": release}).start()
 
-    def release_when_held():
-        harness.wait_for(lambda: os.path.exists(log), 30, "ckptd held at step 2's copy")
-        open(release, "w").close()
-
-    try:
+    def attached_with_a_step_pending(job):
+        """Two scaled steps, the second without its update()."""
         model, opt = build(1)
         scaler = torch.amp.GradScaler("cpu")
-        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="pending",
+        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=job,
                                 scaler=scaler)
         for i in range(2):
             opt.zero_grad()
             scaler.scale(model(batch(i)).pow(2).mean()).backward()
             scaler.step(opt)
             if i == 0:
-                scaler.update()  # step 2's update() never comes
+                scaler.update()
+        return model, opt, run
+
+    def release_when_held():
+        harness.wait_for(lambda: os.path.exists(log), 30, "ckptd held at step 2's copy")
+        open(release, "w").close()
+
+    try:
+        _, _, run = attached_with_a_step_pending("pending")
         releaser = threading.Thread(target=release_when_held)
         releaser.start()
         restored = run.restore()
@@ -306,16 +316,7 @@ def pending_then_restore_or_close(root):
               "restore() with a step pending: reported, copied, then restored (step %d)"
               % restored.target_step)
         run.close()
-        model, opt = build(1)
-        scaler = torch.amp.GradScaler("cpu")
-        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="pending-close",
-                                scaler=scaler)
-        for i in range(2):
-            opt.zero_grad()
-            scaler.scale(model(batch(i)).pow(2).mean()).backward()
-            scaler.step(opt)
-            if i == 0:
-                scaler.update()
+        model, opt, run = attached_with_a_step_pending("pending-close")
         daemon.stop()
         try:
             run.close()

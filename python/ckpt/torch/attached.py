@@ -160,9 +160,9 @@ class Attached:
                 self._agreement.join()
             self.client.wait_snapshot(self._step)  # the fence: step t-1 is copied
             self._fence_wait_s.append(time.perf_counter() - t0)
-        # ckptd has finished reading: move back what moved (guard.py).
-        if self._guard.check():
-            self._counter.read(self._layout.trained())
+        # ckptd has finished reading: move back what moved (guard.py). Step
+        # counts follow replaced optimizer state by themselves (hooks.py).
+        self._guard.check()
 
     def _refuse_capture(self) -> None:
         if gpu.capturing():
@@ -173,7 +173,7 @@ class Attached:
                 "(capture the forward and backward only), or do not attach this run")
 
     def _post_step(self) -> None:
-        self._refuse_capture()
+        # (A captured step was refused by the pre-step hook already.)
         if not self._registered:
             self._register()  # the optimizer state exists now, counting this step
         else:

@@ -31,20 +31,39 @@ Used by one thread (the training loop's)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .layout import DTYPE_NAMES, Entry, is_dtensor, local
 
 
-class _Watched(NamedTuple):
-    entry: Entry
-    name: str
-    source: tuple
-    registered: torch.Tensor  # as registered (holds the storage allocated)
-    moves_with_base: bool     # an FSDP2 shard viewing its padded base: never repaired
-    frozen: bool              # written once: repaired only with the same values
+class _Watched:
+    """One registered tensor, and what check() compares it with."""
+    __slots__ = ("entry", "source", "registered", "moves_with_base", "frozen", "holder", "key",
+                 "found", "ptr", "dtensor")
+
+    def __init__(self, entry: Entry, frozen: bool, holder: Optional[dict], key: str):
+        self.entry = entry
+        self.source = entry.source
+        self.registered = entry.tensor.detach()  # as registered (holds the storage allocated)
+        self.moves_with_base = entry.base is not None  # an FSDP2 shard: never repaired
+        self.frozen = frozen  # written once: repaired only with the same values
+        # Where it is found (a module's _parameters, or the optimizer state
+        # of its parameter, and its key there), the object found there and
+        # the data pointer ckptd reads.
+        self.holder = holder
+        self.key = key
+        self.ptr = entry.tensor.data_ptr()
+        self.follow(holder.get(key) if holder is not None else None)
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def follow(self, obj: Optional[Any]) -> None:
+        self.found = obj
+        self.dtensor = is_dtensor(obj)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -62,70 +81,53 @@ class StorageGuard:
         self._optimizer = optimizer
         self._job_id = job_id
         self._watched: List[_Watched] = []
-        # Per watched tensor, what check() compares, looked up once: the
-        # dict that holds it (a module's _parameters, or the optimizer state
-        # of its parameter), its key there, the object found, its data
-        # pointer as registered, and whether it is a DTensor.
-        self._fast: List[list] = []
         self._params: Dict[str, torch.nn.Parameter] = {}
 
     def watch(self, entries: List[Entry], frozen_layers: List[str]) -> None:
         """`entries` were just registered (placed where ckptd reads them)."""
         frozen = set(frozen_layers)
         self._params = dict(self._model.named_parameters())
-        self._watched, self._fast = [], []
+        self._watched = []
         for e in entries:
             if e.source is None or e.source[0] == "buffer":
                 continue  # a pad, or a buffer (buffers.py mirrors those)
-            w = _Watched(e, e.name, e.source, e.tensor.detach(), e.base is not None,
-                         e.layer in frozen)
-            holder, key = self._holder(w.source)
-            obj = holder.get(key) if holder is not None else None
-            self._watched.append(w)
-            self._fast.append([holder, key, obj, e.tensor.data_ptr(), is_dtensor(obj)])
+            if e.source[0] == "param":
+                path, _, leaf = e.source[1].rpartition(".")
+                module = self._model.get_submodule(path) if path else self._model
+                holder, key = module._parameters, leaf
+            else:
+                holder, key = self._state_of(e.source[1]), e.source[2]
+            self._watched.append(_Watched(e, e.layer in frozen, holder, key))
 
-    def _holder(self, source: tuple) -> Tuple[Optional[dict], str]:
-        """The dict that holds the source's tensor now, and its key there."""
-        if source[0] == "param":
-            path, _, leaf = source[1].rpartition(".")
-            module = self._model.get_submodule(path) if path else self._model
-            return module._parameters, leaf
-        param = self._params.get(source[1])
-        return (self._optimizer.state.get(param) if param is not None else None), source[2]
+    def _state_of(self, param_name: str) -> Optional[dict]:
+        param = self._params.get(param_name)
+        return self._optimizer.state.get(param) if param is not None else None
 
-    def check(self) -> bool:
+    def check(self) -> None:
         """Repairs moved storage, refuses what cannot be repaired (see the
-        module's doc). Returns True when optimizer state was repaired (its
-        step counts may have changed with it)."""
-        state_moved = False
-        state = self._optimizer.state
-        for i, f in enumerate(self._fast):
-            holder, key, found, ptr, dtensor = f
-            w = self._watched[i]
+        module's doc)."""
+        states: Dict[str, Optional[dict]] = {}  # each parameter's state, looked up once
+        for w in self._watched:
             if w.source[0] == "state":
-                # optimizer.load_state_dict() makes new per-parameter dicts
-                # (their step counts are new too, even where a state tensor
-                # came through unchanged).
-                holder = state.get(self._params.get(w.source[1]))
-                if holder is not f[0]:
-                    f[0] = holder
-                    state_moved = True
-            obj = holder.get(key) if holder is not None else None
-            if obj is found and obj is not None and \
-                    (obj._local_tensor if dtensor else obj).data_ptr() == ptr:
+                # optimizer.load_state_dict() makes new per-parameter dicts.
+                name = w.source[1]
+                if name not in states:
+                    states[name] = self._state_of(name)
+                w.holder = states[name]
+            obj = w.holder.get(w.key) if w.holder is not None else None
+            if obj is w.found and obj is not None and \
+                    (obj._local_tensor if w.dtensor else obj).data_ptr() == w.ptr:
                 continue
-            self._repair(i, w, obj)
-            state_moved |= w.source[0] == "state"
-        return state_moved
+            self._repair(w, obj)
 
-    def _repair(self, i: int, w: _Watched, obj: Optional[Any]) -> None:
+    def _repair(self, w: _Watched, obj: Optional[Any]) -> None:
         where = "parameter" if w.source[0] == "param" else "optimizer state"
         fix = (f"close() the run and attach() the model and optimizer as they are now to a new "
                f"job (job '{self._job_id}' keeps its checkpoints)")
         if obj is None:
             raise RuntimeError(f"{where} '{w.name}' registered with ckptd is no longer in the "
                                f"{'model' if w.source[0] == 'param' else 'optimizer'}: {fix}")
-        if w.source[0] == "param" and obj is not self._fast[i][2]:
+        if w.source[0] == "param" and obj is not w.found:
             raise RuntimeError(
                 f"parameter '{w.name}' was replaced by a new Parameter object (as "
                 "load_state_dict(assign=True) or assigning a module attribute does); the "
@@ -151,13 +153,12 @@ class StorageGuard:
             # nothing reads the old storage, so follow the tensor, which a
             # restore's broadcast then writes into.
             w.entry.tensor = cur
-            self._fast[i][2:] = [obj, cur.data_ptr(), is_dtensor(obj)]
-            return
-        if view.data_ptr() != self._fast[i][3] or view.dtype != cur.dtype or \
-                view.shape != cur.shape:  # pragma: no cover - the memory moved itself
-            raise RuntimeError(f"{where} '{w.name}': ckptd's registered memory moved: {fix}")
-        with torch.no_grad():
-            view.copy_(cur)
-            cur.data = view  # back into the registered storage, keeping its identity
-        self._fast[i][2] = obj
-        self._fast[i][4] = is_dtensor(obj)
+            w.ptr = cur.data_ptr()
+        else:
+            if view.data_ptr() != w.ptr or view.dtype != cur.dtype or \
+                    view.shape != cur.shape:  # pragma: no cover - the memory moved itself
+                raise RuntimeError(f"{where} '{w.name}': ckptd's registered memory moved: {fix}")
+            with torch.no_grad():
+                view.copy_(cur)
+                cur.data = view  # back into the registered storage, keeping its identity
+        w.follow(obj)

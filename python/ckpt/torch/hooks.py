@@ -140,20 +140,19 @@ class StepCounter:
         self._trained: List[Param] = []
         self._counts: List[int] = []
         # Where count() finds each count, sorted once by read(): the state
-        # dicts of parameters whose step is a tensor on the host, a tensor
-        # on a device, or a number, by index into _trained. count() reads
+        # dicts of parameters whose step is kept on the host (a CPU tensor or
+        # a number) or on a device, by index into _trained. count() reads
         # st["step"] each time: an optimizer may rebind it.
         self._host: List[Tuple[int, dict]] = []
         self._device: List[Tuple[int, dict]] = []
-        self._numbers: List[Tuple[int, dict]] = []
         self._canary: Optional[Tuple[torch.nn.Parameter, dict]] = None
 
     def read(self, trained: List[Param]) -> None:
         """Counts `trained` (the parameters the optimizer steps) from now on,
-        starting from the optimizer's own counts. Called again whenever the
-        optimizer's state dicts may have been replaced (guard.py)."""
+        starting from the optimizer's own counts (and again by count() when
+        optimizer.load_state_dict() replaced the state dicts)."""
         self._trained = trained
-        self._counts, self._host, self._device, self._numbers = [], [], [], []
+        self._counts, self._host, self._device = [], [], []
         self._canary = None
         for i, (_, p, _) in enumerate(trained):
             st = self._optimizer.state.get(p, {})
@@ -161,10 +160,9 @@ class StepCounter:
                 self._canary = (p, st)  # optimizer.load_state_dict() replaces every dict
             s = st.get("step")
             self._counts.append(-1 if s is None else int(s.item() if torch.is_tensor(s) else s))
-            if torch.is_tensor(s):
-                (self._host if s.device.type == "cpu" else self._device).append((i, st))
-            elif s is not None:
-                self._numbers.append((i, st))
+            if s is not None:
+                on_device = torch.is_tensor(s) and s.device.type != "cpu"
+                (self._device if on_device else self._host).append((i, st))
 
     @property
     def on_device(self) -> bool:
@@ -200,9 +198,6 @@ class StepCounter:
             for i, _ in self._device:
                 if self._trained[i][1].grad is not None:
                     self._counts[i] += 1
-        for i, st in self._numbers:
-            if st.get("step") is not None:
-                self._counts[i] = int(st["step"])
 
     def group_steps(self) -> List[Tuple[int, int]]:
         """(group, step count) from the first parameter of each group that
