@@ -5,6 +5,7 @@ import atexit
 import base64
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -279,6 +280,22 @@ def stop_dcp_process():
         except Exception:  # noqa: BLE001 - best effort at the end of a run
             pass
         ape._CHECKPOINT_PROCESS = None
+
+
+def other_uids_unavailable(python_client=False):
+    """Why a test that runs processes as other uids (through setpriv, as
+    root) cannot run here, or None. With `python_client`, the Python client
+    must be built too (the sanitizer builds do not build it)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return "needs root and setpriv"
+    if python_client:
+        probe = subprocess.run([sys.executable, "-c", "import ckpt"], capture_output=True,
+                               text=True, env=dict(os.environ,
+                                                   PYTHONPATH=os.path.join(BUILD, "python")))
+        if probe.returncode != 0:
+            return ("the Python client is not built here: " +
+                    (probe.stderr.strip().splitlines() or ["?"])[-1])
+    return None
 
 
 def tempdir(prefix):

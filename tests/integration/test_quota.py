@@ -65,16 +65,9 @@ def as_user(uid, cmd, **kw):
 
 
 def main():
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        print("skipping: needs root and setpriv")
-        return 77
-    # The flooder drives ckptd through the Python client, which the sanitizer
-    # builds do not build.
-    probe = subprocess.run([sys.executable, "-c", "import ckpt"], capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=os.path.join(harness.BUILD, "python")))
-    if probe.returncode != 0:
-        print("skipping: the Python client is not built here: " +
-              (probe.stderr.strip().splitlines() or ["?"])[-1])
+    unavailable = harness.other_uids_unavailable(python_client=True)
+    if unavailable:
+        print("skipping: " + unavailable)
         return 77
     root = harness.tempdir("ckpt-quota-")
     os.chmod(root, 0o750)

@@ -131,8 +131,9 @@ def evicted_squatter(d):
 
 
 def main():
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        print("skipping: needs root and setpriv")
+    unavailable = harness.other_uids_unavailable()
+    if unavailable:
+        print("skipping: " + unavailable)
         return 77
     root = harness.tempdir("ckpt-life-")
     d = harness.Daemon(os.path.join(root, "d"), extra=["--gc_interval_s=0"])

@@ -79,15 +79,11 @@ def victim_round(d, what, n):
 
 
 def main():
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        print("skipping: needs root and setpriv")
+    unavailable = harness.other_uids_unavailable(python_client=True)
+    if unavailable:
+        print("skipping: " + unavailable)
         return 77
     client_dir = os.path.join(harness.BUILD, "python")
-    probe = subprocess.run([sys.executable, "-c", "import ckpt"], capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=client_dir))
-    if probe.returncode != 0:
-        print("skipping: the Python client is not built here")
-        return 77
     root = harness.tempdir("ckpt-tables-")
     os.chmod(root, 0o755)
     d = harness.Daemon(os.path.join(root, "d"), extra=[
