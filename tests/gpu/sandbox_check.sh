@@ -117,6 +117,15 @@ wait_gone() {
   for ((i = 0; i < $2 * 10; i++)); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
   return 1
 }
+# wait_for_socket PID: until ckptd's socket exists, PID exits, or the
+# step's deadline.
+wait_for_socket() {
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    [ -S "$sock" ] && return 0
+    kill -0 "$1" 2>/dev/null || return 0
+    sleep 0.1
+  done
+}
 # bg CMD...: CMD in the background, waited for: a SIGTERM or SIGINT to this
 # shell runs its trap at once instead of after CMD (bash defers traps while
 # a foreground command runs, and timeout puts CMD in a group of its own).
@@ -309,11 +318,7 @@ start_systemd() {
       </dev/null >>"$logs/sandbox_ckptd.log" 2>&1 &
     runner_pid=$!
     mode=systemd
-    while [ "$SECONDS" -lt "$deadline" ]; do
-      [ -S "$sock" ] && break
-      kill -0 "$runner_pid" 2>/dev/null || break
-      sleep 0.1
-    done
+    wait_for_socket "$runner_pid"
     if [ -S "$sock" ]; then
       applied+=("systemd-run with the ${#props[@]} [Service] settings of deploy/systemd/ckptd.service" \
                 "(User=/Group= $duid, RuntimeDirectory=/StateDirectory= $name; TimeoutStartSec= and TimeoutStopSec=5 sized to the step)")
@@ -437,11 +442,7 @@ start_by_hand() {
     daemon_pid=$!
   fi
   mode=hand
-  while [ "$SECONDS" -lt "$deadline" ]; do
-    [ -S "$sock" ] && break
-    kill -0 "$daemon_pid" 2>/dev/null || break
-    sleep 0.1
-  done
+  wait_for_socket "$daemon_pid"
   [ -S "$sock" ] || { echo "sandbox: ckptd did not start by hand:"; tail -n 8 "$logs/sandbox_ckptd.log" | sed 's/^/  /'; return 1; }
   if command -v setpriv >/dev/null; then
     applied+=("User=/Group= $duid, NoNewPrivileges=yes, CapabilityBoundingSet= and AmbientCapabilities= empty (setpriv)")
