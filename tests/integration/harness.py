@@ -298,6 +298,20 @@ def other_uids_unavailable(python_client=False):
     return None
 
 
+def model_state(model, opt):
+    """Copies of every parameter of `model`, its optimizer state in `opt`
+    (step counts too) and every buffer, in order: what a restore must give
+    back exactly."""
+    import torch
+    out = []
+    for p in model.parameters():
+        out.append(p.detach().clone())
+        for _, v in sorted(opt.state.get(p, {}).items()):
+            out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
+    out += [b.detach().clone() for b in model.buffers()]
+    return out
+
+
 def tempdir(prefix):
     return tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("CKPT_TEST_TMP", "/tmp"))
 

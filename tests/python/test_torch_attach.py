@@ -232,18 +232,6 @@ class StoredAs(nn.Module):
         return x @ self.weight.float().t() + self.bias.float()
 
 
-def state_tensors(model, opt):
-    """Every parameter, its optimizer state and the step counts, in order."""
-    out = []
-    for p in model.parameters():
-        out.append(p.detach().clone())
-        for k, v in sorted(opt.state.get(p, {}).items()):
-            out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
-    for b in model.buffers():
-        out.append(b.detach().clone())
-    return out
-
-
 def train_steps(model, opt, n, seed=0):
     for i in range(n):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed + i))
@@ -259,12 +247,12 @@ def round_trip(daemon, name, build, steps=5):
     run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=name)
     train_steps(model, opt, steps)
     run.wait_durable()
-    want = state_tensors(model, opt)
+    want = harness.model_state(model, opt)
     run.close()
     model2, opt2 = build(2)  # other weights: the restore must overwrite them
     run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id=name)
     restored = run2.restore()
-    got = state_tensors(model2, opt2)
+    got = harness.model_state(model2, opt2)
     run2.close()
     return want, got, restored, model2, opt2
 
@@ -598,13 +586,13 @@ def lora(daemon):
     check(adapters <= per_step < adapters * 1.2,
           "bytes per step after the base (%.0f) are the adapters' share (%d of %d)"
           % (per_step, adapters, frozen + adapters))
-    want = state_tensors(model, opt)
+    want = harness.model_state(model, opt)
     run.close()
     model2, opt2 = build(2)
     run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="lora")
     restored = run2.restore()
     check(restored.target_step == 11 and
-          all(torch.equal(a, b) for a, b in zip(state_tensors(model2, opt2), want)),
+          all(torch.equal(a, b) for a, b in zip(harness.model_state(model2, opt2), want)),
           "the LoRA run restores exactly (base from step %d, adapters from step %d)"
           % (min(l.step for l in restored.layers if l.frozen),
              max(l.step for l in restored.layers)))

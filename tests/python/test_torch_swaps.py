@@ -59,17 +59,6 @@ def train(model, opt, first, n):
         opt.step()
 
 
-def state_of(model, opt):
-    """Every parameter, its optimizer state (step counts too), every buffer."""
-    out = []
-    for p in model.parameters():
-        out.append(p.detach().clone())
-        for _, v in sorted(opt.state.get(p, {}).items()):
-            out.append(v.detach().clone() if torch.is_tensor(v) else torch.tensor(v))
-    out += [b.detach().clone() for b in model.buffers()]
-    return out
-
-
 def equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -78,7 +67,7 @@ def restored_state(daemon, job, **kw):
     model, opt = build(2, **kw)  # other weights: the restore must overwrite them
     run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=job)
     restored = run.restore()
-    got = state_of(model, opt)
+    got = harness.model_state(model, opt)
     run.close()
     return restored, got
 
@@ -98,7 +87,7 @@ def swapped(daemon):
         swap(model, opt)
         train(model, opt, 3, 3)
         durable = run.wait_durable()
-        want = state_of(model, opt)
+        want = harness.model_state(model, opt)
         run.close()
         restored, got = restored_state(daemon, "swap-" + name)
         check(durable == 6 and restored.target_step == 6 and equal(got, want),
@@ -109,10 +98,10 @@ def swapped(daemon):
     run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="swap-restore")
     train(model, opt, 0, 3)
     run.wait_durable()
-    want = state_of(model, opt)
+    want = harness.model_state(model, opt)
     model[0].weight.data = torch.zeros_like(model[0].weight)
     run.restore()
-    check(equal(state_of(model, opt), want),
+    check(equal(harness.model_state(model, opt), want),
           "restore after `p.data = zeros`: the live weight gets the checkpoint")
     train(model, opt, 3, 1)  # and training goes on attached
     check(run.wait_durable() == 4, "training went on after that restore")
@@ -127,14 +116,14 @@ def refused(daemon):
     opt.zero_grad()
     model(batch(2)).pow(2).mean().backward()
     model.half()  # the gradients too: the step would change the weights
-    before = state_of(model, opt)
+    before = harness.model_state(model, opt)
     try:
         opt.step()
         check(False, "model.half() after registration refused")
     except RuntimeError as e:
         check("'0.weight'" in str(e) and "F16" in str(e) and "F32" in str(e),
               "model.half(): refused naming the tensor and both dtypes (%s)" % str(e)[:90])
-    check(equal(state_of(model, opt), before), "... before the step changed anything")
+    check(equal(harness.model_state(model, opt), before), "... before the step changed anything")
     run.close(drain=False)
 
     model, opt = build(1)
@@ -172,7 +161,7 @@ def scaled(daemon):
         for i in range(7):
             iteration(model, opt, scaler, i)
         run.wait_durable()
-        want, want_scaler = state_of(model, opt), scaler.state_dict()
+        want, want_scaler = harness.model_state(model, opt), scaler.state_dict()
         run.close()
         steps = int(opt.state[model[0].weight]["step"])
 
@@ -181,7 +170,7 @@ def scaled(daemon):
         run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id=job,
                                  scaler=scaler2)
         run2.restore()
-        check(steps == 6 and equal(state_of(model2, opt2), want),
+        check(steps == 6 and equal(harness.model_state(model2, opt2), want),
               "%s AdamW, inf gradient at 4 of 7: the optimizer's step count (%d) and state "
               "restored" % (name, steps))
         check(scaler2.state_dict() == want_scaler,
@@ -189,7 +178,7 @@ def scaled(daemon):
         for i in range(7, 10):
             iteration(model, opt, scaler, i)
             iteration(model2, opt2, scaler2, i)
-        check(equal(state_of(model2, opt2), state_of(model, opt)),
+        check(equal(harness.model_state(model2, opt2), harness.model_state(model, opt)),
               "%s: three steps after the restore equal the original run's bit for bit" % name)
         run2.close()
 
@@ -237,14 +226,14 @@ def scaler_not_updated(daemon):
             model(batch(i)).pow(2).mean().backward()
             opt.step()
             if i == k - 1:
-                want = state_of(model, opt)
+                want = harness.model_state(model, opt)
     run.close()  # reports step k + 1
     warned = [w for w in caught if "was not updated" in str(w.message)]
     model2, opt2 = build(2, batchnorm=True)
     run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="scaler-missed",
                              scaler=torch.amp.GradScaler("cpu"))
     restored = run2.restore(step=k)
-    got = state_of(model2, opt2)
+    got = harness.model_state(model2, opt2)
     run2.close()
     check(len(warned) == 1, "a scaler never updated: warned once (%d)" % len(warned))
     check(restored.target_step == k and equal(got, want),
@@ -342,7 +331,7 @@ def batchnorm(root):
         model, opt = build(1, batchnorm=True)
         run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="bn")
         train(model, opt, 0, k)
-        want = state_of(model, opt)
+        want = harness.model_state(model, opt)
         harness.wait_for(lambda: os.path.exists(log) and "snapshot.before_copy" in open(log).read(),
                          30, "ckptd held before copying step %d" % k)
         model(batch(k)).pow(2).mean().backward()  # changes the running statistics
