@@ -105,7 +105,7 @@ absl::Status ConnectUnix(int sock, const std::string& path) {
 }
 
 absl::StatusOr<std::string> HandOverFds(const std::string& socket_path, absl::Span<const int> fds,
-                                        absl::Duration timeout) {
+                                        absl::Duration timeout, HandoverKind kind) {
   if (fds.empty() || fds.size() > kMaxHandoverFds) {
     return absl::InvalidArgumentError(
         absl::StrCat("handover takes 1..", kMaxHandoverFds, " regions, got ", fds.size()));
@@ -116,7 +116,8 @@ absl::StatusOr<std::string> HandOverFds(const std::string& socket_path, absl::Sp
   if (absl::Status s = ConnectUnix(sock.get(), socket_path); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("ckptd handover socket ", s.message()));
   }
-  HandoverHeader h{kHandoverMagic, static_cast<uint32_t>(fds.size())};
+  HandoverHeader h{kind == HandoverKind::kCudaPages ? kHandoverMagicCudaPages : kHandoverMagic,
+                   static_cast<uint32_t>(fds.size())};
   if (absl::Status s = SendWithFds(sock.get(), &h, sizeof(h), fds); !s.ok()) {
     // The daemon went away mid-handover (EPIPE, ECONNRESET) or stalled.
     return absl::UnavailableError(absl::StrCat("handover to ckptd: ", s.message()));

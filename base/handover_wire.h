@@ -28,7 +28,15 @@
 namespace ckpt {
 
 inline constexpr uint32_t kHandoverMagic = 0x31484B43;  // "CKH1"
-inline constexpr size_t kMaxHandoverFds = 250;          // below SCM_MAX_FD
+// The header's magic of a handover of CUDA page descriptors (GPU memory of
+// the virtual memory management API, exported with
+// cuMemExportToShareableHandle) instead of memfd regions. Such descriptors
+// may share one anonymous inode, so the one-descriptor-per-file check of
+// memfd regions does not apply; a token names one kind, and a claim of the
+// other kind is refused. The reply's magic is kHandoverMagic for both.
+inline constexpr uint32_t kHandoverMagicCudaPages = 0x31474B43;  // "CKG1"
+enum class HandoverKind { kMemfdRegions, kCudaPages };
+inline constexpr size_t kMaxHandoverFds = 250;  // below SCM_MAX_FD
 inline constexpr size_t kHandoverTokenBytes = 16;
 
 struct HandoverHeader {
@@ -57,7 +65,8 @@ absl::Status RecvWithFds(int sock, void* data, size_t len, std::vector<UniqueFd>
 // refusal keeps the daemon's code, with the message prefixed "ckptd refused
 // the handover: ".
 absl::StatusOr<std::string> HandOverFds(const std::string& socket_path, absl::Span<const int> fds,
-                                        absl::Duration timeout);
+                                        absl::Duration timeout,
+                                        HandoverKind kind = HandoverKind::kMemfdRegions);
 
 // Sets SO_RCVTIMEO and SO_SNDTIMEO.
 absl::Status SetSocketTimeout(int sock, absl::Duration timeout);

@@ -59,6 +59,18 @@ HandoverClaim& HandoverClaim::operator=(HandoverClaim&& other) noexcept {
   return *this;
 }
 
+void HandoverClaim::Absorb(HandoverClaim&& other) {
+  if (server_ == nullptr) {
+    *this = std::move(other);
+    return;
+  }
+  // Same server and uid: one Release gives back both counts.
+  counted_ += std::exchange(other.counted_, 0);
+  other.server_ = nullptr;
+  for (UniqueFd& fd : other.fds_) fds_.push_back(std::move(fd));
+  other.fds_.clear();
+}
+
 void HandoverClaim::Release() {
   fds_.clear();  // closes what the caller did not take
   if (server_ != nullptr && counted_ > 0) server_->ReleaseFds(uid_, counted_);
@@ -296,7 +308,7 @@ bool HandoverServer::Serve(Conn& conn) {
     Refuse(conn.fd.get(), s);
     return true;
   }
-  if (h.magic != kHandoverMagic) {
+  if (h.magic != kHandoverMagic && h.magic != kHandoverMagicCudaPages) {
     fds.clear();
     Refuse(conn.fd.get(), absl::InvalidArgumentError("bad handover magic"));
     return true;
@@ -309,9 +321,13 @@ bool HandoverServer::Serve(Conn& conn) {
     return true;
   }
   // Each region once: two descriptors of one file in a message are refused,
-  // so one region cannot be multiplied into many table slots.
+  // so one region cannot be multiplied into many table slots. (CUDA page
+  // descriptors may share an anonymous inode; a page handed over twice
+  // costs only its own import, counted against the region limits.)
+  const HandoverKind kind =
+      h.magic == kHandoverMagic ? HandoverKind::kMemfdRegions : HandoverKind::kCudaPages;
   std::set<std::pair<dev_t, ino_t>> files;
-  for (size_t i = 0; i < fds.size(); ++i) {
+  for (size_t i = 0; kind == HandoverKind::kMemfdRegions && i < fds.size(); ++i) {
     struct stat st;
     absl::Status bad;
     if (::fstat(fds[i].get(), &st) != 0) {
@@ -328,7 +344,7 @@ bool HandoverServer::Serve(Conn& conn) {
       return true;
     }
   }
-  absl::StatusOr<std::string> token = AddPending(conn.uid, std::move(fds));
+  absl::StatusOr<std::string> token = AddPending(conn.uid, std::move(fds), kind);
   if (!token.ok()) {
     Refuse(conn.fd.get(), token.status());
     return true;
@@ -375,7 +391,8 @@ absl::Status HandoverServer::CheckLimitsLocked(uid_t uid, size_t nfds) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> HandoverServer::AddPending(uid_t uid, std::vector<UniqueFd> fds) {
+absl::StatusOr<std::string> HandoverServer::AddPending(uid_t uid, std::vector<UniqueFd> fds,
+                                                       HandoverKind kind) {
   std::string token(kHandoverTokenBytes, '\0');
   if (::getrandom(token.data(), token.size(), 0) != static_cast<ssize_t>(token.size())) {
     return ErrnoStatus(errno, "getrandom");
@@ -388,7 +405,7 @@ absl::StatusOr<std::string> HandoverServer::AddPending(uid_t uid, std::vector<Un
   u.pending += 1;
   u.fds += fds.size();
   fds_held_ += fds.size();
-  pending_[token] = Pending{uid, Now() + options_.token_ttl, std::move(fds)};
+  pending_[token] = Pending{uid, Now() + options_.token_ttl, std::move(fds), kind};
   return token;
 }
 
@@ -421,7 +438,8 @@ void HandoverServer::ExpireLocked() {
   }
 }
 
-absl::StatusOr<HandoverClaim> HandoverServer::Claim(const std::string& token, uid_t uid) {
+absl::StatusOr<HandoverClaim> HandoverServer::Claim(const std::string& token, uid_t uid,
+                                                    HandoverKind kind) {
   absl::MutexLock lock(&mu_);
   ExpireLocked();
   auto it = pending_.find(token);
@@ -430,6 +448,12 @@ absl::StatusOr<HandoverClaim> HandoverServer::Claim(const std::string& token, ui
   }
   if (it->second.uid != uid) {
     return absl::PermissionDeniedError("handover token belongs to another uid");
+  }
+  if (it->second.kind != kind) {
+    return absl::InvalidArgumentError(
+        kind == HandoverKind::kCudaPages
+            ? "a GPU page token names memfd regions, not CUDA page descriptors"
+            : "the handover token names CUDA page descriptors, not memfd regions");
   }
   HandoverClaim claim;
   claim.server_ = this;
@@ -440,6 +464,16 @@ absl::StatusOr<HandoverClaim> HandoverServer::Claim(const std::string& token, ui
   usage_[uid].pending -= 1;
   pending_.erase(it);
   return claim;
+}
+
+absl::StatusOr<HandoverClaim> HandoverServer::ClaimAll(absl::Span<const std::string> tokens,
+                                                       uid_t uid, HandoverKind kind) {
+  HandoverClaim all;
+  for (const std::string& token : tokens) {
+    CKPT_ASSIGN_OR_RETURN(HandoverClaim one, Claim(token, uid, kind));
+    all.Absorb(std::move(one));
+  }
+  return all;
 }
 
 size_t HandoverServer::pending() const {

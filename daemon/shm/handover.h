@@ -43,6 +43,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "base/handover_wire.h"
 #include "base/unique_fd.h"
 #include "daemon/common/accept_backoff.h"
 #include "daemon/common/clock.h"
@@ -88,12 +90,16 @@ class HandoverClaim final : public Holding {
   HandoverClaim& operator=(const HandoverClaim&) = delete;
 
   std::vector<UniqueFd>& fds() { return fds_; }
+
   // Moves the descriptors out; they stay counted until destruction.
   std::vector<UniqueFd> TakeFds() { return std::move(fds_); }
 
  private:
   friend class HandoverServer;
   void Release();
+  // Appends the descriptors of `other`, a claim of the same uid on the same
+  // server, which keep counting until this claim is destroyed.
+  void Absorb(HandoverClaim&& other);
 
   HandoverServer* server_ = nullptr;
   uid_t uid_ = 0;
@@ -129,7 +135,14 @@ class HandoverServer {
   // Returns the descriptors handed over under `token` by a process of `uid`.
   // NOT_FOUND for an unknown, expired or already claimed token;
   // PERMISSION_DENIED when it was handed over by another uid.
-  absl::StatusOr<HandoverClaim> Claim(const std::string& token, uid_t uid);
+  // INVALID_ARGUMENT when the token names descriptors of another kind.
+  absl::StatusOr<HandoverClaim> Claim(const std::string& token, uid_t uid,
+                                      HandoverKind kind = HandoverKind::kMemfdRegions);
+  // The descriptors of several tokens (a GPU registration's page batches)
+  // as one claim, in token order; the first refusal releases what was
+  // claimed before it.
+  absl::StatusOr<HandoverClaim> ClaimAll(absl::Span<const std::string> tokens, uid_t uid,
+                                         HandoverKind kind);
 
   size_t pending() const;
   Stats stats() const;
@@ -155,6 +168,7 @@ class HandoverServer {
     uid_t uid;
     absl::Time expires;
     std::vector<UniqueFd> fds;
+    HandoverKind kind;
   };
   struct UidUsage {
     size_t pending = 0;  // tokens
@@ -171,7 +185,7 @@ class HandoverServer {
   void Refuse(int fd, const absl::Status& s);
   // Checks the uid's and the node's limits for `nfds` more descriptors and
   // one more token, then stores them under a new token.
-  absl::StatusOr<std::string> AddPending(uid_t uid, std::vector<UniqueFd> fds);
+  absl::StatusOr<std::string> AddPending(uid_t uid, std::vector<UniqueFd> fds, HandoverKind kind);
   absl::Status CheckLimitsLocked(uid_t uid, size_t nfds) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropPendingLocked(std::map<std::string, Pending>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -395,6 +395,44 @@ TEST_F(HandoverServerTest, HandOverAndClaim) {
   CKPT_EXPECT_CODE(server_->Claim(token, ::getuid()), kNotFound);
 }
 
+// CUDA page descriptors are their own kind: two descriptors of one file
+// pass (exported pages may share an anonymous inode), a token of one kind
+// is not claimed as the other, and one registration's tokens absorbed into
+// one claim stay counted until it goes.
+TEST_F(HandoverServerTest, CudaPageDescriptorsAreTheirOwnKind) {
+  StartServer();
+  std::vector<MemfdRegion> regions = MakeRegions(1);
+  UniqueFd dup = Dup(regions[0].fd());
+  const std::vector<int> fds = {regions[0].fd(), dup.get()};
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string pages,
+                            HandOverFds(Path(), fds, absl::Seconds(5), HandoverKind::kCudaPages));
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      std::string more,
+      HandOverFds(Path(), {regions[0].fd()}, absl::Seconds(5), HandoverKind::kCudaPages));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string memfds, HandOver(regions));
+  CKPT_EXPECT_CODE(server_->Claim(pages, ::getuid()), kInvalidArgument);
+  CKPT_EXPECT_CODE(server_->Claim(memfds, ::getuid(), HandoverKind::kCudaPages), kInvalidArgument);
+  // A token of another uid, or an unknown one, among them fails the whole
+  // claim and releases what it had claimed.
+  CKPT_EXPECT_CODE(server_->ClaimAll({pages}, ::getuid() + 1, HandoverKind::kCudaPages),
+                   kPermissionDenied);
+  CKPT_EXPECT_CODE(
+      server_->ClaimAll({pages, "no such token000"}, ::getuid(), HandoverKind::kCudaPages),
+      kNotFound);
+  EXPECT_EQ(server_->stats().fds_held, 2u) << "the claimed first token is released";
+  CKPT_ASSERT_OK_AND_ASSIGN(pages,
+                            HandOverFds(Path(), fds, absl::Seconds(5), HandoverKind::kCudaPages));
+  EXPECT_EQ(server_->stats().fds_held, 4u);
+  {
+    CKPT_ASSERT_OK_AND_ASSIGN(HandoverClaim claim, server_->ClaimAll({pages, more}, ::getuid(),
+                                                                     HandoverKind::kCudaPages));
+    ASSERT_EQ(claim.fds().size(), 3u);
+    EXPECT_TRUE(SameFile(claim.fds()[2].get(), regions[0].fd()));
+    EXPECT_EQ(server_->stats().fds_held, 4u);  // and the memfd token's one
+  }
+  EXPECT_EQ(server_->stats().fds_held, 1u);
+}
+
 TEST_F(HandoverServerTest, TokensAreDistinct) {
   StartServer();
   std::vector<MemfdRegion> regions = MakeRegions(1);
