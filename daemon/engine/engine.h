@@ -343,8 +343,13 @@ class Engine {
                                              const Caller& caller);
   // Builds the state of a new registration (its memory, layer templates,
   // policy), not yet published.
-  absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req,
-                                                     std::vector<MappedRegion> regions,
+  // What a registration handed over: its host regions mapped, or the
+  // descriptors of its GPU pages (imported by GpuMemory::Open).
+  struct HandedOver {
+    std::vector<MappedRegion> regions;
+    std::vector<UniqueFd> gpu_pages;
+  };
+  absl::StatusOr<std::shared_ptr<RankState>> NewRank(const Registration& req, HandedOver memory,
                                                      std::unique_ptr<Holding> held, uid_t owner,
                                                      const Caller& caller);
   // A new registration's steps, from the rank's history in the index: its
@@ -362,10 +367,10 @@ class Engine {
     uint64_t old_bytes = 0;
   };
   absl::StatusOr<TableCharge> ReserveTable(const RankState& r);
-  // Register's first step: the registration's host regions mapped, and the
+  // Register's first step: the registration's host regions mapped (or its
+  // GPU handover checked against the page descriptors in `fds`), and the
   // registration checked against their sizes and the limits.
-  absl::StatusOr<std::vector<MappedRegion>> MapRegistration(const Registration& req,
-                                                            std::vector<UniqueFd> fds);
+  absl::StatusOr<HandedOver> MapRegistration(const Registration& req, std::vector<UniqueFd> fds);
   // Register's fifth: a new job's records (`job_exists` false) and the
   // rank's table with a fresh generation, charged to the index quota.
   absl::Status CreateRankRecords(RankState* r, bool job_exists, uid_t owner);

@@ -199,7 +199,7 @@ absl::StatusOr<uid_t> Engine::OwnerForRegistration(const std::string& job,
 }
 
 absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& req,
-                                                           std::vector<MappedRegion> regions,
+                                                           HandedOver handed_over,
                                                            std::unique_ptr<Holding> held,
                                                            uid_t owner, const Caller& caller) {
   // An IPC handle that is still open in the registration this one replaces
@@ -231,9 +231,10 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
     gpu.close_timeout = std::min(gpu.close_timeout, options_.gpu_wait_timeout);
     gpu.cancel = &shutting_down_;  // a stopping ckptd waits for no device
     gpu.health = &gpu_health_;
-    CKPT_ASSIGN_OR_RETURN(memory, GpuMemory::Open(*req.gpu, cuda_ipc_, gpu));
+    CKPT_ASSIGN_OR_RETURN(
+        memory, GpuMemory::Open(*req.gpu, std::move(handed_over.gpu_pages), cuda_ipc_, gpu));
   } else {
-    memory = std::make_shared<HostMemory>(std::move(regions), std::move(held));
+    memory = std::make_shared<HostMemory>(std::move(handed_over.regions), std::move(held));
   }
   for (const LayerDesc& spec : req.layers) {
     LayerTemplate lt;
@@ -264,32 +265,34 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
   return r;
 }
 
-absl::StatusOr<std::vector<MappedRegion>> Engine::MapRegistration(const Registration& req,
-                                                                  std::vector<UniqueFd> fds) {
+absl::StatusOr<Engine::HandedOver> Engine::MapRegistration(const Registration& req,
+                                                           std::vector<UniqueFd> fds) {
   // Host regions are mapped first (each must already be sealed against
   // shrinking, so its size cannot change under us); GPU regions are only
-  // checked against the sizes their trainer declared, and opened once the
-  // caller is known to own the job. Every tensor is validated against these
-  // sizes before any pointer into them is formed.
-  std::vector<MappedRegion> regions;
+  // checked against the sizes their trainer declared, and opened (their
+  // pages imported) once the caller is known to own the job. Every tensor
+  // is validated against these sizes before any pointer into them is formed.
+  HandedOver h;
   std::vector<uint64_t> sizes;
   if (req.gpu.has_value()) {
-    if (!fds.empty() || !req.handover_token.empty()) {
+    if (!req.handover_token.empty()) {
       return absl::InvalidArgumentError(
           "a registration hands over host regions or GPU regions, not both");
     }
-    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu));
-  }
-  for (UniqueFd& fd : fds) {
-    CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
-    sizes.push_back(region.size());
-    regions.push_back(std::move(region));
+    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu, fds.size()));
+    h.gpu_pages = std::move(fds);
+  } else {
+    for (UniqueFd& fd : fds) {
+      CKPT_ASSIGN_OR_RETURN(MappedRegion region, MappedRegion::Map(std::move(fd)));
+      sizes.push_back(region.size());
+      h.regions.push_back(std::move(region));
+    }
   }
   RegistrationLimits limits = options_.limits;
   limits.max_layer_file_bytes = pool_->budget_bytes();
   CKPT_RETURN_IF_ERROR(ValidateRegistration(req, sizes, limits));
   CKPT_RETURN_IF_ERROR(req.policy.selection.Validate());
-  return regions;
+  return h;
 }
 
 absl::Status Engine::CreateRankRecords(RankState* r, bool job_exists, uid_t owner) {
@@ -320,7 +323,7 @@ absl::Status Engine::CreateRankRecords(RankState* r, bool job_exists, uid_t owne
 absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector<UniqueFd> fds,
                                             const Caller& caller, std::unique_ptr<Holding> held) {
   // 1. The handed-over memory, mapped and checked (MapRegistration).
-  CKPT_ASSIGN_OR_RETURN(std::vector<MappedRegion> regions, MapRegistration(req, std::move(fds)));
+  CKPT_ASSIGN_OR_RETURN(HandedOver handed_over, MapRegistration(req, std::move(fds)));
   // Every later step may take time (the tiers, a drain, the index): none
   // goes on once the caller has stopped waiting.
   auto caller_gone = [&req]() -> absl::Status {
@@ -352,7 +355,7 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
 
   // 3. The rank's state, starting with its memory.
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankState> r,
-                        NewRank(req, std::move(regions), std::move(held), owner, caller));
+                        NewRank(req, std::move(handed_over), std::move(held), owner, caller));
   const size_t n = r->layers.size();
 
   // 4. Replace a live registration of the same rank once its pipeline drained.

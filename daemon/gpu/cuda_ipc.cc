@@ -3,6 +3,8 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/gpu_uuid.h"
+#include "base/logging.h"
+#include "base/status.h"
 
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // types of the driver entry point only; libcuda is never linked
@@ -74,6 +76,140 @@ absl::StatusOr<bool> Completion(const char* what, cudaError_t e) {
 
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
+absl::Status DriverStatus(const char* what, CUresult r) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  absl::Status s = absl::InternalError(absl::StrCat(what, ": CUresult ", static_cast<int>(r)));
+  return IsStickyCudaErrorCode(static_cast<int>(r)) ? MarkStickyCudaError(std::move(s)) : s;
+}
+
+template <typename Fn>
+absl::Status LoadDriverFunction(const char* symbol, Fn* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CKPT_CUDA_RETURN(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q));
+  if (p == nullptr || q != cudaDriverEntryPointSuccess) {
+    return absl::InternalError(absl::StrCat("the CUDA driver has no ", symbol));
+  }
+  *fn = reinterpret_cast<Fn>(p);
+  return absl::OkStatus();
+}
+
+// The trainer's pages of virtual-memory-management memory, imported and
+// mapped into one reserved range per run (CudaIpc::MapPages). The range is
+// exactly the run's size: never one sized to the device, which would cost
+// address space per import.
+class PageMapper {
+ public:
+  absl::StatusOr<char*> Map(int device, const std::vector<CudaIpc::Page>& pages) {
+    CKPT_RETURN_IF_ERROR(Load());
+    Run run;
+    for (const CudaIpc::Page& p : pages) run.bytes += p.bytes;
+    absl::Status s = DriverStatus("cuMemAddressReserve", reserve_(&run.base, run.bytes, 0, 0, 0));
+    if (!s.ok()) return s;
+    if (s = MapInto(device, pages, &run); !s.ok()) {
+      Undo(run);
+      return s;
+    }
+    char* base = reinterpret_cast<char*>(run.base);
+    absl::MutexLock lock(&mu_);
+    runs_[base] = std::move(run);
+    return base;
+  }
+
+  void Unmap(char* base) {
+    Run run;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = runs_.find(base);
+      if (it == runs_.end()) return;
+      run = std::move(it->second);
+      runs_.erase(it);
+    }
+    Undo(run);
+  }
+
+ private:
+  struct Run {
+    CUdeviceptr base = 0;
+    uint64_t bytes = 0;
+    std::vector<uint64_t> mapped;  // the sizes of the pages mapped from base, in order
+    std::vector<CUmemGenericAllocationHandle> handles;
+  };
+
+  absl::Status MapInto(int device, const std::vector<CudaIpc::Page>& pages, Run* run) {
+    uint64_t offset = 0;
+    for (const CudaIpc::Page& p : pages) {
+      CUmemGenericAllocationHandle h = 0;
+      CUmemFabricHandle fabric;
+      absl::Status s;
+      if (p.fd < 0 && p.fabric_handle.size() != sizeof(fabric)) {
+        return absl::InvalidArgumentError("a fabric handle of the wrong size");
+      }
+      if (p.fd >= 0) {
+        s = DriverStatus("cuMemImportFromShareableHandle (POSIX descriptor)",
+                         import_(&h, reinterpret_cast<void*>(static_cast<uintptr_t>(p.fd)),
+                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+      } else {
+        std::memcpy(&fabric, p.fabric_handle.data(), sizeof(fabric));
+        s = DriverStatus("cuMemImportFromShareableHandle (fabric)",
+                         import_(&h, &fabric, CU_MEM_HANDLE_TYPE_FABRIC));
+      }
+      CKPT_RETURN_IF_ERROR(s);
+      run->handles.push_back(h);
+      CKPT_RETURN_IF_ERROR(DriverStatus("cuMemMap", map_(run->base + offset, p.bytes, 0, h, 0)));
+      run->mapped.push_back(p.bytes);
+      offset += p.bytes;
+    }
+    CUmemAccessDesc access;
+    std::memset(&access, 0, sizeof(access));
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return DriverStatus("cuMemSetAccess", set_access_(run->base, run->bytes, &access, 1));
+  }
+
+  // Each mapping is undone by itself; what fails is logged (and leaked).
+  void Undo(const Run& run) {
+    uint64_t offset = 0;
+    int failed = 0;
+    for (uint64_t bytes : run.mapped) {
+      failed += unmap_(run.base + offset, bytes) != CUDA_SUCCESS;
+      offset += bytes;
+    }
+    for (CUmemGenericAllocationHandle h : run.handles) failed += release_(h) != CUDA_SUCCESS;
+    failed += address_free_(run.base, run.bytes) != CUDA_SUCCESS;
+    if (failed > 0) {
+      CKPT_LOG(ERROR) << "releasing a run of " << run.handles.size()
+                      << " imported pages: " << failed
+                      << " driver calls failed (their memory stays mapped)";
+    }
+  }
+
+  absl::Status Load() {
+    absl::MutexLock lock(&mu_);
+    if (address_free_ != nullptr) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemImportFromShareableHandle", &import_));
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemAddressReserve", &reserve_));
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemMap", &map_));
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemSetAccess", &set_access_));
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemUnmap", &unmap_));
+    CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemRelease", &release_));
+    return LoadDriverFunction("cuMemAddressFree", &address_free_);
+  }
+
+  absl::Mutex mu_;
+  // Resolved once by Load, under mu_, which every caller passes first.
+  CUresult (*import_)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
+  CUresult (*reserve_)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*map_)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                   unsigned long long) = nullptr;
+  CUresult (*set_access_)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*unmap_)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_free_)(CUdeviceptr, size_t) = nullptr;
+  std::map<char*, Run> runs_ ABSL_GUARDED_BY(mu_);
+};
+
 class RuntimeCudaIpc final : public CudaIpc {
  public:
   absl::StatusOr<int> FindDevice(const std::string& uuid) override {
@@ -103,19 +239,17 @@ class RuntimeCudaIpc final : public CudaIpc {
 
   absl::StatusOr<uint64_t> AllocationSize(int device, const char* base) override {
     CKPT_CUDA_RETURN(cudaSetDevice(device));
-    if (get_range_ == nullptr) {
-      void* fn = nullptr;
-      cudaDriverEntryPointQueryResult q;
-      CKPT_CUDA_RETURN(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                        cudaEnableDefault, &q));
-      if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
-        return absl::InternalError("the driver has no cuMemGetAddressRange");
+    GetAddressRangeFn get_range = nullptr;
+    {
+      absl::MutexLock lock(&probe_mu_);  // registrations run on several threads
+      if (get_range_ == nullptr) {
+        CKPT_RETURN_IF_ERROR(LoadDriverFunction("cuMemGetAddressRange", &get_range_));
       }
-      get_range_ = reinterpret_cast<GetAddressRangeFn>(fn);
+      get_range = get_range_;
     }
     CUdeviceptr start = 0;
     size_t size = 0;
-    const CUresult r = get_range_(&start, &size, reinterpret_cast<CUdeviceptr>(base));
+    const CUresult r = get_range(&start, &size, reinterpret_cast<CUdeviceptr>(base));
     if (r != CUDA_SUCCESS) return absl::InternalError(absl::StrCat("cuMemGetAddressRange: ", r));
     if (start != reinterpret_cast<CUdeviceptr>(base)) {
       return absl::InvalidArgumentError("the mapped address is not the start of its allocation");
@@ -126,6 +260,16 @@ class RuntimeCudaIpc final : public CudaIpc {
   void CloseMemHandle(int device, char* base) override {
     cudaSetDevice(device);
     if (cudaIpcCloseMemHandle(base) != cudaSuccess) cudaGetLastError();
+  }
+
+  absl::StatusOr<char*> MapPages(int device, const std::vector<Page>& pages) override {
+    CKPT_CUDA_RETURN(cudaSetDevice(device));  // the primary context, current for the driver calls
+    return pages_.Map(device, pages);
+  }
+
+  void UnmapPages(int device, char* base) override {
+    cudaSetDevice(device);
+    pages_.Unmap(base);
   }
 
   absl::StatusOr<void*> OpenEventHandle(int device, const std::string& handle) override {
@@ -208,8 +352,10 @@ class RuntimeCudaIpc final : public CudaIpc {
     cudaStream_t stream = nullptr;
   };
 
-  GetAddressRangeFn get_range_ = nullptr;  // resolved once, through the runtime
+  PageMapper pages_;
+  // Guards the probes and the driver function resolved on first use.
   absl::Mutex probe_mu_;
+  GetAddressRangeFn get_range_ ABSL_GUARDED_BY(probe_mu_) = nullptr;
   std::map<int, Probe> probes_ ABSL_GUARDED_BY(probe_mu_);
 };
 
@@ -226,6 +372,8 @@ class NoCudaIpc final : public CudaIpc {
   absl::StatusOr<char*> OpenMemHandle(int, const std::string&) override { return NoCuda(); }
   absl::StatusOr<uint64_t> AllocationSize(int, const char*) override { return NoCuda(); }
   void CloseMemHandle(int, char*) override {}
+  absl::StatusOr<char*> MapPages(int, const std::vector<Page>&) override { return NoCuda(); }
+  void UnmapPages(int, char*) override {}
   absl::StatusOr<void*> OpenEventHandle(int, const std::string&) override { return NoCuda(); }
   void DestroyEvent(int, void*) override {}
   absl::StatusOr<void*> CreateStream(int) override { return NoCuda(); }

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/drift.h"
@@ -57,6 +58,23 @@ class CudaIpc {
   // an error when `base` is not the start of an allocation.
   virtual absl::StatusOr<uint64_t> AllocationSize(int device, const char* base) = 0;
   virtual void CloseMemHandle(int device, char* base) = 0;
+
+  // Pages of CUDA's virtual memory management API exported by the trainer:
+  // a POSIX descriptor (fd >= 0) or a 64-byte CUmemFabricHandle, and the
+  // size declared for it.
+  struct Page {
+    int fd = -1;
+    std::string fabric_handle;
+    uint64_t bytes = 0;
+  };
+  // Imports every page, reserves one address range of their total size and
+  // maps them into it in order, readable and writable by `device`; returns
+  // the range's base. A page smaller than declared fails the map. On any
+  // failure everything done so far is undone. The descriptors stay the
+  // caller's (they may be closed once this returns).
+  virtual absl::StatusOr<char*> MapPages(int device, const std::vector<Page>& pages) = 0;
+  // Unmaps and releases what MapPages(…) returned at `base`.
+  virtual void UnmapPages(int device, char* base) = 0;
 
   // Opaque event and stream handles.
   virtual absl::StatusOr<void*> OpenEventHandle(int device, const std::string& handle) = 0;

@@ -36,7 +36,50 @@ GpuMappingStats OpenGpuMappings() {
                          g_leaked_mappings.load(std::memory_order_relaxed)};
 }
 
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover) {
+namespace {
+
+// A region of pages: no legacy handle, each page's handle well formed, its
+// size in range, and the sizes adding up to the region's. `pages` counts the
+// handover's pages so far.
+absl::Status CheckGpuPages(size_t i, const GpuRegion& r, size_t page_fds, size_t* pages) {
+  if (!r.ipc_handle.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu region ", i, " carries both an ipc_handle and pages"));
+  }
+  *pages += r.pages.size();
+  if (*pages > kMaxGpuPages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu handover: more than ", kMaxGpuPages, " pages"));
+  }
+  uint64_t sum = 0;
+  for (size_t j = 0; j < r.pages.size(); ++j) {
+    const GpuPage& p = r.pages[j];
+    auto bad = [&](auto&&... why) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, " page ", j, why...));
+    };
+    if (p.fabric_handle.empty() && p.fd >= page_fds) {
+      return bad(" names descriptor ", p.fd, " of ", page_fds, " handed over");
+    }
+    if (!p.fabric_handle.empty() && p.fabric_handle.size() != kCudaIpcHandleBytes) {
+      return bad(": fabric_handle is ", p.fabric_handle.size(), " bytes, not a ",
+                 kCudaIpcHandleBytes, "-byte CUmemFabricHandle");
+    }
+    if (p.bytes == 0 || p.bytes > kMaxRegionBytes - sum) {
+      return bad(": size ", p.bytes, " out of range");
+    }
+    sum += p.bytes;
+  }
+  if (sum != r.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, ": its pages add up to ", sum,
+                                                   " bytes, the region declares ", r.bytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover,
+                                                       size_t page_fds) {
   // "GPU-" and a 36-character UUID, as nvidia-smi and cudaDeviceProp print it.
   const std::string& uuid = handover.device_uuid;
   if (uuid.size() != 40 || !absl::StartsWith(uuid, "GPU-")) {
@@ -54,8 +97,14 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
                      kCudaIpcHandleBytes, "-byte cudaIpcEventHandle_t"));
   }
   std::vector<uint64_t> sizes;
+  size_t pages = 0;
   for (size_t i = 0; i < handover.regions.size(); ++i) {
     const GpuRegion& r = handover.regions[i];
+    if (!r.pages.empty()) {
+      CKPT_RETURN_IF_ERROR(CheckGpuPages(i, r, page_fds, &pages));
+      sizes.push_back(r.bytes);
+      continue;
+    }
     if (r.ipc_handle.size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("gpu region ", i, ": ipc_handle is ", r.ipc_handle.size(), " bytes, not a ",
@@ -66,7 +115,7 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
           absl::StrCat("gpu region ", i, ": size ", r.bytes, " out of range"));
     }
     for (size_t j = 0; j < i; ++j) {
-      if (handover.regions[j].ipc_handle == r.ipc_handle) {
+      if (handover.regions[j].pages.empty() && handover.regions[j].ipc_handle == r.ipc_handle) {
         return absl::InvalidArgumentError(
             absl::StrCat("gpu regions ", j, " and ", i, " carry the same ipc_handle"));
       }
@@ -77,34 +126,16 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
 }
 
 absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& handover,
+                                                           std::vector<UniqueFd> page_fds,
                                                            CudaIpc* ipc, GpuMemoryOptions options) {
-  CKPT_RETURN_IF_ERROR(CheckGpuHandover(handover).status());
+  CKPT_RETURN_IF_ERROR(CheckGpuHandover(handover, page_fds.size()).status());
   // Closes what was opened on any return.
   std::unique_ptr<GpuMemory> m(new GpuMemory(ipc, options));
   CKPT_ASSIGN_OR_RETURN(m->device_, ipc->FindDevice(handover.device_uuid));
   m->uuid_ = handover.device_uuid;
   if (options.health != nullptr) CKPT_RETURN_IF_ERROR(options.health->CheckUsable(m->device_));
   for (size_t i = 0; i < handover.regions.size(); ++i) {
-    const GpuRegion& r = handover.regions[i];
-    absl::StatusOr<char*> base = ipc->OpenMemHandle(m->device_, r.ipc_handle);
-    m->NoteSticky(base.status());
-    if (!base.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
-    }
-    m->regions_.push_back(Region{*base, r.bytes});
-    g_mappings.fetch_add(1, std::memory_order_relaxed);
-    g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-    absl::StatusOr<uint64_t> real = ipc->AllocationSize(m->device_, *base);
-    m->NoteSticky(real.status());
-    if (!real.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "gpu region ", i, ": cannot read the allocation's range: ", real.status().message()));
-    }
-    if (*real < r.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, " declares ", r.bytes,
-                                                     " bytes but its allocation has ", *real));
-    }
+    CKPT_RETURN_IF_ERROR(m->OpenRegion(i, handover.regions[i], &page_fds));
   }
   absl::StatusOr<void*> event = ipc->OpenEventHandle(m->device_, handover.step_event);
   m->NoteSticky(event.status());
@@ -117,6 +148,49 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& ha
   CKPT_RETURN_IF_ERROR(m->Note(stream.status()));
   m->stream_ = *stream;
   return m;
+}
+
+absl::Status GpuMemory::OpenRegion(size_t i, const GpuRegion& r, std::vector<UniqueFd>* page_fds) {
+  if (!r.pages.empty()) {
+    std::vector<CudaIpc::Page> pages;
+    pages.reserve(r.pages.size());
+    for (const GpuPage& p : r.pages) {
+      pages.push_back(CudaIpc::Page{p.fabric_handle.empty() ? (*page_fds)[p.fd].get() : -1,
+                                    p.fabric_handle, p.bytes});
+    }
+    // One reserved range per run, exactly the run's size.
+    absl::StatusOr<char*> base = ipc_->MapPages(device_, pages);
+    NoteSticky(base.status());
+    if (!base.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, ": cannot map its ",
+                                                     pages.size(),
+                                                     " pages: ", base.status().message()));
+    }
+    regions_.push_back(Region{*base, r.bytes, /*pages=*/true});
+    g_mappings.fetch_add(1, std::memory_order_relaxed);
+    g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<char*> base = ipc_->OpenMemHandle(device_, r.ipc_handle);
+  NoteSticky(base.status());
+  if (!base.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
+  }
+  regions_.push_back(Region{*base, r.bytes});
+  g_mappings.fetch_add(1, std::memory_order_relaxed);
+  g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+  absl::StatusOr<uint64_t> real = ipc_->AllocationSize(device_, *base);
+  NoteSticky(real.status());
+  if (!real.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gpu region ", i, ": cannot read the allocation's range: ", real.status().message()));
+  }
+  if (*real < r.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, " declares ", r.bytes,
+                                                   " bytes but its allocation has ", *real));
+  }
+  return absl::OkStatus();
 }
 
 void GpuMemory::NoteSticky(const absl::Status& s) {
@@ -181,7 +255,11 @@ GpuMemory::~GpuMemory() {
   }
   if (event_ != nullptr) ipc_->DestroyEvent(device_, event_);
   for (const Region& r : regions_) {
-    ipc_->CloseMemHandle(device_, r.base);
+    if (r.pages) {
+      ipc_->UnmapPages(device_, r.base);
+    } else {
+      ipc_->CloseMemHandle(device_, r.base);
+    }
     g_mappings.fetch_sub(1, std::memory_order_relaxed);
     g_mapping_bytes.fetch_sub(r.bytes, std::memory_order_relaxed);
   }

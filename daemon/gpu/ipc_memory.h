@@ -57,31 +57,47 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/unique_fd.h"
 #include "daemon/gpu/cuda_ipc.h"
 #include "daemon/gpu/gpu_health.h"
 #include "daemon/shm/rank_memory.h"
 
 namespace ckpt {
 
+// Regions (allocations, or runs of pages: each is one mapping and one
+// reserved range) and pages of one handover.
 inline constexpr size_t kMaxGpuRegions = 4096;
+inline constexpr size_t kMaxGpuPages = 65536;
 
-// What a trainer hands over for GPU memory: one legacy CUDA IPC handle per
-// allocation (cudaIpcMemHandle_t bytes) with the size its driver reported,
-// the device's UUID ("GPU-xxxxxxxx-..."), and the interprocess event
-// (cudaIpcEventHandle_t bytes) it records after each optimizer step.
+// What a trainer hands over for GPU memory (ckpt.v1.GpuHandover): per region
+// either one legacy CUDA IPC handle of an allocation (cudaIpcMemHandle_t
+// bytes) or the pages of a run of virtual-memory-management memory (each a
+// descriptor among `page_fds` or a CUmemFabricHandle), with the size its
+// driver reported; the device's UUID ("GPU-xxxxxxxx-..."), and the
+// interprocess event (cudaIpcEventHandle_t bytes) it records after each
+// optimizer step.
+struct GpuPage {
+  uint32_t fd = 0;            // index into the handover's page descriptors
+  std::string fabric_handle;  // instead of fd when set
+  uint64_t bytes = 0;
+};
 struct GpuRegion {
   std::string ipc_handle;
   uint64_t bytes = 0;
+  std::vector<GpuPage> pages;  // instead of ipc_handle
 };
 struct GpuHandover {
   std::string device_uuid;
   std::vector<GpuRegion> regions;
   std::string step_event;
+  std::vector<std::string> page_tokens;  // name the page descriptors
 };
 
-// Checks a handover before anything is opened: INVALID_ARGUMENT naming the
-// first problem. Returns the declared region sizes (for ValidateRegistration).
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover);
+// Checks a handover before anything is opened, with `page_fds` descriptors
+// handed over for its pages: INVALID_ARGUMENT naming the first problem.
+// Returns the declared region sizes (for ValidateRegistration).
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover,
+                                                       size_t page_fds);
 
 struct GpuMappingStats {
   uint64_t mappings = 0;  // open and in use
@@ -105,8 +121,11 @@ struct GpuMemoryOptions {
 
 class GpuMemory final : public RankMemory {
  public:
-  // `ipc` must outlive the returned object.
-  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover, CudaIpc* ipc,
+  // `ipc` must outlive the returned object. `page_fds` are the descriptors
+  // GpuPage.fd indexes; they are closed once imported.
+  static absl::StatusOr<std::unique_ptr<GpuMemory>> Open(const GpuHandover& handover,
+                                                         std::vector<UniqueFd> page_fds,
+                                                         CudaIpc* ipc,
                                                          GpuMemoryOptions options = {});
   ~GpuMemory() override;
   GpuMemory(const GpuMemory&) = delete;
@@ -143,7 +162,10 @@ class GpuMemory final : public RankMemory {
   struct Region {
     char* base = nullptr;
     uint64_t bytes = 0;  // as declared (<= the real allocation)
+    bool pages = false;  // a run of pages (MapPages), not an IPC mapping
   };
+  // Opens region `i`: its IPC handle, or its pages into one range.
+  absl::Status OpenRegion(size_t i, const GpuRegion& r, std::vector<UniqueFd>* page_fds);
   GpuMemory(CudaIpc* ipc, GpuMemoryOptions options) : ipc_(ipc), options_(options) {}
   // Checks that [src, src + n) lies inside one region.
   absl::Status CheckRange(const char* p, uint64_t n) const;

@@ -137,8 +137,14 @@ GpuHandover GpuHandoverOf(const v1::GpuHandover& gpu) {
   g.step_event = gpu.step_event();
   g.regions.reserve(static_cast<size_t>(gpu.regions_size()));
   for (const v1::GpuRegion& region : gpu.regions()) {
-    g.regions.push_back(GpuRegion{region.ipc_handle(), region.bytes()});
+    GpuRegion r{region.ipc_handle(), region.bytes(), {}};
+    r.pages.reserve(static_cast<size_t>(region.pages_size()));
+    for (const v1::GpuPage& p : region.pages()) {
+      r.pages.push_back(GpuPage{p.fd(), p.fabric_handle(), p.bytes()});
+    }
+    g.regions.push_back(std::move(r));
   }
+  g.page_tokens.assign(gpu.page_tokens().begin(), gpu.page_tokens().end());
   return g;
 }
 

@@ -147,6 +147,15 @@ class TrainerService final : public v1::Trainer::Service {
           if (!req->has_gpu() || !req->handover_token().empty()) {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->handover_token(), c.uid));
           }
+          // Or a GPU handover's page descriptors, in token order (GpuPage.fd).
+          if (req->has_gpu() && req->gpu().page_tokens_size() > 0) {
+            const std::vector<std::string> tokens(req->gpu().page_tokens().begin(),
+                                                  req->gpu().page_tokens().end());
+            CKPT_ASSIGN_OR_RETURN(
+                HandoverClaim pages,
+                s_->handover()->ClaimAll(tokens, c.uid, HandoverKind::kCudaPages));
+            if (claim.fds().empty()) claim = std::move(pages);
+          }
           CKPT_ASSIGN_OR_RETURN(Registration registration, RegistrationOf(*req));
           registration.deadline = DeadlineOf(*ctx);
           std::vector<UniqueFd> fds = claim.TakeFds();

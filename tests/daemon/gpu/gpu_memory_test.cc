@@ -55,11 +55,11 @@ TEST(GpuUuidTest, PrintedAsNvidiaSmiDoes) {
   EXPECT_EQ(GpuUuidString(bytes), "GPU-ce0688b6-ea84-0dc3-52c6-01fa24628bf8");
   v1::GpuHandover h = TwoRegions();
   h.set_device_uuid(GpuUuidString(bytes));
-  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(h)).status());
+  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(h), 0).status());
 }
 
 TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
-  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(TwoRegions())).status());
+  CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(TwoRegions()), 0).status());
   std::vector<std::pair<const char*, std::function<void(v1::GpuHandover*)>>> cases = {
       {"short handle", [](v1::GpuHandover* h) { h->mutable_regions(0)->set_ipc_handle("abc"); }},
       {"long handle",
@@ -76,7 +76,7 @@ TEST(CheckGpuHandoverTest, MalformedHandoversAreRefusedBeforeAnyCudaCall) {
   for (auto& [what, mutate] : cases) {
     v1::GpuHandover h = TwoRegions();
     mutate(&h);
-    CKPT_EXPECT_CODE(CheckGpuHandover(GpuHandoverOf(h)).status(), kInvalidArgument) << what;
+    CKPT_EXPECT_CODE(CheckGpuHandover(GpuHandoverOf(h), 0).status(), kInvalidArgument) << what;
   }
 }
 
@@ -86,7 +86,7 @@ TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
   ipc.Allocate(2, 8192 + 512);  // the driver may round an allocation up
   {
     CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
-                              GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc));
+                              GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, &ipc));
     EXPECT_EQ(m->region_count(), 2u);
     EXPECT_EQ(m->region_size(1), 8192u);  // the declared size bounds every copy
     EXPECT_EQ(m->base(0), a);
@@ -109,7 +109,7 @@ TEST(GpuMemoryTest, OpensValidatesAndClosesEveryMapping) {
 TEST(GpuMemoryTest, ForgedHandleFailsAndLeavesNothingOpen) {
   FakeCudaIpc ipc;
   ipc.Allocate(1, 4096);  // region 1's handle names no allocation
-  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc).status();
+  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, &ipc).status();
   CKPT_EXPECT_CODE(s, kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("gpu region 1"), std::string::npos) << s;
   EXPECT_EQ(ipc.opens(), 1);  // region 0 was opened, and closed again
@@ -121,7 +121,7 @@ TEST(GpuMemoryTest, DeclaredSizePastTheRealAllocationFails) {
   FakeCudaIpc ipc;
   ipc.Allocate(1, 4096);
   ipc.Allocate(2, 4096);  // declared 8192
-  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc).status();
+  absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, &ipc).status();
   CKPT_EXPECT_CODE(s, kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("declares 8192 bytes but its allocation has 4096"),
             std::string::npos)
@@ -135,12 +135,12 @@ TEST(GpuMemoryTest, ForgedEventAndUnknownDeviceFail) {
   ipc.Allocate(2, 8192);
   v1::GpuHandover h = TwoRegions();
   h.set_step_event(Handle(5));
-  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), &ipc).status(), kInvalidArgument);
+  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), {}, &ipc).status(), kInvalidArgument);
   EXPECT_EQ(ipc.open_mappings(), 0);
   const int opens = ipc.opens();
   h = TwoRegions();
   h.set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
-  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), &ipc).status(), kFailedPrecondition);
+  CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), {}, &ipc).status(), kFailedPrecondition);
   EXPECT_EQ(ipc.opens(), opens);
 }
 

@@ -58,7 +58,7 @@ TEST(GpuStickyErrorTest, AStickyCopyPoisonsTheDeviceAndNothingOpensOnItAgain) {
   ExpectPoisonReason(m->StepReady().status());
   m.reset();
   const int opens = ipc.opens();
-  const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o).status();
+  const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, &ipc, o).status();
   CKPT_EXPECT_CODE(s, kFailedPrecondition);
   EXPECT_NE(std::string(s.message()).find("restart ckptd"), std::string::npos) << s;
   EXPECT_EQ(ipc.opens(), opens) << "nothing is opened on a poisoned device";
@@ -82,7 +82,7 @@ TEST(GpuStickyErrorTest, ATrainersHandleFailingStickyPoisonsOnlyWhenTheProbeFail
     ipc.SetProbeFails(probe_fails);
     GpuMemoryOptions o;
     o.health = &health;
-    const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), &ipc, o).status();
+    const absl::Status s = GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, &ipc, o).status();
     CKPT_EXPECT_CODE(s, kInvalidArgument) << probe_fails;
     EXPECT_EQ(ipc.probes(), 1) << probe_fails;
     EXPECT_EQ(health.IsPoisoned(0), probe_fails);

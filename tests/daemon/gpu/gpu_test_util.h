@@ -7,6 +7,9 @@
 // CudaIpc methods while the test thread sets the flags).
 #pragma once
 
+#include <sys/mman.h>
+#include <sys/stat.h>
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -221,6 +224,68 @@ class FakeCudaIpc final : public CudaIpc {
     return drift::MakeCpuDriftKernel(1);
   }
 
+  // Pages of virtual-memory-management memory: a page is a memfd (its
+  // "physical memory"). MapPages reserves an address range of the run's
+  // size (an inaccessible anonymous mapping) and maps each page's memfd
+  // into it in order, so ckptd's view of a page and the trainer's (the
+  // test's own mapping of the memfd) are the same memory. A page whose
+  // memfd is smaller than declared fails the map, as cuMemMap does.
+  absl::StatusOr<char*> MapPages(int, const std::vector<Page>& pages) override {
+    absl::MutexLock lock(&mu_);
+    if (poisoned_) return Sticky("cuMemImportFromShareableHandle");
+    uint64_t total = 0;
+    for (const Page& p : pages) total += p.bytes;
+    void* range =
+        ::mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (range == MAP_FAILED) return absl::InternalError("cuMemAddressReserve: out of memory");
+    char* base = static_cast<char*>(range);
+    uint64_t off = 0;
+    for (const Page& p : pages) {
+      int fd = p.fd;
+      if (fd < 0) {
+        auto it = fabric_pages_.find(p.fabric_handle);
+        fd = it == fabric_pages_.end() ? -1 : it->second;
+      }
+      struct stat st;
+      if (fd < 0 || ::fstat(fd, &st) != 0) {
+        ::munmap(base, total);
+        return absl::InternalError("cuMemImportFromShareableHandle: invalid handle");
+      }
+      if (static_cast<uint64_t>(st.st_size) < p.bytes ||
+          ::mmap(base + off, p.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) ==
+              MAP_FAILED) {
+        ::munmap(base, total);
+        return absl::InternalError("cuMemMap: invalid argument");
+      }
+      off += p.bytes;
+    }
+    runs_[base] = total;
+    pages_mapped_ += pages.size();
+    return base;
+  }
+  void UnmapPages(int, char* base) override {
+    absl::MutexLock lock(&mu_);
+    auto it = runs_.find(base);
+    if (it == runs_.end()) return;
+    ::munmap(base, it->second);
+    runs_.erase(it);
+  }
+  // A page exported as a fabric handle (`handle`, 64 bytes) instead of a
+  // descriptor; `fd` stays the test's.
+  void AddFabricPage(const std::string& handle, int fd) {
+    absl::MutexLock lock(&mu_);
+    fabric_pages_[handle] = fd;
+  }
+  // Reserved ranges mapped now, and pages mapped in all.
+  int open_runs() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(runs_.size());
+  }
+  int pages_mapped() {
+    absl::MutexLock lock(&mu_);
+    return pages_mapped_;
+  }
+
   std::atomic<bool> fail_copies{false};
 
  private:
@@ -244,6 +309,9 @@ class FakeCudaIpc final : public CudaIpc {
   int event_waits_ ABSL_GUARDED_BY(mu_) = 0;
   int events_open_ ABSL_GUARDED_BY(mu_) = 0;
   int streams_open_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<char*, uint64_t> runs_ ABSL_GUARDED_BY(mu_);  // reserved base -> size
+  std::map<std::string, int> fabric_pages_ ABSL_GUARDED_BY(mu_);
+  int pages_mapped_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // A handover of two allocations (handle ids `first_id` and `first_id + 1`)
@@ -304,7 +372,7 @@ inline absl::StatusOr<std::unique_ptr<GpuMemory>> OpenTwo(FakeCudaIpc* ipc,
   char* a = ipc->Allocate(1, 4096);
   if (first != nullptr) *first = a;
   ipc->Allocate(2, 8192);
-  return GpuMemory::Open(GpuHandoverOf(TwoRegions()), ipc, options);
+  return GpuMemory::Open(GpuHandoverOf(TwoRegions()), {}, ipc, options);
 }
 
 // `s` refuses with the poisoned device's reason: FAILED_PRECONDITION naming

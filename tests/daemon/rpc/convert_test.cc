@@ -94,6 +94,29 @@ TEST(ConvertTest, RegistrationCarriesEveryField) {
   ASSERT_EQ(g.gpu->regions.size(), 1u);
   EXPECT_EQ(g.gpu->regions[0].ipc_handle, "handle");
   EXPECT_EQ(g.gpu->regions[0].bytes, 4096u);
+  EXPECT_TRUE(g.gpu->regions[0].pages.empty());
+
+  // A run of pages: a descriptor and a fabric handle, and the page tokens.
+  region = gpu->add_regions();
+  region->set_bytes(3 << 21);
+  v1::GpuPage* page = region->add_pages();
+  page->set_fd(7);
+  page->set_bytes(2 << 20);
+  page = region->add_pages();
+  page->set_fabric_handle("fabric");
+  page->set_bytes(4 << 20);
+  gpu->add_page_tokens("t1");
+  gpu->add_page_tokens("t2");
+  CKPT_ASSERT_OK_AND_ASSIGN(g, RegistrationOf(req));
+  ASSERT_EQ(g.gpu->regions.size(), 2u);
+  const GpuRegion& run = g.gpu->regions[1];
+  ASSERT_EQ(run.pages.size(), 2u);
+  EXPECT_EQ(run.pages[0].fd, 7u);
+  EXPECT_TRUE(run.pages[0].fabric_handle.empty());
+  EXPECT_EQ(run.pages[0].bytes, 2u << 20);
+  EXPECT_EQ(run.pages[1].fabric_handle, "fabric");
+  EXPECT_EQ(run.pages[1].bytes, 4u << 20);
+  EXPECT_EQ(g.gpu->page_tokens, (std::vector<std::string>{"t1", "t2"}));
 }
 
 TEST(ConvertTest, UnknownKindsAreRefusedAndUnknownDtypesLeftToValidation) {
