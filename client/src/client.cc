@@ -208,7 +208,10 @@ absl::Status Client::Register(const RankSpec& spec) {
 absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   v1::RegisterRequest req;
   if (impl_->gpu != nullptr) {
-    CKPT_ASSIGN_OR_RETURN(*req.mutable_gpu(), impl_->gpu->Handover());
+    const std::string& socket = options_.handover_socket_path;
+    CKPT_ASSIGN_OR_RETURN(*req.mutable_gpu(), impl_->gpu->Handover([&](absl::Span<const int> fds) {
+      return HandOverFds(socket, fds, wait_for_daemon, HandoverKind::kCudaPages);
+    }));
   } else {
     std::vector<int> fds;
     for (const MemfdRegion& r : impl_->regions) fds.push_back(r.fd());

@@ -7,6 +7,8 @@
 #ifdef CKPT_HAVE_CUDA
 #include <cuda.h>  // driver types only; the functions come through the runtime
 #include <cuda_runtime_api.h>
+
+#include <cstring>
 #endif
 
 namespace ckpt::internal {
@@ -74,6 +76,40 @@ class RuntimeDriver final : public CudaDriver {
     return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
   }
 
+  absl::StatusOr<Page> PageAt(uint64_t ptr) override {
+    CKPT_RETURN_IF_ERROR(LoadPages());
+    CUmemGenericAllocationHandle h = 0;
+    if (retain_(&h, reinterpret_cast<void*>(ptr)) != CUDA_SUCCESS) {
+      return absl::InvalidArgumentError("not memory of CUDA's virtual memory management API");
+    }
+    CUmemAllocationProp prop;
+    std::memset(&prop, 0, sizeof(prop));
+    const CUresult r = properties_(&prop, h);
+    release_(h);
+    if (r != CUDA_SUCCESS) {
+      return absl::InternalError(absl::StrCat("cuMemGetAllocationPropertiesFromHandle: ", r));
+    }
+    CKPT_ASSIGN_OR_RETURN(Range range, AllocationRange(ptr));
+    Page page;
+    page.base = range.base;
+    page.size = range.size;
+    page.posix_fd = (prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+    page.fabric = (prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC) != 0;
+    return page;
+  }
+
+  absl::StatusOr<int> ExportPageFd(uint64_t base) override {
+    int fd = -1;
+    CKPT_RETURN_IF_ERROR(Export(base, &fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    return fd;
+  }
+
+  absl::StatusOr<std::string> ExportPageFabric(uint64_t base) override {
+    CUmemFabricHandle fabric;
+    CKPT_RETURN_IF_ERROR(Export(base, &fabric, CU_MEM_HANDLE_TYPE_FABRIC));
+    return std::string(reinterpret_cast<const char*>(&fabric), sizeof(fabric));
+  }
+
   absl::StatusOr<std::string> DeviceUuid(int device) override {
     cudaDeviceProp prop;
     const cudaError_t e = cudaGetDeviceProperties(&prop, device);
@@ -103,6 +139,37 @@ class RuntimeDriver final : public CudaDriver {
   }
 
  private:
+  absl::Status Export(uint64_t base, void* out, CUmemAllocationHandleType type) {
+    CKPT_RETURN_IF_ERROR(LoadPages());
+    CUmemGenericAllocationHandle h = 0;
+    if (retain_(&h, reinterpret_cast<void*>(base)) != CUDA_SUCCESS) {
+      return absl::InvalidArgumentError("the page is no longer mapped");
+    }
+    const CUresult r = export_(out, h, type, 0);
+    release_(h);  // the export holds the allocation for its receiver
+    if (r != CUDA_SUCCESS) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cuMemExportToShareableHandle: CUresult ", r));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status LoadPages() {
+    if (export_ != nullptr) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(Load());
+    using RetainFn = CUresult (*)(CUmemGenericAllocationHandle*, void*);
+    using PropFn = CUresult (*)(CUmemAllocationProp*, CUmemGenericAllocationHandle);
+    using ReleaseFn = CUresult (*)(CUmemGenericAllocationHandle);
+    using ExportFn = CUresult (*)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                  unsigned long long);
+    CKPT_ASSIGN_OR_RETURN(retain_, DriverFunction<RetainFn>("cuMemRetainAllocationHandle"));
+    CKPT_ASSIGN_OR_RETURN(properties_,
+                          DriverFunction<PropFn>("cuMemGetAllocationPropertiesFromHandle"));
+    CKPT_ASSIGN_OR_RETURN(release_, DriverFunction<ReleaseFn>("cuMemRelease"));
+    CKPT_ASSIGN_OR_RETURN(export_, DriverFunction<ExportFn>("cuMemExportToShareableHandle"));
+    return absl::OkStatus();
+  }
+
   absl::Status Load() {
     if (get_range_ != nullptr) return absl::OkStatus();
     using RangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
@@ -116,6 +183,11 @@ class RuntimeDriver final : public CudaDriver {
 
   CUresult (*get_range_)(CUdeviceptr*, size_t*, CUdeviceptr) = nullptr;
   CUresult (*get_attribute_)(void*, CUpointer_attribute, CUdeviceptr) = nullptr;
+  CUresult (*retain_)(CUmemGenericAllocationHandle*, void*) = nullptr;
+  CUresult (*properties_)(CUmemAllocationProp*, CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*export_)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                      unsigned long long) = nullptr;
   cudaEvent_t event_ = nullptr;
   cudaIpcEventHandle_t event_handle_;
 };

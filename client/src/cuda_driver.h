@@ -36,6 +36,24 @@ class CudaDriver {
   virtual absl::StatusOr<bool> LegacyIpcCapable(uint64_t ptr) = 0;
   // The cudaIpcMemHandle_t bytes of the allocation starting at `base`.
   virtual absl::StatusOr<std::string> IpcMemHandle(uint64_t base) = 0;
+
+  // Memory of the virtual memory management API (PyTorch's expandable
+  // segments) is mapped one physical allocation, a page, at a time. The
+  // page that holds `ptr` (cuMemRetainAllocationHandle): its mapped range
+  // (cuMemGetAddressRange) and the handle types it may be exported as
+  // (cuMemGetAllocationPropertiesFromHandle); INVALID_ARGUMENT when `ptr`
+  // is not such memory.
+  struct Page {
+    uint64_t base = 0;
+    uint64_t size = 0;
+    bool posix_fd = false;  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    bool fabric = false;    // CU_MEM_HANDLE_TYPE_FABRIC
+  };
+  virtual absl::StatusOr<Page> PageAt(uint64_t ptr) = 0;
+  // The page at `base` exported (cuMemExportToShareableHandle) as a POSIX
+  // descriptor, which the caller closes, or as CUmemFabricHandle bytes.
+  virtual absl::StatusOr<int> ExportPageFd(uint64_t base) = 0;
+  virtual absl::StatusOr<std::string> ExportPageFabric(uint64_t base) = 0;
   // "GPU-xxxxxxxx-..." of `device`.
   virtual absl::StatusOr<std::string> DeviceUuid(int device) = 0;
   // Creates the interprocess step event on `device` (once) and returns its

@@ -15,7 +15,7 @@
 #   torch_exact        60 / 25   tests/gpu/torch_gpu_check.py --part exact:
 #                                ckpt.torch SIGKILL/restore bit-exact on CUDA
 #                                tensors, default allocator and expandable
-#                                segments (bit-exact or today's refusal)
+#                                segments (bit-exact, or the refusal of pages that allow no export)
 #   torch_gpt2        100 / 45   --part gpt2: a 124M GPT-2-sized loop, no
 #                                checkpointing vs ckptd all / layercheck vs DCP
 #                                async_save; stall per step; D2H vs pinned peak

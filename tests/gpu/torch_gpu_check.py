@@ -14,10 +14,11 @@ Parts:
            live tensors: the losses after the restore and the final weights
            must equal a failure-free run's bit for bit. On CUDA twice: with
            the default caching allocator, and with
-           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, where either a
-           bit-exact restore or the refusal at registration that names the
-           tensor (what ckpt.torch does today) is accepted, and the line says
-           which. With --socket the trainers use that ckptd instead of one
+           PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (pages handed
+           over as descriptors), where a bit-exact restore is expected and
+           the one refusal accepted is the one for a PyTorch whose pages
+           allow no export (2.4, or TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC=0),
+           naming the tensor; the line says which. With --socket the trainers use that ckptd instead of one
            of their own, default allocator only (tests/gpu/sandbox_check.sh
            runs this part so, as another uid). --quick: a tiny GPT.
   gpt2     a GPT-2-small-sized model built here (12 blocks, width 768,
@@ -278,7 +279,7 @@ def worker(a):
             raise
         prefixes = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
         log.write(json.dumps({"refused": type(e).__name__, "message": str(e),
-                              "modules": prefixes}) + "\n")
+                              "modules": prefixes, "torch": torch.__version__}) + "\n")
         log.close()
         return 3
     log.write(json.dumps({"final": weights_hash(model)}) + "\n")
@@ -298,10 +299,11 @@ def finish(p, timeout=300):
     return p.returncode, err
 
 
-# What ckpt.torch says today when a tensor lives in expandable segments
-# (client/src/gpu_export.cc).
-REFUSAL = re.compile(r"tensor '(?P<name>[^']+)' lives in an allocation that legacy CUDA IPC "
-                     r"cannot export")
+# What the client says when a tensor lives in expandable segments whose
+# pages allow no export to another process (client/src/gpu_export.cc).
+REFUSAL = re.compile(r"tensor '(?P<name>[^']+)' lives in PyTorch expandable segments "
+                     r"\(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\) whose pages allow no "
+                     r"export")
 
 
 def classify_refusal(row):
@@ -312,8 +314,8 @@ def classify_refusal(row):
     if not m:
         return False, "another error: %s: %s" % (row.get("refused"), msg[:300])
     name = m.group("name")
-    if "expandable_segments" not in msg:
-        return False, "the refusal does not name expandable segments: " + msg[:300]
+    if "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC" not in msg:
+        return False, "the refusal does not say what to set: " + msg[:300]
     if name.split(".")[0] not in row.get("modules", []):
         return False, "the refusal names '%s', not a tensor of the model" % name
     return True, name
@@ -342,8 +344,9 @@ def bit_exact(daemon, root, device, alloc_conf, quick):
         row = [r for r in harness.read_jsonl(log) if "refused" in r][-1]
         accepted, what = classify_refusal(row)
         if alloc_conf and accepted:
-            return True, ("%s: REFUSED at registration naming tensor '%s' (accepted: what "
-                          "ckpt.torch does today)" % (name, what))
+            return True, ("%s: REFUSED at registration naming tensor '%s' (accepted: this "
+                          "PyTorch's pages allow no export; torch %s)"
+                          % (name, what, row.get("torch", "?")))
         return False, "%s: FAIL: the registration was refused: %s" % (name, what)
     if rc != -signal.SIGKILL:
         ref_p.kill()
@@ -379,11 +382,13 @@ def bit_exact(daemon, root, device, alloc_conf, quick):
 
 
 def self_check_refusal():
-    """The classifier on the message ckpt.torch gives today (part exact on the
-    CPU cannot make an expandable segment)."""
-    msg = ("INVALID_ARGUMENT: tensor 'h.0.attn.weight' lives in an allocation that legacy CUDA "
-           "IPC cannot export (virtual memory management, e.g. PyTorch expandable_segments:True); "
-           "allocate it with cudaMalloc")
+    """The classifier on the client's refusal of pages that allow no export
+    (part exact on the CPU cannot make an expandable segment)."""
+    msg = ("INVALID_ARGUMENT: tensor 'h.0.attn.weight' lives in PyTorch expandable segments "
+           "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) whose pages allow no export to "
+           "another process. PyTorch 2.10 and newer: leave TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC "
+           "unset or 1, set before the first CUDA allocation; PyTorch 2.4 cannot export them "
+           "(upgrade, or turn expandable_segments off)")
     good = classify_refusal({"message": msg, "modules": ["h", "wte"]})
     other = classify_refusal({"message": msg.replace("h.0", "q.0"), "modules": ["h", "wte"]})
     wrong = classify_refusal({"message": "INVALID_ARGUMENT: something else", "modules": ["h"]})

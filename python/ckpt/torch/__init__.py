@@ -32,8 +32,8 @@ step of learning rate 0 (weights unchanged) and then overwrites everything.
 CPU tensors move once, at registration, into shared memory ckptd maps (each
 tensor keeps its identity and its autograd hooks: its ``.data`` is replaced).
 CUDA tensors stay where they are: ckptd opens them through CUDA IPC (memory
-of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` cannot be opened
-that way and is refused at registration, naming the tensor), and each
+of ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` page by page, each
+page's descriptor sent over the handover socket), and each
 StepDone records an event on the stream the optimizer step ran on. A rank registers the tensors
 of one device: a model split over CPU and GPU, or over two GPUs, is refused
 naming a tensor on each.
