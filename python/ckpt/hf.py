@@ -27,6 +27,11 @@ restored scheduler state into it. A CkptCallback protects one train() call.
 Not saved: an fp16 GradScaler's scale (bf16 needs none).
 
 Without resume(), the callback attaches at the start of training.
+
+A step is reported to ckptd when the Trainer is done with it: at
+on_step_end, or after the evaluation that follows it, so that the random
+state saved with it is the one the next step starts from (an evaluation's
+data loader draws its seed from it).
 """
 
 from __future__ import annotations
@@ -89,6 +94,10 @@ class CkptCallback(TrainerCallback):
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._resume_dir = tempfile.mkdtemp(prefix="ckpt-hf-resume-", dir=base)
         state = TrainerState()
+        # The Trainer takes its logging, evaluation and save steps from this
+        # file over its arguments: the arguments' own, as its train() works
+        # them out (a ratio is of the total steps).
+        state.compute_steps(trainer.args, self._max_steps(trainer))
         state.global_step = int(position.get("global_step", self.restored.target_step))
         state.num_input_tokens_seen = int(position.get("num_input_tokens_seen", 0))
         state.total_flos = float(position.get("total_flos", 0.0))
@@ -119,6 +128,9 @@ class CkptCallback(TrainerCallback):
             self.run = ckpt_torch.attach(model, _unwrap(optimizer), self.client, self.job_id,
                                          scheduler=_unwrap_scheduler(scheduler),
                                          **self.attach_args)
+            # Reported once the Trainer is done with the step (on_step_end,
+            # or after its evaluation), with the RNG as the next step finds it.
+            self.run.hold_reports = True
 
     # ---- TrainerCallback ----
 
@@ -154,6 +166,18 @@ class CkptCallback(TrainerCallback):
         # The Trainer has read the resume directory (weights before the
         # loop, RNG states before its first step): it is not needed again.
         self._remove_resume_dir()
+        # The step is reported now unless an evaluation follows it (its data
+        # loader draws from the RNG): then once that evaluation is done.
+        # (DefaultFlowCallback, first in the list, has set control already;
+        # an evaluation at the end of an epoch is decided later, at
+        # on_epoch_end.)
+        epoch_eval = args.eval_strategy == "epoch" and float(state.epoch).is_integer()
+        if not (control.should_evaluate or epoch_eval):
+            self.run.report()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.run is not None and not self.run.closed:
+            self.run.report()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.close()

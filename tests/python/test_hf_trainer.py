@@ -5,7 +5,10 @@ and resumed by a new process from the composite checkpoint: every step after
 the restore and the final weights equal a failure-free run bit for bit
 (model, optimizer, scheduler, RNG, epoch and data position restored).
 A second run does the same with the base frozen and only the last block and
-the head trained (frozen layers, written once).
+the head trained (frozen layers, written once). A third logs every step and
+evaluates every 4 steps, and is killed right after the evaluation of a
+durable step: the resumed Trainer keeps its logging and evaluation steps,
+and the random state it resumes with is the one after that evaluation.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 (skipped) when torch,
 transformers or the module is missing. `--worker` runs one trainer process.
@@ -56,17 +59,30 @@ def weights_hash(model):
 
 
 class StepLog(TrainerCallback):
-    """One line per optimizer step: the weights' hash after it; SIGKILL at
-    step `kill_at`."""
+    """One line per optimizer step: the weights' hash after it; one per log
+    of the Trainer (its step and what it logged); SIGKILL at step `kill_at`,
+    or, with `after_eval`, right after that step's evaluation once ckptd has
+    it durable."""
 
-    def __init__(self, path, kill_at):
+    def __init__(self, path, kill_at, after_eval=None):
         self.log = open(path, "a")
         self.kill_at = kill_at
+        self.after_eval = after_eval  # the CkptCallback, when killing after an evaluation
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.log.write(json.dumps({"step": state.global_step, "hash": weights_hash(model)}) + "\n")
         self.log.flush()
-        if state.global_step == self.kill_at:
+        if state.global_step == self.kill_at and self.after_eval is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        keys = sorted(k for k in (logs or {}) if k in ("loss", "eval_loss"))
+        self.log.write(json.dumps({"logged": state.global_step, "keys": keys}) + "\n")
+        self.log.flush()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if state.global_step == self.kill_at and self.after_eval is not None:
+            self.after_eval.run.wait_durable()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -86,17 +102,22 @@ def worker(a):
     # per epoch).
     steps = dict(max_steps=STEPS) if not a.epochs else dict(
         num_train_epochs=a.epochs, gradient_accumulation_steps=a.ga)
+    # With --eval: loss logged every step, an evaluation every 4 (it draws
+    # from the RNG: its data loader's seed).
+    logs = dict(logging_strategy="no") if not a.eval else dict(
+        logging_strategy="steps", logging_steps=1, eval_strategy="steps", eval_steps=4)
     args = TrainingArguments(output_dir=a.out, **steps, per_device_train_batch_size=4,
                              learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=4,
-                             weight_decay=0.01, logging_strategy="no", save_strategy="no",
+                             weight_decay=0.01, save_strategy="no", **logs,
                              report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0,
                              disable_tqdm=True)
-    callbacks = [StepLog(a.log, a.kill_at)]
     protect = None
     if a.socket:
         protect = CkptCallback(ckpt.Client(a.socket, wait_timeout_s=60), a.job)
-        callbacks.append(protect)
-    trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
+    callbacks = [c for c in (protect, StepLog(a.log, a.kill_at, protect if a.eval else None))
+                 if c is not None]
+    trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks,
+                      eval_dataset=Samples() if a.eval else None)
     resume = protect.resume(trainer) if protect is not None and a.resume else None
     if a.resume:
         with open(a.log, "a") as f:
@@ -141,6 +162,11 @@ def case(daemon, root, name, extra, kill_at, first_epoch_steps=PER_EPOCH):
           "%s: weights after every resumed step equal the failure-free run's" % name)
     check(rows[-1]["final"] == ref_rows[-1]["final"],
           "%s: final weights equal the failure-free run bit for bit" % name)
+    ref_logs = [(r["logged"], r["keys"]) for r in ref_rows
+                if "logged" in r and r["logged"] > restored]
+    logs = [(r["logged"], r["keys"]) for r in rows[rows.index(resumed):] if "logged" in r]
+    check(logs == ref_logs, "%s: the resumed Trainer logged and evaluated at the steps the "
+          "failure-free run did (%d logs)" % (name, len(logs)))
     return resumed
 
 
@@ -158,6 +184,10 @@ def main():
         # different count, and the first resumed step used lr 0).
         case(daemon, root, "gpt2-ga5", ["--epochs", "2", "--ga", "5"], kill_at=6,
              first_epoch_steps=4)
+        # Killed right after the evaluation of step 20, once it is durable.
+        resumed = case(daemon, root, "gpt2-eval", ["--eval"], kill_at=20)
+        check(resumed["resumed"] == 20, "eval: resumed from step 20, the step evaluated "
+              "before the kill (%d)" % resumed["resumed"])
         layers = daemon.ctl("layers", "gpt2-frozen")["layers"]
         frozen = [l for l in layers if l["frozen"]]
         check(frozen and all(l["versions"] <= 2 for l in frozen),
@@ -181,6 +211,7 @@ if __name__ == "__main__":
         p.add_argument("--frozen-base", action="store_true")
         p.add_argument("--epochs", type=int, default=0)
         p.add_argument("--ga", type=int, default=1)
+        p.add_argument("--eval", action="store_true")
         worker(p.parse_args())
     else:
         main()

@@ -15,7 +15,12 @@ Against a real ckptd, on the CPU, each as a user's loop would do it:
 - BatchNorm buffers: the checkpoint of step K holds step K's running
   statistics when ckptd copies it after the next forward (a delay point
   holds ckptd before the copy until that forward has run);
-- a step under CUDA graph capture (the capture state faked) is refused.
+- a step under CUDA graph capture (the capture state faked) is refused;
+- an LR scheduler made after attach() and not handed over: a warning that
+  says how to hand it over, and with `run.scheduler = ...` the restored
+  learning rate is the one the uninterrupted run has;
+- hold_reports: a step reported by report() after the loop drew from the
+  RNG (an evaluation's data loader) is restored with the RNG of that moment.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
 """
@@ -367,6 +372,62 @@ def graph_capture(daemon):
     run.close()
 
 
+def late_scheduler(daemon):
+    """A scheduler made after attach(): warned about once at the next step;
+    handed over with run.scheduler, it is saved and restored."""
+    def steps(job, hand_over):
+        model, opt = build(1)
+        run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id=job)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if hand_over:
+            run.scheduler = sched
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(3):
+                train(model, opt, i, 1)
+                sched.step()
+        run.close()
+        return [w for w in caught if "scheduler" in str(w.message)], opt.param_groups[0]["lr"]
+
+    warned, _ = steps("late-sched", hand_over=False)
+    check(len(warned) == 1 and "run.scheduler" in str(warned[0].message),
+          "a scheduler made after attach() and not handed over: one warning naming "
+          "run.scheduler (%s)" % [str(w.message)[:120] for w in warned])
+    warned, lr = steps("late-sched-given", hand_over=True)
+    model, opt = build(2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="late-sched-given",
+                            scheduler=sched)
+    run.restore()
+    got = opt.param_groups[0]["lr"]
+    run.close()
+    check(not warned and got == lr,
+          "... handed over with run.scheduler: no warning, the restored lr %g is the "
+          "uninterrupted run's %g" % (got, lr))
+
+
+def held_reports(daemon):
+    """hold_reports + report(): the RNG saved with a step is the one when
+    report() ran, after the loop drew from it (as an evaluation's data
+    loader draws its seed), not the one of the post-step hook."""
+    model, opt = build(1)
+    run = ckpt_torch.attach(model, opt, ckpt.Client(daemon.socket), job_id="held")
+    run.hold_reports = True
+    for i in range(3):
+        train(model, opt, i, 1)
+        torch.rand(5)  # the "evaluation" of the step just taken
+        run.report()
+    want = torch.rand(7)  # what the next step draws first
+    run.close()
+    model2, opt2 = build(2)
+    run2 = ckpt_torch.attach(model2, opt2, ckpt.Client(daemon.socket), job_id="held")
+    restored = run2.restore()
+    got = torch.rand(7)
+    run2.close()
+    check(restored.target_step == 3 and torch.equal(got, want),
+          "held reports: step 3 restored with the RNG taken at report(), after the draw")
+
+
 def main():
     root = harness.tempdir("ckpt-swaps-")
     daemon = harness.Daemon(root).start()
@@ -380,6 +441,8 @@ def main():
         loaded_step_counts(daemon)
         pending_then_restore_or_close(root)
         batchnorm(root)
+        late_scheduler(daemon)
+        held_reports(daemon)
     finally:
         daemon.stop()
     shutil.rmtree(root, ignore_errors=True)

@@ -73,12 +73,13 @@ class Attached:
         self._frozen = hooks.FrozenGuard([])
         self._guard = StorageGuard(model, optimizer, job_id, self._memory)
         self._buffers = BufferMirror(model, job_id)
-        self._scaler = ScalerLink(scaler, self._send_pending) if scaler is not None else None
+        self._scaler = ScalerLink(scaler, self._scaler_updated) if scaler is not None else None
         self._state.scaler = self._scaler
         # With a scaler: the step taken and not yet reported (its report
         # waits for scaler.update()): (step, its saved state, its lr).
         self._pending: Optional[Tuple[int, dict, float]] = None
         self._warned_update = False
+        self._hold = False  # hold_reports
         exchange = Exchange(client, self._group, self._layout, self._memory)
         self._restorer = Restorer(client, job_id, self._layout, self._memory, exchange)
         self._step = 0
@@ -186,7 +187,11 @@ class Attached:
         self._buffers.capture()
         self._pending = (t, self._state.capture(t, self._counter),
                          float(self.optimizer.param_groups[0]["lr"]))
-        if self._scaler is None:
+        if self._scaler is None and not self._hold:
+            self._send_pending()
+
+    def _scaler_updated(self) -> None:
+        if not self._hold:
             self._send_pending()
 
     def _send_pending(self, missed_update: bool = False) -> None:
@@ -297,6 +302,29 @@ class Attached:
         """The registered tensors by layer: (name, the tensor ckptd reads:
         the live tensor, or a buffer's mirror, buffers.py)."""
         return self._layout.tensors()
+
+    @property
+    def hold_reports(self) -> bool:
+        """False (the default): each step is reported to ckptd by its
+        optimizer step's post-hook. True: the step is taken there (tensors,
+        buffers, optimizer and scheduler state) but reported only by
+        report(), with the RNG states as they are then; for loops that draw
+        from the RNG between steps in ways that belong to the step just
+        taken (an evaluation: ckpt.hf). A step still held at the next
+        optimizer step, wait_durable() or close() is reported then, with
+        the RNG states of its post-hook."""
+        return self._hold
+
+    @hold_reports.setter
+    def hold_reports(self, hold: bool) -> None:
+        self._hold = bool(hold)
+
+    def report(self) -> None:
+        """Reports the step held since its optimizer step (hold_reports),
+        its RNG states taken now; nothing when none is held."""
+        if self._pending is not None:
+            self._state.retake_rng(self._pending[1])
+            self._send_pending()
 
     def set_data_position(self, position: Any) -> None:
         """Where the data loader is (numbers, strings, lists, dicts or

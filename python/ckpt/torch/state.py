@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import random
 import sys
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -106,10 +107,12 @@ class SavedState:
         # loads it into the Trainer's own scheduler).
         self.restored_scheduler_state: Optional[dict] = None
         self._checked: Any = None  # the shape of the last state checked loadable
+        self._warned_scheduler = False
 
     def capture(self, step: int, counter: Any) -> dict:
         """The state to save with `step`; `counter` gives the step counts
         (hooks.StepCounter)."""
+        self._check_scheduler()
         world_size, replicated, sharded = self._layout
         return {"format": AUX_FORMAT, "step": step, "rng": _rng_states(self._device),
                 "lrs": [float(g["lr"]) for g in self._optimizer.param_groups],
@@ -118,6 +121,24 @@ class SavedState:
                 "scaler": None,  # set when the step is reported (attached.py)
                 "data_position": self.data_position, "extra": self.extra_state,
                 "world_size": world_size, "replicated": replicated, "sharded": sharded}
+
+    def _check_scheduler(self) -> None:
+        """Warns once when an LR scheduler drives the optimizer (it set each
+        group's initial_lr) but none was handed over: its state would not
+        be saved, and a restore would leave the learning rate behind."""
+        if self.scheduler is not None or self._warned_scheduler:
+            return
+        if any("initial_lr" in g for g in self._optimizer.param_groups):
+            self._warned_scheduler = True
+            warnings.warn(
+                "ckpt.torch: an LR scheduler drives this optimizer but was not handed over, so "
+                "its state is not saved and a restore leaves the learning rate where the "
+                "scheduler no longer expects it; pass attach(scheduler=...) or set "
+                "run.scheduler = <the scheduler> (for one made after attach())", stacklevel=4)
+
+    def retake_rng(self, aux: dict) -> None:
+        """The RNG states of `aux` (from capture()) taken again, now."""
+        aux["rng"] = _rng_states(self._device)
 
     def blob(self, aux: dict, step: int) -> bytes:
         """`aux` as the bytes StepDone carries. Whenever the kinds of values
