@@ -245,6 +245,7 @@ class PyClient {
       throw py::value_error("on_daemon_loss must be 'error' or 'continue'");
     }
     client_ = std::shared_ptr<Client>(Value(Client::Connect(o)).release());
+    on_daemon_loss_ = on_daemon_loss;
   }
 
   Region AllocateRegion(uint64_t bytes) {
@@ -462,9 +463,11 @@ class PyClient {
     return client_->latest_durable_step_at_register();
   }
   bool unprotected() const { return client_->unprotected(); }
+  const std::string& on_daemon_loss() const { return on_daemon_loss_; }
 
  private:
   std::shared_ptr<Client> client_;
+  std::string on_daemon_loss_;  // "error" or "continue"
 };
 
 }  // namespace
@@ -524,5 +527,6 @@ PYBIND11_MODULE(_ckpt, m) {
       .def_property_readonly("generation", &PyClient::generation)
       .def_property_readonly("latest_durable_step_at_register",
                              &PyClient::latest_durable_step_at_register)
-      .def_property_readonly("unprotected", &PyClient::unprotected);
+      .def_property_readonly("unprotected", &PyClient::unprotected)
+      .def_property_readonly("on_daemon_loss", &PyClient::on_daemon_loss);
 }

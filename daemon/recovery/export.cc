@@ -14,10 +14,7 @@ namespace ckpt {
 absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
                                     const RecoverySources& sources, const ExportSink& sink,
                                     std::vector<VersionKey>* damaged) {
-  if (!plan.complete) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the plan for step ", plan.target_step, " is incomplete"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckComplete(plan));
   v1::ExportChunk head;
   v1::ExportHeader* h = head.mutable_header();
   *h->mutable_plan() = ToApi(plan);

@@ -3,9 +3,26 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 
 namespace ckpt {
+
+absl::Status CheckComplete(const CompositePlan& plan) {
+  if (plan.complete) return absl::OkStatus();
+  std::vector<std::string> named;
+  size_t missing = 0;
+  for (const PlannedLayer& lp : plan.layers) {
+    if (lp.has_version) continue;
+    if (++missing <= 5) named.push_back(absl::StrCat(lp.layer, " '", lp.name, "'"));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "step ", plan.target_step, " of job ", plan.job, " cannot be restored whole: ", missing,
+      " of ", plan.layers.size(), " registered layers have no version at or before it (layer ",
+      absl::StrJoin(named, ", layer "), missing > named.size() ? ", ..." : "",
+      "); the model registered has layers the checkpoint was not written with (a module added "
+      "since?): restore into the model the job was trained with, or start a new job"));
+}
 
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
                                         uint64_t target_step, const store::RankRecord& table) {

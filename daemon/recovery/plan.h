@@ -44,6 +44,11 @@ struct CompositePlan {
   std::string aux;  // the aux blob stored with target_step
 };
 
+// OK when every layer of `plan` has a version; else FAILED_PRECONDITION
+// naming the layers that have none (layers the checkpoint was not written
+// with: a module added since, say).
+absl::Status CheckComplete(const CompositePlan& plan);
+
 // NOT_FOUND when the rank has no durable step, or `target_step` is not one
 // (a step is restorable while its checkpoint event exists).
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,

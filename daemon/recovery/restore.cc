@@ -14,8 +14,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "base/dtype.h"
 #include "base/logging.h"
 #include "base/status.h"
 
@@ -129,6 +131,49 @@ class Turns {
   absl::Status stopped_by_ ABSL_GUARDED_BY(mu_);
   absl::Status failure_ ABSL_GUARDED_BY(mu_);  // of version end_
 };
+
+// "F32 [16, 8]": a tensor's dtype and shape, for messages.
+std::string Described(store::DType dtype, const google::protobuf::RepeatedField<uint64_t>& shape) {
+  const DTypeInfo* info = FindDType(static_cast<DType>(dtype));
+  return absl::StrCat(info != nullptr ? std::string(info->name) : "an unknown dtype", " [",
+                      absl::StrJoin(shape, ", "), "]");
+}
+
+// OK when the checkpoint's tensors of layer `lp` and the registration's
+// have the same names; else FAILED_PRECONDITION naming those only one side
+// has (optimizer state of another optimizer, most often).
+absl::Status SameTensorNames(const PlannedLayer& lp, const store::LayerSpec& spec,
+                             const std::map<std::string, const store::TensorEntry*>& stored) {
+  std::vector<std::string> only_saved, only_registered;
+  std::map<std::string, bool> registered;
+  for (const store::TensorSpec& ts : spec.tensors()) {
+    registered[ts.name()] = true;
+    if (stored.count(ts.name()) == 0) only_registered.push_back(ts.name());
+  }
+  for (const auto& [name, entry] : stored) {
+    if (registered.count(name) == 0) only_saved.push_back(name);
+  }
+  if (only_saved.empty() && only_registered.empty()) return absl::OkStatus();
+  auto some = [](const std::vector<std::string>& names) {
+    const size_t n = std::min<size_t>(names.size(), 6);
+    return absl::StrCat(absl::StrJoin(names.begin(), names.begin() + n, ", "),
+                        names.size() > n ? ", ..." : "");
+  };
+  std::string what = absl::StrCat("layer ", lp.layer, " '", lp.name, "': ");
+  if (!only_saved.empty()) {
+    absl::StrAppend(&what, "the checkpoint of step ", lp.step, " holds ", only_saved.size(),
+                    " tensors not registered (", some(only_saved), ")");
+  }
+  if (!only_registered.empty()) {
+    absl::StrAppend(&what, only_saved.empty() ? "" : " and ", only_registered.size(),
+                    " registered tensors are not in the checkpoint (", some(only_registered), ")");
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      what,
+      "; was the job trained with another optimizer (its state tensors differ: AdamW "
+      "keeps exp_avg and exp_avg_sq, SGD with momentum momentum_buffer) or another model? "
+      "Restore with the optimizer and model the job was trained with"));
+}
 
 absl::Status WithLayer(const PlannedLayer& lp, const absl::Status& s) {
   return absl::Status(s.code(), absl::StrCat("layer ", lp.layer, " (", lp.name, ") step ", lp.step,
@@ -394,21 +439,19 @@ class RestoreRun {
     if (stored.size() != static_cast<size_t>(f.decoded.header.tensors_size())) {
       return WithLayer(lp, absl::DataLossError("two stored tensors have the same name"));
     }
-    if (stored.size() != static_cast<size_t>(spec.tensors_size())) {
-      return absl::FailedPreconditionError(absl::StrCat("layer ", lp.layer, " has ", stored.size(),
-                                                        " tensors in the checkpoint and ",
-                                                        spec.tensors_size(), " registered"));
-    }
+    CKPT_RETURN_IF_ERROR(SameTensorNames(lp, spec, stored));
     std::vector<const store::TensorEntry*> out;
     for (const store::TensorSpec& ts : spec.tensors()) {
-      auto it = stored.find(ts.name());
-      if (it == stored.end() || it->second->nbytes() != ts.nbytes() ||
-          it->second->dtype() != ts.dtype()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "tensor '", ts.name(), "' of layer ", lp.layer,
-            " differs between the checkpoint and the registration (missing, dtype or size)"));
+      const store::TensorEntry& saved = *stored.at(ts.name());
+      if (saved.nbytes() != ts.nbytes() || saved.dtype() != ts.dtype()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tensor '", ts.name(), "' of layer ", lp.layer, " '", lp.name, "' is ",
+                         Described(saved.dtype(), saved.shape()), " in the checkpoint of step ",
+                         lp.step, " and ", Described(ts.dtype(), ts.shape()),
+                         " as registered: restore into a model of the sizes and dtypes the job was "
+                         "trained with"));
       }
-      out.push_back(it->second);
+      out.push_back(&saved);
     }
     return out;
   }
@@ -508,10 +551,7 @@ absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store:
                                          const RestoreTarget& target,
                                          const RecoverySources& sources,
                                          std::vector<VersionKey>* damaged) {
-  if (!plan.complete) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the plan for step ", plan.target_step, " is incomplete: some layers have no version"));
-  }
+  CKPT_RETURN_IF_ERROR(CheckComplete(plan));
   if (sources.readers.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
   if (plan.layers.empty()) return RestoreStats();
   return RestoreRun(plan, table, target, sources, damaged).Run();

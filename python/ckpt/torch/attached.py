@@ -177,6 +177,7 @@ class Attached:
         # (A captured step was refused by the pre-step hook already.)
         if not self._registered:
             self._register()  # the optimizer state exists now, counting this step
+            self._check_continues_job()
         else:
             self._counter.count()
         # Everything of the step is taken now, before the loop goes on (the
@@ -189,6 +190,17 @@ class Attached:
                          float(self.optimizer.param_groups[0]["lr"]))
         if self._scaler is None and not self._hold:
             self._send_pending()
+
+    def _check_continues_job(self) -> None:
+        """The first step of an attachment that did not restore must come
+        after the job's history in ckptd, which keeps a job's steps in order."""
+        latest = self.client.latest_durable_step_at_register
+        if latest > self._step:
+            raise RuntimeError(
+                f"job '{self.job_id}' rank {self.rank} already has checkpoints in ckptd (its last "
+                f"durable step is {latest}) and this attachment did not restore, so its first "
+                f"step would be step {self._step + 1}: call run.resume() after attach() to go "
+                f"on with the job, or attach to a new job id to start over")
 
     def _scaler_updated(self) -> None:
         if not self._hold:
@@ -523,6 +535,25 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: "ck
     meta, non-contiguous, another device than the rest), RuntimeError when
     the model or optimizer is attached already, and ckpt.Error for refusals
     by ckptd."""
+    _check_daemon(client, job_id, rank)
     return Attached(model, optimizer, client, job_id, rank, world_size, policy, layercheck,
                     layers, scheduler, record_trace, process_group, scheduler_step, replicated,
                     agree_every, scaler)
+
+
+def _check_daemon(client: "ckpt.Client", job_id: str, rank: int) -> None:
+    """Asks ckptd for the job's plan (a read, NOT_FOUND for a new job), so
+    that a ckptd that is not there is reported by attach() rather than at
+    the first optimizer step."""
+    try:
+        client.plan(0, job_id, rank)
+    except ckpt.Error as e:
+        if e.code != "UNAVAILABLE":
+            return
+        why = (f"no ckptd answers ({e.message}): is ckptd running? (systemctl status ckptd; "
+               "ckpt.Client(socket_path) names the socket)")
+        if client.on_daemon_loss == "continue":  # training goes on unprotected, as asked
+            warnings.warn("ckpt.torch: " + why, stacklevel=3)
+            return
+        raise ckpt.Error(e.code, why, e.reason) from None
+

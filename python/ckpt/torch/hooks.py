@@ -125,7 +125,9 @@ def _guard_other_optimizers(optimizer, args, kwargs):
                     raise RuntimeError(
                         f"{type(optimizer).__name__} steps parameters of the model attached to "
                         f"job '{c.job_id}' rank {c.rank} through another optimizer, which "
-                        "ckptd would not see: close() that run and attach() this optimizer")
+                        "ckptd would not see: close() that run, then attach() this optimizer "
+                        "and call resume() to go on with the job from its last durable step "
+                        "(or attach it to a new job id)")
 
 
 # ---- step counts ----

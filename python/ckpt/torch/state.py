@@ -42,6 +42,49 @@ def type_shape(x: Any, depth: int = 0) -> Any:
     return type(x)
 
 
+_SAFE_LEAVES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+                torch.Size)
+
+
+def _first_unsafe(x: Any, path: str) -> Optional[Tuple[str, Any]]:
+    """(where, value) of the first value under `x` that PyTorch's restricted
+    unpickler would refuse, else None."""
+    if torch.is_tensor(x) or type(x) in _SAFE_LEAVES:
+        return None
+    if type(x) in (list, tuple):
+        for i, v in enumerate(x):
+            found = _first_unsafe(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if type(x) is dict:
+        for k, v in x.items():
+            found = _first_unsafe(k, f"{path} key {k!r}") or _first_unsafe(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    return path, x
+
+
+def _unsafe_value_message(aux: dict) -> str:
+    """Why `aux` cannot be saved, naming the value and where it is."""
+    where = {"data_position": "set_data_position()", "extra": "extra_state",
+             "scheduler": "the scheduler's state_dict()"}
+    for key, name in where.items():
+        found = _first_unsafe(aux.get(key), name)
+        if found:
+            path, value = found
+            kind = type(value)
+            hint = ("int(...) or float(...)" if kind.__module__ == "numpy" else
+                    "tensors, numbers, strings, None, lists, tuples and dicts")
+            return (f"{path} holds a {kind.__module__}.{kind.__qualname__}, which ckpt.torch "
+                    f"cannot save with a step (a restore unpickles only tensors and plain values); "
+                    f"use {hint}")
+    return ("the state saved with each step must be tensors, numbers, strings, None, lists, "
+            "tuples and dicts (check set_data_position(), extra_state and the scheduler's "
+            "state_dict())")
+
+
 def load_aux(blob: bytes, step: int) -> Optional[dict]:
     """The state saved with `step`, read with PyTorch's restricted unpickler
     (weights_only): only tensors and plain containers and values. None for
@@ -151,11 +194,8 @@ class SavedState:
         if shape != self._checked:
             try:
                 load_aux(blob, step)
-            except ckpt.Error as e:
-                raise TypeError(
-                    "the state saved with each step must be tensors, numbers, strings, None, "
-                    "lists, tuples and dicts (check set_data_position(), extra_state and the "
-                    f"scheduler's state_dict()): {e.message}") from None
+            except ckpt.Error:
+                raise TypeError(_unsafe_value_message(aux)) from None
             self._checked = shape
         return blob
 
