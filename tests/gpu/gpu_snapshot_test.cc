@@ -315,6 +315,28 @@ TEST_F(GpuSnapshotTest, TrainThenRestoreInNewProcessIsBitExact) {
   EXPECT_EQ(WaitForMappings(0, kMappingsCloseWithin), 0);
 }
 
+// Virtual-memory-management allocations (--vmm: pages of 2 MiB, as
+// PyTorch's expandable segments): each 4 MiB layer spans pages, the shared
+// allocation's two layers straddle a page boundary, every page is handed over
+// as a descriptor, and ckptd maps each run into one range of its own. The
+// restore into fresh pages in a new process is bit-exact, and every run is
+// released once both processes are gone. (Two allocations that happen to be
+// adjacent form one run, so the runs are at most the allocations.)
+TEST_F(GpuSnapshotTest, ExpandableSegmentPagesRestoreBitExact) {
+  nlohmann::json train;
+  ASSERT_NO_FATAL_FAILURE(RunTrainerToJson(
+      "vmm", "vmm", "train", {"--vmm", "--policy=all", "--steps=9", "--step-delay-ms=10"}, &train));
+  EXPECT_EQ(train["skipped"].get<uint64_t>(), 0u);
+  EXPECT_EQ(train["durable_step"].get<uint64_t>(), 9u);
+  EXPECT_GE(train["regions"].get<uint32_t>(), 1u);
+  EXPECT_LE(train["regions"].get<uint32_t>(), kRegions);
+  ASSERT_NO_FATAL_FAILURE(ExpectBitExactRestore("vmm", {"--vmm"}));
+  const nlohmann::json verify = ReadJson("vmm.verify.json");
+  ASSERT_TRUE(verify.is_object());
+  EXPECT_EQ(verify["target_step"], train["durable_step"]);
+  EXPECT_EQ(WaitForMappings(0, kMappingsCloseWithin), 0);
+}
+
 // An explicit per-layer schedule: the composite checkpoint mixes steps, and
 // each layer must come back as of its own step.
 TEST_F(GpuSnapshotTest, ExplicitScheduleRestoresEachLayerAtItsOwnStep) {

@@ -45,8 +45,15 @@
 //           comparison with what ckptd's CUDA kernel computed on its IPC
 //           mappings (drift.jsonl in the rank's data directory).
 //
+// --vmm (train, verify): every allocation is CUDA virtual-memory-management
+// memory, as PyTorch's expandable segments make it: one reserved range backed
+// by pages of the allocation granularity (2 MiB), each its own cuMemCreate
+// that allows export as a POSIX descriptor, so a layer spans several physical
+// allocations and the client hands them over page by page.
+//
 // Exit codes: 0 ok, 1 failure, 2 usage, 3 verify found wrong bytes, 77 no
 // CUDA device.
+#include <cuda.h>  // driver types only: the functions come through the runtime
 #include <cuda_runtime.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -99,6 +106,7 @@ struct Args {
   int64_t compute_ms = -1;     // -1: 0 (train) or 50 (bench)
   uint64_t step_delay_ms = 0;  // train: the step's second half of layers is written this late
   bool no_unregister = false;
+  bool vmm = false;  // allocations of the virtual memory management API
   std::string json_out;
   std::string ready_file;  // written once the last step was reported (or after Restore)
   std::string hold_until;  // then wait (at most 120 s) until this file exists
@@ -142,7 +150,7 @@ int Usage() {
       stderr,
       "usage: ckpt_gpu_trainer --socket=PATH [--job=ID] [--mode=train|verify|bench|drift]\n"
       "  [--layers=N] [--layer-bytes=SIZE] [--steps=S] [--policy=all|every_n:K|explicit]\n"
-      "  [--compute-ms=MS] [--step-delay-ms=MS] [--no-unregister] [--json-out=FILE]\n"
+      "  [--compute-ms=MS] [--step-delay-ms=MS] [--no-unregister] [--vmm] [--json-out=FILE]\n"
       "  [--ready-file=FILE] [--hold-until=FILE]\n"
       "  bench: [--snapshot-steps=N] [--fence-steps=N] [--fence-every=K]\n");
   return 2;
@@ -175,6 +183,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       ok = absl::SimpleAtoi(v, &a->compute_ms) && a->compute_ms >= 0;
     } else if (k == "--step-delay-ms") {
       ok = absl::SimpleAtoi(v, &a->step_delay_ms);
+    } else if (k == "--vmm") {
+      a->vmm = true;
     } else if (k == "--no-unregister") {
       a->no_unregister = true;
     } else if (k == "--json-out") {
@@ -254,6 +264,106 @@ int64_t DecodeStep(uint32_t layer, uint64_t i, float v) {
 
 // ---- buffers ----
 
+// Allocations of CUDA's virtual memory management API, made page by page as
+// PyTorch's expandable segments are (--vmm).
+class VmmPages {
+ public:
+  ~VmmPages() {
+    for (const Range& r : ranges_) {
+      for (size_t i = 0; i < r.pages.size(); ++i) {
+        unmap_(r.base + i * granularity_, granularity_);
+        release_(r.pages[i]);
+      }
+      address_free_(r.base, r.bytes);
+    }
+  }
+
+  // `bytes` rounded up to whole pages, readable and writable by the
+  // current device.
+  bool Allocate(uint64_t bytes, void** p) {
+    if (!Load()) return false;
+    Range r;
+    r.bytes = (bytes + granularity_ - 1) / granularity_ * granularity_;
+    if (!Ok(reserve_(&r.base, r.bytes, 0, 0, 0), "cuMemAddressReserve")) return false;
+    for (uint64_t off = 0; off < r.bytes; off += granularity_) {
+      CUmemGenericAllocationHandle h = 0;
+      if (!Ok(create_(&h, granularity_, &prop_, 0), "cuMemCreate")) return false;
+      r.pages.push_back(h);
+      if (!Ok(map_(r.base + off, granularity_, 0, h, 0), "cuMemMap")) return false;
+    }
+    CUmemAccessDesc access{};
+    access.location = prop_.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (!Ok(set_access_(r.base, r.bytes, &access, 1), "cuMemSetAccess")) return false;
+    *p = reinterpret_cast<void*>(r.base);
+    ranges_.push_back(std::move(r));
+    return true;
+  }
+
+ private:
+  struct Range {
+    CUdeviceptr base = 0;
+    uint64_t bytes = 0;
+    std::vector<CUmemGenericAllocationHandle> pages;
+  };
+
+  template <typename Fn>
+  static bool Entry(const char* symbol, Fn* fn) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(symbol, &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        f == nullptr || q != cudaDriverEntryPointSuccess) {
+      std::fprintf(stderr, "ckpt_gpu_trainer: the CUDA driver has no %s\n", symbol);
+      return false;
+    }
+    *fn = reinterpret_cast<Fn>(f);
+    return true;
+  }
+  static bool Ok(CUresult r, const char* what) {
+    if (r == CUDA_SUCCESS) return true;
+    std::fprintf(stderr, "ckpt_gpu_trainer: %s: CUresult %d\n", what, static_cast<int>(r));
+    return false;
+  }
+  bool Load() {
+    if (granularity_ != 0) return true;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || cudaFree(nullptr) != cudaSuccess) return false;
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device;
+    prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CUresult (*granularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) =
+        nullptr;
+    if (!Entry("cuMemCreate", &create_) || !Entry("cuMemAddressReserve", &reserve_) ||
+        !Entry("cuMemMap", &map_) || !Entry("cuMemSetAccess", &set_access_) ||
+        !Entry("cuMemUnmap", &unmap_) || !Entry("cuMemRelease", &release_) ||
+        !Entry("cuMemAddressFree", &address_free_) ||
+        !Entry("cuMemGetAllocationGranularity", &granularity)) {
+      return false;
+    }
+    size_t g = 0;
+    if (!Ok(granularity(&g, &prop_, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+            "cuMemGetAllocationGranularity")) {
+      return false;
+    }
+    granularity_ = g;
+    return true;
+  }
+
+  CUmemAllocationProp prop_{};
+  uint64_t granularity_ = 0;
+  CUresult (*create_)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                      unsigned long long) = nullptr;
+  CUresult (*reserve_)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*map_)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                   unsigned long long) = nullptr;
+  CUresult (*set_access_)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*unmap_)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*release_)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_free_)(CUdeviceptr, size_t) = nullptr;
+  std::vector<Range> ranges_;
+};
+
 struct Layer {
   float* ptr = nullptr;
   uint64_t bytes = 0;
@@ -264,9 +374,11 @@ struct Layer {
 // The trainer's device allocations; layers 0 and 1 share allocations[0].
 class Buffers {
  public:
-  Buffers() = default;
+  explicit Buffers(bool vmm) : vmm_(vmm ? std::make_unique<VmmPages>() : nullptr) {}
   ~Buffers() {
-    for (void* p : allocations_) cudaFree(p);
+    if (vmm_ == nullptr) {
+      for (void* p : allocations_) cudaFree(p);
+    }
   }
   Buffers(const Buffers&) = delete;
   Buffers& operator=(const Buffers&) = delete;
@@ -324,12 +436,17 @@ class Buffers {
 
  private:
   bool Malloc(uint64_t bytes, void** p) {
-    if (!CudaOk(cudaMalloc(p, bytes), "cudaMalloc")) return false;
+    if (vmm_ != nullptr) {
+      if (!vmm_->Allocate(bytes, p)) return false;
+    } else if (!CudaOk(cudaMalloc(p, bytes), "cudaMalloc")) {
+      return false;
+    }
     allocations_.push_back(*p);
     allocation_bytes_.push_back(bytes);
     return true;
   }
 
+  std::unique_ptr<VmmPages> vmm_;  // --vmm: freed by its destructor
   std::vector<void*> allocations_;
   std::vector<uint64_t> allocation_bytes_;
   std::vector<Layer> layers_;
@@ -1021,7 +1138,7 @@ int main(int argc, char** argv) {
     cudaStreamDestroy(stream);
     return rc;
   }
-  Buffers buffers;
+  Buffers buffers(a.vmm);
   if (!buffers.Allocate(a.layers, a.layer_bytes)) return 1;
   if (a.mode == "verify") {
     if (!buffers.FillSentinel()) return 1;

@@ -10,7 +10,7 @@
 # Steps, in order of priority (timeout cap / least time worth starting, s):
 #   nvidia_smi         10 / 5    the device; without one every step is skipped
 #   drift_cuda_test    30 / 10   the CUDA drift kernel against the CPU reference
-#   gpu_snapshot_test  75 / 25   CUDA IPC handover end to end (train, restore
+#   gpu_snapshot_test  90 / 25   CUDA IPC handover end to end (train, restore
 #                                bit-exact in a new process, mappings closed)
 #   torch_exact        60 / 25   tests/gpu/torch_gpu_check.py --part exact:
 #                                ckpt.torch SIGKILL/restore bit-exact on CUDA
@@ -213,7 +213,7 @@ device=$(grep -m1 '^GPU [0-9]' "$logs/nvidia_smi.log" 2>/dev/null || echo "none 
 
 # ---- 1. the C++ GPU tests ----
 step drift_cuda_test 30 10 "$bin/tests/kernels/drift_cuda_test" --gtest_brief=1
-step gpu_snapshot_test 75 25 "$bin/tests/gpu/gpu_snapshot_test" --gtest_brief=1
+step gpu_snapshot_test 90 25 "$bin/tests/gpu/gpu_snapshot_test" --gtest_brief=1
 
 # ---- 2-4. ckpt.torch on CUDA (the machine's python3, 3.12 with torch) ----
 if [ -z "$no_device" ]; then
