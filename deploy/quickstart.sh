@@ -53,6 +53,7 @@ echo "== what ckptd holds"
 "$bin/tools/ckptctl" --socket="$sock" layers $job
 
 echo "== new trainer process: composite restore, verified against the killed run's log"
+echo "   (the newest durable step: steps ckptd had staged before the kill are written first)"
 "${trainer[@]}" --steps=0 --restore --verify-log="$dir/steps.jsonl"
 
 kill -TERM $daemon

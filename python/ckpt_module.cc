@@ -216,6 +216,7 @@ py::dict PlanToDict(const v1::Plan& plan) {
     ld["step"] = l.step();
     ld["staleness"] = l.staleness();
     ld["bytes"] = l.bytes();
+    ld["source"] = l.source();
     layers.append(ld);
   }
   d["layers"] = layers;

@@ -181,16 +181,26 @@ int LayersCommand(const Options& o, const AdminConnection& admin) {
     Json out{{"job_id", r.job_id()},
              {"rank", r.rank()},
              {"latest_durable_step", r.latest_durable_step()},
+             {"newest_staged_step", r.newest_staged_step()},
              {"policy", r.policy()},
              {"layers", std::move(layers)}};
     if (live_drift) out["s_max"] = r.s_max();
     PrintJson(out);
     return kExitOk;
   }
-  std::printf("job %s rank %u: latest durable step %s%s\n", TerminalSafe(r.job_id()).c_str(),
+  // Steps ckptd copied and is still writing (also after their trainer
+  // died): a restore now waits for them.
+  const std::string staged =
+      r.newest_staged_step() > r.latest_durable_step()
+          ? absl::StrCat(" (steps up to ", r.newest_staged_step(),
+                         " are staged in ckptd's memory and being written; a restore waits "
+                         "for them)")
+          : std::string();
+  std::printf("job %s rank %u: latest durable step %s%s%s\n", TerminalSafe(r.job_id()).c_str(),
               r.rank(),
               r.latest_durable_step() == 0 ? "- (no history)"
                                            : absl::StrCat(r.latest_durable_step()).c_str(),
+              staged.c_str(),
               r.policy().empty()
                   ? ", not registered"
                   : absl::StrCat(", policy ", TerminalSafe(r.policy()),

@@ -328,10 +328,13 @@ void PrintRestore(const ckpt::v1::RestoreReply& r) {
   const ckpt::v1::Plan& plan = r.plan();
   std::printf("composite restore of job %s rank %u to step %" PRIu64 "\n", plan.job_id().c_str(),
               plan.rank(), plan.target_step());
-  std::printf("  %-14s %8s %9s %12s\n", "layer", "step", "staleness", "bytes");
+  std::printf("  %-14s %8s %9s %12s  %s\n", "layer", "step", "staleness", "bytes", "from");
   for (const auto& lp : plan.layers()) {
-    std::printf("  %-14s %8" PRIu64 " %9" PRIu64 " %12" PRIu64 "\n", lp.name().c_str(), lp.step(),
-                lp.staleness(), lp.bytes());
+    const std::string from = lp.source() == "memory" ? "ckptd's memory tier"
+                             : lp.source() == "disk" ? "disk"
+                                                     : "-";
+    std::printf("  %-14s %8" PRIu64 " %9" PRIu64 " %12" PRIu64 "  %s\n", lp.name().c_str(),
+                lp.step(), lp.staleness(), lp.bytes(), from.c_str());
   }
   std::printf("  total %" PRIu64 " bytes, max staleness %" PRIu64
               ", size-weighted staleness %.2f, restore time %.3f s (%.2f GB/s), %" PRIu64

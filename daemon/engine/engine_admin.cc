@@ -176,6 +176,9 @@ absl::StatusOr<v1::LayersReply> Engine::Layers(const v1::LayersRequest& req, con
   if (it == ranks_.end()) return reply;
   const RankState& r = *it->second;
   absl::MutexLock rank_lock(&r.mu);
+  for (const PendingStep& p : r.pending) {
+    if (p.step > latest) reply.set_newest_staged_step(std::max(reply.newest_staged_step(), p.step));
+  }
   if (r.active) {
     reply.set_policy(PolicyName(r.policy.kind));
     if (r.layercheck != nullptr) {

@@ -218,7 +218,8 @@ class RestoreRun {
         deadline_(start_ + sources.timeout),
         threads_(std::min(sources.readers.size(), plan.layers.size())),
         turns_(plan.layers.size()),
-        readers_(threads_) {}
+        readers_(threads_),
+        from_memory_(plan.layers.size(), 0) {}
 
   absl::StatusOr<RestoreStats> Run() {
     std::vector<std::thread> threads;
@@ -234,6 +235,7 @@ class RestoreRun {
       reads.push_back(r.reads);
     }
     CKPT_RETURN_IF_ERROR(turns_.Result());
+    stats.from_memory.assign(from_memory_.begin(), from_memory_.end());
     stats.seconds = absl::ToDoubleSeconds(absl::Now() - start_);
     stats.reading_seconds = SecondsCovered(reads);
     return stats;
@@ -504,6 +506,7 @@ class RestoreRun {
     } else {
       ++stats->memory_layers;
     }
+    from_memory_[static_cast<size_t>(f.lp - plan_.layers.data())] = f.image != nullptr;
     CKPT_ASSIGN_OR_RETURN(std::vector<const store::TensorEntry*> tensors, MatchTensors(f));
     const StagingLease& src = f.image != nullptr ? *f.image : f.lease;
     const LeaseImage image(src);
@@ -543,6 +546,9 @@ class RestoreRun {
   Turns turns_;
   absl::Mutex copy_mu_;
   std::vector<Reader> readers_;  // one per thread, each touched by its own only
+  // Per plan layer, whether memory served it: each element written by the
+  // one thread that copies that layer out, read after they are joined.
+  std::vector<uint8_t> from_memory_;
 };
 
 }  // namespace

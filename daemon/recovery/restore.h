@@ -88,6 +88,8 @@ struct RestoreStats {
   uint64_t bytes = 0;
   uint64_t memory_bytes = 0;  // of `bytes`, served from an in-memory source
   uint64_t memory_layers = 0;
+  // Per layer of the plan (in its order): served from an in-memory source.
+  std::vector<bool> from_memory;
   double seconds = 0;
   // Of `seconds`, how long some thread had reads submitted and not yet
   // waited for (with io_uring, the copy it overlaps runs meanwhile): the

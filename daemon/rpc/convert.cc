@@ -159,6 +159,13 @@ v1::RegisterReply ToProto(const Registered& registered) {
 v1::RestoreReply ToProto(const Restored& restored) {
   v1::RestoreReply reply;
   *reply.mutable_plan() = ToApi(restored.plan);
+  for (int i = 0; i < reply.plan().layers_size(); ++i) {
+    const auto at = static_cast<size_t>(i);
+    if (at < restored.from_memory.size() && reply.plan().layers(i).has_version()) {
+      reply.mutable_plan()->mutable_layers(i)->set_source(restored.from_memory[at] ? "memory"
+                                                                                   : "disk");
+    }
+  }
   reply.set_bytes_restored(restored.bytes);
   reply.set_seconds(restored.seconds);
   reply.set_bytes_from_memory(restored.memory_bytes);

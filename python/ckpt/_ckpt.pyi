@@ -55,6 +55,7 @@ class PlannedLayer(TypedDict):
     step: int
     staleness: int
     bytes: int
+    source: str  # in a restore's reply: "memory" (the memory tier) or "disk"; "" in a plan
 
 class PlanDict(TypedDict):
     job_id: str

@@ -15,6 +15,7 @@ class LayerPlan:
     staleness: int   # target step - step (0 for a frozen layer)
     bytes: int
     frozen: bool
+    source: str = ""  # after a restore: "memory" (ckptd's memory tier) or "disk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +57,8 @@ def plan_of(reply: dict, frozen: Collection[str]) -> Plan:
                 total_bytes=reply["total_bytes"], max_staleness=reply["max_staleness"],
                 size_weighted_staleness=reply["size_weighted_staleness"],
                 layers=tuple(LayerPlan(name=l["name"], step=l["step"], staleness=l["staleness"],
-                                       bytes=l["bytes"], frozen=l["name"] in frozen)
+                                       bytes=l["bytes"], frozen=l["name"] in frozen,
+                                       source=l.get("source", ""))
                              for l in reply["layers"]))
 
 

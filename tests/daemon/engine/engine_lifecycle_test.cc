@@ -31,6 +31,30 @@ namespace ckpt {
 namespace engine_test {
 namespace {
 
+// Layers names the steps staged and not yet durable (a trainer killed while
+// ckptd still writes them sees them restored): the writer is held before
+// its commit, so step 2 stays staged until the test lets it go.
+TEST_F(EnginePipelineTest, LayersNamesTheStepsStagedAndNotYetDurable) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank a = MakeRank("staged", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK(StepDone(a, 1));
+  CKPT_ASSERT_OK(WaitDurable(a, 1).status());
+  sp_->LoadDependency({{kReleaseWriter, "writer.before_commit"}});
+  CKPT_ASSERT_OK(StepDone(a, 2));
+  CKPT_ASSERT_OK(WaitSnapshot(a, 2).status());
+  v1::LayersRequest req;
+  req.set_job_id("staged");
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::LayersReply held, engine_->Layers(req, owner_));
+  EXPECT_EQ(held.latest_durable_step(), 1u);
+  EXPECT_EQ(held.newest_staged_step(), 2u);
+  CKPT_SYNC_POINT(kReleaseWriter);
+  CKPT_ASSERT_OK(WaitDurable(a, 2).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::LayersReply done, engine_->Layers(req, owner_));
+  EXPECT_EQ(done.latest_durable_step(), 2u);
+  EXPECT_EQ(done.newest_staged_step(), 0u);
+}
+
 // Regression: Unregister without drain used to forget the rank while its
 // staged versions were still being written, so a new registration did not
 // wait for them and both wrote the same keys.

@@ -112,6 +112,7 @@ TEST_F(EnginePipelineTest, MemoryTierServesARestoreWithoutTheDisk) {
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 3u);
   EXPECT_EQ(restored.memory_bytes, restored.bytes);
+  EXPECT_EQ(restored.from_memory, std::vector<bool>(3, true)) << "each layer's source";
   EXPECT_TRUE(HoldsStep(a, 3));
 }
 
@@ -141,6 +142,7 @@ TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
   CKPT_ASSERT_OK(Register(&a).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored older, engine_->Restore(Ref(a), 2, owner_));
   EXPECT_EQ(older.memory_bytes, 0u);
+  EXPECT_EQ(older.from_memory, std::vector<bool>(4, false));
   EXPECT_TRUE(HoldsStep(a, 2));
   // The newest step: what the tier kept from memory, the rest from disk.
   WriteStep(a, 0);
@@ -148,6 +150,11 @@ TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
   EXPECT_GT(restored.memory_bytes, 0u);
   EXPECT_LT(restored.memory_bytes, restored.bytes);
+  uint64_t memory_layers = 0;
+  for (bool m : restored.from_memory) memory_layers += m;
+  EXPECT_EQ(restored.from_memory.size(), 4u);
+  EXPECT_EQ(memory_layers * kLayerFloats * 4, restored.memory_bytes)
+      << "the layers marked as from memory are those whose bytes came from it";
   EXPECT_TRUE(HoldsStep(a, 4));
 }
 
