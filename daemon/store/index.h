@@ -140,6 +140,9 @@ class Index {
     uint64_t versions = 0;
     uint64_t file_bytes = 0;
   };
+  // Layer numbers counted one by one; a version of a higher one (no
+  // registration has it: a damaged or forged key) counts in `total` only.
+  static constexpr uint32_t kMaxCountedLayer = 1 << 20;
   struct RankVersions {
     VersionCount total;
     std::vector<VersionCount> layers;  // by layer id; may be shorter than the table

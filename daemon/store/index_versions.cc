@@ -30,9 +30,11 @@ namespace {
 
 // Counts one more version of `layer` in `r`.
 void AddVersion(Index::RankVersions& r, uint32_t layer, uint64_t file_bytes) {
-  if (r.layers.size() <= layer) r.layers.resize(static_cast<size_t>(layer) + 1);
-  ++r.layers[layer].versions;
-  r.layers[layer].file_bytes += file_bytes;
+  if (layer < Index::kMaxCountedLayer) {
+    if (r.layers.size() <= layer) r.layers.resize(static_cast<size_t>(layer) + 1);
+    ++r.layers[layer].versions;
+    r.layers[layer].file_bytes += file_bytes;
+  }
   ++r.total.versions;
   r.total.file_bytes += file_bytes;
 }
@@ -104,11 +106,12 @@ void Index::CountLocked(const VersionKey& key, int sign, uint64_t file_bytes) {
     AddVersion(r, key.layer, file_bytes);
     return;
   }
-  if (r.layers.size() <= key.layer) r.layers.resize(static_cast<size_t>(key.layer) + 1);
-  VersionCount& l = r.layers[key.layer];
   auto sub = [](uint64_t& v, uint64_t d) { v = v > d ? v - d : 0; };
-  sub(l.versions, 1);
-  sub(l.file_bytes, file_bytes);
+  if (key.layer < r.layers.size()) {
+    VersionCount& l = r.layers[key.layer];
+    sub(l.versions, 1);
+    sub(l.file_bytes, file_bytes);
+  }
   sub(r.total.versions, 1);
   sub(r.total.file_bytes, file_bytes);
   if (r.total.versions == 0) versions_.erase(it);

@@ -358,6 +358,28 @@ TEST(IndexSchemaTest, NewerSchemaIsRefusedAndAnUnversionedIndexIsStamped) {
   EXPECT_EQ(v, absl::StrCat(kIndexSchemaVersion));
 }
 
+// Regression (found by fuzz_index): a version record of a layer number no
+// registration can have (a damaged or forged key) made the per-layer count
+// grow to that number: 0xcccccccc layers, an allocation of 51 GiB on open.
+// Such a record counts in the rank's total only.
+TEST_F(IndexTest, AHugeLayerNumberCountsWithoutAPerLayerEntry) {
+  auto rec = &IndexTest::RecOfBytes;
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 0, 0xcccccccc, 1}, rec(100)));
+  CKPT_ASSERT_OK(index_->PutVersion({"job", 0, 2, 1}, rec(10)));
+  auto check = [&](const char* when) {
+    const Index::RankVersions r = index_->VersionsOf("job", 0);
+    EXPECT_EQ(r.total.versions, 2u) << when;
+    EXPECT_EQ(r.total.file_bytes, 110u) << when;
+    EXPECT_EQ(r.layers.size(), 3u) << when;
+  };
+  check("as written");
+  ASSERT_NO_FATAL_FAILURE(Reopen());
+  check("after reopen");
+  CKPT_ASSERT_OK(index_->DeleteVersion({"job", 0, 0xcccccccc, 1}));
+  EXPECT_EQ(index_->VersionsOf("job", 0).total.versions, 1u);
+  EXPECT_EQ(index_->VersionsOf("job", 0).layers.size(), 3u);
+}
+
 // The per-rank version counts (VersionsOf) follow puts, overwrites and
 // deletes, read no entry, and are counted again from the records on open.
 TEST_F(IndexTest, VersionCountsFollowPutsOverwritesAndDeletesAndSurviveReopen) {
