@@ -115,21 +115,16 @@ std::pair<uint32_t, uint64_t> GpuExport::AddToRun(uint64_t p, std::vector<Page> 
     if (r.pages.empty() || run.front().base < r.base || run.front().base > r.base + r.size) {
       continue;
     }
-    // The tensor's pages past the run's end must start exactly there (the
-    // driver's page boundaries have not moved since the run was walked);
-    // otherwise the tensor gets a run of its own.
-    std::vector<Page> more;
-    uint64_t end = r.base + r.size;
-    for (const Page& page : run) {
-      if (page.base + page.size <= r.base + r.size) continue;  // already in the run
-      if (page.base != end) break;
-      more.push_back(page);
-      end += page.size;
-    }
-    if (end < run.back().base + run.back().size) continue;
-    for (const Page& page : more) {
-      r.pages.push_back(page);
-      r.size += page.size;
+    // The tensor's pages (contiguous: WalkPages) past the run's end must
+    // start exactly there (the driver's page boundaries have not moved
+    // since the run was walked); otherwise the tensor gets a run of its own.
+    const uint64_t end = r.base + r.size;
+    auto more = std::find_if(run.begin(), run.end(),
+                             [end](const Page& page) { return page.base + page.size > end; });
+    if (more != run.end() && more->base != end) continue;
+    for (; more != run.end(); ++more) {
+      r.pages.push_back(*more);
+      r.size += more->size;
     }
     return {static_cast<uint32_t>(i), p - r.base};
   }

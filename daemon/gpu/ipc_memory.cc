@@ -151,35 +151,31 @@ absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& ha
 }
 
 absl::Status GpuMemory::OpenRegion(size_t i, const GpuRegion& r, std::vector<UniqueFd>* page_fds) {
-  if (!r.pages.empty()) {
+  absl::StatusOr<char*> base;
+  if (r.pages.empty()) {
+    base = ipc_->OpenMemHandle(device_, r.ipc_handle);
+  } else {
+    // One reserved range per run, exactly the run's size.
     std::vector<CudaIpc::Page> pages;
     pages.reserve(r.pages.size());
     for (const GpuPage& p : r.pages) {
       pages.push_back(CudaIpc::Page{p.fabric_handle.empty() ? (*page_fds)[p.fd].get() : -1,
                                     p.fabric_handle, p.bytes});
     }
-    // One reserved range per run, exactly the run's size.
-    absl::StatusOr<char*> base = ipc_->MapPages(device_, pages);
-    NoteSticky(base.status());
-    if (!base.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("gpu region ", i, ": cannot map its ",
-                                                     pages.size(),
-                                                     " pages: ", base.status().message()));
-    }
-    regions_.push_back(Region{*base, r.bytes, /*pages=*/true});
-    g_mappings.fetch_add(1, std::memory_order_relaxed);
-    g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
-    return absl::OkStatus();
+    base = ipc_->MapPages(device_, pages);
   }
-  absl::StatusOr<char*> base = ipc_->OpenMemHandle(device_, r.ipc_handle);
   NoteSticky(base.status());
   if (!base.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("gpu region ", i, ": cannot open its IPC handle: ", base.status().message()));
+        absl::StrCat("gpu region ", i, ": cannot ",
+                     r.pages.empty() ? "open its IPC handle: "
+                                     : absl::StrCat("map its ", r.pages.size(), " pages: "),
+                     base.status().message()));
   }
-  regions_.push_back(Region{*base, r.bytes});
+  regions_.push_back(Region{*base, r.bytes, /*pages=*/!r.pages.empty()});
   g_mappings.fetch_add(1, std::memory_order_relaxed);
   g_mapping_bytes.fetch_add(r.bytes, std::memory_order_relaxed);
+  if (!r.pages.empty()) return absl::OkStatus();  // a page smaller than declared failed its map
   absl::StatusOr<uint64_t> real = ipc_->AllocationSize(device_, *base);
   NoteSticky(real.status());
   if (!real.ok()) {
