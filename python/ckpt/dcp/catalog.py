@@ -1,0 +1,129 @@
+"""Catalog: the DCP checkpoints of a job, as ckptd steps of one job of its own.
+
+The coordinator's finish() is DCP's commit point. It stores the checkpoint's
+`Metadata` (every item's chunks, and where ckptd holds each: the rank jobs'
+versions and bytes) with its checkpoint id as the aux of the next step of
+the job `<job_id>.dcp`, and waits until that step is durable. Every rank's
+write_data() waited for its own bytes to be durable before finish() runs, so
+a checkpoint the catalog names is whole; one whose finish() never completed
+is not in it. A step needs a layer: the catalog's job has one of one byte,
+written once.
+
+The aux is zlib-compressed pickle, at most ckptd's max_aux_bytes (1 MiB by
+default, up to 64 MiB): a few thousand tensors' metadata. It is read back
+only by ckpt.dcp.CkptReader of the same uid: ckptd serves a job's steps to
+its owner only, so the pickle comes from the reader's own user.
+
+Used by one thread at a time (DCP calls finish() and read_metadata() on one
+thread); its lock makes that so."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import threading
+import zlib
+from typing import Any, Optional, Tuple
+
+import ckpt
+
+FORMAT = 1
+_MAX_WALK = 100_000  # steps looked at to find a checkpoint id
+
+
+def catalog_job(job_id: str) -> str:
+    return f"{job_id}.dcp"
+
+
+def check_job_id(job_id: str) -> None:
+    if not isinstance(job_id, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", job_id):
+        raise ValueError(f"job_id must be 1 to 100 characters of [A-Za-z0-9._-], not {job_id!r}")
+
+
+class Catalog:
+    """The checkpoints of `job_id` (see the module's doc)."""
+
+    def __init__(self, socket_path: Optional[str], job_id: str, call_timeout_s: float = 60.0,
+                 wait_timeout_s: float = 600.0):
+        check_job_id(job_id)
+        self._socket = socket_path
+        self._job_id = job_id
+        self._kwargs = {"call_timeout_s": call_timeout_s, "wait_timeout_s": wait_timeout_s}
+        self._lock = threading.Lock()
+        self._writer: Optional[ckpt.Client] = None
+        self._next_step = 1
+        self._reader: Optional[ckpt.Client] = None
+
+    def _client(self) -> ckpt.Client:
+        return ckpt.Client(self._socket, **self._kwargs) if self._socket else \
+            ckpt.Client(**self._kwargs)
+
+    def put(self, checkpoint_id: Any, metadata: Any) -> int:
+        """Stores `metadata` as checkpoint `checkpoint_id`; returns the
+        catalog step once it is durable."""
+        blob = zlib.compress(pickle.dumps(
+            {"format": FORMAT, "checkpoint_id": str(checkpoint_id), "metadata": metadata},
+            protocol=pickle.HIGHEST_PROTOCOL))
+        with self._lock:
+            if self._writer is None:
+                client = self._client()
+                region = client.allocate_region(64)
+                client.register({"job_id": catalog_job(self._job_id), "rank": 0,
+                                 "world_size": 1, "policy": {"kind": "EXPLICIT"},
+                                 "layers": [{"name": "catalog", "kind": "OTHER", "tensors": [
+                                     {"name": "catalog", "shape": [1], "dtype": "U8",
+                                      "role": "OTHER", "region": region.index,
+                                      "offset": 0}]}]})
+                self._writer = client
+                self._next_step = client.latest_durable_step_at_register + 1
+            step = self._next_step
+            try:
+                self._writer.step_done(step, 0.0, blob, [])
+            except ckpt.Error as e:
+                if e.code == "INVALID_ARGUMENT" and "aux" in e.message:
+                    raise RuntimeError(
+                        f"the DCP metadata of checkpoint {checkpoint_id!r} is {len(blob)} bytes "
+                        "compressed, more than ckptd's max_aux_bytes: raise it in ckptd's "
+                        "configuration (up to 64 MiB)") from e
+                raise
+            self._next_step = step + 1
+            self._writer.wait_durable(step)
+            return step
+
+    def get(self, checkpoint_id: Any = None) -> Tuple[int, str, Any]:
+        """(catalog step, checkpoint id, Metadata) of the newest durable
+        checkpoint named `checkpoint_id` (the newest of all when None);
+        FileNotFoundError when there is none."""
+        with self._lock:
+            if self._reader is None:
+                self._reader = self._client()
+            want = None if checkpoint_id is None else str(checkpoint_id)
+            target = 0  # the newest durable step
+            for _ in range(_MAX_WALK):
+                try:
+                    plan = self._reader.plan(target, job_id=catalog_job(self._job_id), rank=0)
+                except ckpt.Error as e:
+                    if e.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+                        break
+                    raise
+                step = plan["target_step"]
+                if step == 0 or not plan["aux"]:
+                    break
+                entry = pickle.loads(zlib.decompress(plan["aux"]))
+                if entry.get("format") != FORMAT:
+                    raise RuntimeError(f"catalog step {step} of job {self._job_id} has format "
+                                       f"{entry.get('format')}, not {FORMAT}")
+                if want is None or entry["checkpoint_id"] == want:
+                    return step, entry["checkpoint_id"], entry["metadata"]
+                if step <= 1:
+                    break
+                target = step - 1
+            what = "no checkpoint" if want is None else f"no checkpoint {want!r}"
+            raise FileNotFoundError(f"ckptd holds {what} of job {self._job_id} (DCP catalog "
+                                    f"{catalog_job(self._job_id)})")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.unregister(drain=True)
+                self._writer = None

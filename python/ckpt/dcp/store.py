@@ -1,0 +1,225 @@
+"""RankStore: one rank's DCP tensors held in ckptd.
+
+A rank's tensors are copied, at staging, into one shared-memory region
+ckptd maps (a memfd the client allocates), one slot per tensor, and
+registered as one ckptd job of one rank: one layer per tensor, named by the
+tensor's key, policy EXPLICIT. A commit reports a ckptd step listing the
+layers whose bytes changed since the version ckptd last took; ckptd copies
+them into its pinned pool, writes them with io_uring and checksums, and
+every other layer of the step is the version it already holds (a frozen
+base, a LoRA backbone: written once).
+
+The job's name carries a digest of the layout (keys, dtypes, sizes), so a
+state dict of another shape is another job and an old checkpoint keeps
+naming the job that holds it. The ckptd steps of a RankStore are its own
+(1, 2, ...: one per commit), not DCP's; the catalog (catalog.py) maps
+checkpoint ids to them.
+
+Its lock guards everything below: stage() runs on the trainer's thread and
+commit() on DCP's upload thread."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+
+import torch
+
+import ckpt
+
+ALIGN = 64  # each slot starts on a cache line
+
+# ckptd's dtype names; a tensor of any other dtype is held as its bytes (U8)
+# and read back through the DCP metadata's dtype.
+_CKPT_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+                torch.uint8: "U8"}
+
+
+class Stored(NamedTuple):
+    """What a DCP WriteResult's storage_data names: where ckptd holds an
+    item. A tensor: `job`'s layer `key`, taken at ckptd step `version`, as
+    of the job's step `step`. A bytes item: the aux of `job`'s step `step`,
+    under `key`."""
+    job: str
+    key: str
+    step: int
+    version: int
+    nbytes: int
+    is_bytes: bool = False
+
+
+class _Slot(NamedTuple):
+    key: str
+    layer: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    view: torch.Tensor  # flat, of `dtype`, over the region
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors of one dtype hold the same bytes (not
+    the same values: -0.0 and 0.0 differ, a NaN equals itself)."""
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def layout_digest(tensors: Dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key, t in tensors.items():
+        h.update(f"{key}\0{t.dtype}\0{nbytes_of(t)}\n".encode())
+    return h.hexdigest()[:12]
+
+
+class RankStore:
+    """One rank's tensors in ckptd (see the module's doc)."""
+
+    def __init__(self, socket_path: Optional[str], job_id: str, rank: int,
+                 call_timeout_s: float = 60.0, wait_timeout_s: float = 600.0):
+        self._socket = socket_path
+        self._job_id = job_id
+        self._rank = rank
+        self._timeouts = (call_timeout_s, wait_timeout_s)
+        self._lock = threading.Lock()
+        self._client: Optional[ckpt.Client] = None
+        self._job = ""
+        self._digest = ""
+        self._slots: Dict[str, _Slot] = {}
+        self._by_ptr: Dict[int, _Slot] = {}
+        self._next_step = 1
+        self._last_step = 0           # the last step reported to ckptd
+        self._version: List[int] = []  # per layer: the step ckptd took it at
+        self._unsent: Set[int] = set()  # copied into the region, not yet reported
+        self._trusted = False          # the region holds what ckptd last took
+
+    # ---- registration ----
+
+    def _open(self, tensors: Dict[str, torch.Tensor], digest: str) -> None:
+        if self._client is not None:
+            self._client.unregister(drain=True)
+        call, wait = self._timeouts
+        kwargs = {"call_timeout_s": call, "wait_timeout_s": wait}
+        client = ckpt.Client(self._socket, **kwargs) if self._socket else ckpt.Client(**kwargs)
+        offset = 0
+        places: List[Tuple[str, int, torch.Tensor]] = []
+        for key, t in tensors.items():
+            offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+            places.append((key, offset, t))
+            offset += nbytes_of(t)
+        region = client.allocate_region(max(offset, 1))
+        job = f"{self._job_id}.r{self._rank}.{digest}"
+        layers = []
+        slots: Dict[str, _Slot] = {}
+        for i, (key, off, t) in enumerate(places):
+            n = nbytes_of(t)
+            dtype = _CKPT_DTYPES.get(t.dtype)
+            raw = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=off)
+            view = raw.view(t.dtype) if dtype is not None else raw
+            spec = {"name": key, "shape": [view.numel()], "dtype": dtype or "U8",
+                    "role": "OTHER", "region": region.index, "offset": off}
+            layers.append({"name": key, "kind": "OTHER", "tensors": [spec]})
+            slots[key] = _Slot(key, i, off, n, t.dtype, raw.view(t.dtype))
+        if not layers:  # a rank with bytes items only: a step needs a layer
+            layers.append({"name": "-", "kind": "OTHER", "tensors": [
+                {"name": "-", "shape": [1], "dtype": "U8", "role": "OTHER",
+                 "region": region.index, "offset": 0}]})
+        client.register({"job_id": job, "rank": 0, "world_size": 1,
+                         "policy": {"kind": "EXPLICIT"}, "layers": layers})
+        self._client, self._job, self._digest, self._slots = client, job, digest, slots
+        self._region = region
+        self._by_ptr = {s.view.data_ptr(): s for s in slots.values()}
+        self._last_step = client.latest_durable_step_at_register
+        self._next_step = self._last_step + 1
+        self._version = [0] * len(slots)
+        self._unsent = set(range(len(layers)))
+        self._trusted = False
+
+    # ---- staging ----
+
+    def stage(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Copies each tensor (any device, any strides; no zero-size one)
+        into its slot and returns the slots, of each tensor's dtype and
+        shape. The tensors may change once this returns. Waits first until
+        ckptd has taken the previous commit out of the region."""
+        with self._lock:
+            digest = layout_digest(tensors)
+            if digest != self._digest:
+                self._open(tensors, digest)
+            elif self._last_step > 0:
+                self._fence()
+            out: Dict[str, torch.Tensor] = {}
+            with torch.no_grad():
+                for key, t in tensors.items():
+                    slot = self._slots[key]
+                    src = t.detach()
+                    if src.device.type != "cpu" or not src.is_contiguous():
+                        src = src.to("cpu").contiguous()
+                    if slot.layer in self._unsent or not self._trusted or \
+                            not same_bytes(slot.view, src):
+                        slot.view.copy_(src.reshape(-1))
+                        self._unsent.add(slot.layer)
+                    out[key] = slot.view.view(t.shape)
+            return out
+
+    def _fence(self) -> None:
+        snap = self._client.wait_snapshot(self._last_step)
+        if snap["skipped"] or snap["lost"]:
+            self._trusted = False
+
+    def slot_of(self, t: torch.Tensor) -> Optional[str]:
+        """The key of the slot `t` is (all of it), or None."""
+        with self._lock:
+            s = self._by_ptr.get(t.data_ptr())
+            if s is None or nbytes_of(t) != s.nbytes or t.dtype != s.dtype:
+                return None
+            return s.key
+
+    # ---- commit ----
+
+    def commit(self, aux: bytes) -> Tuple[int, Dict[str, Stored]]:
+        """Reports the staged tensors as the next ckptd step, with `aux`
+        (the step's bytes items), and waits until every changed layer is
+        durable. Returns the step and where each tensor's bytes are."""
+        with self._lock:
+            if self._client is None:
+                raise RuntimeError("nothing was staged")
+            step = self._next_step
+            layers = sorted(self._unsent)
+            try:
+                self._client.step_done(step, 0.0, aux, layers)
+            except ckpt.Error:
+                self._trusted = False
+                raise
+            self._last_step, self._next_step = step, step + 1
+            self._trusted = False
+            snap = self._client.wait_snapshot(step)
+            if snap["skipped"] or snap["lost"]:
+                raise RuntimeError(
+                    f"ckptd took {snap['layers'] - snap['skipped']} of {snap['layers']} tensors "
+                    f"of job {self._job} step {step}: its staging pool had no room for the "
+                    "rest (give ckptd a staging_pool_bytes of at least one rank's state dict); "
+                    "this checkpoint is not saved")
+            self._client.wait_durable(step)
+            for layer in layers:
+                self._version[layer] = step
+            self._unsent.clear()
+            self._trusted = True
+            where = {s.key: Stored(self._job, s.key, step, self._version[s.layer], s.nbytes)
+                     for s in self._slots.values()}
+            return step, where
+
+    @property
+    def job(self) -> str:
+        return self._job
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.unregister(drain=True)
+                self._client = None
+                self._digest = ""

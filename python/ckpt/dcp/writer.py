@@ -1,0 +1,202 @@
+"""CkptWriter: a DCP StorageWriter and AsyncStager that saves into ckptd.
+
+In DCP's call order (torch.distributed.checkpoint.state_dict_saver):
+- reset(checkpoint_id) names the checkpoint;
+- stage(state_dict), from dcp.async_save, copies every tensor into the
+  rank's slots in memory ckptd maps (store.py) and returns the state dict
+  over those slots: the trainer may change its tensors as soon as it
+  returns, and DCP plans and writes from the slots;
+- write_data(plan, planner), on every rank, reports the staged tensors as
+  one ckptd step (only the tensors whose bytes changed are written again;
+  the others name the version ckptd holds) with the bytes items in the
+  step's aux, and returns when all of it is durable; under plain dcp.save,
+  nothing was staged, so write_data stages the planner's items first;
+- finish(metadata, results), on the coordinator, is the commit point: the
+  Metadata, with where ckptd holds every item, goes into the job's catalog
+  (catalog.py) and is durable before finish returns.
+
+The writer holds a RankStore and a Catalog; both have their own lock, so
+stage() on the trainer's thread and write_data() on DCP's upload thread
+(async_save's thread executor) are safe. It runs in the trainer's process:
+async_save's PROCESS executor would pickle it into another process, which
+is refused."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+from collections import Counter
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .catalog import Catalog, check_job_id
+from .store import RankStore, Stored, nbytes_of
+
+
+def is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _restaged(orig: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`slot` in the place of `orig`: a DTensor keeps its mesh and placements."""
+    if is_dtensor(orig):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(slot, orig.device_mesh, orig.placements, run_check=False,
+                                  shape=orig.shape, stride=orig.stride())
+    return slot
+
+
+def item_keys(items) -> Dict[Any, str]:
+    """The slot key of each tensor write item: its FQN, with its chunk's
+    offsets where one rank writes two chunks of one tensor."""
+    count = Counter(i.index.fqn for i in items)
+    return {i.index: i.index.fqn if count[i.index.fqn] == 1 else
+            f"{i.index.fqn}@{','.join(str(o) for o in i.index.offset)}" for i in items}
+
+
+class CkptWriter(StorageWriter, AsyncStager):
+    """Saves DCP checkpoints into ckptd (see the module's doc).
+
+    job_id: the job, [A-Za-z0-9._-], at most 100 characters; its ckptd jobs
+    are `<job_id>.dcp` (the catalog) and `<job_id>.r<rank>.<layout>`.
+    socket_path: ckptd's socket (ckpt.Client's default when None).
+    rank: this rank in the checkpoint (torch.distributed's, else 0).
+    """
+
+    _synchronize_after_execute = False  # stage() returns when staged
+
+    def __init__(self, job_id: str, socket_path: Optional[str] = None,
+                 rank: Optional[int] = None, call_timeout_s: float = 60.0,
+                 wait_timeout_s: float = 600.0):
+        super().__init__()
+        check_job_id(job_id)
+        self.job_id = job_id
+        self._socket = socket_path
+        self._rank = rank
+        self._timeouts = (call_timeout_s, wait_timeout_s)
+        self._store: Optional[RankStore] = None
+        self._catalog: Optional[Catalog] = None
+        self._staged = False
+        self.checkpoint_id: Union[str, os.PathLike, None] = None
+        self.is_coordinator = False
+
+    def __getstate__(self):
+        raise TypeError("ckpt.dcp.CkptWriter hands tensors to the ckptd of its own process "
+                        "and cannot be pickled: use async_save's THREAD executor "
+                        "(async_checkpointer_type=AsyncCheckpointerType.THREAD, the default)")
+
+    def _rank_now(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _store_now(self) -> RankStore:
+        if self._store is None:
+            call, wait = self._timeouts
+            self._store = RankStore(self._socket, self.job_id, self._rank_now(), call, wait)
+        return self._store
+
+    # ---- StorageWriter ----
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self.checkpoint_id = checkpoint_id
+        self._staged = False
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return False  # chosen by passing a CkptWriter, never from an id alone
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if self._rank is None and "rank" in kwargs:
+            self._rank = int(kwargs["rank"])
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
+        store = self._store_now()
+        tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        keys = item_keys(tensor_items)
+        data = {i.index: planner.resolve_data(i) for i in tensor_items}
+        slot_key = {idx: store.slot_of(_local(t)) for idx, t in data.items()}
+        if not self._staged or any(k is None for idx, k in slot_key.items()
+                                   if nbytes_of(data[idx]) > 0):
+            # dcp.save, or items the planner made anew: stage them now.
+            store.stage({keys[idx]: _local(t) for idx, t in data.items() if nbytes_of(t) > 0})
+            slot_key = {idx: keys[idx] for idx in data}
+        blobs = {}
+        for i in plan.items:
+            if i.type == WriteItemType.BYTE_IO:
+                blobs[i.index.fqn] = planner.resolve_data(i).getvalue()
+        aux = pickle.dumps(blobs, protocol=pickle.HIGHEST_PROTOCOL) if blobs else b""
+        step, where = store.commit(aux)
+        results = []
+        for i in tensor_items:
+            n = nbytes_of(data[i.index])
+            stored = where.get(slot_key[i.index]) if n > 0 else \
+                Stored(store.job, keys[i.index], step, 0, 0)
+            results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=stored))
+        for i in plan.items:
+            if i.type == WriteItemType.BYTE_IO:
+                n = len(blobs[i.index.fqn])
+                results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=Stored(
+                    store.job, i.index.fqn, step, step, n, is_bytes=True)))
+        self._staged = False  # DCP calls reset() only with an id
+        fut: Future[List[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
+        if self._catalog is None:
+            call, wait = self._timeouts
+            self._catalog = Catalog(self._socket, self.job_id, call, wait)
+        self._catalog.put(self.checkpoint_id, metadata)
+
+    # ---- AsyncStager ----
+
+    def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """The state dict over ckptd's slots (see the module's doc)."""
+        flat, mapping = flatten_state_dict(state_dict)
+        tensors = {k: _local(v) for k, v in flat.items()
+                   if isinstance(v, torch.Tensor) and nbytes_of(_local(v)) > 0}
+        slots = self._store_now().stage(tensors)
+        staged: Dict[str, Any] = {}
+        for k, v in flat.items():
+            if k in slots:
+                staged[k] = _restaged(v, slots[k])
+            elif isinstance(v, torch.Tensor):
+                staged[k] = v.detach().clone()
+            else:
+                staged[k] = copy.deepcopy(v)
+        self._staged = True
+        return unflatten_state_dict(staged, mapping)
+
+    def synchronize_staging(self) -> None:
+        pass  # stage() returns when staged
+
+    def close(self) -> None:
+        for part in (self._store, self._catalog):
+            if part is not None:
+                part.close()
+        self._store = self._catalog = None

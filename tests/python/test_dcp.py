@@ -1,0 +1,368 @@
+"""ckpt.dcp against a real ckptd, on the CPU: DCP's save, async_save and
+load with only storage_writer=/storage_reader= changed.
+- round trip: a state dict of every kind FileSystemWriter accepts (nested
+  dicts and lists, model and AdamW state, bf16/f16/int8/bool/complex, a
+  0-dim, an empty and a transposed tensor, Python objects, a 300 KB bytes
+  item) loads back exactly as through FileSystemWriter/FileSystemReader;
+- async_save: the trainer changes its tensors as soon as async_save
+  returns; the checkpoint holds the values at the call;
+- LoRA: a frozen base is written once; later saves write the adapters
+  (bytes on ckptd's disk per save, against FileSystemWriter's, printed);
+- a damaged version fails the load, naming the tensor, and is not served;
+- 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
+  bytes) save; 2 ranks and 8 ranks load it exactly (DCP reshards);
+- a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
+  is the newest one, intact.
+
+Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
+"""
+
+import argparse
+import io
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import harness  # noqa: E402
+from harness import check  # noqa: E402
+
+harness.require_torch()
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from ckpt.dcp import CkptReader, CkptWriter  # noqa: E402
+
+
+def odd_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 16, generator=g)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "extra": {
+            "bf16": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+            "f16": torch.randn(11, generator=g).to(torch.float16),
+            "i8": torch.randint(-100, 100, (13,), generator=g).to(torch.int8),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "cplx": torch.randn(4, 2, generator=g, dtype=torch.complex64),
+            "scalar": torch.tensor(3.25 + seed),
+            "empty": torch.zeros(0, 5),
+            "transposed": torch.randn(6, 10, generator=g).t(),
+            "negzero": torch.tensor([-0.0, 0.0, float("nan")]),
+            "list": [torch.arange(5) + seed, {"deep": torch.ones(2, 2) * seed}],
+        },
+        "meta": {"step": seed, "name": "run-%d" % seed, "blob": os.urandom(300_000)},
+    }
+
+
+def template_of(sd):
+    """A state dict of the same structure with other values (where load writes)."""
+    if isinstance(sd, dict):
+        return {k: template_of(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [template_of(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.full_like(sd.contiguous(), 7) if sd.dtype != torch.bool else \
+            torch.zeros_like(sd)
+    return None
+
+
+def same(a, b, path="sd"):
+    """The first path where `a` and `b` differ (bitwise for tensors), or None."""
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return f"{path}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            d = same(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = same(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None if len(a) == len(b) else f"{path}: lengths"
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: {getattr(b, 'dtype', type(b))} {getattr(b, 'shape', '')}"
+        ab = a.contiguous().reshape(-1).view(torch.uint8)
+        bb = b.contiguous().reshape(-1).view(torch.uint8)
+        return None if torch.equal(ab, bb) else f"{path}: bytes differ"
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+def round_trip(daemon, root):
+    sd = odd_state(1)
+    fs_dir = os.path.join(root, "fs-rt")
+    dcp.save(sd, checkpoint_id=fs_dir)
+    writer = CkptWriter("dcp-rt", socket_path=daemon.socket)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+    sd2 = odd_state(2)
+    dcp.save(sd2, checkpoint_id="step-2", storage_writer=writer)
+
+    via_fs = template_of(sd)
+    via_fs["meta"] = {"step": None, "name": None, "blob": None}
+    dcp.load(via_fs, checkpoint_id=fs_dir)
+    check(same(sd, via_fs) is None, "FileSystemReader round trip: %s" % same(sd, via_fs))
+    for cid, want in (("step-1", sd), ("step-2", sd2), (None, sd2)):
+        got = template_of(want)
+        got["meta"] = {"step": None, "name": None, "blob": None}
+        dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-rt", daemon.socket))
+        check(same(want, got) is None, "ckptd round trip of %s: %s" % (cid, same(want, got)))
+        check(same(via_fs if cid == "step-1" else want, got) is None,
+              "ckptd and FileSystemReader load the same")
+    try:
+        dcp.load(template_of(sd), checkpoint_id="step-9",
+                 storage_reader=CkptReader("dcp-rt", daemon.socket))
+        err = ""
+    except (Exception, CheckpointException) as e:  # DCP wraps a rank's error
+        err = str(e)
+    check("no checkpoint 'step-9'" in err, "an unknown checkpoint id is named: %s" % err[:300])
+    writer.close()
+    print("round trip: %d tensors of 8 dtypes, a 300 KB bytes item: exact, as FileSystemReader"
+          % sum(1 for _ in _tensors(sd)))
+
+
+def _tensors(sd):
+    if isinstance(sd, dict):
+        for v in sd.values():
+            yield from _tensors(v)
+    elif isinstance(sd, list):
+        for v in sd:
+            yield from _tensors(v)
+    elif isinstance(sd, torch.Tensor):
+        yield sd
+
+
+def async_contract(daemon):
+    torch.manual_seed(3)
+    model = nn.Linear(64, 64)
+    writer = CkptWriter("dcp-async", socket_path=daemon.socket)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = dcp.async_save({"model": model.state_dict()}, checkpoint_id="step-5",
+                         storage_writer=writer)
+    with torch.no_grad():  # the trainer goes on at once
+        for p in model.parameters():
+            p.add_(1.0)
+    fut.result(timeout=120)
+    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, storage_reader=CkptReader("dcp-async", daemon.socket))
+    check(same({"model": want}, got) is None,
+          "async_save holds the values at the call: %s" % same({"model": want}, got))
+    # Nothing changed since: the save writes no tensor and still loads.
+    now = {k: v.clone() for k, v in model.state_dict().items()}
+    dcp.async_save({"model": model.state_dict()}, checkpoint_id="step-6",
+                   storage_writer=writer).result(timeout=120)
+    dcp.save({"model": model.state_dict()}, checkpoint_id="step-7", storage_writer=writer)
+    for cid in ("step-6", "step-7"):
+        got = {"model": {k: torch.zeros_like(v) for k, v in now.items()}}
+        dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-async", daemon.socket))
+        check(same({"model": now}, got) is None, "an unchanged save %s loads" % cid)
+    writer.close()
+
+
+def rank_job_dir(daemon, job):
+    jobs = os.path.join(daemon.data, "jobs")
+    names = [n for n in os.listdir(jobs) if n.startswith(job + ".r0.")]
+    check(len(names) == 1, "one rank job for %s: %s" % (job, names))
+    return os.path.join(jobs, names[0])
+
+
+def lora_bytes(daemon, root):
+    torch.manual_seed(4)
+    base = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    for p in base.parameters():
+        p.requires_grad_(False)
+    adapters = nn.ModuleList([nn.Sequential(nn.Linear(256, 4, bias=False),
+                                            nn.Linear(4, 256, bias=False)) for _ in range(8)])
+    opt = torch.optim.AdamW(adapters.parameters(), lr=1e-2)
+    writer = CkptWriter("dcp-lora", socket_path=daemon.socket)
+    grown, fs_sizes, prev = [], [], 0
+    for save in range(3):
+        x = torch.randn(4, 256)
+        for lin, ad in zip(base, adapters):
+            x = lin(x) + ad(x)
+        x.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sd = {"base": base.state_dict(), "adapters": adapters.state_dict(),
+              "optim": opt.state_dict()}
+        dcp.save(sd, checkpoint_id="step-%d" % save, storage_writer=writer)
+        now = harness.dir_bytes(rank_job_dir(daemon, "dcp-lora"))
+        grown.append(now - prev)
+        prev = now
+        fs = os.path.join(root, "fs-lora-%d" % save)
+        dcp.save(sd, checkpoint_id=fs)
+        fs_sizes.append(harness.dir_bytes(fs))
+    base_bytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    trained = sum(t.numel() * t.element_size() for t in _tensors(
+        {"a": adapters.state_dict(), "o": opt.state_dict()["state"]}))
+    check(grown[0] >= base_bytes, "the first save writes the base")
+    for g in grown[1:]:
+        # Each small tensor's file is at least 8 KiB (a header and a payload,
+        # each 4 KiB aligned): the bytes on disk are the adapters' files.
+        check(g < base_bytes // 2,
+              "a later save writes the adapters, not the base: %d bytes (base %d, adapters and "
+              "their state %d)" % (g, base_bytes, trained))
+    reader = CkptReader("dcp-lora", daemon.socket)
+    reader.reset("step-2")
+    stored = reader.read_metadata().storage_data
+    base_versions = {s.version for i, s in stored.items() if i.fqn.startswith("base.")}
+    new_versions = {s.version for i, s in stored.items() if i.fqn.startswith("adapters.")}
+    check(len(base_versions) == 1 and len(new_versions) == 1 and
+          max(base_versions) < min(new_versions), "the third save names the first save's base versions "
+          "(%s) and new adapters (%s)" % (base_versions, new_versions))
+    got = {"base": {k: torch.zeros_like(v) for k, v in base.state_dict().items()},
+           "adapters": {k: torch.zeros_like(v) for k, v in adapters.state_dict().items()}}
+    dcp.load(got, storage_reader=CkptReader("dcp-lora", daemon.socket))
+    check(same({"base": base.state_dict(), "adapters": adapters.state_dict()}, got) is None,
+          "the newest LoRA checkpoint loads its old base and new adapters")
+    writer.close()
+    print("LoRA (base %.2f MiB frozen, adapters+AdamW %.1f KiB): bytes per save on ckptd's disk "
+          "%s; FileSystemWriter %s" % (base_bytes / 2**20, trained / 1024, grown, fs_sizes))
+    return grown, fs_sizes
+
+
+def damaged(daemon):
+    torch.manual_seed(5)
+    sd = {"w": torch.randn(512, 64), "v": torch.randn(100)}
+    writer = CkptWriter("dcp-bad", socket_path=daemon.socket)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+    writer.close()
+    rd = os.path.join(rank_job_dir(daemon, "dcp-bad"), "rank-00000000")
+    files = sorted(os.path.join(rd, n) for n in os.listdir(rd) if n.endswith(".ckv"))
+    # The big layer's file: flip a byte in the middle of its payload.
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = {"w": torch.zeros(512, 64), "v": torch.zeros(100)}
+    try:
+        dcp.load(got, storage_reader=CkptReader("dcp-bad", daemon.socket))
+        err = ""
+    except (Exception, CheckpointException) as e:  # a BaseException
+        err = str(e)
+    check("'w'" in err and "not loaded" in err, "a damaged version fails the load naming "
+          "the tensor: %s" % err[:400])
+    check(not torch.equal(got["w"], sd["w"]), "the damaged tensor was not served")
+
+
+# ---- several ranks ----
+
+GLOBAL_ROWS = 48
+
+
+def global_tensors(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(GLOBAL_ROWS, 8, generator=g), torch.randn(5, generator=g)
+
+
+def worker(a):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
+                            world_size=a.world)
+    mesh = init_device_mesh("cpu", (a.world,))
+    rows, rep = global_tensors(11)
+    if a.mode == "save":
+        sd = {"rows": distribute_tensor(rows, mesh, [Shard(0)]),
+              "rep": distribute_tensor(rep, mesh, [Replicate()]),
+              "own": {"r%d" % a.rank: torch.full((3,), float(a.rank))},
+              "note": "rank-%d" % a.rank}
+        writer = CkptWriter("dcp-ranks", socket_path=a.socket)
+        dcp.save(sd, checkpoint_id="step-100", storage_writer=writer)
+        if a.kill_at_async:
+            # The next save is killed after staging, while ckptd may be writing.
+            sd["rows"].to_local().add_(1)
+            dcp.async_save(sd, checkpoint_id="step-200", storage_writer=writer)
+            os.kill(os.getpid(), signal.SIGKILL)
+        writer.close()
+    else:
+        sd = {"rows": distribute_tensor(torch.zeros_like(rows), mesh, [Shard(0)]),
+              "rep": distribute_tensor(torch.zeros_like(rep), mesh, [Replicate()])}
+        reader = CkptReader("dcp-ranks", a.socket)
+        dcp.load(sd, storage_reader=reader)
+        if reader.loaded_id == "step-200":  # the async save finished before the kill
+            rows = rows + 1
+        lo = GLOBAL_ROWS // a.world * a.rank
+        mine = rows[lo:lo + GLOBAL_ROWS // a.world]
+        ok = torch.equal(sd["rows"].to_local(), mine) and torch.equal(sd["rep"].to_local(), rep)
+        if not ok:
+            print("rank %d of %d loaded other values" % (a.rank, a.world), flush=True)
+            sys.exit(3)
+    dist.destroy_process_group()
+
+
+def run_ranks(daemon, root, mode, world, kill_at_async=False):
+    store = os.path.join(root, "store-%s-%d" % (mode, world))
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, __file__, "--worker", mode, "--rank", str(r), "--world",
+               str(world), "--store", store, "--socket", daemon.socket]
+        if kill_at_async:
+            cmd.append("--kill-at-async")
+        procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    codes = [p.wait(timeout=300) for p in procs]
+    return codes
+
+
+def many_ranks(daemon, root):
+    codes = run_ranks(daemon, root, "save", 4)
+    check(codes == [0] * 4, "4 ranks saved: %s" % codes)
+    for world in (2, 8):
+        codes = run_ranks(daemon, root, "load", world)
+        check(codes == [0] * world, "a 4-rank checkpoint loads exactly onto %d ranks: %s"
+              % (world, codes))
+    print("4 ranks saved (DTensor shards and a replica); loaded exactly onto 2 and 8 ranks")
+
+
+def killed_during_async(daemon, root):
+    codes = run_ranks(daemon, root, "save", 2, kill_at_async=True)
+    check(all(c == -signal.SIGKILL for c in codes), "both ranks were killed: %s" % codes)
+    codes = run_ranks(daemon, root, "load", 2)
+    check(codes == [0, 0], "after a kill during async_save the newest checkpoint is intact: %s"
+          % codes)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--world", type=int)
+    p.add_argument("--store")
+    p.add_argument("--socket")
+    p.add_argument("--kill-at-async", action="store_true")
+    a = p.parse_args()
+    if a.worker:
+        a.mode = a.worker
+        worker(a)
+        return
+    root = harness.tempdir("ckpt-dcp-")
+    daemon = harness.Daemon(root).start()
+    try:
+        round_trip(daemon, root)
+        async_contract(daemon)
+        lora_bytes(daemon, root)
+        damaged(daemon)
+        many_ranks(daemon, root)
+        killed_during_async(daemon, root)
+    finally:
+        daemon.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
