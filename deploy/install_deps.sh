@@ -52,13 +52,14 @@ install_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
-# The virtual environment is current when it was made from this very
-# requirements file (its hash is kept inside it).
+# The virtual environment is current when it was made from these very
+# requirements files (their hash is kept inside it).
 install_venv() {
   local venv=${CKPT_VENV:-$top/.venv}
   local req=$top/deploy/requirements.txt
+  local nodeps=$top/deploy/requirements-nodeps.txt
   local want
-  want=$(sha256sum "$req" | cut -d' ' -f1)
+  want=$(cat "$req" "$nodeps" | sha256sum | cut -d' ' -f1)
   if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ckpt-requirements" 2>/dev/null)" = "$want" ]; then
     echo "install_deps: Python environment $venv is current"
     return
@@ -68,6 +69,7 @@ install_venv() {
   /usr/bin/python3 -m venv "$venv"
   export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/ckpt-pip}
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input -r "$req"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input --no-deps -r "$nodeps"
   echo "$want" >"$venv/.ckpt-requirements"
   echo "install_deps: Python environment ready in $((SECONDS - start)) s"
 }

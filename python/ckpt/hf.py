@@ -28,6 +28,12 @@ Not saved: an fp16 GradScaler's scale (bf16 needs none).
 
 Without resume(), the callback attaches at the start of training.
 
+CkptTrainer is the Trainer with that callback built in, for a job that
+changes only its Trainer class: ``CkptTrainer(..., ckpt_job_id="llama-ft-7")``
+then ``train(resume_from_checkpoint=True)`` resumes from ckptd. The Trainer's
+own periodic saves (``save_steps``) write nothing: every step is already a
+ckptd checkpoint, written asynchronously.
+
 A step is reported to ckptd when the Trainer is done with it: at
 on_step_end, or after the evaluation that follows it, so that the random
 state saved with it is the one the next step starts from (an evaluation's
@@ -46,12 +52,12 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from transformers import TrainerCallback, TrainerState
+from transformers import Trainer, TrainerCallback, TrainerState
 
 import ckpt
 from ckpt import torch as ckpt_torch
 
-__all__ = ["CkptCallback"]
+__all__ = ["CkptCallback", "CkptTrainer"]
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -195,3 +201,32 @@ class CkptCallback(TrainerCallback):
                 self.run.wait_durable()
             self.run.close(drain)
         self._remove_resume_dir()
+
+
+class CkptTrainer(Trainer):
+    """A Trainer whose checkpoints are ckptd's (see the module's doc).
+
+    ckpt_job_id: the ckptd job; ckpt_client: a ckpt.Client (the default
+    socket's when None); ckpt_attach: ckpt.torch.attach's arguments
+    (policy, layercheck, ...). The rest is the Trainer's."""
+
+    def __init__(self, *args: Any, ckpt_job_id: str, ckpt_client: Optional["ckpt.Client"] = None,
+                 ckpt_attach: Optional[dict] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.args.load_best_model_at_end:
+            raise ValueError("CkptTrainer writes no checkpoint folders, so load_best_model_at_end "
+                             "has none to load: turn it off")
+        self.ckpt = CkptCallback(ckpt_client or ckpt.Client(), ckpt_job_id, **(ckpt_attach or {}))
+        self.add_callback(self.ckpt)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any):
+        """resume_from_checkpoint=True: from ckptd's newest checkpoint of the
+        job (from scratch when it has none); a path: as the Trainer does."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self.ckpt.resume(self)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # The Trainer's periodic save (its documented override point): every
+        # step is already in ckptd, so no folder is written.
+        return None

@@ -8,7 +8,10 @@ A second run does the same with the base frozen and only the last block and
 the head trained (frozen layers, written once). A third logs every step and
 evaluates every 4 steps, and is killed right after the evaluation of a
 durable step: the resumed Trainer keeps its logging and evaluation steps,
-and the random state it resumes with is the one after that evaluation.
+and the random state it resumes with is the one after that evaluation. A
+fourth swaps only the Trainer class for CkptTrainer (its save_steps left
+on) and resumes with resume_from_checkpoint=True: bit-exact, and no
+checkpoint folder is written.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 (skipped) when torch,
 transformers or the module is missing. `--worker` runs one trainer process.
@@ -35,7 +38,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.hf import CkptCallback  # noqa: E402
+from ckpt.hf import CkptCallback, CkptTrainer  # noqa: E402
 
 STEPS, PER_EPOCH = 30, 16  # 64 samples, batch 4: the kill falls in epoch 2
 
@@ -86,6 +89,24 @@ class StepLog(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ResumedRow(TrainerCallback):
+    """The step a resumed run starts from, as a row of the log."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write(self, protect):
+        if protect.restored is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"resumed": protect.restored.target_step,
+                                    "frozen_layers": protect.run.frozen_layers}) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer_ckpt = getattr(self, "trainer_ckpt", None)
+        if trainer_ckpt is not None:
+            self.write(trainer_ckpt)
+
+
 def worker(a):
     hf_logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -111,6 +132,18 @@ def worker(a):
                              weight_decay=0.01, save_strategy="no", **logs,
                              report_to=[], use_cpu=True, seed=3, dataloader_num_workers=0,
                              disable_tqdm=True)
+    if a.ckpt_trainer and a.socket:
+        # The Trainer class swapped, its own periodic saves left on.
+        args.save_strategy, args.save_steps = "steps", 5
+        row = ResumedRow(a.log)
+        trainer = CkptTrainer(model=model, args=args, train_dataset=Samples(),
+                              callbacks=[StepLog(a.log, a.kill_at), row], ckpt_job_id=a.job,
+                              ckpt_client=ckpt.Client(a.socket, wait_timeout_s=60))
+        row.trainer_ckpt = trainer.ckpt
+        trainer.train(resume_from_checkpoint=True if a.resume else None)
+        with open(a.log, "a") as f:
+            f.write(json.dumps({"final": weights_hash(model)}) + "\n")
+        return
     protect = None
     if a.socket:
         protect = CkptCallback(ckpt.Client(a.socket, wait_timeout_s=60), a.job)
@@ -120,9 +153,7 @@ def worker(a):
                       eval_dataset=Samples() if a.eval else None)
     resume = protect.resume(trainer) if protect is not None and a.resume else None
     if a.resume:
-        with open(a.log, "a") as f:
-            f.write(json.dumps({"resumed": protect.restored.target_step,
-                                "frozen_layers": protect.run.frozen_layers}) + "\n")
+        ResumedRow(a.log).write(protect)
     trainer.train(resume_from_checkpoint=resume)
     with open(a.log, "a") as f:
         f.write(json.dumps({"final": weights_hash(model)}) + "\n")
@@ -188,6 +219,13 @@ def main():
         resumed = case(daemon, root, "gpt2-eval", ["--eval"], kill_at=20)
         check(resumed["resumed"] == 20, "eval: resumed from step 20, the step evaluated "
               "before the kill (%d)" % resumed["resumed"])
+        # CkptTrainer: only the Trainer class changed (save_steps=5 left
+        # on), resumed with resume_from_checkpoint=True; no folder written.
+        case(daemon, root, "gpt2-trainer", ["--ckpt-trainer"], kill_at=21)
+        out = os.path.join(root, "gpt2-trainer")
+        written = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) \
+            if os.path.isdir(out) else []
+        check(written == [], "CkptTrainer wrote no checkpoint folder: %s" % written)
         layers = daemon.ctl("layers", "gpt2-frozen")["layers"]
         frozen = [l for l in layers if l["frozen"]]
         check(frozen and all(l["versions"] <= 2 for l in frozen),
@@ -212,6 +250,7 @@ if __name__ == "__main__":
         p.add_argument("--epochs", type=int, default=0)
         p.add_argument("--ga", type=int, default=1)
         p.add_argument("--eval", action="store_true")
+        p.add_argument("--ckpt-trainer", action="store_true")
         worker(p.parse_args())
     else:
         main()
