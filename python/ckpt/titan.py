@@ -11,8 +11,10 @@ and torchtitan's trainer drives it as its own DCP manager: ``load(step)``
 before the loop, ``maybe_wait_for_staging()`` before each optimizer step,
 ``save(step, last_step)`` after it, ``close()`` at the end. A save is a
 ckpt.dcp ``async_save`` (or a ``dcp.save`` with ``async_save=False``, and
-on the last step): the rank's tensors are copied into memory ckptd maps and
-the step goes on; ckptd writes only the tensors whose bytes changed. A save
+on the last step): the rank's tensors are copied, on a thread of the writer
+while the next forward and backward passes run, into memory ckptd maps
+(``maybe_wait_for_staging`` waits for that copy before the optimizer
+step); ckptd writes only the tensors whose bytes changed. A save
 waits for the one before it. ``load(-1)`` loads ckptd's newest checkpoint
 of the job (False when there is none), ``load(step)`` checkpoint
 ``step-<step>``. Checkpoints are kept by ckptd's retention
@@ -49,6 +51,11 @@ class CkptCheckpointManager(BaseCheckpointManager):
         async_save: bool = True
         """Save with DCP's async_save (the step goes on once staged)."""
 
+        async_staging: bool = True
+        """Stage on a thread of the writer, overlapping the next forward and
+        backward passes; maybe_wait_for_staging() waits for it before the
+        optimizer step."""
+
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list,
                  optimizers: Any, lr_schedulers: Any, states: dict, sd_adapter: Any = None,
                  base_folder: str = "") -> None:
@@ -68,7 +75,9 @@ class CkptCheckpointManager(BaseCheckpointManager):
         if dataloader is not None:
             self.states[DATALOADER] = dataloader
         self._socket: Optional[str] = config.socket_path or None
-        self._writer = CkptWriter(config.job_id, self._socket)
+        self._writer = CkptWriter(config.job_id, self._socket,
+                                  async_staging=config.async_staging and config.async_save)
+        self._staging: Any = None  # the staging future of the save in flight
 
     def __del__(self) -> None:
         self.close()
@@ -98,8 +107,10 @@ class CkptCheckpointManager(BaseCheckpointManager):
         states = self._flat_states(model_only=model_only)
         cid = f"step-{curr_step}"
         if self.config.async_save and not last_step:
-            self.save_future = dcp.async_save(states, checkpoint_id=cid,
-                                              storage_writer=self._writer)
+            out = dcp.async_save(states, checkpoint_id=cid, storage_writer=self._writer)
+            if hasattr(out, "upload_completion"):  # staged on the writer's thread
+                self._staging, out = out.staging_completion, out.upload_completion
+            self.save_future = out
         else:
             dcp.save(states, checkpoint_id=cid, storage_writer=self._writer)
         return True
@@ -117,7 +128,9 @@ class CkptCheckpointManager(BaseCheckpointManager):
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        pass  # ckpt.dcp stages before async_save returns
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.result()
 
     def _wait_for_saving(self) -> None:
         future, self.save_future = self.save_future, None

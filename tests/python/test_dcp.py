@@ -5,7 +5,8 @@ load with only storage_writer=/storage_reader= changed.
   0-dim, an empty and a transposed tensor, Python objects, a 300 KB bytes
   item) loads back exactly as through FileSystemWriter/FileSystemReader;
 - async_save: the trainer changes its tensors as soon as async_save
-  returns; the checkpoint holds the values at the call;
+  returns (with async_staging, once its staging completes); the checkpoint
+  holds the values at the call;
 - LoRA: a frozen base is written once; later saves write the adapters
   (bytes on ckptd's disk per save, against FileSystemWriter's, printed);
 - a damaged version fails the load, naming the tensor, and is not served;
@@ -159,6 +160,22 @@ def async_contract(daemon):
     dcp.load(got, storage_reader=CkptReader("dcp-async", daemon.socket))
     check(same({"model": want}, got) is None,
           "async_save holds the values at the call: %s" % same({"model": want}, got))
+    # Staged on the writer's thread: the trainer waits for the staging,
+    # then changes its tensors while the upload runs.
+    staged_writer = CkptWriter("dcp-async-staging", socket_path=daemon.socket,
+                               async_staging=True)
+    want2 = {k: v.clone() for k, v in model.state_dict().items()}
+    resp = dcp.async_save({"model": model.state_dict()}, checkpoint_id="step-1",
+                          storage_writer=staged_writer)
+    resp.staging_completion.result(timeout=120)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    resp.upload_completion.result(timeout=120)
+    got = {"model": {k: torch.zeros_like(v) for k, v in want2.items()}}
+    dcp.load(got, storage_reader=CkptReader("dcp-async-staging", daemon.socket))
+    check(same({"model": want2}, got) is None, "async staging holds the values at the call")
+    staged_writer.close()
     # Nothing changed since: the save writes no tensor and still loads.
     now = {k: v.clone() for k, v in model.state_dict().items()}
     dcp.async_save({"model": model.state_dict()}, checkpoint_id="step-6",

@@ -27,6 +27,8 @@ import copy
 import os
 import pickle
 from collections import Counter
+from concurrent.futures import Future as StagingFuture
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -74,13 +76,17 @@ class CkptWriter(StorageWriter, AsyncStager):
     are `<job_id>.dcp` (the catalog) and `<job_id>.r<rank>.<layout>`.
     socket_path: ckptd's socket (ckpt.Client's default when None).
     rank: this rank in the checkpoint (torch.distributed's, else 0).
+    async_staging: stage on the writer's own thread: async_save then returns
+    an AsyncSaveResponse at once, and the trainer waits for its
+    staging_completion before it changes the tensors (its next optimizer
+    step), so that the copy overlaps the forward and backward passes.
     """
 
-    _synchronize_after_execute = False  # stage() returns when staged
+    _synchronize_after_execute = False  # nothing to synchronize: see stage()
 
     def __init__(self, job_id: str, socket_path: Optional[str] = None,
                  rank: Optional[int] = None, call_timeout_s: float = 60.0,
-                 wait_timeout_s: float = 600.0):
+                 wait_timeout_s: float = 600.0, async_staging: bool = False):
         super().__init__()
         check_job_id(job_id)
         self.job_id = job_id
@@ -90,6 +96,8 @@ class CkptWriter(StorageWriter, AsyncStager):
         self._store: Optional[RankStore] = None
         self._catalog: Optional[Catalog] = None
         self._staged = False
+        self._async_staging = async_staging
+        self._staging: Optional[ThreadPoolExecutor] = None  # its one thread
         self.checkpoint_id: Union[str, os.PathLike, None] = None
         self.is_coordinator = False
 
@@ -175,8 +183,16 @@ class CkptWriter(StorageWriter, AsyncStager):
 
     # ---- AsyncStager ----
 
-    def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        """The state dict over ckptd's slots (see the module's doc)."""
+    def stage(self, state_dict: Dict[str, Any]) -> Union[Dict[str, Any], StagingFuture]:
+        """The state dict over ckptd's slots (see the module's doc), or
+        with async_staging a future of it, staged on the writer's thread."""
+        if not self._async_staging:
+            return self._stage_now(state_dict)
+        if self._staging is None:
+            self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-dcp-stage")
+        return self._staging.submit(self._stage_now, state_dict)
+
+    def _stage_now(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         flat, mapping = flatten_state_dict(state_dict)
         tensors = {k: _local(v) for k, v in flat.items()
                    if isinstance(v, torch.Tensor) and nbytes_of(_local(v)) > 0}
@@ -193,9 +209,12 @@ class CkptWriter(StorageWriter, AsyncStager):
         return unflatten_state_dict(staged, mapping)
 
     def synchronize_staging(self) -> None:
-        pass  # stage() returns when staged
+        pass  # DCP's staging_completion says when an async stage is done
 
     def close(self) -> None:
+        if self._staging is not None:
+            self._staging.shutdown(wait=True)
+            self._staging = None
         for part in (self._store, self._catalog):
             if part is not None:
                 part.close()
