@@ -145,9 +145,9 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
   for (const LayerTemplate& lt : r.layers) target.tensors.push_back(lt.src);
   for (int fallbacks = 0;; ++fallbacks) {
     CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r.job, r.rank, target_step, r.table));
-    std::vector<VersionKey> damaged;
+    std::vector<VersionKey> damaged, damaged_images;
     absl::StatusOr<RestoreStats> stats =
-        RestoreInto(reply.plan, r.table, target, sources, &damaged);
+        RestoreInto(reply.plan, r.table, target, sources, &damaged, &damaged_images);
     if (stats.ok()) {
       static_cast<RestoreStats&>(reply) = *stats;
       break;
@@ -155,8 +155,11 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
     // A damaged file (truncated, a flipped bit) is found here when nothing
     // checked it before (start-up after a clean stop looks files up by
     // name only): its layer falls back to its previous version, as after
-    // the start-up check of a crash.
-    if (damaged.empty() || fallbacks == kMaxDamagedFallbacks) return stats.status();
+    // the start-up check of a crash. A damaged memory image was dropped
+    // from the tier: the same version is read from disk next time.
+    if ((damaged.empty() && damaged_images.empty()) || fallbacks == kMaxDamagedFallbacks) {
+      return stats.status();
+    }
     CKPT_RETURN_IF_ERROR(QuarantineDamaged(r.uid, damaged, stats.status()));
   }
   if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));

@@ -76,6 +76,15 @@ std::shared_ptr<const StagingLease> MemoryTier::Find(const RankKey& rank, uint32
   return it->second.image;
 }
 
+void MemoryTier::Drop(const VersionKey& key, const store::VersionRecord& rec) {
+  std::vector<std::shared_ptr<const StagingLease>> released;  // after unlocking
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(Key(RankKey(key.job, key.rank), key.layer));
+  if (it != entries_.end() && it->second.step == key.step && it->second.file == rec.file()) {
+    EraseLocked(it, &released);
+  }
+}
+
 void MemoryTier::Shrink(uint64_t bytes) {
   std::vector<std::shared_ptr<const StagingLease>> released;
   absl::MutexLock lock(&mu_);

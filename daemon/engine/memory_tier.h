@@ -15,11 +15,12 @@
 // shared max-min fairly among the users who use it.
 //
 // Readers get a shared reference: an entry evicted while a restore reads it
-// returns its chunks when the restore is done. A restore checks every
-// checksum of an entry (recovery/restore.h) before a byte is copied out.
+// returns its chunks when the restore is done. A restore checks an entry's
+// header before using it and each tensor's checksum as it copies the
+// tensor out (recovery/restore.h); an entry that does not check is dropped.
 //
-// Used by the engine's commit (Put), snapshot (Shrink), recovery (FindImage,
-// as a restore's in-memory source) and retention (DropJob) stages.
+// Used by the engine's commit (Put), snapshot (Shrink), recovery (FindImage
+// and Drop, as a restore's in-memory source) and retention (DropJob) stages.
 // Thread-safety: thread-safe; one mutex of its own, a leaf (chunks are
 // returned to the pool after it is released).
 #pragma once
@@ -63,6 +64,9 @@ class MemoryTier final : public VersionSource {
                                                 const store::VersionRecord& rec) override {
     return Find(RankKey(key.job, key.rank), key.layer, key.step, rec.file());
   }
+  // An image FindImage gave did not verify (a restore found it): the entry
+  // goes, if it is still that version's.
+  void Drop(const VersionKey& key, const store::VersionRecord& rec) override;
 
   // Gives back at least `bytes` (in eviction order), or everything.
   void Shrink(uint64_t bytes);

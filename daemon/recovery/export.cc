@@ -61,7 +61,14 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
     std::vector<char*>& dest = target.tensors[lp.layer];
     dest.clear();
     for (uint64_t off : offsets) dest.push_back(buffer.data() + off);
-    CKPT_RETURN_IF_ERROR(RestoreInto(one, table, target, one_reader, damaged).status());
+    std::vector<VersionKey> damaged_images;
+    absl::Status s = RestoreInto(one, table, target, one_reader, damaged, &damaged_images).status();
+    // An image of the memory tier that did not check was dropped: the same
+    // version from disk.
+    if (!s.ok() && !damaged_images.empty()) {
+      s = RestoreInto(one, table, target, one_reader, damaged).status();
+    }
+    CKPT_RETURN_IF_ERROR(s);
     for (uint64_t off = 0; off < buffer.size(); off += kExportPieceBytes) {
       v1::ExportChunk chunk;
       chunk.set_data(buffer.substr(off, kExportPieceBytes));

@@ -207,8 +207,10 @@ double SecondsCovered(const std::vector<std::vector<std::pair<absl::Time, absl::
 class RestoreRun {
  public:
   RestoreRun(const CompositePlan& plan, const store::RankRecord& table, const RestoreTarget& target,
-             const RecoverySources& sources, std::vector<VersionKey>* damaged)
+             const RecoverySources& sources, std::vector<VersionKey>* damaged,
+             std::vector<VersionKey>* damaged_images)
       : damaged_(damaged),
+        damaged_images_(damaged_images),
         plan_(plan),
         table_(table),
         target_(target),
@@ -247,8 +249,10 @@ class RestoreRun {
     const PlannedLayer* lp = nullptr;
     VersionKey key;
     store::VersionRecord rec;
-    // From an in-memory source, already checked (`decoded` is its header)...
+    // From an in-memory source, its header checked (`decoded`), its
+    // tensors checked as they are copied out...
     std::shared_ptr<const StagingLease> image;
+    VersionSource* source = nullptr;
     DecodedHeader decoded;
     // ...or read from disk, checked by the thread that copies it out.
     StagingLease lease;
@@ -272,6 +276,16 @@ class RestoreRun {
     if (damaged_ == nullptr) return;
     absl::MutexLock lock(&damaged_mu_);
     damaged_->push_back(key);
+  }
+
+  // An in-memory image did not verify: its source drops it.
+  void NoteDamagedImage(const Fetched& f, const absl::Status& why) {
+    CKPT_LOG(ERROR) << "memory tier: layer " << f.lp->layer << " step " << f.lp->step
+                    << " does not check (" << why << "); dropped, to be read from disk";
+    f.source->Drop(f.key, f.rec);
+    if (damaged_images_ == nullptr) return;
+    absl::MutexLock lock(&damaged_mu_);
+    damaged_images_->push_back(f.key);
   }
 
   // Past the deadline or cancelled: every thread stops.
@@ -335,7 +349,13 @@ class RestoreRun {
     if (turns_.Going(self.held_seq)) {
       s = Stopping();
       if (s.ok()) s = CopyOut(*self.held, &self.stats);
-      if (absl::IsDataLoss(s) && self.held->image == nullptr) NoteDamaged(self.held->key);
+      if (absl::IsDataLoss(s)) {
+        if (self.held->image == nullptr) {
+          NoteDamaged(self.held->key);
+        } else {
+          NoteDamagedImage(*self.held, s);
+        }
+      }
     }
     if (self.held->copies_in_flight) Withhold(*self.held);
     self.held.reset();
@@ -355,14 +375,17 @@ class RestoreRun {
     return s.ok() ? s : WithLayer(*f.lp, s);
   }
 
-  // The image of `f` from the first in-memory source whose image checks.
+  // The image of `f` from the first in-memory source whose image's header
+  // checks (in the restore's turn, so only the header: its tensors are
+  // checked as the thread copies them out).
   void FindInMemory(Fetched& f) {
     for (VersionSource* source : sources_.in_memory) {
       std::shared_ptr<const StagingLease> image = source->FindImage(f.key, f.rec);
       if (image == nullptr) continue;
-      absl::StatusOr<DecodedHeader> decoded = CheckImage(f.key, f.rec, LeaseImage(*image));
+      absl::StatusOr<DecodedHeader> decoded = CheckImageHeader(f.key, f.rec, LeaseImage(*image));
       if (decoded.ok()) {
         f.image = std::move(image);
+        f.source = source;
         f.decoded = *std::move(decoded);
         return;
       }
@@ -498,13 +521,12 @@ class RestoreRun {
   // the way (a mismatch is DATA_LOSS, after that tensor's bytes were copied).
   absl::Status CopyOut(Fetched& f, RestoreStats* stats) {
     const PlannedLayer& lp = *f.lp;
-    const bool verify = f.image == nullptr;  // an image from memory was checked whole
-    if (verify) {
+    if (f.image == nullptr) {
       absl::StatusOr<DecodedHeader> decoded = CheckImageHeader(f.key, f.rec, LeaseImage(f.lease));
       if (!decoded.ok()) return WithLayer(lp, decoded.status());
       f.decoded = *std::move(decoded);
     } else {
-      ++stats->memory_layers;
+      ++stats->memory_layers;  // its header was checked when it was found
     }
     from_memory_[static_cast<size_t>(f.lp - plan_.layers.data())] = f.image != nullptr;
     CKPT_ASSIGN_OR_RETURN(std::vector<const store::TensorEntry*> tensors, MatchTensors(f));
@@ -514,18 +536,11 @@ class RestoreRun {
       const store::TensorEntry* t = tensors[i];
       char* out = target_.tensors[lp.layer][i];
       auto copy_piece = [&](const char* piece, uint64_t n) { return CopyPiece(f, &out, piece, n); };
-      if (verify) {
-        const uint64_t piece = copy_on_cpu_ ? kVerifyPieceBytes : src.chunk_bytes();
-        if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {
-          return WithLayer(lp, s);
-        }
-      } else {
-        absl::Status s;
-        src.ForEachPiece(f.decoded.layout.header_bytes + t->offset(), t->nbytes(),
-                         [&](const char* piece, uint64_t n) {
-                           if (s.ok()) s = copy_piece(piece, n);
-                         });
-        CKPT_RETURN_IF_ERROR(s);
+      // Checked as it is copied, from memory or disk: the checksum of a
+      // piece while it is in cache, before it is copied.
+      const uint64_t piece = copy_on_cpu_ ? kVerifyPieceBytes : src.chunk_bytes();
+      if (absl::Status s = VerifyTensor(f.decoded, *t, image, piece, copy_piece); !s.ok()) {
+        return WithLayer(lp, s);
       }
       stats->bytes += t->nbytes();
       if (f.image != nullptr) stats->memory_bytes += t->nbytes();
@@ -535,6 +550,7 @@ class RestoreRun {
 
   absl::Mutex damaged_mu_;
   std::vector<VersionKey>* const damaged_ ABSL_PT_GUARDED_BY(damaged_mu_);
+  std::vector<VersionKey>* const damaged_images_ ABSL_PT_GUARDED_BY(damaged_mu_);
   const CompositePlan& plan_;
   const store::RankRecord& table_;
   const RestoreTarget& target_;
@@ -556,11 +572,12 @@ class RestoreRun {
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreTarget& target,
                                          const RecoverySources& sources,
-                                         std::vector<VersionKey>* damaged) {
+                                         std::vector<VersionKey>* damaged,
+                                         std::vector<VersionKey>* damaged_images) {
   CKPT_RETURN_IF_ERROR(CheckComplete(plan));
   if (sources.readers.empty()) return absl::InvalidArgumentError("a restore needs an I/O backend");
   if (plan.layers.empty()) return RestoreStats();
-  return RestoreRun(plan, table, target, sources, damaged).Run();
+  return RestoreRun(plan, table, target, sources, damaged, damaged_images).Run();
 }
 
 }  // namespace ckpt

@@ -58,11 +58,18 @@ class VersionSource {
  public:
   virtual ~VersionSource() = default;
   // The image of exactly the version `rec` names, or null. A restore checks
-  // it like a file read from disk (every checksum, the record's
-  // header_xxh3, job/rank/layer/step) before a byte is copied out; an image
-  // that does not check is not used and the next source is asked.
+  // it like a file read from disk: its header (the record's header_xxh3,
+  // job/rank/layer/step) before using it, an image whose header does not
+  // check is not used and the next source is asked; every tensor's checksum
+  // as it copies the tensor out, on the restore's threads (the whole-image
+  // pass inside the restore's turn order serialized them). An image whose
+  // tensors do not check is given to Drop and fails the restore (see
+  // RestoreInto's `damaged_images`).
   virtual std::shared_ptr<const StagingLease> FindImage(const VersionKey& key,
                                                         const store::VersionRecord& rec) = 0;
+  // The image FindImage gave for `key` did not verify: it is not to be given
+  // again (the version is read from the next source, or disk).
+  virtual void Drop(const VersionKey& key, const store::VersionRecord& rec) {}
 };
 
 // What a restore, verify or export reads committed versions from, and its
@@ -104,10 +111,14 @@ struct RestoreStats {
 
 // With `damaged`, every planned version read from the local store that did
 // not verify (DATA_LOSS: missing, short, a checksum) is added to it, so the
-// caller can take it out of the history and plan again.
+// caller can take it out of the history and plan again. With
+// `damaged_images`, every version whose in-memory image did not verify is
+// added to it (the image was dropped from its source): restoring again
+// reads that version from the next source or the disk.
 absl::StatusOr<RestoreStats> RestoreInto(const CompositePlan& plan, const store::RankRecord& table,
                                          const RestoreTarget& target,
                                          const RecoverySources& sources,
-                                         std::vector<VersionKey>* damaged = nullptr);
+                                         std::vector<VersionKey>* damaged = nullptr,
+                                         std::vector<VersionKey>* damaged_images = nullptr);
 
 }  // namespace ckpt

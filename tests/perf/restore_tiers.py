@@ -14,7 +14,8 @@ Each round:
   raw     fio reads the layer files the disk restore read with O_DIRECT (4 MiB
           blocks, queue depth 16, io_uring) after the page cache is dropped,
           before the disk restore in odd rounds and after it in even ones.
-Prints the median of each, the ratios, and for each disk restore the share
+Prints the median of each, the ratios (also the memory restore's against a
+memcpy of the same bytes), and for each disk restore the share
 of its time ckptd had a read call under way (from ckptd's log line). Needs
 root (drop_caches) and fio.
 """
@@ -85,6 +86,25 @@ def fio_read(files):
     return job["io_bytes"] / (job["bw_bytes"] or 1), job["io_bytes"]
 
 
+def memcpy_gbps(nbytes, rounds=5):
+    """The median bandwidth of copying `nbytes` between two buffers whose
+    pages are already there (a restore's target is the trainer's
+    registered, touched memory), or None without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    import time
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    secs = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        secs.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(secs) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -153,6 +173,10 @@ def main():
           "%.2f (median of per-round ratios)" %
           (med["disk"] / med["memory"], med["raw"] / med["disk"],
            statistics.median(rw[0] / dk[0] for dk, rw in zip(rows["disk"], rows["raw"]))))
+    mc = memcpy_gbps(total_mib << 20)
+    if mc is not None:
+        print("  memcpy of the same bytes (numpy, one thread, warm buffers): %.2f GB/s; "
+              "memory restore / memcpy = %.2f" % (mc, gbps["memory"] / mc))
     print("  read calls under way during ckptd's disk restores: %s of their time" %
           ", ".join("%.0f%%" % (100 * x) if x is not None else "?" for x in shares))
     # What a memory restore still reads is the index (RocksDB blocks of the

@@ -1,5 +1,5 @@
 // MemoryTier over a real staging pool: replacement, eviction order, budget,
-// Shrink and DropJob, and that evicted images return their chunks.
+// Shrink, DropJob and Drop, and that evicted images return their chunks.
 #include "daemon/engine/memory_tier.h"
 
 #include "gtest/gtest.h"
@@ -44,6 +44,25 @@ TEST(MemoryTier, KeepsTheNewestVersionOfEachLayerWithinItsBudget) {
   tier.Put(r, 2, 2, "c2", kUid, Take(pool.get(), 5));
   EXPECT_EQ(tier.Find(r, 2, 2, "c2"), nullptr);
   EXPECT_EQ(tier.Find(r, 2, 1, "c1"), nullptr);
+  EXPECT_EQ(pool->bytes_in_use(), 1 * kChunk);
+}
+
+// A restore that found an image damaged drops it: only that version's
+// entry goes (not a newer one put since), and its chunks return.
+TEST(MemoryTier, DropRemovesOnlyTheVersionARestoreFoundDamaged) {
+  std::unique_ptr<StagingPool> pool = testing::MakeTestPool(kChunk, 8);
+  MemoryTier tier(8 * kChunk);
+  const RankKey r("j", 0);
+  tier.Put(r, 0, 1, "a1", kUid, Take(pool.get(), 2));
+  tier.Put(r, 1, 1, "b1", kUid, Take(pool.get(), 1));
+  store::VersionRecord rec;
+  rec.set_file("a1");
+  tier.Drop(VersionKey{"j", 0, 0, 2}, rec);  // another step: kept
+  EXPECT_NE(tier.Find(r, 0, 1, "a1"), nullptr);
+  tier.Drop(VersionKey{"j", 0, 0, 1}, rec);
+  EXPECT_EQ(tier.Find(r, 0, 1, "a1"), nullptr);
+  EXPECT_NE(tier.Find(r, 1, 1, "b1"), nullptr);
+  EXPECT_EQ(tier.bytes(), 1 * kChunk);
   EXPECT_EQ(pool->bytes_in_use(), 1 * kChunk);
 }
 

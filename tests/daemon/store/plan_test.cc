@@ -497,6 +497,65 @@ TEST_F(PlanTest, RestoreMixesMemoryAndDiskVersions) {
   EXPECT_EQ(stats.reading_seconds, 0);
 }
 
+// An in-memory source that drops what a restore tells it did not check.
+class DroppingSource final : public VersionSource {
+ public:
+  explicit DroppingSource(std::map<uint32_t, std::shared_ptr<const StagingLease>>* images)
+      : images_(images) {}
+  std::shared_ptr<const StagingLease> FindImage(const VersionKey& key,
+                                                const store::VersionRecord&) override {
+    absl::MutexLock lock(&mu_);
+    auto it = images_->find(key.layer);
+    return it == images_->end() ? nullptr : it->second;
+  }
+  void Drop(const VersionKey& key, const store::VersionRecord&) override {
+    absl::MutexLock lock(&mu_);
+    images_->erase(key.layer);
+    dropped_.push_back(key.layer);
+  }
+  std::vector<uint32_t> dropped() {
+    absl::MutexLock lock(&mu_);
+    return dropped_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<uint32_t, std::shared_ptr<const StagingLease>>* const images_ ABSL_PT_GUARDED_BY(mu_);
+  std::vector<uint32_t> dropped_ ABSL_GUARDED_BY(mu_);
+};
+
+// A memory image is checked as its tensors are copied out (on the restore's
+// threads), not whole before: one whose payload is damaged under an intact
+// header fails the restore naming its layer, without blaming the disk, and
+// is dropped from its source; the next restore reads that version from disk.
+TEST_F(PlanTest, ADamagedMemoryImageIsDroppedAndReadFromDiskNextTime) {
+  store::RankRecord table;
+  ASSERT_NO_FATAL_FAILURE(CommitWide(4, &table));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plan, BuildPlan(index_.get(), kJob, 0, 0, table));
+  std::unique_ptr<StagingPool> images = MakeTestPool(8192, 8);
+  std::map<uint32_t, std::shared_ptr<const StagingLease>> memory;
+  for (uint32_t l = 0; l < 4; ++l) ASSERT_NO_FATAL_FAILURE(LoadImage(l, images.get(), &memory));
+  // Payload byte 17 of layer 2's tensor (the payload starts at 4096).
+  memory[2]->chunk(0)[4096 + 17] ^= 0x40;
+  DroppingSource tier(&memory);
+  std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+  for (const store::LayerSpec& l : table.layers()) out[{l.id(), 0}] = std::string(5000, '\0');
+  std::vector<VersionKey> damaged, damaged_images;
+  absl::StatusOr<RestoreStats> stats =
+      RestoreInto(plan, table, TargetOf(&out), Sources({}, absl::Seconds(30), &tier), &damaged,
+                  &damaged_images);
+  CKPT_EXPECT_CODE(stats, kDataLoss);
+  EXPECT_NE(stats.status().message().find("layer 2"), absl::string_view::npos) << stats.status();
+  EXPECT_TRUE(damaged.empty());
+  ASSERT_EQ(damaged_images.size(), 1u);
+  EXPECT_EQ(damaged_images[0].layer, 2u);
+  EXPECT_EQ(tier.dropped(), std::vector<uint32_t>{2});
+  CKPT_ASSERT_OK_AND_ASSIGN(RestoreStats again, RestoreInto(plan, table, TargetOf(&out),
+                                                            Sources({}, absl::Seconds(30), &tier)));
+  EXPECT_EQ(again.memory_layers, 3u);
+  for (uint32_t l = 0; l < 4; ++l) EXPECT_TRUE((out[{l, 0}] == data_[{l, 10}][0])) << l;
+}
+
 // The error is the first failing version in plan order, whichever thread
 // found which first: layer 3 does not check (found by the copier), layer 4's
 // file is gone (found by a reader, possibly earlier).
