@@ -2,14 +2,16 @@
 load with only storage_writer=/storage_reader= changed.
 - round trip: a state dict of every kind FileSystemWriter accepts (nested
   dicts and lists, model and AdamW state, bf16/f16/int8/bool/complex, a
-  0-dim, an empty and a transposed tensor, Python objects, a 300 KB bytes
-  item) loads back exactly as through FileSystemWriter/FileSystemReader;
+  0-dim, an empty and a transposed tensor, Python objects, bytes items of
+  300 KB and 3 MiB, the latter beyond what a step's aux holds) loads back
+  exactly as through FileSystemWriter/FileSystemReader;
 - async_save: the trainer changes its tensors as soon as async_save
   returns (with async_staging, once its staging completes); the checkpoint
   holds the values at the call;
 - LoRA: a frozen base is written once; later saves write the adapters
   (bytes on ckptd's disk per save, against FileSystemWriter's, printed);
 - a damaged version fails the load, naming the tensor, and is not served;
+- a tensor larger than ckptd's staging pool is refused naming the setting;
 - 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
   bytes) save; 2 ranks and 8 ranks load it exactly (DCP reshards);
 - a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
@@ -61,7 +63,8 @@ def odd_state(seed):
             "negzero": torch.tensor([-0.0, 0.0, float("nan")]),
             "list": [torch.arange(5) + seed, {"deep": torch.ones(2, 2) * seed}],
         },
-        "meta": {"step": seed, "name": "run-%d" % seed, "blob": os.urandom(300_000)},
+        "meta": {"step": seed, "name": "run-%d" % seed, "blob": os.urandom(300_000),
+                 "big": os.urandom(3 << 20)},
     }
 
 
@@ -112,12 +115,12 @@ def round_trip(daemon, root):
     dcp.save(sd2, checkpoint_id="step-2", storage_writer=writer)
 
     via_fs = template_of(sd)
-    via_fs["meta"] = {"step": None, "name": None, "blob": None}
+    via_fs["meta"] = {"step": None, "name": None, "blob": None, "big": None}
     dcp.load(via_fs, checkpoint_id=fs_dir)
     check(same(sd, via_fs) is None, "FileSystemReader round trip: %s" % same(sd, via_fs))
     for cid, want in (("step-1", sd), ("step-2", sd2), (None, sd2)):
         got = template_of(want)
-        got["meta"] = {"step": None, "name": None, "blob": None}
+        got["meta"] = {"step": None, "name": None, "blob": None, "big": None}
         dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-rt", daemon.socket))
         check(same(want, got) is None, "ckptd round trip of %s: %s" % (cid, same(want, got)))
         check(same(via_fs if cid == "step-1" else want, got) is None,
@@ -129,8 +132,12 @@ def round_trip(daemon, root):
     except (Exception, CheckpointException) as e:  # DCP wraps a rank's error
         err = str(e)
     check("no checkpoint 'step-9'" in err, "an unknown checkpoint id is named: %s" % err[:300])
+    jobs = os.listdir(os.path.join(daemon.data, "jobs"))
+    check(any(j.startswith("dcp-rt.bytes.r0.") for j in jobs),
+          "the 3 MiB bytes item went to the rank's bytes job: %s" % sorted(jobs))
     writer.close()
-    print("round trip: %d tensors of 8 dtypes, a 300 KB bytes item: exact, as FileSystemReader"
+    print("round trip: %d tensors of 8 dtypes, bytes items of 300 KB and 3 MiB: exact, as "
+          "FileSystemReader"
           % sum(1 for _ in _tensors(sd)))
 
 
@@ -276,6 +283,29 @@ def damaged(daemon):
     check(not torch.equal(got["w"], sd["w"]), "the damaged tensor was not served")
 
 
+def too_big(root):
+    """A tensor larger than ckptd's staging pool: refused at the save,
+    naming the setting to raise; nothing is named a checkpoint."""
+    small = harness.Daemon(os.path.join(root, "small"), pool_bytes=8 << 20).start()
+    try:
+        writer = CkptWriter("dcp-big", socket_path=small.socket)
+        try:
+            dcp.save({"w": torch.zeros(4 << 20)}, checkpoint_id="s1", storage_writer=writer)
+            err = ""
+        except (Exception, CheckpointException) as e:
+            err = str(e)
+        check("staging_pool_bytes" in err and "'w'" in err,
+              "a tensor beyond the staging pool is refused naming the setting: %s" % err[-300:])
+        try:
+            CkptReader("dcp-big", small.socket).reset("s1")
+            found = True
+        except FileNotFoundError:
+            found = False
+        check(not found, "the refused save is not a checkpoint")
+    finally:
+        small.stop()
+
+
 # ---- several ranks ----
 
 GLOBAL_ROWS = 48
@@ -374,6 +404,7 @@ def main():
         async_contract(daemon)
         lora_bytes(daemon, root)
         damaged(daemon)
+        too_big(root)
         many_ranks(daemon, root)
         killed_during_async(daemon, root)
     finally:

@@ -140,12 +140,26 @@ class CkptReader(StorageReader):
             self._read_tensors(job, step, plan, tensor_reqs, planner, where)
         byte_reqs = [r for r in reqs if r.type == LoadItemType.BYTE_IO]
         if byte_reqs:
+            # The step's aux: {fqn: bytes} in a rank job, {fqn: (offset,
+            # length)} into the one tensor of a bytes job (writer.py).
             blobs = pickle.loads(plan["aux"]) if plan["aux"] else {}
+            buf = None
             for r in byte_reqs:
                 key = stored[r.storage_index].key
                 if key not in blobs:
                     raise RuntimeError(f"{where} holds no bytes item '{key}'")
-                planner.load_bytes(r, io.BytesIO(blobs[key]))
+                blob = blobs[key]
+                if isinstance(blob, tuple):
+                    if buf is None:
+                        buf = torch.empty(plan["layers"][0]["bytes"], dtype=torch.uint8)
+                        try:
+                            self._export(job, step, {"bytes": _bytes_of(buf)})
+                        except ckpt.Error as e:
+                            raise RuntimeError(f"{where} cannot be read, so the checkpoint is "
+                                               f"not loaded: {e.message}") from e
+                    off, n = blob
+                    blob = buf[off:off + n].numpy().tobytes()
+                planner.load_bytes(r, io.BytesIO(blob))
 
     def _read_tensors(self, job: str, step: int, plan: dict, reqs: List[ReadItem],
                       planner: LoadPlanner, where: str) -> None:

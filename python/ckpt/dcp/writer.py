@@ -43,6 +43,10 @@ from torch.futures import Future
 from .catalog import Catalog, check_job_id
 from .store import RankStore, Stored, nbytes_of
 
+# The bytes items a rank's step carries in its aux (ckptd's max_aux_bytes is
+# 1 MiB by default); larger ones go into the rank's bytes job.
+AUX_BUDGET = 512 << 10
+
 
 def is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
@@ -94,6 +98,7 @@ class CkptWriter(StorageWriter, AsyncStager):
         self._rank = rank
         self._timeouts = (call_timeout_s, wait_timeout_s)
         self._store: Optional[RankStore] = None
+        self._bytes_store: Optional[RankStore] = None  # bytes items beyond AUX_BUDGET
         self._catalog: Optional[Catalog] = None
         self._staged = False
         self._async_staging = async_staging
@@ -156,6 +161,7 @@ class CkptWriter(StorageWriter, AsyncStager):
         for i in plan.items:
             if i.type == WriteItemType.BYTE_IO:
                 blobs[i.index.fqn] = planner.resolve_data(i).getvalue()
+        large = self._large_blobs(blobs)
         aux = pickle.dumps(blobs, protocol=pickle.HIGHEST_PROTOCOL) if blobs else b""
         step, where = store.commit(aux)
         results = []
@@ -166,13 +172,44 @@ class CkptWriter(StorageWriter, AsyncStager):
             results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=stored))
         for i in plan.items:
             if i.type == WriteItemType.BYTE_IO:
-                n = len(blobs[i.index.fqn])
+                fqn = i.index.fqn
+                job, at, n = (large[0], large[1], large[2][fqn]) if fqn in large[2] else \
+                    (store.job, step, len(blobs[fqn]))
                 results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=Stored(
-                    store.job, i.index.fqn, step, step, n, is_bytes=True)))
+                    job, fqn, at, at, n, is_bytes=True)))
         self._staged = False  # DCP calls reset() only with an id
         fut: Future[List[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _large_blobs(self, blobs: Dict[str, bytes]) -> tuple:
+        """Moves the largest bytes items out of `blobs` until the rest fits
+        the step's aux (AUX_BUDGET), into one U8 tensor of the rank's bytes
+        job (`<job_id>.bytes.r<rank>.<capacity>`: its capacity a power of
+        two, so that it is registered again only when it grows), committed
+        as that job's next step with their (offset, length) in its aux.
+        Returns (bytes job, its step, {fqn: length}) of those moved."""
+        if sum(len(b) for b in blobs.values()) <= AUX_BUDGET:
+            return ("", 0, {})
+        moved: Dict[str, bytes] = {}
+        for fqn in sorted(blobs, key=lambda k: -len(blobs[k])):
+            if sum(len(b) for b in blobs.values()) <= AUX_BUDGET:
+                break
+            moved[fqn] = blobs.pop(fqn)
+        total = sum(len(b) for b in moved.values())
+        buf = torch.zeros(max(1 << 20, 1 << (total - 1).bit_length()), dtype=torch.uint8)
+        index, off = {}, 0
+        for fqn, b in moved.items():
+            buf[off:off + len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+            index[fqn] = (off, len(b))
+            off += len(b)
+        if self._bytes_store is None:
+            call, wait = self._timeouts
+            self._bytes_store = RankStore(self._socket, f"{self.job_id}.bytes", self._rank_now(),
+                                          call, wait)
+        self._bytes_store.stage({"bytes": buf})
+        step, _ = self._bytes_store.commit(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+        return (self._bytes_store.job, step, {fqn: n for fqn, (_, n) in index.items()})
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
@@ -215,7 +252,7 @@ class CkptWriter(StorageWriter, AsyncStager):
         if self._staging is not None:
             self._staging.shutdown(wait=True)
             self._staging = None
-        for part in (self._store, self._catalog):
+        for part in (self._store, self._bytes_store, self._catalog):
             if part is not None:
                 part.close()
-        self._store = self._catalog = None
+        self._store = self._bytes_store = self._catalog = None
