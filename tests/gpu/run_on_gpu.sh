@@ -20,6 +20,8 @@
 #                                checkpointing vs ckptd all / layercheck vs DCP
 #                                async_save; stall per step; D2H vs pinned peak
 #   torch_ddp          60 / 25   --part ddp: two DDP ranks on the one GPU (gloo)
+#   torch_dcp          30 / 15   tests/gpu/dcp_gpu_check.py: ckpt.dcp save, async
+#                                save and load of CUDA tensors, bit-exact
 #   sandbox            60 / 25   tests/gpu/sandbox_check.sh: ckptd under the
 #                                unit's sandbox, a trainer of another uid
 #   gpu_bench          20 / 8    ckpt_gpu_bench: drift kernel vs a D2D copy
@@ -248,6 +250,13 @@ torch_step() {
 torch_step torch_exact 60 25 --part exact
 torch_step torch_gpt2 100 45 --part gpt2
 torch_step torch_ddp 60 25 --part ddp
+if [ -n "$no_torch" ] && [ -z "$no_device" ]; then
+  record torch_dcp "SKIPPED ($no_torch)" 0
+  failed=1
+else
+  step torch_dcp 30 15 env PYTHONPATH="$bin/python" PYTHONDONTWRITEBYTECODE=1 \
+    python3 "$top/tests/gpu/dcp_gpu_check.py" --build-dir "$bin"
+fi
 
 # ---- 5. ckptd under the unit's sandbox, a trainer of another uid ----
 if [ -n "$no_torch" ] && [ -z "$no_device" ]; then
