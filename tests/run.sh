@@ -2,6 +2,8 @@
 # Installs what is missing, builds ckptd, and runs every test that is not
 # labelled slow or gpu:
 #   1. the default build (CUDA used when the toolkit is present): every test;
+#      then the Python tests that matter most across PyTorch releases again
+#      under the newest PyTorch on PyPI (tests/torch_newest.sh);
 #   2. an ASan+UBSan build without CUDA (so the no-CUDA build is checked too):
 #      the unit and integration tests (tests/sanitize.sh address);
 #   3. the libFuzzer targets of that build, a few seconds each
@@ -22,6 +24,10 @@ echo "== build (CUDA auto-detected)"
 "$top/deploy/build.sh" "$top/build"
 echo "== tests (default build)"
 (cd "$top/build" && ctest -LE 'slow|gpu' --output-on-failure --timeout 900 -j2)
+if [ -z "${CKPT_NO_VENV:-}" ]; then
+  echo "== the newest PyTorch on PyPI: ckpt.dcp and ckpt.torch tests"
+  "$top/tests/torch_newest.sh" "$top/build"
+fi
 
 echo "== ASan+UBSan build without CUDA: unit and integration tests"
 "$top/tests/sanitize.sh" address
