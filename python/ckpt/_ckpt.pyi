@@ -73,7 +73,7 @@ class RestoreDict(PlanDict):
     seconds: float
 
 class SnapshotDict(TypedDict):
-    layers: int      # layers selected at the step
+    layers: List[int]  # the layers taken at the step
     skipped: int     # of them, not taken (staging full)
     lost: bool       # the step was reported before ckptd restarted
 

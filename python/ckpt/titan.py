@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpointer.base import (DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER,
                                                       BaseCheckpointManager, ModelWrapper)
@@ -78,6 +79,11 @@ class CkptCheckpointManager(BaseCheckpointManager):
         self._writer = CkptWriter(config.job_id, self._socket,
                                   async_staging=config.async_staging and config.async_save)
         self._staging: Any = None  # the staging future of the save in flight
+        # DCP's collectives on a CPU group of their own, as torchtitan's DCP
+        # manager does: async_save needs one, and the trainer's group may be
+        # NCCL only. Every rank builds the manager, so every rank makes it.
+        self._pg = dist.new_group(backend="gloo") \
+            if dist.is_available() and dist.is_initialized() else None
 
     def __del__(self) -> None:
         self.close()
@@ -107,24 +113,33 @@ class CkptCheckpointManager(BaseCheckpointManager):
         states = self._flat_states(model_only=model_only)
         cid = f"step-{curr_step}"
         if self.config.async_save and not last_step:
-            out = dcp.async_save(states, checkpoint_id=cid, storage_writer=self._writer)
+            out = dcp.async_save(states, checkpoint_id=cid, storage_writer=self._writer,
+                                 process_group=self._pg)
             if hasattr(out, "upload_completion"):  # staged on the writer's thread
                 self._staging, out = out.staging_completion, out.upload_completion
             self.save_future = out
         else:
-            dcp.save(states, checkpoint_id=cid, storage_writer=self._writer)
+            dcp.save(states, checkpoint_id=cid, storage_writer=self._writer,
+                     process_group=self._pg)
         return True
 
     def _load(self, step: int = -1) -> bool:
         cid = None if step == -1 else f"step-{step}"
+        catalog = Catalog(self._socket, self.config.job_id)
         try:
-            Catalog(self._socket, self.config.job_id).get(cid)
+            catalog.get(cid)
         except FileNotFoundError:
             if step == -1:
                 return False  # no checkpoint yet: train from scratch
             raise
+        finally:
+            catalog.close()
         reader = CkptReader(self.config.job_id, self._socket)
-        dcp.load(self._flat_states(loading=True), checkpoint_id=cid, storage_reader=reader)
+        try:
+            dcp.load(self._flat_states(loading=True), checkpoint_id=cid, storage_reader=reader,
+                     process_group=self._pg)
+        finally:
+            reader.close()
         return True
 
     def _maybe_wait_for_staging(self) -> None:

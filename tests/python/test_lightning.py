@@ -54,6 +54,9 @@ def train(a):
             return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
 
     class KillAt(Callback):
+        def on_train_start(self, trainer, _):
+            print("start_step", trainer.global_step, flush=True)
+
         def on_train_epoch_start(self, trainer, _):
             if trainer.current_epoch == a.kill_at_epoch:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -63,8 +66,7 @@ def train(a):
     data = TensorDataset(torch.randn(64, 12, generator=g), torch.randint(0, 3, (64,), generator=g))
     io = CkptCheckpointIO(a.job, a.socket)
     callbacks = [ModelCheckpoint(dirpath=a.dir, every_n_epochs=1, save_top_k=-1)]
-    if a.kill_at_epoch >= 0:
-        callbacks.append(KillAt())
+    callbacks.append(KillAt())
     trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, plugins=[io],
                         callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True)
@@ -143,6 +145,10 @@ def main():
                                                                  resumed.stderr[-3000:]))
         print(resumed.stdout.strip().splitlines()[0])
         check("epoch=" in resumed.stdout, "it resumed from a saved epoch")
+        start = [int(line.split()[1]) for line in resumed.stdout.splitlines()
+                 if line.startswith("start_step")]
+        check(start and start[0] >= 8, "the resumed Trainer started past its first epoch "
+              "(global step %s), so the final weights compare a resume" % start)
         d = same_weights(whole_out, resumed_out)
         check(d is None, "killed and resumed ends as never killed, bitwise: %s" % d)
         paths = os.path.join(root, "paths-pl-whole")

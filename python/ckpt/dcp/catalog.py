@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple
 import ckpt
 
 FORMAT = 1
-_MAX_WALK = 100_000  # steps looked at to find a checkpoint id
+MAX_INDEX = 10_000  # checkpoint ids an entry indexes
 
 
 def catalog_job(job_id: str) -> str:
@@ -53,6 +53,7 @@ class Catalog:
         self._writer: Optional[ckpt.Client] = None
         self._next_step = 1
         self._reader: Optional[ckpt.Client] = None
+        self._index: Optional[dict] = None  # {checkpoint id: catalog step}, as last put
 
     def _client(self) -> ckpt.Client:
         return ckpt.Client(self._socket, **self._kwargs) if self._socket else \
@@ -60,11 +61,13 @@ class Catalog:
 
     def put(self, checkpoint_id: Any, metadata: Any) -> int:
         """Stores `metadata` as checkpoint `checkpoint_id`; returns the
-        catalog step once it is durable."""
-        blob = zlib.compress(pickle.dumps(
-            {"format": FORMAT, "checkpoint_id": str(checkpoint_id), "metadata": metadata},
-            protocol=pickle.HIGHEST_PROTOCOL))
+        catalog step once it is durable. Each entry carries the index of
+        the checkpoints before it ({id: catalog step}, the newest
+        MAX_INDEX), so that any id is found with two calls, across steps
+        that never became durable."""
         with self._lock:
+            index = self._index_now()
+            index.pop(str(checkpoint_id), None)
             if self._writer is None:
                 client = self._client()
                 region = client.allocate_region(64)
@@ -77,6 +80,13 @@ class Catalog:
                 self._writer = client
                 self._next_step = client.latest_durable_step_at_register + 1
             step = self._next_step
+            self._next_step = step + 1  # used up, also when the reply is lost
+            index[str(checkpoint_id)] = step
+            while len(index) > MAX_INDEX:
+                index.pop(next(iter(index)))
+            blob = zlib.compress(pickle.dumps(
+                {"format": FORMAT, "checkpoint_id": str(checkpoint_id), "metadata": metadata,
+                 "index": index}, protocol=pickle.HIGHEST_PROTOCOL))
             try:
                 self._writer.step_done(step, 0.0, blob, [])
             except ckpt.Error as e:
@@ -86,44 +96,59 @@ class Catalog:
                         "compressed, more than ckptd's max_aux_bytes: raise it in ckptd's "
                         "configuration (up to 64 MiB)") from e
                 raise
-            self._next_step = step + 1
             self._writer.wait_durable(step)
+            self._index = index
             return step
+
+    def _entry(self, target: int) -> Optional[Tuple[int, dict]]:
+        """(step, entry) of catalog step `target` (0: the newest durable),
+        or None when the catalog has none."""
+        if self._reader is None:
+            self._reader = self._client()
+        try:
+            plan = self._reader.plan(target, job_id=catalog_job(self._job_id), rank=0)
+        except ckpt.Error as e:
+            if e.code == "NOT_FOUND":
+                return None
+            raise
+        step = plan["target_step"]
+        if step == 0 or not plan["aux"]:
+            return None
+        entry = pickle.loads(zlib.decompress(plan["aux"]))
+        if entry.get("format") != FORMAT:
+            raise RuntimeError(f"catalog step {step} of job {self._job_id} has format "
+                               f"{entry.get('format')}; this ckpt.dcp reads format {FORMAT}: "
+                               "load it with the ckpt release that saved it")
+        return step, entry
+
+    def _index_now(self) -> dict:
+        if self._index is None:
+            newest = self._entry(0)
+            self._index = dict(newest[1].get("index", {})) if newest else {}
+        return dict(self._index)
 
     def get(self, checkpoint_id: Any = None) -> Tuple[int, str, Any]:
         """(catalog step, checkpoint id, Metadata) of the newest durable
         checkpoint named `checkpoint_id` (the newest of all when None);
         FileNotFoundError when there is none."""
         with self._lock:
-            if self._reader is None:
-                self._reader = self._client()
             want = None if checkpoint_id is None else str(checkpoint_id)
-            target = 0  # the newest durable step
-            for _ in range(_MAX_WALK):
-                try:
-                    plan = self._reader.plan(target, job_id=catalog_job(self._job_id), rank=0)
-                except ckpt.Error as e:
-                    if e.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-                        break
-                    raise
-                step = plan["target_step"]
-                if step == 0 or not plan["aux"]:
-                    break
-                entry = pickle.loads(zlib.decompress(plan["aux"]))
-                if entry.get("format") != FORMAT:
-                    raise RuntimeError(f"catalog step {step} of job {self._job_id} has format "
-                                       f"{entry.get('format')}, not {FORMAT}")
-                if want is None or entry["checkpoint_id"] == want:
-                    return step, entry["checkpoint_id"], entry["metadata"]
-                if step <= 1:
-                    break
-                target = step - 1
-            what = "no checkpoint" if want is None else f"no checkpoint {want!r}"
-            raise FileNotFoundError(f"ckptd holds {what} of job {self._job_id} (DCP catalog "
-                                    f"{catalog_job(self._job_id)})")
+            found = self._entry(0)
+            if found is not None and want is not None and found[1]["checkpoint_id"] != want:
+                at = found[1].get("index", {}).get(want)
+                found = self._entry(at) if at is not None else None
+                if found is not None and found[1]["checkpoint_id"] != want:
+                    found = None  # that step was collected, or is another's
+            if found is None:
+                what = "no checkpoint" if want is None else f"no checkpoint {want!r}"
+                raise FileNotFoundError(f"ckptd holds {what} of job {self._job_id} (DCP "
+                                        f"catalog {catalog_job(self._job_id)})")
+            step, entry = found
+            return step, entry["checkpoint_id"], entry["metadata"]
 
     def close(self) -> None:
         with self._lock:
             if self._writer is not None:
                 self._writer.unregister(drain=True)
                 self._writer = None
+            self._reader = None

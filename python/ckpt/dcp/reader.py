@@ -120,6 +120,9 @@ class CkptReader(StorageReader):
             by_step.setdefault((s.job, s.step), []).append(req)
         for (job, step), reqs in by_step.items():
             self._read_step(job, step, reqs, planner)
+        # DCP calls reset() only with an id: a next load without one is of
+        # the newest checkpoint, not of this one again.
+        self.checkpoint_id = None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -232,3 +235,4 @@ class CkptReader(StorageReader):
 
     def close(self) -> None:
         self._catalog.close()
+        self._client = None

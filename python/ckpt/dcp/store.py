@@ -96,6 +96,8 @@ class RankStore:
         self._version: List[int] = []  # per layer: the step ckptd took it at
         self._unsent: Set[int] = set()  # copied into the region, not yet reported
         self._trusted = False          # the region holds what ckptd last took
+        self._staged = False           # staged, not yet committed
+        self._idle = threading.Condition(self._lock)
 
     # ---- registration ----
 
@@ -145,8 +147,20 @@ class RankStore:
         """Copies each tensor (any device, any strides; no zero-size one)
         into its slot and returns the slots, of each tensor's dtype and
         shape. The tensors may change once this returns. Waits first until
-        ckptd has taken the previous commit out of the region."""
+        the previous stage is committed and ckptd has taken it out of the
+        region."""
         with self._lock:
+            # One save at a time: a stage while the previous one is staged
+            # but not yet committed waits for that commit (else it would
+            # overwrite the bytes that save is about to report).
+            if not self._idle.wait_for(lambda: not self._staged, timeout=self._timeouts[1]):
+                # It failed before its write (DCP tells the writer nothing
+                # then), or is stuck: this save is refused, the next goes on.
+                self._staged = self._trusted = False
+                raise TimeoutError(
+                    f"job {self._job}: the previous save was staged but not written within "
+                    f"{self._timeouts[1]} s (it failed, or is still planning: its future says "
+                    "which); this save is refused, the next one goes ahead")
             digest = layout_digest(tensors)
             if digest != self._digest:
                 self._open(tensors, digest)
@@ -164,6 +178,7 @@ class RankStore:
                         slot.view.copy_(src.reshape(-1))
                         self._unsent.add(slot.layer)
                     out[key] = slot.view.view(t.shape)
+            self._staged = True
             return out
 
     def _fence(self) -> None:
@@ -186,32 +201,42 @@ class RankStore:
         (the step's bytes items), and waits until every changed layer is
         durable. Returns the step and where each tensor's bytes are."""
         with self._lock:
-            if self._client is None:
-                raise RuntimeError("nothing was staged")
-            step = self._next_step
-            layers = sorted(self._unsent)
             try:
-                self._client.step_done(step, 0.0, aux, layers)
-            except ckpt.Error:
-                self._trusted = False
-                raise
-            self._last_step, self._next_step = step, step + 1
-            self._trusted = False
-            snap = self._client.wait_snapshot(step)
-            if snap["skipped"] or snap["lost"]:
-                raise RuntimeError(
-                    f"ckptd took {snap['layers'] - snap['skipped']} of {snap['layers']} tensors "
-                    f"of job {self._job} step {step}: its staging pool had no room for the "
-                    "rest (give ckptd a staging_pool_bytes of at least one rank's state dict); "
-                    "this checkpoint is not saved")
-            self._client.wait_durable(step)
-            for layer in layers:
-                self._version[layer] = step
-            self._unsent.clear()
-            self._trusted = True
-            where = {s.key: Stored(self._job, s.key, step, self._version[s.layer], s.nbytes)
-                     for s in self._slots.values()}
-            return step, where
+                return self._commit_locked(aux)
+            finally:
+                self._staged = False
+                self._idle.notify_all()
+
+    def _commit_locked(self, aux: bytes) -> Tuple[int, Dict[str, Stored]]:
+        if self._client is None:
+            raise RuntimeError(f"job {self._job_id} rank {self._rank}: nothing was staged, or "
+                               "the writer was closed during the save")
+        # The number is used up before the call: a reply lost after ckptd
+        # took the step must not make every later step "not above" it.
+        step = self._next_step
+        self._next_step = step + 1
+        layers = sorted(self._unsent)
+        self._trusted = False
+        self._client.step_done(step, 0.0, aux, layers)
+        self._last_step = step
+        snap = self._client.wait_snapshot(step)
+        if snap["lost"]:
+            raise RuntimeError(f"ckptd restarted during the save of job {self._job} step "
+                               f"{step}: this checkpoint is not saved; save again")
+        if snap["skipped"]:
+            taken = len(snap["layers"])
+            raise RuntimeError(
+                f"ckptd took {taken} of {taken + snap['skipped']} tensors of job {self._job} "
+                f"step {step}: its staging pool had no room for the rest (give ckptd a "
+                "staging_pool_bytes of at least one rank's state dict); this checkpoint is "
+                "not saved")
+        self._client.wait_durable(step)
+        for layer in layers:
+            self._version[layer] = step
+        self._unsent.clear()
+        self._trusted = True
+        return step, {s.key: Stored(self._job, s.key, step, self._version[s.layer], s.nbytes)
+                      for s in self._slots.values()}
 
     @property
     def job(self) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import pickle
 from collections import Counter
 from concurrent.futures import Future as StagingFuture
@@ -60,8 +61,9 @@ def _restaged(orig: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """`slot` in the place of `orig`: a DTensor keeps its mesh and placements."""
     if is_dtensor(orig):
         from torch.distributed.tensor import DTensor
-        return DTensor.from_local(slot, orig.device_mesh, orig.placements, run_check=False,
-                                  shape=orig.shape, stride=orig.stride())
+        # Not DTensor.from_local: it would move the slot to the mesh's device
+        # (a GPU copy of the whole staged state).
+        return DTensor(slot, orig._spec, requires_grad=False)
     return slot
 
 
@@ -100,10 +102,10 @@ class CkptWriter(StorageWriter, AsyncStager):
         self._store: Optional[RankStore] = None
         self._bytes_store: Optional[RankStore] = None  # bytes items beyond AUX_BUDGET
         self._catalog: Optional[Catalog] = None
-        self._staged = False
+        self._ids = threading.local()  # the checkpoint id of this thread's save
         self._async_staging = async_staging
         self._staging: Optional[ThreadPoolExecutor] = None  # its one thread
-        self.checkpoint_id: Union[str, os.PathLike, None] = None
+        self.checkpoint_id: Union[str, os.PathLike, None] = None  # the last reset()'s
         self.is_coordinator = False
 
     def __getstate__(self):
@@ -125,14 +127,21 @@ class CkptWriter(StorageWriter, AsyncStager):
     # ---- StorageWriter ----
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        # DCP calls reset() on the caller's thread and, for async_save, again
+        # on the upload thread, whose write_data() and finish() follow: the id
+        # is kept per thread, so that a next save's reset() on the trainer's
+        # thread does not rename the save still uploading.
         self.checkpoint_id = checkpoint_id
-        self._staged = False
+        self._ids.checkpoint_id = checkpoint_id
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
         return False  # chosen by passing a CkptWriter, never from an id alone
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives") is False:
+            raise ValueError("ckpt.dcp.CkptWriter needs DCP's collectives (use_collectives=True): "
+                             "its coordinator's finish() stores the metadata of every rank")
         self.is_coordinator = is_coordinator
         if self._rank is None and "rank" in kwargs:
             self._rank = int(kwargs["rank"])
@@ -148,14 +157,24 @@ class CkptWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         store = self._store_now()
+        if getattr(self._ids, "checkpoint_id", None) is None:
+            raise ValueError("ckpt.dcp.CkptWriter needs a checkpoint_id for each save (it names "
+                             "the checkpoint in ckptd): pass checkpoint_id= to dcp.save/async_save")
         tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         keys = item_keys(tensor_items)
         data = {i.index: planner.resolve_data(i) for i in tensor_items}
         slot_key = {idx: store.slot_of(_local(t)) for idx, t in data.items()}
-        if not self._staged or any(k is None for idx, k in slot_key.items()
-                                   if nbytes_of(data[idx]) > 0):
-            # dcp.save, or items the planner made anew: stage them now.
-            store.stage({keys[idx]: _local(t) for idx, t in data.items() if nbytes_of(t) > 0})
+        if any(k is None for idx, k in slot_key.items() if nbytes_of(data[idx]) > 0):
+            # dcp.save, or items the planner made anew: stage them now, all
+            # of the planner's tensors (not only this rank's plan, from which
+            # DCP took the items another rank saves), so that the layout is
+            # the one async_save's stage() registers.
+            full = getattr(planner, "state_dict", None)
+            whole = {k: _local(v) for k, v in full.items() if isinstance(v, torch.Tensor)} \
+                if isinstance(full, dict) and all(keys[i] == i.fqn for i in data) else None
+            if whole is None or any(keys[i] not in whole for i in data):
+                whole = {keys[idx]: _local(t) for idx, t in data.items()}
+            store.stage({k: t for k, t in whole.items() if nbytes_of(t) > 0})
             slot_key = {idx: keys[idx] for idx in data}
         blobs = {}
         for i in plan.items:
@@ -177,7 +196,8 @@ class CkptWriter(StorageWriter, AsyncStager):
                     (store.job, step, len(blobs[fqn]))
                 results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=Stored(
                     job, fqn, at, at, n, is_bytes=True)))
-        self._staged = False  # DCP calls reset() only with an id
+        if not self.is_coordinator:
+            self._ids.checkpoint_id = None  # used; DCP calls reset() only with an id
         fut: Future[List[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -216,7 +236,8 @@ class CkptWriter(StorageWriter, AsyncStager):
         if self._catalog is None:
             call, wait = self._timeouts
             self._catalog = Catalog(self._socket, self.job_id, call, wait)
-        self._catalog.put(self.checkpoint_id, metadata)
+        cid, self._ids.checkpoint_id = self._ids.checkpoint_id, None
+        self._catalog.put(cid, metadata)
 
     # ---- AsyncStager ----
 
@@ -242,7 +263,6 @@ class CkptWriter(StorageWriter, AsyncStager):
                 staged[k] = v.detach().clone()
             else:
                 staged[k] = copy.deepcopy(v)
-        self._staged = True
         return unflatten_state_dict(staged, mapping)
 
     def synchronize_staging(self) -> None:
