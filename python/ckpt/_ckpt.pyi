@@ -74,7 +74,7 @@ class RestoreDict(PlanDict):
 
 class SnapshotDict(TypedDict):
     layers: List[int]  # the layers taken at the step
-    skipped: int     # of them, not taken (staging full)
+    skipped: int       # selected but not taken (staging full)
     lost: bool       # the step was reported before ckptd restarted
 
 def dtype_sizes() -> Dict[str, int]: ...  # {"F32": 4, ...}: every dtype a TensorSpec may name
