@@ -9,23 +9,25 @@ a checkpoint the catalog names is whole; one whose finish() never completed
 is not in it. A step needs a layer: the catalog's job has one of one byte,
 written once.
 
-The aux is zlib-compressed pickle, at most ckptd's max_aux_bytes (1 MiB by
-default, up to 64 MiB): a few thousand tensors' metadata. It is read back
+The aux is zlib-compressed torch.save data, at most ckptd's max_aux_bytes
+(1 MiB by default, up to 64 MiB): a few thousand tensors' metadata. It is read back
 only by ckpt.dcp.CkptReader of the same uid: ckptd serves a job's steps to
-its owner only, so the pickle comes from the reader's own user.
+its owner only, and it is plain data (store.plain_metadata) read with
+torch.load(weights_only=True), which builds nothing else.
 
 Used by one thread at a time (DCP calls finish() and read_metadata() on one
 thread); its lock makes that so."""
 
 from __future__ import annotations
 
-import pickle
 import re
 import threading
 import zlib
 from typing import Any, Optional, Tuple
 
 import ckpt
+
+from .store import dumps, loads, metadata_of, plain_metadata
 
 FORMAT = 1
 MAX_INDEX = 10_000  # checkpoint ids an entry indexes
@@ -84,9 +86,9 @@ class Catalog:
             index[str(checkpoint_id)] = step
             while len(index) > MAX_INDEX:
                 index.pop(next(iter(index)))
-            blob = zlib.compress(pickle.dumps(
-                {"format": FORMAT, "checkpoint_id": str(checkpoint_id), "metadata": metadata,
-                 "index": index}, protocol=pickle.HIGHEST_PROTOCOL))
+            blob = zlib.compress(dumps(
+                {"format": FORMAT, "checkpoint_id": str(checkpoint_id),
+                 "metadata": plain_metadata(metadata), "index": index}))
             try:
                 self._writer.step_done(step, 0.0, blob, [])
             except ckpt.Error as e:
@@ -114,7 +116,7 @@ class Catalog:
         step = plan["target_step"]
         if step == 0 or not plan["aux"]:
             return None
-        entry = pickle.loads(zlib.decompress(plan["aux"]))
+        entry = loads(zlib.decompress(plan["aux"]))
         if entry.get("format") != FORMAT:
             raise RuntimeError(f"catalog step {step} of job {self._job_id} has format "
                                f"{entry.get('format')}; this ckpt.dcp reads format {FORMAT}: "
@@ -144,7 +146,7 @@ class Catalog:
                 raise FileNotFoundError(f"ckptd holds {what} of job {self._job_id} (DCP "
                                         f"catalog {catalog_job(self._job_id)})")
             step, entry = found
-            return step, entry["checkpoint_id"], entry["metadata"]
+            return step, entry["checkpoint_id"], metadata_of(entry["metadata"])
 
     def close(self) -> None:
         with self._lock:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -33,7 +32,7 @@ from torch.futures import Future
 import ckpt
 
 from .catalog import Catalog, check_job_id
-from .store import Stored
+from .store import Stored, loads
 
 _log = logging.getLogger("ckpt.dcp")
 
@@ -145,7 +144,7 @@ class CkptReader(StorageReader):
         if byte_reqs:
             # The step's aux: {fqn: bytes} in a rank job, {fqn: (offset,
             # length)} into the one tensor of a bytes job (writer.py).
-            blobs = pickle.loads(plan["aux"]) if plan["aux"] else {}
+            blobs = loads(plan["aux"]) if plan["aux"] else {}
             buf = None
             for r in byte_reqs:
                 key = stored[r.storage_index].key

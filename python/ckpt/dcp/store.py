@@ -21,8 +21,9 @@ commit() on DCP's upload thread."""
 from __future__ import annotations
 
 import hashlib
+import io
 import threading
-from typing import Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -48,6 +49,65 @@ class Stored(NamedTuple):
     version: int
     nbytes: int
     is_bytes: bool = False
+
+
+def dumps(obj: Any) -> bytes:
+    """`obj` (plain data: dicts, lists, tuples, str, bytes, numbers) in
+    torch.save's format."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def loads(blob: bytes) -> Any:
+    """dumps() undone with torch.load(weights_only=True), PyTorch's
+    restricted unpickler: it builds plain data only, so a blob someone
+    else wrote cannot make it run code."""
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def plain_metadata(md: Any) -> dict:
+    """DCP's Metadata as plain data for dumps(): what a load needs (its
+    items' dtypes, sizes and chunks, the planner's data, where ckptd holds
+    each item)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    items = {}
+    for fqn, v in md.state_dict_metadata.items():
+        if isinstance(v, TensorStorageMetadata):
+            items[fqn] = ("tensor", str(v.properties.dtype).rpartition(".")[2], list(v.size),
+                          [(list(c.offsets), list(c.sizes)) for c in v.chunks],
+                          bool(v.properties.requires_grad))
+        else:
+            items[fqn] = ("bytes",)
+    where = [(i.fqn, None if i.offset is None else list(i.offset), i.index, tuple(st))
+             for i, st in (md.storage_data or {}).items()]
+    return {"items": items, "planner_data": md.planner_data, "where": where,
+            "version": getattr(md, "version", None)}
+
+
+def metadata_of(plain: dict) -> Any:
+    """plain_metadata() undone."""
+    from torch.distributed.checkpoint import metadata as m
+    items: Dict[str, Any] = {}
+    for fqn, v in plain["items"].items():
+        if v[0] == "tensor":
+            dtype = getattr(torch, v[1], None)
+            if not isinstance(dtype, torch.dtype):
+                raise RuntimeError(f"the checkpoint names an unknown dtype {v[1]!r} for '{fqn}'")
+            items[fqn] = m.TensorStorageMetadata(
+                properties=m.TensorProperties(dtype=dtype, requires_grad=v[4]),
+                size=torch.Size(v[2]),
+                chunks=[m.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z))
+                        for o, z in v[3]])
+        else:
+            items[fqn] = m.BytesStorageMetadata()
+    where = {m.MetadataIndex(fqn, None if off is None else torch.Size(off), idx): Stored(*st)
+             for fqn, off, idx, st in plain["where"]}
+    md = m.Metadata(state_dict_metadata=items, planner_data=plain["planner_data"],
+                    storage_data=where)
+    if plain.get("version") is not None and hasattr(md, "version"):
+        md.version = plain["version"]
+    return md
 
 
 class _Slot(NamedTuple):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import pickle
 from collections import Counter
 from concurrent.futures import Future as StagingFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
-from .store import RankStore, Stored, nbytes_of
+from .store import RankStore, Stored, dumps, nbytes_of
 
 # The bytes items a rank's step carries in its aux (ckptd's max_aux_bytes is
 # 1 MiB by default); larger ones go into the rank's bytes job.
@@ -181,7 +180,7 @@ class CkptWriter(StorageWriter, AsyncStager):
             if i.type == WriteItemType.BYTE_IO:
                 blobs[i.index.fqn] = planner.resolve_data(i).getvalue()
         large = self._large_blobs(blobs)
-        aux = pickle.dumps(blobs, protocol=pickle.HIGHEST_PROTOCOL) if blobs else b""
+        aux = dumps(blobs) if blobs else b""
         step, where = store.commit(aux)
         results = []
         for i in tensor_items:
@@ -228,7 +227,7 @@ class CkptWriter(StorageWriter, AsyncStager):
             self._bytes_store = RankStore(self._socket, f"{self.job_id}.bytes", self._rank_now(),
                                           call, wait)
         self._bytes_store.stage({"bytes": buf})
-        step, _ = self._bytes_store.commit(pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+        step, _ = self._bytes_store.commit(dumps(index))
         return (self._bytes_store.job, step, {fqn: n for fqn, (_, n) in index.items()})
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:

@@ -392,6 +392,15 @@ class Attached:
         if self._pending is not None:
             self._send_pending()
             self.client.wait_snapshot(self._step)  # ckptd restores no rank it is copying
+        if step is None and from_job is None and self._group is None and self._registered and \
+                self._step >= self._first_reported:
+            # "The latest" is the latest this run reported, once ckptd has it
+            # durable: on a loaded machine none may be yet (NOT_FOUND below).
+            # A step that fails leaves the plan to say what is durable.
+            try:
+                self.client.wait_durable(self._step)
+            except ckpt.Error:
+                pass
         if self._agreement is not None:
             self._agreement.join()  # its collectives first, on every rank
             self._agreement.agreed = None  # agreed before the restore: no longer true
