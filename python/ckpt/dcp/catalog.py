@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple
 
 import ckpt
 
-from .store import dumps, loads, metadata_of, plain_metadata
+from .store import client_for, dumps, loads, metadata_of, plain_metadata
 
 FORMAT = 1
 MAX_INDEX = 10_000  # checkpoint ids an entry indexes
@@ -58,8 +58,8 @@ class Catalog:
         self._index: Optional[dict] = None  # {checkpoint id: catalog step}, as last put
 
     def _client(self) -> ckpt.Client:
-        return ckpt.Client(self._socket, **self._kwargs) if self._socket else \
-            ckpt.Client(**self._kwargs)
+        return client_for(self._socket, self._kwargs["call_timeout_s"],
+                          self._kwargs["wait_timeout_s"])
 
     def put(self, checkpoint_id: Any, metadata: Any) -> int:
         """Stores `metadata` as checkpoint `checkpoint_id`; returns the

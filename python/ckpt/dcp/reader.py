@@ -32,7 +32,7 @@ from torch.futures import Future
 import ckpt
 
 from .catalog import Catalog, check_job_id
-from .store import Stored, loads
+from .store import Stored, client_for, loads
 
 _log = logging.getLogger("ckpt.dcp")
 
@@ -106,8 +106,8 @@ class CkptReader(StorageReader):
 
     def _client_now(self) -> ckpt.Client:
         if self._client is None:
-            self._client = ckpt.Client(self._socket, **self._kwargs) if self._socket else \
-                ckpt.Client(**self._kwargs)
+            self._client = client_for(self._socket, self._kwargs["call_timeout_s"],
+                                      self._kwargs["wait_timeout_s"])
         return self._client
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

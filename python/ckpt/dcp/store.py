@@ -51,6 +51,13 @@ class Stored(NamedTuple):
     is_bytes: bool = False
 
 
+def client_for(socket_path: Optional[str], call_timeout_s: float,
+               wait_timeout_s: float) -> "ckpt.Client":
+    """A ckpt.Client of `socket_path` (the default socket when None)."""
+    kwargs = {"call_timeout_s": call_timeout_s, "wait_timeout_s": wait_timeout_s}
+    return ckpt.Client(socket_path, **kwargs) if socket_path else ckpt.Client(**kwargs)
+
+
 def dumps(obj: Any) -> bytes:
     """`obj` (plain data: dicts, lists, tuples, str, bytes, numbers) in
     torch.save's format."""
@@ -113,7 +120,6 @@ def metadata_of(plain: dict) -> Any:
 class _Slot(NamedTuple):
     key: str
     layer: int
-    offset: int
     nbytes: int
     dtype: torch.dtype
     view: torch.Tensor  # flat, of `dtype`, over the region
@@ -164,9 +170,7 @@ class RankStore:
     def _open(self, tensors: Dict[str, torch.Tensor], digest: str) -> None:
         if self._client is not None:
             self._client.unregister(drain=True)
-        call, wait = self._timeouts
-        kwargs = {"call_timeout_s": call, "wait_timeout_s": wait}
-        client = ckpt.Client(self._socket, **kwargs) if self._socket else ckpt.Client(**kwargs)
+        client = client_for(self._socket, *self._timeouts)
         offset = 0
         places: List[Tuple[str, int, torch.Tensor]] = []
         for key, t in tensors.items():
@@ -185,7 +189,7 @@ class RankStore:
             spec = {"name": key, "shape": [view.numel()], "dtype": dtype or "U8",
                     "role": "OTHER", "region": region.index, "offset": off}
             layers.append({"name": key, "kind": "OTHER", "tensors": [spec]})
-            slots[key] = _Slot(key, i, off, n, t.dtype, raw.view(t.dtype))
+            slots[key] = _Slot(key, i, n, t.dtype, raw.view(t.dtype))
         if not layers:  # a rank with bytes items only: a step needs a layer
             layers.append({"name": "-", "kind": "OTHER", "tensors": [
                 {"name": "-", "shape": [1], "dtype": "U8", "role": "OTHER",

@@ -208,13 +208,15 @@ class CkptWriter(StorageWriter, AsyncStager):
         two, so that it is registered again only when it grows), committed
         as that job's next step with their (offset, length) in its aux.
         Returns (bytes job, its step, {fqn: length}) of those moved."""
-        if sum(len(b) for b in blobs.values()) <= AUX_BUDGET:
+        kept = sum(len(b) for b in blobs.values())
+        if kept <= AUX_BUDGET:
             return ("", 0, {})
         moved: Dict[str, bytes] = {}
         for fqn in sorted(blobs, key=lambda k: -len(blobs[k])):
-            if sum(len(b) for b in blobs.values()) <= AUX_BUDGET:
+            if kept <= AUX_BUDGET:
                 break
             moved[fqn] = blobs.pop(fqn)
+            kept -= len(moved[fqn])
         total = sum(len(b) for b in moved.values())
         buf = torch.zeros(max(1 << 20, 1 << (total - 1).bit_length()), dtype=torch.uint8)
         index, off = {}, 0
