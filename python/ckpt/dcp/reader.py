@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -170,9 +171,8 @@ class CkptReader(StorageReader):
         dests: Dict[str, torch.Tensor] = {}  # a destination per layer of the step
         direct: Dict[str, ReadItem] = {}
         targets: Dict[int, torch.Tensor] = {}
-        wanted: Dict[str, int] = {}
-        for r in reqs:
-            wanted[stored[r.storage_index].key] = wanted.get(stored[r.storage_index].key, 0) + 1
+        wanted = Counter(stored[r.storage_index].key for r in reqs)
+        chunks: Dict[int, Tuple[torch.dtype, List[int]]] = {}  # request -> its chunk
         for i, r in enumerate(reqs):
             s = stored[r.storage_index]
             if s.nbytes == 0:
@@ -182,7 +182,7 @@ class CkptReader(StorageReader):
                 have = "none" if layer is None else f"step {layer['step']}"
                 raise RuntimeError(f"{where}: tensor '{r.storage_index.fqn}' was written at "
                                    f"step {s.version}, and ckptd's version is {have}")
-            dtype, sizes = _chunk_sizes(self._md, r.storage_index)
+            dtype, sizes = chunks[i] = _chunk_sizes(self._md, r.storage_index)
             target = planner.resolve_tensor(r).detach()
             targets[i] = target
             if wanted[s.key] == 1 and _whole(r, sizes) and target.device.type == "cpu" and \
@@ -207,7 +207,7 @@ class CkptReader(StorageReader):
                 continue
             target = targets[i]
             if direct.get(s.key) is not r:
-                dtype, sizes = _chunk_sizes(self._md, r.storage_index)
+                dtype, sizes = chunks[i]
                 src = dests[s.key].view(dtype).view(sizes)
                 for d, (off, n) in enumerate(zip(r.storage_offsets, r.lengths)):
                     src = src.narrow(d, off, n)
