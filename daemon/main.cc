@@ -379,6 +379,7 @@ int main(int argc, char** argv) {
       LoadRemoteKey(config.remote, remote_store->get());
   if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
   EngineOptions eo = config.engine;
+  eo.memory_tier_bytes = config.MemoryTierBytes();
   eo.remote.store = remote_store->get();
   eo.remote.key = remote_key->has_value() ? &**remote_key : nullptr;
   eo.data_dir = config.data_dir;

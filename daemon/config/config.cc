@@ -145,6 +145,29 @@ Option Backend(const char* name, const char* help) {
       [](const DaemonConfig&) { return absl::OkStatus(); }};
 }
 
+// The memory tier's size: "auto" (kMemoryTierAuto, a share of the staging
+// pool resolved by DaemonConfig::MemoryTierBytes) or a number of bytes.
+Option TierBytes(const char* name, const char* help) {
+  return Option{name, help,
+                [name](const std::string& v, DaemonConfig* c) {
+                  uint64_t x;
+                  if (v == "auto") {
+                    c->memory_tier_bytes.reset();
+                  } else if (absl::SimpleAtoi(v, &x)) {
+                    c->memory_tier_bytes = x;
+                  } else {
+                    return absl::InvalidArgumentError(absl::StrCat(
+                        "option ", name, ": '", v, "' is not auto or a number of bytes"));
+                  }
+                  return absl::OkStatus();
+                },
+                [](const DaemonConfig& c) {
+                  return c.memory_tier_bytes.has_value() ? absl::StrCat(*c.memory_tier_bytes)
+                                                         : std::string("auto");
+                },
+                [](const DaemonConfig&) { return absl::OkStatus(); }};
+}
+
 // Below this not even a Register of one small layer fits.
 constexpr uint64_t kMinMessageBytes = 4096;
 // Room in a StepDone beside its aux blob: the layer ids and drift sums of up
@@ -308,11 +331,11 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(metrics_address)),
       Num("max_layer_series", "cap on per-layer metric series, shared fairly among uids",
           CKPT_FIELD(max_layer_series), 0),
-      Num("memory_tier_bytes",
-          "staging-pool bytes that keep the newest committed version of each layer in memory, "
-          "so a restore after a trainer crash reads no disk (0 = off); at most "
-          "staging_pool_bytes, and snapshots take room back from it first",
-          CKPT_FIELD(engine.memory_tier_bytes), 0),
+      TierBytes("memory_tier_bytes",
+                "staging-pool bytes that keep the newest committed version of each layer in "
+                "memory, so a restore after a trainer crash reads no disk: auto (half of "
+                "staging_pool_bytes), a number of bytes (at most staging_pool_bytes), or 0 = "
+                "off; snapshots take room back from it first, so it never delays one"),
       Str("remote_kind",
           "the remote tier every durable step is copied to in the background: none, s3 (an "
           "S3-compatible object store) or posix (a shared directory); docs/remote.md",
@@ -371,7 +394,7 @@ absl::Status DaemonConfig::Validate() const {
   if (staging.budget_bytes < staging.chunk_bytes) {
     return absl::InvalidArgumentError("staging_pool_bytes must hold at least one chunk");
   }
-  if (engine.memory_tier_bytes > staging.budget_bytes) {
+  if (memory_tier_bytes.value_or(0) > staging.budget_bytes) {
     return absl::InvalidArgumentError(
         "memory_tier_bytes must be at most staging_pool_bytes (the tier keeps pool chunks)");
   }

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,8 +65,15 @@ struct DaemonConfig {
   HandoverOptions handover;
   RpcServerOptions rpc;
   RemoteConfig remote;
+  // The memory tier's budget (EngineOptions::memory_tier_bytes); unset =
+  // "auto": half of the staging pool, whole chunks.
+  std::optional<uint64_t> memory_tier_bytes;
 
   absl::Status Validate() const;
+  uint64_t MemoryTierBytes() const {
+    if (memory_tier_bytes.has_value()) return *memory_tier_bytes;
+    return staging.budget_bytes / 2 / staging.chunk_bytes * staging.chunk_bytes;
+  }
   std::string HandoverSocketPath() const {
     return handover_socket.empty() ? socket + ".fds" : handover_socket;
   }

@@ -236,5 +236,26 @@ TEST(ConfigTest, StepDoneWithTheLargestAuxMustFitMaxRequestBytes) {
   CKPT_EXPECT_OK(c.Validate());
 }
 
+// The memory tier is on unless turned off: a crashed trainer on a healthy
+// node restores from memory with the shipped configuration.
+TEST(ConfigTest, MemoryTierIsHalfThePoolByDefault) {
+  DaemonConfig c;
+  c.staging.budget_bytes = (uint64_t{9} << 20) + 4096;
+  c.staging.chunk_bytes = uint64_t{1} << 20;
+  EXPECT_EQ(c.MemoryTierBytes(), uint64_t{4} << 20);  // whole chunks
+  EXPECT_TRUE(Contains(DumpConfig(c), "\nmemory_tier_bytes = auto\n"));
+  CKPT_ASSERT_OK(ParseConfigText("memory_tier_bytes = 0\n", &c));
+  EXPECT_EQ(c.MemoryTierBytes(), 0u);
+  CKPT_ASSERT_OK(ParseConfigText("memory_tier_bytes = 3145728\n", &c));
+  EXPECT_EQ(c.MemoryTierBytes(), uint64_t{3} << 20);
+  CKPT_EXPECT_OK(c.Validate());
+  CKPT_ASSERT_OK(ParseConfigText("memory_tier_bytes = auto\n", &c));
+  EXPECT_EQ(c.MemoryTierBytes(), uint64_t{4} << 20);
+  EXPECT_EQ(ParseConfigText("memory_tier_bytes = half\n", &c).code(),
+            absl::StatusCode::kInvalidArgument);
+  CKPT_ASSERT_OK(ParseConfigText("memory_tier_bytes = 10485760\n", &c));
+  CKPT_EXPECT_CODE(c.Validate(), kInvalidArgument);  // more than the pool
+}
+
 }  // namespace
 }  // namespace ckpt
