@@ -272,8 +272,9 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
                         BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
   std::vector<std::unique_ptr<IoBackend>> io;
   CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
-  // Export reads disk only, as before the memory tier existed.
-  sources.in_memory.clear();
+  // Each version from the memory tier where it holds an image that checks,
+  // else from disk (ExportPlan): a damaged file is not read while an intact
+  // copy is in memory, and a damaged image is dropped for the file.
   std::vector<VersionKey> damaged;
   absl::StatusOr<uint64_t> bytes = ExportPlan(plan, *table, sources, sink, &damaged);
   if (!bytes.ok() && !damaged.empty()) {
