@@ -10,12 +10,17 @@ load with only storage_writer=/storage_reader= changed.
   holds the values at the call;
 - LoRA: a frozen base is written once; later saves write the adapters
   (bytes on ckptd's disk per save, against FileSystemWriter's, printed);
-- a damaged version fails the load, naming the tensor, and is not served;
+- a damaged version is loaded from the intact copy in ckptd's memory tier;
+  with none (ckptd restarted), it fails the load, naming the tensor, and is
+  not served;
 - a tensor larger than ckptd's staging pool is refused naming the setting;
 - 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
   bytes) save; 2 ranks and 8 ranks load it exactly (DCP reshards);
 - a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
-  is the newest one, intact.
+  is the newest one, intact;
+- async_save's PROCESS executor: DCP's process gets meta tensors and a
+  writer that asks the trainer's (a process without its token is turned
+  away); the checkpoints hold the values at the call and load exactly.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
 """
@@ -279,6 +284,14 @@ def damaged(daemon):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
+    # ckptd's memory tier holds an intact copy of that version: it is
+    # served, and the damaged file is not read.
+    got = {"w": torch.zeros(512, 64), "v": torch.zeros(100)}
+    dcp.load(got, storage_reader=CkptReader("dcp-bad", daemon.socket))
+    check(same(sd, got) is None, "the intact copy in memory is loaded: %s" % same(sd, got))
+    # Without it (ckptd restarted), the damaged version is refused.
+    daemon.stop()
+    daemon.start()
     got = {"w": torch.zeros(512, 64), "v": torch.zeros(100)}
     try:
         dcp.load(got, storage_reader=CkptReader("dcp-bad", daemon.socket))
@@ -363,6 +376,69 @@ def worker(a):
     dist.destroy_process_group()
 
 
+def process_worker(a):
+    """One rank (gloo) saving through async_save's PROCESS executor."""
+    import pickle
+    from multiprocessing.connection import AuthenticationError
+    from multiprocessing.connection import Client as Dial
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    dist.init_process_group("gloo", init_method="file://" + a.store, rank=0, world_size=1)
+    torch.manual_seed(7)
+    model = nn.Linear(256, 128)
+    writer = CkptWriter("dcp-proc", socket_path=a.socket, process_executor=True)
+    staged = []
+    stage = writer.stage
+    writer.stage = lambda sd: staged.append(stage(sd)) or staged[-1]
+    wants = []
+    for cid in ("step-1", "step-2"):
+        wants.append({k: v.clone() for k, v in model.state_dict().items()})
+        sd = {"model": model.state_dict(), "extra": {"epoch": len(wants), "blob": b"x" * 1000}}
+        fut = dcp.async_save(sd, checkpoint_id=cid, storage_writer=writer,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        with torch.no_grad():  # the trainer goes on at once
+            for p in model.parameters():
+                p.add_(1.0)
+        fut.result(timeout=300)
+    check(len(staged) == 2 and all(t.is_meta for sd in staged for t in _tensors(sd)),
+          "DCP's process was handed meta tensors only")
+    for n, (cid, want) in enumerate(zip(("step-1", "step-2"), wants), 1):
+        got = {"model": {k: torch.zeros_like(v) for k, v in want.items()},
+               "extra": {"epoch": None, "blob": None}}
+        dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-proc", a.socket))
+        diff = same({"model": want, "extra": {"epoch": n, "blob": b"x" * 1000}}, got)
+        check(diff is None, "PROCESS executor: %s holds the values at the call: %s" % (cid, diff))
+    child = pickle.loads(pickle.dumps(writer))
+    check(type(child).__name__ == "ChildWriter" and len(child._token) == 32,
+          "the writer pickles to a socket path and a token")
+    try:
+        Dial(child._address, family="AF_UNIX", authkey=b"\0" * 32).close()
+        refused = False
+    except AuthenticationError:
+        refused = True
+    check(refused, "a process without the token is turned away")
+    try:
+        pickle.dumps(CkptWriter("dcp-other", socket_path=a.socket))
+        err = ""
+    except TypeError as e:
+        err = str(e)
+    check("process_executor=True" in err, "a writer made for threads refuses to be pickled, "
+          "saying what to do: %s" % err)
+    harness.stop_dcp_process()
+    writer.close()
+    dist.destroy_process_group()
+
+
+def process_executor(daemon, root):
+    cmd = [sys.executable, __file__, "--worker", "process", "--store",
+           os.path.join(root, "store-process"), "--socket", daemon.socket]
+    code = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600).returncode
+    check(code == 0, "the PROCESS executor worker passed: exit %s" % code)
+    print("async_save's PROCESS executor: meta tensors to DCP's process, commits through "
+          "the trainer's writer; 2 checkpoints exact")
+
+
 def run_ranks(daemon, root, mode, world, kill_at_async=False):
     store = os.path.join(root, "store-%s-%d" % (mode, world))
     procs = []
@@ -407,6 +483,9 @@ def main():
     p.add_argument("--socket")
     p.add_argument("--kill-at-async", action="store_true")
     a = p.parse_args()
+    if a.worker == "process":
+        process_worker(a)
+        return
     if a.worker:
         a.mode = a.worker
         worker(a)
@@ -421,6 +500,7 @@ def main():
         too_big(root)
         many_ranks(daemon, root)
         killed_during_async(daemon, root)
+        process_executor(daemon, root)
     finally:
         daemon.stop()
     shutil.rmtree(root, ignore_errors=True)

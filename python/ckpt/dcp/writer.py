@@ -17,9 +17,10 @@ In DCP's call order (torch.distributed.checkpoint.state_dict_saver):
 
 The writer holds a RankStore and a Catalog; both have their own lock, so
 stage() on the trainer's thread and write_data() on DCP's upload thread
-(async_save's thread executor) are safe. It runs in the trainer's process:
-async_save's PROCESS executor would pickle it into another process, which
-is refused."""
+(async_save's thread executor) are safe. async_save's PROCESS executor runs
+write_data() and finish() in a process of DCP's: a writer made with
+process_executor=True pickles into a ChildWriter that asks this one
+(process.py); any other is refused when pickled."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
+from .process import ChildWriter, ProcessLink
 from .store import RankStore, Stored, dumps, nbytes_of
 
 # The bytes items a rank's step carries in its aux (ckptd's max_aux_bytes is
@@ -66,12 +68,19 @@ def _restaged(orig: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     return slot
 
 
-def item_keys(items) -> Dict[Any, str]:
-    """The slot key of each tensor write item: its FQN, with its chunk's
-    offsets where one rank writes two chunks of one tensor."""
-    count = Counter(i.index.fqn for i in items)
-    return {i.index: i.index.fqn if count[i.index.fqn] == 1 else
-            f"{i.index.fqn}@{','.join(str(o) for o in i.index.offset)}" for i in items}
+def item_keys(indices) -> Dict[Any, str]:
+    """The slot key of each tensor write item's MetadataIndex: its FQN,
+    with its chunk's offsets where one rank writes two chunks of one
+    tensor."""
+    count = Counter(i.fqn for i in indices)
+    return {i: i.fqn if count[i.fqn] == 1 else f"{i.fqn}@{','.join(str(o) for o in i.offset)}"
+            for i in indices}
+
+
+def _need_id(checkpoint_id: Any) -> None:
+    if checkpoint_id is None:
+        raise ValueError("ckpt.dcp.CkptWriter needs a checkpoint_id for each save (it names "
+                         "the checkpoint in ckptd): pass checkpoint_id= to dcp.save/async_save")
 
 
 class CkptWriter(StorageWriter, AsyncStager):
@@ -85,13 +94,18 @@ class CkptWriter(StorageWriter, AsyncStager):
     an AsyncSaveResponse at once, and the trainer waits for its
     staging_completion before it changes the tensors (its next optimizer
     step), so that the copy overlaps the forward and backward passes.
+    process_executor: for async_save(async_checkpointer_type=PROCESS): the
+    staged state dict DCP sends to its process holds meta tensors (ckptd
+    has the bytes), and the writer pickles into a ChildWriter that asks
+    this one to commit (process.py).
     """
 
     _synchronize_after_execute = False  # nothing to synchronize: see stage()
 
     def __init__(self, job_id: str, socket_path: Optional[str] = None,
                  rank: Optional[int] = None, call_timeout_s: float = 60.0,
-                 wait_timeout_s: float = 600.0, async_staging: bool = False):
+                 wait_timeout_s: float = 600.0, async_staging: bool = False,
+                 process_executor: bool = False):
         super().__init__()
         check_job_id(job_id)
         self.job_id = job_id
@@ -104,13 +118,18 @@ class CkptWriter(StorageWriter, AsyncStager):
         self._ids = threading.local()  # the checkpoint id of this thread's save
         self._async_staging = async_staging
         self._staging: Optional[ThreadPoolExecutor] = None  # its one thread
+        self._process_executor = process_executor
+        self._link = ProcessLink(self._serve_child)  # started when pickled
         self.checkpoint_id: Union[str, os.PathLike, None] = None  # the last reset()'s
         self.is_coordinator = False
 
-    def __getstate__(self):
-        raise TypeError("ckpt.dcp.CkptWriter hands tensors to the ckptd of its own process "
-                        "and cannot be pickled: use async_save's THREAD executor "
-                        "(async_checkpointer_type=AsyncCheckpointerType.THREAD, the default)")
+    def __reduce__(self):
+        if not self._process_executor:
+            raise TypeError("ckpt.dcp.CkptWriter hands tensors to the ckptd of its own process "
+                            "and cannot be pickled as it is: for async_save's PROCESS executor "
+                            "make it with CkptWriter(..., process_executor=True)")
+        address, token = self._link.address()
+        return (ChildWriter, (address, token, self.job_id, sum(self._timeouts)))
 
     def _rank_now(self) -> int:
         if self._rank is not None:
@@ -156,13 +175,13 @@ class CkptWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         store = self._store_now()
-        if getattr(self._ids, "checkpoint_id", None) is None:
-            raise ValueError("ckpt.dcp.CkptWriter needs a checkpoint_id for each save (it names "
-                             "the checkpoint in ckptd): pass checkpoint_id= to dcp.save/async_save")
+        cid = getattr(self._ids, "checkpoint_id", None)
+        _need_id(cid)
         tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-        keys = item_keys(tensor_items)
+        keys = item_keys([i.index for i in tensor_items])
         data = {i.index: planner.resolve_data(i) for i in tensor_items}
-        slot_key = {idx: store.slot_of(_local(t)) for idx, t in data.items()}
+        slot_key = {idx: keys[idx] if _local(t).is_meta else store.slot_of(_local(t))
+                    for idx, t in data.items()}
         if any(k is None for idx, k in slot_key.items() if nbytes_of(data[idx]) > 0):
             # dcp.save, or items the planner made anew: stage them now, all
             # of the planner's tensors (not only this rank's plan, from which
@@ -175,31 +194,55 @@ class CkptWriter(StorageWriter, AsyncStager):
                 whole = {keys[idx]: _local(t) for idx, t in data.items()}
             store.stage({k: t for k, t in whole.items() if nbytes_of(t) > 0})
             slot_key = {idx: keys[idx] for idx in data}
-        blobs = {}
-        for i in plan.items:
-            if i.type == WriteItemType.BYTE_IO:
-                blobs[i.index.fqn] = planner.resolve_data(i).getvalue()
-        large = self._large_blobs(blobs)
-        aux = dumps(blobs) if blobs else b""
-        step, where = store.commit(aux)
-        results = []
-        for i in tensor_items:
-            n = nbytes_of(data[i.index])
-            stored = where.get(slot_key[i.index]) if n > 0 else \
-                Stored(store.job, keys[i.index], step, 0, 0)
-            results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=stored))
-        for i in plan.items:
-            if i.type == WriteItemType.BYTE_IO:
-                fqn = i.index.fqn
-                job, at, n = (large[0], large[1], large[2][fqn]) if fqn in large[2] else \
-                    (store.job, step, len(blobs[fqn]))
-                results.append(WriteResult(index=i.index, size_in_bytes=n, storage_data=Stored(
-                    job, fqn, at, at, n, is_bytes=True)))
+        blobs = {i.index.fqn: planner.resolve_data(i).getvalue()
+                 for i in plan.items if i.type == WriteItemType.BYTE_IO}
+        results = self._commit_items([(idx, nbytes_of(t)) for idx, t in data.items()], slot_key,
+                                     blobs, [i.index for i in plan.items
+                                             if i.type == WriteItemType.BYTE_IO])
         if not self.is_coordinator:
             self._ids.checkpoint_id = None  # used; DCP calls reset() only with an id
         fut: Future[List[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _commit_items(self, tensors: List[tuple], slot_key: Dict[Any, Optional[str]],
+                      blobs: Dict[str, bytes], byte_items: List[Any]) -> List[WriteResult]:
+        """Commits the staged step with `blobs` (bytes items by FQN) and
+        returns the WriteResults of `tensors` ([(MetadataIndex, nbytes)],
+        each staged in its `slot_key`) and of `byte_items`."""
+        store = self._store_now()
+        large = self._large_blobs(blobs)
+        aux = dumps(blobs) if blobs else b""
+        step, where = store.commit(aux)
+        keys = item_keys([idx for idx, _ in tensors])
+        results = []
+        for idx, n in tensors:
+            stored = where.get(slot_key[idx]) if n > 0 else Stored(store.job, keys[idx], step, 0, 0)
+            if stored is None:
+                raise RuntimeError(f"ckpt.dcp: tensor '{idx.fqn}' of job {self.job_id} was not "
+                                   "staged by this writer's stage() (a planner that makes new "
+                                   "tensors needs async_save's THREAD executor or dcp.save)")
+            results.append(WriteResult(index=idx, size_in_bytes=n, storage_data=stored))
+        for idx in byte_items:
+            fqn = idx.fqn
+            job, at, n = (large[0], large[1], large[2][fqn]) if fqn in large[2] else \
+                (store.job, step, len(blobs[fqn]))
+            results.append(WriteResult(index=idx, size_in_bytes=n, storage_data=Stored(
+                job, fqn, at, at, n, is_bytes=True)))
+        return results
+
+    def _serve_child(self, req: tuple) -> Any:
+        """A request of the ChildWriter in DCP's checkpoint process."""
+        if req[0] == "write":
+            _, cid, tensors, blobs, byte_items = req
+            _need_id(cid)
+            keys = item_keys([idx for idx, _ in tensors])
+            return self._commit_items(tensors, keys, blobs, byte_items)
+        if req[0] == "finish":
+            _, cid, metadata, results = req
+            self._finish(cid, metadata, results)
+            return None
+        raise ValueError(f"unknown request {req[0]!r}")
 
     def _large_blobs(self, blobs: Dict[str, bytes]) -> tuple:
         """Moves the largest bytes items out of `blobs` until the rest fits
@@ -233,11 +276,14 @@ class CkptWriter(StorageWriter, AsyncStager):
         return (self._bytes_store.job, step, {fqn: n for fqn, (_, n) in index.items()})
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        cid, self._ids.checkpoint_id = self._ids.checkpoint_id, None
+        self._finish(cid, metadata, results)
+
+    def _finish(self, cid: Any, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rank in results for wr in rank}
         if self._catalog is None:
             call, wait = self._timeouts
             self._catalog = Catalog(self._socket, self.job_id, call, wait)
-        cid, self._ids.checkpoint_id = self._ids.checkpoint_id, None
         self._catalog.put(cid, metadata)
 
     # ---- AsyncStager ----
@@ -259,7 +305,9 @@ class CkptWriter(StorageWriter, AsyncStager):
         staged: Dict[str, Any] = {}
         for k, v in flat.items():
             if k in slots:
-                staged[k] = _restaged(v, slots[k])
+                # For DCP's process, the slot's shape and dtype only.
+                staged[k] = _restaged(v, slots[k].to("meta") if self._process_executor
+                                      else slots[k])
             elif isinstance(v, torch.Tensor):
                 staged[k] = v.detach().clone()
             else:
@@ -270,6 +318,7 @@ class CkptWriter(StorageWriter, AsyncStager):
         pass  # DCP's staging_completion says when an async stage is done
 
     def close(self) -> None:
+        self._link.close()
         if self._staging is not None:
             self._staging.shutdown(wait=True)
             self._staging = None
