@@ -44,6 +44,32 @@ from torch.futures import Future
 Handler = Callable[[tuple], Any]
 
 
+def check_collectives(kwargs: Dict[str, Any]) -> None:
+    if kwargs.get("use_collectives") is False:
+        raise ValueError("ckpt.dcp.CkptWriter needs DCP's collectives (use_collectives=True): "
+                         "its coordinator's finish() stores the metadata of every rank")
+
+
+class PlainPlans:
+    """What both writers leave to DCP: the plans as DCP makes them, and the
+    checkpoint id as the storage meta (never a path to validate)."""
+
+    checkpoint_id: Union[str, os.PathLike, None]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return False  # chosen by passing a writer, never from an id alone
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        return plans
+
+
 class ProcessLink:
     """The trainer's side: a listener on a private Unix socket, its
     accepting thread, and a thread per connection that checks the token
@@ -114,7 +140,7 @@ class ProcessLink:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class ChildWriter(StorageWriter):
+class ChildWriter(PlainPlans, StorageWriter):
     """The CkptWriter as DCP's checkpoint process sees it: each write and
     finish is a request to the trainer's writer (see the module's doc)."""
 
@@ -154,21 +180,9 @@ class ChildWriter(StorageWriter):
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self.checkpoint_id = checkpoint_id
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return False
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_collectives(kwargs)
         self.is_coordinator = is_coordinator
-
-    def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.checkpoint_id)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         tensors: List[Tuple[Any, int]] = []

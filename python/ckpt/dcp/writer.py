@@ -35,14 +35,14 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
-from .process import ChildWriter, ProcessLink
+from .process import ChildWriter, PlainPlans, ProcessLink, check_collectives
 from .store import RankStore, Stored, dumps, nbytes_of
 
 # The bytes items a rank's step carries in its aux (ckptd's max_aux_bytes is
@@ -83,7 +83,7 @@ def _need_id(checkpoint_id: Any) -> None:
                          "the checkpoint in ckptd): pass checkpoint_id= to dcp.save/async_save")
 
 
-class CkptWriter(StorageWriter, AsyncStager):
+class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     """Saves DCP checkpoints into ckptd (see the module's doc).
 
     job_id: the job, [A-Za-z0-9._-], at most 100 characters; its ckptd jobs
@@ -152,26 +152,11 @@ class CkptWriter(StorageWriter, AsyncStager):
         self.checkpoint_id = checkpoint_id
         self._ids.checkpoint_id = checkpoint_id
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        return False  # chosen by passing a CkptWriter, never from an id alone
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives") is False:
-            raise ValueError("ckpt.dcp.CkptWriter needs DCP's collectives (use_collectives=True): "
-                             "its coordinator's finish() stores the metadata of every rank")
+        check_collectives(kwargs)
         self.is_coordinator = is_coordinator
         if self._rank is None and "rank" in kwargs:
             self._rank = int(kwargs["rank"])
-
-    def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.checkpoint_id)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
-        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         store = self._store_now()
