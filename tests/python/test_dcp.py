@@ -32,6 +32,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
@@ -303,6 +305,32 @@ def damaged(daemon):
     check(not got["w"].any(), "the damaged tensor was not served: its destination holds zeros")
 
 
+def newest_moves(daemon):
+    """Ranks read the metadata one by one: a save landing between two
+    ranks' reads is caught before any rank loads."""
+    from torch.distributed.checkpoint.planner import LoadPlan
+    sd = {"w": torch.arange(10.0)}
+    writer = CkptWriter("dcp-move", socket_path=daemon.socket)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+    first = CkptReader("dcp-move", daemon.socket)
+    first.read_metadata()
+    dcp.save(sd, checkpoint_id="step-2", storage_writer=writer)
+    writer.close()
+    second = CkptReader("dcp-move", daemon.socket)
+    second.read_metadata()
+    plans = [r.prepare_local_plan(LoadPlan([])) for r in (first, second)]
+    try:
+        first.prepare_global_plan(plans)
+        err = ""
+    except RuntimeError as e:
+        err = str(e)
+    check("rank 0: 'step-1'" in err and "rank 1: 'step-2'" in err and "checkpoint_id=" in err,
+          "ranks that found different newest checkpoints are refused: %s" % err)
+    plans = [second.prepare_local_plan(LoadPlan([]))] * 2
+    check(all(p.storage_data is None for p in second.prepare_global_plan(plans)),
+          "ranks that agree get their plans back")
+
+
 def too_big(root):
     """A tensor larger than ckptd's staging pool: refused at the save,
     naming the setting to raise; nothing is named a checkpoint."""
@@ -341,7 +369,7 @@ def worker(a):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
-                            world_size=a.world)
+                            world_size=a.world, timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (a.world,))
     rows, rep = global_tensors(11)
     if a.mode == "save":
@@ -440,7 +468,9 @@ def process_executor(daemon, root):
 
 
 def run_ranks(daemon, root, mode, world, kill_at_async=False):
-    store = os.path.join(root, "store-%s-%d" % (mode, world))
+    # A fresh rendezvous file for each group: a FileStore file left by an
+    # earlier group of the same size would be joined instead.
+    store = tempfile.mktemp(prefix="store-%s-%d-" % (mode, world), dir=root)
     procs = []
     for r in range(world):
         cmd = [sys.executable, __file__, "--worker", mode, "--rank", str(r), "--world",
@@ -497,6 +527,7 @@ def main():
         async_contract(daemon)
         lora_bytes(daemon, root)
         damaged(daemon)
+        newest_moves(daemon)
         too_big(root)
         many_ranks(daemon, root)
         killed_during_async(daemon, root)

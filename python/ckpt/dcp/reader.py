@@ -17,6 +17,7 @@ one thread (DCP's load runs on the caller's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -70,6 +71,7 @@ class CkptReader(StorageReader):
         self._client: Optional[ckpt.Client] = None
         self.checkpoint_id: Union[str, os.PathLike, None] = None
         self.loaded_id: Optional[str] = None  # the checkpoint read_metadata() found
+        self._step = 0  # and its catalog step
         self._md: Optional[Metadata] = None
         self._found: Optional[Tuple[int, str, Metadata]] = None  # by reset()
 
@@ -92,7 +94,7 @@ class CkptReader(StorageReader):
             except FileNotFoundError as e:
                 _log.error("%s", e)  # DCP hides the exception
                 raise
-        _, self.loaded_id, self._md = found
+        self._step, self.loaded_id, self._md = found
         return self._md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -100,10 +102,22 @@ class CkptReader(StorageReader):
         self._md = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # Each rank reads the metadata on its own: without a checkpoint id,
+        # a save that lands between two ranks' reads would have them load
+        # different checkpoints. The coordinator compares what each found.
+        return dataclasses.replace(plan, storage_data=(self._step, self.loaded_id))
 
     def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        return plans
+        found = [p.storage_data for p in plans]
+        if any(f != found[0] for f in found):
+            by_rank = ", ".join(f"rank {r}: {f[1]!r} (catalog step {f[0]})"
+                                for r, f in enumerate(found))
+            msg = (f"the ranks found different newest checkpoints of job {self.job_id} "
+                   f"({by_rank}), as a save landed between their reads: load again, or "
+                   "pass checkpoint_id= to dcp.load")
+            _log.error("%s", msg)  # DCP wraps the exception
+            raise RuntimeError(msg)
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
 
     def _client_now(self) -> ckpt.Client:
         if self._client is None:
