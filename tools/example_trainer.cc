@@ -331,8 +331,8 @@ void PrintRestore(const ckpt::v1::RestoreReply& r) {
   std::printf("  %-14s %8s %9s %12s  %s\n", "layer", "step", "staleness", "bytes", "from");
   for (const auto& lp : plan.layers()) {
     const std::string from = lp.source() == "memory" ? "ckptd's memory tier"
-                             : lp.source() == "disk" ? "disk"
-                                                     : "-";
+                             : lp.source().empty()   ? "-"
+                                                     : lp.source();
     std::printf("  %-14s %8" PRIu64 " %9" PRIu64 " %12" PRIu64 "  %s\n", lp.name().c_str(),
                 lp.step(), lp.staleness(), lp.bytes(), from.c_str());
   }

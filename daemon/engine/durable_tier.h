@@ -30,6 +30,7 @@
 #include "absl/types/span.h"
 #include "daemon/engine/caller.h"
 #include "daemon/engine/leases.h"
+#include "daemon/store/index.h"
 
 namespace ckpt {
 
@@ -113,6 +114,14 @@ class DurableTier {
   // an error; without, it is logged and OK is returned.
   virtual absl::Status Pull(const std::string& job, uint32_t rank, const Caller& caller,
                             bool must_know) = 0;
+  // A version this node holds (`rec`, of the job `owner` owns) was found
+  // damaged or missing by a read: puts the tier's copy of that same version
+  // in its place (LayerStore::Replace: the copy is checked against `rec`
+  // before the damaged file is moved to quarantine/). true when replaced;
+  // false when the tier holds no intact copy of it (nothing changed then).
+  // Other errors: the tier could not be read.
+  virtual absl::StatusOr<bool> Repair(const VersionKey& key, const store::VersionRecord& rec,
+                                      uid_t owner) = 0;
   // The caller's jobs (root: all) that the tier holds.
   virtual absl::StatusOr<std::vector<TierJob>> Jobs(const Caller& caller) = 0;
 

@@ -162,6 +162,8 @@ struct JobDeleted {
 // tier) and the plan it followed.
 struct Restored : RestoreStats {
   CompositePlan plan;
+  // Layers whose damaged version on disk a tier's copy replaced: the tier.
+  std::map<uint32_t, std::string> repaired_from;
 };
 
 struct PendingStep;  // rank_state.h
@@ -479,17 +481,21 @@ class Engine {
   absl::StatusOr<std::pair<std::shared_ptr<RankState>, std::shared_ptr<RankMemory>>> BeginRestore(
       const RankRef& ref, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
   // Plans and reads under the rank's lease, into `memory`. A version found
-  // damaged on disk is quarantined (QuarantineDamaged) and the restore
-  // planned again, falling back to each such layer's previous version, up
-  // to kMaxDamagedFallbacks times.
+  // damaged on disk is replaced by a tier's intact copy of it, else
+  // quarantined (ReplaceOrQuarantine), and the restore planned again: the
+  // same version, or each quarantined layer's previous one; up to
+  // kMaxDamagedFallbacks times.
   static constexpr int kMaxDamagedFallbacks = 8;
   absl::StatusOr<Restored> RestoreUnderLease(const RankState& r, RankMemory* memory,
                                              uint64_t target_step, bool discard_later);
-  // Takes the versions of (job, rank) in `damaged` out of the history
-  // (LocalHistory::QuarantineVersion), each logged with `why`. The caller
-  // holds the rank's lease.
-  absl::Status QuarantineDamaged(uid_t owner, const std::vector<VersionKey>& damaged,
-                                 const absl::Status& why);
+  // For each version of (job, rank) in `damaged`: the first tier that holds
+  // an intact copy of it puts that copy in place (DurableTier::Repair; its
+  // name goes into `*repaired` by layer, when given); a version no tier
+  // replaces is taken out of the history (LocalHistory::QuarantineVersion).
+  // Each is logged with `why`. The caller holds the rank's lease.
+  absl::Status ReplaceOrQuarantine(uid_t owner, const std::vector<VersionKey>& damaged,
+                                   const absl::Status& why,
+                                   std::map<uint32_t, std::string>* repaired = nullptr);
   // The rank's state after a successful restore (or only its flag, after a
   // failed one).
   void EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, bool discard_later);

@@ -154,26 +154,50 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
     }
     // A damaged file (truncated, a flipped bit) is found here when nothing
     // checked it before (start-up after a clean stop looks files up by
-    // name only): its layer falls back to its previous version, as after
-    // the start-up check of a crash. A damaged memory image was dropped
-    // from the tier: the same version is read from disk next time.
+    // name only): a tier's intact copy of that version takes its place,
+    // else its layer falls back to its previous version, as after the
+    // start-up check of a crash. A damaged memory image was dropped from
+    // the tier: the same version is read from disk next time.
     if ((damaged.empty() && damaged_images.empty()) || fallbacks == kMaxDamagedFallbacks) {
       return stats.status();
     }
-    CKPT_RETURN_IF_ERROR(QuarantineDamaged(r.uid, damaged, stats.status()));
+    CKPT_RETURN_IF_ERROR(ReplaceOrQuarantine(r.uid, damaged, stats.status(), &reply.repaired_from));
   }
   if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
   return reply;
 }
 
-absl::Status Engine::QuarantineDamaged(uid_t owner, const std::vector<VersionKey>& damaged,
-                                       const absl::Status& why) {
+absl::Status Engine::ReplaceOrQuarantine(uid_t owner, const std::vector<VersionKey>& damaged,
+                                         const absl::Status& why,
+                                         std::map<uint32_t, std::string>* repaired) {
   for (const VersionKey& k : damaged) {
     CKPT_ASSIGN_OR_RETURN(auto v, index_->VersionAtOrBefore(k.job, k.rank, k.layer, k.step));
     if (!v.has_value() || v->first != k.step) continue;  // gone already
-    CKPT_LOG(ERROR) << "job " << k.job << " rank " << k.rank << " layer " << k.layer << " step "
-                    << k.step << ": the version on disk is damaged (" << why.message()
-                    << "); taking it out of the history, plans fall back to the previous version";
+    const std::string what =
+        absl::StrCat("job ", k.job, " rank ", k.rank, " layer ", k.layer, " step ", k.step);
+    const DurableTier* from = nullptr;
+    for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+      absl::StatusOr<bool> replaced = tier->Repair(k, v->second, owner);
+      if (replaced.ok() && *replaced) {
+        from = tier.get();
+        break;
+      }
+      if (!replaced.ok()) {
+        CKPT_LOG(WARNING) << what << ": the " << tier->name()
+                          << " tier could not be asked for an intact copy: " << replaced.status();
+      }
+    }
+    if (from != nullptr) {
+      CKPT_LOG(WARNING) << what << ": the version on disk is damaged (" << why.message()
+                        << "); replaced by the " << from->name()
+                        << " tier's intact copy of it, the damaged file is in quarantine/";
+      if (repaired != nullptr) (*repaired)[k.layer] = from->name();
+      if (Metrics* m = options_.metrics) m->Inc(Counter::kVersionsRepaired, from->name(), 1);
+      continue;
+    }
+    CKPT_LOG(ERROR) << what << ": the version on disk is damaged (" << why.message()
+                    << ") and no tier holds an intact copy; taking it out of the history, plans "
+                       "fall back to the previous version";
     CKPT_RETURN_IF_ERROR(
         history_.QuarantineVersion(owner, k, v->second, absl::StrCat("damaged: ", why.message())));
   }
@@ -279,9 +303,17 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   absl::StatusOr<uint64_t> bytes = ExportPlan(plan, *table, sources, sink, &damaged);
   if (!bytes.ok() && !damaged.empty()) {
     // The plan went out with the stream's header, so this export cannot
-    // fall back; the next one plans without the damaged versions.
+    // fall back; the next one reads the intact copy a tier put in place,
+    // or plans without the damaged versions.
     CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> owner, owners_.OwnerOf(req.job_id()));
-    CKPT_RETURN_IF_ERROR(QuarantineDamaged(owner.value_or(caller.uid), damaged, bytes.status()));
+    std::map<uint32_t, std::string> repaired;
+    CKPT_RETURN_IF_ERROR(
+        ReplaceOrQuarantine(owner.value_or(caller.uid), damaged, bytes.status(), &repaired));
+    if (repaired.size() == damaged.size()) {
+      return absl::AbortedError(
+          absl::StrCat(bytes.status().message(), "; an intact copy of the same version from the ",
+                       repaired.begin()->second, " tier took its place: export again"));
+    }
     return absl::Status(bytes.status().code(),
                         absl::StrCat(bytes.status().message(),
                                      "; the damaged version was taken out of the history: export "

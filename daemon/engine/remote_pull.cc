@@ -179,6 +179,68 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
   return absl::OkStatus();
 }
 
+std::function<absl::StatusOr<uint64_t>(int fd)> RemoteTier::FetchObject(const std::string& okey,
+                                                                        uint64_t bytes,
+                                                                        const std::string& mac,
+                                                                        absl::Status* fetched) {
+  return [this, okey, bytes, mac, fetched](int fd) -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<uint64_t> got = store_->GetToFile(okey, fd, bytes);
+    *fetched = got.status();
+    if (!got.ok()) return got;
+    // Only what a ckptd of this cluster wrote: the MAC its manifest
+    // records, over the bytes that arrived.
+    CKPT_ASSIGN_OR_RETURN(std::string arrived, key_->MacOfFile("object", fd, *got));
+    if (!remote::MacEqual(arrived, mac)) {
+      return absl::DataLossError(absl::StrCat(
+          "object ", okey, " is not the one its manifest names (its MAC does not match)"));
+    }
+    return got;
+  };
+}
+
+absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::VersionRecord& rec,
+                                        uid_t owner) {
+  const RankKey key(vk.job, vk.rank);
+  ObjectCopy copy;
+  {
+    absl::MutexLock lock(&mu_);
+    const RankCopy* rc = FindLocked(key);
+    if (rc == nullptr || rc->owner != owner) return false;
+  }
+  if (absl::Status s = SeedIfNeeded(key); !s.ok()) {
+    if (absl::IsAborted(s)) return false;  // the job was deleted meanwhile
+    return s;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    const RankCopy* rc = FindLocked(key);
+    // Objects of a history that is not this node's are never trusted.
+    if (rc == nullptr || !rc->blocked.empty()) return false;
+    auto it = rc->objects.find(rec.file());
+    if (it == rc->objects.end() || it->second.bytes != rec.file_bytes()) return false;
+    copy = it->second;
+  }
+  const uint64_t n = rec.file_bytes();
+  // The version's bytes are counted already; the copy needs the room.
+  CKPT_RETURN_IF_ERROR(deps_.disk->Reserve(n));
+  const std::string okey = remote::VersionObjectKey(vk.job, vk.rank, rec.file());
+  absl::Status fetched;
+  absl::Status ok = deps_.store->Replace(vk, rec, FetchObject(okey, n, copy.mac, &fetched),
+                                         "damaged; replaced by the remote tier's copy");
+  deps_.disk->Release(n);
+  if (ok.ok()) {
+    if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
+    return true;
+  }
+  NoteFailure(ok, absl::StrCat("reading ", okey), owner);
+  // The remote copy is missing or is not that version: no intact copy here.
+  if (absl::IsDataLoss(ok) || absl::IsNotFound(fetched)) {
+    CKPT_LOG(WARNING) << "remote tier: no intact copy of " << okey << ": " << ok;
+    return false;
+  }
+  return ok;
+}
+
 absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManifest& m,
                                        bool* usable) {
   const auto& [job, rank] = pull->key;
@@ -195,19 +257,8 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
     const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
     const VersionKey vk{job, rank, v.layer(), v.step()};
     absl::Status fetched;  // what the store said, apart from the local checks
-    absl::Status ok = deps_.store->Adopt(vk, v.record(), [&](int fd) -> absl::StatusOr<uint64_t> {
-      absl::StatusOr<uint64_t> got = store_->GetToFile(okey, fd, n);
-      fetched = got.status();
-      if (!got.ok()) return got;
-      // Only what a ckptd of this cluster wrote: the MAC its manifest
-      // records, over the bytes that arrived.
-      CKPT_ASSIGN_OR_RETURN(std::string mac, key_->MacOfFile("object", fd, *got));
-      if (!remote::MacEqual(mac, v.object_mac())) {
-        return absl::DataLossError(absl::StrCat(
-            "object ", okey, " is not the one its manifest names (its MAC does not match)"));
-      }
-      return got;
-    });
+    absl::Status ok =
+        deps_.store->Adopt(vk, v.record(), FetchObject(okey, n, v.object_mac(), &fetched));
     if (!ok.ok()) {
       deps_.disk->Release(n);
       deps_.quota->ReleaseVersion(quota_owner, n);

@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -115,6 +116,10 @@ class RemoteTier final : public DurableTier {
   // (Register) the tier is skipped at once while its last operation failed.
   absl::Status Pull(const std::string& job, uint32_t rank, const Caller& caller,
                     bool must_know) override;
+  // The version's object, when a manifest or this node's upload vouches
+  // for it and its rank's history here is this node's (remote_pull.cc).
+  absl::StatusOr<bool> Repair(const VersionKey& key, const store::VersionRecord& rec,
+                              uid_t owner) override;
   absl::StatusOr<std::vector<TierJob>> Jobs(const Caller& caller) override;
   absl::StatusOr<std::optional<uid_t>> JobOwner(const std::string& job, bool must_know) override;
   absl::Status ClaimJob(const std::string& job, uid_t owner, bool must_know) override;
@@ -171,6 +176,12 @@ class RemoteTier final : public DurableTier {
   };
   // What a pull found usable and adopted so far (remote_pull.cc).
   struct PullState;
+  // A LayerStore fill that reads the object `okey` (`bytes` long) into its
+  // file and checks it carries `mac`; `fetched` gets what the store said.
+  std::function<absl::StatusOr<uint64_t>(int fd)> FetchObject(const std::string& okey,
+                                                              uint64_t bytes,
+                                                              const std::string& mac,
+                                                              absl::Status* fetched);
 
   // ---- uploader (remote_upload.cc) ----
   void UploadLoop();

@@ -83,6 +83,7 @@ enum class Counter {
   kRemoteGcDeletedObjects,        // ckpt_remote_gc_deleted_objects_total
   kMemoryTierRestoredBytes,       // ckpt_memory_tier_restored_bytes_total
   kVersionsQuarantined,           // ckpt_versions_quarantined_total
+  kVersionsRepaired,              // ckpt_versions_repaired_total{tier}
   kGpuWaitsAbandoned,             // ckpt_gpu_waits_abandoned_total{reason}
   kCount
 };

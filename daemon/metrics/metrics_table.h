@@ -101,6 +101,11 @@ constexpr MetricInfo kCounterTable[] = {
      "Committed layer versions a restore or export found damaged on disk (missing, "
      "short, a checksum): taken out of the history, their files moved to quarantine/.",
      "", ""},
+    {"ckpt_versions_repaired_total", "counter",
+     "Committed layer versions a restore or export found damaged on disk and replaced by an "
+     "intact copy of the same version from a tier, by tier; the damaged files are in "
+     "quarantine/.",
+     "tier", "remote"},
     {"ckpt_gpu_waits_abandoned_total", "counter",
      "GPU snapshots given up while waiting for the device, by reason: the trainer's step event "
      "not complete at gpu_wait_timeout (deadline), its fence gave up (fence), the rank was "

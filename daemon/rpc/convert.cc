@@ -161,9 +161,12 @@ v1::RestoreReply ToProto(const Restored& restored) {
   *reply.mutable_plan() = ToApi(restored.plan);
   for (int i = 0; i < reply.plan().layers_size(); ++i) {
     const auto at = static_cast<size_t>(i);
-    if (at < restored.from_memory.size() && reply.plan().layers(i).has_version()) {
-      reply.mutable_plan()->mutable_layers(i)->set_source(restored.from_memory[at] ? "memory"
-                                                                                   : "disk");
+    v1::LayerPlan* lp = reply.mutable_plan()->mutable_layers(i);
+    if (at < restored.from_memory.size() && lp->has_version()) {
+      auto repaired = restored.repaired_from.find(lp->layer());
+      lp->set_source(restored.from_memory[at]                   ? "memory"
+                     : repaired != restored.repaired_from.end() ? repaired->second
+                                                                : "disk");
     }
   }
   reply.set_bytes_restored(restored.bytes);

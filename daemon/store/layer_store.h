@@ -210,6 +210,16 @@ class LayerStore {
   absl::Status Adopt(const VersionKey& key, const store::VersionRecord& rec,
                      const std::function<absl::StatusOr<uint64_t>(int fd)>& fill);
 
+  // Puts an intact copy of a committed version (`rec`, whose file was found
+  // damaged or missing) in place: `fill` writes the copy into a temp file,
+  // checked as Adopt checks it; only then is the damaged file moved to
+  // quarantine/ (logged with `why`) and the copy renamed into its place. The
+  // record stays as it is. DATA_LOSS when the copy is not that version, and
+  // nothing is changed then.
+  absl::Status Replace(const VersionKey& key, const store::VersionRecord& rec,
+                       const std::function<absl::StatusOr<uint64_t>(int fd)>& fill,
+                       const std::string& why);
+
   // Cheap check: the file of `rec` exists with the recorded size (DATA_LOSS
   // otherwise). Read() is the deep check.
   absl::Status CheckFile(const VersionKey& key, const store::VersionRecord& rec);
@@ -281,6 +291,12 @@ class LayerStore {
       ABSL_LOCKS_EXCLUDED(dir_mu_, mu_);
   // Closes and removes the temp file `tmp_name` of a version that failed.
   void DropTemp(int dir, UniqueFd* fd, const std::string& tmp_name);
+  // Adopt's and Replace's first half: `fill` into the new temp file
+  // `tmp_name`, synced, closed and checked as the version `rec` names;
+  // removed again on failure.
+  absl::Status FillChecked(int dir, const VersionKey& key, const store::VersionRecord& rec,
+                           const std::function<absl::StatusOr<uint64_t>(int fd)>& fill,
+                           const std::string& tmp_name);
   absl::Status ReconcileRank(const std::string& job, uint32_t rank, int dir_fd,
                              ReconcileCheck check, ReconcileReport* report);
   // Reconcile's one error for every problem it met (the first ones listed,

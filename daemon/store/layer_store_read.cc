@@ -13,6 +13,7 @@
 
 namespace ckpt {
 
+using layer_store_internal::AtPath;
 using layer_store_internal::LeaseSegments;
 using layer_store_internal::TempName;
 
@@ -123,8 +124,10 @@ class MappedFile final : public ByteImage {
 
 }  // namespace
 
-absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord& rec,
-                               const std::function<absl::StatusOr<uint64_t>(int fd)>& fill) {
+absl::Status LayerStore::FillChecked(int dir, const VersionKey& key,
+                                     const store::VersionRecord& rec,
+                                     const std::function<absl::StatusOr<uint64_t>(int fd)>& fill,
+                                     const std::string& tmp_name) {
   uint32_t layer = 0;
   uint64_t step = 0;
   if (!ParseFileName(rec.file(), &layer, &step) || layer != key.layer || step != key.step) {
@@ -132,9 +135,6 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
                                             "\" does not name layer ", key.layer, " step ",
                                             key.step));
   }
-  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/true));
-  const int dir = dir_ref->get();
-  const std::string tmp_name = TempName(rec.file());
   bool direct_used = false;
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd,
                         fs_->CreateExclusive(dir, tmp_name, /*direct=*/false, &direct_used));
@@ -163,7 +163,19 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
     }
   }
   if (absl::Status s = fd.Close(); !s.ok()) return fail(s);
-  if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, rec.file()); !s.ok()) return fail(s);
+  return absl::OkStatus();
+}
+
+absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord& rec,
+                               const std::function<absl::StatusOr<uint64_t>(int fd)>& fill) {
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/true));
+  const int dir = dir_ref->get();
+  const std::string tmp_name = TempName(rec.file());
+  CKPT_RETURN_IF_ERROR(FillChecked(dir, key, rec, fill, tmp_name));
+  if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, rec.file()); !s.ok()) {
+    IgnoreError(fs_->Unlink(dir, tmp_name), "a temp file is removed at the next start");
+    return s;
+  }
   auto fail_renamed = [&](absl::Status s) {
     IgnoreError(fs_->Unlink(dir, rec.file()), "an orphan file is quarantined at the next start");
     return s;
@@ -171,6 +183,32 @@ absl::Status LayerStore::Adopt(const VersionKey& key, const store::VersionRecord
   if (absl::Status s = fs_->SyncDir(dir); !s.ok()) return fail_renamed(s);
   if (absl::Status s = index_->PutVersion(key, rec); !s.ok()) return fail_renamed(s);
   return absl::OkStatus();
+}
+
+absl::Status LayerStore::Replace(const VersionKey& key, const store::VersionRecord& rec,
+                                 const std::function<absl::StatusOr<uint64_t>(int fd)>& fill,
+                                 const std::string& why) {
+  CKPT_ASSIGN_OR_RETURN(const DirRef dir_ref, RankDir(key.job, key.rank, /*create=*/false));
+  const int dir = dir_ref->get();
+  const std::string tmp_name = TempName(rec.file());
+  // The copy is whole and checked before the damaged file is touched: a
+  // copy that fails leaves everything as it was.
+  CKPT_RETURN_IF_ERROR(FillChecked(dir, key, rec, fill, tmp_name));
+  auto fail = [&](absl::Status s) {
+    IgnoreError(fs_->Unlink(dir, tmp_name), "a temp file is removed at the next start");
+    return s;
+  };
+  if (absl::StatusOr<uint64_t> size = fs_->FileSizeAt(dir, rec.file()); size.ok()) {
+    if (absl::Status s = Quarantine(key.job, key.rank, dir, rec.file(), why); !s.ok()) {
+      return fail(s);
+    }
+  } else if (!absl::IsNotFound(size.status())) {
+    return fail(AtPath(size.status(), RankDirPath(key.job, key.rank)));
+  }
+  // The record never changed: between the two renames it names a missing
+  // file, which a crash there leaves for start-up to find.
+  if (absl::Status s = fs_->RenameNoReplace(dir, tmp_name, rec.file()); !s.ok()) return fail(s);
+  return fs_->SyncDir(dir);
 }
 
 absl::Status LayerStore::CheckFile(const VersionKey& key, const store::VersionRecord& rec) {

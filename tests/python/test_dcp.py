@@ -271,21 +271,54 @@ def lora_bytes(daemon, root):
     return grown, fs_sizes
 
 
-def damaged(daemon):
-    torch.manual_seed(5)
-    sd = {"w": torch.randn(512, 64), "v": torch.randn(100)}
-    writer = CkptWriter("dcp-bad", socket_path=daemon.socket)
-    dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
-    writer.close()
-    rd = os.path.join(rank_job_dir(daemon, "dcp-bad"), "rank-00000000")
+def damage_largest(daemon, job):
+    """Flips a byte in the middle of the payload of the largest version file
+    of `job`'s rank job; returns the file's name."""
+    rd = os.path.join(rank_job_dir(daemon, job), "rank-00000000")
     files = sorted(os.path.join(rd, n) for n in os.listdir(rd) if n.endswith(".ckv"))
-    # The big layer's file: flip a byte in the middle of its payload.
     path = max(files, key=os.path.getsize)
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
+    return os.path.basename(path)
+
+
+def damaged_with_remote(root):
+    """With a remote tier and no memory tier, a version damaged on disk is
+    loaded from the remote tier's copy of it."""
+    remote = os.path.join(root, "remote")
+    os.makedirs(remote)
+    node = harness.Daemon(os.path.join(root, "node-remote"), extra=[
+        "--memory_tier_bytes=0", "--remote_kind=posix", "--remote_path=" + remote,
+        "--remote_key_file=" + harness.remote_key(root)]).start()
+    try:
+        torch.manual_seed(6)
+        sd = {"w": torch.randn(512, 64), "v": torch.randn(100)}
+        writer = CkptWriter("dcp-rot", socket_path=node.socket)
+        dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+        writer.wait_durable("remote")
+        writer.close()
+        name = damage_largest(node, "dcp-rot")
+        got = {"w": torch.zeros(512, 64), "v": torch.zeros(100)}
+        dcp.load(got, storage_reader=CkptReader("dcp-rot", node.socket))
+        check(same(sd, got) is None, "a version damaged on disk is loaded from the remote "
+              "tier's copy: %s" % same(sd, got))
+        quarantined = os.path.join(node.data, "quarantine")
+        held = [n for _, _, names in os.walk(quarantined) for n in names]
+        check(name in held, "the damaged file is kept in quarantine/: %s" % held)
+    finally:
+        node.stop()
+
+
+def damaged(daemon):
+    torch.manual_seed(5)
+    sd = {"w": torch.randn(512, 64), "v": torch.randn(100)}
+    writer = CkptWriter("dcp-bad", socket_path=daemon.socket)
+    dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+    writer.close()
+    damage_largest(daemon, "dcp-bad")
     # ckptd's memory tier holds an intact copy of that version: it is
     # served, and the damaged file is not read.
     got = {"w": torch.zeros(512, 64), "v": torch.zeros(100)}
@@ -527,6 +560,7 @@ def main():
         async_contract(daemon)
         lora_bytes(daemon, root)
         damaged(daemon)
+        damaged_with_remote(root)
         newest_moves(daemon)
         too_big(root)
         many_ranks(daemon, root)

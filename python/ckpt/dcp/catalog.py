@@ -54,6 +54,7 @@ class Catalog:
         self._lock = threading.Lock()
         self._writer: Optional[ckpt.Client] = None
         self._next_step = 1
+        self._last_put = 0  # the last catalog step put, durable locally
         self._reader: Optional[ckpt.Client] = None
         self._index: Optional[dict] = None  # {checkpoint id: catalog step}, as last put
 
@@ -100,7 +101,15 @@ class Catalog:
                 raise
             self._writer.wait_durable(step)
             self._index = index
+            self._last_put = step
             return step
+
+    def wait_durable(self, tier: str) -> int:
+        """Waits until the last entry put is durable in `tier`."""
+        with self._lock:
+            if self._writer is None or self._last_put == 0:
+                return 0
+            return self._writer.wait_durable(self._last_put, tier)
 
     def _entry(self, target: int) -> Optional[Tuple[int, dict]]:
         """(step, entry) of catalog step `target` (0: the newest durable),

@@ -232,14 +232,20 @@ class CkptReader(StorageReader):
         """export_into, retried while ckptd turns it away for running as
         many reads as it allows at once (RESOURCE_EXHAUSTED without a
         reason: every rank of a load asks at the same time), up to
-        wait_timeout_s."""
+        wait_timeout_s; and once more after ckptd replaced a damaged
+        version by a tier's intact copy of it (ABORTED)."""
         deadline = time.monotonic() + self._kwargs["wait_timeout_s"]
         pause = 0.01
+        repaired = False
         while True:
             try:
                 self._client_now().export_into(job, 0, step, dests)
                 return
             except ckpt.Error as e:
+                if e.code == "ABORTED" and "intact copy" in e.message and not repaired:
+                    _log.warning("%s", e.message)
+                    repaired = True
+                    continue
                 if e.code != "RESOURCE_EXHAUSTED" or e.reason is not None or \
                         time.monotonic() + pause > deadline:
                     raise

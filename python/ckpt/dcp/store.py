@@ -302,6 +302,14 @@ class RankStore:
         return step, {s.key: Stored(self._job, s.key, step, self._version[s.layer], s.nbytes)
                       for s in self._slots.values()}
 
+    def wait_durable(self, tier: str) -> int:
+        """Waits until the last committed step is durable in `tier`
+        ("local", "remote"); returns the tier's newest step (0: none yet)."""
+        with self._lock:
+            if self._client is None or self._last_step == 0:
+                return 0
+            return self._client.wait_durable(self._last_step, tier)
+
     @property
     def job(self) -> str:
         return self._job

@@ -302,6 +302,15 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     def synchronize_staging(self) -> None:
         pass  # DCP's staging_completion says when an async stage is done
 
+    def wait_durable(self, tier: str = "local") -> None:
+        """Waits until this rank's last save (and, on the coordinator, its
+        catalog entry) is durable in `tier`: "local" (every save already
+        is when it returns) or "remote" (a replacement node can load it).
+        ckpt.Error DEADLINE_EXCEEDED after the writer's wait_timeout_s."""
+        for part in (self._store, self._bytes_store, self._catalog):
+            if part is not None:
+                part.wait_durable(tier)
+
     def close(self) -> None:
         self._link.close()
         if self._staging is not None:

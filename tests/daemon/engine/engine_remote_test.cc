@@ -4,8 +4,10 @@
 // going back, and histories that are not the rank's own.
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <ios>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "absl/time/time.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/remote/faulty_store.h"
 #include "daemon/remote/posix_store.h"
 #include "daemon/remote/remote_layout.h"
@@ -168,6 +171,102 @@ TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 2u);
   EXPECT_TRUE(HoldsStep(a, 2));
+}
+
+// Damages step 2's local files of `r`: layer 0 truncated, layer 1 with one
+// payload bit flipped. Returns their records.
+std::vector<store::VersionRecord> DamageLocalStep2(Index* index, const std::string& data_dir,
+                                                   const std::string& job) {
+  std::vector<store::VersionRecord> recs;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    auto v = index->VersionAtOrBefore(job, 0, layer, 2);
+    EXPECT_TRUE(v.ok() && v->has_value() && (*v)->first == 2u);
+    if (!v.ok() || !v->has_value()) return recs;
+    recs.push_back((*v)->second);
+  }
+  const std::filesystem::path dir =
+      std::filesystem::path(data_dir) / "jobs" / job / "rank-00000000";
+  std::filesystem::resize_file(dir / recs[0].file(), recs[0].file_bytes() / 2);
+  std::fstream f(dir / recs[1].file(), std::ios::in | std::ios::out | std::ios::binary);
+  const auto at = static_cast<std::streamoff>(recs[1].file_bytes() - 64);
+  f.seekg(at);
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(at);
+  f.put(static_cast<char>(c ^ 0x10));
+  return recs;
+}
+
+// A version damaged on disk is taken from the remote tier's copy of that
+// same version: the restore gives the newest step whole, not the layers'
+// previous versions, and says where they came from; the damaged files are
+// kept in quarantine/ and the quota is unchanged.
+TEST_F(RemoteTierTest, ADamagedLocalVersionIsReplacedByTheRemoteCopyOfIt) {
+  EngineOptions o = WithRemote();
+  Metrics metrics;
+  o.metrics = &metrics;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("rot", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  CKPT_ASSERT_OK(WaitRemote(a, 2).status());
+  const uint64_t used = engine_->quota_usage(owner_.uid).file_bytes;
+  const std::vector<store::VersionRecord> recs = DamageLocalStep2(index_.get(), tmp_.path(), "rot");
+  ASSERT_EQ(recs.size(), 2u);
+  WriteStep(a, 99);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 2u);
+  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{2, 2}));
+  EXPECT_TRUE(HoldsStep(a, 2)) << "restored bytes differ from step 2's";
+  EXPECT_EQ(restored.repaired_from,
+            (std::map<uint32_t, std::string>{{0, "remote"}, {1, "remote"}}));
+  const std::filesystem::path root(tmp_.path());
+  for (const store::VersionRecord& rec : recs) {
+    EXPECT_TRUE(std::filesystem::exists(root / "quarantine/rot/rank-00000000" / rec.file()));
+    EXPECT_EQ(std::filesystem::file_size(root / "jobs/rot/rank-00000000" / rec.file()),
+              rec.file_bytes());
+  }
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes, used);
+  const std::string scrape = metrics.Scrape();
+  EXPECT_NE(scrape.find("\nckpt_versions_repaired_total{tier=\"remote\"} 2\n"), std::string::npos)
+      << scrape;
+  EXPECT_EQ(scrape.find("\nckpt_versions_quarantined_total 1"), std::string::npos);
+  // The repaired files serve the next restore too, from disk.
+  WriteStep(a, 99);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_TRUE(again.repaired_from.empty());
+  EXPECT_TRUE(HoldsStep(a, 2));
+}
+
+// When the remote copy of a damaged version is damaged as well, that layer
+// falls back to its previous version (never the damaged bytes), and the
+// other layer is still repaired.
+TEST_F(RemoteTierTest, ADamagedVersionWithADamagedRemoteCopyFallsBack) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("rot2", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  CKPT_ASSERT_OK(WaitRemote(a, 2).status());
+  const std::vector<store::VersionRecord> recs =
+      DamageLocalStep2(index_.get(), tmp_.path(), "rot2");
+  ASSERT_EQ(recs.size(), 2u);
+  {
+    std::fstream f(remote_dir_.Join(remote::VersionObjectKey("rot2", 0, recs[1].file())),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good());
+    f.seekp(8192 + 100);
+    f.put('\x7f');
+  }
+  WriteStep(a, 99);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{2, 1}));
+  EXPECT_EQ(restored.repaired_from, (std::map<uint32_t, std::string>{{0, "remote"}}));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v1, index_->VersionAtOrBefore("rot2", 0, 1, 2));
+  ASSERT_TRUE(v1.has_value());
+  EXPECT_EQ(v1->first, 1u) << "the damaged version left the history";
 }
 
 // A manifest is written only after every version it names.
