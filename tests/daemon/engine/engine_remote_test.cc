@@ -173,30 +173,6 @@ TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
   EXPECT_TRUE(HoldsStep(a, 2));
 }
 
-// Damages step 2's local files of `r`: layer 0 truncated, layer 1 with one
-// payload bit flipped. Returns their records.
-std::vector<store::VersionRecord> DamageLocalStep2(Index* index, const std::string& data_dir,
-                                                   const std::string& job) {
-  std::vector<store::VersionRecord> recs;
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    auto v = index->VersionAtOrBefore(job, 0, layer, 2);
-    EXPECT_TRUE(v.ok() && v->has_value() && (*v)->first == 2u);
-    if (!v.ok() || !v->has_value()) return recs;
-    recs.push_back((*v)->second);
-  }
-  const std::filesystem::path dir =
-      std::filesystem::path(data_dir) / "jobs" / job / "rank-00000000";
-  std::filesystem::resize_file(dir / recs[0].file(), recs[0].file_bytes() / 2);
-  std::fstream f(dir / recs[1].file(), std::ios::in | std::ios::out | std::ios::binary);
-  const auto at = static_cast<std::streamoff>(recs[1].file_bytes() - 64);
-  f.seekg(at);
-  char c = 0;
-  f.read(&c, 1);
-  f.seekp(at);
-  f.put(static_cast<char>(c ^ 0x10));
-  return recs;
-}
-
 // A version damaged on disk is taken from the remote tier's copy of that
 // same version: the restore gives the newest step whole, not the layers'
 // previous versions, and says where they came from; the damaged files are
@@ -211,7 +187,7 @@ TEST_F(RemoteTierTest, ADamagedLocalVersionIsReplacedByTheRemoteCopyOfIt) {
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
   CKPT_ASSERT_OK(WaitRemote(a, 2).status());
   const uint64_t used = engine_->quota_usage(owner_.uid).file_bytes;
-  const std::vector<store::VersionRecord> recs = DamageLocalStep2(index_.get(), tmp_.path(), "rot");
+  const std::vector<store::VersionRecord> recs = DamageTwoLayers("rot", 2);
   ASSERT_EQ(recs.size(), 2u);
   WriteStep(a, 99);
   CKPT_ASSERT_OK(Register(&a).status());
@@ -249,8 +225,7 @@ TEST_F(RemoteTierTest, ADamagedVersionWithADamagedRemoteCopyFallsBack) {
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
   CKPT_ASSERT_OK(WaitRemote(a, 2).status());
-  const std::vector<store::VersionRecord> recs =
-      DamageLocalStep2(index_.get(), tmp_.path(), "rot2");
+  const std::vector<store::VersionRecord> recs = DamageTwoLayers("rot2", 2);
   ASSERT_EQ(recs.size(), 2u);
   {
     std::fstream f(remote_dir_.Join(remote::VersionObjectKey("rot2", 0, recs[1].file())),

@@ -179,35 +179,24 @@ TEST_F(EnginePipelineTest, RestoreFallsBackPastVersionsDamagedOnDisk) {
   }
   const uint64_t used = engine_->quota_usage(owner_.uid).file_bytes;
   // Step 2's layer 0 truncated, its layer 1 with one payload bit flipped.
-  CKPT_ASSERT_OK_AND_ASSIGN(auto v0, index_->VersionAtOrBefore("damaged", 0, 0, 2));
-  CKPT_ASSERT_OK_AND_ASSIGN(auto v1, index_->VersionAtOrBefore("damaged", 0, 1, 2));
-  ASSERT_TRUE(v0.has_value() && v0->first == 2 && v1.has_value() && v1->first == 2);
+  const std::vector<store::VersionRecord> recs = DamageTwoLayers("damaged", 2);
+  ASSERT_EQ(recs.size(), 2u);
   const std::filesystem::path dir =
       std::filesystem::path(tmp_.path()) / "jobs/damaged/rank-00000000";
-  std::filesystem::resize_file(dir / v0->second.file(), v0->second.file_bytes() / 2);
-  {
-    std::fstream f(dir / v1->second.file(), std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(v1->second.file_bytes() - 64));
-    char c = 0;
-    f.read(&c, 1);
-    f.seekp(static_cast<std::streamoff>(v1->second.file_bytes() - 64));
-    c = static_cast<char>(c ^ 0x10);
-    f.write(&c, 1);
-  }
   WriteStep(r, 99);
   CKPT_ASSERT_OK(Register(&r).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(r), 0, owner_));
   EXPECT_EQ(restored.plan.target_step, 2u);
   EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{1, 1}));
   EXPECT_TRUE(HoldsStep(r, 1));
-  for (const auto& v : {v0, v1}) {
+  for (const store::VersionRecord& rec : recs) {
     EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(tmp_.path()) /
-                                        "quarantine/damaged/rank-00000000" / v->second.file()))
-        << v->second.file();
-    EXPECT_FALSE(std::filesystem::exists(dir / v->second.file()));
+                                        "quarantine/damaged/rank-00000000" / rec.file()))
+        << rec.file();
+    EXPECT_FALSE(std::filesystem::exists(dir / rec.file()));
   }
   EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes,
-            used - v0->second.file_bytes() - v1->second.file_bytes());
+            used - recs[0].file_bytes() - recs[1].file_bytes());
   EXPECT_NE(metrics.Scrape().find("\nckpt_versions_quarantined_total 2\n"), std::string::npos);
   // The next restore reads the intact versions only.
   CKPT_ASSERT_OK(Register(&r).status());

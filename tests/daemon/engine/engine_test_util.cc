@@ -3,6 +3,8 @@
 #include <fcntl.h>
 
 #include <filesystem>
+#include <fstream>
+#include <ios>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -133,6 +135,28 @@ void EnginePipelineTest::WriteStep(TestRank& r, uint64_t step) {
   for (uint64_t i = 0; i < r.layers * kLayerFloats; ++i) {
     p[i] = static_cast<float>(step * 1000003 + i);
   }
+}
+
+std::vector<store::VersionRecord> EnginePipelineTest::DamageTwoLayers(const std::string& job,
+                                                                      uint64_t step) {
+  std::vector<store::VersionRecord> recs;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    auto v = index_->VersionAtOrBefore(job, 0, layer, step);
+    EXPECT_TRUE(v.ok() && v->has_value() && (*v)->first == step);
+    if (!v.ok() || !v->has_value()) return recs;
+    recs.push_back((*v)->second);
+  }
+  const std::filesystem::path dir =
+      std::filesystem::path(tmp_.path()) / "jobs" / job / "rank-00000000";
+  std::filesystem::resize_file(dir / recs[0].file(), recs[0].file_bytes() / 2);
+  std::fstream f(dir / recs[1].file(), std::ios::in | std::ios::out | std::ios::binary);
+  const auto at = static_cast<std::streamoff>(recs[1].file_bytes() - 64);
+  f.seekg(at);
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(at);
+  f.put(static_cast<char>(c ^ 0x10));
+  return recs;
 }
 
 bool EnginePipelineTest::HoldsStep(const TestRank& r, uint64_t step) {

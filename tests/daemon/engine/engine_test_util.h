@@ -134,6 +134,11 @@ class EnginePipelineTest : public ::testing::Test {
   // Whether every layer of `r` holds the values WriteStep(r, step) wrote.
   static bool HoldsStep(const TestRank& r, uint64_t step);
 
+  // Damages rank 0 of `job` at `step`, whose layers 0 and 1 each have a
+  // version of that step: layer 0's file truncated to half, one payload bit
+  // of layer 1's flipped. Returns the two records (fewer: a test failure).
+  std::vector<store::VersionRecord> DamageTwoLayers(const std::string& job, uint64_t step);
+
   // Three steps of an 8-layer rank (policy all) on a 2-chunk pool: every
   // layer of every step is written, and a restore gives back step 3.
   // REQUIRES: StartEngine with a pool of 2 chunks.
