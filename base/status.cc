@@ -52,6 +52,10 @@ const char* ReasonName(ErrorReason reason) {
       return "snapshot_copy";
     case ErrorReason::kQuota:
       return "quota";
+    case ErrorReason::kRepaired:
+      return "repaired";
+    case ErrorReason::kLostVersion:
+      return "lost_version";
   }
   return "unspecified";
 }

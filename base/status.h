@@ -56,8 +56,10 @@ enum class ErrorReason : int {
   kWrite = 7,            // creating or writing a layer version's file failed
   kSnapshotCopy = 8,     // copying a snapshot out of the trainer's memory failed
   kQuota = 9,            // the caller's uid reached one of its quotas (bytes or queued steps)
+  kRepaired = 10,        // a tier's intact copy replaced a damaged version: read again
+  kLostVersion = 11,     // a version the plan needs was damaged and no tier holds a copy
 };
-inline constexpr int kErrorReasonCount = 10;
+inline constexpr int kErrorReasonCount = 12;
 
 // `status` with `reason` attached (OK stays OK). Replaces an earlier reason.
 absl::Status WithReason(absl::Status status, ErrorReason reason);

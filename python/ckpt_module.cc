@@ -217,6 +217,7 @@ py::dict PlanToDict(const v1::Plan& plan) {
     ld["staleness"] = l.staleness();
     ld["bytes"] = l.bytes();
     ld["source"] = l.source();
+    ld["lost_step"] = l.lost_step();
     layers.append(ld);
   }
   d["layers"] = layers;
@@ -325,12 +326,13 @@ class PyClient {
     return Value(client_->WaitDurable(step, tier == "remote"));
   }
 
-  py::dict Plan(uint64_t target_step, const std::optional<std::string>& job, uint32_t rank) {
+  py::dict Plan(uint64_t target_step, const std::optional<std::string>& job, uint32_t rank,
+                uint64_t older_within) {
     v1::Plan plan;
     {
       py::gil_scoped_release release;
-      plan = Value(job.has_value() ? client_->Plan(*job, rank, target_step)
-                                   : client_->Plan(target_step));
+      plan = Value(job.has_value() ? client_->Plan(*job, rank, target_step, older_within)
+                                   : client_->Plan(target_step, older_within));
     }
     return PlanToDict(plan);
   }
@@ -343,7 +345,7 @@ class PyClient {
   // Every tensor of the checkpoint needs exactly one destination and every
   // destination a tensor, or nothing is claimed to be restored.
   py::dict ExportInto(const std::string& job, uint32_t rank, uint64_t target_step,
-                      const py::dict& dests) {
+                      const py::dict& dests, uint64_t older_within) {
     struct Dest {
       std::string key;  // as the caller wrote it, for errors
       char* ptr;
@@ -437,16 +439,16 @@ class PyClient {
     };
     {
       py::gil_scoped_release release;
-      Check(client_->Export(job, rank, target_step, sink));
+      Check(client_->Export(job, rank, target_step, sink, older_within));
     }
     return PlanToDict(plan);
   }
 
-  py::dict Restore(uint64_t target_step, bool discard_later) {
+  py::dict Restore(uint64_t target_step, bool discard_later, uint64_t older_within) {
     v1::RestoreReply reply;
     {
       py::gil_scoped_release release;
-      reply = Value(client_->Restore(target_step, discard_later));
+      reply = Value(client_->Restore(target_step, discard_later, older_within));
     }
     py::dict d = PlanToDict(reply.plan());
     d["bytes_restored"] = reply.bytes_restored();
@@ -519,11 +521,11 @@ PYBIND11_MODULE(_ckpt, m) {
       .def("drift_partials", &PyClient::DriftPartials, py::arg("step"))
       .def("set_global_drift", &PyClient::SetGlobalDrift, py::arg("step"), py::arg("sums"))
       .def("export_into", &PyClient::ExportInto, py::arg("job_id"), py::arg("rank"),
-           py::arg("target_step"), py::arg("dests"))
+           py::arg("target_step"), py::arg("dests"), py::arg("older_within") = 0)
       .def("plan", &PyClient::Plan, py::arg("target_step") = 0, py::arg("job_id") = py::none(),
-           py::arg("rank") = 0)
+           py::arg("rank") = 0, py::arg("older_within") = 0)
       .def("restore", &PyClient::Restore, py::arg("target_step") = 0,
-           py::arg("discard_later") = false)
+           py::arg("discard_later") = false, py::arg("older_within") = 0)
       .def("unregister", &PyClient::Unregister, py::arg("drain") = true)
       .def_property_readonly("generation", &PyClient::generation)
       .def_property_readonly("latest_durable_step_at_register",

@@ -96,6 +96,10 @@ Command flags (decimal integers):
   --layer=L               layer id (history only)
   --limit=N               most events to print (history only; default 0 = all)
   --step=N                target step (plan, export, restore; default 0 = latest)
+  --older-within=N        a layer whose version at the target was lost (damaged,
+                          no intact copy anywhere) takes its previous version
+                          when at most N steps older; without it such a plan is
+                          refused (plan, export, restore)
   --out=DIR               output directory (export, restore; created if missing)
   --dry-run               report only (gc)
   --deep                  read every byte and check checksums (verify)
@@ -155,7 +159,7 @@ bool ParseSeconds(absl::string_view s, double* out) {
 bool TakesValue(const std::string& name) {
   return name == "--socket" || name == "--timeout" || name == "--rank" || name == "--layer" ||
          name == "--limit" || name == "--step" || name == "--out" || name == "--data-dir" ||
-         name == "--owner-uid";
+         name == "--owner-uid" || name == "--older-within";
 }
 
 // Sets the flag `name` to `value`. Returns kExitOk or the exit code of a
@@ -195,6 +199,10 @@ int SetFlag(const std::string& name, const std::string& value, Options* o) {
     uint64_t v;
     if (!ParseUnsigned<uint64_t>(value, UINT64_MAX, &v)) return bad("a step number");
     o->step = v;
+  } else if (name == "--older-within") {
+    uint64_t v;
+    if (!ParseUnsigned<uint64_t>(value, UINT64_MAX, &v) || v == 0) return bad("steps (>= 1)");
+    o->older_within = v;
   } else {
     return UsageError(absl::StrCat("unknown flag '", name, "'"));
   }
@@ -304,6 +312,7 @@ int ValidateCommand(const Options& o) {
                  reject(o.layer.has_value(), layer_ok, "--layer"),
                  reject(o.limit.has_value(), limit_ok, "--limit"),
                  reject(o.step.has_value(), step_ok, "--step"),
+                 reject(o.older_within.has_value(), step_ok, "--older-within"),
                  reject(!o.data_dir.empty(), c == "repair", "--data-dir"),
                  reject(o.owner_uid.has_value(), c == "repair", "--owner-uid"),
                  reject(o.evict, c == "release", "--evict"),

@@ -37,6 +37,7 @@ struct Options {
   std::optional<int64_t> layer;
   std::optional<uint32_t> limit;
   std::optional<uint64_t> step;
+  std::optional<uint64_t> older_within;  // --older-within (plan, export, restore)
   std::string out;
   bool dry_run = false;
   bool deep = false;

@@ -63,6 +63,7 @@ int CheckPlans(const Options& o, const AdminConnection& admin, const std::vector
     req.set_job_id(o.positional[0]);
     req.set_rank(rank);
     req.set_target_step(o.step.value_or(0));
+    req.set_older_within_steps(o.older_within.value_or(0));
     v1::Plan plan;
     if (int rc = admin.Call(&v1::Admin::Stub::Plan, req, &plan); rc != kExitOk) return rc;
   }
@@ -122,6 +123,7 @@ int ExportRank(const Options& o, const AdminConnection& admin, int dir_fd, uint3
   req.set_job_id(o.positional[0]);
   req.set_rank(rank);
   req.set_target_step(o.step.value_or(0));
+  req.set_older_within_steps(o.older_within.value_or(0));
   grpc::ClientContext ctx;
   ctx.set_deadline(
       std::chrono::system_clock::now() +

@@ -54,6 +54,7 @@ int PlanCommand(const Options& o, const AdminConnection& admin) {
   req.set_job_id(o.positional[0]);
   req.set_rank(o.rank.value_or(0));
   req.set_target_step(o.step.value_or(0));
+  req.set_older_within_steps(o.older_within.value_or(0));
   v1::Plan r;
   if (int rc = admin.Call(&v1::Admin::Stub::Plan, req, &r); rc != kExitOk) return rc;
   if (o.json) {
@@ -65,7 +66,8 @@ int PlanCommand(const Options& o, const AdminConnection& admin) {
                             {"step", l.step()},
                             {"staleness", l.staleness()},
                             {"bytes", l.bytes()},
-                            {"file", l.file()}});
+                            {"file", l.file()},
+                            {"lost_step", l.lost_step()}});
     }
     PrintJson(Json{{"job_id", r.job_id()},
                    {"rank", r.rank()},
@@ -86,12 +88,14 @@ int PlanCommand(const Options& o, const AdminConnection& admin) {
       {"size-weighted staleness", absl::StrFormat("%.2f", r.size_weighted_staleness())},
   });
   std::printf("\n");
-  Table t({"LAYER", "NAME", "STEP", "STALENESS", "BYTES"}, {true, false, true, true, true});
+  Table t({"LAYER", "NAME", "STEP", "STALENESS", "BYTES", "LOST"},
+          {true, false, true, true, true, true});
   for (const v1::LayerPlan& l : r.layers()) {
     t.Add({absl::StrCat(l.layer()), OrDash(l.name()),
            l.has_version() ? absl::StrCat(l.step()) : "-",
            l.has_version() ? absl::StrCat(l.staleness()) : "-",
-           l.has_version() ? HumanBytes(l.bytes()) : "-"});
+           l.has_version() ? HumanBytes(l.bytes()) : "-",
+           l.lost_step() != 0 ? absl::StrCat("step ", l.lost_step()) : "-"});
   }
   t.Print();
   return kExitOk;

@@ -12,6 +12,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -47,12 +49,10 @@ struct Args {
   std::string policy = "all";
   bool restore = false;
   std::string log, ack_log, verify_log, dump;
-  uint64_t durable_every = 0;
-  uint64_t compute_ms = 0;
+  uint64_t durable_every = 0, compute_ms = 0, older_within = 0;
   bool continue_unprotected = false;
-  uint64_t seed = 1;
+  uint64_t seed = 1, reconnect_ms = 300;
   bool quiet = false;
-  uint64_t reconnect_ms = 300;
   bool adamw = false;  // --optimizer=adamw: real AdamW steps on w, exp_avg, exp_avg_sq
   double lr = 1e-4;
   double k0 = 0;  // layercheck overrides (0 = daemon default)
@@ -63,11 +63,9 @@ struct Args {
 };
 
 uint64_t ParseBytes(const std::string& s) {
-  uint64_t mult = 1;
   std::string n = s;
-  if (!n.empty() && (n.back() == 'K' || n.back() == 'k')) mult = 1 << 10;
-  if (!n.empty() && (n.back() == 'M' || n.back() == 'm')) mult = 1 << 20;
-  if (!n.empty() && (n.back() == 'G' || n.back() == 'g')) mult = uint64_t{1} << 30;
+  const int unit = n.empty() ? 0 : std::tolower(static_cast<unsigned char>(n.back()));
+  const uint64_t mult = unit == 'k' ? 1 << 10 : unit == 'm' ? 1 << 20 : unit == 'g' ? 1 << 30 : 1;
   if (mult != 1) n.pop_back();
   uint64_t v = 0;
   if (!absl::SimpleAtoi(n, &v)) {
@@ -114,6 +112,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->policy = v;
     else if (k == "--restore")
       a->restore = true;
+    else if (k == "--older-within")  // a lost version's layer may take one this much older
+      ok = Number(k, v, &a->older_within);
     else if (k == "--log")
       a->log = v;
     else if (k == "--ack-log")
@@ -153,11 +153,11 @@ bool ParseArgs(int argc, char** argv, Args* a) {
           stderr,
           "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
           "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
-          "  [--restore] [--verify-log=FILE] [--dump=FILE] [--log=FILE] [--ack-log=FILE]\n"
-          "  [--durable-every=K] [--compute-ms=MS] [--on-daemon-loss=error|continue] [--seed=N]\n"
-          "  [--reconnect-ms=MS] [--quiet] [--optimizer=none|adamw] [--lr=LR]\n"
-          "  layercheck: [--k0=K] [--s-max=S] [--warmup=W] [--warmup-interval=I] "
-          "[--record-trace]\n");
+          "  [--restore] [--older-within=N] [--verify-log=FILE] [--dump=FILE] [--log=FILE]\n"
+          "  [--ack-log=FILE] [--durable-every=K] [--compute-ms=MS]\n"
+          "  [--on-daemon-loss=error|continue] [--seed=N] [--reconnect-ms=MS] [--quiet]\n"
+          "  [--optimizer=none|adamw] [--lr=LR] layercheck: [--k0=K] [--s-max=S] [--warmup=W]\n"
+          "  [--warmup-interval=I] [--record-trace]\n");
       return false;
     }
     if (!ok) return false;
@@ -257,8 +257,7 @@ int BuildModel(const Args& a, ckpt::Client* client, ckpt::RankSpec* spec, Model*
   m->bytes.resize(a.layers);
   uint64_t total = 0;
   for (uint32_t l = 0; l < a.layers; ++l) {
-    m->bytes[l] = a.layer_bytes[l % a.layer_bytes.size()] / 64 * 64;
-    if (m->bytes[l] == 0) m->bytes[l] = 64;
+    m->bytes[l] = std::max<uint64_t>(64, a.layer_bytes[l % a.layer_bytes.size()] / 64 * 64);
     m->bytes[l] *= tensors_per_layer;
     total += m->bytes[l];
   }
@@ -282,9 +281,8 @@ int BuildModel(const Args& a, ckpt::Client* client, ckpt::RankSpec* spec, Model*
       for (uint64_t i = 0; i < tensor_bytes / 4; ++i)
         w[i] = Uniform(a.seed * 1000003 + l * 7919 + i);
     } else {
-      for (uint64_t i = 0; i < m->bytes[l] / 8; ++i) {
+      for (uint64_t i = 0; i < m->bytes[l] / 8; ++i)
         m->words[l][i] = Mix(a.seed * 1000003 + l * 7919 + i);
-      }
     }
     off += m->bytes[l];
   }
@@ -330,9 +328,11 @@ void PrintRestore(const ckpt::v1::RestoreReply& r) {
               plan.rank(), plan.target_step());
   std::printf("  %-14s %8s %9s %12s  %s\n", "layer", "step", "staleness", "bytes", "from");
   for (const auto& lp : plan.layers()) {
-    const std::string from = lp.source() == "memory" ? "ckptd's memory tier"
-                             : lp.source().empty()   ? "-"
-                                                     : lp.source();
+    const std::string from =
+        lp.lost_step() != 0 ? absl::StrCat(lp.source(), " (step ", lp.lost_step(), " was lost)")
+        : lp.source() == "memory" ? "ckptd's memory tier"
+        : lp.source().empty()     ? "-"
+                                  : lp.source();
     std::printf("  %-14s %8" PRIu64 " %9" PRIu64 " %12" PRIu64 "  %s\n", lp.name().c_str(),
                 lp.step(), lp.staleness(), lp.bytes(), from.c_str());
   }
@@ -373,7 +373,7 @@ int VerifyAgainstLog(const Args& a, const ckpt::v1::Plan& plan, const Model& m) 
 // (--verify-log) and dumped (--dump); the training goes on after its step.
 // Returns 0 or the exit code.
 int RestoreCheckpoint(const Args& a, ckpt::Client* client, const Model& m, uint64_t* start_step) {
-  auto r = client->Restore(0);
+  auto r = client->Restore(0, /*discard_later=*/false, a.older_within);
   if (!r.ok()) {
     std::fprintf(stderr, "restore: %s\n", r.status().ToString().c_str());
     return 1;

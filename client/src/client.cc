@@ -438,15 +438,17 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, bool remote) {
   return reply.durable_step();
 }
 
-absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step) {
-  return Plan(spec_.job_id, spec_.rank, target_step);
+absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step, uint64_t older_within_steps) {
+  return Plan(spec_.job_id, spec_.rank, target_step, older_within_steps);
 }
 
-absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uint64_t target_step) {
+absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uint64_t target_step,
+                                      uint64_t older_within_steps) {
   v1::PlanRequest req;
   req.set_job_id(job);
   req.set_rank(rank);
   req.set_target_step(target_step);
+  req.set_older_within_steps(older_within_steps);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.call_timeout);
   v1::Plan plan;
@@ -455,11 +457,12 @@ absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uin
 }
 
 absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t target_step,
-                            const ExportSink& sink) {
+                            const ExportSink& sink, uint64_t older_within_steps) {
   v1::ExportRequest req;
   req.set_job_id(job);
   req.set_rank(rank);
   req.set_target_step(target_step);
+  req.set_older_within_steps(older_within_steps);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.restore_timeout);
   std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = impl_->admin->Export(&ctx, req);
@@ -516,12 +519,14 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step, bool discard_later) {
+absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step, bool discard_later,
+                                                 uint64_t older_within_steps) {
   if (!registered_) return absl::FailedPreconditionError("Register first");
   v1::RestoreRequest req;
   Identify(spec_, generation_, &req);
   req.set_target_step(target_step);
   req.set_discard_later(discard_later);
+  req.set_older_within_steps(older_within_steps);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.restore_timeout);
   v1::RestoreReply reply;

@@ -158,14 +158,6 @@ struct JobDeleted {
   uint64_t events = 0;
 };
 
-// What a Restore wrote: the restore's figures (memory_bytes: from the memory
-// tier) and the plan it followed.
-struct Restored : RestoreStats {
-  CompositePlan plan;
-  // Layers whose damaged version on disk a tier's copy replaced: the tier.
-  std::map<uint32_t, std::string> repaired_from;
-};
-
 struct PendingStep;  // rank_state.h
 struct RankState;    // rank_state.h
 struct SnapTask;     // rank_state.h
@@ -257,15 +249,16 @@ class Engine {
   // The composite plan of the rank for `target_step` (0 = its latest
   // durable step); recovery/plan.h says what it holds and when NOT_FOUND.
   absl::StatusOr<CompositePlan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
-                                     const Caller& caller);
+                                     const Caller& caller, uint64_t older_within = 0);
   // Writes the plan for `target_step` into the registration's buffers through
   // the verified restore loop (recovery/restore.h). FAILED_PRECONDITION while
   // steps of this registration are still being snapshotted. With
   // `discard_later`, the rank's versions and events after the restored step
   // are then deleted (versions first, so a crash in between leaves no later
   // version under a surviving event), and the next step may be target + 1.
+  // `older_within`: what a lost version's layer may take instead (BuildPlan).
   absl::StatusOr<Restored> Restore(const RankRef& rank, uint64_t target_step, const Caller& caller,
-                                   bool discard_later = false);
+                                   bool discard_later = false, uint64_t older_within = 0);
   // Streams a rank's composite checkpoint: the header, then every tensor's
   // verified bytes. `sink` returns false when the reader went away (CANCELLED).
   absl::Status Export(const v1::ExportRequest& req, const Caller& caller,
@@ -481,18 +474,19 @@ class Engine {
   absl::StatusOr<std::pair<std::shared_ptr<RankState>, std::shared_ptr<RankMemory>>> BeginRestore(
       const RankRef& ref, const Caller& caller) ABSL_LOCKS_EXCLUDED(mu_);
   // Plans and reads under the rank's lease, into `memory`. A version found
-  // damaged on disk is replaced by a tier's intact copy of it, else
-  // quarantined (ReplaceOrQuarantine), and the restore planned again: the
-  // same version, or each quarantined layer's previous one; up to
+  // damaged on disk is replaced by a tier's intact copy of it, else marked
+  // lost (ReplaceOrQuarantine), and the restore planned again: the same
+  // version, else a refusal or the older one `older_within` allows; up to
   // kMaxDamagedFallbacks times.
   static constexpr int kMaxDamagedFallbacks = 8;
   absl::StatusOr<Restored> RestoreUnderLease(const RankState& r, RankMemory* memory,
-                                             uint64_t target_step, bool discard_later);
+                                             uint64_t target_step, bool discard_later,
+                                             uint64_t older_within);
   // For each version of (job, rank) in `damaged`: the first tier that holds
   // an intact copy of it puts that copy in place (DurableTier::Repair; its
   // name goes into `*repaired` by layer, when given); a version no tier
-  // replaces is taken out of the history (LocalHistory::QuarantineVersion).
-  // Each is logged with `why`. The caller holds the rank's lease.
+  // replaces is marked lost (LocalHistory::QuarantineVersion). Each is
+  // logged with `why`. The caller holds the rank's lease.
   absl::Status ReplaceOrQuarantine(uid_t owner, const std::vector<VersionKey>& damaged,
                                    const absl::Status& why,
                                    std::map<uint32_t, std::string>* repaired = nullptr);

@@ -31,6 +31,26 @@ absl::Status OwnerOnly(absl::Status s, const std::string& job) {
   return s;
 }
 
+// Counts a restore or export whose plan met a lost version: refused, or
+// given the layers' older versions (logged, by layer).
+void CountLost(Metrics* m, const absl::Status& s, const CompositePlan* plan) {
+  if (!s.ok()) {
+    if (m != nullptr && ReasonOf(s) == ErrorReason::kLostVersion) {
+      m->Inc(Counter::kLostVersionRestores, "refused", 1);
+    }
+    return;
+  }
+  bool older = false;
+  for (const PlannedLayer& lp : plan->layers) {
+    if (lp.lost_step == 0) continue;
+    older = true;
+    CKPT_LOG(WARNING) << "job " << plan->job << " rank " << plan->rank << " layer " << lp.layer
+                      << " '" << lp.name << "': its version of step " << lp.lost_step
+                      << " was lost; step " << lp.step << " was restored instead, as asked";
+  }
+  if (older && m != nullptr) m->Inc(Counter::kLostVersionRestores, "older", 1);
+}
+
 }  // namespace
 
 absl::StatusOr<RecoverySources> Engine::Sources(unsigned readers,
@@ -52,14 +72,15 @@ absl::StatusOr<RecoverySources> Engine::Sources(unsigned readers,
 }
 
 absl::StatusOr<CompositePlan> Engine::Plan(const std::string& job, uint32_t rank,
-                                           uint64_t target_step, const Caller& caller) {
+                                           uint64_t target_step, const Caller& caller,
+                                           uint64_t older_within) {
   CKPT_RETURN_IF_ERROR(OwnerOnly(PullFromTiers(job, rank, caller, /*must_know=*/true), job));
   CKPT_RETURN_IF_ERROR(owners_.CheckVisible(job, caller));
   CKPT_ASSIGN_OR_RETURN(auto table, index_->GetRank(job, rank));
   if (!table.has_value()) {
     return absl::NotFoundError(absl::StrCat("job ", job, " has no rank ", rank));
   }
-  return BuildPlan(index_, job, rank, target_step, *table);
+  return BuildPlan(index_, job, rank, target_step, *table, older_within);
 }
 
 absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_t step) {
@@ -76,6 +97,7 @@ absl::Status Engine::DiscardAfter(const std::string& job, uint32_t rank, uint64_
     CKPT_RETURN_IF_ERROR(history_.DeleteEvent(h.owner, job, rank, *it));
     ++events;
   }
+  CKPT_RETURN_IF_ERROR(history_.ForgetLost(job, rank, step + 1));
   // The tiers follow: their copies above `step` are of a discarded history
   // now.
   for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->OnRewind(RankKey(job, rank), step);
@@ -129,7 +151,8 @@ Engine::BeginRestore(const RankRef& ref, const Caller& caller) {
 }
 
 absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemory* memory,
-                                                   uint64_t target_step, bool discard_later) {
+                                                   uint64_t target_step, bool discard_later,
+                                                   uint64_t older_within) {
   // Plan and read under a lease (GC keeps off the rank); `restoring` keeps
   // StepDone off it until the buffers are written.
   const RankKey key(r.job, r.rank);
@@ -144,7 +167,8 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
   target.memory = memory;
   for (const LayerTemplate& lt : r.layers) target.tensors.push_back(lt.src);
   for (int fallbacks = 0;; ++fallbacks) {
-    CKPT_ASSIGN_OR_RETURN(reply.plan, BuildPlan(index_, r.job, r.rank, target_step, r.table));
+    CKPT_ASSIGN_OR_RETURN(reply.plan,
+                          BuildPlan(index_, r.job, r.rank, target_step, r.table, older_within));
     std::vector<VersionKey> damaged, damaged_images;
     absl::StatusOr<RestoreStats> stats =
         RestoreInto(reply.plan, r.table, target, sources, &damaged, &damaged_images);
@@ -155,15 +179,25 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
     // A damaged file (truncated, a flipped bit) is found here when nothing
     // checked it before (start-up after a clean stop looks files up by
     // name only): a tier's intact copy of that version takes its place,
-    // else its layer falls back to its previous version, as after the
-    // start-up check of a crash. A damaged memory image was dropped from
-    // the tier: the same version is read from disk next time.
+    // else it is marked lost and the next plan refuses (or takes the
+    // layer's previous version, when older_within allows it). A damaged
+    // memory image was dropped from the tier: the same version is read
+    // from disk next time.
     if ((damaged.empty() && damaged_images.empty()) || fallbacks == kMaxDamagedFallbacks) {
       return stats.status();
     }
     CKPT_RETURN_IF_ERROR(ReplaceOrQuarantine(r.uid, damaged, stats.status(), &reply.repaired_from));
   }
-  if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
+  if (discard_later) {
+    CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
+    // Training goes on from what was restored: the losses it accepted are
+    // its history now, and no later plan refuses for them.
+    for (const PlannedLayer& lp : reply.plan.layers) {
+      if (lp.lost_step != 0) {
+        CKPT_RETURN_IF_ERROR(index_->DeleteLost(VersionKey{r.job, r.rank, lp.layer, lp.lost_step}));
+      }
+    }
+  }
   return reply;
 }
 
@@ -196,8 +230,8 @@ absl::Status Engine::ReplaceOrQuarantine(uid_t owner, const std::vector<VersionK
       continue;
     }
     CKPT_LOG(ERROR) << what << ": the version on disk is damaged (" << why.message()
-                    << ") and no tier holds an intact copy; taking it out of the history, plans "
-                       "fall back to the previous version";
+                    << ") and no tier holds an intact copy; it is marked lost: plans that need "
+                       "it refuse unless asked to take the layer's previous version";
     CKPT_RETURN_IF_ERROR(
         history_.QuarantineVersion(owner, k, v->second, absl::StrCat("damaged: ", why.message())));
   }
@@ -228,12 +262,15 @@ void Engine::EndRestore(RankState& r, const absl::StatusOr<Restored>& reply, boo
 }
 
 absl::StatusOr<Restored> Engine::Restore(const RankRef& ref, uint64_t target_step,
-                                         const Caller& caller, bool discard_later) {
+                                         const Caller& caller, bool discard_later,
+                                         uint64_t older_within) {
   CKPT_ASSIGN_OR_RETURN(auto begun, BeginRestore(ref, caller));
   const std::shared_ptr<RankState> r = std::move(begun.first);
   const std::shared_ptr<RankMemory> memory = std::move(begun.second);
-  absl::StatusOr<Restored> reply = RestoreUnderLease(*r, memory.get(), target_step, discard_later);
+  absl::StatusOr<Restored> reply =
+      RestoreUnderLease(*r, memory.get(), target_step, discard_later, older_within);
   EndRestore(*r, reply, discard_later);
+  CountLost(options_.metrics, reply.status(), reply.ok() ? &reply->plan : nullptr);
   if (Metrics* m = options_.metrics) {
     if (reply.ok()) {
       m->Inc(Counter::kRestores);
@@ -292,8 +329,11 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   const RankKey key(req.job_id(), req.rank());
   CKPT_RETURN_IF_ERROR(leases_.Acquire(key, absl::Now() + kLeaseWait));
   ScopedLease lease(&leases_, key);
-  CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
-                        BuildPlan(index_, req.job_id(), req.rank(), req.target_step(), *table));
+  absl::StatusOr<CompositePlan> planned = BuildPlan(
+      index_, req.job_id(), req.rank(), req.target_step(), *table, req.older_within_steps());
+  CountLost(options_.metrics, planned.status(), planned.ok() ? &*planned : nullptr);
+  CKPT_RETURN_IF_ERROR(planned.status());
+  const CompositePlan& plan = *planned;
   std::vector<std::unique_ptr<IoBackend>> io;
   CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
   // Each version from the memory tier where it holds an image that checks,
@@ -310,14 +350,19 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
     CKPT_RETURN_IF_ERROR(
         ReplaceOrQuarantine(owner.value_or(caller.uid), damaged, bytes.status(), &repaired));
     if (repaired.size() == damaged.size()) {
-      return absl::AbortedError(
-          absl::StrCat(bytes.status().message(), "; an intact copy of the same version from the ",
-                       repaired.begin()->second, " tier took its place: export again"));
+      return WithReason(
+          absl::AbortedError(absl::StrCat(
+              bytes.status().message(), "; an intact copy of the same version from the ",
+              repaired.begin()->second, " tier took its place: export again")),
+          ErrorReason::kRepaired);
     }
-    return absl::Status(bytes.status().code(),
-                        absl::StrCat(bytes.status().message(),
-                                     "; the damaged version was taken out of the history: export "
-                                     "again to read the layer's previous version"));
+    return WithReason(
+        absl::Status(bytes.status().code(),
+                     absl::StrCat(bytes.status().message(),
+                                  "; no tier holds an intact copy, the version is marked lost: "
+                                  "an export that asks for the layer's previous version "
+                                  "(older_within_steps) takes it")),
+        ErrorReason::kLostVersion);
   }
   CKPT_RETURN_IF_ERROR(bytes.status());
   // An export is a restore into files (ckptctl export and restore).

@@ -170,6 +170,7 @@ absl::Status Engine::DeleteJobHistory(const std::string& job, JobDeleted* out) {
         out->bytes += it->second.file_bytes();
       }
     }
+    if (s.ok()) s = history_.ForgetLost(job, rank, 0);
     if (s.ok()) {
       absl::StatusOr<std::optional<store::RankRecord>> table = index_->GetRank(job, rank);
       s = table.status();

@@ -64,10 +64,13 @@ class LocalHistory {
   // bytes back to the disk budget and the owner's quota.
   absl::Status RemoveVersion(uid_t owner, const VersionKey& key, const store::VersionRecord& rec);
   // Takes a version a read found damaged out of the history (its record
-  // deleted, its file moved to quarantine/, `why` logged) and gives its
-  // bytes back like RemoveVersion.
+  // replaced by a LostVersion, its file moved to quarantine/, `why` logged)
+  // and gives its bytes back like RemoveVersion.
   absl::Status QuarantineVersion(uid_t owner, const VersionKey& key,
                                  const store::VersionRecord& rec, const std::string& why);
+  // Forgets the rank's lost versions (Index::MarkLost) of step >= `from`:
+  // those of a discarded history, or of a deleted rank (from 0).
+  absl::Status ForgetLost(const std::string& job, uint32_t rank, uint64_t from);
 
  private:
   Index* const index_;

@@ -85,6 +85,7 @@ enum class Counter {
   kVersionsQuarantined,           // ckpt_versions_quarantined_total
   kVersionsRepaired,              // ckpt_versions_repaired_total{tier}
   kGpuWaitsAbandoned,             // ckpt_gpu_waits_abandoned_total{reason}
+  kLostVersionRestores,           // ckpt_lost_version_restores_total{outcome}
   kCount
 };
 

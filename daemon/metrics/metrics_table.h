@@ -99,7 +99,8 @@ constexpr MetricInfo kCounterTable[] = {
      ""},
     {"ckpt_versions_quarantined_total", "counter",
      "Committed layer versions a restore or export found damaged on disk (missing, "
-     "short, a checksum): taken out of the history, their files moved to quarantine/.",
+     "short, a checksum) with no intact copy in any tier: marked lost, their files moved to "
+     "quarantine/.",
      "", ""},
     {"ckpt_versions_repaired_total", "counter",
      "Committed layer versions a restore or export found damaged on disk and replaced by an "
@@ -112,6 +113,11 @@ constexpr MetricInfo kCounterTable[] = {
      "released (released), ckptd stopped (stopping), or ckptd's own copies not complete in "
      "time (copies). The step is not durable; its layers are retried.",
      "reason", "deadline,fence,released,stopping,copies"},
+    {"ckpt_lost_version_restores_total", "counter",
+     "Restores and exports whose plan needed a lost version (damaged, no intact copy in any "
+     "tier), by outcome: refused (DATA_LOSS, the default) or older (the layer's previous "
+     "version, as the request allowed with older_within_steps).",
+     "outcome", "refused,older"},
 };
 
 constexpr MetricInfo kGaugeTable[] = {

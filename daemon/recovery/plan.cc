@@ -24,8 +24,23 @@ absl::Status CheckComplete(const CompositePlan& plan) {
       "since?): restore into the model the job was trained with, or start a new job"));
 }
 
+namespace {
+
+// The step and record of the newest lost version of `layer` at or before
+// `tau` in `lost`, if any.
+const std::pair<const std::pair<uint32_t, uint64_t>, store::LostVersion>* NewestLost(
+    const Index::LostMap& lost, uint32_t layer, uint64_t tau) {
+  auto it = lost.upper_bound(std::make_pair(layer, tau));
+  if (it == lost.begin()) return nullptr;
+  --it;
+  return it->first.first == layer ? &*it : nullptr;
+}
+
+}  // namespace
+
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
-                                        uint64_t target_step, const store::RankRecord& table) {
+                                        uint64_t target_step, const store::RankRecord& table,
+                                        uint64_t older_within) {
   const uint64_t max = target_step == 0 ? ~uint64_t{0} : target_step;
   CKPT_ASSIGN_OR_RETURN(auto event, index->EventAtOrBefore(job, rank, max));
   if (!event.has_value()) {
@@ -47,12 +62,31 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
   plan.target_step = tau;
   plan.aux = event->second.aux();
   plan.complete = true;
+  CKPT_ASSIGN_OR_RETURN(const Index::LostMap lost, index->LostVersions(job, rank));
+  std::vector<std::string> refused;
+  size_t refusals = 0;
   double weighted = 0, total = 0;
   for (const store::LayerSpec& layer : table.layers()) {
     PlannedLayer& lp = plan.layers.emplace_back();
     lp.layer = layer.id();
     lp.name = layer.name();
     CKPT_ASSIGN_OR_RETURN(auto v, index->VersionAtOrBefore(job, rank, layer.id(), tau));
+    const auto* gone = lost.empty() ? nullptr : NewestLost(lost, layer.id(), tau);
+    if (gone != nullptr && (!v.has_value() || gone->first.second > v->first)) {
+      const uint64_t lost_step = gone->first.second;
+      if (!v.has_value() || older_within == 0 || tau - v->first > older_within) {
+        if (++refusals <= 5) {
+          refused.push_back(
+              absl::StrCat("layer ", layer.id(), " '", layer.name(), "' lost its version of step ",
+                           lost_step, " (", gone->second.reason(), ")",
+                           v.has_value() ? absl::StrCat("; its previous is step ", v->first, ", ",
+                                                        tau - v->first, " steps before the target")
+                                         : "; it has no older version"));
+        }
+        continue;
+      }
+      lp.lost_step = lost_step;
+    }
     if (!v.has_value()) {
       plan.complete = false;
       continue;
@@ -70,6 +104,15 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
     plan.max_staleness = std::max(plan.max_staleness, lp.staleness);
     weighted += static_cast<double>(lp.bytes) * static_cast<double>(lp.staleness);
     total += static_cast<double>(lp.bytes);
+  }
+  if (refusals > 0) {
+    return WithReason(
+        absl::DataLossError(absl::StrCat(
+            "step ", tau, " of job ", job, " rank ", rank, " cannot be restored as it was: ",
+            absl::StrJoin(refused, "; "), refusals > refused.size() ? "; ..." : "",
+            ". No tier holds an intact copy of the lost versions; to restore each such layer's "
+            "previous version instead, ask for it (older_within_steps, ckptctl --older-within)")),
+        ErrorReason::kLostVersion);
   }
   plan.size_weighted_staleness = total > 0 ? weighted / total : 0.0;
   return plan;

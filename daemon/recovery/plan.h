@@ -30,6 +30,9 @@ struct PlannedLayer {
   uint64_t bytes = 0;      // the version's payload
   std::string file;
   std::vector<GroupStep> group_steps;
+  // Non-zero: the layer's newer version of this step was lost, and `step`
+  // is the older one the caller accepted in its place (older_within).
+  uint64_t lost_step = 0;
 };
 
 struct CompositePlan {
@@ -51,7 +54,14 @@ absl::Status CheckComplete(const CompositePlan& plan);
 
 // NOT_FOUND when the rank has no durable step, or `target_step` is not one
 // (a step is restorable while its checkpoint event exists).
+//
+// A layer whose newest version at or before the target was lost (its file
+// damaged with no intact copy in any tier: Index::MarkLost) makes the plan
+// DATA_LOSS with reason kLostVersion, naming the layers, unless the layer's
+// previous version is at most `older_within` steps older than the target:
+// then that version is planned, with lost_step set. 0 refuses every loss.
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
-                                        uint64_t target_step, const store::RankRecord& table);
+                                        uint64_t target_step, const store::RankRecord& table,
+                                        uint64_t older_within = 0);
 
 }  // namespace ckpt

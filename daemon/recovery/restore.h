@@ -24,7 +24,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -107,6 +109,14 @@ struct RestoreStats {
 
   // reading_seconds as a share of seconds (0 for a restore that took none).
   double ReadingShare() const { return seconds > 0 ? reading_seconds / seconds : 0; }
+};
+
+// What an engine's Restore wrote: the restore's figures (memory_bytes: from
+// the memory tier) and the plan it followed.
+struct Restored : RestoreStats {
+  CompositePlan plan;
+  // Layers whose damaged version on disk a tier's copy replaced: the tier.
+  std::map<uint32_t, std::string> repaired_from;
 };
 
 // With `damaged`, every planned version read from the local store that did

@@ -38,6 +38,7 @@ v1::Plan ToApi(const CompositePlan& plan) {
     l->set_staleness(lp.staleness);
     l->set_bytes(lp.bytes);
     l->set_file(lp.file);
+    l->set_lost_step(lp.lost_step);
     for (const GroupStep& g : lp.group_steps) {
       v1::GroupStep* gs = l->add_group_steps();
       gs->set_group(g.group);

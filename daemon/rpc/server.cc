@@ -123,7 +123,8 @@ grpc::Status PlanCall(RpcServer* server, grpc::ServerContext* ctx, const v1::Pla
                       v1::Plan* reply) {
   return WithCaller(server, ctx, req, [&](const Caller& c) -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(CompositePlan plan,
-                          server->engine()->Plan(req.job_id(), req.rank(), req.target_step(), c));
+                          server->engine()->Plan(req.job_id(), req.rank(), req.target_step(), c,
+                                                 req.older_within_steps()));
     *reply = ToApi(plan);
     return absl::OkStatus();
   });
@@ -226,9 +227,9 @@ class TrainerService final : public v1::Trainer::Service {
   grpc::Status Restore(grpc::ServerContext* ctx, const v1::RestoreRequest* req,
                        v1::RestoreReply* reply) override {
     return WithCaller(s_, ctx, *req, [&](const Caller& c) -> absl::Status {
-      CKPT_ASSIGN_OR_RETURN(
-          Restored restored,
-          s_->engine()->Restore(RankRefOf(*req), req->target_step(), c, req->discard_later()));
+      CKPT_ASSIGN_OR_RETURN(Restored restored,
+                            s_->engine()->Restore(RankRefOf(*req), req->target_step(), c,
+                                                  req->discard_later(), req->older_within_steps()));
       *reply = ToProto(restored);
       return absl::OkStatus();
     });

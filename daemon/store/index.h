@@ -9,6 +9,7 @@
 //   r/<job>/<rank:8>                     RankRecord
 //   v/<job>/<rank:8>/<layer:8>/<step:16> VersionRecord
 //   e/<job>/<rank:8>/<step:16>           EventRecord
+//   l/<job>/<rank:8>/<layer:8>/<step:16> LostVersion
 //
 // Every mutation is a synchronous write (WriteOptions::sync): a record that
 // exists has reached the WAL on disk. A version record is the commit point of
@@ -176,6 +177,15 @@ class Index {
   absl::Status ForEachEvent(const std::string& job, uint32_t rank, bool newest_first,
                             const std::function<bool(uint64_t, const store::EventRecord&)>& fn);
   absl::Status DeleteEvent(const std::string& job, uint32_t rank, uint64_t step);
+
+  // Lost versions, l/<job>/<rank:8>/<layer:8>/<step:16> (index_lost.cc):
+  // MarkLost replaces the version record of `key` by `rec` in one write.
+  absl::Status MarkLost(const VersionKey& key, const store::LostVersion& rec)
+      ABSL_LOCKS_EXCLUDED(version_mu_);
+  // The rank's lost versions by (layer, step); one seek when there are none.
+  using LostMap = std::map<std::pair<uint32_t, uint64_t>, store::LostVersion>;
+  absl::StatusOr<LostMap> LostVersions(const std::string& job, uint32_t rank);
+  absl::Status DeleteLost(const VersionKey& key);
 
   // True from a failed write until a reopen succeeded: writes are refused
   // (RESOURCE_EXHAUSTED with kDiskFull after ENOSPC, else kIndex) while reads

@@ -57,7 +57,7 @@ absl::Status Index::CompactJob(const std::string& job) {
   // be moved down as it is, tombstones and all.
   rocksdb::CompactRangeOptions options;
   options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-  for (const char kind : {'e', 'r', 'v'}) {
+  for (const char kind : {'e', 'l', 'r', 'v'}) {
     const std::string begin = absl::StrCat(std::string(1, kind), "/", job, "/");
     std::string end = begin;
     end.back() = static_cast<char>(end.back() + 1);

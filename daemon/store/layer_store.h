@@ -228,8 +228,9 @@ class LayerStore {
   // then fsync of the directory.
   absl::Status Remove(const VersionKey& key, const store::VersionRecord& rec);
   // Takes a committed version found damaged out of the history: its record
-  // first (sync), then its file, when there is one, moved to
-  // <data_dir>/quarantine/ (logged with `why`; never deleted).
+  // replaced by a LostVersion (sync; Index::MarkLost), then its file, when
+  // there is one, moved to <data_dir>/quarantine/ (logged with `why`; never
+  // deleted).
   absl::Status QuarantineVersion(const VersionKey& key, const store::VersionRecord& rec,
                                  const std::string& why);
 

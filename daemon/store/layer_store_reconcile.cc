@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/validate.h"
@@ -21,6 +22,18 @@
 namespace ckpt {
 
 using layer_store_internal::AtPath;
+
+namespace {
+
+store::LostVersion LostRecord(const store::VersionRecord& rec, const std::string& why) {
+  store::LostVersion lost;
+  lost.set_reason(why);
+  lost.set_lost_unix_ms(absl::ToUnixMillis(absl::Now()));
+  lost.set_payload_bytes(rec.payload_bytes());
+  return lost;
+}
+
+}  // namespace
 
 absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
   ReconcileReport report;
@@ -157,9 +170,9 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
   for (auto& [k, rec] : drop_dangling) {
     CKPT_LOG(ERROR) << "reconcile: BUG ALARM: index names " << rec.file() << " (job " << job
                     << " rank " << rank << " layer " << k.layer << " step " << k.step
-                    << ") but the file is missing or has the wrong size; dropping the record so "
-                       "plans fall back to the previous version";
-    CKPT_RETURN_IF_ERROR(Remove(k, rec));
+                    << ") but the file is missing or has the wrong size; marking it lost";
+    CKPT_RETURN_IF_ERROR(index_->MarkLost(k, LostRecord(rec, "missing or short at start-up")));
+    CKPT_RETURN_IF_ERROR(Remove(k, rec));  // its record went with MarkLost: the file
     ++report->dangling_records_removed;
   }
   // 2. File side: temp files and files no record names. (The first listing,
@@ -224,7 +237,7 @@ absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int d
 
 absl::Status LayerStore::QuarantineVersion(const VersionKey& key, const store::VersionRecord& rec,
                                            const std::string& why) {
-  CKPT_RETURN_IF_ERROR(index_->DeleteVersion(key));
+  CKPT_RETURN_IF_ERROR(index_->MarkLost(key, LostRecord(rec, why)));
   absl::StatusOr<DirRef> dir = RankDir(key.job, key.rank, /*create=*/false);
   if (!dir.ok()) return absl::IsNotFound(dir.status()) ? absl::OkStatus() : dir.status();
   absl::StatusOr<uint64_t> size = fs_->FileSizeAt((*dir)->get(), rec.file());

@@ -289,6 +289,8 @@ absl::Status Repair::Place(const Found& f, int quarantine_fd) {
       if (!moved) return absl::OkStatus();
     }
     CKPT_RETURN_IF_ERROR(index_->PutVersion(key, f.record));
+    // Found again: plans that refused for its loss take it once more.
+    CKPT_RETURN_IF_ERROR(index_->DeleteLost(key));
     ++report_->records_added;
     placed_.insert(id);
   }

@@ -336,6 +336,14 @@ def damaged(daemon):
     check("'w'" in err and "not loaded" in err, "a damaged version fails the load naming "
           "the tensor: %s" % err[:400])
     check(not got["w"].any(), "the damaged tensor was not served: its destination holds zeros")
+    # The version is marked lost: a second load is refused as well, and
+    # says so, instead of loading whatever else the history holds.
+    try:
+        dcp.load(got, storage_reader=CkptReader("dcp-bad", daemon.socket))
+        err = ""
+    except (Exception, CheckpointException) as e:  # a BaseException
+        err = str(e)
+    check("lost its version of step" in err, "a load after the loss is refused: %s" % err[:400])
 
 
 def newest_moves(daemon):

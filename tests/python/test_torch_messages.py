@@ -14,11 +14,16 @@ what differs and say what to do, and following its advice must work.
 - another optimizer stepping an attached model: the advice (close(),
   attach() the new optimizer and resume()) works when followed, and an
   attachment of a job with history that neither restores nor resumes is
-  told so at its first step.
+  told so at its first step;
+- a layer's newest version damaged on disk with no intact copy anywhere:
+  restore() fails with DATA_LOSS, reason LOST_VERSION, naming the layer,
+  on every try; restore(older_within=1) takes the layer's previous version
+  and says so per layer.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
 """
 
+import glob
 import os
 import shutil
 import sys
@@ -181,6 +186,47 @@ def other_optimizer(daemon):
           "a job with history attached without resume(): told at its first step: %s" % msg[:300])
 
 
+def lost_version(daemon):
+    m = mlp()
+    opt = adam(m)
+    run = ckpt_torch.attach(m, opt, ckpt.Client(daemon.socket), job_id="msg-lost")
+    after = []
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(3, 8)).pow(2).mean().backward()
+        opt.step()
+        after.append({k: v.clone() for k, v in m.state_dict().items()})
+    run.wait_durable()
+    run.close()
+    # ckptd restarted (its memory tier empty), layer 0's step 3 truncated.
+    daemon.stop()
+    newest = sorted(glob.glob(os.path.join(daemon.data, "jobs", "msg-lost", "rank-00000000",
+                                           "L00000000-S*.ckv")))[-1]
+    check("-S%016x-" % 3 in newest, "layer 0 has a version of step 3: %s" % newest)
+    os.truncate(newest, os.path.getsize(newest) // 2)
+    daemon.start()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    for attempt in range(2):
+        e = restore_error(daemon, "msg-lost", m, adam(m))
+        check(isinstance(e, ckpt.Error) and e.code == "DATA_LOSS" and
+              e.reason == "LOST_VERSION" and "'0' lost its version of step 3" in str(e) and
+              "older_within" in str(e),
+              "restore %d of a lost version is refused, naming the layer and the way out: %r"
+              % (attempt + 1, e))
+    opt2 = adam(m)
+    run2 = ckpt_torch.attach(m, opt2, ckpt.Client(daemon.socket), job_id="msg-lost")
+    restored = run2.restore(older_within=1)
+    lost = {l.name: (l.step, l.lost_step) for l in restored.layers}
+    check(lost == {"0": (2, 3), "2": (3, 0)}, "the layer's previous version, said so: %s" % lost)
+    sd = m.state_dict()
+    check(torch.equal(sd["0.weight"], after[1]["0.weight"]) and
+          torch.equal(sd["2.weight"], after[2]["2.weight"]),
+          "layer 0 holds its step 2 bytes, layer 2 its step 3 bytes")
+    run2.close(drain=False)
+
+
 def main():
     root = harness.tempdir("ckpt-messages-")
     daemon = harness.Daemon(root).start()
@@ -189,6 +235,7 @@ def main():
         no_daemon(root)
         numpy_position(daemon)
         other_optimizer(daemon)
+        lost_version(daemon)
     finally:
         daemon.stop()
     shutil.rmtree(root, ignore_errors=True)

@@ -5,9 +5,12 @@
    after a clean stop looks files up by name only, so the restore was the
    first to read them and failed with DATA_LOSS although the previous step
    was intact (after a SIGKILL the start-up check dropped the record and the
-   restore fell back). Now the restore takes each damaged version out of the
-   history (its file to quarantine/) and falls back to the layer's previous
-   version: the trainer's --restore --verify-log checks every restored byte
+   restore fell back). Then the restore took each damaged version out of the
+   history (its file to quarantine/) and fell back to the layer's previous
+   version unasked. Now, with no intact copy anywhere, each damaged version
+   is marked lost and the restore is refused naming the layers, again on
+   every retry; asked to (--older-within=1) it takes the previous versions
+   and says so, and the trainer's --verify-log checks every restored byte
    against the hashes it logged when it wrote them.
 2. A FIFO planted in quarantine/ under a layer file's name: `ckptctl repair`
    blocked in open() on it forever, holding the index's lock. Now it opens
@@ -54,12 +57,20 @@ def damaged_after_clean_stop(root):
 
         d.start()
         check("start-up check after a clean stop" in d.log(), "ckptd started after a clean stop")
-        out = harness.run_trainer(d, "dmg", "--steps=0", "--restore", "--verify-log=" + log,
-                                  *LAYERS)
+        for attempt in range(2):
+            out = harness.run_trainer(d, "dmg", "--steps=0", "--restore", *LAYERS)
+            check(out.returncode != 0 and "DATA_LOSS" in out.stderr and
+                  "' lost its version of step %d" % STEPS in out.stderr,
+                  "restore %d is refused, naming the lost versions (exit %d: %s)"
+                  % (attempt + 1, out.returncode, out.stderr[-600:]))
+        out = harness.run_trainer(d, "dmg", "--steps=0", "--restore", "--older-within=1",
+                                  "--verify-log=" + log, *LAYERS)
         print(out.stdout[-1500:])
         check(out.returncode == 0,
-              "the restore falls back past the damaged versions and every restored byte "
+              "asked to, the restore takes the previous versions and every restored byte "
               "matches its logged hash (exit %d: %s)" % (out.returncode, out.stderr[-500:]))
+        check(out.stdout.count("(step %d was lost)" % STEPS) == 2,
+              "the trainer is told which layers came from an older step")
         plan = [line.split() for line in out.stdout.splitlines() if line.startswith("  layers.") or
                 line.startswith("  embed")]
         steps = {row[0]: int(row[1]) for row in plan}
@@ -70,9 +81,13 @@ def damaged_after_clean_stop(root):
             os.path.join(d.data, "quarantine", "dmg", "rank-00000000", "*")))
         check(quarantined == sorted(os.path.basename(p) for p in (truncated, flipped)),
               "both damaged files are in quarantine/, not deleted: %s" % quarantined)
-        check(harness.metric(d.ctl("status")["metrics_address"],
-                             "ckpt_versions_quarantined_total") == 2,
+        address = d.ctl("status")["metrics_address"]
+        check(harness.metric(address, "ckpt_versions_quarantined_total") == 2,
               "ckpt_versions_quarantined_total counts them")
+        check(harness.metric(address, "ckpt_lost_version_restores_total", 'outcome="refused"') == 2
+              and harness.metric(address, "ckpt_lost_version_restores_total",
+                                 'outcome="older"') == 1,
+              "ckpt_lost_version_restores_total counts the refusals and the older restore")
         assert d.stop() == 0, d.log()[-3000:]
         return d
     except BaseException:

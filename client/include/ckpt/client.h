@@ -190,8 +190,10 @@ class Client {
   // The composite plan for `target_step` (0 = latest durable) of the
   // registered rank, or of `job` rank `rank` (also before Register: whether
   // there is anything to restore). NOT_FOUND when there is no checkpoint.
-  absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0);
-  absl::StatusOr<v1::Plan> Plan(const std::string& job, uint32_t rank, uint64_t target_step);
+  absl::StatusOr<v1::Plan> Plan(uint64_t target_step = 0, uint64_t older_within_steps = 0);
+  // `older_within_steps`: as in RestoreRequest (a lost version's layer).
+  absl::StatusOr<v1::Plan> Plan(const std::string& job, uint32_t rank, uint64_t target_step,
+                                uint64_t older_within_steps = 0);
   // Reads the composite checkpoint of `job` rank `rank` at `target_step` (0 =
   // latest durable) without registering, through ckptd's Export stream
   // (owner or root; every layer verified before it is sent): `header` gets
@@ -206,11 +208,12 @@ class Client {
         data;
   };
   absl::Status Export(const std::string& job, uint32_t rank, uint64_t target_step,
-                      const ExportSink& sink);
+                      const ExportSink& sink, uint64_t older_within_steps = 0);
   // Restores the composite checkpoint into the registered buffers.
   // With `discard_later`, ckptd then deletes the rank's later steps, so that
   // training goes on from the target (RestoreRequest.discard_later).
-  absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0, bool discard_later = false);
+  absl::StatusOr<v1::RestoreReply> Restore(uint64_t target_step = 0, bool discard_later = false,
+                                           uint64_t older_within_steps = 0);
   // Ends the registration (after the staged steps are durable when `drain`).
   // When ckptd was lost (gone, stopping or restarted without this
   // registration): OK with kContinueUnprotected, UNAVAILABLE with kError.

@@ -242,7 +242,7 @@ class CkptReader(StorageReader):
                 self._client_now().export_into(job, 0, step, dests)
                 return
             except ckpt.Error as e:
-                if e.code == "ABORTED" and "intact copy" in e.message and not repaired:
+                if e.reason == "REPAIRED" and not repaired:
                     _log.warning("%s", e.message)
                     repaired = True
                     continue

@@ -368,7 +368,8 @@ class Attached:
         agreement or with one rank."""
         return self._agreement.agreed if self._agreement is not None else None
 
-    def restore(self, step: Optional[int] = None, from_job: Optional[str] = None) -> Restored:
+    def restore(self, step: Optional[int] = None, from_job: Optional[str] = None,
+                older_within: int = 0) -> Restored:
         """Restores the composite checkpoint for `step` (None = the latest
         durable one) into the live tensors, and the RNG states, learning
         rates, optimizer step counts, scheduler and data position saved with
@@ -388,7 +389,13 @@ class Attached:
         FSDP2 dim-0 shards onto any number of FSDP2 ranks (re-sliced); other
         layouts are refused naming a layer. The RNG states and
         data position are old rank 0's; this job's first step is then
-        `target_step + 1`."""
+        `target_step + 1`.
+
+        A layer whose version the step needs was lost (damaged, and no
+        tier holds an intact copy) fails the restore with ckpt.Error
+        DATA_LOSS, reason "LOST_VERSION", naming it. `older_within` N > 0
+        takes the layer's previous version instead when it is at most N
+        steps older than the target (the Restored's layer says lost_step)."""
         if self._pending is not None:
             self._send_pending()
             self.client.wait_snapshot(self._step)  # ckptd restores no rank it is copying
@@ -412,7 +419,7 @@ class Attached:
             if step == 0:
                 raise ckpt.Error("NOT_FOUND", f"job {self.job_id} has no step durable on every "
                                  "rank")
-        prepared = self._restorer.prepare(step)
+        prepared = self._restorer.prepare(step, older_within)
         if not self._registered:
             self._register()
         self._guard.check()  # ckptd writes where the tensors are

@@ -30,6 +30,7 @@ class Prepared(NamedTuple):
     target: int
     aux: Optional[dict]   # the state saved with the target step (None: none)
     latest: int           # the job's newest durable step
+    older_within: int = 0  # what a lost version's layer may take instead
 
 
 class Source(NamedTuple):
@@ -53,25 +54,29 @@ class Restorer:
         self._memory = memory
         self._exchange = exchange
 
-    def prepare(self, step: Optional[int]) -> Prepared:
+    def prepare(self, step: Optional[int], older_within: int = 0) -> Prepared:
         """The plan for `step` (None: the latest), with its saved state read
         and checked: NOT_FOUND before anything is created, and the saved
-        state checked before any tensor is written."""
-        plan = self._client.plan(step or 0, job_id=self._job_id, rank=self._layout.rank)
+        state checked before any tensor is written. `older_within`: as in
+        restore()."""
+        plan = self._client.plan(step or 0, job_id=self._job_id, rank=self._layout.rank,
+                                 older_within=older_within)
         target = plan["target_step"]
         aux = load_aux(plan["aux"], target)
         if aux is not None:
             self._check_layout(aux, plan)
         latest = target if step is None else \
-            self._client.plan(0, job_id=self._job_id, rank=self._layout.rank)["target_step"]
-        return Prepared(plan, target, aux, latest)
+            self._client.plan(0, job_id=self._job_id, rank=self._layout.rank,
+                              older_within=older_within)["target_step"]
+        return Prepared(plan, target, aux, latest, older_within)
 
     def write(self, prepared: Prepared, discard_later: bool) -> dict:
         """Writes the prepared step into the registered tensors (REQUIRES:
         registered); replicas then hand each layer from its writer to the
         others. Returns the client's restore reply."""
         self._memory.synchronize()  # no queued kernel writes after the restore
-        reply = self._client.restore(prepared.target, discard_later=discard_later)
+        reply = self._client.restore(prepared.target, discard_later=discard_later,
+                                     older_within=prepared.older_within)
         if self._layout.replicated:
             self._exchange.broadcast_layers()
         return reply

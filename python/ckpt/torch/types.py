@@ -16,6 +16,7 @@ class LayerPlan:
     bytes: int
     frozen: bool
     source: str = ""  # after a restore: "memory" (ckptd's memory tier) or "disk"
+    lost_step: int = 0  # non-zero: this step's version was lost; `step` is older (older_within)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,8 @@ def plan_of(reply: dict, frozen: Collection[str]) -> Plan:
                 size_weighted_staleness=reply["size_weighted_staleness"],
                 layers=tuple(LayerPlan(name=l["name"], step=l["step"], staleness=l["staleness"],
                                        bytes=l["bytes"], frozen=l["name"] in frozen,
-                                       source=l.get("source", ""))
+                                       source=l.get("source", ""),
+                                       lost_step=l.get("lost_step", 0))
                              for l in reply["layers"]))
 
 

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "ckpt/v1/ckpt.pb.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/metrics.h"
@@ -219,7 +220,10 @@ TEST_F(RemoteTierTest, ADamagedLocalVersionIsReplacedByTheRemoteCopyOfIt) {
 // When the remote copy of a damaged version is damaged as well, that layer
 // falls back to its previous version (never the damaged bytes), and the
 // other layer is still repaired.
-TEST_F(RemoteTierTest, ADamagedVersionWithADamagedRemoteCopyFallsBack) {
+// With no intact copy of a version anywhere, the restore is refused (it
+// once fell back to the layer's previous version unasked); asked to, it
+// takes that version and says so per layer.
+TEST_F(RemoteTierTest, ADamagedVersionWithADamagedRemoteCopyIsRefusedUnlessOlderIsAsked) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
   TestRank a = MakeRank("rot2", 2);
   CKPT_ASSERT_OK(Register(&a).status());
@@ -236,12 +240,23 @@ TEST_F(RemoteTierTest, ADamagedVersionWithADamagedRemoteCopyFallsBack) {
   }
   WriteStep(a, 99);
   CKPT_ASSERT_OK(Register(&a).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
-  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{2, 1}));
-  EXPECT_EQ(restored.repaired_from, (std::map<uint32_t, std::string>{{0, "remote"}}));
+  absl::StatusOr<Restored> refused = engine_->Restore(Ref(a), 0, owner_);
+  EXPECT_TRUE(absl::IsDataLoss(refused.status())) << refused.status();
+  EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kLostVersion);
+  EXPECT_TRUE(
+      absl::StrContains(refused.status().message(), "layer 1 'layer1' lost its version of step 2"))
+      << refused.status();
+  CKPT_ASSERT_OK_AND_ASSIGN(auto v0, index_->VersionAtOrBefore("rot2", 0, 0, 2));
+  ASSERT_TRUE(v0.has_value());
+  EXPECT_EQ(v0->first, 2u) << "layer 0's remote copy took the damaged file's place";
   CKPT_ASSERT_OK_AND_ASSIGN(auto v1, index_->VersionAtOrBefore("rot2", 0, 1, 2));
   ASSERT_TRUE(v1.has_value());
   EXPECT_EQ(v1->first, 1u) << "the damaged version left the history";
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored,
+                            engine_->Restore(Ref(a), 0, owner_, false, /*older_within=*/1));
+  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{2, 1}));
+  EXPECT_EQ(restored.plan.layers[0].lost_step, 0u);
+  EXPECT_EQ(restored.plan.layers[1].lost_step, 2u);
 }
 
 // A manifest is written only after every version it names.

@@ -8,7 +8,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/metrics.h"
@@ -158,21 +161,22 @@ TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
   EXPECT_TRUE(HoldsStep(a, 4));
 }
 
-// Regression: after a clean stop the start-up check looks files up by name
-// only, so a newest version truncated (or with a flipped bit) while ckptd
-// was stopped was found by the restore, which failed with DATA_LOSS
-// although the step before was intact. The restore now takes each damaged
-// version out of the history (its file to quarantine/, its bytes off the
-// quota) and plans again: the layers fall back to their previous version,
-// as the start-up check of a crash makes them.
-TEST_F(EnginePipelineTest, RestoreFallsBackPastVersionsDamagedOnDisk) {
+// After a clean stop the start-up check looks files up by name only, so a
+// newest version truncated (or with a flipped bit) while ckptd was stopped
+// is found by the restore. With no intact copy in any tier the version is
+// marked lost (its file to quarantine/, its bytes off the quota), and the
+// restore is refused, naming the layers: it once fell back to the layers'
+// previous versions unasked, and a retry still does unless the index keeps
+// the loss. Asked to (older_within), a restore takes those versions and
+// says so per layer; with discard_later the loss is then accepted.
+TEST_F(EnginePipelineTest, RestoreRefusesAVersionDamagedOnDiskUnlessOlderIsAsked) {
   EngineOptions o = OneWriter();
   Metrics metrics;
   o.metrics = &metrics;
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
   TestRank r = MakeRank("damaged", 2);
   CKPT_ASSERT_OK(Register(&r).status());
-  for (uint64_t t = 1; t <= 2; ++t) {
+  for (uint64_t t = 1; t <= 3; ++t) {
     WriteStep(r, t);
     CKPT_ASSERT_OK(StepDone(r, t));
     CKPT_ASSERT_OK(WaitDurable(r, t).status());
@@ -185,9 +189,36 @@ TEST_F(EnginePipelineTest, RestoreFallsBackPastVersionsDamagedOnDisk) {
       std::filesystem::path(tmp_.path()) / "jobs/damaged/rank-00000000";
   WriteStep(r, 99);
   CKPT_ASSERT_OK(Register(&r).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(r), 0, owner_));
-  EXPECT_EQ(restored.plan.target_step, 2u);
-  EXPECT_EQ(PlannedSteps(restored.plan), (std::vector<uint64_t>{1, 1}));
+  // The restore stops at layer 0's damage, and so does the next one.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    absl::StatusOr<Restored> refused = engine_->Restore(Ref(r), 2, owner_);
+    EXPECT_TRUE(absl::IsDataLoss(refused.status())) << attempt << ": " << refused.status();
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kLostVersion) << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                  "layer 0 'layer0' lost its version of step 2 (damaged: "))
+        << refused.status();
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "its previous is step 1"))
+        << refused.status();
+  }
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(tmp_.path()) /
+                                      "quarantine/damaged/rank-00000000" / recs[0].file()));
+  EXPECT_FALSE(std::filesystem::exists(dir / recs[0].file()));
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes, used - recs[0].file_bytes());
+  const std::string scrape = metrics.Scrape();
+  EXPECT_NE(scrape.find("\nckpt_versions_quarantined_total 1\n"), std::string::npos);
+  EXPECT_NE(scrape.find("\nckpt_lost_version_restores_total{outcome=\"refused\"} 2\n"),
+            std::string::npos)
+      << scrape;
+  // The newest step does not need the lost versions: it restores as ever.
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored newest, engine_->Restore(Ref(r), 0, owner_));
+  EXPECT_EQ(PlannedSteps(newest.plan), (std::vector<uint64_t>{3, 3}));
+  // Asked for, the previous versions, reported; one step older is allowed.
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored older, engine_->Restore(Ref(r), 2, owner_,
+                                                             /*discard_later=*/true,
+                                                             /*older_within=*/1));
+  EXPECT_EQ(PlannedSteps(older.plan), (std::vector<uint64_t>{1, 1}));
+  for (const PlannedLayer& lp : older.plan.layers) EXPECT_EQ(lp.lost_step, 2u) << lp.layer;
   EXPECT_TRUE(HoldsStep(r, 1));
   for (const store::VersionRecord& rec : recs) {
     EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(tmp_.path()) /
@@ -195,13 +226,51 @@ TEST_F(EnginePipelineTest, RestoreFallsBackPastVersionsDamagedOnDisk) {
         << rec.file();
     EXPECT_FALSE(std::filesystem::exists(dir / rec.file()));
   }
-  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes,
-            used - recs[0].file_bytes() - recs[1].file_bytes());
-  EXPECT_NE(metrics.Scrape().find("\nckpt_versions_quarantined_total 2\n"), std::string::npos);
-  // The next restore reads the intact versions only.
+  const std::string after = metrics.Scrape();
+  EXPECT_NE(after.find("\nckpt_versions_quarantined_total 2\n"), std::string::npos);
+  EXPECT_NE(after.find("\nckpt_lost_version_restores_total{outcome=\"older\"} 1\n"),
+            std::string::npos);
+  // Training went on from step 2 with those versions: no loss is left to
+  // refuse for.
+  CKPT_ASSERT_OK_AND_ASSIGN(const Index::LostMap lost, index_->LostVersions("damaged", 0));
+  EXPECT_TRUE(lost.empty());
   CKPT_ASSERT_OK(Register(&r).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(r), 0, owner_));
+  EXPECT_EQ(again.plan.target_step, 2u);
   EXPECT_EQ(PlannedSteps(again.plan), (std::vector<uint64_t>{1, 1}));
+}
+
+// older_within bounds how much older than the target the version taken
+// for a lost one may be.
+TEST_F(EnginePipelineTest, OlderWithinBoundsTheVersionTakenForALostOne) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
+  TestRank r = MakeRank("bounded", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  for (uint64_t t = 1; t <= 3; ++t) {
+    WriteStep(r, t);
+    CKPT_ASSERT_OK(StepDone(r, t));
+    CKPT_ASSERT_OK(WaitDurable(r, t).status());
+  }
+  // Layer 0's versions of steps 2 and 3 truncated.
+  for (uint64_t t = 2; t <= 3; ++t) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("bounded", 0, 0, t));
+    ASSERT_TRUE(v.has_value());
+    std::filesystem::resize_file(
+        std::filesystem::path(tmp_.path()) / "jobs/bounded/rank-00000000" / v->second.file(),
+        v->second.file_bytes() / 2);
+  }
+  WriteStep(r, 99);
+  CKPT_ASSERT_OK(Register(&r).status());
+  // Within 1 step: step 3 is found damaged, step 2 taken and found damaged,
+  // and step 1 is 2 steps older than the target.
+  absl::StatusOr<Restored> one = engine_->Restore(Ref(r), 3, owner_, false, 1);
+  EXPECT_EQ(ReasonOf(one.status()), ErrorReason::kLostVersion) << one.status();
+  EXPECT_TRUE(absl::StrContains(one.status().message(), "its previous is step 1, 2 steps before"))
+      << one.status();
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored two, engine_->Restore(Ref(r), 3, owner_, false, 2));
+  EXPECT_EQ(PlannedSteps(two.plan), (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(two.plan.layers[0].lost_step, 3u);
+  EXPECT_EQ(two.plan.layers[1].lost_step, 0u);
 }
 
 }  // namespace

@@ -13,10 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "base/status.h"
 #include "daemon/io/file_system.h"
 #include "daemon/io/io_backend.h"
 #include "daemon/recovery/restore.h"
@@ -337,6 +339,53 @@ TEST_F(PlanTest, OlderTargetIsIncompleteWhenALayerHasNoVersion) {
   const double b1 = static_cast<double>(payload_[{1, 10}]);
   EXPECT_DOUBLE_EQ(plan.size_weighted_staleness, (b1 * 10) / (b0 + b1));
   EXPECT_EQ(plan.total_bytes, (payload_[{0, 20}] + payload_[{1, 10}]));
+}
+
+// A lost version (Index::MarkLost) refuses each plan that would otherwise
+// quietly take its layer's previous version, across a reopen of the index;
+// older_within takes that version when it is close enough to the target.
+TEST_F(PlanTest, ALostVersionRefusesThePlansThatNeedIt) {
+  ASSERT_NO_FATAL_FAILURE(CommitHistory());
+  store::LostVersion lost;
+  lost.set_reason("damaged: checksum mismatch");
+  CKPT_ASSERT_OK(index_->MarkLost(VersionKey{kJob, 0, 1, 25}, lost));
+  CKPT_ASSERT_OK(index_->MarkLost(VersionKey{kJob, 0, 0, 20}, lost));
+  store_.reset();
+  index_.reset();
+  CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
+  EXPECT_EQ(index_->VersionsOf(kJob, 0).total.versions, 4u) << "their records are gone";
+
+  absl::StatusOr<CompositePlan> at30 = BuildPlan(index_.get(), kJob, 0, 30, table_);
+  ASSERT_TRUE(absl::IsDataLoss(at30.status())) << at30.status();
+  EXPECT_EQ(ReasonOf(at30.status()), ErrorReason::kLostVersion);
+  EXPECT_TRUE(absl::StrContains(at30.status().message(),
+                                "layer 1 'layer1' lost its version of step 25 (damaged: "
+                                "checksum mismatch); its previous is step 10, 20 steps before"))
+      << at30.status();
+  EXPECT_FALSE(absl::StrContains(at30.status().message(), "layer 0"))
+      << "layer 0's step 30 is newer than its lost version";
+  CKPT_EXPECT_CODE(BuildPlan(index_.get(), kJob, 0, 30, table_, 19), kDataLoss);
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan older, BuildPlan(index_.get(), kJob, 0, 30, table_, 20));
+  EXPECT_EQ(older.layers[0].step, 30u);
+  EXPECT_EQ(older.layers[0].lost_step, 0u);
+  EXPECT_EQ(older.layers[1].step, 10u);
+  EXPECT_EQ(older.layers[1].lost_step, 25u);
+  EXPECT_EQ(older.layers[1].staleness, 20u);
+
+  // Step 25 needs layer 0's lost step 20; step 10 needs neither.
+  absl::StatusOr<CompositePlan> at25 = BuildPlan(index_.get(), kJob, 0, 25, table_);
+  EXPECT_TRUE(absl::StrContains(at25.status().message(),
+                                "layer 0 'layer0' lost its version of "
+                                "step 20"))
+      << at25.status();
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan at10, BuildPlan(index_.get(), kJob, 0, 10, table_));
+  EXPECT_EQ(at10.layers[1].lost_step, 0u);
+
+  // Found again (ckptctl repair puts the record back and forgets the loss).
+  CKPT_ASSERT_OK(index_->DeleteLost(VersionKey{kJob, 0, 1, 25}));
+  CKPT_ASSERT_OK(index_->DeleteLost(VersionKey{kJob, 0, 0, 20}));
+  CKPT_ASSERT_OK_AND_ASSIGN(CompositePlan plain, BuildPlan(index_.get(), kJob, 0, 30, table_));
+  EXPECT_EQ(plain.layers[1].step, 10u);
 }
 
 // A target must be a durable step (one with a checkpoint event): step 27 has
