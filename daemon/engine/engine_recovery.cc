@@ -188,14 +188,12 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
     }
     CKPT_RETURN_IF_ERROR(ReplaceOrQuarantine(r.uid, damaged, stats.status(), &reply.repaired_from));
   }
-  if (discard_later) {
-    CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
-    // Training goes on from what was restored: the losses it accepted are
-    // its history now, and no later plan refuses for them.
-    for (const PlannedLayer& lp : reply.plan.layers) {
-      if (lp.lost_step != 0) {
-        CKPT_RETURN_IF_ERROR(index_->DeleteLost(VersionKey{r.job, r.rank, lp.layer, lp.lost_step}));
-      }
+  if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
+  // Training goes on from what was restored: the losses it accepted are its
+  // history now, and no later plan (nor this step's again) refuses for them.
+  for (const PlannedLayer& lp : reply.plan.layers) {
+    if (lp.lost_step != 0) {
+      CKPT_RETURN_IF_ERROR(index_->DeleteLost(VersionKey{r.job, r.rank, lp.layer, lp.lost_step}));
     }
   }
   return reply;

@@ -33,8 +33,14 @@ struct RemoteTier::PullState {
   uid_t owner = 0;
   std::optional<uid_t> recorded_owner;        // the job's owner record there
   std::vector<store::RemoteManifest> usable;  // newest first
-  std::set<std::string> have;                 // files adopted
-  uint64_t floor = 0;                         // the agreed step the newest usable one names
+  // The newest manifest's versions whose objects are damaged (usable[0]
+  // is then that manifest): marked lost when the pull publishes, so that a
+  // restore of the newest remote-durable step refuses instead of quietly
+  // giving an older one (recovery/plan.h).
+  std::vector<std::pair<VersionKey, std::string>> lost;
+  bool whole = false;          // usable.back() has every version
+  std::set<std::string> have;  // files adopted
+  uint64_t floor = 0;          // the agreed step the newest usable one names
   uint64_t pulled_bytes = 0;
   bool gave_up = false;  // GiveUp answered OK: nothing of the pull stays
 
@@ -140,9 +146,13 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
   // Newest first: the newest manifest whose objects all read back whole,
   // then (several ranks) those down to the agreed step it records, and one
   // at or below it, so every rank can restore the step the job agrees on.
+  // A newest manifest with damaged objects is adopted all the same (its
+  // intact versions, its damaged ones lost), and the search goes on for a
+  // whole one at or below the floor, whose versions a restore that accepts
+  // older ones (older_within) takes.
   size_t tried = 0;
   for (uint64_t step : pull->steps) {
-    if (!pull->usable.empty() && pull->usable.back().step() <= pull->floor) break;
+    if (pull->whole && pull->usable.back().step() <= pull->floor) break;
     if (pull->usable.size() >= kMaxPulledManifests || ++tried > kMaxTriedManifests) break;
     absl::StatusOr<store::RemoteManifest> m = ReadManifest(job, rank, step);
     if (!m.ok()) {
@@ -161,13 +171,16 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
                         << ", not the job's owner " << *pull->recorded_owner << "; not used";
       continue;
     }
-    bool usable = false;
-    CKPT_RETURN_IF_ERROR(AdoptManifest(pull, *m, &usable));
-    if (!usable) continue;
+    std::vector<std::pair<VersionKey, std::string>> damaged;
+    CKPT_RETURN_IF_ERROR(AdoptManifest(pull, *m, &damaged));
+    if (pull->gave_up) return absl::OkStatus();
+    if (!damaged.empty() && !pull->usable.empty()) continue;  // only the newest may lose
     if (pull->usable.empty()) {
       pull->owner = m->owner_uid();
       pull->floor = m->event().agreed_step() > 0 ? m->event().agreed_step() : step;
     }
+    pull->whole = damaged.empty();
+    for (auto& d : damaged) pull->lost.push_back(std::move(d));
     pull->usable.push_back(*std::move(m));
   }
   if (pull->usable.empty()) {
@@ -242,7 +255,7 @@ absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::Versi
 }
 
 absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManifest& m,
-                                       bool* usable) {
+                                       std::vector<std::pair<VersionKey, std::string>>* damaged) {
   const auto& [job, rank] = pull->key;
   const QuotaOwner quota_owner{m.owner_uid(), job};
   // Its versions, each checked before its record is put.
@@ -267,12 +280,14 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
       // (it did not check, or the store says it is not an object: a FIFO in
       // its place); a flaky store or a local error is no reason to give the
       // step up.
-      const bool damaged = fetched.ok() ? absl::IsDataLoss(ok)
-                                        : absl::IsNotFound(fetched) || absl::IsDataLoss(fetched);
-      if (!damaged) return pull->GiveUp(ok);
+      const bool bad = fetched.ok() ? absl::IsDataLoss(ok)
+                                    : absl::IsNotFound(fetched) || absl::IsDataLoss(fetched);
+      if (!bad) return pull->GiveUp(ok);
       CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank " << rank
-                        << " is not restorable from there: " << ok;
-      return absl::OkStatus();  // *usable stays false
+                        << " is not restorable whole from there: " << ok;
+      damaged->emplace_back(vk, absl::StrCat("the remote tier's object is damaged: ",
+                                             (fetched.ok() ? ok : fetched).message()));
+      continue;
     }
     pull->have.insert(v.record().file());
     if (pull->usable.empty()) pull->owner = m.owner_uid();
@@ -280,7 +295,6 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
     pull->pulled_bytes += n;
     if (Metrics* mm = deps_.metrics) mm->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
   }
-  *usable = true;
   return absl::OkStatus();
 }
 
@@ -293,6 +307,18 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   if (!table.has_value()) {
     CKPT_RETURN_IF_ERROR(index->PutRank(job, rank, pull->usable.front().table()));
     table_bytes = RankIndexBytes(pull->usable.front().table());
+  }
+  // The lost versions before the events: no plan sees the newest step
+  // without them.
+  for (const auto& [vk, why] : pull->lost) {
+    store::LostVersion lost;
+    lost.set_reason(why);
+    lost.set_lost_unix_ms(absl::ToUnixMillis(absl::Now()));
+    CKPT_RETURN_IF_ERROR(index->MarkLost(vk, lost));
+    CKPT_LOG(ERROR) << "remote tier: job " << job << " rank " << rank << " layer " << vk.layer
+                    << " step " << vk.step << " is lost (" << why
+                    << "); a restore of a step that needs it refuses unless it accepts the "
+                       "layer's previous version (older_within_steps)";
   }
   std::vector<std::pair<uint64_t, store::EventRecord>> events;
   uint64_t event_bytes = 0;

@@ -215,7 +215,11 @@ class RemoteTier final : public DurableTier {
   // ---- pulls (remote_pull.cc) ----
   absl::Status PullRank(const RankKey& key, const Caller& caller, bool must_know);
   absl::Status AdoptUsable(PullState* pull);
-  absl::Status AdoptManifest(PullState* pull, const store::RemoteManifest& m, bool* usable);
+  // Adopts every version of `m` it can; `*damaged` gets those whose object
+  // is missing or not what ckptd wrote, with why (the step is whole when it
+  // stays empty).
+  absl::Status AdoptManifest(PullState* pull, const store::RemoteManifest& m,
+                             std::vector<std::pair<VersionKey, std::string>>* damaged);
   absl::Status PublishPulled(PullState* pull);
   absl::Status RaiseGenerations(PullState* pull);
 

@@ -63,12 +63,13 @@ def train(d, job, log, policy, steps, *extra, timeout=600):
     return out
 
 
-def restore(d, job, log, policy, steps):
+def restore(d, job, log, policy, steps, *extra):
     """Restores `job` in a new trainer, checks it, trains on to `steps`
     (logging those steps too); returns the restored step."""
     out = harness.run_trainer(d, job, "--layers=%d" % LAYERS, "--layer-bytes=" + LAYER_BYTES,
                               "--steps=%d" % steps, "--policy=" + policy, "--restore",
-                              "--verify-log=" + log, "--log=" + log)
+                              "--verify-log=" + log, "--log=" + log, *extra)
+    restore.stdout = out.stdout
     sys.stdout.write(out.stdout)
     harness.check(out.returncode == 0, "restore of %s: %s %s" % (job, out.stdout, out.stderr))
     harness.check("verify: %d of %d layers match" % (LAYERS, LAYERS) in out.stdout,
@@ -192,18 +193,29 @@ def main():
         harness.check(ctl_jobs(b)["r-all"]["ranks"][0]["remote_step"] == remote_steps["r-all"] + 5,
                       "the replacement node keeps uploading")
 
-        # 3. Damage one object of the newest manifest and delete another;
-        # node C must fall back to an older whole step.
+        # 3. Damage one object of the newest manifest and delete another:
+        # node C refuses the newest step, whose two versions are lost, and
+        # takes those layers' previous versions only when asked to.
         b.stop()
         newest = remote_steps["r-all"] + 5
         damaged = damage_newest(args.backend, where, rgw, "r-all", newest)
         c = harness.Daemon(os.path.join(root, "c"), extra=extra).start()
-        step = restore(c, "r-all", logs["r-all"], "all", newest + 1)
-        harness.check(step < newest, "the damaged step %d is not served (got %d)" % (newest, step))
+        out = harness.run_trainer(c, "r-all", "--layers=%d" % LAYERS,
+                                  "--layer-bytes=" + LAYER_BYTES, "--steps=0", "--restore")
+        harness.check(out.returncode != 0 and "DATA_LOSS" in out.stderr and
+                      "lost its version of step %d" % newest in out.stderr,
+                      "the damaged step %d is refused, naming it: %s %s"
+                      % (newest, out.stdout[-800:], out.stderr[-500:] + c.log()[-4000:]))
+        step = restore(c, "r-all", logs["r-all"], "all", newest + 1, "--older-within=1000")
+        harness.check(step == newest and
+                      restore.stdout.count("(step %d was lost)" % newest) == 2,
+                      "asked to, the newest step with the two lost layers' previous versions "
+                      "(got step %d)" % step)
         harness.check(metric(c, "ckpt_remote_failures_total", 'reason="corrupt"') +
                       metric(c, "ckpt_remote_failures_total", 'reason="other"') > 0,
                       "the damage was counted")
-        print("damaged %s: node C restored step %d instead of %d" % (damaged, step, newest))
+        print("damaged %s: node C refused step %d, then restored it with older versions of the "
+              "two layers" % (damaged, newest))
         c.stop()
 
         # 4. Wrong credentials (S3): node B comes back with a wrong secret;

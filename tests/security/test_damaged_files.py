@@ -63,6 +63,17 @@ def damaged_after_clean_stop(root):
                   "' lost its version of step %d" % STEPS in out.stderr,
                   "restore %d is refused, naming the lost versions (exit %d: %s)"
                   % (attempt + 1, out.returncode, out.stderr[-600:]))
+        # ckptctl plan says the same, and with --older-within shows the loss.
+        refused = d.ctl_raw("plan", "dmg")
+        check(refused.returncode != 0 and "DATA_LOSS" in refused.stderr and
+              "--older-within" in refused.stderr, "ckptctl plan refuses: %s" % refused.stderr)
+        plan = d.ctl("plan", "dmg", "--older-within=1")
+        lost = {l["name"]: (l["step"], l["lost_step"]) for l in plan["layers"]}
+        check(lost["embed_tokens"] == (STEPS - 1, STEPS),
+              "ckptctl plan --older-within=1 names the lost step: %s" % lost)
+        shown = d.ctl_raw("plan", "dmg", "--older-within=1")
+        check("step %d" % STEPS in shown.stdout and "LOST" in shown.stdout,
+              "... and its table has a LOST column:\n%s" % shown.stdout)
         out = harness.run_trainer(d, "dmg", "--steps=0", "--restore", "--older-within=1",
                                   "--verify-log=" + log, *LAYERS)
         print(out.stdout[-1500:])

@@ -184,12 +184,17 @@ def main():
         g = node(root, "g", fifo_remote, key)
         nodes.append(g)
         start = time.time()
-        pulled = trainer(g, VICTIM, "victim", "--steps=16", "--restore", "--verify-log=" + log,
-                         timeout=120)
+        pulled = trainer(g, VICTIM, "victim", "--steps=0", "--restore", timeout=120)
         took = time.time() - start
-        harness.check(pulled.returncode == 0 and restored_step(pulled) == 14 and
+        harness.check(pulled.returncode != 0 and "lost its version of step 15" in pulled.stderr,
+                      "a FIFO object loses its version: step 15 is refused: %s" %
+                      pulled.stderr[-400:])
+        pulled = trainer(g, VICTIM, "victim", "--steps=16", "--restore", "--older-within=1000",
+                         "--verify-log=" + log, timeout=120)
+        harness.check(pulled.returncode == 0 and restored_step(pulled) == 15 and
+                      "(step 15 was lost)" in pulled.stdout and
                       "verify: %d of %d layers match" % (LAYERS, LAYERS) in pulled.stdout,
-                      "a FIFO object makes its step unusable; an older one is restored: %s %s" %
+                      "asked to, step 15 with layer 0's previous version: %s %s" %
                       (pulled.stdout[-600:], pulled.stderr[-400:]))
         t0 = time.time()
         rc = g.stop(timeout=30)

@@ -147,19 +147,22 @@ TEST_F(RemoteTierTest, RemoteOutageNeverStopsTrainingAndCatchesUp) {
   EXPECT_EQ(objects.size(), 2u);
 }
 
-// A damaged object is detected on the pull and never served: the newest
-// manifest that reads back whole is restored instead.
-TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
+// A damaged object is detected on the pull and never served. The newest
+// step is pulled all the same, the damaged object's version lost: a restore
+// of it is refused (it once gave the older whole step unasked), a restore
+// that accepts older versions takes the layer's from the newest whole step
+// below, and the older step restores as it was.
+TEST_F(RemoteTierTest, DamagedRemoteObjectIsRefusedUnlessOlderIsAsked) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
   TestRank a = MakeRank("bitrot", 2);
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
   CKPT_ASSERT_OK(WaitRemote(a, 3).status());
-  // Flip one payload byte of a version of step 3.
+  // Flip one payload byte of layer 1's version of step 3.
   CKPT_ASSERT_OK_AND_ASSIGN(auto objects, posix_->List(remote::RankPrefix("bitrot", 0) + "v/"));
   std::string victim;
   for (const remote::ObjectInfo& o : objects) {
-    if (absl::StrContains(o.key, "-S0000000000000003-")) victim = o.key;
+    if (absl::StrContains(o.key, "L00000001-S0000000000000003-")) victim = o.key;
   }
   ASSERT_FALSE(victim.empty());
   {
@@ -169,8 +172,19 @@ TEST_F(RemoteTierTest, DamagedRemoteObjectFallsBackToAnOlderWholeStep) {
   }
   ASSERT_NO_FATAL_FAILURE(ReplaceNode(WithRemote()));
   CKPT_ASSERT_OK(Register(&a).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
-  EXPECT_EQ(restored.plan.target_step, 2u);
+  absl::StatusOr<Restored> refused = engine_->Restore(Ref(a), 0, owner_);
+  EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kLostVersion) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                "layer 1 'layer1' lost its version of step 3 (the remote tier's "
+                                "object is damaged"))
+      << refused.status();
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored older,
+                            engine_->Restore(Ref(a), 0, owner_, false, /*older_within=*/1));
+  EXPECT_EQ(older.plan.target_step, 3u);
+  EXPECT_EQ(PlannedSteps(older.plan), (std::vector<uint64_t>{3, 2}));
+  EXPECT_EQ(older.plan.layers[1].lost_step, 3u);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored two, engine_->Restore(Ref(a), 2, owner_));
   EXPECT_TRUE(HoldsStep(a, 2));
 }
 

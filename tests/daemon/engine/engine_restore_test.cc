@@ -168,7 +168,7 @@ TEST_F(EnginePipelineTest, MemoryTierWithinItsBudgetAndYieldingToSnapshots) {
 // restore is refused, naming the layers: it once fell back to the layers'
 // previous versions unasked, and a retry still does unless the index keeps
 // the loss. Asked to (older_within), a restore takes those versions and
-// says so per layer; with discard_later the loss is then accepted.
+// says so per layer; a restore that took them accepts the loss.
 TEST_F(EnginePipelineTest, RestoreRefusesAVersionDamagedOnDiskUnlessOlderIsAsked) {
   EngineOptions o = OneWriter();
   Metrics metrics;
