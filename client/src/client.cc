@@ -551,8 +551,12 @@ absl::Status Client::Unregister(bool drain) {
   if (DaemonLost(s) && options_.on_daemon_loss == OnDaemonLoss::kContinueUnprotected) {
     return absl::OkStatus();
   }
-  if (DaemonLost(s))
-    return absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message()));
+  // The reason stays: a caller tells "ckptd is gone" from "another
+  // registration of the rank replaced this one".
+  if (DaemonLost(s)) {
+    return WithReason(absl::UnavailableError(absl::StrCat("ckptd unavailable: ", s.message())),
+                      ReasonOf(s));
+  }
   return s;
 }
 

@@ -482,6 +482,9 @@ class Engine {
   absl::StatusOr<Restored> RestoreUnderLease(const RankState& r, RankMemory* memory,
                                              uint64_t target_step, bool discard_later,
                                              uint64_t older_within);
+  // After a restore of `plan` that took older versions for lost ones: when
+  // the step is the rank's newest (training goes on from it), forgets them.
+  absl::Status AcceptLosses(const CompositePlan& plan);
   // For each version of (job, rank) in `damaged`: the first tier that holds
   // an intact copy of it puts that copy in place (DurableTier::Repair; its
   // name goes into `*repaired` by layer, when given); a version no tier

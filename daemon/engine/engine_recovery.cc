@@ -189,14 +189,31 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
     CKPT_RETURN_IF_ERROR(ReplaceOrQuarantine(r.uid, damaged, stats.status(), &reply.repaired_from));
   }
   if (discard_later) CKPT_RETURN_IF_ERROR(DiscardAfter(r.job, r.rank, reply.plan.target_step));
-  // Training goes on from what was restored: the losses it accepted are its
-  // history now, and no later plan (nor this step's again) refuses for them.
-  for (const PlannedLayer& lp : reply.plan.layers) {
-    if (lp.lost_step != 0) {
-      CKPT_RETURN_IF_ERROR(index_->DeleteLost(VersionKey{r.job, r.rank, lp.layer, lp.lost_step}));
+  CKPT_RETURN_IF_ERROR(AcceptLosses(reply.plan));
+  return reply;
+}
+
+absl::Status Engine::AcceptLosses(const CompositePlan& plan) {
+  // Only when training goes on from the restored step: with later steps
+  // kept (no discard_later), those still need the lost versions.
+  CKPT_ASSIGN_OR_RETURN(auto newest, index_->EventAtOrBefore(plan.job, plan.rank, ~uint64_t{0}));
+  if (!newest.has_value() || newest->first != plan.target_step) return absl::OkStatus();
+  bool any = false;
+  for (const PlannedLayer& lp : plan.layers) any |= lp.lost_step != 0;
+  if (!any) return absl::OkStatus();
+  // Every lost version above the one taken: the step's plan takes it now.
+  CKPT_ASSIGN_OR_RETURN(Index::LostMap lost, index_->LostVersions(plan.job, plan.rank));
+  for (const PlannedLayer& lp : plan.layers) {
+    if (lp.lost_step == 0) continue;
+    for (auto it = lost.upper_bound({lp.layer, lp.step});
+         it != lost.end() && it->first.first == lp.layer && it->first.second <= plan.target_step;
+         ++it) {
+      it->second.set_accepted(true);
+      CKPT_RETURN_IF_ERROR(index_->MarkLost(
+          VersionKey{plan.job, plan.rank, lp.layer, it->first.second}, it->second));
     }
   }
-  return reply;
+  return absl::OkStatus();
 }
 
 absl::Status Engine::ReplaceOrQuarantine(uid_t owner, const std::vector<VersionKey>& damaged,
@@ -358,8 +375,8 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
         absl::Status(bytes.status().code(),
                      absl::StrCat(bytes.status().message(),
                                   "; no tier holds an intact copy, the version is marked lost: "
-                                  "an export that asks for the layer's previous version "
-                                  "(older_within_steps) takes it")),
+                                  "export again (older_within_steps takes the layer's previous "
+                                  "version)")),
         ErrorReason::kLostVersion);
   }
   CKPT_RETURN_IF_ERROR(bytes.status());

@@ -61,13 +61,7 @@ absl::Status LocalHistory::QuarantineVersion(uid_t owner, const VersionKey& key,
 }
 
 absl::Status LocalHistory::ForgetLost(const std::string& job, uint32_t rank, uint64_t from) {
-  CKPT_ASSIGN_OR_RETURN(const Index::LostMap lost, index_->LostVersions(job, rank));
-  for (const auto& [layer_step, rec] : lost) {
-    if (layer_step.second < from) continue;
-    CKPT_RETURN_IF_ERROR(
-        index_->DeleteLost(VersionKey{job, rank, layer_step.first, layer_step.second}));
-  }
-  return absl::OkStatus();
+  return store_->ForgetLost(job, rank, from);
 }
 
 }  // namespace ckpt

@@ -37,7 +37,7 @@ struct RemoteTier::PullState {
   // is then that manifest): marked lost when the pull publishes, so that a
   // restore of the newest remote-durable step refuses instead of quietly
   // giving an older one (recovery/plan.h).
-  std::vector<std::pair<VersionKey, std::string>> lost;
+  std::vector<std::pair<VersionKey, store::LostVersion>> lost;
   bool whole = false;          // usable.back() has every version
   std::set<std::string> have;  // files adopted
   uint64_t floor = 0;          // the agreed step the newest usable one names
@@ -120,6 +120,9 @@ absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool
       IgnoreError(deps_.history->RemoveVersion(pull.owner, vk, rec),
                   "a leftover is quarantined at the next start");
     }
+    for (const auto& lost : pull.lost) {
+      IgnoreError(deps_.index->DeleteLost(lost.first), "a lost record of a rank with no history");
+    }
     return s;
   }
   const uint64_t newest = pull.usable.front().step();
@@ -171,16 +174,26 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
                         << ", not the job's owner " << *pull->recorded_owner << "; not used";
       continue;
     }
-    std::vector<std::pair<VersionKey, std::string>> damaged;
-    CKPT_RETURN_IF_ERROR(AdoptManifest(pull, *m, &damaged));
+    // The newest manifest is adopted with its damaged objects' versions
+    // lost; an older one only whole (AdoptManifest stops at its first).
+    const bool newest = pull->usable.empty();
+    std::vector<std::pair<VersionKey, store::LostVersion>> damaged;
+    CKPT_ASSIGN_OR_RETURN(const bool whole, AdoptManifest(pull, *m, newest ? &damaged : nullptr));
     if (pull->gave_up) return absl::OkStatus();
-    if (!damaged.empty() && !pull->usable.empty()) continue;  // only the newest may lose
-    if (pull->usable.empty()) {
+    if (!whole && !newest) continue;
+    if (newest) {
       pull->owner = m->owner_uid();
       pull->floor = m->event().agreed_step() > 0 ? m->event().agreed_step() : step;
     }
-    pull->whole = damaged.empty();
+    pull->whole = whole;
     for (auto& d : damaged) pull->lost.push_back(std::move(d));
+    // What the uploading node had lost already, it lost here too.
+    for (const store::RemoteVersion& v : m->versions()) {
+      if (v.lost_step() == 0) continue;
+      store::LostVersion lost;
+      lost.set_reason(absl::StrCat("lost on the node that uploaded step ", m->step()));
+      pull->lost.emplace_back(VersionKey{job, rank, v.layer(), v.lost_step()}, std::move(lost));
+    }
     pull->usable.push_back(*std::move(m));
   }
   if (pull->usable.empty()) {
@@ -254,8 +267,10 @@ absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::Versi
   return ok;
 }
 
-absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManifest& m,
-                                       std::vector<std::pair<VersionKey, std::string>>* damaged) {
+absl::StatusOr<bool> RemoteTier::AdoptManifest(
+    PullState* pull, const store::RemoteManifest& m,
+    std::vector<std::pair<VersionKey, store::LostVersion>>* damaged) {
+  bool whole = true;
   const auto& [job, rank] = pull->key;
   const QuotaOwner quota_owner{m.owner_uid(), job};
   // Its versions, each checked before its record is put.
@@ -282,11 +297,20 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
       // step up.
       const bool bad = fetched.ok() ? absl::IsDataLoss(ok)
                                     : absl::IsNotFound(fetched) || absl::IsDataLoss(fetched);
-      if (!bad) return pull->GiveUp(ok);
+      if (!bad) {
+        CKPT_RETURN_IF_ERROR(pull->GiveUp(ok));  // OK: nothing of the pull stays
+        return false;
+      }
       CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank " << rank
                         << " is not restorable whole from there: " << ok;
-      damaged->emplace_back(vk, absl::StrCat("the remote tier's object is damaged: ",
-                                             (fetched.ok() ? ok : fetched).message()));
+      whole = false;
+      if (damaged == nullptr) return false;
+      store::LostVersion lost;
+      lost.set_reason(absl::StrCat("the remote tier's object is damaged: ",
+                                   (fetched.ok() ? ok : fetched).message()));
+      lost.set_payload_bytes(v.record().payload_bytes());
+      lost.set_file(v.record().file());
+      damaged->emplace_back(vk, std::move(lost));
       continue;
     }
     pull->have.insert(v.record().file());
@@ -295,7 +319,7 @@ absl::Status RemoteTier::AdoptManifest(PullState* pull, const store::RemoteManif
     pull->pulled_bytes += n;
     if (Metrics* mm = deps_.metrics) mm->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
   }
-  return absl::OkStatus();
+  return whole;
 }
 
 absl::Status RemoteTier::PublishPulled(PullState* pull) {
@@ -310,13 +334,11 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   }
   // The lost versions before the events: no plan sees the newest step
   // without them.
-  for (const auto& [vk, why] : pull->lost) {
-    store::LostVersion lost;
-    lost.set_reason(why);
+  for (auto& [vk, lost] : pull->lost) {
     lost.set_lost_unix_ms(absl::ToUnixMillis(absl::Now()));
     CKPT_RETURN_IF_ERROR(index->MarkLost(vk, lost));
     CKPT_LOG(ERROR) << "remote tier: job " << job << " rank " << rank << " layer " << vk.layer
-                    << " step " << vk.step << " is lost (" << why
+                    << " step " << vk.step << " is lost (" << lost.reason()
                     << "); a restore of a step that needs it refuses unless it accepts the "
                        "layer's previous version (older_within_steps)";
   }

@@ -215,11 +215,12 @@ class RemoteTier final : public DurableTier {
   // ---- pulls (remote_pull.cc) ----
   absl::Status PullRank(const RankKey& key, const Caller& caller, bool must_know);
   absl::Status AdoptUsable(PullState* pull);
-  // Adopts every version of `m` it can; `*damaged` gets those whose object
-  // is missing or not what ckptd wrote, with why (the step is whole when it
-  // stays empty).
-  absl::Status AdoptManifest(PullState* pull, const store::RemoteManifest& m,
-                             std::vector<std::pair<VersionKey, std::string>>* damaged);
+  // Adopts the versions of `m`; true when every object was whole. A missing
+  // or damaged object (not what ckptd wrote) ends it with false, or, with
+  // `damaged`, is added there as lost and the rest adopted.
+  absl::StatusOr<bool> AdoptManifest(
+      PullState* pull, const store::RemoteManifest& m,
+      std::vector<std::pair<VersionKey, store::LostVersion>>* damaged);
   absl::Status PublishPulled(PullState* pull);
   absl::Status RaiseGenerations(PullState* pull);
 

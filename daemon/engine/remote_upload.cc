@@ -3,6 +3,8 @@
 // and applies remote retention.
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -11,7 +13,9 @@
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/remote_tier_internal.h"
+#include "daemon/recovery/plan.h"
 #include "daemon/remote/remote_layout.h"
+#include "daemon/store/layer_store.h"
 
 namespace ckpt {
 namespace {
@@ -159,11 +163,27 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   CKPT_ASSIGN_OR_RETURN(auto at, index->EventAtOrBefore(job, rank, newest));
   CKPT_ASSIGN_OR_RETURN(std::optional<store::RankRecord> table, index->GetRank(job, rank));
   if (!at.has_value() || at->first != newest || !table.has_value()) return std::string();
+  // A layer whose version of that step was lost here is not compared: the
+  // manifest names the damaged object, or the previous version (lost_step).
+  CKPT_ASSIGN_OR_RETURN(const Index::LostMap lost, index->LostVersions(job, rank));
+  std::set<uint32_t> skip;
   std::vector<std::string> local_files;
   for (const store::LayerSpec& layer : table->layers()) {
     CKPT_ASSIGN_OR_RETURN(auto v, index->VersionAtOrBefore(job, rank, layer.id(), newest));
-    if (v.has_value()) local_files.push_back(v->second.file());
+    const std::optional<uint64_t> gone = NewestLostStep(lost, layer.id(), newest);
+    if (gone.has_value() && (!v.has_value() || *gone > v->first)) {
+      skip.insert(layer.id());
+    } else if (v.has_value()) {
+      local_files.push_back(v->second.file());
+    }
   }
+  files.erase(std::remove_if(files.begin(), files.end(),
+                             [&skip](const std::string& f) {
+                               uint32_t layer;
+                               uint64_t step;
+                               return ParseFileName(f, &layer, &step) && skip.count(layer) > 0;
+                             }),
+              files.end());
   std::sort(local_files.begin(), local_files.end());
   std::sort(files.begin(), files.end());
   if (local_files != files) {
@@ -307,12 +327,19 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
   manifest.set_owner_uid(owner);
   *manifest.mutable_event() = std::move(event->second);
   *manifest.mutable_table() = *table;
+  // A layer whose version of the step was lost here: its previous version,
+  // marked, so a replacement node refuses the step as this one does.
+  // (One a restore accepted is this node's history now: not marked.)
+  CKPT_ASSIGN_OR_RETURN(Index::LostMap lost, index->LostVersions(job, rank));
+  DropAccepted(&lost);
   for (const store::LayerSpec& layer : table->layers()) {
     CKPT_ASSIGN_OR_RETURN(auto v, index->VersionAtOrBefore(job, rank, layer.id(), turn.step));
     if (!v.has_value()) continue;
     store::RemoteVersion* rv = manifest.add_versions();
     rv->set_layer(layer.id());
     rv->set_step(v->first);
+    const std::optional<uint64_t> gone = NewestLostStep(lost, layer.id(), turn.step);
+    if (gone.has_value() && *gone > v->first) rv->set_lost_step(*gone);
     *rv->mutable_record() = v->second;
     if (auto there = objects.find(v->second.file()); there != objects.end()) {
       rv->set_object_mac(there->second.mac);

@@ -1,6 +1,7 @@
 #include "daemon/recovery/plan.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -38,6 +39,18 @@ const std::pair<const std::pair<uint32_t, uint64_t>, store::LostVersion>* Newest
 
 }  // namespace
 
+void DropAccepted(Index::LostMap* lost) {
+  for (auto it = lost->begin(); it != lost->end();) {
+    it = it->second.accepted() ? lost->erase(it) : std::next(it);
+  }
+}
+
+std::optional<uint64_t> NewestLostStep(const Index::LostMap& lost, uint32_t layer, uint64_t tau) {
+  const auto* gone = NewestLost(lost, layer, tau);
+  if (gone == nullptr) return std::nullopt;
+  return gone->first.second;
+}
+
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
                                         uint64_t target_step, const store::RankRecord& table,
                                         uint64_t older_within) {
@@ -62,7 +75,8 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
   plan.target_step = tau;
   plan.aux = event->second.aux();
   plan.complete = true;
-  CKPT_ASSIGN_OR_RETURN(const Index::LostMap lost, index->LostVersions(job, rank));
+  CKPT_ASSIGN_OR_RETURN(Index::LostMap lost, index->LostVersions(job, rank));
+  DropAccepted(&lost);
   std::vector<std::string> refused;
   size_t refusals = 0;
   double weighted = 0, total = 0;

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,13 @@ struct CompositePlan {
 // naming the layers that have none (layers the checkpoint was not written
 // with: a module added since, say).
 absl::Status CheckComplete(const CompositePlan& plan);
+
+// Drops the losses a restore accepted (LostVersion.accepted) from `lost`.
+void DropAccepted(Index::LostMap* lost);
+
+// The step of the newest version of `layer` at or before `tau` that `lost`
+// (Index::LostVersions) records, if any.
+std::optional<uint64_t> NewestLostStep(const Index::LostMap& lost, uint32_t layer, uint64_t tau);
 
 // NOT_FOUND when the rank has no durable step, or `target_step` is not one
 // (a step is restorable while its checkpoint event exists).

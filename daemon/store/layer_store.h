@@ -233,6 +233,8 @@ class LayerStore {
   // deleted).
   absl::Status QuarantineVersion(const VersionKey& key, const store::VersionRecord& rec,
                                  const std::string& why);
+  // Forgets the rank's lost versions (Index::MarkLost) of step >= `from`.
+  absl::Status ForgetLost(const std::string& job, uint32_t rank, uint64_t from);
 
   // How start-up checks the files of the versions the index records.
   enum class ReconcileCheck {

@@ -30,6 +30,7 @@ store::LostVersion LostRecord(const store::VersionRecord& rec, const std::string
   lost.set_reason(why);
   lost.set_lost_unix_ms(absl::ToUnixMillis(absl::Now()));
   lost.set_payload_bytes(rec.payload_bytes());
+  lost.set_file(rec.file());
   return lost;
 }
 
@@ -107,8 +108,8 @@ absl::Status LayerStore::ReconcileRank(const std::string& job, uint32_t rank, in
                                        ReconcileCheck check, ReconcileReport* report) {
   CKPT_ASSIGN_OR_RETURN(auto last_event, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
   const uint64_t last_step = last_event.has_value() ? last_event->first : 0;
-  // After a clean stop a recorded file is looked up by name in the listing
-  // (which the file side below uses too: one listing, no stat).
+  CKPT_RETURN_IF_ERROR(ForgetLost(job, rank, last_step + 1));  // left by a crash in a discard
+  // After a clean stop, files are looked up by name in one listing (no stat).
   std::vector<std::string> names;
   if (check == ReconcileCheck::kNames) {
     absl::StatusOr<std::vector<std::string>> listed = fs_->List(dir);
@@ -232,6 +233,17 @@ absl::Status LayerStore::Quarantine(const std::string& job, uint32_t rank, int d
                     << "/" << target << " (" << why
                     << "); with ckptd stopped, `ckptctl repair --data-dir=" << data_dir_
                     << "` puts it back in the index if it verifies";
+  return absl::OkStatus();
+}
+
+absl::Status LayerStore::ForgetLost(const std::string& job, uint32_t rank, uint64_t from) {
+  CKPT_ASSIGN_OR_RETURN(const Index::LostMap lost, index_->LostVersions(job, rank));
+  for (const auto& [layer_step, rec] : lost) {
+    if (layer_step.second >= from) {
+      CKPT_RETURN_IF_ERROR(
+          index_->DeleteLost(VersionKey{job, rank, layer_step.first, layer_step.second}));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -15,7 +15,8 @@ load with only storage_writer=/storage_reader= changed.
   not served;
 - a tensor larger than ckptd's staging pool is refused naming the setting;
 - 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
-  bytes) save; 2 ranks and 8 ranks load it exactly (DCP reshards);
+  bytes) save with dcp.save, async_save and async_save's PROCESS
+  executor; 2 ranks and 8 ranks load the last exactly (DCP reshards);
 - a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
   is the newest one, intact;
 - async_save's PROCESS executor: DCP's process gets meta tensors and a
@@ -346,6 +347,24 @@ def damaged(daemon):
     check("lost its version of step" in err, "a load after the loss is refused: %s" % err[:400])
 
 
+def two_writers(daemon):
+    """Two writers of one job in one process (one per save, or one per
+    executor): closing the one whose registration the other replaced
+    raised UNAVAILABLE "not registered"."""
+    sd = {"w": torch.arange(4.0)}
+    first = CkptWriter("dcp-two", socket_path=daemon.socket)
+    dcp.save(sd, checkpoint_id="a-1", storage_writer=first)
+    second = CkptWriter("dcp-two", socket_path=daemon.socket)
+    sd["w"] += 1
+    dcp.save(sd, checkpoint_id="b-1", storage_writer=second)
+    second.close()
+    first.close()
+    got = {"w": torch.zeros(4)}
+    dcp.load(got, storage_reader=CkptReader("dcp-two", daemon.socket))
+    check(torch.equal(got["w"], sd["w"]), "two writers of a job close in any order; the newest "
+          "save loads")
+
+
 def newest_moves(daemon):
     """Ranks read the metadata one by one: a save landing between two
     ranks' reads is caught before any rank loads."""
@@ -423,6 +442,16 @@ def worker(a):
         # The same again through async_save: staged whole, while DCP's plan
         # leaves the replicated tensor to one rank; still one layout.
         dcp.async_save(sd, checkpoint_id="step-101", storage_writer=writer).result(timeout=300)
+        if not a.kill_at_async:
+            # And through the PROCESS executor: DTensor shards staged in this
+            # process, DCP's process writing through this rank's writer.
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            pwriter = CkptWriter("dcp-ranks", socket_path=a.socket, process_executor=True)
+            dcp.async_save(sd, checkpoint_id="step-102", storage_writer=pwriter,
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(
+                               timeout=300)
+            harness.stop_dcp_process()
+            pwriter.close()
         if a.kill_at_async:
             # The next save is killed after staging, while ckptd may be writing.
             sd["rows"].to_local().add_(1)
@@ -436,6 +465,10 @@ def worker(a):
         dcp.load(sd, storage_reader=reader)
         if reader.loaded_id == "step-200":  # the async save finished before the kill
             rows = rows + 1
+        elif a.expect_id and reader.loaded_id != a.expect_id:
+            print("rank %d loaded %s, not %s" % (a.rank, reader.loaded_id, a.expect_id),
+                  flush=True)
+            sys.exit(4)
         lo = GLOBAL_ROWS // a.world * a.rank
         mine = rows[lo:lo + GLOBAL_ROWS // a.world]
         ok = torch.equal(sd["rows"].to_local(), mine) and torch.equal(sd["rep"].to_local(), rep)
@@ -508,7 +541,7 @@ def process_executor(daemon, root):
           "the trainer's writer; 2 checkpoints exact")
 
 
-def run_ranks(daemon, root, mode, world, kill_at_async=False):
+def run_ranks(daemon, root, mode, world, kill_at_async=False, expect_id=None):
     # A fresh rendezvous file for each group: a FileStore file left by an
     # earlier group of the same size would be joined instead.
     store = tempfile.mktemp(prefix="store-%s-%d-" % (mode, world), dir=root)
@@ -518,6 +551,8 @@ def run_ranks(daemon, root, mode, world, kill_at_async=False):
                str(world), "--store", store, "--socket", daemon.socket]
         if kill_at_async:
             cmd.append("--kill-at-async")
+        if expect_id:
+            cmd += ["--expect-id", expect_id]
         procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     codes = [p.wait(timeout=300) for p in procs]
     return codes
@@ -531,10 +566,11 @@ def many_ranks(daemon, root):
         mine = [j for j in jobs if j.startswith("dcp-ranks.r%d." % r)]
         check(len(mine) == 1, "rank %d's save and async_save share one layout: %s" % (r, mine))
     for world in (2, 8):
-        codes = run_ranks(daemon, root, "load", world)
-        check(codes == [0] * world, "a 4-rank checkpoint loads exactly onto %d ranks: %s"
-              % (world, codes))
-    print("4 ranks saved (DTensor shards and a replica); loaded exactly onto 2 and 8 ranks")
+        codes = run_ranks(daemon, root, "load", world, expect_id="step-102")
+        check(codes == [0] * world, "a 4-rank checkpoint saved through the PROCESS executor "
+              "loads exactly onto %d ranks: %s" % (world, codes))
+    print("4 ranks saved (DTensor shards and a replica; plain, async and PROCESS executor); "
+          "loaded exactly onto 2 and 8 ranks")
 
 
 def killed_during_async(daemon, root):
@@ -553,6 +589,7 @@ def main():
     p.add_argument("--store")
     p.add_argument("--socket")
     p.add_argument("--kill-at-async", action="store_true")
+    p.add_argument("--expect-id")
     a = p.parse_args()
     if a.worker == "process":
         process_worker(a)
@@ -569,6 +606,7 @@ def main():
         lora_bytes(daemon, root)
         damaged(daemon)
         damaged_with_remote(root)
+        two_writers(daemon)
         newest_moves(daemon)
         too_big(root)
         many_ranks(daemon, root)

@@ -215,6 +215,13 @@ def lost_version(daemon):
               "older_within" in str(e),
               "restore %d of a lost version is refused, naming the layer and the way out: %r"
               % (attempt + 1, e))
+    # A step that does not need the lost version restores as ever (the
+    # lookup of the newest step once refused with it).
+    run1 = ckpt_torch.attach(m, adam(m), ckpt.Client(daemon.socket), job_id="msg-lost")
+    at2 = run1.restore(step=2)
+    check(at2.target_step == 2 and torch.equal(m.state_dict()["0.weight"], after[1]["0.weight"]),
+          "restore(step=2) is untouched by step 3's loss")
+    run1.close(drain=False)
     opt2 = adam(m)
     run2 = ckpt_torch.attach(m, opt2, ckpt.Client(daemon.socket), job_id="msg-lost")
     restored = run2.restore(older_within=1)

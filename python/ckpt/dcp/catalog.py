@@ -27,7 +27,7 @@ from typing import Any, Optional, Tuple
 
 import ckpt
 
-from .store import client_for, dumps, loads, metadata_of, plain_metadata
+from .store import client_for, dumps, loads, metadata_of, plain_metadata, unregister
 
 FORMAT = 1
 MAX_INDEX = 10_000  # checkpoint ids an entry indexes
@@ -160,6 +160,6 @@ class Catalog:
     def close(self) -> None:
         with self._lock:
             if self._writer is not None:
-                self._writer.unregister(drain=True)
+                unregister(self._writer)
                 self._writer = None
             self._reader = None

@@ -58,6 +58,19 @@ def client_for(socket_path: Optional[str], call_timeout_s: float,
     return ckpt.Client(socket_path, **kwargs) if socket_path else ckpt.Client(**kwargs)
 
 
+def unregister(client: "ckpt.Client") -> None:
+    """Ends `client`'s registration, its committed steps durable first. A
+    registration another writer of the job replaced since (a writer per
+    save, one per executor), or has closed, is not an error: every step
+    ckpt.dcp commits is durable before its save returns, so nothing of it
+    is left to drain."""
+    try:
+        client.unregister(drain=True)
+    except ckpt.Error as e:
+        if e.reason not in ("NOT_REGISTERED", "STALE_GENERATION"):
+            raise
+
+
 def dumps(obj: Any) -> bytes:
     """`obj` (plain data: dicts, lists, tuples, str, bytes, numbers) in
     torch.save's format."""
@@ -317,6 +330,6 @@ class RankStore:
     def close(self) -> None:
         with self._lock:
             if self._client is not None:
-                self._client.unregister(drain=True)
+                unregister(self._client)
                 self._client = None
                 self._digest = ""

@@ -17,6 +17,7 @@ from typing import Any, Dict, NamedTuple, Optional
 
 import ckpt
 
+from .agreement import newest_durable
 from .layout import Layout
 from .reshard import Exchange, Read, check_reslicable
 from .state import load_aux
@@ -66,8 +67,7 @@ class Restorer:
         if aux is not None:
             self._check_layout(aux, plan)
         latest = target if step is None else \
-            self._client.plan(0, job_id=self._job_id, rank=self._layout.rank,
-                              older_within=older_within)["target_step"]
+            newest_durable(self._client, self._job_id, self._layout.rank, unknown=None)
         return Prepared(plan, target, aux, latest, older_within)
 
     def write(self, prepared: Prepared, discard_later: bool) -> dict:

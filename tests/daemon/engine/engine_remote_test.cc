@@ -183,6 +183,10 @@ TEST_F(RemoteTierTest, DamagedRemoteObjectIsRefusedUnlessOlderIsAsked) {
   EXPECT_EQ(older.plan.target_step, 3u);
   EXPECT_EQ(PlannedSteps(older.plan), (std::vector<uint64_t>{3, 2}));
   EXPECT_EQ(older.plan.layers[1].lost_step, 3u);
+  // Training goes on, and so do the uploads (the remote step 3 names the
+  // damaged object, this node's the previous version: the same history).
+  ASSERT_NO_FATAL_FAILURE(Train(a, 4, 4));
+  CKPT_ASSERT_OK(WaitRemote(a, 4).status());
   CKPT_ASSERT_OK(Register(&a).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored two, engine_->Restore(Ref(a), 2, owner_));
   EXPECT_TRUE(HoldsStep(a, 2));

@@ -200,19 +200,37 @@ TEST_F(EnginePipelineTest, RestoreRefusesAVersionDamagedOnDiskUnlessOlderIsAsked
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "its previous is step 1"))
         << refused.status();
   }
-  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(tmp_.path()) /
+  // Layer 0's damage at least was found (the two readers may have found
+  // layer 1's as well): what was found is in quarantine and off the quota.
+  uint64_t found = 0, found_bytes = 0;
+  for (const store::VersionRecord& rec : recs) {
+    const bool moved = std::filesystem::exists(std::filesystem::path(tmp_.path()) /
+                                               "quarantine/damaged/rank-00000000" / rec.file());
+    EXPECT_NE(moved, std::filesystem::exists(dir / rec.file())) << rec.file();
+    found += moved;
+    found_bytes += moved ? rec.file_bytes() : 0;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.parent_path().parent_path().parent_path() /
                                       "quarantine/damaged/rank-00000000" / recs[0].file()));
-  EXPECT_FALSE(std::filesystem::exists(dir / recs[0].file()));
-  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes, used - recs[0].file_bytes());
+  EXPECT_EQ(engine_->quota_usage(owner_.uid).file_bytes, used - found_bytes);
   const std::string scrape = metrics.Scrape();
-  EXPECT_NE(scrape.find("\nckpt_versions_quarantined_total 1\n"), std::string::npos);
+  EXPECT_NE(scrape.find(absl::StrCat("\nckpt_versions_quarantined_total ", found, "\n")),
+            std::string::npos);
   EXPECT_NE(scrape.find("\nckpt_lost_version_restores_total{outcome=\"refused\"} 2\n"),
             std::string::npos)
       << scrape;
   // The newest step does not need the lost versions: it restores as ever.
   CKPT_ASSERT_OK_AND_ASSIGN(Restored newest, engine_->Restore(Ref(r), 0, owner_));
   EXPECT_EQ(PlannedSteps(newest.plan), (std::vector<uint64_t>{3, 3}));
-  // Asked for, the previous versions, reported; one step older is allowed.
+  // Asked for, without discarding step 3 (which needs layer 0's step 2 as
+  // well): taken and reported, and still lost for the next plan.
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored kept, engine_->Restore(Ref(r), 2, owner_, false, 1));
+  EXPECT_EQ(kept.plan.layers[0].lost_step, 2u);
+  CKPT_ASSERT_OK_AND_ASSIGN(const Index::LostMap still, index_->LostVersions("damaged", 0));
+  for (const auto& [layer_step, rec] : still) EXPECT_FALSE(rec.accepted()) << layer_step.first;
+  EXPECT_EQ(ReasonOf(engine_->Restore(Ref(r), 2, owner_).status()), ErrorReason::kLostVersion);
+  // Asked for, with discard_later: training goes on from step 2.
   CKPT_ASSERT_OK(Register(&r).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored older, engine_->Restore(Ref(r), 2, owner_,
                                                              /*discard_later=*/true,
@@ -228,12 +246,13 @@ TEST_F(EnginePipelineTest, RestoreRefusesAVersionDamagedOnDiskUnlessOlderIsAsked
   }
   const std::string after = metrics.Scrape();
   EXPECT_NE(after.find("\nckpt_versions_quarantined_total 2\n"), std::string::npos);
-  EXPECT_NE(after.find("\nckpt_lost_version_restores_total{outcome=\"older\"} 1\n"),
+  EXPECT_NE(after.find("\nckpt_lost_version_restores_total{outcome=\"older\"} 2\n"),
             std::string::npos);
-  // Training went on from step 2 with those versions: no loss is left to
-  // refuse for.
+  // Training went on from step 2 with those versions: the losses are
+  // accepted, and no plan refuses for them.
   CKPT_ASSERT_OK_AND_ASSIGN(const Index::LostMap lost, index_->LostVersions("damaged", 0));
-  EXPECT_TRUE(lost.empty());
+  EXPECT_EQ(lost.size(), 2u);
+  for (const auto& [layer_step, rec] : lost) EXPECT_TRUE(rec.accepted()) << layer_step.first;
   CKPT_ASSERT_OK(Register(&r).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(r), 0, owner_));
   EXPECT_EQ(again.plan.target_step, 2u);
@@ -271,6 +290,14 @@ TEST_F(EnginePipelineTest, OlderWithinBoundsTheVersionTakenForALostOne) {
   EXPECT_EQ(PlannedSteps(two.plan), (std::vector<uint64_t>{1, 3}));
   EXPECT_EQ(two.plan.layers[0].lost_step, 3u);
   EXPECT_EQ(two.plan.layers[1].lost_step, 0u);
+  // Step 3 is the newest: training goes on from it, and both of layer 0's
+  // losses are accepted (the step's plan takes step 1 from now on).
+  CKPT_ASSERT_OK_AND_ASSIGN(const Index::LostMap lost, index_->LostVersions("bounded", 0));
+  EXPECT_EQ(lost.size(), 2u);
+  for (const auto& [layer_step, rec] : lost) EXPECT_TRUE(rec.accepted()) << layer_step.second;
+  CKPT_ASSERT_OK(Register(&r).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(r), 3, owner_));
+  EXPECT_EQ(PlannedSteps(again.plan), (std::vector<uint64_t>{1, 3}));
 }
 
 }  // namespace
