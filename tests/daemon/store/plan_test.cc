@@ -350,10 +350,12 @@ TEST_F(PlanTest, ALostVersionRefusesThePlansThatNeedIt) {
   lost.set_reason("damaged: checksum mismatch");
   CKPT_ASSERT_OK(index_->MarkLost(VersionKey{kJob, 0, 1, 25}, lost));
   CKPT_ASSERT_OK(index_->MarkLost(VersionKey{kJob, 0, 0, 20}, lost));
+  EXPECT_EQ(index_->VersionsOf(kJob, 0).total.versions, 4u) << "counted as they go";
   store_.reset();
   index_.reset();
   CKPT_ASSERT_OK_AND_ASSIGN(index_, Index::Open(tmp_.Join("index")));
-  EXPECT_EQ(index_->VersionsOf(kJob, 0).total.versions, 4u) << "their records are gone";
+  EXPECT_EQ(index_->VersionsOf(kJob, 0).total.versions, 4u)
+      << "and recounted: their records are gone";
 
   absl::StatusOr<CompositePlan> at30 = BuildPlan(index_.get(), kJob, 0, 30, table_);
   ASSERT_TRUE(absl::IsDataLoss(at30.status())) << at30.status();
