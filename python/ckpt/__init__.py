@@ -16,9 +16,12 @@ Every failed call raises `ckpt.Error`, with
   a stable name: "QUOTA" (the caller's uid reached one of its quotas),
   "DISK_FULL" (the disk bound, the free-space reserve or ENOSPC), "FSYNC",
   "INDEX", "WRITE", "SNAPSHOT_COPY", "NOT_REGISTERED", "STALE_GENERATION",
-  "SHUTTING_DOWN"; None when ckptd gave none (and for the errors ckpt.torch
-  raises itself). A RESOURCE_EXHAUSTED with reason "QUOTA" is this user's
-  limit; with "DISK_FULL" the node's disk.
+  "SHUTTING_DOWN", "REPAIRED" (an export found a damaged version that a
+  tier's intact copy replaced: read again), "LOST_VERSION" (a version the
+  step needs was damaged and no tier holds a copy: restore(older_within=)
+  takes the previous one); None when ckptd gave none (and for the errors
+  ckpt.torch raises itself). A RESOURCE_EXHAUSTED with reason "QUOTA" is
+  this user's limit; with "DISK_FULL" the node's disk.
 
 `ckpt.__version__` is the project's version, the one ckptd's Status reports.
 """
