@@ -199,8 +199,8 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
   if (pull->usable.empty()) {
     return pull->GiveUp(absl::DataLossError(
         absl::StrCat("job ", job, " rank ", rank,
-                     ": every manifest in the remote tier is damaged or names an object that is "
-                     "missing or damaged")));
+                     ": no manifest in the remote tier could be used (each is damaged, "
+                     "unreadable or another user's)")));
   }
   return absl::OkStatus();
 }
