@@ -190,9 +190,10 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
     // What the uploading node had lost already, it lost here too.
     for (const store::RemoteVersion& v : m->versions()) {
       if (v.lost_step() == 0) continue;
-      store::LostVersion lost;
-      lost.set_reason(absl::StrCat("lost on the node that uploaded step ", m->step()));
-      pull->lost.emplace_back(VersionKey{job, rank, v.layer(), v.lost_step()}, std::move(lost));
+      pull->lost.emplace_back(
+          VersionKey{job, rank, v.layer(), v.lost_step()},
+          LostRecord(store::VersionRecord(),
+                     absl::StrCat("lost on the node that uploaded step ", m->step())));
     }
     pull->usable.push_back(*std::move(m));
   }
@@ -305,12 +306,9 @@ absl::StatusOr<bool> RemoteTier::AdoptManifest(
                         << " is not restorable whole from there: " << ok;
       whole = false;
       if (damaged == nullptr) return false;
-      store::LostVersion lost;
-      lost.set_reason(absl::StrCat("the remote tier's object is damaged: ",
-                                   (fetched.ok() ? ok : fetched).message()));
-      lost.set_payload_bytes(v.record().payload_bytes());
-      lost.set_file(v.record().file());
-      damaged->emplace_back(vk, std::move(lost));
+      damaged->emplace_back(
+          vk, LostRecord(v.record(), absl::StrCat("the remote tier's object is damaged: ",
+                                                  (fetched.ok() ? ok : fetched).message())));
       continue;
     }
     pull->have.insert(v.record().file());
@@ -334,8 +332,7 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   }
   // The lost versions before the events: no plan sees the newest step
   // without them.
-  for (auto& [vk, lost] : pull->lost) {
-    lost.set_lost_unix_ms(absl::ToUnixMillis(absl::Now()));
+  for (const auto& [vk, lost] : pull->lost) {
     CKPT_RETURN_IF_ERROR(index->MarkLost(vk, lost));
     CKPT_LOG(ERROR) << "remote tier: job " << job << " rank " << rank << " layer " << vk.layer
                     << " step " << vk.step << " is lost (" << lost.reason()

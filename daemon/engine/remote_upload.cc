@@ -170,8 +170,8 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   std::vector<std::string> local_files;
   for (const store::LayerSpec& layer : table->layers()) {
     CKPT_ASSIGN_OR_RETURN(auto v, index->VersionAtOrBefore(job, rank, layer.id(), newest));
-    const std::optional<uint64_t> gone = NewestLostStep(lost, layer.id(), newest);
-    if (gone.has_value() && (!v.has_value() || *gone > v->first)) {
+    if (LostNeeded(lost, layer.id(), newest,
+                   v.has_value() ? std::optional(v->first) : std::nullopt) != nullptr) {
       skip.insert(layer.id());
     } else if (v.has_value()) {
       local_files.push_back(v->second.file());
@@ -338,8 +338,9 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     store::RemoteVersion* rv = manifest.add_versions();
     rv->set_layer(layer.id());
     rv->set_step(v->first);
-    const std::optional<uint64_t> gone = NewestLostStep(lost, layer.id(), turn.step);
-    if (gone.has_value() && *gone > v->first) rv->set_lost_step(*gone);
+    if (const auto* gone = LostNeeded(lost, layer.id(), turn.step, v->first)) {
+      rv->set_lost_step(gone->first.second);
+    }
     *rv->mutable_record() = v->second;
     if (auto there = objects.find(v->second.file()); there != objects.end()) {
       rv->set_object_mac(there->second.mac);

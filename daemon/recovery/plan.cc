@@ -25,30 +25,19 @@ absl::Status CheckComplete(const CompositePlan& plan) {
       "since?): restore into the model the job was trained with, or start a new job"));
 }
 
-namespace {
-
-// The step and record of the newest lost version of `layer` at or before
-// `tau` in `lost`, if any.
-const std::pair<const std::pair<uint32_t, uint64_t>, store::LostVersion>* NewestLost(
-    const Index::LostMap& lost, uint32_t layer, uint64_t tau) {
-  auto it = lost.upper_bound(std::make_pair(layer, tau));
-  if (it == lost.begin()) return nullptr;
-  --it;
-  return it->first.first == layer ? &*it : nullptr;
-}
-
-}  // namespace
-
 void DropAccepted(Index::LostMap* lost) {
   for (auto it = lost->begin(); it != lost->end();) {
     it = it->second.accepted() ? lost->erase(it) : std::next(it);
   }
 }
 
-std::optional<uint64_t> NewestLostStep(const Index::LostMap& lost, uint32_t layer, uint64_t tau) {
-  const auto* gone = NewestLost(lost, layer, tau);
-  if (gone == nullptr) return std::nullopt;
-  return gone->first.second;
+const Index::LostMap::value_type* LostNeeded(const Index::LostMap& lost, uint32_t layer,
+                                             uint64_t tau, std::optional<uint64_t> version_step) {
+  auto it = lost.upper_bound(std::make_pair(layer, tau));
+  if (it == lost.begin()) return nullptr;
+  --it;
+  if (it->first.first != layer) return nullptr;
+  return !version_step.has_value() || it->first.second > *version_step ? &*it : nullptr;
 }
 
 absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, uint32_t rank,
@@ -85,8 +74,9 @@ absl::StatusOr<CompositePlan> BuildPlan(Index* index, const std::string& job, ui
     lp.layer = layer.id();
     lp.name = layer.name();
     CKPT_ASSIGN_OR_RETURN(auto v, index->VersionAtOrBefore(job, rank, layer.id(), tau));
-    const auto* gone = lost.empty() ? nullptr : NewestLost(lost, layer.id(), tau);
-    if (gone != nullptr && (!v.has_value() || gone->first.second > v->first)) {
+    const auto* gone =
+        LostNeeded(lost, layer.id(), tau, v.has_value() ? std::optional(v->first) : std::nullopt);
+    if (gone != nullptr) {
       const uint64_t lost_step = gone->first.second;
       if (!v.has_value() || older_within == 0 || tau - v->first > older_within) {
         if (++refusals <= 5) {

@@ -56,9 +56,12 @@ absl::Status CheckComplete(const CompositePlan& plan);
 // Drops the losses a restore accepted (LostVersion.accepted) from `lost`.
 void DropAccepted(Index::LostMap* lost);
 
-// The step of the newest version of `layer` at or before `tau` that `lost`
-// (Index::LostVersions) records, if any.
-std::optional<uint64_t> NewestLostStep(const Index::LostMap& lost, uint32_t layer, uint64_t tau);
+// The lost version (in `lost`, Index::LostVersions) a plan of `tau` needs
+// for `layer`: the newest at or before `tau`, when it is newer than the
+// layer's version there (`version_step`; nullopt: the layer has none).
+// nullptr when the plan needs none.
+const Index::LostMap::value_type* LostNeeded(const Index::LostMap& lost, uint32_t layer,
+                                             uint64_t tau, std::optional<uint64_t> version_step);
 
 // NOT_FOUND when the rank has no durable step, or `target_step` is not one
 // (a step is restorable while its checkpoint event exists).

@@ -74,6 +74,10 @@ std::string RankDirName(uint32_t rank);
 bool ParseRankDirName(const std::string& name, uint32_t* rank);
 bool ParseFileName(const std::string& name, uint32_t* layer, uint64_t* step);
 
+// What Index::MarkLost records for the version `rec` names, lost for `why`
+// now.
+store::LostVersion LostRecord(const store::VersionRecord& rec, const std::string& why);
+
 // One layer version in staging, ready to commit. `header` has every tensor's
 // metadata and layout offsets (PlanLayout); its checksums are filled in by
 // Commit from the staged bytes.

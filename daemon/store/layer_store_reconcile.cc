@@ -23,8 +23,6 @@ namespace ckpt {
 
 using layer_store_internal::AtPath;
 
-namespace {
-
 store::LostVersion LostRecord(const store::VersionRecord& rec, const std::string& why) {
   store::LostVersion lost;
   lost.set_reason(why);
@@ -33,8 +31,6 @@ store::LostVersion LostRecord(const store::VersionRecord& rec, const std::string
   lost.set_file(rec.file());
   return lost;
 }
-
-}  // namespace
 
 absl::StatusOr<ReconcileReport> LayerStore::Reconcile(ReconcileCheck check) {
   ReconcileReport report;

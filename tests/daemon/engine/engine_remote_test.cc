@@ -58,15 +58,6 @@ class RemoteTierTest : public EnginePipelineTest {
     return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, "remote");
   }
   // Trains `r` through steps [from, to], each durable locally.
-  void Train(TestRank& r, uint64_t from, uint64_t to) {
-    for (uint64_t t = from; t <= to; ++t) {
-      WriteStep(r, t);
-      CKPT_ASSERT_OK(StepDone(r, t));
-      CKPT_ASSERT_OK(WaitSnapshot(r, t).status());
-      CKPT_ASSERT_OK(WaitDurable(r, t).status());
-    }
-  }
-
   TempDir remote_dir_;
   std::unique_ptr<remote::PosixStore> posix_;
   const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));

@@ -101,11 +101,7 @@ TEST_F(EnginePipelineTest, MemoryTierServesARestoreWithoutTheDisk) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
   TestRank a = MakeRank("crashy", 3);
   CKPT_ASSERT_OK(Register(&a).status());
-  for (uint64_t t = 1; t <= 3; ++t) {
-    WriteStep(a, t);
-    CKPT_ASSERT_OK(StepDone(a, t));
-    CKPT_ASSERT_OK(WaitDurable(a, t).status());
-  }
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
   for (const auto& f :
        std::filesystem::directory_iterator(tmp_.Join("jobs/crashy/rank-00000000"))) {
     std::filesystem::remove(f.path());
@@ -176,11 +172,7 @@ TEST_F(EnginePipelineTest, RestoreRefusesAVersionDamagedOnDiskUnlessOlderIsAsked
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
   TestRank r = MakeRank("damaged", 2);
   CKPT_ASSERT_OK(Register(&r).status());
-  for (uint64_t t = 1; t <= 3; ++t) {
-    WriteStep(r, t);
-    CKPT_ASSERT_OK(StepDone(r, t));
-    CKPT_ASSERT_OK(WaitDurable(r, t).status());
-  }
+  ASSERT_NO_FATAL_FAILURE(Train(r, 1, 3));
   const uint64_t used = engine_->quota_usage(owner_.uid).file_bytes;
   // Step 2's layer 0 truncated, its layer 1 with one payload bit flipped.
   const std::vector<store::VersionRecord> recs = DamageTwoLayers("damaged", 2);
@@ -265,11 +257,7 @@ TEST_F(EnginePipelineTest, OlderWithinBoundsTheVersionTakenForALostOne) {
   ASSERT_NO_FATAL_FAILURE(StartEngine(OneWriter(), /*chunks=*/16));
   TestRank r = MakeRank("bounded", 2);
   CKPT_ASSERT_OK(Register(&r).status());
-  for (uint64_t t = 1; t <= 3; ++t) {
-    WriteStep(r, t);
-    CKPT_ASSERT_OK(StepDone(r, t));
-    CKPT_ASSERT_OK(WaitDurable(r, t).status());
-  }
+  ASSERT_NO_FATAL_FAILURE(Train(r, 1, 3));
   // Layer 0's versions of steps 2 and 3 truncated.
   for (uint64_t t = 2; t <= 3; ++t) {
     CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("bounded", 0, 0, t));

@@ -134,6 +134,17 @@ class EnginePipelineTest : public ::testing::Test {
   // Whether every layer of `r` holds the values WriteStep(r, step) wrote.
   static bool HoldsStep(const TestRank& r, uint64_t step);
 
+  // Steps `from`..`to` of `r`, each written, reported, snapshotted and
+  // durable before the next.
+  void Train(TestRank& r, uint64_t from, uint64_t to) {
+    for (uint64_t t = from; t <= to; ++t) {
+      WriteStep(r, t);
+      CKPT_ASSERT_OK(StepDone(r, t));
+      CKPT_ASSERT_OK(WaitSnapshot(r, t).status());
+      CKPT_ASSERT_OK(WaitDurable(r, t).status());
+    }
+  }
+
   // Damages rank 0 of `job` at `step`, whose layers 0 and 1 each have a
   // version of that step: layer 0's file truncated to half, one payload bit
   // of layer 1's flipped. Returns the two records (fewer: a test failure).
