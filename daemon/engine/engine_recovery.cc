@@ -196,11 +196,11 @@ absl::StatusOr<Restored> Engine::RestoreUnderLease(const RankState& r, RankMemor
 absl::Status Engine::AcceptLosses(const CompositePlan& plan) {
   // Only when training goes on from the restored step: with later steps
   // kept (no discard_later), those still need the lost versions.
-  CKPT_ASSIGN_OR_RETURN(auto newest, index_->EventAtOrBefore(plan.job, plan.rank, ~uint64_t{0}));
-  if (!newest.has_value() || newest->first != plan.target_step) return absl::OkStatus();
   bool any = false;
   for (const PlannedLayer& lp : plan.layers) any |= lp.lost_step != 0;
-  if (!any) return absl::OkStatus();
+  if (!any) return absl::OkStatus();  // every restore but those: no index read
+  CKPT_ASSIGN_OR_RETURN(auto newest, index_->EventAtOrBefore(plan.job, plan.rank, ~uint64_t{0}));
+  if (!newest.has_value() || newest->first != plan.target_step) return absl::OkStatus();
   // Every lost version above the one taken: the step's plan takes it now.
   CKPT_ASSIGN_OR_RETURN(Index::LostMap lost, index_->LostVersions(plan.job, plan.rank));
   for (const PlannedLayer& lp : plan.layers) {
