@@ -13,24 +13,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/status.h"
+#include "daemon/remote/remote_layout.h"
 
 namespace ckpt::remote {
 namespace {
 
 constexpr char kTempPrefix[] = ".tmp.";
 constexpr size_t kCopyBuffer = 1 << 20;
-
-absl::Status CheckKey(const std::string& key) {
-  if (key.empty() || key.front() == '/' || key.back() == '/') {
-    return absl::InvalidArgumentError(absl::StrCat("bad object key \"", key, "\""));
-  }
-  for (absl::string_view part : absl::StrSplit(key, '/')) {
-    if (part.empty() || part == "." || part == ".." || absl::StartsWith(part, kTempPrefix)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad object key \"", key, "\""));
-    }
-  }
-  return absl::OkStatus();
-}
 
 // Why another uid could change what `st` describes ("" = nobody can):
 // owned by someone other than ckptd (root may own directories above the
@@ -178,7 +167,7 @@ std::string PosixStore::Describe() const { return absl::StrCat("posix ", root_);
 
 absl::StatusOr<UniqueFd> PosixStore::OpenParent(const std::string& key, bool create,
                                                 std::string* name) const {
-  CKPT_RETURN_IF_ERROR(CheckKey(key));
+  CKPT_RETURN_IF_ERROR(CheckObjectKey(key));
   std::vector<std::string> parts = absl::StrSplit(key, '/');
   *name = parts.back();
   parts.pop_back();

@@ -74,35 +74,36 @@ absl::StatusOr<RemoteKey> RemoteKey::FromSecret(std::string secret) {
   return RemoteKey(std::move(secret));
 }
 
-absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
+absl::StatusOr<std::string> ReadSecretFile(const char* setting, const std::string& path,
+                                           size_t max_bytes) {
   // O_NONBLOCK: a FIFO planted in its place must not block start-up.
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (!fd.valid()) {
     if (errno == ENOENT)
-      return absl::NotFoundError(absl::StrCat("remote_key_file ", path, " does not exist"));
+      return absl::NotFoundError(absl::StrCat(setting, " ", path, " does not exist"));
     if (errno == ELOOP) {
       return absl::FailedPreconditionError(
-          absl::StrCat("remote_key_file ", path, " is a symbolic link; name the file itself"));
+          absl::StrCat(setting, " ", path, " is a symbolic link; name the file itself"));
     }
-    return ErrnoStatus(errno, absl::StrCat("open remote_key_file ", path));
+    return ErrnoStatus(errno, absl::StrCat("open ", setting, " ", path));
   }
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, absl::StrCat("stat ", path));
   if (!S_ISREG(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " is not a file"));
+    return absl::FailedPreconditionError(absl::StrCat(setting, " ", path, " is not a file"));
   }
   if ((st.st_mode & 077) != 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("remote_key_file ", path, " may be read or written by others (mode ",
+        absl::StrCat(setting, " ", path, " may be read or written by others (mode ",
                      absl::StrFormat("%04o", st.st_mode & 07777), "); chmod 600 it"));
   }
   if (st.st_uid != geteuid() && st.st_uid != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("remote_key_file ", path, " belongs to uid ",
+    return absl::FailedPreconditionError(absl::StrCat(setting, " ", path, " belongs to uid ",
                                                       st.st_uid, ", neither ckptd's nor root"));
   }
-  if (static_cast<uint64_t>(st.st_size) > kMaxSecretBytes) {
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     return absl::FailedPreconditionError(
-        absl::StrCat("remote_key_file ", path, " holds more than ", kMaxSecretBytes, " bytes"));
+        absl::StrCat(setting, " ", path, " holds more than ", max_bytes, " bytes"));
   }
   std::string secret(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
@@ -115,6 +116,12 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
     done += static_cast<size_t>(r);
   }
   secret.resize(done);
+  return secret;
+}
+
+absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(std::string secret,
+                        ReadSecretFile("remote_key_file", path, kMaxSecretBytes));
   while (!secret.empty() && (secret.back() == '\n' || secret.back() == '\r')) secret.pop_back();
   absl::StatusOr<RemoteKey> key = FromSecret(std::move(secret));
   if (!key.ok()) {

@@ -55,6 +55,13 @@ class RemoteKey {
   std::string secret_;
 };
 
+// The contents of a credential file: a regular file (not a link, a FIFO
+// or a device), readable by its owner only, owned by ckptd's uid or root,
+// at most `max_bytes` long. `setting` names it in errors (the path, never
+// the contents).
+absl::StatusOr<std::string> ReadSecretFile(const char* setting, const std::string& path,
+                                           size_t max_bytes);
+
 // Whether two MACs are equal, in time that does not depend on where they
 // differ.
 bool MacEqual(std::string_view a, std::string_view b);

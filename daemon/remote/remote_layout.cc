@@ -2,10 +2,12 @@
 
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "daemon/store/format.h"
 #include "daemon/store/layer_store.h"
@@ -55,6 +57,22 @@ absl::StatusOr<absl::string_view> Unseal(const char (&magic)[8], std::string_vie
 }
 
 }  // namespace
+
+absl::Status CheckObjectKey(absl::string_view key) {
+  const auto bad = [&key] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad object key \"", absl::CHexEscape(key.substr(0, 200)), "\""));
+  };
+  if (key.empty() || key.size() > kMaxKeyBytes || key.front() == '/' || key.back() == '/' ||
+      key.find('\0') != absl::string_view::npos) {
+    return bad();
+  }
+  for (absl::string_view part : absl::StrSplit(key, '/')) {
+    if (part.empty() || part == "." || part == ".." || absl::StartsWith(part, ".tmp."))
+      return bad();
+  }
+  return absl::OkStatus();
+}
 
 std::string JobsPrefix() { return "jobs/"; }
 std::string JobPrefix(const std::string& job) { return absl::StrCat("jobs/", job, "/"); }

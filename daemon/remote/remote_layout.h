@@ -42,6 +42,12 @@ std::string ManifestPrefix(const std::string& job, uint32_t rank);
 std::string ManifestKey(const std::string& job, uint32_t rank, uint64_t step);
 std::string OwnerKey(const std::string& job);  // "jobs/<job>/owner"
 
+// INVALID_ARGUMENT unless `key` is one every backend can hold: relative,
+// '/'-separated, at most kMaxKeyBytes, no empty, ".", ".." or ".tmp.*"
+// component (POSIX temp files), no NUL.
+inline constexpr size_t kMaxKeyBytes = 1024;
+absl::Status CheckObjectKey(absl::string_view key);
+
 // Parse keys as List returns them. False for anything else.
 bool ParseManifestKey(const std::string& key, const std::string& job, uint32_t rank,
                       uint64_t* step);
