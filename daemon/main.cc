@@ -24,6 +24,7 @@
 #include "daemon/gpu/cuda_host.h"
 #include "daemon/io/file_system.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/peer/peer_node.h"
 #include "daemon/remote/posix_store.h"
 #include "daemon/remote/remote_auth.h"
 #include "daemon/remote/s3_store.h"
@@ -49,13 +50,13 @@ constexpr int kExitNeedsOperator = 78;
 // The remote tier the config names; null for none. A store that refuses
 // ckptd's credentials or does not answer is logged and kept: training and
 // local checkpoints go on, and the uploader retries (docs/remote.md).
-// The cluster key of the remote tier, when there is one (`store`).
-absl::StatusOr<std::optional<ckpt::remote::RemoteKey>> LoadRemoteKey(
-    const ckpt::RemoteConfig& rc, ckpt::remote::RemoteStore* store) {
-  if (store == nullptr) return std::optional<ckpt::remote::RemoteKey>();
+// The cluster key of the remote and peer tiers, when there is one (`needed`).
+absl::StatusOr<std::optional<ckpt::remote::RemoteKey>> LoadRemoteKey(const ckpt::RemoteConfig& rc,
+                                                                     bool needed) {
+  if (!needed) return std::optional<ckpt::remote::RemoteKey>();
   absl::StatusOr<ckpt::remote::RemoteKey> key = ckpt::remote::RemoteKey::FromFile(rc.key_file);
   if (!key.ok()) return key.status();
-  CKPT_LOG(INFO) << "remote tier: signing with the cluster key " << key->Fingerprint();
+  CKPT_LOG(INFO) << "remote and peer tiers: signing with the cluster key " << key->Fingerprint();
   return std::optional<ckpt::remote::RemoteKey>(*std::move(key));
 }
 
@@ -374,14 +375,20 @@ int main(int argc, char** argv) {
   if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
   if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
 
+  absl::StatusOr<std::unique_ptr<peer::PeerNode>> peers =
+      peer::PeerNode::Start(config.peer, config.data_dir, &metrics);
+  if (!peers.ok()) return Fail("peer replication", peers.status());
+
   // The engine.
   absl::StatusOr<std::optional<remote::RemoteKey>> remote_key =
-      LoadRemoteKey(config.remote, remote_store->get());
+      LoadRemoteKey(config.remote, *remote_store != nullptr || (*peers)->store() != nullptr);
   if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
   EngineOptions eo = config.engine;
   eo.memory_tier_bytes = config.MemoryTierBytes();
   eo.remote.store = remote_store->get();
   eo.remote.key = remote_key->has_value() ? &**remote_key : nullptr;
+  eo.peer.store = (*peers)->store();
+  eo.peer.key = eo.remote.key;
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.metrics_address = metrics_address;
@@ -403,8 +410,9 @@ int main(int argc, char** argv) {
   ro.config_text = DumpConfig(config, ConfigTitle::kEffective);
   RpcServer rpc(ro, &engine, &handover);
   ServerCounters seen;
-  metrics.SetCollectHook([&engine, &handover, &rpc, &metrics, &seen] {
+  metrics.SetCollectHook([&engine, &handover, &rpc, &metrics, &seen, &peers] {
     engine.CollectMetrics();
+    (*peers)->CollectMetrics();
     CollectServerMetrics(handover, rpc, &seen, &metrics);
   });
   if (absl::Status s = rpc.Start(); !s.ok()) return Fail("gRPC server", s);
@@ -422,6 +430,7 @@ int main(int argc, char** argv) {
   watchdog.Stop();  // systemd disarms the watchdog once the unit is stopping
   StopServing(Serving{&engine, &metrics, &rpc, &handover, index->get()}, config.shutdown_grace,
               config.socket, ho.socket_path);
+  (*peers)->Shutdown(absl::Now() + absl::Seconds(2));
   CKPT_LOG(INFO) << "ckptd stopped";
   return 0;
 }

@@ -32,6 +32,9 @@ PACKAGES=(
   # botocore's
   libcurl4-openssl-dev libssl-dev
   ceph-mon ceph-osd radosgw ceph-common uuid-runtime python3-boto3
+  # the peer tier's tests: nodes as network namespaces (ip, tc), their
+  # certificates (openssl), metrics scraped inside a namespace (curl)
+  iproute2 openssl curl
 )
 
 install_packages() {

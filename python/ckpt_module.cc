@@ -319,11 +319,16 @@ class PyClient {
   }
 
   uint64_t WaitDurable(uint64_t step, const std::string& tier) {
-    if (tier != "local" && tier != "remote") {
-      throw py::value_error("tier must be 'local' or 'remote'");
+    Client::Tier t = Client::Tier::kLocal;
+    if (tier == "remote") {
+      t = Client::Tier::kRemote;
+    } else if (tier == "peer") {
+      t = Client::Tier::kPeer;
+    } else if (tier != "local") {
+      throw py::value_error("tier must be 'local', 'remote' or 'peer'");
     }
     py::gil_scoped_release release;
-    return Value(client_->WaitDurable(step, tier == "remote"));
+    return Value(client_->WaitDurable(step, t));
   }
 
   py::dict Plan(uint64_t target_step, const std::optional<std::string>& job, uint32_t rank,

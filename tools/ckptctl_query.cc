@@ -55,7 +55,11 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
                    {"remote", r.remote()},
                    {"remote_lag_steps", r.remote_lag_steps()},
                    {"remote_lag_bytes", r.remote_lag_bytes()},
-                   {"remote_error", r.remote_error()}});
+                   {"remote_error", r.remote_error()},
+                   {"peer", r.peer()},
+                   {"peer_lag_steps", r.peer_lag_steps()},
+                   {"peer_lag_bytes", r.peer_lag_bytes()},
+                   {"peer_error", r.peer_error()}});
     return kExitOk;
   }
   std::string in_use = BytesWithRaw(r.pool_bytes_in_use());
@@ -96,6 +100,9 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
       {"remote_lag",
        absl::StrCat(r.remote_lag_steps(), " steps, ", BytesWithRaw(r.remote_lag_bytes()))},
       {"remote_error", r.remote_error().empty() ? "-" : r.remote_error()},
+      {"peer", OrDash(r.peer())},
+      {"peer_lag", absl::StrCat(r.peer_lag_steps(), " steps, ", BytesWithRaw(r.peer_lag_bytes()))},
+      {"peer_error", r.peer_error().empty() ? "-" : r.peer_error()},
   });
   return kExitOk;
 }
@@ -116,6 +123,7 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
                              {"last_step_seen", k.last_step_seen()},
                              {"agreed_step", k.agreed_step()},
                              {"remote_step", k.remote_step()},
+                             {"peer_step", k.peer_step()},
                              {"layers", k.layers()}});
       }
       jobs.push_back(Json{{"job_id", j.job_id()},
@@ -132,15 +140,16 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
     return kExitOk;
   }
   Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "AGREED STEP",
-           "REMOTE STEP", "VERSIONS", "BYTES"},
-          {false, true, true, true, true, true, true, true, true, true});
+           "REMOTE STEP", "PEER STEP", "VERSIONS", "BYTES"},
+          {false, true, true, true, true, true, true, true, true, true, true});
   for (const v1::JobInfo& j : r.jobs()) {
     // The job-wide latest step: the range over its ranks when they differ.
-    uint64_t lo = UINT64_MAX, hi = 0, agreed = 0, remote = UINT64_MAX;
+    uint64_t lo = UINT64_MAX, hi = 0, agreed = 0, remote = UINT64_MAX, peer = UINT64_MAX;
     int registered = 0, stale = 0;
     for (const v1::RankInfo& k : j.ranks()) {
       agreed = std::max(agreed, k.agreed_step());  // the newest agreement any rank reported
       remote = std::min(remote, k.remote_step());  // the step every rank has remotely
+      peer = std::min(peer, k.peer_step());
       stale += k.stale() ? 1 : 0;
       lo = std::min(lo, k.latest_durable_step());
       hi = std::max(hi, k.latest_durable_step());
@@ -151,8 +160,8 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
                                            : absl::StrCat(StepOrDash(lo), "..", hi);
     t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
            absl::StrCat(registered), absl::StrCat(stale), latest, StepOrDash(agreed),
-           StepOrDash(j.ranks().empty() ? 0 : remote), absl::StrCat(j.versions()),
-           HumanBytes(j.bytes())});
+           StepOrDash(j.ranks().empty() ? 0 : remote), StepOrDash(j.ranks().empty() ? 0 : peer),
+           absl::StrCat(j.versions()), HumanBytes(j.bytes())});
   }
   t.Print();
   return kExitOk;

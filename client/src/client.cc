@@ -411,7 +411,8 @@ absl::StatusOr<SnapshotInfo> Client::WaitSnapshot(uint64_t step) {
   return info;
 }
 
-absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, bool remote) {
+absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, Tier tier) {
+  const bool remote = tier != Tier::kLocal;
   if (!registered_) return absl::FailedPreconditionError("Register first");
   if (step <= registered_after_step_ && !remote) {
     // Reported to an earlier registration: durable exactly when the daemon
@@ -421,7 +422,8 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, bool remote) {
         absl::StrCat("step ", step, " was reported before ckptd restarted; it is not durable"));
   }
   v1::WaitRequest req = WaitFor(spec_, generation_, step);
-  if (remote) req.set_tier(v1::TIER_REMOTE);
+  if (tier == Tier::kRemote) req.set_tier(v1::TIER_REMOTE);
+  if (tier == Tier::kPeer) req.set_tier(v1::TIER_PEER);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.wait_timeout);
   v1::WaitDurableReply reply;

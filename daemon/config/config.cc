@@ -174,14 +174,69 @@ constexpr uint64_t kMinMessageBytes = 4096;
 // to 65536 layers (about 1.7 MiB encoded).
 constexpr uint64_t kStepListBytes = 2 << 20;
 
+// How the remote and peer tiers copy, and peer replication (docs/peer.md):
+// the last topics of the table.
+const std::vector<Option>& PeerOptions() {
+  static const std::vector<Option>* const options = new std::vector<Option>{
+      Num("remote_upload_threads", "layer versions uploaded to the remote tier at once",
+          CKPT_FIELD(engine.remote.upload_threads), 1, 64),
+      Num("remote_max_pending_events",
+          "per rank, the oldest checkpoint events not yet uploaded that local GC keeps for the "
+          "uploader; beyond them (a long outage) the ordinary retention applies and the "
+          "uploader skips to the events that are left",
+          CKPT_FIELD(engine.remote.max_pending_events), 1, 1 << 20),
+      Str("peer_listen",
+          "host:port where this ckptd keeps replicas for its peers (mutual TLS); empty = it "
+          "keeps none; docs/peer.md",
+          CKPT_FIELD(peer.listen)),
+      Str("peer_address",
+          "host:port of the peer ckptd every durable step is replicated to (the peer tier); "
+          "empty = none. Uses remote_key_file's cluster key to sign what it sends",
+          CKPT_FIELD(peer.address)),
+      Str("peer_name", "the common name the certificate of peer_address must carry",
+          CKPT_FIELD(peer.name)),
+      Str("peer_allow",
+          "comma-separated certificate names that may keep replicas here; empty = any "
+          "certificate peer_ca_file signed",
+          CKPT_FIELD(peer.allow)),
+      Str("peer_cert_file", "this node's certificate (PEM; systemd: LoadCredential=)",
+          CKPT_FIELD(peer.cert_file)),
+      Str("peer_tls_key_file",
+          "the private key of peer_cert_file (PEM, a file only ckptd's user may read)",
+          CKPT_FIELD(peer.tls_key_file)),
+      Str("peer_ca_file", "the CA that signs every node's certificate (PEM)",
+          CKPT_FIELD(peer.ca_file)),
+      Num("peer_rate_bytes",
+          "bytes per second replication may send to the peer, so training keeps the network; "
+          "0 = no cap",
+          CKPT_FIELD(peer.rate_bytes), 0),
+      Num("peer_memory_bytes",
+          "replicas kept in memory too, so a restore from this peer reads no disk (every "
+          "replica is on disk before it is acknowledged)",
+          CKPT_FIELD(peer.memory_bytes), 0),
+      Num("peer_max_replica_bytes", "all replicas kept for peers (on disk)",
+          CKPT_FIELD(peer.max_replica_bytes), 0),
+      Num("peer_max_bytes_per_peer",
+          "replicas kept for any one peer: a flood from one leaves room for the others",
+          CKPT_FIELD(peer.max_bytes_per_peer), 0),
+      Num("peer_timeout_ms",
+          "deadline of each call to the peer, plus its bytes' time at peer_rate_bytes",
+          CKPT_FIELD(peer.timeout_ms), 100, 3600000),
+      Num("peer_upload_threads", "layer versions replicated to the peer at once",
+          CKPT_FIELD(engine.peer.upload_threads), 1, 64),
+  };
+  return *options;
+}
+
 // Every option, one entry each, in the order `ckptd --help` and
 // `ckptd --dump-default-config` (the shipped deploy/ckptd.conf) list them.
+// Peer replication's options close the table (PeerOptions, below).
 // The order follows topics (paths, staging, writers, requests, handover,
 // LayerCheck, retention, disk and quotas, metrics, the memory and remote
 // tiers), which cut across the subsystems' option structs; so it stays one
 // table.
 const std::vector<Option>& Options() {
-  static const std::vector<Option>* options = new std::vector<Option>{
+  static std::vector<Option>* const options = new std::vector<Option>{
       Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", CKPT_FIELD(socket),
           /*required=*/true),
       Str("handover_socket", "Unix socket for passing memfd regions; empty = <socket>.fds",
@@ -370,14 +425,8 @@ const std::vector<Option>& Options() {
           CKPT_FIELD(remote.part_bytes), uint64_t{5} << 20, uint64_t{5} << 30),
       Num("remote_parallel_parts", "s3 remote tier: parts of one object uploaded at once",
           CKPT_FIELD(remote.parallel_parts), 1, 64),
-      Num("remote_upload_threads", "layer versions uploaded to the remote tier at once",
-          CKPT_FIELD(engine.remote.upload_threads), 1, 64),
-      Num("remote_max_pending_events",
-          "per rank, the oldest checkpoint events not yet uploaded that local GC keeps for the "
-          "uploader; beyond them (a long outage) the ordinary retention applies and the "
-          "uploader skips to the events that are left",
-          CKPT_FIELD(engine.remote.max_pending_events), 1, 1 << 20),
   };
+  options->insert(options->end(), PeerOptions().begin(), PeerOptions().end());
   return *options;
 }
 
@@ -413,6 +462,12 @@ absl::Status DaemonConfig::Validate() const {
       (remote.endpoint.empty() || remote.bucket.empty() || remote.credentials_file.empty())) {
     return absl::InvalidArgumentError(
         "remote_kind s3 needs remote_endpoint, remote_bucket and remote_credentials_file");
+  }
+  CKPT_RETURN_IF_ERROR(peer.Validate());
+  if (!peer.address.empty() && remote.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a peer tier needs remote_key_file: the cluster key that signs every manifest and "
+        "object it replicates (docs/peer.md)");
   }
   if (engine.max_aux_bytes + kStepListBytes > static_cast<uint64_t>(rpc.max_request_bytes)) {
     return absl::InvalidArgumentError(

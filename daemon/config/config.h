@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/engine/engine.h"
+#include "daemon/peer/peer_node.h"
 #include "daemon/rpc/server.h"
 #include "daemon/shm/handover.h"
 #include "daemon/staging/staging_pool.h"
@@ -65,6 +66,8 @@ struct DaemonConfig {
   HandoverOptions handover;
   RpcServerOptions rpc;
   RemoteConfig remote;
+  // Peer replication (docs/peer.md): the replica service and the peer tier.
+  peer::PeerConfig peer;
   // The memory tier's budget (EngineOptions::memory_tier_bytes); unset =
   // "auto": half of the staging pool, whole chunks.
   std::optional<uint64_t> memory_tier_bytes;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
@@ -31,8 +32,11 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
     own_cuda_ipc_ = MakeCudaIpc();
     cuda_ipc_ = own_cuda_ipc_.get();
   }
-  if (options_.remote.store != nullptr && options_.remote.key != nullptr) {
-    RemoteTierOptions ro = options_.remote;
+  // The fastest source first: a pull or a repair takes the first tier that
+  // has the copy.
+  for (const RemoteTierOptions* tier : {&options_.peer, &options_.remote}) {
+    if (tier->store == nullptr || tier->key == nullptr) continue;
+    RemoteTierOptions ro = *tier;
     ro.pull_wait = options_.restore_timeout;
     ro.retention = options_.retention;
     RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
@@ -48,9 +52,13 @@ Engine::~Engine() {
 }
 
 absl::Status Engine::Start() {
-  if (options_.remote.store != nullptr && options_.remote.key == nullptr) {
-    return absl::FailedPreconditionError(
-        "a remote tier needs the cluster key that signs what goes there (remote_key_file)");
+  for (const RemoteTierOptions* tier : {&options_.peer, &options_.remote}) {
+    if (tier->store != nullptr && tier->key == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("a ", tier->name,
+                       " tier needs the cluster key that signs what goes there "
+                       "(remote_key_file)"));
+    }
   }
   std::vector<std::unique_ptr<IoBackend>> backends;
   for (unsigned i = 0; i < std::max(1u, options_.writer_threads); ++i) {

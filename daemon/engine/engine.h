@@ -146,8 +146,10 @@ struct EngineOptions {
   uint64_t memory_tier_bytes = 0;
   // The remote tier (remote_tier.h, docs/remote.md): off while
   // remote.store is null. Its retention and pull wait are the engine's
-  // (`retention`, `restore_timeout`).
+  // (`retention`, `restore_timeout`). The peer tier (docs/peer.md) is one
+  // too, over a peer node's ckptd; restores and pulls try it first.
   RemoteTierOptions remote;
+  RemoteTierOptions peer{"peer", TierMetricIds::Peer()};
 };
 
 // What DeleteJob removed.

@@ -1,5 +1,6 @@
 // Admin queries: Status, Jobs, Layers, History, metrics collection.
 #include <algorithm>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -56,6 +57,14 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
     s.set_remote_lag_bytes(report.lag.bytes);
     s.set_remote_error(report.error);
   }
+  s.set_peer("none");
+  if (DurableTier* peer = TierNamed("peer"); peer != nullptr) {
+    const TierReport report = peer->Report(caller);
+    s.set_peer(report.description);
+    s.set_peer_lag_steps(report.lag.steps);
+    s.set_peer_lag_bytes(report.lag.bytes);
+    s.set_peer_error(report.error);
+  }
   absl::MutexLock lock(&mu_);
   uint32_t ranks = 0;
   for (const auto& [key, r] : ranks_) {
@@ -69,6 +78,7 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
 
 absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
   DurableTier* const remote = TierNamed("remote");
+  DurableTier* const peer = TierNamed("peer");
   v1::JobsReply reply;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, index_->ListJobs());
   for (const std::string& job : jobs) {
@@ -89,6 +99,7 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
         ri->set_agreed_step(ev->second.agreed_step());
       }
       if (remote != nullptr) ri->set_remote_step(remote->DurableStep(RankKey(job, rank)));
+      if (peer != nullptr) ri->set_peer_step(peer->DurableStep(RankKey(job, rank)));
       // Counted by the index as versions come and go: no pass over the
       // rank's history (Index::VersionsOf).
       const Index::RankVersions counted = index_->VersionsOf(job, rank);
@@ -97,19 +108,35 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
       FillRegistration(RankKey(job, rank), ri);
     }
   }
-  // Jobs only the remote tier holds (a replacement node before the first
-  // pull); a remote tier that does not answer leaves them out.
-  absl::StatusOr<std::vector<TierJob>> remote_jobs =
-      remote != nullptr ? remote->Jobs(caller) : std::vector<TierJob>();
-  for (const TierJob& tj : remote_jobs.ok() ? *remote_jobs : std::vector<TierJob>()) {
-    if (std::find(jobs.begin(), jobs.end(), tj.job) != jobs.end()) continue;
-    v1::JobInfo* info = reply.add_jobs();
-    info->set_job_id(tj.job);
-    info->set_owner_uid(tj.owner);
-    for (const auto& [rank, step] : tj.newest_step) {
-      v1::RankInfo* ri = info->add_ranks();
-      ri->set_rank(rank);
-      ri->set_remote_step(step);
+  // Jobs only a tier holds (a replacement node before the first pull); a
+  // tier that does not answer leaves them out.
+  std::map<std::string, v1::JobInfo*> listed;
+  for (DurableTier* tier : {peer, remote}) {
+    absl::StatusOr<std::vector<TierJob>> tier_jobs =
+        tier != nullptr ? tier->Jobs(caller) : std::vector<TierJob>();
+    for (const TierJob& tj : tier_jobs.ok() ? *tier_jobs : std::vector<TierJob>()) {
+      if (std::find(jobs.begin(), jobs.end(), tj.job) != jobs.end()) continue;
+      v1::JobInfo*& info = listed[tj.job];
+      if (info == nullptr) {
+        info = reply.add_jobs();
+        info->set_job_id(tj.job);
+        info->set_owner_uid(tj.owner);
+      }
+      for (const auto& [rank, step] : tj.newest_step) {
+        v1::RankInfo* ri = nullptr;
+        for (v1::RankInfo& have : *info->mutable_ranks()) {
+          if (have.rank() == rank) ri = &have;
+        }
+        if (ri == nullptr) {
+          ri = info->add_ranks();
+          ri->set_rank(rank);
+        }
+        if (tier == peer) {
+          ri->set_peer_step(step);
+        } else {
+          ri->set_remote_step(step);
+        }
+      }
     }
   }
   return reply;

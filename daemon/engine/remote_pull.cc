@@ -49,8 +49,8 @@ struct RemoteTier::PullState {
   absl::Status GiveUp(const absl::Status& s) {
     gave_up = true;
     if (must_know) return s;
-    CKPT_LOG(WARNING) << "remote tier: could not look for a checkpoint of job " << key.first
-                      << " rank " << key.second << " (" << s << "); registering without one";
+    CKPT_LOG(WARNING) << "could not look for a checkpoint of job " << key.first << " rank "
+                      << key.second << " (" << s << "); registering without one";
     return absl::OkStatus();
   }
 };
@@ -68,8 +68,8 @@ absl::Status RemoteTier::Pull(const std::string& job, uint32_t rank, const Calle
       return pulling_.count(key) == 0 || stop_;
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&free), options_.pull_wait)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("job ", job, " rank ", rank, " is still being pulled from the remote tier"));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "job ", job, " rank ", rank, " is still being pulled from the ", name(), " tier"));
     }
     pulling_.insert(key);
   }
@@ -94,7 +94,7 @@ absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool
     NoteFailure(listed.status(), "listing manifests", caller.uid);
     return pull.GiveUp(absl::Status(
         listed.status().code(),
-        absl::StrCat("cannot look for a checkpoint of job ", job, " in the remote tier (",
+        absl::StrCat("cannot look for a checkpoint of job ", job, " in the ", name(), " tier (",
                      store_->Describe(), "): ", listed.status().message())));
   }
   for (const remote::ObjectInfo& o : *listed) {
@@ -137,7 +137,7 @@ absl::Status RemoteTier::PullRank(const RankKey& key, const Caller& caller, bool
     error_ = absl::OkStatus();  // the store answered
   }
   if (pull.steps.front() > newest) OnRewind(key, newest);
-  CKPT_LOG(INFO) << "pulled job " << job << " rank " << rank << " from the remote tier ("
+  CKPT_LOG(INFO) << "pulled job " << job << " rank " << rank << " from the " << name() << " tier ("
                  << store_->Describe() << "): steps " << pull.usable.back().step() << ".." << newest
                  << ", " << pull.pulled_bytes << " bytes in "
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s";
@@ -169,7 +169,7 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
     }
     if (!pull->usable.empty() && m->owner_uid() != pull->owner) continue;
     if (pull->recorded_owner.has_value() && m->owner_uid() != *pull->recorded_owner) {
-      CKPT_LOG(WARNING) << "remote tier: the manifest of step " << step << " of job " << job
+      CKPT_LOG(WARNING) << name() << " tier: the manifest of step " << step << " of job " << job
                         << " rank " << rank << " names uid " << m->owner_uid()
                         << ", not the job's owner " << *pull->recorded_owner << "; not used";
       continue;
@@ -198,10 +198,10 @@ absl::Status RemoteTier::AdoptUsable(PullState* pull) {
     pull->usable.push_back(*std::move(m));
   }
   if (pull->usable.empty()) {
-    return pull->GiveUp(absl::DataLossError(
-        absl::StrCat("job ", job, " rank ", rank,
-                     ": no manifest in the remote tier could be used (each is damaged, "
-                     "unreadable or another user's)")));
+    return pull->GiveUp(absl::DataLossError(absl::StrCat("job ", job, " rank ", rank,
+                                                         ": no manifest in the ", name(),
+                                                         " tier could be used (each is damaged, "
+                                                         "unreadable or another user's)")));
   }
   return absl::OkStatus();
 }
@@ -252,17 +252,19 @@ absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::Versi
   CKPT_RETURN_IF_ERROR(deps_.disk->Reserve(n));
   const std::string okey = remote::VersionObjectKey(vk.job, vk.rank, rec.file());
   absl::Status fetched;
-  absl::Status ok = deps_.store->Replace(vk, rec, FetchObject(okey, n, copy.mac, &fetched),
-                                         "damaged; replaced by the remote tier's copy");
+  absl::Status ok =
+      deps_.store->Replace(vk, rec, FetchObject(okey, n, copy.mac, &fetched),
+                           absl::StrCat("damaged; replaced by the ", name(), " tier's copy"));
   deps_.disk->Release(n);
   if (ok.ok()) {
-    if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
+    if (Metrics* m = deps_.metrics)
+      m->Inc(options_.metric_ids.pulled_bytes, static_cast<double>(n));
     return true;
   }
   NoteFailure(ok, absl::StrCat("reading ", okey), owner);
   // The remote copy is missing or is not that version: no intact copy here.
   if (absl::IsDataLoss(ok) || absl::IsNotFound(fetched)) {
-    CKPT_LOG(WARNING) << "remote tier: no intact copy of " << okey << ": " << ok;
+    CKPT_LOG(WARNING) << name() << " tier: no intact copy of " << okey << ": " << ok;
     return false;
   }
   return ok;
@@ -302,12 +304,12 @@ absl::StatusOr<bool> RemoteTier::AdoptManifest(
         CKPT_RETURN_IF_ERROR(pull->GiveUp(ok));  // OK: nothing of the pull stays
         return false;
       }
-      CKPT_LOG(WARNING) << "remote tier: step " << m.step() << " of job " << job << " rank " << rank
-                        << " is not restorable whole from there: " << ok;
+      CKPT_LOG(WARNING) << name() << " tier: step " << m.step() << " of job " << job << " rank "
+                        << rank << " is not restorable whole from there: " << ok;
       whole = false;
       if (damaged == nullptr) return false;
       damaged->emplace_back(
-          vk, LostRecord(v.record(), absl::StrCat("the remote tier's object is damaged: ",
+          vk, LostRecord(v.record(), absl::StrCat("the ", name(), " tier's object is damaged: ",
                                                   (fetched.ok() ? ok : fetched).message())));
       continue;
     }
@@ -315,7 +317,8 @@ absl::StatusOr<bool> RemoteTier::AdoptManifest(
     if (pull->usable.empty()) pull->owner = m.owner_uid();
     pull->adopted.emplace_back(vk, v.record());
     pull->pulled_bytes += n;
-    if (Metrics* mm = deps_.metrics) mm->Inc(Counter::kRemotePulledBytes, static_cast<double>(n));
+    if (Metrics* mm = deps_.metrics)
+      mm->Inc(options_.metric_ids.pulled_bytes, static_cast<double>(n));
   }
   return whole;
 }
@@ -334,7 +337,7 @@ absl::Status RemoteTier::PublishPulled(PullState* pull) {
   // without them.
   for (const auto& [vk, lost] : pull->lost) {
     CKPT_RETURN_IF_ERROR(index->MarkLost(vk, lost));
-    CKPT_LOG(ERROR) << "remote tier: job " << job << " rank " << rank << " layer " << vk.layer
+    CKPT_LOG(ERROR) << name() << " tier: job " << job << " rank " << rank << " layer " << vk.layer
                     << " step " << vk.step << " is lost (" << lost.reason()
                     << "); a restore of a step that needs it refuses unless it accepts the "
                        "layer's previous version (older_within_steps)";

@@ -54,6 +54,27 @@ constexpr uint64_t kMaxOwnerBytes = 4096;
 
 }  // namespace
 
+TierMetricIds TierMetricIds::Remote() {
+  return {Counter::kRemoteUploadedVersions,
+          Counter::kRemoteUploadedBytes,
+          Counter::kRemoteManifests,
+          Counter::kRemoteFailures,
+          Counter::kRemotePulledBytes,
+          Counter::kRemoteGcDeletedObjects,
+          Gauge::kRemoteLagSteps,
+          Gauge::kRemoteLagBytes,
+          Gauge::kRemoteUp,
+          Histogram::kRemoteUploadSeconds};
+}
+
+TierMetricIds TierMetricIds::Peer() {
+  return {
+      Counter::kPeerUploadedVersions, Counter::kPeerUploadedBytes, Counter::kPeerManifests,
+      Counter::kPeerFailures,         Counter::kPeerPulledBytes,   Counter::kPeerGcDeletedObjects,
+      Gauge::kPeerLagSteps,           Gauge::kPeerLagBytes,        Gauge::kPeerUp,
+      Histogram::kPeerUploadSeconds};
+}
+
 RemoteTier::RemoteTier(RemoteTierOptions options, RemoteTierDeps deps)
     : options_(std::move(options)), deps_(deps), store_(options_.store), key_(options_.key) {}
 
@@ -71,7 +92,8 @@ absl::StatusOr<store::RemoteManifest> RemoteTier::ReadManifest(const std::string
 absl::Status RemoteTier::FailingNow() {
   absl::MutexLock lock(&mu_);
   if (error_.ok()) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("the remote tier is failing: ", error_.message()));
+  return absl::UnavailableError(
+      absl::StrCat("the ", name(), " tier is failing: ", error_.message()));
 }
 
 absl::StatusOr<std::optional<uid_t>> RemoteTier::JobOwner(const std::string& job, bool must_know) {
@@ -82,7 +104,7 @@ absl::StatusOr<std::optional<uid_t>> RemoteTier::JobOwner(const std::string& job
   absl::StatusOr<store::RemoteJob> record = remote::DecodeOwner(*bytes, *key_);
   if (!record.ok() || record->job_id() != job) {
     return absl::DataLossError(
-        absl::StrCat("the remote tier's owner record of job ", job, " is not authentic (",
+        absl::StrCat("the ", name(), " tier's owner record of job ", job, " is not authentic (",
                      record.ok() ? "it names another job" : record.status().message(),
                      "); ckptd does not use the job until an operator removes ",
                      remote::OwnerKey(job), " there"));
@@ -99,17 +121,23 @@ absl::Status RemoteTier::ClaimJob(const std::string& job, uid_t owner, bool must
   absl::Status put = store_->PutBytes(remote::OwnerKey(job), remote::EncodeOwner(record, *key_),
                                       /*if_absent=*/true);
   if (put.ok()) return put;
+  if (absl::IsPermissionDenied(put)) {
+    // The store refused ckptd itself (credentials, a peer's allow list):
+    // not a statement about the job's owner.
+    return absl::UnavailableError(
+        absl::StrCat("the ", name(), " tier refused ckptd: ", put.message()));
+  }
   if (!absl::IsAlreadyExists(put)) return put;
   CKPT_ASSIGN_OR_RETURN(std::optional<uid_t> there, JobOwner(job, /*must_know=*/true));
   if (there.has_value() && *there == owner) return absl::OkStatus();
   return absl::PermissionDeniedError(
-      absl::StrCat("job ", job, " belongs to another user (in the remote tier)"));
+      absl::StrCat("job ", job, " belongs to another user (in the ", name(), " tier)"));
 }
 
 RemoteTier::~RemoteTier() { StopAndJoin(); }
 
 void RemoteTier::Start() {
-  if (deps_.metrics != nullptr) deps_.metrics->Set(Gauge::kRemoteUp, 1);
+  if (deps_.metrics != nullptr) deps_.metrics->Set(options_.metric_ids.up, 1);
   LoadRanks();  // before any call: WaitDurable finds every rank
   upload_thread_ = std::thread([this] { UploadLoop(); });
 }
@@ -131,8 +159,8 @@ RemoteTier::RankCopy* RemoteTier::FindLocked(const RankKey& key) {
 
 void RemoteTier::NoteFailure(const absl::Status& s, const std::string& what, uid_t owner) {
   if (Metrics* m = deps_.metrics) {
-    m->Inc(Counter::kRemoteFailures, remote_tier::FailureLabel(s), 1);
-    m->Set(Gauge::kRemoteUp, 0);
+    m->Inc(options_.metric_ids.failures, remote_tier::FailureLabel(s), 1);
+    m->Set(options_.metric_ids.up, 0);
   }
   absl::MutexLock lock(&mu_);
   if (error_.ok()) CKPT_LOG(WARNING) << "remote tier: " << what << ": " << s;
@@ -340,8 +368,8 @@ void RemoteTier::CollectMetrics() {
   Metrics* m = deps_.metrics;
   if (m == nullptr) return;
   const TierLag lag = LagOf(nullptr);
-  m->Set(Gauge::kRemoteLagSteps, static_cast<double>(lag.steps));
-  m->Set(Gauge::kRemoteLagBytes, static_cast<double>(lag.bytes));
+  m->Set(options_.metric_ids.lag_steps, static_cast<double>(lag.steps));
+  m->Set(options_.metric_ids.lag_bytes, static_cast<double>(lag.bytes));
 }
 
 }  // namespace ckpt

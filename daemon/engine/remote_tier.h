@@ -51,8 +51,23 @@
 
 namespace ckpt {
 
+// The metrics a tier reports under (its own families: ckpt_remote_* or
+// ckpt_peer_*).
+struct TierMetricIds {
+  Counter uploaded_versions, uploaded_bytes, manifests, failures, pulled_bytes, gc_deleted;
+  Gauge lag_steps, lag_bytes, up;
+  Histogram upload_seconds;
+  static TierMetricIds Remote();
+  static TierMetricIds Peer();
+};
+
 struct RemoteTierOptions {
-  remote::RemoteStore* store = nullptr;  // null = no remote tier; not owned
+  // "remote" (an object store or a shared directory) or "peer" (a peer
+  // node's ckptd, daemon/peer/): the tier's name in WaitDurable, the logs
+  // and reports; `metric_ids` its metric families.
+  const char* name = "remote";
+  TierMetricIds metric_ids = TierMetricIds::Remote();
+  remote::RemoteStore* store = nullptr;  // null = no such tier; not owned
   // The cluster key every manifest, object and owner record is signed with
   // (remote_auth.h); not owned. REQUIRED with a store.
   const remote::RemoteKey* key = nullptr;
@@ -92,7 +107,7 @@ class RemoteTier final : public DurableTier {
   RemoteTier(const RemoteTier&) = delete;
   RemoteTier& operator=(const RemoteTier&) = delete;
 
-  const char* name() const override { return "remote"; }
+  const char* name() const override { return options_.name; }
   // Learns every rank the index holds (so WaitDurable finds them all), then
   // starts the uploader.
   void Start() override;

@@ -113,13 +113,13 @@ absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {
       if (!Unusable(m.status())) return m.status();
       // A damaged manifest does not make its step remote-durable; the
       // step is uploaded again if it is still local.
-      CKPT_LOG(WARNING) << "remote tier: manifest " << o.key << " is unusable: " << m.status();
-      if (Metrics* mm = deps_.metrics) mm->Inc(Counter::kRemoteFailures, "corrupt", 1);
+      CKPT_LOG(WARNING) << name() << " tier: manifest " << o.key << " is unusable: " << m.status();
+      if (Metrics* mm = deps_.metrics) mm->Inc(options_.metric_ids.failures, "corrupt", 1);
       continue;
     }
     if (m->owner_uid() != out->owner) {
       out->blocked =
-          absl::StrCat("owner: the remote tier holds ", RankName(key), " for another user");
+          absl::StrCat("owner: the ", name(), " tier holds ", RankName(key), " for another user");
     }
     out->manifests[step] =
         RankCopy::Manifest{m->event().unix_ms(), m->event().agreed_step(), FilesOf(*m)};
@@ -155,7 +155,7 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   const uint64_t local_head = local.has_value() ? local->first : 0;
   if (newest > local_head) {
     return absl::StrCat(
-        "history: the remote tier holds ", RankName(key), " up to step ", newest,
+        "history: the ", name(), " tier holds ", RankName(key), " up to step ", newest,
         ", this node only up to ", local_head,
         " (started without restoring from it?); restore from it, or delete it there");
   }
@@ -187,7 +187,7 @@ absl::StatusOr<std::string> RemoteTier::CheckHistory(const RankKey& key) {
   std::sort(local_files.begin(), local_files.end());
   std::sort(files.begin(), files.end());
   if (local_files != files) {
-    return absl::StrCat("history: the remote tier's step ", newest, " of ", RankName(key),
+    return absl::StrCat("history: the ", name(), " tier's step ", newest, " of ", RankName(key),
                         " is of another history than this node's; restore from it, or delete it "
                         "there");
   }
@@ -198,7 +198,7 @@ absl::StatusOr<std::string> RemoteTier::CheckOwnerRecord(const RankKey& key, uid
   absl::Status claimed = ClaimJob(key.first, owner, /*must_know=*/true);
   if (claimed.ok()) return std::string();
   if (absl::IsPermissionDenied(claimed)) {
-    return absl::StrCat("owner: the remote tier holds job ", key.first, " for another user");
+    return absl::StrCat("owner: the ", name(), " tier holds job ", key.first, " for another user");
   }
   return claimed;
 }
@@ -261,7 +261,7 @@ absl::Status RemoteTier::DeleteDiscarded(const RankKey& key, uint64_t above) {
     rc->manifests.erase(s);
   }
   if (!stale.empty()) {
-    CKPT_LOG(WARNING) << "remote tier: " << RankName(key) << " went back to step " << above
+    CKPT_LOG(WARNING) << name() << " tier: " << RankName(key) << " went back to step " << above
                       << "; deleted the manifests of " << stale.size()
                       << " later steps of the discarded history";
   }
@@ -311,7 +311,7 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
       }
     }
     if (turn.step != pending.front().first) {
-      CKPT_LOG(INFO) << "remote tier: " << RankName(key) << " is " << pending.size()
+      CKPT_LOG(INFO) << name() << " tier: " << RankName(key) << " is " << pending.size()
                      << " steps behind; uploading step " << turn.step
                      << " and skipping the steps before it";
     }
@@ -352,7 +352,7 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     absl::StatusOr<UniqueFd> fd =
         deps_.store->OpenCommitted(VersionKey{job, rank, layer.id(), v->first}, v->second);
     if (!fd.ok()) {
-      if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
+      if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.failures, "local", 1);
       return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", v->second.file(),
                                                            ": ", fd.status().message()));
     }
@@ -396,8 +396,8 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
         continue;
       }
       if (Metrics* m = deps_.metrics) {
-        m->Inc(Counter::kRemoteUploadedVersions);
-        m->Inc(Counter::kRemoteUploadedBytes, static_cast<double>(u.rec.file_bytes()));
+        m->Inc(options_.metric_ids.uploaded_versions);
+        m->Inc(options_.metric_ids.uploaded_bytes, static_cast<double>(u.rec.file_bytes()));
       }
       absl::MutexLock lock(&mu_);
       if (RankCopy* rc = FindLocked(key); rc != nullptr) {
@@ -435,10 +435,10 @@ absl::Status RemoteTier::PutManifest(const RankKey& key, uid_t owner, const Uplo
     absl::MutexLock lock(&mu_);
     if (RankCopy* rc = FindLocked(key); rc != nullptr) {
       rc->blocked =
-          absl::StrCat("owner: the remote tier holds ", RankName(key), " for another user");
+          absl::StrCat("owner: the ", name(), " tier holds ", RankName(key), " for another user");
     }
     return absl::FailedPreconditionError(
-        absl::StrCat("the remote tier holds ", RankName(key), " for another user"));
+        absl::StrCat("the ", name(), " tier holds ", RankName(key), " for another user"));
   }
   auto records = [](const store::RemoteManifest& m) {
     std::string out;
@@ -447,7 +447,7 @@ absl::Status RemoteTier::PutManifest(const RankKey& key, uid_t owner, const Uplo
   };
   if (old.ok() && records(*old) == records(turn.manifest)) return absl::OkStatus();
   CKPT_RETURN_IF_ERROR(store_->PutBytes(mkey, encoded, /*if_absent=*/false));
-  CKPT_LOG(WARNING) << "remote tier: replaced the manifest of " << RankName(key) << " step "
+  CKPT_LOG(WARNING) << name() << " tier: replaced the manifest of " << RankName(key) << " step "
                     << turn.step << " (it named other versions)";
   return absl::OkStatus();
 }
@@ -485,7 +485,7 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   const uint64_t manifest_bytes = 8 + remote::RemoteKey::kMacBytes + turn.manifest.ByteSizeLong();
   if (manifest_bytes > remote::kMaxManifestBytes) {
     // It could never be read back; refuse it here rather than wedge a pull.
-    if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemoteFailures, "local", 1);
+    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.failures, "local", 1);
     return absl::FailedPreconditionError(absl::StrCat(
         "the manifest of step ", turn.step, " would be ", manifest_bytes, " bytes, more than the ",
         remote::kMaxManifestBytes, " a pull reads (a smaller aux blob or fewer layers)"));
@@ -495,9 +495,9 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   const std::string encoded = remote::EncodeManifest(turn.manifest, *key_);
   CKPT_RETURN_IF_ERROR(PutManifest(key, owner, turn, encoded));
   if (Metrics* m = deps_.metrics) {
-    m->Inc(Counter::kRemoteManifests);
-    m->Observe(Histogram::kRemoteUploadSeconds, absl::ToDoubleSeconds(absl::Now() - start));
-    m->Set(Gauge::kRemoteUp, 1);
+    m->Inc(options_.metric_ids.manifests);
+    m->Observe(options_.metric_ids.upload_seconds, absl::ToDoubleSeconds(absl::Now() - start));
+    m->Set(options_.metric_ids.up, 1);
   }
   absl::MutexLock lock(&mu_);
   RankCopy* rc = FindLocked(key);
@@ -547,7 +547,7 @@ absl::Status RemoteTier::RemoteGc(const RankKey& key) {
   // Manifests first, so no manifest ever names a deleted object.
   for (uint64_t step : plan.delete_events) {
     CKPT_RETURN_IF_ERROR(store_->Delete(remote::ManifestKey(job, rank, step)));
-    if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
+    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
     if (rc == nullptr) return absl::OkStatus();
@@ -559,7 +559,7 @@ absl::Status RemoteTier::RemoteGc(const RankKey& key) {
     // Objects above the newest manifest belong to a step being uploaded.
     if (needed.count(file) > 0 || !ParseFileName(file, &layer, &step) || step > newest) continue;
     CKPT_RETURN_IF_ERROR(store_->Delete(remote::VersionObjectKey(job, rank, file)));
-    if (Metrics* m = deps_.metrics) m->Inc(Counter::kRemoteGcDeletedObjects);
+    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
     if (rc == nullptr) return absl::OkStatus();

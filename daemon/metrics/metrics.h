@@ -86,6 +86,14 @@ enum class Counter {
   kVersionsRepaired,              // ckpt_versions_repaired_total{tier}
   kGpuWaitsAbandoned,             // ckpt_gpu_waits_abandoned_total{reason}
   kLostVersionRestores,           // ckpt_lost_version_restores_total{outcome}
+  kPeerUploadedVersions,          // ckpt_peer_uploaded_versions_total
+  kPeerUploadedBytes,             // ckpt_peer_uploaded_bytes_total
+  kPeerManifests,                 // ckpt_peer_manifests_total
+  kPeerFailures,                  // ckpt_peer_failures_total{reason}
+  kPeerPulledBytes,               // ckpt_peer_pulled_bytes_total
+  kPeerGcDeletedObjects,          // ckpt_peer_gc_deleted_objects_total
+  kPeerReplicaReceivedBytes,      // ckpt_peer_replica_received_bytes_total
+  kPeerReplicaRefused,            // ckpt_peer_replica_refused_total{reason}
   kCount
 };
 
@@ -119,6 +127,10 @@ enum class Gauge {
   kRemoteUp,               // ckpt_remote_up
   kMemoryTierBytes,        // ckpt_memory_tier_bytes
   kGpuDevicesPoisoned,     // ckpt_gpu_devices_poisoned
+  kPeerLagSteps,           // ckpt_peer_lag_steps
+  kPeerLagBytes,           // ckpt_peer_lag_bytes
+  kPeerUp,                 // ckpt_peer_up
+  kPeerReplicaBytes,       // ckpt_peer_replica_bytes{where}
   kCount
 };
 
@@ -133,6 +145,7 @@ enum class Histogram {
   kDriftSeconds,         // ckpt_drift_seconds
   kRestoreSeconds,       // ckpt_restore_seconds
   kRemoteUploadSeconds,  // ckpt_remote_upload_seconds
+  kPeerUploadSeconds,    // ckpt_peer_upload_seconds
   kCount
 };
 

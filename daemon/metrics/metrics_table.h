@@ -106,7 +106,7 @@ constexpr MetricInfo kCounterTable[] = {
      "Committed layer versions a restore or export found damaged on disk and replaced by an "
      "intact copy of the same version from a tier, by tier; the damaged files are in "
      "quarantine/.",
-     "tier", "remote"},
+     "tier", "remote,peer"},
     {"ckpt_gpu_waits_abandoned_total", "counter",
      "GPU snapshots given up while waiting for the device, by reason: the trainer's step event "
      "not complete at gpu_wait_timeout (deadline), its fence gave up (fence), the rank was "
@@ -118,6 +118,27 @@ constexpr MetricInfo kCounterTable[] = {
      "tier), by outcome: refused (DATA_LOSS, the default) or older (the layer's previous "
      "version, as the request allowed with older_within_steps).",
      "outcome", "refused,older"},
+    {"ckpt_peer_uploaded_versions_total", "counter",
+     "Layer versions replicated to the peer tier (a peer node's ckptd).", "", ""},
+    {"ckpt_peer_uploaded_bytes_total", "counter",
+     "Bytes of layer versions replicated to the peer tier (its throughput is the rate).", "", ""},
+    {"ckpt_peer_manifests_total", "counter",
+     "Step manifests written to the peer tier: each makes one rank's step peer-durable.", "", ""},
+    {"ckpt_peer_failures_total", "counter",
+     "Failed peer-tier operations by reason, as ckpt_remote_failures_total counts them for the "
+     "remote tier (unavailable includes a peer whose replica store is full).",
+     "reason", "unavailable,denied,timeout,corrupt,local,other"},
+    {"ckpt_peer_pulled_bytes_total", "counter",
+     "Bytes of layer versions read back from the peer tier (a replacement node).", "", ""},
+    {"ckpt_peer_gc_deleted_objects_total", "counter",
+     "Objects (versions and manifests) peer-tier retention deleted.", "", ""},
+    {"ckpt_peer_replica_received_bytes_total", "counter",
+     "Bytes of replicas this ckptd stored for its peers.", "", ""},
+    {"ckpt_peer_replica_refused_total", "counter",
+     "Replica calls refused from peers, by reason: unknown_peer (no certificate, or a name not "
+     "in peer_allow), full (the peer's share or the replica store's bound), bad_request (a bad "
+     "key, or bytes that do not match the announced size).",
+     "reason", "unknown_peer,full,bad_request"},
 };
 
 constexpr MetricInfo kGaugeTable[] = {
@@ -201,6 +222,20 @@ constexpr MetricInfo kGaugeTable[] = {
      "uncorrectable ECC error) made unusable: their ranks are released and registrations on "
      "them refused until ckptd restarts.",
      "", ""},
+    {"ckpt_peer_lag_steps", "gauge",
+     "Largest gap, over this node's ranks, between a rank's newest locally durable step and its "
+     "newest peer-durable step (0 without a peer tier).",
+     "", ""},
+    {"ckpt_peer_lag_bytes", "gauge",
+     "Bytes of committed layer versions not yet replicated to the peer tier.", "", ""},
+    {"ckpt_peer_up", "gauge",
+     "With a peer tier: 0 from a failed peer-tier operation until the next one succeeds, else "
+     "1.",
+     "", ""},
+    {"ckpt_peer_replica_bytes", "gauge",
+     "Bytes of replicas this ckptd keeps for its peers: disk (every replica) and memory (those "
+     "also kept in memory for fast restores).",
+     "where", "memory,disk"},
 };
 
 constexpr MetricInfo kHistogramTable[] = {
@@ -218,6 +253,9 @@ constexpr MetricInfo kHistogramTable[] = {
     {"ckpt_restore_seconds", "histogram", "Time of one composite restore.", "", ""},
     {"ckpt_remote_upload_seconds", "histogram",
      "Time to upload one rank's step to the remote tier (its versions, then its manifest).", "",
+     ""},
+    {"ckpt_peer_upload_seconds", "histogram",
+     "Time to replicate one rank's step to the peer tier (its versions, then its manifest).", "",
      ""},
 };
 

@@ -232,6 +232,8 @@ std::string_view TierName(v1::DurabilityTier tier) {
   switch (tier) {
     case v1::TIER_REMOTE:
       return "remote";
+    case v1::TIER_PEER:
+      return "peer";
     default:
       return {};
   }

@@ -182,11 +182,13 @@ class Client {
   // The fence: returns when the snapshot of `step` is in staging.
   absl::StatusOr<SnapshotInfo> WaitSnapshot(uint64_t step);
   // Returns the durable step (>= step) once every layer's newest version
-  // selected at or before `step` is durable. With `remote`, once the step is
-  // in ckptd's remote tier too (its manifest written; docs/remote.md):
-  // FAILED_PRECONDITION when ckptd has no remote tier, DEADLINE_EXCEEDED
-  // while the upload lags behind.
-  absl::StatusOr<uint64_t> WaitDurable(uint64_t step, bool remote = false);
+  // selected at or before `step` is durable. With a `tier`, once the step is
+  // in that tier too: kRemote, ckptd's remote tier (its manifest written;
+  // docs/remote.md); kPeer, a peer node's ckptd (docs/peer.md).
+  // FAILED_PRECONDITION when ckptd has no such tier, DEADLINE_EXCEEDED
+  // while the copy lags behind.
+  enum class Tier { kLocal, kRemote, kPeer };
+  absl::StatusOr<uint64_t> WaitDurable(uint64_t step, Tier tier = Tier::kLocal);
   // The composite plan for `target_step` (0 = latest durable) of the
   // registered rank, or of `job` rank `rank` (also before Register: whether
   // there is anything to restore). NOT_FOUND when there is no checkpoint.

@@ -1,0 +1,211 @@
+#include "daemon/peer/peer_store.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "daemon/peer/replica.grpc.pb.h"
+
+namespace ckpt::peer {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+}  // namespace
+
+class PeerStore::Stub {
+ public:
+  explicit Stub(const PeerStoreOptions& o) {
+    grpc::ChannelArguments args;
+    if (!o.server_name.empty()) args.SetSslTargetNameOverride(o.server_name);
+    args.SetMaxReceiveMessageSize(std::max(static_cast<int>(o.chunk_bytes) + (64 << 10), 64 << 20));
+    // A peer that went away is found again quickly once it is back.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    channel = grpc::CreateCustomChannel(o.address, o.tls.ChannelCredentials(), args);
+    stub = v1::Replica::NewStub(channel);
+  }
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Replica::Stub> stub;
+};
+
+PeerStore::PeerStore(PeerStoreOptions options)
+    : options_(std::move(options)), stub_(std::make_unique<Stub>(options_)) {}
+
+PeerStore::~PeerStore() = default;
+
+std::string PeerStore::Describe() const {
+  return absl::StrCat("peer ", options_.server_name, " at ", options_.address);
+}
+
+absl::Time PeerStore::DeadlineFor(uint64_t bytes) const {
+  absl::Duration d = options_.call_timeout;
+  if (options_.rate_bytes_per_s > 0) {
+    d += absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+  }
+  return absl::Now() + d;
+}
+
+void PeerStore::Pace(uint64_t bytes) {
+  if (options_.rate_bytes_per_s == 0 || bytes == 0) return;
+  absl::Time at;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    // A burst of at most 100 ms of the rate is allowed after an idle spell.
+    next_send_ = std::max(next_send_, now - absl::Milliseconds(100));
+    at = next_send_;
+    next_send_ +=
+        absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+  }
+  absl::SleepFor(at - absl::Now());
+}
+
+absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absent,
+                            const std::function<absl::Status(uint64_t, char*, size_t)>& read) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(size)));
+  v1::PutReply reply;
+  std::unique_ptr<grpc::ClientWriter<v1::PutChunk>> writer = stub_->stub->Put(&ctx, &reply);
+  v1::PutChunk chunk;
+  chunk.set_key(key);
+  chunk.set_size(size);
+  chunk.set_if_absent(if_absent);
+  std::string buf;
+  uint64_t off = 0;
+  absl::Status local;
+  do {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, size - off));
+    buf.resize(n);
+    if (n > 0) local = read(off, buf.data(), n);
+    if (!local.ok()) break;
+    Pace(n);
+    chunk.set_data(buf);
+    off += n;
+    if (!writer->Write(chunk)) break;  // Finish says why
+    chunk.clear_key();
+    chunk.clear_size();
+    chunk.clear_if_absent();
+  } while (off < size);
+  if (!local.ok()) {
+    ctx.TryCancel();
+    (void)writer->Finish();
+    return local;
+  }
+  writer->WritesDone();
+  return FromGrpc(writer->Finish(), absl::StrCat("put ", key, " to ", Describe()));
+}
+
+absl::Status PeerStore::PutFile(const std::string& key, int fd, uint64_t size) {
+  return Put(key, size, false, [fd](uint64_t off, char* out, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      ssize_t r = pread(fd, out + done, n - done, static_cast<off_t>(off + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return ErrnoStatus(errno, "read a local version");
+      if (r == 0) return absl::DataLossError("a local version is shorter than its record");
+      done += static_cast<size_t>(r);
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status PeerStore::PutBytes(const std::string& key, std::string_view data, bool if_absent) {
+  return Put(key, data.size(), if_absent, [data](uint64_t off, char* out, size_t n) {
+    std::copy_n(data.data() + off, n, out);
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<uint64_t> PeerStore::Get(const std::string& key, uint64_t max_bytes,
+                                        const std::function<absl::Status(std::string_view)>& sink) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(max_bytes == ~uint64_t{0} ? 0 : max_bytes)));
+  v1::GetRequest req;
+  req.set_key(key);
+  req.set_max_bytes(max_bytes);
+  std::unique_ptr<grpc::ClientReader<v1::DataChunk>> reader = stub_->stub->Get(&ctx, req);
+  v1::DataChunk chunk;
+  uint64_t size = 0, got = 0;
+  bool first = true;
+  absl::Status local;
+  while (reader->Read(&chunk)) {
+    if (first) size = chunk.size();
+    first = false;
+    if (size > max_bytes || chunk.data().size() > size - got) {
+      local = absl::DataLossError(absl::StrCat(key, ": the peer sent more than it announced"));
+      break;
+    }
+    local = sink(chunk.data());
+    if (!local.ok()) break;
+    got += chunk.data().size();
+  }
+  if (!local.ok()) {
+    ctx.TryCancel();
+    (void)reader->Finish();
+    return local;
+  }
+  CKPT_RETURN_IF_ERROR(FromGrpc(reader->Finish(), absl::StrCat("get ", key, " from ", Describe())));
+  if (got != size) {
+    return absl::DataLossError(absl::StrCat(key, ": ", got, " of ", size, " bytes arrived"));
+  }
+  return size;
+}
+
+absl::StatusOr<uint64_t> PeerStore::GetToFile(const std::string& key, int fd, uint64_t max_bytes) {
+  uint64_t off = 0;
+  return Get(key, max_bytes, [fd, &off](std::string_view data) {
+    size_t done = 0;
+    while (done < data.size()) {
+      ssize_t w = pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(off));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return ErrnoStatus(errno, "write a pulled version");
+      done += static_cast<size_t>(w);
+      off += static_cast<uint64_t>(w);
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::string> PeerStore::GetBytes(const std::string& key, uint64_t max_bytes) {
+  std::string out;
+  CKPT_RETURN_IF_ERROR(Get(key, max_bytes, [&out](std::string_view data) {
+                         out.append(data);
+                         return absl::OkStatus();
+                       }).status());
+  return out;
+}
+
+absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::string& prefix) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(0)));
+  v1::ListRequest req;
+  req.set_prefix(prefix);
+  v1::ListReply reply;
+  CKPT_RETURN_IF_ERROR(
+      FromGrpc(stub_->stub->List(&ctx, req, &reply), absl::StrCat("list ", Describe())));
+  std::vector<remote::ObjectInfo> out;
+  for (const v1::ObjectEntry& e : reply.objects()) out.push_back({e.key(), e.size()});
+  return out;
+}
+
+absl::Status PeerStore::Delete(const std::string& key) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(0)));
+  v1::DeleteRequest req;
+  req.set_key(key);
+  v1::DeleteReply reply;
+  return FromGrpc(stub_->stub->Delete(&ctx, req, &reply),
+                  absl::StrCat("delete ", key, " at ", Describe()));
+}
+
+}  // namespace ckpt::peer

@@ -1,0 +1,76 @@
+// PeerStore: the peer tier's transport (docs/peer.md), a RemoteStore whose
+// objects live in a peer node's ckptd (its ReplicaServer and ReplicaStore).
+//
+// The peer tier is a RemoteTier over this store: the same uploads,
+// manifests, MACs under the cluster key, retention and pulls as the remote
+// tier, to another place. This transport is gRPC over TCP with mutual TLS;
+// another transport (RDMA) implements RemoteStore the same way.
+//
+// Every call has a deadline: `call_timeout`, plus the time the rate cap
+// needs for its bytes. The bytes sent are paced to `rate_bytes_per_s`
+// (shared by every call of this store) so replication leaves the network
+// to training; 0 is no cap. Status codes follow remote_store.h: a peer
+// that cannot be reached is UNAVAILABLE, one whose store is full
+// RESOURCE_EXHAUSTED (the tier backs off and retries both).
+//
+// Thread-safety: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/peer/peer_tls.h"
+#include "daemon/remote/remote_store.h"
+
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
+namespace ckpt::peer {
+
+struct PeerStoreOptions {
+  std::string address;      // host:port of the peer's replica service
+  std::string server_name;  // the common name its certificate must carry
+  PeerTls tls;
+  uint64_t rate_bytes_per_s = 0;  // 0: no cap
+  absl::Duration call_timeout = absl::Seconds(30);
+  uint32_t chunk_bytes = 1 << 20;
+};
+
+class PeerStore final : public remote::RemoteStore {
+ public:
+  explicit PeerStore(PeerStoreOptions options);
+  ~PeerStore() override;
+
+  std::string Describe() const override;
+  absl::Status PutFile(const std::string& key, int fd, uint64_t size) override;
+  absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) override;
+  absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd, uint64_t max_bytes) override;
+  absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max_bytes) override;
+  absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix) override;
+  absl::Status Delete(const std::string& key) override;
+
+ private:
+  class Stub;
+  // Streams `size` bytes that `read(offset, buf, n)` provides.
+  absl::Status Put(const std::string& key, uint64_t size, bool if_absent,
+                   const std::function<absl::Status(uint64_t, char*, size_t)>& read);
+  // Streams the object to `sink(data)`; its size.
+  absl::StatusOr<uint64_t> Get(const std::string& key, uint64_t max_bytes,
+                               const std::function<absl::Status(std::string_view)>& sink);
+  // Waits until `bytes` more may go out under the rate cap.
+  void Pace(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Time DeadlineFor(uint64_t bytes) const;
+
+  const PeerStoreOptions options_;
+  std::unique_ptr<Stub> stub_;
+  absl::Mutex mu_;
+  absl::Time next_send_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
+}  // namespace ckpt::peer

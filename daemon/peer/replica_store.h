@@ -1,0 +1,113 @@
+// ReplicaStore: what a ckptd keeps for its peers (docs/peer.md).
+//
+// A peer's ckptd replicates each durable layer version and manifest here
+// through the replica service (replica_server.h). The objects are keyed by
+// the remote layout (remote_layout.h) and signed with the cluster key by
+// their writer, so one namespace serves every authenticated peer: a
+// replacement node reads the objects the node it replaces wrote.
+//
+// Every object is written to the replica directory (a PosixStore: temp
+// file, fsync, rename) before Put returns, so an acknowledged replica
+// survives this ckptd's crash or restart and is never torn; while the
+// memory budget has room it is also kept in memory, and reads are served
+// from there (a restore from a peer reads no disk). Every object is charged
+// to the peer that wrote it; a peer past its share (max_bytes_per_peer) or
+// the store past its whole bound (max_bytes) is refused with
+// RESOURCE_EXHAUSTED, so one peer's flood leaves room for the others. After a
+// restart the objects found on disk are charged to no peer until rewritten.
+//
+// Thread-safety: thread-safe; mu_ is a leaf. Disk I/O runs outside it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "base/unique_fd.h"
+#include "daemon/remote/posix_store.h"
+
+namespace ckpt::peer {
+
+struct ReplicaStoreOptions {
+  std::string dir;                            // the replica directory (created 0700)
+  uint64_t memory_bytes = uint64_t{1} << 30;  // replicas held in memory
+  uint64_t max_bytes = uint64_t{64} << 30;    // memory and disk together
+  uint64_t max_bytes_per_peer = uint64_t{32} << 30;
+  uint64_t max_object_bytes = uint64_t{16} << 30;  // one object
+};
+
+// What Totals reports.
+struct ReplicaTotals {
+  uint64_t memory_bytes = 0;  // of disk_bytes, also in memory
+  uint64_t disk_bytes = 0;    // every replica
+  uint64_t objects = 0;
+};
+
+class ReplicaStore {
+ public:
+  // Opens (creating) the replica directory and lists what an earlier run
+  // left on disk.
+  static absl::StatusOr<std::unique_ptr<ReplicaStore>> Open(ReplicaStoreOptions options);
+
+  // Room for an object of `size` bytes from `peer` (replacing `key`'s old
+  // copy, if any): RESOURCE_EXHAUSTED with what is full, INVALID_ARGUMENT
+  // past max_object_bytes. Put checks again: this only refuses early.
+  absl::Status CheckRoom(const std::string& peer, const std::string& key, uint64_t size);
+  // Stores `data` as `key` for `peer`; ALREADY_EXISTS with `if_absent` when
+  // `key` exists.
+  absl::Status Put(const std::string& peer, const std::string& key, std::string data,
+                   bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  // Stores the first `size` bytes of `fd` as `key` for `peer` (large
+  // objects: the replica service streams them into a temp file, not into
+  // memory).
+  absl::Status PutFile(const std::string& peer, const std::string& key, int fd, uint64_t size)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // An unlinked temp file in the replica directory for such a stream.
+  absl::StatusOr<UniqueFd> TempFile();
+  absl::StatusOr<std::string> Get(const std::string& key, uint64_t max_bytes);
+  absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix);
+  absl::Status Delete(const std::string& key);
+
+  ReplicaTotals Totals();
+  // The bytes charged to `peer`.
+  uint64_t PeerBytes(const std::string& peer);
+
+ private:
+  struct Entry {
+    std::string peer;  // who wrote it ("" when found on disk at start)
+    uint64_t size = 0;
+    std::shared_ptr<const std::string> data;  // its bytes, when also in memory
+  };
+  ReplicaStore(ReplicaStoreOptions options, std::unique_ptr<remote::PosixStore> disk)
+      : options_(std::move(options)), disk_(std::move(disk)) {}
+  // Put's and PutFile's steps: room taken, the file written, the entry
+  // recorded (`data` kept in memory when the budget has room).
+  absl::Status Reserve(const std::string& peer, const std::string& key, uint64_t size,
+                       bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Record(const std::string& peer, const std::string& key, uint64_t size,
+                      const absl::Status& written, std::string* data) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status RoomLocked(const std::string& peer, const std::string& key, uint64_t size) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ChargeLocked(const Entry& e, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ReplicaStoreOptions options_;
+  const std::unique_ptr<remote::PosixStore> disk_;
+
+  absl::Mutex mu_;
+  // Room taken by Puts writing their files now (outside mu_): counted
+  // against the bounds like stored bytes.
+  uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, uint64_t> peer_reserved_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Entry> objects_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);
+  uint64_t memory_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t disk_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace ckpt::peer

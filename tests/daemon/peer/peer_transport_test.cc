@@ -1,0 +1,167 @@
+// The replica service and the peer tier's transport over loopback, with
+// mutual TLS: certificates openssl makes for the test.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/unique_fd.h"
+#include "daemon/peer/peer_store.h"
+#include "daemon/peer/replica_server.h"
+#include "daemon/peer/replica_store.h"
+#include "gtest/gtest.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt::peer {
+namespace {
+
+using ::ckpt::testing::HasCode;
+using ::ckpt::testing::RandomBytes;
+using ::ckpt::testing::TempDir;
+
+// A CA and the certificates it signs, in `dir`.
+class Pki {
+ public:
+  Pki(const TempDir& dir, const std::string& ca) : dir_(dir), ca_(ca) {
+    Run(
+        absl::StrCat("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes "
+                     "-keyout ",
+                     Path(ca_ + ".key"), " -out ", Path(ca_ + ".pem"), " -days 2 -subj /CN=", ca_));
+  }
+  // This node's TLS identity as `cn`.
+  PeerTls Issue(const std::string& cn) {
+    const std::string ext = Path(cn + ".ext");
+    Run(absl::StrCat("printf 'subjectAltName=DNS:", cn,
+                     "\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", ext));
+    Run(absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout ",
+                     Path(cn + ".key"), " -out ", Path(cn + ".csr"), " -subj /CN=", cn));
+    Run(absl::StrCat("openssl x509 -req -in ", Path(cn + ".csr"), " -CA ", Path(ca_ + ".pem"),
+                     " -CAkey ", Path(ca_ + ".key"), " -CAcreateserial -days 2 -out ",
+                     Path(cn + ".pem"), " -extfile ", ext));
+    for (const char* f : {".key", ".pem"}) chmod(Path(cn + f).c_str(), 0600);
+    chmod(Path(ca_ + ".pem").c_str(), 0600);
+    absl::StatusOr<PeerTls> tls =
+        PeerTls::FromFiles(Path(cn + ".pem"), Path(cn + ".key"), Path(ca_ + ".pem"));
+    EXPECT_TRUE(tls.ok()) << tls.status();
+    return tls.ok() ? *tls : PeerTls();
+  }
+
+ private:
+  std::string Path(const std::string& name) const { return dir_.Join(name); }
+  static void Run(const std::string& cmd) {
+    ASSERT_EQ(std::system((cmd + " >/dev/null 2>&1").c_str()), 0) << cmd;
+  }
+  const TempDir& dir_;
+  const std::string ca_;
+};
+
+class PeerTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ReplicaStoreOptions so;
+    so.dir = dir_.Join("replicas");
+    so.memory_bytes = 1 << 20;
+    so.max_bytes = 16 << 20;
+    so.max_bytes_per_peer = 8 << 20;
+    so.max_object_bytes = 8 << 20;
+    auto store = ReplicaStore::Open(so);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+    ReplicaServerOptions ro;
+    ro.listen = "127.0.0.1:0";
+    ro.tls = pki_.Issue("node-b");
+    ro.allowed_peers = {"node-a"};
+    ro.chunk_bytes = 64 << 10;  // many chunks per object
+    auto server = ReplicaServer::Start(ro, store_.get(), nullptr);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+
+  std::unique_ptr<PeerStore> Client(PeerTls tls, const std::string& server_name = "node-b") {
+    PeerStoreOptions o;
+    o.address = absl::StrCat("127.0.0.1:", server_->port());
+    o.server_name = server_name;
+    o.tls = std::move(tls);
+    o.call_timeout = absl::Seconds(5);
+    o.chunk_bytes = 64 << 10;
+    return std::make_unique<PeerStore>(o);
+  }
+
+  TempDir dir_;
+  Pki pki_{dir_, "cluster-ca"};
+  std::unique_ptr<ReplicaStore> store_;
+  std::unique_ptr<ReplicaServer> server_;
+};
+
+TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
+  std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
+  const std::string small = "owner record";
+  const std::string big = RandomBytes(7, (6 << 20) + 12345);  // past the memory budget, via a file
+  ASSERT_TRUE(a->PutBytes("jobs/j/owner", small, /*if_absent=*/true).ok());
+  EXPECT_TRUE(HasCode(a->PutBytes("jobs/j/owner", "x", true), absl::StatusCode::kAlreadyExists));
+  const std::string path = dir_.Join("version");
+  {
+    UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600));
+    ASSERT_EQ(pwrite(fd.get(), big.data(), big.size(), 0), static_cast<ssize_t>(big.size()));
+    ASSERT_TRUE(a->PutFile("jobs/j/rank-00000000/v1", fd.get(), big.size()).ok());
+  }
+  EXPECT_EQ(*a->GetBytes("jobs/j/owner", 1 << 20), small);
+  EXPECT_EQ(store_->Totals().disk_bytes, small.size() + big.size());
+  EXPECT_EQ(store_->Totals().memory_bytes, small.size());
+  UniqueFd out(open(dir_.Join("pulled").c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600));
+  absl::StatusOr<uint64_t> n = a->GetToFile("jobs/j/rank-00000000/v1", out.get(), 16 << 20);
+  ASSERT_TRUE(n.ok()) << n.status();
+  ASSERT_EQ(*n, big.size());
+  std::string back(big.size(), '\0');
+  ASSERT_EQ(pread(out.get(), back.data(), back.size(), 0), static_cast<ssize_t>(big.size()));
+  EXPECT_EQ(back, big);
+  EXPECT_TRUE(
+      HasCode(a->GetBytes("jobs/j/rank-00000000/v1", 100), absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(HasCode(a->GetBytes("jobs/j/none", 100), absl::StatusCode::kNotFound));
+  auto listed = a->List("jobs/j/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[1].size, big.size());
+  ASSERT_TRUE(a->Delete("jobs/j/rank-00000000/v1").ok());
+  EXPECT_EQ(store_->Totals().disk_bytes, small.size());
+  EXPECT_TRUE(HasCode(a->PutBytes("../escape", "x", false), absl::StatusCode::kInvalidArgument));
+}
+
+TEST_F(PeerTransportTest, APeerPastItsShareIsToldTheStoreIsFull) {
+  std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
+  ASSERT_TRUE(a->PutBytes("jobs/j/a", std::string(6 << 20, 'a'), false).ok());
+  absl::Status s = a->PutBytes("jobs/j/b", std::string(3 << 20, 'b'), false);
+  EXPECT_TRUE(HasCode(s, absl::StatusCode::kResourceExhausted)) << s;
+  EXPECT_TRUE(HasCode(store_->Get("jobs/j/b", 16 << 20), absl::StatusCode::kNotFound));
+}
+
+TEST_F(PeerTransportTest, AnUnknownPeerIsRefusedAndNothingIsStored) {
+  std::unique_ptr<PeerStore> z = Client(pki_.Issue("node-z"));
+  absl::Status s = z->PutBytes("jobs/j/owner", "mine", false);
+  EXPECT_TRUE(HasCode(s, absl::StatusCode::kPermissionDenied)) << s;
+  EXPECT_NE(s.message().find("node-z is not allowed"), std::string::npos) << s;
+  EXPECT_TRUE(HasCode(z->List(""), absl::StatusCode::kPermissionDenied));
+  EXPECT_EQ(store_->Totals().objects, 0u);
+}
+
+TEST_F(PeerTransportTest, ACertificateOfAnotherCaIsRefused) {
+  Pki other(dir_, "other-ca");
+  std::unique_ptr<PeerStore> evil = Client(other.Issue("node-a"));
+  absl::Status s = evil->PutBytes("jobs/j/owner", "mine", false);
+  EXPECT_TRUE(HasCode(s, absl::StatusCode::kUnavailable)) << s;
+  EXPECT_EQ(store_->Totals().objects, 0u);
+}
+
+TEST_F(PeerTransportTest, AServerWithAnotherNameIsNotTrusted) {
+  std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"), /*server_name=*/"node-q");
+  absl::Status s = a->PutBytes("jobs/j/owner", "mine", false);
+  EXPECT_TRUE(HasCode(s, absl::StatusCode::kUnavailable)) << s;
+  EXPECT_EQ(store_->Totals().objects, 0u);
+}
+
+}  // namespace
+}  // namespace ckpt::peer
