@@ -11,6 +11,7 @@
 #include "base/logging.h"
 #include "base/status.h"
 #include "base/unique_fd.h"
+#include "daemon/common/kill_point.h"
 #include "daemon/peer/replica.grpc.pb.h"
 #include "daemon/remote/remote_layout.h"
 
@@ -87,8 +88,13 @@ class ReplicaServer::Service final : public v1::Replica::Service {
       return Refuse("bad_request", absl::InvalidArgumentError(absl::StrCat(
                                        key, ": ", got, " of ", size, " bytes arrived")));
     }
+    // A peer killed here, or after the store wrote the replica, leaves
+    // the sender without an acknowledgement: the step is not peer-durable
+    // and is sent again (tests/integration/test_peer.py kills at both).
+    CKPT_KILL_POINT("replica.received");
     absl::Status s = in_memory ? store_->Put(peer, key, std::move(data), if_absent)
                                : store_->PutFile(peer, key, tmp.get(), size);
+    CKPT_KILL_POINT("replica.stored");
     if (absl::IsResourceExhausted(s)) return Refuse("full", s);
     if (s.ok() && metrics_ != nullptr) {
       metrics_->Inc(Counter::kPeerReplicaReceivedBytes, static_cast<double>(size));

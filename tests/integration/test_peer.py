@@ -141,7 +141,7 @@ def main():
         harness.check(status["peer"].startswith("peer node-b") and status["peer_lag_steps"] == 0,
                       "ckptctl status shows the peer tier caught up: %s" % status)
         sent = metric(cluster, "node-a", a.d, "ckpt_peer_uploaded_bytes_total")
-        kept = metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes")
+        kept = metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes", 'where="disk"')
         print("replicated %d bytes; node B keeps %d bytes; peer-durable steps %s" %
               (sent, kept, steps))
         harness.check(sent > 0 and kept >= sent, "B keeps what A sent")
@@ -174,6 +174,35 @@ def main():
         print("replication caught up %.1f s after the link came back" % (time.time() - t0))
         steps = wait_peer(a.d, ["p-all", "p-lc", "p-part"])
 
+        # 2b. A slow peer link (tc tbf) and replication capped below it: the
+        # trainer runs every step, replication keeps to its cap.
+        cap = 2000000
+        a.d.stop()
+        a.d.args.append("--peer_rate_bytes=%d" % cap)
+        a.d.start()
+        cluster.rate_limit("node-a", "40mbit")
+        logs["p-slow"] = os.path.join(root, "p-slow.jsonl")
+        proc = subprocess.Popen(
+            harness.trainer_cmd(a.d, "p-slow", "--layers=%d" % LAYERS,
+                                "--layer-bytes=" + LAYER_BYTES, "--steps=60", "--policy=all",
+                                "--log=" + logs["p-slow"], "--compute-ms=50"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        harness.wait_for(lambda: metric(cluster, "node-a", a.d,
+                                        "ckpt_peer_uploaded_bytes_total") > 0, 120,
+                         "replication of the slow job starts")
+        t0, sent0 = time.time(), metric(cluster, "node-a", a.d, "ckpt_peer_uploaded_bytes_total")
+        out, err = proc.communicate(timeout=300)
+        harness.check(proc.returncode == 0, "the trainer ran every step: %s %s" % (out, err))
+        t1, sent1 = time.time(), metric(cluster, "node-a", a.d, "ckpt_peer_uploaded_bytes_total")
+        # Completed versions in [t0, t1]: at most the cap's bytes, plus the
+        # versions in flight at t0 (4 threads, 1 MiB each) and a 100 ms burst.
+        bound = cap * (t1 - t0) + 4 * (1 << 20) + cap / 10
+        print("slow peer: %d bytes replicated in %.1f s (%.2f MB/s, cap %.2f MB/s)" %
+              (sent1 - sent0, t1 - t0, (sent1 - sent0) / (t1 - t0) / 1e6, cap / 1e6))
+        harness.check(sent1 - sent0 <= bound, "replication kept to its cap")
+        cluster.rate_limit("node-a", None)
+        steps = wait_peer(a.d, ["p-all", "p-lc", "p-part", "p-slow"])
+
         # 3. Node loss: A and its disk are gone; C restores from B alone.
         a.d.kill()
         shutil.rmtree(os.path.join(root, "node-a"))
@@ -181,7 +210,8 @@ def main():
         c.d.start()
         listed = ctl_jobs(c.d)
         harness.check(set(steps) <= set(listed), "the replacement node lists the jobs: %s" % listed)
-        for job, policy in (("p-all", "all"), ("p-lc", "layercheck"), ("p-part", "all")):
+        for job, policy in (("p-all", "all"), ("p-lc", "layercheck"), ("p-part", "all"),
+                            ("p-slow", "all")):
             t0 = time.time()
             step, layer_steps = restore(c.d, job, logs[job], policy, steps[job] + 5)
             print("%s restored on the replacement node from its peer to step %d in %.2f s" %
@@ -195,12 +225,67 @@ def main():
         c_steps = wait_peer(c.d, ["p-all"])
         harness.check(c_steps["p-all"] == steps["p-all"] + 5, "the replacement node replicates")
 
+        # 3b. The peer killed mid-transfer, at each kill point of the
+        # replica service; after its restart replication catches up.
+        killed = []
+        for point in ("replica.received", "replica.stored"):
+            job = "p-kill-" + point.split(".")[1]
+            logs[job] = os.path.join(root, job + ".jsonl")
+            b.d.kill()
+            b.d.env = {"CKPT_KILL_AT": point + ":3"}
+            b.d.start()
+            train(c.d, job, logs[job], "all", 12)
+            harness.wait_for(lambda: b.d.proc.poll() is not None, 120, "the peer dies at " + point)
+            harness.check(b.d.proc.returncode == -9, "killed at %s" % point)
+            b.d.env = None
+            b.d.start()
+            killed.append(job)
+        c_steps = wait_peer(c.d, ["p-all"] + killed)
+        print("peer killed at each replica kill point; caught up: %s" % c_steps)
+
+        # 3c. Node loss again: C goes; a fresh node restores from B what C
+        # made peer-durable, through the peer's deaths.
+        c.d.kill()
+        shutil.rmtree(os.path.join(root, "node-c"))
+        d = Node(cluster, "node-a", root, tls["node-a"], key, peer="node-b")
+        d.d.start()
+        for job in ["p-all"] + killed:
+            step, _ = restore(d.d, job, logs[job], "all", c_steps[job])
+            harness.check(step == c_steps[job], "%s: the newest peer-durable step" % job)
+        d.d.kill()
+        shutil.rmtree(os.path.join(root, "node-a"))
+
+        # 4a. Bytes corrupted at the peer (on its disk, served after its
+        # restart): detected by the replacement node, never restored.
+        b.d.stop()
+        vdir = os.path.join(b.d.data, "replicas", "jobs", "p-all", "rank-00000000", "v")
+        newest = max(int(f.split("-S")[1].split("-")[0], 16) for f in os.listdir(vdir))
+        victim = sorted(f for f in os.listdir(vdir) if "-S%016x-" % newest in f)[-1]
+        with open(os.path.join(vdir, victim), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(vdir, victim)) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        b.d.start()
+        r = Node(cluster, "node-a", root, tls["node-a"], key, peer="node-b")
+        r.d.start()
+        out = harness.run_trainer(r.d, "p-all", "--layers=%d" % LAYERS,
+                                  "--layer-bytes=" + LAYER_BYTES, "--steps=0", "--restore")
+        harness.check(out.returncode != 0 and "DATA_LOSS" in out.stderr and
+                      "lost its version of step %d" % newest in out.stderr,
+                      "the corrupted replica of step %d is refused: %s %s" %
+                      (newest, out.stdout[-800:], out.stderr[-500:]))
+        harness.check(metric(cluster, "node-a", r.d, "ckpt_peer_failures_total") > 0,
+                      "the damage was counted")
+        print("corrupted %s at the peer: the replacement node refused step %d" % (victim, newest))
+        r.d.kill()
+
         # 4. Trust.
         refused = metric(cluster, "node-b", b.d, "ckpt_peer_replica_refused_total",
                          'reason="unknown_peer"')
         x = Node(cluster, "node-x", root, tls["node-x"], key, peer="node-b")
         e = Node(cluster, "node-e", root, evil, key, peer="node-b")
-        kept = metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes")
+        kept = metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes", 'where="disk"')
         for n in (x, e):
             n.d.start()
             train(n.d, "p-" + n.name, os.path.join(root, n.name + ".jsonl"), "all", 5)
@@ -214,7 +299,8 @@ def main():
                       "the unknown peer is told it is not allowed")
         harness.check(metric(cluster, "node-b", b.d, "ckpt_peer_replica_refused_total",
                              'reason="unknown_peer"') > refused, "B counted the unknown peer")
-        harness.check(metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes") == kept,
+        harness.check(metric(cluster, "node-b", b.d, "ckpt_peer_replica_bytes",
+                             'where="disk"') == kept,
                       "B stored nothing for them")
         print("PASS")
         return 0
