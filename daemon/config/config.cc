@@ -220,7 +220,8 @@ const std::vector<Option>& PeerOptions() {
           "replicas kept for any one peer: a flood from one leaves room for the others",
           CKPT_FIELD(peer.max_bytes_per_peer), 0),
       Num("peer_timeout_ms",
-          "deadline of each call to the peer, plus its bytes' time at peer_rate_bytes",
+          "deadline of each call to the peer, plus its bytes' time at its share of "
+          "peer_rate_bytes (8 MiB/s without a cap)",
           CKPT_FIELD(peer.timeout_ms), 100, 3600000),
       Num("peer_upload_threads", "layer versions replicated to the peer at once",
           CKPT_FIELD(engine.peer.upload_threads), 1, 64),
@@ -235,8 +236,8 @@ const std::vector<Option>& PeerOptions() {
 // LayerCheck, retention, disk and quotas, metrics, the memory and remote
 // tiers), which cut across the subsystems' option structs; so it stays one
 // table.
-const std::vector<Option>& Options() {
-  static std::vector<Option>* const options = new std::vector<Option>{
+std::vector<Option>* CoreOptions() {
+  return new std::vector<Option>{
       Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", CKPT_FIELD(socket),
           /*required=*/true),
       Str("handover_socket", "Unix socket for passing memfd regions; empty = <socket>.fds",
@@ -319,7 +320,8 @@ const std::vector<Option>& Options() {
           "most vm.max_map_count minus handover_map_reserve)",
           CKPT_FIELD(handover.max_fds), 0, 1 << 24),
       Num("handover_fd_reserve",
-          "descriptors left to RocksDB, io_uring, gRPC and layer files when handover_max_fds is 0",
+          "descriptors left to RocksDB, io_uring, gRPC and layer files when handover_max_fds is "
+          "0",
           CKPT_FIELD(handover.fd_reserve), 0, 1 << 24),
       Num("handover_map_reserve",
           "mappings of vm.max_map_count left to the rest of ckptd when handover_max_fds is 0",
@@ -426,7 +428,14 @@ const std::vector<Option>& Options() {
       Num("remote_parallel_parts", "s3 remote tier: parts of one object uploaded at once",
           CKPT_FIELD(remote.parallel_parts), 1, 64),
   };
-  options->insert(options->end(), PeerOptions().begin(), PeerOptions().end());
+}
+
+const std::vector<Option>& Options() {
+  static const std::vector<Option>* const options = [] {
+    std::vector<Option>* all = CoreOptions();
+    all->insert(all->end(), PeerOptions().begin(), PeerOptions().end());
+    return all;
+  }();
   return *options;
 }
 

@@ -69,6 +69,23 @@ TEST(ConfigTest, DumpDocumentsEveryOption) {
   }
 }
 
+// The table is built once: setting options and dumping it does not grow it
+// (the peer options, appended to the table, once were added at every call).
+TEST(ConfigTest, EveryOptionIsListedOnceHoweverOftenTheTableIsRead) {
+  DaemonConfig c;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(SetConfigOption("peer_rate_bytes", "1000", &c).ok());
+    ASSERT_TRUE(c.Validate().ok());
+  }
+  for (const char* key : {"peer_listen", "peer_address", "socket"}) {
+    const std::string text = DumpConfig(c);
+    const std::string line = std::string("\n") + key + " = ";
+    size_t n = 0;
+    for (size_t at = text.find(line); at != std::string::npos; at = text.find(line, at + 1)) ++n;
+    EXPECT_EQ(n, 1u) << key;
+  }
+}
+
 // The wait for a GPU step's event and copies: 120 s by default, in
 // milliseconds, never 0 (every step would be given up) and at most an hour.
 TEST(ConfigTest, GpuWaitTimeoutIsReadInMillisecondsAndBounded) {
