@@ -135,13 +135,24 @@ absl::Status Engine::ClaimInTiers(const std::string& job, uid_t owner) {
 
 absl::Status Engine::PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
                                    bool must_know) {
+  // A tier that cannot be read (a peer that is down with the node it
+  // served) leaves the job to the next one; the error stands only when no
+  // tier brought a history. Another uid's job is refused at once.
+  absl::Status failed;
   for (const std::unique_ptr<DurableTier>& tier : tiers_) {
-    CKPT_RETURN_IF_ERROR(tier->Pull(job, rank, caller, must_know));
+    absl::Status s = tier->Pull(job, rank, caller, must_know);
+    if (absl::IsPermissionDenied(s)) return s;
+    if (!s.ok()) {
+      CKPT_LOG(WARNING) << "could not pull job " << job << " rank " << rank << " from the "
+                        << tier->name() << " tier (" << s << "); trying the next tier";
+      if (failed.ok()) failed = s;
+      continue;
+    }
     // The first tier that had a history of the rank brought it here.
     CKPT_ASSIGN_OR_RETURN(auto local, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
-    if (local.has_value()) break;
+    if (local.has_value()) return absl::OkStatus();
   }
-  return absl::OkStatus();
+  return failed;
 }
 
 absl::Status Engine::SeedUsage() {

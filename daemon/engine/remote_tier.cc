@@ -163,7 +163,7 @@ void RemoteTier::NoteFailure(const absl::Status& s, const std::string& what, uid
     m->Set(options_.metric_ids.up, 0);
   }
   absl::MutexLock lock(&mu_);
-  if (error_.ok()) CKPT_LOG(WARNING) << "remote tier: " << what << ": " << s;
+  if (error_.ok()) CKPT_LOG(WARNING) << name() << " tier: " << what << ": " << s;
   error_ = absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
   error_uid_ = owner;
 }
@@ -251,7 +251,7 @@ absl::StatusOr<uint64_t> RemoteTier::WaitDurable(const RankKey& key, uint64_t st
   if (rc->remote_step < step) {
     if (stop_) return ShuttingDownError();
     return absl::DeadlineExceededError(
-        absl::StrCat("step ", step, " is durable on this node but not yet in the remote tier",
+        absl::StrCat("step ", step, " is durable on this node but not yet in the ", name(), " tier",
                      error_.ok() ? "" : absl::StrCat(" (", error_.message(), ")")));
   }
   return rc->remote_step;

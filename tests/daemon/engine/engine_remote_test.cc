@@ -98,6 +98,45 @@ TEST_F(RemoteTierTest, ReplacementNodeRestoresTheNewestRemoteDurableStep) {
   EXPECT_EQ(remote_step, 6u);
 }
 
+// A tier that answers nothing, like a peer lost with the node it served.
+class DownStore final : public remote::RemoteStore {
+ public:
+  std::string Describe() const override { return "down"; }
+  absl::Status PutFile(const std::string&, int, uint64_t) override { return Down(); }
+  absl::Status PutBytes(const std::string&, std::string_view, bool) override { return Down(); }
+  absl::StatusOr<uint64_t> GetToFile(const std::string&, int, uint64_t) override { return Down(); }
+  absl::StatusOr<std::string> GetBytes(const std::string&, uint64_t) override { return Down(); }
+  absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string&) override {
+    return Down();
+  }
+  absl::Status Delete(const std::string&) override { return Down(); }
+
+ private:
+  static absl::Status Down() { return absl::UnavailableError("the peer is down"); }
+};
+
+// The peer tier is asked first; when it cannot be read, a plan on a
+// replacement node comes from the remote tier instead of failing.
+TEST_F(RemoteTierTest, APeerThatIsDownLeavesThePullToTheRemoteTier) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(WithRemote(), /*chunks=*/16));
+  TestRank a = MakeRank("both", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
+  CKPT_ASSERT_OK(WaitRemote(a, 3).status());
+  DownStore down;
+  EngineOptions o = WithRemote();
+  o.peer.store = &down;
+  o.peer.key = &key_;
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(o));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("both", 0, 0, owner_));
+  EXPECT_EQ(plan.target_step, 3u);
+  WriteStep(a, 999);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  EXPECT_TRUE(HoldsStep(a, 3));
+}
+
 // The remote tier down: local checkpoints go on, WaitDurable(remote) times
 // out naming the failure, GC keeps the steps not uploaded yet, and every
 // step is uploaded once the store is back.
