@@ -375,8 +375,10 @@ int main(int argc, char** argv) {
   if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
   if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
 
+  peer::PeerConfig pc = config.peer;
+  pc.calls_at_once = config.engine.peer.upload_threads;
   absl::StatusOr<std::unique_ptr<peer::PeerNode>> peers =
-      peer::PeerNode::Start(config.peer, config.data_dir, &metrics);
+      peer::PeerNode::Start(pc, config.data_dir, &metrics);
   if (!peers.ok()) return Fail("peer replication", peers.status());
 
   // The engine.

@@ -66,6 +66,7 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     po.tls = std::move(tls);
     po.rate_bytes_per_s = config.rate_bytes;
     po.call_timeout = absl::Milliseconds(config.timeout_ms);
+    po.calls_at_once = config.calls_at_once;
     node->store_ = std::make_unique<PeerStore>(std::move(po));
     CKPT_LOG(INFO) << "peer tier: " << node->store_->Describe()
                    << (config.rate_bytes > 0 ? absl::StrCat(", at most ", config.rate_bytes, " B/s")

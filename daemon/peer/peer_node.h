@@ -33,6 +33,7 @@ struct PeerConfig {
   uint64_t max_replica_bytes = uint64_t{64} << 30;
   uint64_t max_bytes_per_peer = uint64_t{32} << 30;
   uint32_t timeout_ms = 30000;  // each call to the peer, plus its bytes at the rate cap
+  uint32_t calls_at_once = 4;   // set from peer_upload_threads
 
   bool enabled() const { return !listen.empty() || !address.empty(); }
   // INVALID_ARGUMENT for a setting that cannot work.

@@ -48,11 +48,11 @@ std::string PeerStore::Describe() const {
 }
 
 absl::Time PeerStore::DeadlineFor(uint64_t bytes) const {
-  absl::Duration d = options_.call_timeout;
+  double rate = static_cast<double>(kSlowestBytesPerS);
   if (options_.rate_bytes_per_s > 0) {
-    d += absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+    rate = static_cast<double>(options_.rate_bytes_per_s) / std::max(1u, options_.calls_at_once);
   }
-  return absl::Now() + d;
+  return absl::Now() + options_.call_timeout + absl::Seconds(static_cast<double>(bytes) / rate);
 }
 
 void PeerStore::Pace(uint64_t bytes) {

@@ -6,8 +6,10 @@
 // tier, to another place. This transport is gRPC over TCP with mutual TLS;
 // another transport (RDMA) implements RemoteStore the same way.
 //
-// Every call has a deadline: `call_timeout`, plus the time the rate cap
-// needs for its bytes. The bytes sent are paced to `rate_bytes_per_s`
+// Every call has a deadline: `call_timeout`, plus its bytes' time at its
+// share of the rate cap (the cap over `calls_at_once`), or, without a cap,
+// at kSlowestBytesPerS: a large version gets the time it needs, a stalled
+// call still ends. The bytes sent are paced to `rate_bytes_per_s`
 // (shared by every call of this store) so replication leaves the network
 // to training; 0 is no cap. Status codes follow remote_store.h: a peer
 // that cannot be reached is UNAVAILABLE, one whose store is full
@@ -38,12 +40,14 @@ struct PeerStoreOptions {
   std::string server_name;  // the common name its certificate must carry
   PeerTls tls;
   uint64_t rate_bytes_per_s = 0;  // 0: no cap
+  uint32_t calls_at_once = 4;     // the peer tier's upload threads
   absl::Duration call_timeout = absl::Seconds(30);
   uint32_t chunk_bytes = 1 << 20;
 };
 
 class PeerStore final : public remote::RemoteStore {
  public:
+  static constexpr uint64_t kSlowestBytesPerS = 8 << 20;
   explicit PeerStore(PeerStoreOptions options);
   ~PeerStore() override;
 

@@ -19,7 +19,10 @@ namespace ckpt::peer {
 namespace {
 
 // Objects up to this size are received in memory; larger ones in a file.
+// Conditional ones (owner records, manifests: small) always in memory, so
+// they are bounded on their own.
 constexpr uint64_t kInMemoryPut = 4 << 20;
+constexpr uint64_t kMaxConditionalPut = 64 << 20;
 
 absl::Status WriteAll(int fd, const std::string& data, uint64_t offset) {
   size_t done = 0;
@@ -56,9 +59,27 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     const uint64_t size = chunk.size();
     const bool if_absent = chunk.if_absent();
     if (absl::Status s = remote::CheckObjectKey(key); !s.ok()) return Refuse("bad_request", s);
-    if (absl::Status s = store_->CheckRoom(peer, key, size); !s.ok()) {
+    if (if_absent && size > kMaxConditionalPut) {
+      return Refuse("bad_request", absl::InvalidArgumentError(
+                                       absl::StrCat(key, ": a conditional object of ", size,
+                                                    " bytes; at most ", kMaxConditionalPut)));
+    }
+    // The room is held while the bytes arrive, so concurrent calls cannot
+    // announce more than the bounds allow between them.
+    if (absl::Status s = store_->Hold(peer, key, size); !s.ok()) {
       return Refuse(absl::IsResourceExhausted(s) ? "full" : "bad_request", s);
     }
+    struct Held {
+      ReplicaStore* store;
+      const std::string& peer;
+      uint64_t size;
+      bool held = true;
+      void Drop() {
+        if (held) store->Release(peer, size);
+        held = false;
+      }
+      ~Held() { Drop(); }
+    } held{store_, peer, size};
     // Small objects (and conditional ones) arrive in memory, large ones in
     // a temp file: memory per call stays bounded by kInMemoryPut.
     const bool in_memory = if_absent || size <= kInMemoryPut;
@@ -92,6 +113,7 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     // the sender without an acknowledgement: the step is not peer-durable
     // and is sent again (tests/integration/test_peer.py kills at both).
     CKPT_KILL_POINT("replica.received");
+    held.Drop();
     absl::Status s = in_memory ? store_->Put(peer, key, std::move(data), if_absent)
                                : store_->PutFile(peer, key, tmp.get(), size);
     CKPT_KILL_POINT("replica.stored");

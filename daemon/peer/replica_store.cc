@@ -78,10 +78,14 @@ absl::Status ReplicaStore::RoomLocked(const std::string& peer, const std::string
   return absl::OkStatus();
 }
 
-absl::Status ReplicaStore::CheckRoom(const std::string& peer, const std::string& key,
-                                     uint64_t size) {
+absl::Status ReplicaStore::Hold(const std::string& peer, const std::string& key, uint64_t size) {
+  return Reserve(peer, key, size, /*if_absent=*/false);
+}
+
+void ReplicaStore::Release(const std::string& peer, uint64_t size) {
   absl::MutexLock lock(&mu_);
-  return RoomLocked(peer, key, size);
+  reserved_ -= size;
+  if ((peer_reserved_[peer] -= size) == 0) peer_reserved_.erase(peer);
 }
 
 absl::Status ReplicaStore::Reserve(const std::string& peer, const std::string& key, uint64_t size,

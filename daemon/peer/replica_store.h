@@ -55,10 +55,14 @@ class ReplicaStore {
   // left on disk.
   static absl::StatusOr<std::unique_ptr<ReplicaStore>> Open(ReplicaStoreOptions options);
 
-  // Room for an object of `size` bytes from `peer` (replacing `key`'s old
-  // copy, if any): RESOURCE_EXHAUSTED with what is full, INVALID_ARGUMENT
-  // past max_object_bytes. Put checks again: this only refuses early.
-  absl::Status CheckRoom(const std::string& peer, const std::string& key, uint64_t size);
+  // Holds room for an object of `size` bytes from `peer` (replacing
+  // `key`'s old copy, if any) while its bytes arrive: RESOURCE_EXHAUSTED
+  // with what is full, INVALID_ARGUMENT past max_object_bytes. Counted
+  // against the bounds until Release; Put and PutFile take room of their
+  // own, so release the hold just before them.
+  absl::Status Hold(const std::string& peer, const std::string& key, uint64_t size)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Release(const std::string& peer, uint64_t size) ABSL_LOCKS_EXCLUDED(mu_);
   // Stores `data` as `key` for `peer`; ALREADY_EXISTS with `if_absent` when
   // `key` exists.
   absl::Status Put(const std::string& peer, const std::string& key, std::string data,

@@ -123,7 +123,9 @@ def main():
         pki = netns.Pki(os.path.join(root, "pki"))
         tls = {n: pki.issue(n, cluster.addr[n]) + (pki.ca,) for n in cluster.ns}
         other = netns.Pki(os.path.join(root, "other-pki"), name="another-ca")
-        evil = other.issue("node-a") + (other.ca,)  # a name B allows, from a CA it does not trust
+        # A name B allows, signed by a CA B does not trust; it trusts B's CA,
+        # so it is B that refuses it.
+        evil = other.issue("node-a") + (pki.ca,)
         key = harness.remote_key(root)
 
         b = Node(cluster, "node-b", root, tls["node-b"], key, listen=True,

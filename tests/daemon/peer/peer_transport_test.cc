@@ -148,9 +148,13 @@ TEST_F(PeerTransportTest, AnUnknownPeerIsRefusedAndNothingIsStored) {
   EXPECT_EQ(store_->Totals().objects, 0u);
 }
 
+// The client trusts the cluster's CA (so it accepts the server), but its own
+// certificate, of an allowed name, another CA signed: the server refuses it.
 TEST_F(PeerTransportTest, ACertificateOfAnotherCaIsRefused) {
   Pki other(dir_, "other-ca");
-  std::unique_ptr<PeerStore> evil = Client(other.Issue("node-a"));
+  PeerTls evil_tls = other.Issue("node-a");
+  evil_tls.ca_pem = pki_.Issue("node-a").ca_pem;
+  std::unique_ptr<PeerStore> evil = Client(evil_tls);
   absl::Status s = evil->PutBytes("jobs/j/owner", "mine", false);
   EXPECT_TRUE(HasCode(s, absl::StatusCode::kUnavailable)) << s;
   EXPECT_EQ(store_->Totals().objects, 0u);

@@ -66,7 +66,7 @@ TEST(ReplicaStoreTest, OnePeersFloodLeavesRoomForTheOthers) {
   EXPECT_TRUE(HasCode(over, absl::StatusCode::kResourceExhausted)) << over;
   EXPECT_NE(over.message().find("share"), std::string::npos) << over;
   EXPECT_TRUE(
-      HasCode((*store)->CheckRoom("flood", "jobs/f/4", 1), absl::StatusCode::kResourceExhausted));
+      HasCode((*store)->Hold("flood", "jobs/f/4", 1), absl::StatusCode::kResourceExhausted));
   // Replacing its own object within its share is fine.
   EXPECT_TRUE((*store)->Put("flood", "jobs/f/0", std::string(900, 'g'), false).ok());
   EXPECT_EQ((*store)->PeerBytes("flood"), 2900u);
@@ -79,6 +79,11 @@ TEST(ReplicaStoreTest, OnePeersFloodLeavesRoomForTheOthers) {
   // Deleting gives the room back.
   ASSERT_TRUE((*store)->Delete("jobs/f/1").ok());
   EXPECT_EQ((*store)->PeerBytes("flood"), 1900u);
+  // Room held for bytes still arriving counts against the bounds.
+  ASSERT_TRUE((*store)->Hold("other", "jobs/o/1", 1000).ok());
+  EXPECT_TRUE(HasCode((*store)->Put("other", "jobs/o/3", std::string(200, 'o'), false),
+                      absl::StatusCode::kResourceExhausted));
+  (*store)->Release("other", 1000);
   EXPECT_TRUE((*store)->Put("other", "jobs/o/1", std::string(200, 'o'), false).ok());
 }
 
