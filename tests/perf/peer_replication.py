@@ -1,0 +1,257 @@
+#!/usr/bin/python3
+"""The peer tier's figures, each against its baseline in the same run
+(docs/peer.md, "Figures"); needs root (network namespaces) and, for part 3,
+the ceph packages:
+
+  /usr/bin/python3 tests/perf/peer_replication.py [--layers=8] [--layer-mib=32] [--rounds=3]
+
+1. Throughput between two nodes made of network namespaces (netns.py),
+   interleaved rounds: a raw TCP stream of one step's bytes from node A to
+   node B (Python sockets, 1 MiB writes, B acknowledges the last byte), then
+   ckptd A replicating one step of the example trainer (policy all: every
+   layer) to ckptd B over mutual TLS, timed by its own
+   ckpt_peer_upload_seconds. Median of each and the ratio.
+2. The trainer's step time with and without replication: the same job
+   (--steps, --compute-ms) on ckptd A without a peer, then with one; the
+   trainer's mean StepDone and its wall time per step.
+3. A replacement node's restore, from the peer against the same bytes from
+   radosgw (a one-node Ceph cluster, tests/daemon/remote/ceph_rgw.py): ckptd
+   processes on this host's loopback, one trained node copying to both
+   tiers; after its loss, a fresh ckptd with only the peer tier and another
+   with only the remote tier each register, pull and restore the step.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+sys.path.insert(0, os.path.join(HERE, "..", "daemon", "remote"))
+
+import harness  # noqa: E402
+import netns  # noqa: E402
+
+PORT = 7471
+
+SINK = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    head = b""
+    while len(head) < 32:
+        head += c.recv(32 - len(head))
+    want = int(head.split(b"\n")[0]); got = 0
+    while got < want:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.sendall(b"k"); c.close()
+"""
+
+SOURCE = r"""
+import socket, sys, time
+n = int(sys.argv[3]); buf = b"\0" * (1 << 20)
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+t0 = time.perf_counter(); s.sendall((b"%d\n" % n).ljust(32))
+left = n
+while left > 0:
+    k = min(left, len(buf)); s.sendall(buf[:k]); left -= k
+s.recv(1); print(time.perf_counter() - t0)
+"""
+
+
+def scrape(cluster, node, d):
+    address = d.ctl("status")["metrics_address"]
+    cmd = ["curl", "-sf", "http://%s/metrics" % address]
+    out = cluster.run(node, *cmd).stdout if cluster else subprocess.run(
+        cmd, capture_output=True, text=True).stdout
+    values = {}
+    for line in out.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def upload_seconds(cluster, node, d):
+    m = scrape(cluster, node, d)
+    return m.get("ckpt_peer_upload_seconds_sum", 0.0)
+
+
+def wait_peer(d, job, step, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for j in d.ctl("jobs")["jobs"]:
+            if j["job_id"] == job and j["ranks"][0].get("peer_step", 0) >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError("step %d of %s not peer-durable" % (step, job))
+
+
+def wait_remote(d, job, step, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for j in d.ctl("jobs")["jobs"]:
+            if j["job_id"] == job and j["ranks"][0].get("remote_step", 0) >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError("step %d of %s not remote-durable" % (step, job))
+
+
+def trainer(d, job, args, steps, *extra, layer_mib=None):
+    out = harness.run_trainer(d, job, "--layers=%d" % args.layers,
+                              "--layer-bytes=%dM" % (layer_mib or args.layer_mib),
+                              "--steps=%d" % steps,
+                              "--policy=all", *extra, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def tls_args(tls, key):
+    return ["--peer_cert_file=" + tls[0], "--peer_tls_key_file=" + tls[1],
+            "--peer_ca_file=" + tls[2], "--remote_key_file=" + key]
+
+
+def throughput(args, root, pool):
+    cluster = netns.Cluster(["node-a", "node-b"], net=78)
+    try:
+        pki = netns.Pki(os.path.join(root, "pki"))
+        tls = {n: pki.issue(n, cluster.addr[n]) + (pki.ca,) for n in cluster.ns}
+        key = harness.remote_key(root)
+        b = harness.Daemon(os.path.join(root, "b"), pool_bytes=pool, extra=tls_args(
+            tls["node-b"], key) + ["--peer_listen=%s:%d" % (cluster.addr["node-b"], PORT),
+                                   "--peer_memory_bytes=%d" % (4 << 30)])
+        b.args = ["ip", "netns", "exec", cluster.ns["node-b"]] + b.args
+        b.start()
+        peer = ["--peer_address=%s:%d" % (cluster.addr["node-b"], PORT), "--peer_name=node-b"]
+        a = harness.Daemon(os.path.join(root, "a"), pool_bytes=pool,
+                           extra=tls_args(tls["node-a"], key))
+        a.args = ["ip", "netns", "exec", cluster.ns["node-a"]] + a.args
+        nbytes = args.layers * args.layer_mib << 20
+
+        # 2 first, without then with a peer (same daemon directory).
+        walls = {}
+        for label in ("without replication", "with replication"):
+            if label == "with replication":
+                a.stop()
+                a.args += peer
+            a.start()
+            t0 = time.time()
+            out = trainer(a, "step-" + label.split()[0], args, args.steps,
+                          "--compute-ms=%d" % args.compute_ms, layer_mib=args.step_layer_mib)
+            wall = time.time() - t0
+            stepdone = [l for l in out.stdout.splitlines() if "mean StepDone" in l][-1]
+            walls[label] = (wall / args.steps, stepdone.split(":", 1)[1].strip())
+
+        sink = subprocess.Popen(["ip", "netns", "exec", cluster.ns["node-b"], sys.executable,
+                                 "-c", SINK, cluster.addr["node-b"], str(PORT + 1)],
+                                stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "ready"
+        raw, rep = [], []
+        for r in range(1, args.rounds + 1):
+            out = cluster.run("node-a", sys.executable, "-c", SOURCE, cluster.addr["node-b"],
+                              str(PORT + 1), str(nbytes))
+            raw.append(nbytes / float(out.stdout.strip()))
+            before = upload_seconds(cluster, "node-a", a)
+            trainer(a, "rep", args, r, *(["--restore"] if r > 1 else []))
+            wait_peer(a, "rep", r)
+            rep.append(nbytes / (upload_seconds(cluster, "node-a", a) - before))
+        sink.kill()
+        m_raw, m_rep = statistics.median(raw), statistics.median(rep)
+        print("1. one step of %d MiB from node A to node B, %d rounds (median):" %
+              (nbytes >> 20, args.rounds))
+        print("   raw TCP stream      %.3f GB/s  %s" % (m_raw / 1e9, [round(x / 1e9, 3) for x in raw]))
+        print("   ckptd peer tier     %.3f GB/s  %s" % (m_rep / 1e9, [round(x / 1e9, 3) for x in rep]))
+        print("   ratio peer / raw    %.2f" % (m_rep / m_raw))
+        print("2. trainer, %d steps of %d x %d MiB, --compute-ms=%d:" %
+              (args.steps, args.layers, args.step_layer_mib, args.compute_ms))
+        for label, (per_step, stepdone) in walls.items():
+            print("   %-20s %.1f ms wall per step; %s" % (label, per_step * 1000, stepdone))
+        a.stop()
+        b.stop()
+    finally:
+        cluster.close()
+
+
+def restore_sources(args, root, pool):
+    import ceph_rgw
+    rgw = ceph_rgw.CephRgw(os.path.join(root, "ceph"))
+    rgw.start()
+    try:
+        creds = os.path.join(root, "s3.cred")
+        rgw.write_credentials(creds)
+        pki = netns.Pki(os.path.join(root, "pki2"))
+        tls = {n: pki.issue(n, "127.0.0.1") + (pki.ca,) for n in ("node-a", "node-b", "node-c")}
+        key = harness.remote_key(root)
+        remote = ["--remote_kind=s3", "--remote_endpoint=" + rgw.endpoint,
+                  "--remote_bucket=" + rgw.bucket, "--remote_region=" + rgw.region,
+                  "--remote_credentials_file=" + creds]
+        peer = ["--peer_address=127.0.0.1:%d" % (PORT + 2), "--peer_name=node-b"]
+        b = harness.Daemon(os.path.join(root, "rb"), pool_bytes=pool,
+                           extra=tls_args(tls["node-b"], key) + [
+                               "--peer_listen=127.0.0.1:%d" % (PORT + 2),
+                               "--peer_memory_bytes=%d" % (4 << 30)]).start()
+        a = harness.Daemon(os.path.join(root, "ra"), pool_bytes=pool,
+                           extra=tls_args(tls["node-a"], key) + peer + remote).start()
+        trainer(a, "rs", args, 2)
+        wait_peer(a, "rs", 2)
+        wait_remote(a, "rs", 2)
+        a.kill()
+        shutil.rmtree(os.path.join(root, "ra"))
+        nbytes = args.layers * args.layer_mib << 20
+        print("3. replacement node: register + pull + restore of one %d MiB step:" % (nbytes >> 20))
+        times = {}
+        for label, extra in (("from the peer", peer), ("from radosgw", remote)):
+            for r in range(args.rounds):
+                c = harness.Daemon(os.path.join(root, "rc"), pool_bytes=pool,
+                                   extra=tls_args(tls["node-c"], key) + extra).start()
+                t0 = time.time()
+                trainer(c, "rs", args, 0, "--restore")
+                times.setdefault(label, []).append(time.time() - t0)
+                c.kill()
+                shutil.rmtree(os.path.join(root, "rc"))
+        for label, t in times.items():
+            print("   %-14s %.2f s median  %s" % (label, statistics.median(t),
+                                                  [round(x, 2) for x in t]))
+        print("   ratio radosgw / peer  %.2f" % (statistics.median(times["from radosgw"]) /
+                                                 statistics.median(times["from the peer"])))
+        b.stop()
+    finally:
+        rgw.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layer-mib", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--compute-ms", type=int, default=200)
+    ap.add_argument("--step-layer-mib", type=int, default=4, help="layer size of part 2")
+    ap.add_argument("--skip-rgw", action="store_true")
+    args = ap.parse_args()
+    why = netns.available()
+    if why:
+        print("needs network namespaces: " + why)
+        return 77
+    root = harness.tempdir("ckpt-peer-bench-")
+    pool = max(256 << 20, 2 * args.layers * args.layer_mib << 20)
+    try:
+        throughput(args, root, pool)
+        if not args.skip_rgw:
+            restore_sources(args, root, pool)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
