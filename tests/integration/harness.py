@@ -224,6 +224,26 @@ def kill_processes(procs):
             p.wait()
 
 
+def ctl_jobs(d):
+    """{job_id: job} as `ckptctl jobs` lists them."""
+    return {j["job_id"]: j for j in d.ctl("jobs")["jobs"]}
+
+
+def wait_tier(d, jobs, tier, timeout=600):
+    """Waits until each job's every rank has its newest local step in `tier`
+    ("remote" or "peer"); {job: that step of rank 0}."""
+    field = tier + "_step"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = ctl_jobs(d)
+        if all(j in info and all(r.get(field, 0) > 0 and r[field] >= r["latest_durable_step"]
+                                 for r in info[j]["ranks"]) for j in jobs):
+            return {j: info[j]["ranks"][0][field] for j in jobs}
+        time.sleep(0.2)
+    raise AssertionError("the %s tier did not catch up: %s\n%s" %
+                         (tier, ctl_jobs(d), d.log()[-3000:]))
+
+
 def check(cond, what):
     """Fails the test with `what` unless `cond`; prints "ok: what" when it holds."""
     if not cond:

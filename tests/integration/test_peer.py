@@ -33,20 +33,11 @@ PORT = 7470
 
 
 def ctl_jobs(d):
-    return {j["job_id"]: j for j in d.ctl("jobs")["jobs"]}
+    return harness.ctl_jobs(d)
 
 
-def wait_peer(d, jobs, timeout=300):
-    """Waits until each job's every rank has its newest local step at the peer."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        info = ctl_jobs(d)
-        if all(j in info and all(r.get("peer_step", 0) > 0 and
-                                 r["peer_step"] >= r["latest_durable_step"]
-                                 for r in info[j]["ranks"]) for j in jobs):
-            return {j: info[j]["ranks"][0]["peer_step"] for j in jobs}
-        time.sleep(0.2)
-    raise AssertionError("peer tier did not catch up: %s\n%s" % (ctl_jobs(d), d.log()[-3000:]))
+def wait_peer(d, jobs, timeout=600):
+    return harness.wait_tier(d, jobs, "peer", timeout)
 
 
 def peer_step(d, job):

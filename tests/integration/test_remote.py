@@ -37,20 +37,11 @@ LAYER_BYTES = "64K,256K,1M"
 
 
 def ctl_jobs(d):
-    return {j["job_id"]: j for j in d.ctl("jobs")["jobs"]}
+    return harness.ctl_jobs(d)
 
 
 def wait_remote(d, jobs, timeout=600):
-    """Waits until each job's every rank has its newest local step remotely."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        info = ctl_jobs(d)
-        if all(j in info and all(r["remote_step"] > 0 and
-                                 r["remote_step"] >= r["latest_durable_step"]
-                                 for r in info[j]["ranks"]) for j in jobs):
-            return {j: info[j]["ranks"][0]["remote_step"] for j in jobs}
-        time.sleep(0.2)
-    raise AssertionError("remote tier did not catch up: %s\n%s" % (ctl_jobs(d), d.log()[-3000:]))
+    return harness.wait_tier(d, jobs, "remote", timeout)
 
 
 def train(d, job, log, policy, steps, *extra, timeout=600):
