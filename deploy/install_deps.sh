@@ -69,6 +69,8 @@ install_venv() {
   fi
   echo "install_deps: making the Python environment $venv (deploy/requirements.txt)"
   local start=$SECONDS
+  # 7.1 GB installed, and the downloaded wheels until pip is done.
+  "$top/deploy/need_disk.sh" "$venv" 11 "the Python environment (PyTorch with its CUDA wheels)"
   /usr/bin/python3 -m venv "$venv"
   export PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/ckpt-pip}
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input -r "$req"

@@ -16,6 +16,7 @@ want=$(sha256sum "$req" | cut -d' ' -f1)
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.ckpt-requirements" 2>/dev/null)" != "$want" ]; then
   echo "torch_newest: making $venv ($req)"
   rm -rf "$venv"
+  "$top/deploy/need_disk.sh" "$venv" 9 "the newest PyTorch's environment (with its CUDA wheels)"
   /usr/bin/python3 -m venv "$venv"
   PIP_CACHE_DIR=${PIP_CACHE_DIR:-$HOME/.cache/ckpt-pip} \
     "$venv/bin/pip" install --quiet --disable-pip-version-check --no-input -r "$req"
