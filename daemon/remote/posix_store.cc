@@ -20,6 +20,9 @@ namespace {
 
 constexpr char kTempPrefix[] = ".tmp.";
 constexpr size_t kCopyBuffer = 1 << 20;
+// Below this many directories no key reaches (remote_layout.h's keys are
+// four deep).
+constexpr int kMaxKeyDepth = 16;
 
 // Why another uid could change what `st` describes ("" = nobody can):
 // owned by someone other than ckptd (root may own directories above the
@@ -179,12 +182,15 @@ absl::StatusOr<UniqueFd> PosixStore::OpenParent(const std::string& key, bool cre
   return dir;
 }
 
-absl::Status PosixStore::Publish(int dir, const std::string& name, bool if_absent,
+absl::Status PosixStore::Publish(int dir, const std::string& name, bool if_absent, bool direct,
                                  const std::function<absl::Status(int fd)>& write) const {
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(kTempPrefix, name, ".", getpid(), ".",
                                        counter.fetch_add(1, std::memory_order_relaxed));
-  int fd = openat(dir, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0640);
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  int fd = openat(dir, tmp.c_str(), flags | (direct ? O_DIRECT : 0), 0640);
+  // tmpfs and some network file systems refuse O_DIRECT.
+  if (fd < 0 && direct && errno == EINVAL) fd = openat(dir, tmp.c_str(), flags, 0640);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("create ", tmp));
   UniqueFd out(fd);
   absl::Status s = write(out.get());
@@ -213,18 +219,26 @@ absl::Status PosixStore::Publish(int dir, const std::string& name, bool if_absen
 absl::Status PosixStore::PutFile(const std::string& key, int fd, uint64_t size) {
   std::string name;
   CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/true, &name));
-  return Publish(dir.get(), name, /*if_absent=*/false, [&](int out) -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(uint64_t copied, Copy(fd, out, size));
-    (void)copied;
-    return absl::OkStatus();
-  });
+  return Publish(dir.get(), name, /*if_absent=*/false, /*direct=*/false,
+                 [&](int out) -> absl::Status {
+                   CKPT_ASSIGN_OR_RETURN(uint64_t copied, Copy(fd, out, size));
+                   (void)copied;
+                   return absl::OkStatus();
+                 });
 }
 
 absl::Status PosixStore::PutBytes(const std::string& key, std::string_view data, bool if_absent) {
   std::string name;
   CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/true, &name));
-  return Publish(dir.get(), name, if_absent,
+  return Publish(dir.get(), name, if_absent, /*direct=*/false,
                  [&](int out) { return WriteAll(out, data.data(), data.size(), 0); });
+}
+
+absl::Status PosixStore::PutWith(const std::string& key, bool if_absent, bool direct,
+                                 const std::function<absl::Status(int fd)>& write) {
+  std::string name;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd dir, OpenParent(key, /*create=*/true, &name));
+  return Publish(dir.get(), name, if_absent, direct, write);
 }
 
 absl::StatusOr<UniqueFd> PosixStore::OpenObject(const std::string& key, uint64_t max_bytes,
@@ -296,6 +310,9 @@ absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& pref
     DIR* d = fdopendir(copy.get());
     if (d == nullptr) return ErrnoStatus(errno, "opendir");
     copy.release();
+    // A dup shares its position with the descriptor it copies, which an
+    // earlier walk left at the end.
+    rewinddir(d);
     // A listing must be whole: a caller takes a missing manifest for "no
     // checkpoint". Errors are returned, never read as the end.
     std::vector<std::string> names;
@@ -335,6 +352,41 @@ absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& pref
   std::sort(out.begin(), out.end(),
             [](const ObjectInfo& a, const ObjectInfo& b) { return a.key < b.key; });
   return out;
+}
+
+absl::Status PosixStore::RemoveTempFiles() {
+  std::function<absl::Status(int, int)> sweep = [&](int fd, int depth) -> absl::Status {
+    if (depth > kMaxKeyDepth) return absl::OkStatus();
+    UniqueFd copy(dup(fd));
+    if (!copy.valid()) return ErrnoStatus(errno, "dup");
+    DIR* d = fdopendir(copy.get());
+    if (d == nullptr) return ErrnoStatus(errno, "opendir");
+    copy.release();
+    // A dup shares its position with the descriptor it copies, which an
+    // earlier walk left at the end.
+    rewinddir(d);
+    std::vector<std::string> temps, dirs;
+    while (dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      struct stat st;
+      if (n == "." || n == ".." || fstatat(fd, n.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      if (S_ISDIR(st.st_mode)) dirs.push_back(n);
+      if (S_ISREG(st.st_mode) && absl::StartsWith(n, kTempPrefix)) temps.push_back(n);
+    }
+    closedir(d);
+    for (const std::string& n : temps) {
+      if (unlinkat(fd, n.c_str(), 0) != 0 && errno != ENOENT) {
+        return ErrnoStatus(errno, absl::StrCat("remove the temp file ", n));
+      }
+    }
+    for (const std::string& n : dirs) {
+      absl::StatusOr<UniqueFd> sub = OpenDir(fd, n, /*create=*/false);
+      if (!sub.ok()) continue;  // not ours to sweep (refused by the trust rules)
+      CKPT_RETURN_IF_ERROR(sweep(sub->get(), depth + 1));
+    }
+    return absl::OkStatus();
+  };
+  return sweep(root_fd_.get(), 0);
 }
 
 absl::Status PosixStore::Delete(const std::string& key) {

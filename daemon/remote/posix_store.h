@@ -47,6 +47,18 @@ class PosixStore final : public RemoteStore {
   absl::StatusOr<std::vector<ObjectInfo>> List(const std::string& prefix) override;
   absl::Status Delete(const std::string& key) override;
 
+  // Publishes `key` (as PutFile does) from what `write` puts into the temp
+  // file it is handed. With `direct` that file is opened O_DIRECT where the
+  // file system allows it (fcntl(F_GETFL) tells `write`): its writes must
+  // then be aligned to 4096 bytes in offset, length and address, and it
+  // sets the object's size with ftruncate.
+  absl::Status PutWith(const std::string& key, bool if_absent, bool direct,
+                       const std::function<absl::Status(int fd)>& write);
+  // Removes the temp files a crash left anywhere below the root. Only for a
+  // directory that this process alone writes: another writer's temp file
+  // may be one it is still filling.
+  absl::Status RemoveTempFiles();
+
  private:
   PosixStore(std::string root, UniqueFd root_fd)
       : root_(std::move(root)), root_fd_(std::move(root_fd)) {}
@@ -59,7 +71,7 @@ class PosixStore final : public RemoteStore {
                                       uint64_t* size) const;
   // Writes a temp file in `dir` with `write` filling it, fsyncs it and
   // publishes it as `name`.
-  absl::Status Publish(int dir, const std::string& name, bool if_absent,
+  absl::Status Publish(int dir, const std::string& name, bool if_absent, bool direct,
                        const std::function<absl::Status(int fd)>& write) const;
 
   const std::string root_;

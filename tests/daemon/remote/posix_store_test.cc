@@ -67,6 +67,12 @@ TEST(PosixStore, PutGetListDeleteRoundTrip) {
   auto all = (*store)->List("jobs/");
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), 3u);
+  // A walk from the root, twice: each lists every object.
+  for (const char* prefix : {"", "", "jo", "jo"}) {
+    auto from_root = (*store)->List(prefix);
+    ASSERT_TRUE(from_root.ok());
+    EXPECT_EQ(from_root->size(), 3u) << "prefix '" << prefix << "'";
+  }
   auto none = (*store)->List("jobs/zzz/");
   ASSERT_TRUE(none.ok());
   EXPECT_TRUE(none->empty());
