@@ -2,15 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/resource_quota.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
 #include "base/status.h"
-#include "base/unique_fd.h"
 #include "daemon/common/kill_point.h"
 #include "daemon/peer/replica.grpc.pb.h"
 #include "daemon/remote/remote_layout.h"
@@ -18,23 +15,9 @@
 namespace ckpt::peer {
 namespace {
 
-// Objects up to this size are received in memory; larger ones in a file.
-// Conditional ones (owner records, manifests: small) always in memory, so
-// they are bounded on their own.
-constexpr uint64_t kInMemoryPut = 4 << 20;
+// Conditional objects (owner records, manifests) are small; bounded on
+// their own.
 constexpr uint64_t kMaxConditionalPut = 64 << 20;
-
-absl::Status WriteAll(int fd, const std::string& data, uint64_t offset) {
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t w =
-        pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(offset + done));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return ErrnoStatus(errno, "write a replica's temp file");
-    done += static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -64,60 +47,16 @@ class ReplicaServer::Service final : public v1::Replica::Service {
                                        absl::StrCat(key, ": a conditional object of ", size,
                                                     " bytes; at most ", kMaxConditionalPut)));
     }
-    // The room is held while the bytes arrive, so concurrent calls cannot
-    // announce more than the bounds allow between them.
-    if (absl::Status s = store_->Hold(peer, key, size); !s.ok()) {
-      return Refuse(absl::IsResourceExhausted(s) ? "full" : "bad_request", s);
-    }
-    struct Held {
-      ReplicaStore* store;
-      const std::string& peer;
-      uint64_t size;
-      bool held = true;
-      void Drop() {
-        if (held) store->Release(peer, size);
-        held = false;
-      }
-      ~Held() { Drop(); }
-    } held{store_, peer, size};
-    // Small objects (and conditional ones) arrive in memory, large ones in
-    // a temp file: memory per call stays bounded by kInMemoryPut.
-    const bool in_memory = if_absent || size <= kInMemoryPut;
-    std::string data;
-    UniqueFd tmp;
-    if (in_memory) {
-      data.reserve(size);
-    } else {
-      absl::StatusOr<UniqueFd> fd = store_->TempFile();
-      if (!fd.ok()) return ToGrpc(fd.status());
-      tmp = std::move(*fd);
-    }
-    uint64_t got = 0;
-    do {
-      if (chunk.data().size() > size - got) {
-        return Refuse("bad_request", absl::InvalidArgumentError(
-                                         absl::StrCat(key, ": more than ", size, " bytes")));
-      }
-      if (in_memory) {
-        data.append(chunk.data());
-      } else if (absl::Status w = WriteAll(tmp.get(), chunk.data(), got); !w.ok()) {
-        return ToGrpc(w);
-      }
-      got += chunk.data().size();
-    } while (reader->Read(&chunk));
-    if (got != size) {
-      return Refuse("bad_request", absl::InvalidArgumentError(absl::StrCat(
-                                       key, ": ", got, " of ", size, " bytes arrived")));
-    }
-    // A peer killed here, or after the store wrote the replica, leaves
-    // the sender without an acknowledgement: the step is not peer-durable
-    // and is sent again (tests/integration/test_peer.py kills at both).
-    CKPT_KILL_POINT("replica.received");
-    held.Drop();
-    absl::Status s = in_memory ? store_->Put(peer, key, std::move(data), if_absent)
-                               : store_->PutFile(peer, key, tmp.get(), size);
+    // The first message's bytes first, then each further message's.
+    bool first = true;
+    absl::Status s = store_->Receive(peer, key, size, if_absent, [&](std::string_view* piece) {
+      if (!std::exchange(first, false) && !reader->Read(&chunk)) return false;
+      *piece = chunk.data();
+      return true;
+    });
     CKPT_KILL_POINT("replica.stored");
     if (absl::IsResourceExhausted(s)) return Refuse("full", s);
+    if (absl::IsInvalidArgument(s)) return Refuse("bad_request", s);
     if (s.ok() && metrics_ != nullptr) {
       metrics_->Inc(Counter::kPeerReplicaReceivedBytes, static_cast<double>(size));
     }

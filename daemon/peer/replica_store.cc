@@ -5,17 +5,83 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
+#include "daemon/common/kill_point.h"
 
 namespace ckpt::peer {
 namespace {
 
 std::string Bytes(uint64_t n) { return absl::StrFormat("%.1f MiB", n / 1048576.0); }
+
+// Writes a stream of bytes to a file from offset 0 through an aligned
+// buffer, so that a file opened O_DIRECT gets whole aligned blocks: the
+// last one padded, then cut to the stream's length.
+class FileWriter {
+ public:
+  explicit FileWriter(int fd) : fd_(fd), direct_((fcntl(fd, F_GETFL) & O_DIRECT) != 0) {}
+
+  absl::Status Allocate() {
+    buf_.reset(static_cast<char*>(std::aligned_alloc(kAlign, kBuffer)));
+    if (buf_ == nullptr) return absl::ResourceExhaustedError("no memory for a replica's buffer");
+    return absl::OkStatus();
+  }
+  absl::Status Append(std::string_view data) {
+    while (!data.empty()) {
+      const size_t n = std::min(data.size(), kBuffer - used_);
+      std::memcpy(buf_.get() + used_, data.data(), n);
+      used_ += n;
+      data.remove_prefix(n);
+      if (used_ == kBuffer) CKPT_RETURN_IF_ERROR(Flush(kBuffer));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Finish() {
+    const uint64_t size = written_ + used_;
+    if (used_ > 0) {
+      const size_t padded = direct_ ? (used_ + kAlign - 1) / kAlign * kAlign : used_;
+      std::memset(buf_.get() + used_, 0, padded - used_);
+      CKPT_RETURN_IF_ERROR(Flush(padded));
+    }
+    if (direct_ && ftruncate(fd_, static_cast<off_t>(size)) != 0) {
+      return ErrnoStatus(errno, "cut a replica to its size");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  static constexpr size_t kAlign = 4096;
+  static constexpr size_t kBuffer = 1 << 20;
+
+  absl::Status Flush(size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      ssize_t w = pwrite(fd_, buf_.get() + done, n - done, static_cast<off_t>(written_ + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) return ErrnoStatus(errno, "write a replica");
+      done += static_cast<size_t>(w);
+    }
+    written_ += n;
+    used_ = 0;
+    return absl::OkStatus();
+  }
+
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  const int fd_;
+  const bool direct_;
+  std::unique_ptr<char, Free> buf_;
+  size_t used_ = 0;
+  uint64_t written_ = 0;
+};
 
 }  // namespace
 
@@ -25,6 +91,7 @@ absl::StatusOr<std::unique_ptr<ReplicaStore>> ReplicaStore::Open(ReplicaStoreOpt
   }
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<remote::PosixStore> disk,
                         remote::PosixStore::Open(options.dir));
+  CKPT_RETURN_IF_ERROR(disk->RemoveTempFiles());
   CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> found, disk->List(""));
   std::unique_ptr<ReplicaStore> store(new ReplicaStore(std::move(options), std::move(disk)));
   absl::MutexLock lock(&store->mu_);
@@ -78,18 +145,8 @@ absl::Status ReplicaStore::RoomLocked(const std::string& peer, const std::string
   return absl::OkStatus();
 }
 
-absl::Status ReplicaStore::Hold(const std::string& peer, const std::string& key, uint64_t size) {
-  return Reserve(peer, key, size, /*if_absent=*/false);
-}
-
-void ReplicaStore::Release(const std::string& peer, uint64_t size) {
-  absl::MutexLock lock(&mu_);
-  reserved_ -= size;
-  if ((peer_reserved_[peer] -= size) == 0) peer_reserved_.erase(peer);
-}
-
-absl::Status ReplicaStore::Reserve(const std::string& peer, const std::string& key, uint64_t size,
-                                   bool if_absent) {
+absl::StatusOr<bool> ReplicaStore::Reserve(const std::string& peer, const std::string& key,
+                                           uint64_t size, bool if_absent) {
   absl::MutexLock lock(&mu_);
   if (if_absent && objects_.count(key) > 0) {
     return absl::AlreadyExistsError(absl::StrCat(key, " exists"));
@@ -97,14 +154,17 @@ absl::Status ReplicaStore::Reserve(const std::string& peer, const std::string& k
   CKPT_RETURN_IF_ERROR(RoomLocked(peer, key, size));
   reserved_ += size;
   peer_reserved_[peer] += size;
-  return absl::OkStatus();
+  const bool keep = memory_bytes_ + memory_reserved_ + size <= options_.memory_bytes;
+  if (keep) memory_reserved_ += size;
+  return keep;
 }
 
 absl::Status ReplicaStore::Record(const std::string& peer, const std::string& key, uint64_t size,
-                                  const absl::Status& written, std::string* data) {
+                                  bool kept, const absl::Status& written, std::string* data) {
   absl::MutexLock lock(&mu_);
   reserved_ -= size;
   if ((peer_reserved_[peer] -= size) == 0) peer_reserved_.erase(peer);
+  if (kept) memory_reserved_ -= size;
   CKPT_RETURN_IF_ERROR(written);
   if (auto it = objects_.find(key); it != objects_.end()) {
     ChargeLocked(it->second, -1);
@@ -113,49 +173,54 @@ absl::Status ReplicaStore::Record(const std::string& peer, const std::string& ke
   Entry e;
   e.peer = peer;
   e.size = size;
-  if (data != nullptr && memory_bytes_ + size <= options_.memory_bytes) {
-    e.data = std::make_shared<const std::string>(std::move(*data));
-  }
+  if (data != nullptr) e.data = std::make_shared<const std::string>(std::move(*data));
   ChargeLocked(e, +1);
   objects_[key] = std::move(e);
   return absl::OkStatus();
 }
 
-absl::Status ReplicaStore::Put(const std::string& peer, const std::string& key, std::string data,
-                               bool if_absent) {
-  const uint64_t size = data.size();
-  CKPT_RETURN_IF_ERROR(Reserve(peer, key, size, if_absent));
+absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& key, uint64_t size,
+                                   bool if_absent, const Source& next) {
+  CKPT_ASSIGN_OR_RETURN(const bool keep, Reserve(peer, key, size, if_absent));
+  std::string data;
+  if (keep) data.reserve(size);
   // Durable before it is acknowledged; an old object of that name is
   // replaced whole (rename).
-  absl::Status written = disk_->PutBytes(key, data, if_absent);
-  return Record(peer, key, size, written, &data);
-}
-
-absl::Status ReplicaStore::PutFile(const std::string& peer, const std::string& key, int fd,
-                                   uint64_t size) {
-  CKPT_RETURN_IF_ERROR(Reserve(peer, key, size, /*if_absent=*/false));
-  absl::Status written = disk_->PutFile(key, fd, size);
-  std::string data;
-  std::string* keep = nullptr;
-  if (written.ok() && size <= options_.memory_bytes) {
-    // Kept in memory too when it fits (Record decides under the lock).
-    data.resize(size);
-    size_t done = 0;
-    while (done < size) {
-      ssize_t r = pread(fd, data.data() + done, size - done, static_cast<off_t>(done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) break;
-      done += static_cast<size_t>(r);
+  absl::Status written = disk_->PutWith(key, if_absent, /*direct=*/true, [&](int fd) {
+    FileWriter out(fd);
+    CKPT_RETURN_IF_ERROR(out.Allocate());
+    uint64_t got = 0;
+    std::string_view piece;
+    for (;;) {
+      CKPT_ASSIGN_OR_RETURN(const bool more, next(&piece));
+      if (!more) break;
+      if (piece.size() > size - got) {
+        return absl::InvalidArgumentError(absl::StrCat(key, ": more than ", size, " bytes"));
+      }
+      got += piece.size();
+      CKPT_RETURN_IF_ERROR(out.Append(piece));
+      if (keep) data.append(piece);
     }
-    if (done == size) keep = &data;
-  }
-  return Record(peer, key, size, written, keep);
+    if (got != size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(key, ": ", got, " of ", size, " bytes arrived"));
+    }
+    // Killed here, or once the replica is stored, the sender has no
+    // acknowledgement: the step is not peer-durable and is sent again
+    // (tests/integration/test_peer.py kills at both).
+    CKPT_KILL_POINT("replica.received");
+    return out.Finish();
+  });
+  return Record(peer, key, size, keep, written, keep && written.ok() ? &data : nullptr);
 }
 
-absl::StatusOr<UniqueFd> ReplicaStore::TempFile() {
-  UniqueFd fd(open(options_.dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
-  if (!fd.valid()) return ErrnoStatus(errno, absl::StrCat("temp file in ", options_.dir));
-  return fd;
+absl::Status ReplicaStore::Put(const std::string& peer, const std::string& key,
+                               std::string_view data, bool if_absent) {
+  bool given = false;
+  return Receive(peer, key, data.size(), if_absent, [&](std::string_view* piece) {
+    *piece = data;
+    return !std::exchange(given, true);
+  });
 }
 
 absl::StatusOr<std::string> ReplicaStore::Get(const std::string& key, uint64_t max_bytes) {

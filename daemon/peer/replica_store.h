@@ -7,19 +7,21 @@
 // replacement node reads the objects the node it replaces wrote.
 //
 // Every object is written to the replica directory (a PosixStore: temp
-// file, fsync, rename) before Put returns, so an acknowledged replica
+// file, fsync, rename) before Receive returns, so an acknowledged replica
 // survives this ckptd's crash or restart and is never torn; while the
 // memory budget has room it is also kept in memory, and reads are served
 // from there (a restore from a peer reads no disk). Every object is charged
 // to the peer that wrote it; a peer past its share (max_bytes_per_peer) or
 // the store past its whole bound (max_bytes) is refused with
 // RESOURCE_EXHAUSTED, so one peer's flood leaves room for the others. After a
-// restart the objects found on disk are charged to no peer until rewritten.
+// restart the objects found on disk are charged to no peer until rewritten,
+// and the temp files of receipts a crash cut short are removed.
 //
 // Thread-safety: thread-safe; mu_ is a leaf. Disk I/O runs outside it.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,25 +57,24 @@ class ReplicaStore {
   // left on disk.
   static absl::StatusOr<std::unique_ptr<ReplicaStore>> Open(ReplicaStoreOptions options);
 
-  // Holds room for an object of `size` bytes from `peer` (replacing
-  // `key`'s old copy, if any) while its bytes arrive: RESOURCE_EXHAUSTED
-  // with what is full, INVALID_ARGUMENT past max_object_bytes. Counted
-  // against the bounds until Release; Put and PutFile take room of their
-  // own, so release the hold just before them.
-  absl::Status Hold(const std::string& peer, const std::string& key, uint64_t size)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void Release(const std::string& peer, uint64_t size) ABSL_LOCKS_EXCLUDED(mu_);
-  // Stores `data` as `key` for `peer`; ALREADY_EXISTS with `if_absent` when
-  // `key` exists.
-  absl::Status Put(const std::string& peer, const std::string& key, std::string data,
+  // Where Receive's bytes come from: each call sets `piece` to the next
+  // bytes and returns true, or returns false at the end; an error stops the
+  // receipt and nothing is stored.
+  using Source = std::function<absl::StatusOr<bool>(std::string_view* piece)>;
+  // Stores the `size` bytes `next` yields as `key` for `peer`. The room is
+  // taken before the first piece is asked for, so concurrent receipts
+  // cannot announce more than the bounds allow between them:
+  // RESOURCE_EXHAUSTED with what is full, INVALID_ARGUMENT past
+  // max_object_bytes or when `next` yields more or fewer bytes than `size`,
+  // ALREADY_EXISTS with `if_absent` when `key` exists. The bytes go straight
+  // into the object's temp file (O_DIRECT where the file system allows it:
+  // replicas are written once and read back only on a restore), and into
+  // memory too when the budget has room for them.
+  absl::Status Receive(const std::string& peer, const std::string& key, uint64_t size,
+                       bool if_absent, const Source& next) ABSL_LOCKS_EXCLUDED(mu_);
+  // Receive of bytes at hand.
+  absl::Status Put(const std::string& peer, const std::string& key, std::string_view data,
                    bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
-  // Stores the first `size` bytes of `fd` as `key` for `peer` (large
-  // objects: the replica service streams them into a temp file, not into
-  // memory).
-  absl::Status PutFile(const std::string& peer, const std::string& key, int fd, uint64_t size)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // An unlinked temp file in the replica directory for such a stream.
-  absl::StatusOr<UniqueFd> TempFile();
   absl::StatusOr<std::string> Get(const std::string& key, uint64_t max_bytes);
   absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix);
   absl::Status Delete(const std::string& key);
@@ -90,11 +91,12 @@ class ReplicaStore {
   };
   ReplicaStore(ReplicaStoreOptions options, std::unique_ptr<remote::PosixStore> disk)
       : options_(std::move(options)), disk_(std::move(disk)) {}
-  // Put's and PutFile's steps: room taken, the file written, the entry
-  // recorded (`data` kept in memory when the budget has room).
-  absl::Status Reserve(const std::string& peer, const std::string& key, uint64_t size,
-                       bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Record(const std::string& peer, const std::string& key, uint64_t size,
+  // Receive's steps: room taken (and memory, returned as true, when the
+  // budget has it), the file written, the entry recorded (`data` kept in
+  // memory when not null).
+  absl::StatusOr<bool> Reserve(const std::string& peer, const std::string& key, uint64_t size,
+                               bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Record(const std::string& peer, const std::string& key, uint64_t size, bool kept,
                       const absl::Status& written, std::string* data) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status RoomLocked(const std::string& peer, const std::string& key, uint64_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -107,6 +109,7 @@ class ReplicaStore {
   // Room taken by Puts writing their files now (outside mu_): counted
   // against the bounds like stored bytes.
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t memory_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, uint64_t> peer_reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Entry> objects_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);

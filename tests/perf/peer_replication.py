@@ -150,6 +150,10 @@ def throughput(args, root, pool):
             wall = time.time() - t0
             stepdone = [l for l in out.stdout.splitlines() if "mean StepDone" in l][-1]
             walls[label] = (wall / args.steps, stepdone.split(":", 1)[1].strip())
+        # Part 1 measures an idle link: the backlog of part 2 is sent first.
+        t0 = time.time()
+        wait_peer(a, "step-with", args.steps)
+        backlog = time.time() - t0
 
         sink = subprocess.Popen(["ip", "netns", "exec", cluster.ns["node-b"], sys.executable,
                                  "-c", SINK, cluster.addr["node-b"], str(PORT + 1)],
@@ -175,6 +179,7 @@ def throughput(args, root, pool):
               (args.steps, args.layers, args.step_layer_mib, args.compute_ms))
         for label, (per_step, stepdone) in walls.items():
             print("   %-20s %.1f ms wall per step; %s" % (label, per_step * 1000, stepdone))
+        print("   the last step peer-durable %.2f s after the trainer's end" % backlog)
         a.stop()
         b.stop()
     finally:
