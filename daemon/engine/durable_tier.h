@@ -114,6 +114,12 @@ class DurableTier {
   // an error; without, it is logged and OK is returned.
   virtual absl::Status Pull(const std::string& job, uint32_t rank, const Caller& caller,
                             bool must_know) = 0;
+  // The newest step the tier lists of the rank (0: none), read from its
+  // listing alone, so a pull can start at the tier that is furthest ahead;
+  // the step itself may still prove unusable. Without `must_know`, a tier
+  // whose last operation failed answers 0 at once.
+  virtual absl::StatusOr<uint64_t> NewestListedStep(const std::string& job, uint32_t rank,
+                                                    bool must_know) = 0;
   // A version this node holds (`rec`, of the job `owner` owns) was found
   // damaged or missing by a read: puts the tier's copy of that same version
   // in its place (LayerStore::Replace: the copy is checked against `rec`

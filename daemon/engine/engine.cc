@@ -3,6 +3,8 @@
 #include "daemon/engine/engine.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/logging.h"
@@ -135,11 +137,24 @@ absl::Status Engine::ClaimInTiers(const std::string& job, uid_t owner) {
 
 absl::Status Engine::PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
                                    bool must_know) {
+  CKPT_ASSIGN_OR_RETURN(auto here, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
+  if (here.has_value()) return absl::OkStatus();  // the tiers copy from this node
+  // The tier furthest ahead first (the configured order among equals: the
+  // peer before the remote tier). Restoring from one that is behind would
+  // take an older step, and the tier ahead would then refuse this node's
+  // history as not its own.
+  std::vector<std::pair<uint64_t, DurableTier*>> order;
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+    absl::StatusOr<uint64_t> newest = tier->NewestListedStep(job, rank, must_know);
+    order.emplace_back(newest.ok() ? *newest : 0, tier.get());
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
   // A tier that cannot be read (a peer that is down with the node it
   // served) leaves the job to the next one; the error stands only when no
   // tier brought a history. Another uid's job is refused at once.
   absl::Status failed;
-  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
+  for (const auto& [listed, tier] : order) {
     absl::Status s = tier->Pull(job, rank, caller, must_know);
     if (absl::IsPermissionDenied(s)) return s;
     if (!s.ok()) {

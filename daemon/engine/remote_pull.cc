@@ -55,6 +55,23 @@ struct RemoteTier::PullState {
   }
 };
 
+absl::StatusOr<uint64_t> RemoteTier::NewestListedStep(const std::string& job, uint32_t rank,
+                                                      bool must_know) {
+  CKPT_RETURN_IF_ERROR(ValidateJobId(job));
+  {
+    absl::MutexLock lock(&mu_);
+    if (!must_know && !error_.ok()) return 0;  // as Pull: Register does not wait for it
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<remote::ObjectInfo> listed,
+                        store_->List(remote::ManifestPrefix(job, rank)));
+  uint64_t newest = 0;
+  for (const remote::ObjectInfo& o : listed) {
+    uint64_t step = 0;
+    if (remote::ParseManifestKey(o.key, job, rank, &step)) newest = std::max(newest, step);
+  }
+  return newest;
+}
+
 absl::Status RemoteTier::Pull(const std::string& job, uint32_t rank, const Caller& caller,
                               bool must_know) {
   CKPT_RETURN_IF_ERROR(ValidateJobId(job));

@@ -131,6 +131,8 @@ class RemoteTier final : public DurableTier {
   // (Register) the tier is skipped at once while its last operation failed.
   absl::Status Pull(const std::string& job, uint32_t rank, const Caller& caller,
                     bool must_know) override;
+  absl::StatusOr<uint64_t> NewestListedStep(const std::string& job, uint32_t rank,
+                                            bool must_know) override;
   // The version's object, when a manifest or this node's upload vouches
   // for it and its rank's history here is this node's (remote_pull.cc).
   absl::StatusOr<bool> Repair(const VersionKey& key, const store::VersionRecord& rec,

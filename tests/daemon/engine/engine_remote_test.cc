@@ -137,6 +137,42 @@ TEST_F(RemoteTierTest, APeerThatIsDownLeavesThePullToTheRemoteTier) {
   EXPECT_TRUE(HoldsStep(a, 3));
 }
 
+// A peer that was down while the job went on is behind the remote tier:
+// the replacement node restores the remote tier's newer step (not the
+// peer's older one, which would also leave the remote tier refusing this
+// node's history), and both tiers go on from there.
+TEST_F(RemoteTierTest, APeerBehindTheRemoteTierLeavesThePullToIt) {
+  TempDir peer_dir;
+  CKPT_ASSERT_OK_AND_ASSIGN(auto peer_posix, remote::PosixStore::Open(peer_dir.path()));
+  remote::FaultyStore peer(peer_posix.get());
+  EngineOptions o = WithRemote();
+  o.peer.store = &peer;
+  o.peer.key = &key_;
+  o.peer.retry_min = o.remote.retry_min;
+  o.peer.retry_max = o.remote.retry_max;
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("ahead", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  CKPT_ASSERT_OK(engine_->WaitDurable(Ref(a), 2, owner_, absl::Now() + kWait, "peer").status());
+  peer.set_down(true);
+  ASSERT_NO_FATAL_FAILURE(Train(a, 3, 4));
+  CKPT_ASSERT_OK(WaitRemote(a, 4).status());
+  peer.set_down(false);
+
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(o));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("ahead", 0, 0, owner_));
+  EXPECT_EQ(plan.target_step, 4u);
+  WriteStep(a, 999);
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 4u);
+  EXPECT_TRUE(HoldsStep(a, 4));
+  ASSERT_NO_FATAL_FAILURE(Train(a, 5, 5));
+  CKPT_ASSERT_OK(WaitRemote(a, 5).status());
+  CKPT_ASSERT_OK(engine_->WaitDurable(Ref(a), 5, owner_, absl::Now() + kWait, "peer").status());
+}
+
 // The remote tier down: local checkpoints go on, WaitDurable(remote) times
 // out naming the failure, GC keeps the steps not uploaded yet, and every
 // step is uploaded once the store is back.
