@@ -377,6 +377,7 @@ int main(int argc, char** argv) {
 
   peer::PeerConfig pc = config.peer;
   pc.calls_at_once = config.engine.peer.upload_threads;
+  pc.min_free_disk_bytes = config.engine.min_free_disk_bytes;
   absl::StatusOr<std::unique_ptr<peer::PeerNode>> peers =
       peer::PeerNode::Start(pc, config.data_dir, &metrics);
   if (!peers.ok()) return Fail("peer replication", peers.status());

@@ -349,8 +349,8 @@ std::vector<Option>* CoreOptions() {
       Num("max_disk_bytes", "bound on committed version bytes; past it versions fail (0 = none)",
           CKPT_FIELD(engine.max_disk_bytes), 0),
       Num("min_free_disk_bytes",
-          "new versions fail while the data file system has less free; index records (events, "
-          "aux blobs) may use it down to a quarter of it, so RocksDB keeps room",
+          "new versions and peers' replicas fail while the data file system has less free; index "
+          "records (events, aux blobs) may use it down to a quarter of it, so RocksDB keeps room",
           CKPT_FIELD(engine.min_free_disk_bytes), 0),
       Num("max_disk_bytes_per_uid",
           "layer files plus index records one user's jobs may hold; past it that user's steps "

@@ -45,6 +45,7 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     so.max_bytes = config.max_replica_bytes;
     so.max_bytes_per_peer = config.max_bytes_per_peer;
     so.max_object_bytes = config.max_bytes_per_peer;
+    so.min_free_disk_bytes = config.min_free_disk_bytes;
     CKPT_ASSIGN_OR_RETURN(node->replicas_, ReplicaStore::Open(std::move(so)));
     ReplicaServerOptions ro;
     ro.listen = config.listen;

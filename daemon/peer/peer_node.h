@@ -32,8 +32,9 @@ struct PeerConfig {
   uint64_t memory_bytes = uint64_t{1} << 30;
   uint64_t max_replica_bytes = uint64_t{64} << 30;
   uint64_t max_bytes_per_peer = uint64_t{32} << 30;
-  uint32_t timeout_ms = 30000;  // each call to the peer, plus its bytes at the rate cap
-  uint32_t calls_at_once = 4;   // set from peer_upload_threads
+  uint32_t timeout_ms = 30000;              // each call to the peer, plus its bytes at the rate cap
+  uint32_t calls_at_once = 4;               // set from peer_upload_threads
+  uint64_t min_free_disk_bytes = 64 << 20;  // set from min_free_disk_bytes
 
   bool enabled() const { return !listen.empty() || !address.empty(); }
   // INVALID_ARGUMENT for a setting that cannot work.

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -147,7 +148,19 @@ absl::Status ReplicaStore::RoomLocked(const std::string& peer, const std::string
 
 absl::StatusOr<bool> ReplicaStore::Reserve(const std::string& peer, const std::string& key,
                                            uint64_t size, bool if_absent) {
+  struct statvfs fs;
+  if (statvfs(options_.dir.c_str(), &fs) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("statvfs ", options_.dir));
+  }
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
   absl::MutexLock lock(&mu_);
+  // Bytes of other receipts still to arrive will take their share too.
+  if (free_bytes < options_.min_free_disk_bytes + reserved_ + size) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the replica directory's file system has ", Bytes(free_bytes),
+                     " free; another ", Bytes(size), " would leave less than min_free_disk_bytes (",
+                     Bytes(options_.min_free_disk_bytes), ") for this node's own checkpoints"));
+  }
   if (if_absent && objects_.count(key) > 0) {
     return absl::AlreadyExistsError(absl::StrCat(key, " exists"));
   }

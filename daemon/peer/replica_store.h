@@ -12,8 +12,10 @@
 // memory budget has room it is also kept in memory, and reads are served
 // from there (a restore from a peer reads no disk). Every object is charged
 // to the peer that wrote it; a peer past its share (max_bytes_per_peer) or
-// the store past its whole bound (max_bytes) is refused with
-// RESOURCE_EXHAUSTED, so one peer's flood leaves room for the others. After a
+// the store past its whole bound (max_bytes), or a replica that would leave
+// less than min_free_disk_bytes free on the file system, is refused with
+// RESOURCE_EXHAUSTED, so one peer's flood leaves room for the others and
+// for this node's own checkpoints. After a
 // restart the objects found on disk are charged to no peer until rewritten,
 // and the temp files of receipts a crash cut short are removed.
 //
@@ -42,6 +44,9 @@ struct ReplicaStoreOptions {
   uint64_t max_bytes = uint64_t{64} << 30;    // memory and disk together
   uint64_t max_bytes_per_peer = uint64_t{32} << 30;
   uint64_t max_object_bytes = uint64_t{16} << 30;  // one object
+  // Free space on the replica directory's file system that replicas never
+  // take: this node's own checkpoints need it.
+  uint64_t min_free_disk_bytes = 64 << 20;
 };
 
 // What Totals reports.

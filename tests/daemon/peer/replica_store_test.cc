@@ -1,6 +1,7 @@
 // ReplicaStore: memory within its budget, disk past it, shares per peer.
 #include "daemon/peer/replica_store.h"
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <string>
@@ -101,6 +102,27 @@ TEST(ReplicaStoreTest, OnePeersFloodLeavesRoomForTheOthers) {
                   .ok());
   EXPECT_TRUE(HasCode(during, absl::StatusCode::kResourceExhausted)) << during;
   EXPECT_TRUE((*store)->Put("other", "jobs/o/1", std::string(200, 'o'), false).ok());
+}
+
+// Replicas never take the free space this node's own checkpoints need.
+TEST(ReplicaStoreTest, ReplicasLeaveTheReservedFreeSpace) {
+  TempDir dir;
+  ReplicaStoreOptions o = Small(dir);
+  struct statvfs fs;
+  ASSERT_EQ(statvfs(dir.path().c_str(), &fs), 0);
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  o.min_free_disk_bytes = free_bytes + (1 << 20);  // more than is free
+  auto store = ReplicaStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  absl::Status full = (*store)->Put("n1", "jobs/j/a", "abc", false);
+  EXPECT_TRUE(HasCode(full, absl::StatusCode::kResourceExhausted)) << full;
+  EXPECT_NE(full.message().find("min_free_disk_bytes"), std::string::npos) << full;
+  EXPECT_EQ((*store)->Totals().objects, 0u);
+  o.min_free_disk_bytes = free_bytes / 2;  // what every test machine has
+  store->reset();
+  store = ReplicaStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  EXPECT_TRUE((*store)->Put("n1", "jobs/j/a", "abc", false).ok());
 }
 
 TEST(ReplicaStoreTest, IfAbsentRefusesAnExistingKey) {
