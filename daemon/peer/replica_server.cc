@@ -69,18 +69,21 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     if (grpc::Status s = Authenticate(ctx, &peer); !s.ok()) return s;
     if (absl::Status s = remote::CheckObjectKey(req->key()); !s.ok())
       return Refuse("bad_request", s);
-    absl::StatusOr<std::string> data = store_->Get(req->key(), req->max_bytes());
-    if (!data.ok()) return ToGrpc(data.status());
     v1::DataChunk chunk;
-    chunk.set_size(data->size());
-    size_t off = 0;
-    do {
-      const size_t n = std::min<size_t>(options_.chunk_bytes, data->size() - off);
-      chunk.set_data(data->data() + off, n);
-      off += n;
-      if (!writer->Write(chunk)) return grpc::Status(grpc::StatusCode::CANCELLED, "peer left");
-      chunk.clear_size();
-    } while (off < data->size());
+    bool first = true;
+    absl::Status s = store_->Read(req->key(), req->max_bytes(), options_.chunk_bytes,
+                                  [&](uint64_t size, std::string_view piece) {
+                                    if (std::exchange(first, false))
+                                      chunk.set_size(size);
+                                    else
+                                      chunk.clear_size();
+                                    chunk.set_data(piece.data(), piece.size());
+                                    if (!writer->Write(chunk)) {
+                                      return absl::CancelledError("the peer left");
+                                    }
+                                    return absl::OkStatus();
+                                  });
+    if (!s.ok()) return ToGrpc(s);
     return grpc::Status::OK;
   }
 

@@ -164,7 +164,14 @@ absl::StatusOr<bool> ReplicaStore::Reserve(const std::string& peer, const std::s
   if (if_absent && objects_.count(key) > 0) {
     return absl::AlreadyExistsError(absl::StrCat(key, " exists"));
   }
+  // One receipt that replaces a key at a time, so the memory copy and the
+  // file are always the same writer's (conditional ones are arbitrated by
+  // the link that publishes them: one wins, the others get ALREADY_EXISTS).
+  if (!if_absent && receiving_.count(key) > 0) {
+    return absl::AbortedError(absl::StrCat(key, " is being received by another call; try again"));
+  }
   CKPT_RETURN_IF_ERROR(RoomLocked(peer, key, size));
+  if (!if_absent) receiving_.insert(key);
   reserved_ += size;
   peer_reserved_[peer] += size;
   const bool keep = memory_bytes_ + memory_reserved_ + size <= options_.memory_bytes;
@@ -173,8 +180,10 @@ absl::StatusOr<bool> ReplicaStore::Reserve(const std::string& peer, const std::s
 }
 
 absl::Status ReplicaStore::Record(const std::string& peer, const std::string& key, uint64_t size,
-                                  bool kept, const absl::Status& written, std::string* data) {
+                                  bool if_absent, bool kept, const absl::Status& written,
+                                  std::string* data) {
   absl::MutexLock lock(&mu_);
+  if (!if_absent) receiving_.erase(key);
   reserved_ -= size;
   if ((peer_reserved_[peer] -= size) == 0) peer_reserved_.erase(peer);
   if (kept) memory_reserved_ -= size;
@@ -224,7 +233,7 @@ absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& k
     CKPT_KILL_POINT("replica.received");
     return out.Finish();
   });
-  return Record(peer, key, size, keep, written, keep && written.ok() ? &data : nullptr);
+  return Record(peer, key, size, if_absent, keep, written, keep && written.ok() ? &data : nullptr);
 }
 
 absl::Status ReplicaStore::Put(const std::string& peer, const std::string& key,
@@ -236,7 +245,9 @@ absl::Status ReplicaStore::Put(const std::string& peer, const std::string& key,
   });
 }
 
-absl::StatusOr<std::string> ReplicaStore::Get(const std::string& key, uint64_t max_bytes) {
+absl::Status ReplicaStore::Read(const std::string& key, uint64_t max_bytes, size_t piece_bytes,
+                                const Sink& sink) {
+  piece_bytes = std::max<size_t>(piece_bytes, 1);
   std::shared_ptr<const std::string> data;
   {
     absl::MutexLock lock(&mu_);
@@ -247,8 +258,43 @@ absl::StatusOr<std::string> ReplicaStore::Get(const std::string& key, uint64_t m
     }
     data = it->second.data;
   }
-  if (data != nullptr) return *data;
-  return disk_->GetBytes(key, max_bytes);
+  if (data != nullptr) {
+    size_t off = 0;
+    do {
+      const size_t n = std::min(piece_bytes, data->size() - off);
+      CKPT_RETURN_IF_ERROR(sink(data->size(), std::string_view(*data).substr(off, n)));
+      off += n;
+    } while (off < data->size());
+    return absl::OkStatus();
+  }
+  uint64_t size = 0;
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, disk_->OpenObject(key, max_bytes, &size));
+  std::string buf(static_cast<size_t>(std::min<uint64_t>(piece_bytes, size)), '\0');
+  uint64_t off = 0;
+  do {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(piece_bytes, size - off));
+    size_t got = 0;
+    while (got < n) {
+      ssize_t r = pread(fd.get(), buf.data() + got, n - got, static_cast<off_t>(off + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return ErrnoStatus(errno, absl::StrCat("read the replica ", key));
+      if (r == 0) return absl::DataLossError(absl::StrCat(key, " shrank while being read"));
+      got += static_cast<size_t>(r);
+    }
+    CKPT_RETURN_IF_ERROR(sink(size, std::string_view(buf.data(), n)));
+    off += n;
+  } while (off < size);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReplicaStore::Get(const std::string& key, uint64_t max_bytes) {
+  std::string out;
+  CKPT_RETURN_IF_ERROR(Read(key, max_bytes, 1 << 20, [&out](uint64_t size, std::string_view piece) {
+    out.reserve(size);
+    out.append(piece);
+    return absl::OkStatus();
+  }));
+  return out;
 }
 
 absl::StatusOr<std::vector<remote::ObjectInfo>> ReplicaStore::List(const std::string& prefix) {

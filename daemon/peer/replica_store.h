@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -71,7 +72,8 @@ class ReplicaStore {
   // cannot announce more than the bounds allow between them:
   // RESOURCE_EXHAUSTED with what is full, INVALID_ARGUMENT past
   // max_object_bytes or when `next` yields more or fewer bytes than `size`,
-  // ALREADY_EXISTS with `if_absent` when `key` exists. The bytes go straight
+  // ALREADY_EXISTS with `if_absent` when `key` exists, ABORTED while another
+  // call receives `key` (one writer's bytes in memory and on disk). The bytes go straight
   // into the object's temp file (O_DIRECT where the file system allows it:
   // replicas are written once and read back only on a restore), and into
   // memory too when the budget has room for them.
@@ -80,6 +82,15 @@ class ReplicaStore {
   // Receive of bytes at hand.
   absl::Status Put(const std::string& peer, const std::string& key, std::string_view data,
                    bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  // Hands `sink` the object's size and its bytes in pieces of at most
+  // `piece_bytes` (one empty piece for an empty object), from memory or
+  // from its file: a read holds one piece of memory, whatever the object's
+  // size. NOT_FOUND, INVALID_ARGUMENT past `max_bytes`; a sink's error
+  // stops the read and is returned.
+  using Sink = std::function<absl::Status(uint64_t size, std::string_view piece)>;
+  absl::Status Read(const std::string& key, uint64_t max_bytes, size_t piece_bytes,
+                    const Sink& sink);
+  // Read into one string.
   absl::StatusOr<std::string> Get(const std::string& key, uint64_t max_bytes);
   absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix);
   absl::Status Delete(const std::string& key);
@@ -101,8 +112,9 @@ class ReplicaStore {
   // memory when not null).
   absl::StatusOr<bool> Reserve(const std::string& peer, const std::string& key, uint64_t size,
                                bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Record(const std::string& peer, const std::string& key, uint64_t size, bool kept,
-                      const absl::Status& written, std::string* data) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Record(const std::string& peer, const std::string& key, uint64_t size,
+                      bool if_absent, bool kept, const absl::Status& written, std::string* data)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status RoomLocked(const std::string& peer, const std::string& key, uint64_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ChargeLocked(const Entry& e, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -115,6 +127,7 @@ class ReplicaStore {
   // against the bounds like stored bytes.
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t memory_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  std::set<std::string> receiving_ ABSL_GUARDED_BY(mu_);  // keys of those Puts
   std::map<std::string, uint64_t> peer_reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Entry> objects_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);

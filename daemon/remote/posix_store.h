@@ -58,6 +58,10 @@ class PosixStore final : public RemoteStore {
   // directory that this process alone writes: another writer's temp file
   // may be one it is still filling.
   absl::Status RemoveTempFiles();
+  // The object `key` opened for reading, with its size; INVALID_ARGUMENT
+  // when larger than `max_bytes`.
+  absl::StatusOr<UniqueFd> OpenObject(const std::string& key, uint64_t max_bytes,
+                                      uint64_t* size) const;
 
  private:
   PosixStore(std::string root, UniqueFd root_fd)
@@ -65,10 +69,6 @@ class PosixStore final : public RemoteStore {
   // The directory holding `key` (created when `create`) and the key's last
   // component.
   absl::StatusOr<UniqueFd> OpenParent(const std::string& key, bool create, std::string* name) const;
-  // The object `key` opened for reading, with its size; INVALID_ARGUMENT
-  // when larger than `max_bytes`.
-  absl::StatusOr<UniqueFd> OpenObject(const std::string& key, uint64_t max_bytes,
-                                      uint64_t* size) const;
   // Writes a temp file in `dir` with `write` filling it, fsyncs it and
   // publishes it as `name`.
   absl::Status Publish(int dir, const std::string& name, bool if_absent, bool direct,

@@ -4,6 +4,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -101,6 +102,20 @@ TEST(ReplicaStoreTest, OnePeersFloodLeavesRoomForTheOthers) {
                             })
                   .ok());
   EXPECT_TRUE(HasCode(during, absl::StatusCode::kResourceExhausted)) << during;
+  // A second receipt of one key while the first runs is refused, so memory
+  // and disk always hold one writer's bytes.
+  calls = 0;
+  ASSERT_TRUE((*store)
+                  ->Receive("other", "jobs/o/1", 3, false,
+                            [&](std::string_view* piece) {
+                              if (calls++ > 0) return false;
+                              during = (*store)->Put("other", "jobs/o/1", "two", false);
+                              *piece = "one";
+                              return true;
+                            })
+                  .ok());
+  EXPECT_TRUE(HasCode(during, absl::StatusCode::kAborted)) << during;
+  EXPECT_EQ(*(*store)->Get("jobs/o/1", 10), "one");
   EXPECT_TRUE((*store)->Put("other", "jobs/o/1", std::string(200, 'o'), false).ok());
 }
 
@@ -163,6 +178,34 @@ TEST(ReplicaStoreTest, PiecesOfAnySizeComeBackWhole) {
   auto got = (*again)->Get("jobs/j/big", 8 << 20);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(*got == big);
+  // A read holds one piece at a time, from disk as from memory.
+  ASSERT_TRUE((*again)->Put("n1", "jobs/j/empty", "", false).ok());
+  for (const char* key : {"jobs/j/big", "jobs/j/empty"}) {
+    std::string joined;
+    size_t largest = 0, pieces = 0;
+    ASSERT_TRUE((*again)
+                    ->Read(key, 8 << 20, 64 << 10,
+                           [&](uint64_t size, std::string_view piece) {
+                             EXPECT_EQ(size,
+                                       std::string_view(key) == "jobs/j/big" ? big.size() : 0);
+                             largest = std::max(largest, piece.size());
+                             ++pieces;
+                             joined.append(piece);
+                             return absl::OkStatus();
+                           })
+                    .ok());
+    EXPECT_LE(largest, size_t{64} << 10);
+    EXPECT_GE(pieces, 1u);
+    EXPECT_TRUE(joined == (std::string_view(key) == "jobs/j/big" ? big : std::string()));
+  }
+  // A sink's error stops the read.
+  int calls = 0;
+  absl::Status stopped = (*again)->Read("jobs/j/big", 8 << 20, 64 << 10, [&](uint64_t, auto) {
+    ++calls;
+    return absl::CancelledError("the peer left");
+  });
+  EXPECT_TRUE(HasCode(stopped, absl::StatusCode::kCancelled));
+  EXPECT_EQ(calls, 1);
 }
 
 // A receipt that yields more or fewer bytes than announced, or fails, stores
