@@ -149,6 +149,9 @@ void RemoteTier::StopAndJoin() {
     stopping_.store(true);
     WakeLocked();
   }
+  // The workers check stopping_ before each call; the calls already made
+  // end now.
+  store_->CancelCalls();
   if (upload_thread_.joinable()) upload_thread_.join();
 }
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/peer/replica.grpc.pb.h"
 
 namespace ckpt::peer {
@@ -55,25 +56,55 @@ absl::Time PeerStore::DeadlineFor(uint64_t bytes) const {
   return absl::Now() + options_.call_timeout + absl::Seconds(static_cast<double>(bytes) / rate);
 }
 
-void PeerStore::Pace(uint64_t bytes) {
-  if (options_.rate_bytes_per_s == 0 || bytes == 0) return;
-  absl::Time at;
-  {
-    absl::MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
-    // A burst of at most 100 ms of the rate is allowed after an idle spell.
-    next_send_ = std::max(next_send_, now - absl::Milliseconds(100));
-    at = next_send_;
-    next_send_ +=
-        absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+// A call registered for CancelCalls while it runs.
+class PeerStore::Call {
+ public:
+  Call(PeerStore* store, absl::Time deadline) : store_(store) {
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    absl::MutexLock lock(&store_->mu_);
+    generation = store_->cancels_;
+    store_->calls_.insert(&ctx);
   }
-  absl::SleepFor(at - absl::Now());
+  ~Call() {
+    absl::MutexLock lock(&store_->mu_);
+    store_->calls_.erase(&ctx);
+  }
+  grpc::ClientContext ctx;
+  uint64_t generation = 0;  // CancelCalls seen when it began
+
+ private:
+  PeerStore* const store_;
+};
+
+void PeerStore::CancelCalls() {
+  absl::MutexLock lock(&mu_);
+  ++cancels_;
+  for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  // The cancelled calls' bytes are not sent: their share of the cap is free.
+  next_send_ = absl::InfinitePast();
+}
+
+absl::Status PeerStore::Pace(uint64_t bytes, uint64_t generation) {
+  if (options_.rate_bytes_per_s == 0 || bytes == 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  // A burst of at most 100 ms of the rate is allowed after an idle spell.
+  next_send_ = std::max(next_send_, now - absl::Milliseconds(100));
+  const absl::Time at = next_send_;
+  next_send_ +=
+      absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+  auto cancelled = [this, generation]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cancels_ != generation; };
+  if (mu_.AwaitWithDeadline(absl::Condition(&cancelled), at)) {
+    return absl::CancelledError("ckptd is stopping");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absent,
                             const std::function<absl::Status(uint64_t, char*, size_t)>& read) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(size)));
+  Call call(this, DeadlineFor(size));
+  grpc::ClientContext& ctx = call.ctx;
   v1::PutReply reply;
   std::unique_ptr<grpc::ClientWriter<v1::PutChunk>> writer = stub_->stub->Put(&ctx, &reply);
   v1::PutChunk chunk;
@@ -88,7 +119,9 @@ absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absen
     buf.resize(n);
     if (n > 0) local = read(off, buf.data(), n);
     if (!local.ok()) break;
-    Pace(n);
+    CKPT_SYNC_POINT("peer.before_pace");
+    local = Pace(n, call.generation);
+    if (!local.ok()) break;
     chunk.set_data(buf);
     off += n;
     if (!writer->Write(chunk)) break;  // Finish says why
@@ -128,8 +161,8 @@ absl::Status PeerStore::PutBytes(const std::string& key, std::string_view data, 
 
 absl::StatusOr<uint64_t> PeerStore::Get(const std::string& key, uint64_t max_bytes,
                                         const std::function<absl::Status(std::string_view)>& sink) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(max_bytes == ~uint64_t{0} ? 0 : max_bytes)));
+  Call call(this, DeadlineFor(max_bytes == ~uint64_t{0} ? 0 : max_bytes));
+  grpc::ClientContext& ctx = call.ctx;
   v1::GetRequest req;
   req.set_key(key);
   req.set_max_bytes(max_bytes);
@@ -186,8 +219,8 @@ absl::StatusOr<std::string> PeerStore::GetBytes(const std::string& key, uint64_t
 }
 
 absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::string& prefix) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(0)));
+  Call call(this, DeadlineFor(0));
+  grpc::ClientContext& ctx = call.ctx;
   v1::ListRequest req;
   req.set_prefix(prefix);
   v1::ListReply reply;
@@ -199,8 +232,8 @@ absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::strin
 }
 
 absl::Status PeerStore::Delete(const std::string& key) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(DeadlineFor(0)));
+  Call call(this, DeadlineFor(0));
+  grpc::ClientContext& ctx = call.ctx;
   v1::DeleteRequest req;
   req.set_key(key);
   v1::DeleteReply reply;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -31,6 +32,7 @@
 
 namespace grpc {
 class Channel;
+class ClientContext;
 }  // namespace grpc
 
 namespace ckpt::peer {
@@ -58,23 +60,28 @@ class PeerStore final : public remote::RemoteStore {
   absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max_bytes) override;
   absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix) override;
   absl::Status Delete(const std::string& key) override;
+  void CancelCalls() override ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   class Stub;
+  class Call;
   // Streams `size` bytes that `read(offset, buf, n)` provides.
   absl::Status Put(const std::string& key, uint64_t size, bool if_absent,
                    const std::function<absl::Status(uint64_t, char*, size_t)>& read);
   // Streams the object to `sink(data)`; its size.
   absl::StatusOr<uint64_t> Get(const std::string& key, uint64_t max_bytes,
                                const std::function<absl::Status(std::string_view)>& sink);
-  // Waits until `bytes` more may go out under the rate cap.
-  void Pace(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until `bytes` more may go out under the rate cap; CANCELLED when
+  // CancelCalls came after the call's `generation`.
+  absl::Status Pace(uint64_t bytes, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Time DeadlineFor(uint64_t bytes) const;
 
   const PeerStoreOptions options_;
   std::unique_ptr<Stub> stub_;
   absl::Mutex mu_;
   absl::Time next_send_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);  // in flight
+  uint64_t cancels_ ABSL_GUARDED_BY(mu_) = 0;                  // CancelCalls so far
 };
 
 }  // namespace ckpt::peer

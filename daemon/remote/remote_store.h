@@ -56,6 +56,11 @@ class RemoteStore {
   // Never a credential.
   virtual std::string Describe() const = 0;
 
+  // Ends the calls in flight now, at once, with CANCELLED (where the store
+  // can: a peer's gRPC calls); later calls run as usual. ckptd calls it
+  // when it stops, so a transfer never holds the shutdown to its deadline.
+  virtual void CancelCalls() {}
+
   // Stores the first `size` bytes of `fd` (read with pread from offset 0) as
   // `key`, replacing an object of that name. Nothing is visible under `key`
   // until the whole object is.

@@ -7,9 +7,11 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "base/unique_fd.h"
+#include "daemon/common/sync_point.h"
 #include "daemon/peer/peer_store.h"
 #include "daemon/peer/replica_server.h"
 #include "daemon/peer/replica_store.h"
@@ -137,6 +139,30 @@ TEST_F(PeerTransportTest, APeerPastItsShareIsToldTheStoreIsFull) {
   absl::Status s = a->PutBytes("jobs/j/b", std::string(3 << 20, 'b'), false);
   EXPECT_TRUE(HasCode(s, absl::StatusCode::kResourceExhausted)) << s;
   EXPECT_TRUE(HasCode(store_->Get("jobs/j/b", 16 << 20), absl::StatusCode::kNotFound));
+}
+
+// Stopping ends a transfer at once, even one waiting out the rate cap for
+// many minutes; later calls run as usual.
+TEST_F(PeerTransportTest, CancelCallsEndsATransferInFlight) {
+  PeerStoreOptions o;
+  o.address = absl::StrCat("127.0.0.1:", server_->port());
+  o.server_name = "node-b";
+  o.tls = pki_.Issue("node-a");
+  o.chunk_bytes = 64 << 10;
+  o.rate_bytes_per_s = 1024;  // the second chunk would wait a minute
+  PeerStore a(o);
+  SyncPoint* sp = SyncPoint::GetInstance();
+  sp->EnableProcessing();
+  absl::Status put;
+  std::thread t([&] { put = a.PutBytes("jobs/j/slow", std::string(128 << 10, 's'), false); });
+  const bool pacing = sp->WaitForArrivals("peer.before_pace", 2, absl::Now() + absl::Seconds(30));
+  a.CancelCalls();
+  t.join();
+  sp->DisableProcessing();
+  ASSERT_TRUE(pacing);
+  EXPECT_TRUE(HasCode(put, absl::StatusCode::kCancelled)) << put;
+  EXPECT_TRUE(HasCode(store_->Get("jobs/j/slow", 1 << 20), absl::StatusCode::kNotFound));
+  EXPECT_TRUE(a.PutBytes("jobs/j/small", "x", false).ok());
 }
 
 TEST_F(PeerTransportTest, AnUnknownPeerIsRefusedAndNothingIsStored) {
