@@ -87,6 +87,8 @@ void PeerStore::CancelCalls() {
 absl::Status PeerStore::Pace(uint64_t bytes, uint64_t generation) {
   if (options_.rate_bytes_per_s == 0 || bytes == 0) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
+  // A cancelled call takes no share of the cap (CancelCalls freed it).
+  if (cancels_ != generation) return absl::CancelledError("ckptd is stopping");
   const absl::Time now = absl::Now();
   // A burst of at most 100 ms of the rate is allowed after an idle spell.
   next_send_ = std::max(next_send_, now - absl::Milliseconds(100));

@@ -111,6 +111,20 @@ absl::Status CheckRootTrusted(const std::string& root, int root_fd) {
   return absl::OkStatus();
 }
 
+// A stream over the entries of the directory `fd`, from its first one;
+// closedir releases it (`fd` stays open).
+absl::StatusOr<DIR*> ReadDir(int fd) {
+  UniqueFd copy(dup(fd));
+  if (!copy.valid()) return ErrnoStatus(errno, "dup");
+  DIR* d = fdopendir(copy.get());
+  if (d == nullptr) return ErrnoStatus(errno, "opendir");
+  copy.release();
+  // A dup shares its position with the descriptor it copies, which an
+  // earlier walk left at the end.
+  rewinddir(d);
+  return d;
+}
+
 absl::Status WriteAll(int fd, const char* p, size_t n, off_t off) {
   while (n > 0) {
     ssize_t w = pwrite(fd, p, n, off);
@@ -305,14 +319,7 @@ absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& pref
     }
   }
   std::function<absl::Status(int, const std::string&)> walk = [&](int fd, const std::string& base) {
-    UniqueFd copy(dup(fd));
-    if (!copy.valid()) return ErrnoStatus(errno, "dup");
-    DIR* d = fdopendir(copy.get());
-    if (d == nullptr) return ErrnoStatus(errno, "opendir");
-    copy.release();
-    // A dup shares its position with the descriptor it copies, which an
-    // earlier walk left at the end.
-    rewinddir(d);
+    CKPT_ASSIGN_OR_RETURN(DIR * d, ReadDir(fd));
     // A listing must be whole: a caller takes a missing manifest for "no
     // checkpoint". Errors are returned, never read as the end.
     std::vector<std::string> names;
@@ -357,14 +364,7 @@ absl::StatusOr<std::vector<ObjectInfo>> PosixStore::List(const std::string& pref
 absl::Status PosixStore::RemoveTempFiles() {
   std::function<absl::Status(int, int)> sweep = [&](int fd, int depth) -> absl::Status {
     if (depth > kMaxKeyDepth) return absl::OkStatus();
-    UniqueFd copy(dup(fd));
-    if (!copy.valid()) return ErrnoStatus(errno, "dup");
-    DIR* d = fdopendir(copy.get());
-    if (d == nullptr) return ErrnoStatus(errno, "opendir");
-    copy.release();
-    // A dup shares its position with the descriptor it copies, which an
-    // earlier walk left at the end.
-    rewinddir(d);
+    CKPT_ASSIGN_OR_RETURN(DIR * d, ReadDir(fd));
     std::vector<std::string> temps, dirs;
     while (dirent* e = readdir(d)) {
       const std::string n = e->d_name;

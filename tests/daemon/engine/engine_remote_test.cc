@@ -42,6 +42,8 @@ class RemoteTierTest : public EnginePipelineTest {
   }
   void TearDown() override {
     EnginePipelineTest::TearDown();  // the engine stops before the stores go
+    peer_.reset();
+    peer_posix_.reset();
     faulty_.reset();
     posix_.reset();
   }
@@ -57,11 +59,26 @@ class RemoteTierTest : public EnginePipelineTest {
                                       absl::Duration timeout = kWait) {
     return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, "remote");
   }
-  // Trains `r` through steps [from, to], each durable locally.
+  // A replacement node with `o`: its plan for `r` names `step`, and `r`
+  // (registered holding other bytes) restores that step bit-exact.
+  void RestoreOnReplacement(const EngineOptions& o, TestRank* r, uint64_t step) {
+    ASSERT_NO_FATAL_FAILURE(ReplaceNode(o));
+    CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan(r->job, 0, 0, owner_));
+    EXPECT_EQ(plan.target_step, step);
+    WriteStep(*r, 999);
+    CKPT_ASSERT_OK(Register(r).status());
+    CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(*r), 0, owner_));
+    EXPECT_EQ(restored.plan.target_step, step);
+    EXPECT_TRUE(HoldsStep(*r, step)) << "restored bytes differ from step " << step << "'s";
+  }
   TempDir remote_dir_;
   std::unique_ptr<remote::PosixStore> posix_;
   const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
   std::unique_ptr<remote::FaultyStore> faulty_;
+  // A test's peer tier, when it has one (outlives the engine like the rest).
+  TempDir peer_dir_;
+  std::unique_ptr<remote::PosixStore> peer_posix_;
+  std::unique_ptr<remote::RemoteStore> peer_;
 };
 
 // Node loss: every step goes to the remote tier; the data directory is
@@ -123,18 +140,11 @@ TEST_F(RemoteTierTest, APeerThatIsDownLeavesThePullToTheRemoteTier) {
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
   CKPT_ASSERT_OK(WaitRemote(a, 3).status());
-  DownStore down;
+  peer_ = std::make_unique<DownStore>();
   EngineOptions o = WithRemote();
-  o.peer.store = &down;
+  o.peer.store = peer_.get();
   o.peer.key = &key_;
-  ASSERT_NO_FATAL_FAILURE(ReplaceNode(o));
-  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("both", 0, 0, owner_));
-  EXPECT_EQ(plan.target_step, 3u);
-  WriteStep(a, 999);
-  CKPT_ASSERT_OK(Register(&a).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
-  EXPECT_EQ(restored.plan.target_step, 3u);
-  EXPECT_TRUE(HoldsStep(a, 3));
+  ASSERT_NO_FATAL_FAILURE(RestoreOnReplacement(o, &a, 3));
 }
 
 // A peer that was down while the job went on is behind the remote tier:
@@ -142,9 +152,10 @@ TEST_F(RemoteTierTest, APeerThatIsDownLeavesThePullToTheRemoteTier) {
 // peer's older one, which would also leave the remote tier refusing this
 // node's history), and both tiers go on from there.
 TEST_F(RemoteTierTest, APeerBehindTheRemoteTierLeavesThePullToIt) {
-  TempDir peer_dir;
-  CKPT_ASSERT_OK_AND_ASSIGN(auto peer_posix, remote::PosixStore::Open(peer_dir.path()));
-  remote::FaultyStore peer(peer_posix.get());
+  CKPT_ASSERT_OK_AND_ASSIGN(peer_posix_, remote::PosixStore::Open(peer_dir_.path()));
+  auto faulty_peer = std::make_unique<remote::FaultyStore>(peer_posix_.get());
+  remote::FaultyStore& peer = *faulty_peer;
+  peer_ = std::move(faulty_peer);
   EngineOptions o = WithRemote();
   o.peer.store = &peer;
   o.peer.key = &key_;
@@ -160,14 +171,7 @@ TEST_F(RemoteTierTest, APeerBehindTheRemoteTierLeavesThePullToIt) {
   CKPT_ASSERT_OK(WaitRemote(a, 4).status());
   peer.set_down(false);
 
-  ASSERT_NO_FATAL_FAILURE(ReplaceNode(o));
-  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("ahead", 0, 0, owner_));
-  EXPECT_EQ(plan.target_step, 4u);
-  WriteStep(a, 999);
-  CKPT_ASSERT_OK(Register(&a).status());
-  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
-  EXPECT_EQ(restored.plan.target_step, 4u);
-  EXPECT_TRUE(HoldsStep(a, 4));
+  ASSERT_NO_FATAL_FAILURE(RestoreOnReplacement(o, &a, 4));
   ASSERT_NO_FATAL_FAILURE(Train(a, 5, 5));
   CKPT_ASSERT_OK(WaitRemote(a, 5).status());
   CKPT_ASSERT_OK(engine_->WaitDurable(Ref(a), 5, owner_, absl::Now() + kWait, "peer").status());
