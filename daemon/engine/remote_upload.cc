@@ -5,7 +5,6 @@
 #include <atomic>
 #include <optional>
 #include <set>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -381,17 +380,15 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
           stopping_.load() ? absl::CancelledError("ckptd is stopping") : absl::OkStatus();
       Upload& u = turn->uploads[i];
       if (s.ok()) {
-        // The MAC of what is sent, read from the same descriptor (committed
-        // files never change) while the bytes travel: it is needed only by
-        // the manifest, and the pass over the file costs as much again.
-        absl::StatusOr<std::string> mac;
-        std::thread hash([&] { mac = key_->MacOfFile("object", u.fd.get(), u.rec.file_bytes()); });
+        // The MAC of what is sent, read from the same descriptor.
+        absl::StatusOr<std::string> mac = key_->MacOfFile("object", u.fd.get(), u.rec.file_bytes());
+        s = mac.status();
+        if (s.ok()) u.mac = *std::move(mac);
+      }
+      if (s.ok()) {
         CKPT_SYNC_POINT("remote.before_put_version");
         s = store_->PutFile(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
                             u.rec.file_bytes());
-        hash.join();
-        if (s.ok()) s = mac.status();
-        if (s.ok()) u.mac = *std::move(mac);
       }
       if (!s.ok()) {
         absl::MutexLock l(&err_mu);
