@@ -228,13 +228,21 @@ std::function<absl::StatusOr<uint64_t>(int fd)> RemoteTier::FetchObject(const st
                                                                         const std::string& mac,
                                                                         absl::Status* fetched) {
   return [this, okey, bytes, mac, fetched](int fd) -> absl::StatusOr<uint64_t> {
-    absl::StatusOr<uint64_t> got = store_->GetToFile(okey, fd, bytes);
+    // Only what a ckptd of this cluster wrote: the MAC its manifest
+    // records, over the bytes as they arrive.
+    absl::StatusOr<remote::ObjectMac> check = remote::ObjectMac::ForCheck(*key_, mac);
+    if (!check.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("object ", okey, ": its manifest's MAC: ", check.status().message()));
+    }
+    absl::StatusOr<uint64_t> got =
+        store_->GetToFileObserved(okey, fd, bytes, [&](std::string_view b) {
+          check->Update(b);
+          return absl::OkStatus();
+        });
     *fetched = got.status();
     if (!got.ok()) return got;
-    // Only what a ckptd of this cluster wrote: the MAC its manifest
-    // records, over the bytes that arrived.
-    CKPT_ASSIGN_OR_RETURN(std::string arrived, key_->MacOfFile("object", fd, *got));
-    if (!remote::MacEqual(arrived, mac)) {
+    if (!check->Matches(mac)) {
       return absl::DataLossError(absl::StrCat(
           "object ", okey, " is not the one its manifest names (its MAC does not match)"));
     }

@@ -348,7 +348,7 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     }
     // A placeholder of the MAC's size until the upload computes it, so the
     // manifest's size is known before anything is sent.
-    rv->set_object_mac(std::string(remote::RemoteKey::kMacBytes, '\0'));
+    rv->set_object_mac(std::string(remote::ObjectMac::kObjectMacBytes, '\0'));
     absl::StatusOr<UniqueFd> fd =
         deps_.store->OpenCommitted(VersionKey{job, rank, layer.id(), v->first}, v->second);
     if (!fd.ok()) {
@@ -380,15 +380,21 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
           stopping_.load() ? absl::CancelledError("ckptd is stopping") : absl::OkStatus();
       Upload& u = turn->uploads[i];
       if (s.ok()) {
-        // The MAC of what is sent, read from the same descriptor.
-        absl::StatusOr<std::string> mac = key_->MacOfFile("object", u.fd.get(), u.rec.file_bytes());
+        // The MAC of what is sent, taken as it is sent.
+        absl::StatusOr<remote::ObjectMac> mac = remote::ObjectMac::Begin(*key_);
         s = mac.status();
-        if (s.ok()) u.mac = *std::move(mac);
-      }
-      if (s.ok()) {
-        CKPT_SYNC_POINT("remote.before_put_version");
-        s = store_->PutFile(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
-                            u.rec.file_bytes());
+        if (s.ok()) {
+          CKPT_SYNC_POINT("remote.before_put_version");
+          s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()),
+                                      u.fd.get(), u.rec.file_bytes(), [&](std::string_view b) {
+                                        mac->Update(b);
+                                        return absl::OkStatus();
+                                      });
+        }
+        if (s.ok()) {
+          u.mac = mac->Finish();
+          if (u.mac.empty()) s = absl::InternalError("OpenSSL failed in an object's MAC");
+        }
       }
       if (!s.ok()) {
         absl::MutexLock l(&err_mu);

@@ -68,6 +68,7 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     po.rate_bytes_per_s = config.rate_bytes;
     po.call_timeout = absl::Milliseconds(config.timeout_ms);
     po.calls_at_once = config.calls_at_once;
+    po.connections = config.calls_at_once;  // one per upload thread
     node->store_ = std::make_unique<PeerStore>(std::move(po));
     CKPT_LOG(INFO) << "peer tier: " << node->store_->Describe()
                    << (config.rate_bytes > 0 ? absl::StrCat(", at most ", config.rate_bytes, " B/s")

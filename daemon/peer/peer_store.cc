@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 #include <cerrno>
 #include <utility>
 
@@ -23,6 +25,9 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
 
 }  // namespace
 
+// The peer's replica service over `connections` TCP connections: each
+// carries its own TLS session and HTTP/2 transport, which gRPC runs on one
+// thread at a time, so versions sent at once go over different ones.
 class PeerStore::Stub {
  public:
   explicit Stub(const PeerStoreOptions& o) {
@@ -32,11 +37,22 @@ class PeerStore::Stub {
     // A peer that went away is found again quickly once it is back.
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-    channel = grpc::CreateCustomChannel(o.address, o.tls.ChannelCredentials(), args);
-    stub = v1::Replica::NewStub(channel);
+    // A connection of its own per channel, not one shared through gRPC's
+    // global subchannel pool.
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    for (uint32_t i = 0; i < std::max(1u, o.connections); ++i) {
+      stubs_.push_back(v1::Replica::NewStub(
+          grpc::CreateCustomChannel(o.address, o.tls.ChannelCredentials(), args)));
+    }
   }
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Replica::Stub> stub;
+  // The stub for the next transfer, round-robin.
+  v1::Replica::Stub* Next() { return stubs_[next_.fetch_add(1) % stubs_.size()].get(); }
+  // Small calls: the first connection.
+  v1::Replica::Stub* Control() { return stubs_[0].get(); }
+
+ private:
+  std::vector<std::unique_ptr<v1::Replica::Stub>> stubs_;
+  std::atomic<size_t> next_{0};
 };
 
 PeerStore::PeerStore(PeerStoreOptions options)
@@ -104,27 +120,32 @@ absl::Status PeerStore::Pace(uint64_t bytes, uint64_t generation) {
 }
 
 absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absent,
-                            const std::function<absl::Status(uint64_t, char*, size_t)>& read) {
+                            const Reader& read, const Observer* observe) {
   Call call(this, DeadlineFor(size));
   grpc::ClientContext& ctx = call.ctx;
   v1::PutReply reply;
-  std::unique_ptr<grpc::ClientWriter<v1::PutChunk>> writer = stub_->stub->Put(&ctx, &reply);
+  std::unique_ptr<grpc::ClientWriter<v1::PutChunk>> writer = stub_->Next()->Put(&ctx, &reply);
   v1::PutChunk chunk;
   chunk.set_key(key);
   chunk.set_size(size);
   chunk.set_if_absent(if_absent);
-  std::string buf;
   uint64_t off = 0;
   absl::Status local;
   do {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, size - off));
-    buf.resize(n);
-    if (n > 0) local = read(off, buf.data(), n);
-    if (!local.ok()) break;
+    std::string_view piece;
+    if (n > 0) {
+      absl::StatusOr<std::string_view> got = read(off, n);
+      local = got.status();
+      if (!local.ok()) break;
+      piece = *got;
+      if (observe != nullptr) local = (*observe)(piece);
+      if (!local.ok()) break;
+    }
     CKPT_SYNC_POINT("peer.before_pace");
     local = Pace(n, call.generation);
     if (!local.ok()) break;
-    chunk.set_data(buf);
+    chunk.set_data(piece.data(), piece.size());
     off += n;
     if (!writer->Write(chunk)) break;  // Finish says why
     chunk.clear_key();
@@ -141,24 +162,25 @@ absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absen
 }
 
 absl::Status PeerStore::PutFile(const std::string& key, int fd, uint64_t size) {
-  return Put(key, size, false, [fd](uint64_t off, char* out, size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      ssize_t r = pread(fd, out + done, n - done, static_cast<off_t>(off + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) return ErrnoStatus(errno, "read a local version");
-      if (r == 0) return absl::DataLossError("a local version is shorter than its record");
-      done += static_cast<size_t>(r);
-    }
-    return absl::OkStatus();
-  });
+  return PutFileObserved(key, fd, size, nullptr);
+}
+
+absl::Status PeerStore::PutFileObserved(const std::string& key, int fd, uint64_t size,
+                                        const Observer& observe) {
+  CKPT_ASSIGN_OR_RETURN(remote::SequentialFileReader reader,
+                        remote::SequentialFileReader::Open(fd, options_.chunk_bytes));
+  return Put(
+      key, size, false, [&reader](uint64_t off, size_t n) { return reader.Read(off, n); },
+      observe ? &observe : nullptr);
 }
 
 absl::Status PeerStore::PutBytes(const std::string& key, std::string_view data, bool if_absent) {
-  return Put(key, data.size(), if_absent, [data](uint64_t off, char* out, size_t n) {
-    std::copy_n(data.data() + off, n, out);
-    return absl::OkStatus();
-  });
+  return Put(
+      key, data.size(), if_absent,
+      [data](uint64_t off, size_t n) -> absl::StatusOr<std::string_view> {
+        return data.substr(static_cast<size_t>(off), n);
+      },
+      nullptr);
 }
 
 absl::StatusOr<uint64_t> PeerStore::Get(const std::string& key, uint64_t max_bytes,
@@ -168,7 +190,7 @@ absl::StatusOr<uint64_t> PeerStore::Get(const std::string& key, uint64_t max_byt
   v1::GetRequest req;
   req.set_key(key);
   req.set_max_bytes(max_bytes);
-  std::unique_ptr<grpc::ClientReader<v1::DataChunk>> reader = stub_->stub->Get(&ctx, req);
+  std::unique_ptr<grpc::ClientReader<v1::DataChunk>> reader = stub_->Next()->Get(&ctx, req);
   v1::DataChunk chunk;
   uint64_t size = 0, got = 0;
   bool first = true;
@@ -197,8 +219,15 @@ absl::StatusOr<uint64_t> PeerStore::Get(const std::string& key, uint64_t max_byt
 }
 
 absl::StatusOr<uint64_t> PeerStore::GetToFile(const std::string& key, int fd, uint64_t max_bytes) {
+  return GetToFileObserved(key, fd, max_bytes, nullptr);
+}
+
+absl::StatusOr<uint64_t> PeerStore::GetToFileObserved(const std::string& key, int fd,
+                                                      uint64_t max_bytes,
+                                                      const Observer& observe) {
   uint64_t off = 0;
-  return Get(key, max_bytes, [fd, &off](std::string_view data) {
+  return Get(key, max_bytes, [&](std::string_view data) {
+    if (observe) CKPT_RETURN_IF_ERROR(observe(data));
     size_t done = 0;
     while (done < data.size()) {
       ssize_t w = pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(off));
@@ -227,7 +256,7 @@ absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::strin
   req.set_prefix(prefix);
   v1::ListReply reply;
   CKPT_RETURN_IF_ERROR(
-      FromGrpc(stub_->stub->List(&ctx, req, &reply), absl::StrCat("list ", Describe())));
+      FromGrpc(stub_->Control()->List(&ctx, req, &reply), absl::StrCat("list ", Describe())));
   std::vector<remote::ObjectInfo> out;
   for (const v1::ObjectEntry& e : reply.objects()) out.push_back({e.key(), e.size()});
   return out;
@@ -239,7 +268,7 @@ absl::Status PeerStore::Delete(const std::string& key) {
   v1::DeleteRequest req;
   req.set_key(key);
   v1::DeleteReply reply;
-  return FromGrpc(stub_->stub->Delete(&ctx, req, &reply),
+  return FromGrpc(stub_->Control()->Delete(&ctx, req, &reply),
                   absl::StrCat("delete ", key, " at ", Describe()));
 }
 

@@ -43,6 +43,9 @@ struct PeerStoreOptions {
   PeerTls tls;
   uint64_t rate_bytes_per_s = 0;  // 0: no cap
   uint32_t calls_at_once = 4;     // the peer tier's upload threads
+  // TCP connections to the peer; transfers take them in turn (gRPC runs
+  // each connection's TLS and HTTP/2 on one thread at a time).
+  uint32_t connections = 4;
   absl::Duration call_timeout = absl::Seconds(30);
   uint32_t chunk_bytes = 1 << 20;
 };
@@ -55,6 +58,12 @@ class PeerStore final : public remote::RemoteStore {
 
   std::string Describe() const override;
   absl::Status PutFile(const std::string& key, int fd, uint64_t size) override;
+  // One pass over the file, with O_DIRECT where its file system allows it:
+  // the bytes are read once, for `observe` and the stream together.
+  absl::Status PutFileObserved(const std::string& key, int fd, uint64_t size,
+                               const Observer& observe) override;
+  absl::StatusOr<uint64_t> GetToFileObserved(const std::string& key, int fd, uint64_t max_bytes,
+                                             const Observer& observe) override;
   absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) override;
   absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd, uint64_t max_bytes) override;
   absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max_bytes) override;
@@ -65,9 +74,11 @@ class PeerStore final : public remote::RemoteStore {
  private:
   class Stub;
   class Call;
-  // Streams `size` bytes that `read(offset, buf, n)` provides.
-  absl::Status Put(const std::string& key, uint64_t size, bool if_absent,
-                   const std::function<absl::Status(uint64_t, char*, size_t)>& read);
+  // Streams `size` bytes; `read(offset, n)` gives the n bytes at offset
+  // (valid until its next call), each shown to `observe` when given.
+  using Reader = std::function<absl::StatusOr<std::string_view>(uint64_t offset, size_t n)>;
+  absl::Status Put(const std::string& key, uint64_t size, bool if_absent, const Reader& read,
+                   const Observer* observe);
   // Streams the object to `sink(data)`; its size.
   absl::StatusOr<uint64_t> Get(const std::string& key, uint64_t max_bytes,
                                const std::function<absl::Status(std::string_view)>& sink);

@@ -5,12 +5,14 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/params.h>
+#include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <memory>
+#include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -31,7 +33,7 @@ struct MacFree {
 };
 
 // An HMAC-SHA256 context keyed with `secret`, fed with `purpose` and a NUL.
-std::unique_ptr<EVP_MAC_CTX, MacCtxFree> Begin(const std::string& secret,
+std::unique_ptr<EVP_MAC_CTX, MacCtxFree> BeginHmac(const std::string& secret,
                                                std::string_view purpose) {
   std::unique_ptr<EVP_MAC, MacFree> mac(EVP_MAC_fetch(nullptr, "HMAC", nullptr));
   if (mac == nullptr) return nullptr;
@@ -48,6 +50,19 @@ std::unique_ptr<EVP_MAC_CTX, MacCtxFree> Begin(const std::string& secret,
   if (EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(purpose.data()),
                      purpose.size()) != 1 ||
       EVP_MAC_update(ctx.get(), &nul, 1) != 1) {
+    return nullptr;
+  }
+  return ctx;
+}
+
+// A Poly1305 context keyed with the 32-byte one-time `key`.
+std::unique_ptr<EVP_MAC_CTX, MacCtxFree> BeginPoly1305(const std::string& key) {
+  std::unique_ptr<EVP_MAC, MacFree> mac(EVP_MAC_fetch(nullptr, "POLY1305", nullptr));
+  if (mac == nullptr) return nullptr;
+  std::unique_ptr<EVP_MAC_CTX, MacCtxFree> ctx(EVP_MAC_CTX_new(mac.get()));
+  if (ctx == nullptr || key.size() != 32 ||
+      EVP_MAC_init(ctx.get(), reinterpret_cast<const unsigned char*>(key.data()), key.size(),
+                   nullptr) != 1) {
     return nullptr;
   }
   return ctx;
@@ -133,7 +148,7 @@ absl::StatusOr<RemoteKey> RemoteKey::FromFile(const std::string& path) {
 }
 
 std::string RemoteKey::Mac(std::string_view purpose, std::string_view data) const {
-  auto ctx = Begin(secret_, purpose);
+  auto ctx = BeginHmac(secret_, purpose);
   if (ctx == nullptr ||
       EVP_MAC_update(ctx.get(), reinterpret_cast<const unsigned char*>(data.data()), data.size()) !=
           1) {
@@ -144,7 +159,7 @@ std::string RemoteKey::Mac(std::string_view purpose, std::string_view data) cons
 
 absl::StatusOr<std::string> RemoteKey::MacOfFile(std::string_view purpose, int fd,
                                                  uint64_t size) const {
-  auto ctx = Begin(secret_, purpose);
+  auto ctx = BeginHmac(secret_, purpose);
   if (ctx == nullptr) return absl::InternalError("HMAC-SHA256 is not available in OpenSSL");
   std::string buf(static_cast<size_t>(std::min<uint64_t>(kReadBuffer, size)), '\0');
   uint64_t done = 0;
@@ -174,5 +189,72 @@ bool RemoteKey::Verify(std::string_view purpose, std::string_view data,
 std::string RemoteKey::Fingerprint() const {
   return absl::BytesToHexString(Mac("fingerprint", "").substr(0, 6));
 }
+
+
+namespace {
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kTagBytes = 16;
+static_assert(ObjectMac::kObjectMacBytes == 1 + kNonceBytes + kTagBytes);
+}  // namespace
+
+absl::StatusOr<ObjectMac> ObjectMac::Begin(const RemoteKey& key) {
+  std::string nonce(kNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()), kNonceBytes) != 1) {
+    return absl::InternalError("OpenSSL could not make a nonce");
+  }
+  return ForCheck(key, std::string(1, kFormat) + nonce + std::string(kTagBytes, '\0'));
+}
+
+absl::StatusOr<ObjectMac> ObjectMac::ForCheck(const RemoteKey& key, std::string_view recorded) {
+  ObjectMac out;
+  std::unique_ptr<EVP_MAC_CTX, MacCtxFree> ctx;
+  if (recorded.size() == kObjectMacBytes && recorded[0] == kFormat) {
+    out.prefix_ = std::string(recorded.substr(0, 1 + kNonceBytes));
+    ctx = BeginPoly1305(key.Mac("object-key", recorded.substr(1, kNonceBytes)));
+  } else if (recorded.size() == RemoteKey::kMacBytes) {
+    ctx = BeginHmac(key.secret_, "object");
+  } else {
+    return absl::DataLossError(absl::StrCat("an object MAC of ", recorded.size(),
+                                            " bytes is of no form ckptd writes"));
+  }
+  if (ctx == nullptr) return absl::InternalError("Poly1305 or HMAC-SHA256 is not in OpenSSL");
+  out.ctx_ = ctx.release();
+  return out;
+}
+
+ObjectMac::ObjectMac(ObjectMac&& other) noexcept { *this = std::move(other); }
+
+ObjectMac& ObjectMac::operator=(ObjectMac&& other) noexcept {
+  if (this != &other) {
+    EVP_MAC_CTX_free(ctx_);
+    ctx_ = std::exchange(other.ctx_, nullptr);
+    prefix_ = std::move(other.prefix_);
+    failed_ = other.failed_;
+  }
+  return *this;
+}
+
+ObjectMac::~ObjectMac() { EVP_MAC_CTX_free(ctx_); }
+
+void ObjectMac::Update(std::string_view bytes) {
+  if (ctx_ == nullptr || failed_ || bytes.empty()) return;
+  if (EVP_MAC_update(ctx_, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) !=
+      1) {
+    failed_ = true;
+  }
+}
+
+std::string ObjectMac::Finish() {
+  if (ctx_ == nullptr || failed_) return "";
+  unsigned char out[EVP_MAX_MD_SIZE];
+  size_t len = 0;
+  const size_t want = prefix_.empty() ? RemoteKey::kMacBytes : kTagBytes;
+  const bool ok = EVP_MAC_final(ctx_, out, &len, sizeof(out)) == 1 && len == want;
+  EVP_MAC_CTX_free(std::exchange(ctx_, nullptr));
+  if (!ok) return "";
+  return prefix_ + std::string(reinterpret_cast<char*>(out), len);
+}
+
+bool ObjectMac::Matches(std::string_view recorded) { return MacEqual(Finish(), recorded); }
 
 }  // namespace ckpt::remote

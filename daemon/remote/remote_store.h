@@ -32,9 +32,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -66,6 +68,17 @@ class RemoteStore {
   // until the whole object is.
   virtual absl::Status PutFile(const std::string& key, int fd, uint64_t size) = 0;
 
+  // Sees an object's bytes in order, each once, as they pass (the object's
+  // MAC is taken this way); an error stops the transfer.
+  using Observer = std::function<absl::Status(std::string_view bytes)>;
+
+  // PutFile, with `observe` shown every byte that is stored, in order,
+  // before OK is returned. A store that sends the file in one ordered pass
+  // shows the bytes as it sends them (the file is read once); this default
+  // reads the file once for `observe`, then PutFile reads it again.
+  virtual absl::Status PutFileObserved(const std::string& key, int fd, uint64_t size,
+                                       const Observer& observe);
+
   // Stores `data` as `key`. With `if_absent`, ALREADY_EXISTS when `key`
   // exists (where the store can tell; S3 with If-None-Match: *, POSIX with a
   // no-replace rename).
@@ -77,6 +90,12 @@ class RemoteStore {
   virtual absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd,
                                              uint64_t max_bytes) = 0;
 
+  // GetToFile, with `observe` shown every byte written to `fd`, in order.
+  // This default reads `fd` back after GetToFile; a store that receives in
+  // order shows the bytes as they arrive.
+  virtual absl::StatusOr<uint64_t> GetToFileObserved(const std::string& key, int fd,
+                                                     uint64_t max_bytes, const Observer& observe);
+
   // The whole object in memory; NOT_FOUND when missing; INVALID_ARGUMENT when
   // larger than `max_bytes`.
   virtual absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max_bytes) = 0;
@@ -87,5 +106,38 @@ class RemoteStore {
   // Removes `key`; OK when it does not exist.
   virtual absl::Status Delete(const std::string& key) = 0;
 };
+
+// Reads a file in order, from offset 0, through one aligned buffer, with
+// O_DIRECT where the file's file system allows it (reopened through
+// /proc/self/fd): a version written with O_DIRECT is not in the page cache,
+// and reading it through the cache would fill it with pages read once.
+// Falls back to pread on the descriptor itself.
+class SequentialFileReader {
+ public:
+  // `piece_bytes` is the most one Read asks for (rounded up to 4 KiB).
+  static absl::StatusOr<SequentialFileReader> Open(int fd, size_t piece_bytes);
+  SequentialFileReader(SequentialFileReader&& other) noexcept { *this = std::move(other); }
+  SequentialFileReader& operator=(SequentialFileReader&& other) noexcept;
+  SequentialFileReader(const SequentialFileReader&) = delete;
+  SequentialFileReader& operator=(const SequentialFileReader&) = delete;
+  ~SequentialFileReader();
+
+  // The `n` bytes at `offset` (n <= piece_bytes), valid until the next
+  // Read. REQUIRES: offsets in order, each the previous one plus its n.
+  // DATA_LOSS when the file ends first.
+  absl::StatusOr<std::string_view> Read(uint64_t offset, size_t n);
+  bool direct() const { return direct_ >= 0; }
+
+ private:
+  SequentialFileReader() = default;
+  int fd_ = -1;      // not owned
+  int direct_ = -1;  // owned: the O_DIRECT descriptor, or -1
+  char* buf_ = nullptr;
+  size_t cap_ = 0;
+};
+
+// Shows `observe` the first `size` bytes of `fd` (pread from offset 0) in
+// pieces of 1 MiB. DATA_LOSS when the file is shorter.
+absl::Status ObserveFile(int fd, uint64_t size, const RemoteStore::Observer& observe);
 
 }  // namespace ckpt::remote

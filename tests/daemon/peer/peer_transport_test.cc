@@ -107,17 +107,39 @@ TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
   EXPECT_TRUE(HasCode(a->PutBytes("jobs/j/owner", "x", true), absl::StatusCode::kAlreadyExists));
   const std::string path = dir_.Join("version");
   {
+    // The first big.size() bytes of a longer file, read once (O_DIRECT on
+    // this file system) for the stream and the observer together.
     UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600));
-    ASSERT_EQ(pwrite(fd.get(), big.data(), big.size(), 0), static_cast<ssize_t>(big.size()));
-    ASSERT_TRUE(a->PutFile("jobs/j/rank-00000000/v1", fd.get(), big.size()).ok());
+    const std::string file = big + "not sent";
+    ASSERT_EQ(pwrite(fd.get(), file.data(), file.size(), 0), static_cast<ssize_t>(file.size()));
+    std::string seen;
+    ASSERT_TRUE(a->PutFileObserved("jobs/j/rank-00000000/v1", fd.get(), big.size(),
+                                   [&](std::string_view b) {
+                                     seen.append(b);
+                                     return absl::OkStatus();
+                                   })
+                    .ok());
+    EXPECT_TRUE(seen == big);
+    // An observer's error ends the transfer, and nothing is stored.
+    EXPECT_TRUE(HasCode(a->PutFileObserved("jobs/j/rank-00000000/v2", fd.get(), big.size(),
+                                           [](std::string_view) {
+                                             return absl::DataLossError("stop");
+                                           }),
+                        absl::StatusCode::kDataLoss));
   }
   EXPECT_EQ(*a->GetBytes("jobs/j/owner", 1 << 20), small);
   EXPECT_EQ(store_->Totals().disk_bytes, small.size() + big.size());
   EXPECT_EQ(store_->Totals().memory_bytes, small.size());
   UniqueFd out(open(dir_.Join("pulled").c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600));
-  absl::StatusOr<uint64_t> n = a->GetToFile("jobs/j/rank-00000000/v1", out.get(), 16 << 20);
+  std::string arrived;
+  absl::StatusOr<uint64_t> n =
+      a->GetToFileObserved("jobs/j/rank-00000000/v1", out.get(), 16 << 20, [&](std::string_view b) {
+        arrived.append(b);
+        return absl::OkStatus();
+      });
   ASSERT_TRUE(n.ok()) << n.status();
   ASSERT_EQ(*n, big.size());
+  EXPECT_TRUE(arrived == big);
   std::string back(big.size(), '\0');
   ASSERT_EQ(pread(out.get(), back.data(), back.size(), 0), static_cast<ssize_t>(big.size()));
   EXPECT_EQ(back, big);

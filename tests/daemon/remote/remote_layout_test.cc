@@ -125,5 +125,43 @@ TEST(RemoteKey, FromFileRefusesWhatIsNotASecretFile) {
   EXPECT_TRUE(absl::IsNotFound(RemoteKey::FromFile(dir.Join("none")).status()));
 }
 
+// An object's MAC, fed in any pieces, is checked by ForCheck; each object
+// gets its own nonce; other bytes, another key or a MAC of no known form
+// fail; the HMAC-SHA256 older manifests record is still accepted.
+TEST(ObjectMac, ChecksWhatWasFedInAnyPieces) {
+  const RemoteKey key = TestKey();
+  const std::string bytes = ckpt::testing::RandomBytes(5, 3 << 20);
+  auto mac = ObjectMac::Begin(key);
+  ASSERT_TRUE(mac.ok()) << mac.status();
+  for (size_t off = 0; off < bytes.size(); off += 333333) {
+    mac->Update(std::string_view(bytes).substr(off, 333333));
+  }
+  const std::string recorded = mac->Finish();
+  ASSERT_EQ(recorded.size(), ObjectMac::kObjectMacBytes);
+  EXPECT_EQ(recorded[0], ObjectMac::kFormat);
+  auto check = [&](const RemoteKey& k, std::string_view data, std::string_view rec) {
+    absl::StatusOr<ObjectMac> c = ObjectMac::ForCheck(k, rec);
+    if (!c.ok()) return false;
+    c->Update(data.substr(0, 1000));
+    c->Update(data.substr(1000));
+    return c->Matches(rec);
+  };
+  EXPECT_TRUE(check(key, bytes, recorded));
+  std::string other = bytes;
+  other[12345] ^= 1;
+  EXPECT_FALSE(check(key, other, recorded));
+  EXPECT_FALSE(check(TestKey('x'), bytes, recorded));
+  std::string forged = recorded;
+  forged[5] ^= 1;  // another nonce: another one-time key
+  EXPECT_FALSE(check(key, bytes, forged));
+  auto again = ObjectMac::Begin(key);
+  again->Update(bytes);
+  EXPECT_NE(again->Finish(), recorded);
+  EXPECT_TRUE(absl::IsDataLoss(ObjectMac::ForCheck(key, "short").status()));
+  // The legacy form: HMAC-SHA256 under purpose "object".
+  EXPECT_TRUE(check(key, bytes, key.Mac("object", bytes)));
+  EXPECT_FALSE(check(key, other, key.Mac("object", bytes)));
+}
+
 }  // namespace
 }  // namespace ckpt::remote
