@@ -8,9 +8,10 @@
 //
 // Every object is written to the replica directory (a PosixStore: temp
 // file, fsync, rename) before Receive returns, so an acknowledged replica
-// survives this ckptd's crash or restart and is never torn; while the
-// memory budget has room it is also kept in memory, and reads are served
-// from there (a restore from a peer reads no disk). Every object is charged
+// survives this ckptd's crash or restart and is never torn; the newest
+// replicas are also kept in memory (ReplicaMemory, peer_memory_bytes: a
+// new one takes the place of the oldest there), and reads are served from
+// there (a restore from a peer reads no disk). Every object is charged
 // to the peer that wrote it; a peer past its share (max_bytes_per_peer) or
 // the store past its whole bound (max_bytes), or a replica that would leave
 // less than min_free_disk_bytes free on the file system, is refused with
@@ -35,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/unique_fd.h"
+#include "daemon/peer/replica_memory.h"
 #include "daemon/remote/posix_store.h"
 
 namespace ckpt::peer {
@@ -42,6 +44,8 @@ namespace ckpt::peer {
 struct ReplicaStoreOptions {
   std::string dir;                            // the replica directory (created 0700)
   uint64_t memory_bytes = uint64_t{1} << 30;  // replicas held in memory
+  bool populate_memory = true;  // populate memory_bytes at start (ReplicaMemory)
+  size_t memory_piece_bytes = ReplicaMemory::kDefaultPieceBytes;  // a multiple of 4 KiB
   uint64_t max_bytes = uint64_t{64} << 30;    // memory and disk together
   uint64_t max_bytes_per_peer = uint64_t{32} << 30;
   uint64_t max_object_bytes = uint64_t{16} << 30;  // one object
@@ -75,8 +79,9 @@ class ReplicaStore {
   // ALREADY_EXISTS with `if_absent` when `key` exists, ABORTED while another
   // call receives `key` (one writer's bytes in memory and on disk). The bytes go straight
   // into the object's temp file (O_DIRECT where the file system allows it:
-  // replicas are written once and read back only on a restore), and into
-  // memory too when the budget has room for them.
+  // replicas are written once and read back only on a restore), through
+  // the memory pieces that keep it when the memory budget has room for it
+  // (the oldest replicas in memory leave it to make room).
   absl::Status Receive(const std::string& peer, const std::string& key, uint64_t size,
                        bool if_absent, const Source& next) ABSL_LOCKS_EXCLUDED(mu_);
   // Receive of bytes at hand.
@@ -96,40 +101,54 @@ class ReplicaStore {
   absl::Status Delete(const std::string& key);
 
   ReplicaTotals Totals();
+  // Whether `key` is held in memory as well.
+  bool InMemory(const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
   // The bytes charged to `peer`.
   uint64_t PeerBytes(const std::string& peer);
 
  private:
+  using Memory = std::shared_ptr<ReplicaMemory::Span>;
   struct Entry {
     std::string peer;  // who wrote it ("" when found on disk at start)
     uint64_t size = 0;
-    std::shared_ptr<const std::string> data;  // its bytes, when also in memory
+    Memory data;         // its bytes, when also in memory
+    uint64_t stored = 0;  // when it was stored (a sequence), for leaving memory
   };
-  ReplicaStore(ReplicaStoreOptions options, std::unique_ptr<remote::PosixStore> disk)
-      : options_(std::move(options)), disk_(std::move(disk)) {}
-  // Receive's steps: room taken (and memory, returned as true, when the
-  // budget has it), the file written, the entry recorded (`data` kept in
-  // memory when not null).
-  absl::StatusOr<bool> Reserve(const std::string& peer, const std::string& key, uint64_t size,
-                               bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  ReplicaStore(ReplicaStoreOptions options, std::unique_ptr<remote::PosixStore> disk,
+               std::unique_ptr<ReplicaMemory> memory)
+      : options_(std::move(options)), disk_(std::move(disk)), memory_(std::move(memory)) {}
+  // Receive's steps: room taken (and memory pieces, returned, when the
+  // budget has them), the file written, the entry recorded (`data` kept in
+  // memory when the write went well).
+  absl::StatusOr<Memory> Reserve(const std::string& peer, const std::string& key, uint64_t size,
+                                 bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Record(const std::string& peer, const std::string& key, uint64_t size,
-                      bool if_absent, bool kept, const absl::Status& written, std::string* data)
+                      bool if_absent, const absl::Status& written, Memory data)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Pieces for `size` bytes, taking the oldest replicas out of memory
+  // while the pool lacks them; null when even that leaves too few (reads
+  // in flight hold the pieces they read).
+  Memory TakeMemoryLocked(uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ForgetMemoryLocked(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RoomLocked(const std::string& peer, const std::string& key, uint64_t size) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The disk bytes of `e`, and its peer's (its memory: Record and
+  // ForgetMemoryLocked).
   void ChargeLocked(const Entry& e, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ReplicaStoreOptions options_;
   const std::unique_ptr<remote::PosixStore> disk_;
+  const std::unique_ptr<ReplicaMemory> memory_;
 
   absl::Mutex mu_;
   // Room taken by Puts writing their files now (outside mu_): counted
   // against the bounds like stored bytes.
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t memory_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   std::set<std::string> receiving_ ABSL_GUARDED_BY(mu_);  // keys of those Puts
   std::map<std::string, uint64_t> peer_reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Entry> objects_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::string> in_memory_ ABSL_GUARDED_BY(mu_);  // stored -> key, oldest first
+  uint64_t stored_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);
   uint64_t memory_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t disk_bytes_ ABSL_GUARDED_BY(mu_) = 0;

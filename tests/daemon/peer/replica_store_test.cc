@@ -1,4 +1,5 @@
-// ReplicaStore: memory within its budget, disk past it, shares per peer.
+// ReplicaStore: every replica on disk, the newest in memory within its
+// budget, shares per peer.
 #include "daemon/peer/replica_store.h"
 
 #include <sys/statvfs.h>
@@ -22,24 +23,29 @@ using ::ckpt::testing::TempDir;
 ReplicaStoreOptions Small(const TempDir& dir) {
   ReplicaStoreOptions o;
   o.dir = dir.Join("replicas");
-  o.memory_bytes = 1000;
+  o.memory_bytes = 4096;  // one piece
+  o.memory_piece_bytes = 4096;
+  o.populate_memory = false;
   o.max_bytes = 5000;
   o.max_bytes_per_peer = 3000;
   o.max_object_bytes = 2000;
   return o;
 }
 
-TEST(ReplicaStoreTest, EveryReplicaIsOnDiskAndTheFirstOnesInMemoryToo) {
+TEST(ReplicaStoreTest, EveryReplicaIsOnDiskAndTheNewestInMemoryToo) {
   TempDir dir;
   auto store = ReplicaStore::Open(Small(dir));
   ASSERT_TRUE(store.ok()) << store.status();
   const std::string a = RandomBytes(1, 800), b = RandomBytes(2, 800);
   absl::Status pa = (*store)->Put("n1", "jobs/j/a", a, false);
   ASSERT_TRUE(pa.ok()) << pa;
+  EXPECT_TRUE((*store)->InMemory("jobs/j/a"));
   ASSERT_TRUE((*store)->Put("n1", "jobs/j/b", b, false).ok());
   ReplicaTotals t = (*store)->Totals();
-  EXPECT_EQ(t.memory_bytes, 800u);  // b did not fit the budget
+  EXPECT_EQ(t.memory_bytes, 800u);  // the budget holds one: b took a's place
   EXPECT_EQ(t.disk_bytes, 1600u);
+  EXPECT_FALSE((*store)->InMemory("jobs/j/a"));
+  EXPECT_TRUE((*store)->InMemory("jobs/j/b"));
   EXPECT_EQ(*(*store)->Get("jobs/j/a", 1 << 20), a);
   EXPECT_EQ(*(*store)->Get("jobs/j/b", 1 << 20), b);
   EXPECT_TRUE(HasCode((*store)->Get("jobs/j/b", 10), absl::StatusCode::kInvalidArgument));
@@ -119,6 +125,39 @@ TEST(ReplicaStoreTest, OnePeersFloodLeavesRoomForTheOthers) {
   EXPECT_TRUE((*store)->Put("other", "jobs/o/1", std::string(200, 'o'), false).ok());
 }
 
+// A read from memory keeps the pieces it reads: a replica that needs them
+// meanwhile goes to disk only, and they come back to the pool afterwards.
+TEST(ReplicaStoreTest, AReadInFlightKeepsItsPieces) {
+  TempDir dir;
+  ReplicaStoreOptions o = Small(dir);
+  o.memory_bytes = 2 * 4096;
+  o.max_bytes = o.max_bytes_per_peer = o.max_object_bytes = 1 << 20;
+  auto store = ReplicaStore::Open(o);
+  ASSERT_TRUE(store.ok());
+  const std::string a = RandomBytes(3, 4000), b = RandomBytes(4, 4096 + 10);
+  ASSERT_TRUE((*store)->Put("n1", "jobs/j/a", a, false).ok());
+  std::string read;
+  ASSERT_TRUE((*store)
+                  ->Read("jobs/j/a", 1 << 20, 1 << 20,
+                         [&](uint64_t, std::string_view piece) {
+                           read.append(piece);
+                           // b needs both pieces: a leaves memory, but this
+                           // read still holds its piece.
+                           EXPECT_TRUE((*store)->Put("n1", "jobs/j/b", b, false).ok());
+                           return absl::OkStatus();
+                         })
+                  .ok());
+  EXPECT_EQ(read, a);
+  EXPECT_FALSE((*store)->InMemory("jobs/j/a"));
+  EXPECT_FALSE((*store)->InMemory("jobs/j/b"));
+  EXPECT_EQ((*store)->Totals().memory_bytes, 0u);
+  EXPECT_EQ(*(*store)->Get("jobs/j/b", 1 << 20), b);
+  // The pieces are back: the next replica is kept.
+  ASSERT_TRUE((*store)->Put("n1", "jobs/j/b", b, false).ok());
+  EXPECT_TRUE((*store)->InMemory("jobs/j/b"));
+  EXPECT_EQ(*(*store)->Get("jobs/j/b", 1 << 20), b);
+}
+
 // Replicas never take the free space this node's own checkpoints need.
 TEST(ReplicaStoreTest, ReplicasLeaveTheReservedFreeSpace) {
   TempDir dir;
@@ -152,10 +191,13 @@ TEST(ReplicaStoreTest, IfAbsentRefusesAnExistingKey) {
 
 // Pieces of any size, an object not a multiple of the disk's block, read
 // back from disk (past the memory budget) after a restart.
-TEST(ReplicaStoreTest, PiecesOfAnySizeComeBackWhole) {
+class ReplicaPiecesTest : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(ReplicaPiecesTest, PiecesOfAnySizeComeBackWhole) {
   TempDir dir;
   ReplicaStoreOptions o = Small(dir);
-  o.memory_bytes = 0;
+  o.memory_bytes = GetParam();  // none, or memory pieces that cut the pieces anywhere
+  o.memory_piece_bytes = 3 * 4096;
   o.max_bytes = o.max_bytes_per_peer = o.max_object_bytes = 8 << 20;
   auto store = ReplicaStore::Open(o);
   ASSERT_TRUE(store.ok());
@@ -171,7 +213,10 @@ TEST(ReplicaStoreTest, PiecesOfAnySizeComeBackWhole) {
                               return true;
                             })
                   .ok());
-  EXPECT_EQ((*store)->Totals().memory_bytes, 0u);
+  EXPECT_EQ((*store)->Totals().memory_bytes, o.memory_bytes > 0 ? big.size() : 0u);
+  auto first = (*store)->Get("jobs/j/big", 8 << 20);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(*first == big);
   store->reset();
   auto again = ReplicaStore::Open(o);
   ASSERT_TRUE(again.ok());
@@ -207,6 +252,8 @@ TEST(ReplicaStoreTest, PiecesOfAnySizeComeBackWhole) {
   EXPECT_TRUE(HasCode(stopped, absl::StatusCode::kCancelled));
   EXPECT_EQ(calls, 1);
 }
+INSTANTIATE_TEST_SUITE_P(MemoryOrNot, ReplicaPiecesTest,
+                         ::testing::Values(uint64_t{0}, uint64_t{8} << 20));
 
 // A receipt that yields more or fewer bytes than announced, or fails, stores
 // nothing and leaves no room taken; a temp file a crash left is removed at
