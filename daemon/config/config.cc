@@ -211,8 +211,9 @@ const std::vector<Option>& PeerOptions() {
           "0 = no cap",
           CKPT_FIELD(peer.rate_bytes), 0),
       Num("peer_memory_bytes",
-          "replicas kept in memory too, so a restore from this peer reads no disk (every "
-          "replica is on disk before it is acknowledged)",
+          "the newest replicas kept in memory too, so a restore from this peer reads no disk "
+          "(every replica is on disk before it is acknowledged); taken and populated when "
+          "ckptd starts with peer_listen",
           CKPT_FIELD(peer.memory_bytes), 0),
       Num("peer_max_replica_bytes", "all replicas kept for peers (on disk)",
           CKPT_FIELD(peer.max_replica_bytes), 0),

@@ -71,7 +71,8 @@ class Node:
                 "--peer_ca_file=" + tls[2], "--remote_key_file=" + key,
                 "--peer_timeout_ms=3000", "--metrics_address=127.0.0.1:0"]
         if listen:
-            args += ["--peer_listen=%s:%d" % (cluster.addr[name], PORT), "--peer_allow=" + allow]
+            args += ["--peer_listen=%s:%d" % (cluster.addr[name], PORT), "--peer_allow=" + allow,
+                     "--peer_memory_bytes=%d" % (64 << 20)]  # populated at start
         if peer:
             args += ["--peer_address=%s:%d" % (cluster.addr[peer], PORT), "--peer_name=" + peer]
         self.d = harness.Daemon(os.path.join(root, name), extra=args + list(extra))
