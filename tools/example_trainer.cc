@@ -50,6 +50,7 @@ struct Args {
   bool restore = false;
   std::string log, ack_log, verify_log, dump;
   uint64_t durable_every = 0, compute_ms = 0, older_within = 0;
+  std::string wait_tier;  // "", "peer" or "remote"
   bool continue_unprotected = false;
   uint64_t seed = 1, reconnect_ms = 300;
   bool quiet = false;
@@ -124,6 +125,8 @@ bool ParseArgs(int argc, char** argv, Args* a) {
       a->dump = v;
     else if (k == "--durable-every")
       ok = Number(k, v, &a->durable_every);
+    else if (k == "--wait-tier")  // at the end, wait until the last step is there too
+      ok = (a->wait_tier = v) == "peer" || v == "remote";
     else if (k == "--compute-ms")
       ok = Number(k, v, &a->compute_ms);
     else if (k == "--on-daemon-loss")
@@ -154,7 +157,7 @@ bool ParseArgs(int argc, char** argv, Args* a) {
           "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
           "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
           "  [--restore] [--older-within=N] [--verify-log=FILE] [--dump=FILE] [--log=FILE]\n"
-          "  [--ack-log=FILE] [--durable-every=K] [--compute-ms=MS]\n"
+          "  [--ack-log=FILE] [--durable-every=K] [--compute-ms=MS] [--wait-tier=peer|remote]\n"
           "  [--on-daemon-loss=error|continue] [--seed=N] [--reconnect-ms=MS] [--quiet]\n"
           "  [--optimizer=none|adamw] [--lr=LR] layercheck: [--k0=K] [--s-max=S] [--warmup=W]\n"
           "  [--warmup-interval=I] [--record-trace]\n");
@@ -549,6 +552,19 @@ class TrainLoop {
     } else if (!a_.quiet) {
       std::fprintf(stderr, "final durable: %s\n",
                    (!snap.ok() ? snap.status() : d.status()).ToString().c_str());
+    }
+    if (!a_.wait_tier.empty() && d.ok()) {
+      const auto tier = a_.wait_tier == "peer" ? ckpt::Client::Tier::kPeer
+                                               : ckpt::Client::Tier::kRemote;
+      const absl::Time t0 = absl::Now();
+      auto there = client_->WaitDurable(last, tier);
+      if (!there.ok()) {
+        std::fprintf(stderr, "%s durable: %s\n", a_.wait_tier.c_str(),
+                     there.status().ToString().c_str());
+        return 1;
+      }
+      std::printf("step %" PRIu64 " in the %s tier %.3f s after it was durable here\n", last,
+                  a_.wait_tier.c_str(), absl::ToDoubleSeconds(absl::Now() - t0));
     }
     uint64_t n = last - start_step_ + 1;
     if (!a_.quiet) {

@@ -6,11 +6,19 @@ the ceph packages:
   /usr/bin/python3 tests/perf/peer_replication.py [--layers=8] [--layer-mib=32] [--rounds=3]
 
 1. Throughput between two nodes made of network namespaces (netns.py),
-   interleaved rounds: a raw TCP stream of one step's bytes from node A to
-   node B (Python sockets, 1 MiB writes, B acknowledges the last byte), then
-   ckptd A replicating one step of the example trainer (policy all: every
-   layer) to ckptd B over mutual TLS, timed by its own
-   ckpt_peer_upload_seconds. Median of each and the ratio.
+   interleaved rounds, each moving one step's bytes from node A to node B:
+   - a raw TCP stream (Python sockets, 1 MiB writes, B acknowledges the
+     last byte);
+   - a raw TLS stream (the same through OpenSSL's TLS 1.3 with the nodes'
+     certificates, records gathered into 1 MiB socket writes);
+   - the same work as a replication, by hand: the step's layer files read
+     from A's disk with O_DIRECT, over TLS, written at B with O_DIRECT,
+     fsynced and renamed into place, four connections at once (ckptd's
+     upload threads) - what the machine allows for the work;
+   - ckptd A replicating one step of the example trainer (policy all:
+     every layer) to ckptd B over mutual TLS, timed by its own
+     ckpt_peer_upload_seconds.
+   Median of each and the ratios.
 2. The trainer's step time with and without replication: the same job
    (--steps, --compute-ms) on ckptd A without a peer, then with one; the
    trainer's mean StepDone and its wall time per step.
@@ -66,6 +74,137 @@ while left > 0:
     k = min(left, len(buf)); s.sendall(buf[:k]); left -= k
 s.recv(1); print(time.perf_counter() - t0)
 """
+
+
+# The TLS baselines: Python's ssl through memory BIOs, so that records
+# leave in 1 MiB socket writes (a socket-wrapped SSL object writes each
+# 16 KiB record on its own, which Nagle's algorithm then holds back).
+TLS_COMMON = r"""
+import os, socket, ssl, sys, time, mmap, threading
+def handshake(o, s, inb, outb):
+    while True:
+        try:
+            o.do_handshake()
+        except ssl.SSLWantReadError:
+            d = outb.read()
+            if d: s.sendall(d)
+            inb.write(s.recv(1 << 16))
+            continue
+        d = outb.read()
+        if d: s.sendall(d)
+        return
+def read_exact(o, s, inb, buf, n):
+    # Reads n bytes of plaintext into buf (a memoryview).
+    got = 0
+    while got < n:
+        try:
+            k = o.read(n - got, buf[got:n])
+            if k == 0: raise EOFError
+            got += k
+        except ssl.SSLWantReadError:
+            d = s.recv(1 << 20)
+            if not d: raise EOFError
+            inb.write(d)
+def send(o, s, outb, data):
+    o.write(data)
+    s.sendall(outb.read())
+"""
+
+TLS_SINK = TLS_COMMON + r"""
+# argv: addr port cert key outdir|-
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(sys.argv[3], sys.argv[4])
+ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind((sys.argv[1], int(sys.argv[2]))); ls.listen(16)
+outdir = None if sys.argv[5] == "-" else sys.argv[5]
+print("ready", flush=True)
+def serve(c, n):
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    inb, outb = ssl.MemoryBIO(), ssl.MemoryBIO()
+    o = ctx.wrap_bio(inb, outb, server_side=True)
+    handshake(o, c, inb, outb)
+    buf = mmap.mmap(-1, 1 << 20); view = memoryview(buf)
+    head = bytearray(32); hv = memoryview(head)
+    try:
+        while True:
+            read_exact(o, c, inb, hv, 32)
+            want = int(bytes(head).split(b"\n")[0]); got = 0
+            fd = -1
+            if outdir:
+                tmp = os.path.join(outdir, ".tmp.%d.%d" % (n, time.monotonic_ns()))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+            while got < want:
+                k = min(1 << 20, want - got)
+                read_exact(o, c, inb, view, k)
+                if fd >= 0:
+                    os.pwritev(fd, [view[:(k + 4095) // 4096 * 4096]], got)
+                got += k
+            if fd >= 0:
+                os.ftruncate(fd, want); os.fsync(fd); os.close(fd)
+                final = tmp.replace(".tmp.", "o.")
+                os.rename(tmp, final)
+                d = os.open(outdir, os.O_RDONLY); os.fsync(d); os.close(d)
+                os.unlink(final)
+            send(o, c, outb, b"k")
+    except EOFError:
+        c.close()
+n = 0
+while True:
+    c, _ = ls.accept(); n += 1
+    threading.Thread(target=serve, args=(c, n), daemon=True).start()
+"""
+
+TLS_SOURCE = TLS_COMMON + r"""
+# argv: addr port ca connections file... (or "-N" for N bytes from memory)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT); ctx.load_verify_locations(sys.argv[3])
+ctx.check_hostname = False
+conns = int(sys.argv[4]); items = sys.argv[5:]
+links = []
+for i in range(conns):
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    inb, outb = ssl.MemoryBIO(), ssl.MemoryBIO()
+    o = ctx.wrap_bio(inb, outb); handshake(o, s, inb, outb)
+    links.append((o, s, inb, outb))
+def run(i):
+    o, s, inb, outb = links[i]
+    buf = mmap.mmap(-1, 1 << 20); view = memoryview(buf)
+    ack = memoryview(bytearray(1))
+    for item in items[i::conns]:
+        if item.startswith("-"):
+            n, fd = int(item[1:]), -1
+        else:
+            fd = os.open(item, os.O_RDONLY | os.O_DIRECT); n = os.fstat(fd).st_size
+        send(o, s, outb, (b"%d\n" % n).ljust(32))
+        off = 0
+        while off < n:
+            k = min(1 << 20, n - off)
+            if fd >= 0:
+                os.preadv(fd, [view[:(k + 4095) // 4096 * 4096]], off)
+            send(o, s, outb, view[:k])
+            off += k
+        if fd >= 0: os.close(fd)
+        read_exact(o, s, inb, ack, 1)
+t0 = time.perf_counter()
+threads = [threading.Thread(target=run, args=(i,)) for i in range(conns)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(time.perf_counter() - t0)
+"""
+
+
+def layer_files(root, layers, layer_mib):
+    """`layers` files of `layer_mib` MiB of random bytes, fsynced."""
+    files = []
+    os.makedirs(root, exist_ok=True)
+    for i in range(layers):
+        path = os.path.join(root, "layer%d" % i)
+        with open(path, "wb") as f:
+            for _ in range(layer_mib):
+                f.write(os.urandom(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        files.append(path)
+    return files
 
 
 def scrape(cluster, node, d):
@@ -127,8 +266,7 @@ def throughput(args, root, pool):
         tls = {n: pki.issue(n, cluster.addr[n]) + (pki.ca,) for n in cluster.ns}
         key = harness.remote_key(root)
         b = harness.Daemon(os.path.join(root, "b"), pool_bytes=pool, extra=tls_args(
-            tls["node-b"], key) + ["--peer_listen=%s:%d" % (cluster.addr["node-b"], PORT),
-                                   "--peer_memory_bytes=%d" % (4 << 30)])
+            tls["node-b"], key) + ["--peer_listen=%s:%d" % (cluster.addr["node-b"], PORT)])
         b.args = ["ip", "netns", "exec", cluster.ns["node-b"]] + b.args
         b.start()
         peer = ["--peer_address=%s:%d" % (cluster.addr["node-b"], PORT), "--peer_name=node-b"]
@@ -139,42 +277,69 @@ def throughput(args, root, pool):
 
         # 2 first, without then with a peer (same daemon directory).
         walls = {}
+        backlog = 0.0
         for label in ("without replication", "with replication"):
+            extra = []
             if label == "with replication":
                 a.stop()
                 a.args += peer
+                extra = ["--wait-tier=peer"]
             a.start()
             t0 = time.time()
             out = trainer(a, "step-" + label.split()[0], args, args.steps,
-                          "--compute-ms=%d" % args.compute_ms, layer_mib=args.step_layer_mib)
+                          "--compute-ms=%d" % args.compute_ms, *extra,
+                          layer_mib=args.step_layer_mib)
             wall = time.time() - t0
+            # The last step's wait for the peer tier, after the training:
+            # the backlog (part 1 then measures an idle link).
+            waited = [l for l in out.stdout.splitlines() if "in the peer tier" in l]
+            if waited:
+                backlog = float(waited[-1].split(" s after")[0].rsplit(" ", 1)[1])
+                wall -= backlog
             stepdone = [l for l in out.stdout.splitlines() if "mean StepDone" in l][-1]
             walls[label] = (wall / args.steps, stepdone.split(":", 1)[1].strip())
-        # Part 1 measures an idle link: the backlog of part 2 is sent first.
-        t0 = time.time()
-        wait_peer(a, "step-with", args.steps)
-        backlog = time.time() - t0
 
-        sink = subprocess.Popen(["ip", "netns", "exec", cluster.ns["node-b"], sys.executable,
-                                 "-c", SINK, cluster.addr["node-b"], str(PORT + 1)],
-                                stdout=subprocess.PIPE, text=True)
-        assert sink.stdout.readline().strip() == "ready"
-        raw, rep = [], []
+        sinks = []
+        def start_sink(*argv):
+            p = subprocess.Popen(["ip", "netns", "exec", cluster.ns["node-b"], sys.executable,
+                                  "-c"] + list(argv), stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "ready"
+            sinks.append(p)
+        start_sink(SINK, cluster.addr["node-b"], str(PORT + 1))
+        cert_b, key_b = tls["node-b"][0], tls["node-b"][1]
+        sink_dir = os.path.join(root, "b", "raw-sink")
+        os.makedirs(sink_dir, exist_ok=True)
+        start_sink(TLS_SINK, cluster.addr["node-b"], str(PORT + 2), cert_b, key_b, "-")
+        start_sink(TLS_SINK, cluster.addr["node-b"], str(PORT + 3), cert_b, key_b, sink_dir)
+        files = layer_files(os.path.join(root, "a", "raw-source"), args.layers, args.layer_mib)
+        ca = tls["node-a"][2]
+        figures = {k: [] for k in ("tcp", "tls", "work", "ckptd")}
         for r in range(1, args.rounds + 1):
             out = cluster.run("node-a", sys.executable, "-c", SOURCE, cluster.addr["node-b"],
                               str(PORT + 1), str(nbytes))
-            raw.append(nbytes / float(out.stdout.strip()))
+            figures["tcp"].append(nbytes / float(out.stdout.strip()))
+            out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
+                              str(PORT + 2), ca, "1", "-%d" % nbytes)
+            figures["tls"].append(nbytes / float(out.stdout.strip()))
+            out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
+                              str(PORT + 3), ca, "4", *files)
+            figures["work"].append(nbytes / float(out.stdout.strip()))
             before = upload_seconds(cluster, "node-a", a)
-            trainer(a, "rep", args, r, *(["--restore"] if r > 1 else []))
-            wait_peer(a, "rep", r)
-            rep.append(nbytes / (upload_seconds(cluster, "node-a", a) - before))
-        sink.kill()
-        m_raw, m_rep = statistics.median(raw), statistics.median(rep)
-        print("1. one step of %d MiB from node A to node B, %d rounds (median):" %
-              (nbytes >> 20, args.rounds))
-        print("   raw TCP stream      %.3f GB/s  %s" % (m_raw / 1e9, [round(x / 1e9, 3) for x in raw]))
-        print("   ckptd peer tier     %.3f GB/s  %s" % (m_rep / 1e9, [round(x / 1e9, 3) for x in rep]))
-        print("   ratio peer / raw    %.2f" % (m_rep / m_raw))
+            trainer(a, "rep", args, r, "--wait-tier=peer", *(["--restore"] if r > 1 else []))
+            figures["ckptd"].append(nbytes / (upload_seconds(cluster, "node-a", a) - before))
+        for p in sinks:
+            p.kill()
+        m = {k: statistics.median(v) for k, v in figures.items()}
+        print("1. one step of %d MiB (%d layers) from node A to node B, %d rounds (median):" %
+              (nbytes >> 20, args.layers, args.rounds))
+        for k, label in (("tcp", "raw TCP stream"), ("tls", "raw TLS stream"),
+                         ("work", "the same work by hand"), ("ckptd", "ckptd peer tier")):
+            print("   %-24s %.3f GB/s  %s" % (label, m[k] / 1e9,
+                                              [round(x / 1e9, 3) for x in figures[k]]))
+        print("   ratio ckptd / raw TCP         %.2f" % (m["ckptd"] / m["tcp"]))
+        print("   ratio ckptd / raw TLS         %.2f" % (m["ckptd"] / m["tls"]))
+        print("   ratio ckptd / same work       %.2f" % (m["ckptd"] / m["work"]))
+        print("   ratio raw TLS / raw TCP       %.2f" % (m["tls"] / m["tcp"]))
         print("2. trainer, %d steps of %d x %d MiB, --compute-ms=%d:" %
               (args.steps, args.layers, args.step_layer_mib, args.compute_ms))
         for label, (per_step, stepdone) in walls.items():
