@@ -35,138 +35,15 @@
 #include "absl/time/clock.h"
 #include "ckpt/client.h"
 #include "nlohmann/json.hpp"
+#include "tools/example_trainer_args.h"
 #include "tools/flags.h"
 
 namespace {
 
-struct Args {
-  std::string socket = "/run/ckptd/ckptd.sock";
-  std::string job = "example";
-  uint32_t rank = 0;
-  uint32_t layers = 8;
-  std::vector<uint64_t> layer_bytes = {1 << 20};
-  uint64_t steps = 200;
-  std::string policy = "all";
-  bool restore = false;
-  std::string log, ack_log, verify_log, dump;
-  uint64_t durable_every = 0, compute_ms = 0, older_within = 0;
-  std::string wait_tier;  // "", "peer" or "remote"
-  bool continue_unprotected = false;
-  uint64_t seed = 1, reconnect_ms = 300;
-  bool quiet = false;
-  bool adamw = false;  // --optimizer=adamw: real AdamW steps on w, exp_avg, exp_avg_sq
-  double lr = 1e-4;
-  double k0 = 0;  // layercheck overrides (0 = daemon default)
-  uint64_t s_max = 0;
-  int64_t warmup = -1;
-  uint64_t warmup_interval = 0;
-  bool record_trace = false;
-};
-
-uint64_t ParseBytes(const std::string& s) {
-  std::string n = s;
-  const int unit = n.empty() ? 0 : std::tolower(static_cast<unsigned char>(n.back()));
-  const uint64_t mult = unit == 'k' ? 1 << 10 : unit == 'm' ? 1 << 20 : unit == 'g' ? 1 << 30 : 1;
-  if (mult != 1) n.pop_back();
-  uint64_t v = 0;
-  if (!absl::SimpleAtoi(n, &v)) {
-    std::fprintf(stderr, "bad size '%s'\n", s.c_str());
-    std::exit(2);
-  }
-  return v * mult;
-}
-
-// Parses `v` as the number of flag `k` into `out`; a message and false when
-// it is not one (a bad flag ends the program with exit 2, not an exception).
-template <typename T>
-bool Number(const std::string& k, const std::string& v, T* out) {
-  bool ok;
-  if constexpr (std::is_floating_point_v<T>) {
-    ok = absl::SimpleAtod(v, out);
-  } else {
-    ok = absl::SimpleAtoi(v, out);
-  }
-  if (!ok)
-    std::fprintf(stderr, "ckpt_example_trainer: %s: '%s' is not a number\n", k.c_str(), v.c_str());
-  return ok;
-}
-
-bool ParseArgs(int argc, char** argv, Args* a) {
-  for (int i = 1; i < argc; ++i) {
-    const auto [k, v] = ckpt::tools::SplitFlag(argv[i]);
-    bool ok = true;
-    if (k == "--socket")
-      a->socket = v;
-    else if (k == "--job")
-      a->job = v;
-    else if (k == "--rank")
-      ok = Number(k, v, &a->rank);
-    else if (k == "--layers")
-      ok = Number(k, v, &a->layers);
-    else if (k == "--layer-bytes") {
-      a->layer_bytes.clear();
-      for (absl::string_view p : absl::StrSplit(v, ','))
-        a->layer_bytes.push_back(ParseBytes(std::string(p)));
-    } else if (k == "--steps")
-      ok = Number(k, v, &a->steps);
-    else if (k == "--policy")
-      a->policy = v;
-    else if (k == "--restore")
-      a->restore = true;
-    else if (k == "--older-within")  // a lost version's layer may take one this much older
-      ok = Number(k, v, &a->older_within);
-    else if (k == "--log")
-      a->log = v;
-    else if (k == "--ack-log")
-      a->ack_log = v;
-    else if (k == "--verify-log")
-      a->verify_log = v;
-    else if (k == "--dump")
-      a->dump = v;
-    else if (k == "--durable-every")
-      ok = Number(k, v, &a->durable_every);
-    else if (k == "--wait-tier")  // at the end, wait until the last step is there too
-      ok = (a->wait_tier = v) == "peer" || v == "remote";
-    else if (k == "--compute-ms")
-      ok = Number(k, v, &a->compute_ms);
-    else if (k == "--on-daemon-loss")
-      a->continue_unprotected = (v == "continue");
-    else if (k == "--seed")
-      ok = Number(k, v, &a->seed);
-    else if (k == "--quiet")
-      a->quiet = true;
-    else if (k == "--reconnect-ms")
-      ok = Number(k, v, &a->reconnect_ms);
-    else if (k == "--optimizer")
-      a->adamw = (v == "adamw");
-    else if (k == "--lr")
-      ok = Number(k, v, &a->lr);
-    else if (k == "--k0")
-      ok = Number(k, v, &a->k0);
-    else if (k == "--s-max")
-      ok = Number(k, v, &a->s_max);
-    else if (k == "--warmup")
-      ok = Number(k, v, &a->warmup);
-    else if (k == "--warmup-interval")
-      ok = Number(k, v, &a->warmup_interval);
-    else if (k == "--record-trace")
-      a->record_trace = true;
-    else {
-      std::fprintf(
-          stderr,
-          "usage: ckpt_example_trainer [--socket=PATH] [--job=ID] [--rank=R] [--layers=N]\n"
-          "  [--layer-bytes=SIZE[,SIZE...]] [--steps=S] [--policy=all|every_n:K|explicit|none]\n"
-          "  [--restore] [--older-within=N] [--verify-log=FILE] [--dump=FILE] [--log=FILE]\n"
-          "  [--ack-log=FILE] [--durable-every=K] [--compute-ms=MS] [--wait-tier=peer|remote]\n"
-          "  [--on-daemon-loss=error|continue] [--seed=N] [--reconnect-ms=MS] [--quiet]\n"
-          "  [--optimizer=none|adamw] [--lr=LR] layercheck: [--k0=K] [--s-max=S] [--warmup=W]\n"
-          "  [--warmup-interval=I] [--record-trace]\n");
-      return false;
-    }
-    if (!ok) return false;
-  }
-  return true;
-}
+using ckpt::tools::example::Args;
+using ckpt::tools::example::Number;
+using ckpt::tools::example::ParseArgs;
+using ckpt::tools::example::ParseBytes;
 
 uint64_t Mix(uint64_t x) {
   x ^= x >> 33;
@@ -272,7 +149,8 @@ int BuildModel(const Args& a, ckpt::Client* client, ckpt::RankSpec* spec, Model*
   char* base = static_cast<char*>(client->RegionData(*region));
   spec->job_id = a.job;
   spec->rank = a.rank;
-  spec->world_size = a.rank + 1;
+  spec->world_size = std::max<uint32_t>(a.rank + 1, static_cast<uint32_t>(a.job_nodes.size()));
+  spec->job_nodes = a.job_nodes;
   m->words.resize(a.layers);
   uint64_t off = 0;
   for (uint32_t l = 0; l < a.layers; ++l) {
@@ -554,8 +432,8 @@ class TrainLoop {
                    (!snap.ok() ? snap.status() : d.status()).ToString().c_str());
     }
     if (!a_.wait_tier.empty() && d.ok()) {
-      const auto tier = a_.wait_tier == "peer" ? ckpt::Client::Tier::kPeer
-                                               : ckpt::Client::Tier::kRemote;
+      const auto tier =
+          a_.wait_tier == "peer" ? ckpt::Client::Tier::kPeer : ckpt::Client::Tier::kRemote;
       const absl::Time t0 = absl::Now();
       auto there = client_->WaitDurable(last, tier);
       if (!there.ok()) {
