@@ -248,6 +248,29 @@ absl::StatusOr<std::unique_ptr<StagingPool>> CreateStagingPool(const StagingPool
 // Starts the Prometheus endpoint on `address` (empty: none). Returns the
 // host:port it listens on, empty when it is off or failed to bind (a
 // warning: ckptd runs on without it).
+// This node's name when no certificate names it (StatusReply.node).
+std::string HostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "";
+  return name;
+}
+
+// This node's name and the engine's peer tier: every node of peer_nodes
+// but this one, each over its PeerStore; the cluster key is eo->remote's.
+void SetPeerTier(const DaemonConfig& config, const peer::PeerNode& peers, EngineOptions* eo) {
+  eo->node_name = peers.self().empty() ? HostName() : peers.self();
+  eo->node_rack = peers.rack();
+  eo->peers.tier = config.engine.peer;
+  eo->peers.tier.key = eo->remote.key;
+  eo->peers.self = eo->node_name;
+  eo->peers.self_rack = eo->node_rack;
+  eo->peers.copies = config.peer.copies;
+  eo->peers.require_other_rack = config.peer.require_other_rack;
+  for (const peer::PeerLink& l : peers.links()) {
+    eo->peers.peers.push_back(PeerTarget{PeerNodeInfo{l.node.name, l.node.rack}, l.store});
+  }
+}
+
 std::string StartMetricsEndpoint(const std::string& address, Metrics* metrics) {
   if (address.empty()) return std::string();
   if (absl::Status s = metrics->StartExposer(address); !s.ok()) {
@@ -384,14 +407,13 @@ int main(int argc, char** argv) {
 
   // The engine.
   absl::StatusOr<std::optional<remote::RemoteKey>> remote_key =
-      LoadRemoteKey(config.remote, *remote_store != nullptr || (*peers)->store() != nullptr);
+      LoadRemoteKey(config.remote, *remote_store != nullptr || !(*peers)->links().empty());
   if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
   EngineOptions eo = config.engine;
   eo.memory_tier_bytes = config.MemoryTierBytes();
   eo.remote.store = remote_store->get();
   eo.remote.key = remote_key->has_value() ? &**remote_key : nullptr;
-  eo.peer.store = (*peers)->store();
-  eo.peer.key = eo.remote.key;
+  SetPeerTier(config, **peers, &eo);
   eo.data_dir = config.data_dir;
   eo.metrics = &metrics;
   eo.metrics_address = metrics_address;

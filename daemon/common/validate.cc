@@ -5,25 +5,38 @@
 
 namespace ckpt {
 
-absl::Status ValidateJobId(absl::string_view job_id) {
-  if (job_id.empty()) return absl::InvalidArgumentError("job id is empty");
-  if (job_id.size() > kMaxJobIdLength) {
+namespace {
+
+// [A-Za-z0-9._-]{1,max}, not "." or ".."; `what` names it in errors.
+absl::Status ValidateToken(const char* what, absl::string_view s, size_t max) {
+  if (s.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
+  if (s.size() > max) {
     return absl::InvalidArgumentError(
-        absl::StrCat("job id is ", job_id.size(), " bytes; the limit is ", kMaxJobIdLength));
+        absl::StrCat(what, " is ", s.size(), " bytes; the limit is ", max));
   }
-  if (job_id == "." || job_id == "..") {
-    return absl::InvalidArgumentError("job id may not be '.' or '..'");
+  if (s == "." || s == "..") {
+    return absl::InvalidArgumentError(absl::StrCat(what, " may not be '.' or '..'"));
   }
-  for (size_t i = 0; i < job_id.size(); ++i) {
-    unsigned char c = static_cast<unsigned char>(job_id[i]);
+  for (size_t i = 0; i < s.size(); ++i) {
+    unsigned char c = static_cast<unsigned char>(s[i]);
     bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
               c == '.' || c == '_' || c == '-';
     if (!ok) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("job id has byte 0x%02x at position %d; allowed: [A-Za-z0-9._-]", c, i));
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s has byte 0x%02x at position %d; allowed: [A-Za-z0-9._-]", what, c, i));
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobId(absl::string_view job_id) {
+  return ValidateToken("job id", job_id, kMaxJobIdLength);
+}
+
+absl::Status ValidateNodeName(absl::string_view node) {
+  return ValidateToken("node name", node, kMaxNodeNameLength);
 }
 
 absl::Status ValidateName(absl::string_view name) {

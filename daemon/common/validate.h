@@ -12,6 +12,12 @@ inline constexpr size_t kMaxJobIdLength = 128;
 // INVALID_ARGUMENT (naming the offending character) otherwise.
 absl::Status ValidateJobId(absl::string_view job_id);
 
+// A node's name (its ckptd's certificate common name, docs/peer.md): OK
+// when it matches [A-Za-z0-9._-]{1,253} (a DNS name's length) and is not
+// "." or "..".
+inline constexpr size_t kMaxNodeNameLength = 253;
+absl::Status ValidateNodeName(absl::string_view node);
+
 // Layer and tensor names: they are shown in tables and logs and stored in
 // every file header, so they are bounded and printable.
 inline constexpr size_t kMaxNameLength = 1024;

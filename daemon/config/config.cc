@@ -189,9 +189,24 @@ const std::vector<Option>& PeerOptions() {
           "host:port where this ckptd keeps replicas for its peers (mutual TLS); empty = it "
           "keeps none; docs/peer.md",
           CKPT_FIELD(peer.listen)),
+      Str("peer_nodes",
+          "the nodes whose ckptd may keep this node's replicas, in the cluster's ring order: "
+          "name=host:port[@rack], comma-separated (name: the common name of the node's "
+          "certificate; this node may be listed, it is left out). Each job's copies go to the "
+          "next nodes of its own nodes' ring, then of this list (docs/peer.md, Placement). "
+          "Uses remote_key_file's cluster key to sign what it sends",
+          CKPT_FIELD(peer.nodes)),
+      Num("peer_copies", "copies of each durable layer version kept on other nodes (F)",
+          CKPT_FIELD(peer.copies), 1, 16),
+      Str("peer_rack",
+          "this node's rack (failure domain); empty = its entry's in peer_nodes, if any",
+          CKPT_FIELD(peer.rack)),
+      Bool("peer_require_other_rack",
+           "never place a copy in a rack that holds one already (this node's included): fewer "
+           "copies rather than two in one rack; off = other racks first",
+           CKPT_FIELD(peer.require_other_rack)),
       Str("peer_address",
-          "host:port of the peer ckptd every durable step is replicated to (the peer tier); "
-          "empty = none. Uses remote_key_file's cluster key to sign what it sends",
+          "host:port of one more node for peer_nodes (the one-peer form, with peer_name)",
           CKPT_FIELD(peer.address)),
       Str("peer_name", "the common name the certificate of peer_address must carry",
           CKPT_FIELD(peer.name)),
@@ -474,7 +489,7 @@ absl::Status DaemonConfig::Validate() const {
         "remote_kind s3 needs remote_endpoint, remote_bucket and remote_credentials_file");
   }
   CKPT_RETURN_IF_ERROR(peer.Validate());
-  if (!peer.address.empty() && remote.key_file.empty()) {
+  if ((!peer.address.empty() || !peer.nodes.empty()) && remote.key_file.empty()) {
     return absl::InvalidArgumentError(
         "a peer tier needs remote_key_file: the cluster key that signs every manifest and "
         "object it replicates (docs/peer.md)");

@@ -18,6 +18,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -81,6 +82,10 @@ class DurableTier {
   virtual void Start() = 0;
   virtual void StopAndJoin() = 0;
 
+  // The rank registered here; `job_nodes` names the node of each rank of
+  // its job as the trainer reported it (empty: not reported). A tier that
+  // places copies by topology (the peer tier) places the job now.
+  virtual void OnRegister(const RankKey& rank, const std::vector<std::string>& job_nodes) {}
   // The rank's checkpoint events `events` were written locally (in step
   // order), its job owned by `owner`.
   virtual void OnLocalEvents(const RankKey& rank, uid_t owner,
@@ -145,5 +150,17 @@ class DurableTier {
   // Refreshes the tier's scrape-time gauges.
   virtual void CollectMetrics() = 0;
 };
+
+// Brings (job, rank)'s history from the first of `tiers` that has one,
+// starting at the tier that lists the newest step (the given order among
+// equals): restoring from one that is behind would take an older step, and
+// the tier ahead would then refuse this node's history as not its own.
+// `arrived()` says whether a history is here after a tier's pull. A tier
+// that cannot be read (a peer that is down with the node it served) leaves
+// the rank to the next one; its error stands only when no tier brought a
+// history. Another uid's job (PERMISSION_DENIED) ends it at once.
+absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::string& job,
+                            uint32_t rank, const Caller& caller, bool must_know,
+                            const std::function<absl::StatusOr<bool>()>& arrived);
 
 }  // namespace ckpt

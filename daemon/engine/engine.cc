@@ -36,13 +36,24 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
   }
   // The fastest source first: a pull or a repair takes the first tier that
   // has the copy.
-  for (const RemoteTierOptions* tier : {&options_.peer, &options_.remote}) {
-    if (tier->store == nullptr || tier->key == nullptr) continue;
-    RemoteTierOptions ro = *tier;
+  const RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
+                            &history_, &owners_, options_.metrics, clock_};
+  PeerTierOptions peers = options_.peers;
+  if (peers.peers.empty() && options_.peer.store != nullptr) {
+    peers.tier = options_.peer;
+    peers.peers.push_back(PeerTarget{PeerNodeInfo{"peer", ""}, options_.peer.store});
+  }
+  if (!peers.peers.empty() && peers.tier.key != nullptr) {
+    peers.tier.pull_wait = options_.restore_timeout;
+    peers.tier.retention = options_.retention;
+    auto tier = std::make_unique<PeerTier>(std::move(peers), deps);
+    peer_tier_ = tier.get();
+    tiers_.push_back(std::move(tier));
+  }
+  if (options_.remote.store != nullptr && options_.remote.key != nullptr) {
+    RemoteTierOptions ro = options_.remote;
     ro.pull_wait = options_.restore_timeout;
     ro.retention = options_.retention;
-    RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
-                        &history_, &owners_, options_.metrics, clock_};
     tiers_.push_back(std::make_unique<RemoteTier>(std::move(ro), deps));
   }
 }
@@ -54,8 +65,10 @@ Engine::~Engine() {
 }
 
 absl::Status Engine::Start() {
-  for (const RemoteTierOptions* tier : {&options_.peer, &options_.remote}) {
-    if (tier->store != nullptr && tier->key == nullptr) {
+  for (const RemoteTierOptions* tier : {&options_.peer, &options_.peers.tier, &options_.remote}) {
+    const bool used =
+        tier->store != nullptr || (tier == &options_.peers.tier && !options_.peers.peers.empty());
+    if (used && tier->key == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("a ", tier->name,
                        " tier needs the cluster key that signs what goes there "
@@ -139,35 +152,12 @@ absl::Status Engine::PullFromTiers(const std::string& job, uint32_t rank, const 
                                    bool must_know) {
   CKPT_ASSIGN_OR_RETURN(auto here, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
   if (here.has_value()) return absl::OkStatus();  // the tiers copy from this node
-  // The tier furthest ahead first (the configured order among equals: the
-  // peer before the remote tier). Restoring from one that is behind would
-  // take an older step, and the tier ahead would then refuse this node's
-  // history as not its own.
-  std::vector<std::pair<uint64_t, DurableTier*>> order;
-  for (const std::unique_ptr<DurableTier>& tier : tiers_) {
-    absl::StatusOr<uint64_t> newest = tier->NewestListedStep(job, rank, must_know);
-    order.emplace_back(newest.ok() ? *newest : 0, tier.get());
-  }
-  std::stable_sort(order.begin(), order.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  // A tier that cannot be read (a peer that is down with the node it
-  // served) leaves the job to the next one; the error stands only when no
-  // tier brought a history. Another uid's job is refused at once.
-  absl::Status failed;
-  for (const auto& [listed, tier] : order) {
-    absl::Status s = tier->Pull(job, rank, caller, must_know);
-    if (absl::IsPermissionDenied(s)) return s;
-    if (!s.ok()) {
-      CKPT_LOG(WARNING) << "could not pull job " << job << " rank " << rank << " from the "
-                        << tier->name() << " tier (" << s << "); trying the next tier";
-      if (failed.ok()) failed = s;
-      continue;
-    }
-    // The first tier that had a history of the rank brought it here.
+  std::vector<DurableTier*> tiers;
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tiers.push_back(tier.get());
+  return PullFromNewest(tiers, job, rank, caller, must_know, [&]() -> absl::StatusOr<bool> {
     CKPT_ASSIGN_OR_RETURN(auto local, index_->EventAtOrBefore(job, rank, ~uint64_t{0}));
-    if (local.has_value()) return absl::OkStatus();
-  }
-  return failed;
+    return local.has_value();
+  });
 }
 
 absl::Status Engine::SeedUsage() {

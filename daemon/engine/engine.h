@@ -63,6 +63,7 @@
 #include "daemon/engine/job_owners.h"
 #include "daemon/engine/leases.h"
 #include "daemon/engine/memory_tier.h"
+#include "daemon/engine/peer_tier.h"
 #include "daemon/engine/quota.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/remote_tier.h"
@@ -139,17 +140,18 @@ struct EngineOptions {
   // real time) before the step is given up and its layers are retried.
   // The snapshot threads serve other ranks meanwhile.
   absl::Duration gpu_wait_timeout = absl::Seconds(120);
-  // How often the exit of trainers holding GPU mappings is checked.
-  absl::Duration trainer_watch_interval = absl::Milliseconds(200);
-  // The memory tier (memory_tier.h): staging-pool bytes that keep the
-  // newest committed version of each layer for restores; 0 = off.
+  absl::Duration trainer_watch_interval = absl::Milliseconds(200);  // trainers' exit checks
+  // The memory tier (memory_tier.h): staging-pool bytes keeping the newest
+  // committed version of each layer for restores; 0 = off.
   uint64_t memory_tier_bytes = 0;
-  // The remote tier (remote_tier.h, docs/remote.md): off while
-  // remote.store is null. Its retention and pull wait are the engine's
-  // (`retention`, `restore_timeout`). The peer tier (docs/peer.md) is one
-  // too, over a peer node's ckptd; restores and pulls try it first.
+  // The remote tier (remote_tier.h, docs/remote.md), off while remote.store
+  // is null, and the peer tier (peer_tier.h, docs/peer.md), off while
+  // peers.peers is empty and tried first; retention and pull wait are the
+  // engine's. `peer` is the one-peer form (F = 1) the tests use.
   RemoteTierOptions remote;
-  RemoteTierOptions peer{"peer", TierMetricIds::Peer()};
+  PeerTierOptions peers;
+  RemoteTierOptions peer{"peer", TierMetricIds::Peer("")};
+  std::string node_name, node_rack;  // this node (StatusReply.node, .rack)
 };
 
 // What DeleteJob removed.
@@ -306,15 +308,13 @@ class Engine {
   absl::Status SeedUsage();
   // The tier named `name`, or null.
   DurableTier* TierNamed(std::string_view name) const;
-  // On a node with no history of the rank, the first tier that holds one
-  // brings it here (DurableTier::Pull, in tier order).
+  // On a node with no history of the rank: PullFromNewest over the tiers.
   absl::Status PullFromTiers(const std::string& job, uint32_t rank, const Caller& caller,
                              bool must_know);
-  // The owner the tiers record for `job` (the first that has a record), and
-  // a check that it agrees with this node's (`local`, when the job exists
-  // here). PERMISSION_DENIED when the tiers name another uid than `local`;
-  // a tier that cannot be read is logged and skipped (its uploader claims
-  // the job before anything of it goes there).
+  // The owner the tiers record for `job` (the first with a record), checked
+  // against this node's (`local`, when the job exists here): PERMISSION_
+  // DENIED when they differ; a tier that cannot be read is logged and
+  // skipped (its uploader claims the job before anything goes there).
   absl::StatusOr<std::optional<uid_t>> TierOwnerOf(const std::string& job,
                                                    std::optional<uid_t> local);
   // Records `owner` as the job's owner in every tier that has no record
@@ -561,6 +561,7 @@ class Engine {
   MemoryTier memory_tier_;
   // The tiers behind the local store, in the order a pull asks them.
   std::vector<std::unique_ptr<DurableTier>> tiers_;
+  PeerTier* peer_tier_ = nullptr;  // in tiers_, when there is one
 
   // Locks. mu_ guards the engine-wide state below; each rank's mutable state
   // has its own mutex (RankState::mu, rank_state.h). Lock order:

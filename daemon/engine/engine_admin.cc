@@ -32,6 +32,8 @@ v1::StatusReply Engine::GetStatus(const Caller& caller) {
   s.set_dangling_records_removed(reconcile_.dangling_records_removed);
   s.set_temp_files_removed(reconcile_.temp_files_removed);
   s.set_gpu(gpu_support_);
+  s.set_node(options_.node_name);
+  s.set_rack(options_.node_rack);
   const GpuMappingStats gpu = OpenGpuMappings();
   s.set_open_gpu_mappings(static_cast<uint32_t>(gpu.mappings));
   s.set_open_gpu_mapping_bytes(gpu.bytes);
@@ -87,6 +89,9 @@ absl::StatusOr<v1::JobsReply> Engine::Jobs(const Caller& caller) {
     v1::JobInfo* info = reply.add_jobs();
     info->set_job_id(job);
     info->set_owner_uid(rec->owner_uid());
+    if (peer_tier_ != nullptr) {
+      for (const std::string& n : peer_tier_->PlacementOf(job)) info->add_peer_nodes(n);
+    }
     CKPT_ASSIGN_OR_RETURN(std::vector<uint32_t> ranks, index_->ListRanks(job));
     for (uint32_t rank : ranks) {
       v1::RankInfo* ri = info->add_ranks();

@@ -246,6 +246,7 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
     r->frozen.push_back(spec.frozen);
   }
   r->table.set_world_size(req.world_size);
+  for (const std::string& n : req.job_nodes) r->table.add_job_nodes(n);
   r->world_size = req.world_size;
   r->local_drift = req.policy.layercheck.local_drift;
   if (r->policy.kind == PolicyKind::kLayerCheck) {
@@ -384,6 +385,9 @@ absl::StatusOr<Registered> Engine::Register(const Registration& req, std::vector
   //    the rank's steps so far, from the index. LayerCheck's reference
   //    learning rate carries over in the latest event.
   CKPT_RETURN_IF_ERROR(CreateRankRecords(r.get(), local_owner.has_value(), owner));
+  // The tiers learn the job's topology with its table (the peer tier
+  // places the job's copies from it) before its first step.
+  for (const std::unique_ptr<DurableTier>& tier : tiers_) tier->OnRegister(key, req.job_nodes);
   CKPT_ASSIGN_OR_RETURN(const uint64_t durable, ResumeFromIndex(r, req.deadline));
   if (options_.metrics != nullptr) options_.metrics->Inc(Counter::kRegistrations);
 

@@ -89,6 +89,16 @@ absl::Status ValidateRankAndLayerCount(const Registration& req, const Registrati
     return absl::InvalidArgumentError(
         absl::StrCat(req.layers.size(), " layers; expected 1..", limits.max_layers));
   }
+  if (req.job_nodes.size() > req.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job_nodes names ", req.job_nodes.size(), " ranks' nodes; world_size is ", req.world_size));
+  }
+  for (size_t i = 0; i < req.job_nodes.size(); ++i) {
+    if (absl::Status s = ValidateNodeName(req.job_nodes[i]); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job_nodes[", i, "] (the node of rank ", i, "): ", s.message()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -174,7 +184,9 @@ absl::Status ValidateRegistration(const Registration& req,
   // hold millions of tensors.
   std::vector<TensorSpan> spans;
   std::set<std::string> layer_names;
+  // The job's nodes are stored with the table and count with it.
   uint64_t table_bytes = 0;
+  for (const std::string& n : req.job_nodes) table_bytes += n.size() + 2;
   for (size_t li = 0; li < req.layers.size(); ++li) {
     const LayerDesc& layer = req.layers[li];
     CKPT_RETURN_IF_ERROR(ValidateLayer(req, li, limits, &layer_names));

@@ -77,6 +77,10 @@ struct Registration {
   std::vector<LayerDesc> layers;
   RegistrationPolicy policy;
   std::optional<GpuHandover> gpu;  // instead of host regions
+  // The node of each rank of the job (its ckptd's node name), in rank
+  // order, as the trainer gathered it; empty when it did not. At most
+  // world_size names, each a valid node name (ValidateRegistration).
+  std::vector<std::string> job_nodes;
   // When the caller stops waiting (its call's deadline): Register gives up
   // with DEADLINE_EXCEEDED between its steps, rather than work on for a
   // caller that has gone.

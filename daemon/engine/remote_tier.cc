@@ -67,12 +67,27 @@ TierMetricIds TierMetricIds::Remote() {
           Histogram::kRemoteUploadSeconds};
 }
 
-TierMetricIds TierMetricIds::Peer() {
-  return {
-      Counter::kPeerUploadedVersions, Counter::kPeerUploadedBytes, Counter::kPeerManifests,
-      Counter::kPeerFailures,         Counter::kPeerPulledBytes,   Counter::kPeerGcDeletedObjects,
-      Gauge::kPeerLagSteps,           Gauge::kPeerLagBytes,        Gauge::kPeerUp,
-      Histogram::kPeerUploadSeconds};
+TierMetricIds TierMetricIds::Peer(std::string peer) {
+  return {Counter::kPeerUploadedVersions,
+          Counter::kPeerUploadedBytes,
+          Counter::kPeerManifests,
+          Counter::kPeerFailures,
+          Counter::kPeerPulledBytes,
+          Counter::kPeerGcDeletedObjects,
+          Gauge::kPeerLagSteps,
+          Gauge::kPeerLagBytes,
+          Gauge::kPeerUp,
+          Histogram::kPeerUploadSeconds,
+          std::move(peer)};
+}
+
+void TierMetricIds::Set(Metrics* m, Gauge g, double v) const {
+  if (m == nullptr) return;
+  if (gauge_label.empty()) {
+    m->Set(g, v);
+  } else {
+    m->Set(g, gauge_label, v);
+  }
 }
 
 RemoteTier::RemoteTier(RemoteTierOptions options, RemoteTierDeps deps)
@@ -137,7 +152,7 @@ absl::Status RemoteTier::ClaimJob(const std::string& job, uid_t owner, bool must
 RemoteTier::~RemoteTier() { StopAndJoin(); }
 
 void RemoteTier::Start() {
-  if (deps_.metrics != nullptr) deps_.metrics->Set(options_.metric_ids.up, 1);
+  options_.metric_ids.Set(deps_.metrics, options_.metric_ids.up, 1);
   LoadRanks();  // before any call: WaitDurable finds every rank
   upload_thread_ = std::thread([this] { UploadLoop(); });
 }
@@ -163,7 +178,7 @@ RemoteTier::RankCopy* RemoteTier::FindLocked(const RankKey& key) {
 void RemoteTier::NoteFailure(const absl::Status& s, const std::string& what, uid_t owner) {
   if (Metrics* m = deps_.metrics) {
     m->Inc(options_.metric_ids.failures, remote_tier::FailureLabel(s), 1);
-    m->Set(options_.metric_ids.up, 0);
+    options_.metric_ids.Set(m, options_.metric_ids.up, 0);
   }
   absl::MutexLock lock(&mu_);
   if (error_.ok()) CKPT_LOG(WARNING) << name() << " tier: " << what << ": " << s;
@@ -175,17 +190,22 @@ TierLag RemoteTier::LagOf(const uid_t* owner) {
   TierLag lag;
   absl::MutexLock lock(&mu_);
   for (const auto& [key, rc] : ranks_) {
-    if (owner != nullptr && rc.owner != *owner) continue;
+    if ((owner != nullptr && rc.owner != *owner) || !CopiesLocked(key)) continue;
     lag.steps = std::max(lag.steps, rc.local_step - std::min(rc.local_step, rc.remote_step));
     for (const auto& [step, b] : rc.pending) lag.bytes += b;
   }
   return lag;
 }
 
+bool RemoteTier::CopiesLocked(const RankKey& key) const {
+  return !options_.copies || options_.copies(key);
+}
+
 void RemoteTier::OnLocalEvents(const RankKey& key, uid_t owner,
                                absl::Span<const LocalEvent> events) {
   if (events.empty()) return;
   absl::MutexLock lock(&mu_);
+  if (!CopiesLocked(key)) return;
   RankCopy& rc = ranks_[key];
   if (rc.owner != owner) {
     // The id was deleted and made again by another uid: start over.
@@ -202,6 +222,7 @@ void RemoteTier::OnLocalEvents(const RankKey& key, uid_t owner,
 
 void RemoteTier::OnRewind(const RankKey& key, uint64_t step) {
   absl::MutexLock lock(&mu_);
+  if (!CopiesLocked(key)) return;
   RankCopy& rc = ranks_[key];
   rc.discard_above = std::min(rc.discard_above.value_or(step), step);
   rc.local_step = step;
@@ -294,6 +315,7 @@ void RemoteTier::LoadRanks() {
           index->EventAtOrBefore(job, rank, ~uint64_t{0});
       if (!e.ok() || !e->has_value()) continue;
       absl::MutexLock lock(&mu_);
+      if (!CopiesLocked(RankKey(job, rank))) continue;
       RankCopy& rc = ranks_[RankKey(job, rank)];
       rc.owner = (*jr)->owner_uid();
       rc.local_step = std::max(rc.local_step, (*e)->first);
@@ -371,8 +393,8 @@ void RemoteTier::CollectMetrics() {
   Metrics* m = deps_.metrics;
   if (m == nullptr) return;
   const TierLag lag = LagOf(nullptr);
-  m->Set(options_.metric_ids.lag_steps, static_cast<double>(lag.steps));
-  m->Set(options_.metric_ids.lag_bytes, static_cast<double>(lag.bytes));
+  options_.metric_ids.Set(m, options_.metric_ids.lag_steps, static_cast<double>(lag.steps));
+  options_.metric_ids.Set(m, options_.metric_ids.lag_bytes, static_cast<double>(lag.bytes));
 }
 
 }  // namespace ckpt

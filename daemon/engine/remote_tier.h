@@ -57,14 +57,20 @@ struct TierMetricIds {
   Counter uploaded_versions, uploaded_bytes, manifests, failures, pulled_bytes, gc_deleted;
   Gauge lag_steps, lag_bytes, up;
   Histogram upload_seconds;
+  // Non-empty: the gauges are labelled with it (the peer tier's, per peer
+  // node: ckpt_peer_up{peer="node-13"}).
+  std::string gauge_label;
   static TierMetricIds Remote();
-  static TierMetricIds Peer();
+  static TierMetricIds Peer(std::string peer);
+  // Sets gauge `g` (labelled when gauge_label is set).
+  void Set(Metrics* m, Gauge g, double v) const;
 };
 
 struct RemoteTierOptions {
   // "remote" (an object store or a shared directory) or "peer" (a peer
-  // node's ckptd, daemon/peer/): the tier's name in WaitDurable, the logs
-  // and reports; `metric_ids` its metric families.
+  // node's ckptd, daemon/peer/, one RemoteTier per peer node under a
+  // PeerTier): the tier's name in WaitDurable, the logs and reports;
+  // `metric_ids` its metric families.
   const char* name = "remote";
   TierMetricIds metric_ids = TierMetricIds::Remote();
   remote::RemoteStore* store = nullptr;  // null = no such tier; not owned
@@ -83,6 +89,10 @@ struct RemoteTierOptions {
   absl::Duration pull_wait = absl::Minutes(30);
   // Applied to the remote copies as well (the engine sets its own).
   RetentionPolicy retention;
+  // The ranks this tier copies; null = every rank. A peer tier's tier per
+  // peer node copies the jobs placed there (peer_tier.h). Called with the
+  // tier's mutex held: it must not block or call back into the tier.
+  std::function<bool(const RankKey&)> copies;
 };
 
 // The parts of the engine the tier reads and writes; none owned, all
@@ -258,6 +268,8 @@ class RemoteTier final : public DurableTier {
   absl::Status FailingNow() ABSL_LOCKS_EXCLUDED(mu_);
   // The rank's state, or null when the job was deleted meanwhile.
   RankCopy* FindLocked(const RankKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether this tier copies the rank (options_.copies).
+  bool CopiesLocked(const RankKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++wakeups_; }
 
   const RemoteTierOptions options_;

@@ -55,19 +55,20 @@ void RemoteTier::UploadLoop() {
 bool RemoteTier::NextDue(RankKey* last, uid_t* owner) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
-  auto due = [&](const RankCopy& rc) {
+  auto due = [&](const RankKey& key, const RankCopy& rc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return rc.blocked.empty() && now >= rc.retry_at &&
-           (!rc.seeded || rc.discard_above.has_value() || rc.local_step > rc.remote_step);
+           (!rc.seeded || rc.discard_above.has_value() || rc.local_step > rc.remote_step) &&
+           CopiesLocked(key);
   };
   // Round-robin from the rank after the last one served.
   for (auto it = ranks_.upper_bound(*last); it != ranks_.end(); ++it) {
-    if (due(it->second)) {
+    if (due(it->first, it->second)) {
       *last = it->first, *owner = it->second.owner;
       return true;
     }
   }
   for (auto it = ranks_.begin(); it != ranks_.end() && it->first <= *last; ++it) {
-    if (due(it->second)) {
+    if (due(it->first, it->second)) {
       *last = it->first, *owner = it->second.owner;
       return true;
     }
@@ -385,8 +386,8 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
         s = mac.status();
         if (s.ok()) {
           CKPT_SYNC_POINT("remote.before_put_version");
-          s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()),
-                                      u.fd.get(), u.rec.file_bytes(), [&](std::string_view b) {
+          s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
+                                      u.rec.file_bytes(), [&](std::string_view b) {
                                         mac->Update(b);
                                         return absl::OkStatus();
                                       });
@@ -503,7 +504,7 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   if (Metrics* m = deps_.metrics) {
     m->Inc(options_.metric_ids.manifests);
     m->Observe(options_.metric_ids.upload_seconds, absl::ToDoubleSeconds(absl::Now() - start));
-    m->Set(options_.metric_ids.up, 1);
+    options_.metric_ids.Set(m, options_.metric_ids.up, 1);
   }
   absl::MutexLock lock(&mu_);
   RankCopy* rc = FindLocked(key);

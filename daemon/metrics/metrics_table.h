@@ -223,15 +223,15 @@ constexpr MetricInfo kGaugeTable[] = {
      "them refused until ckptd restarts.",
      "", ""},
     {"ckpt_peer_lag_steps", "gauge",
-     "Largest gap, over this node's ranks, between a rank's newest locally durable step and its "
-     "newest peer-durable step (0 without a peer tier).",
-     "", ""},
+     "Per peer node: largest gap, over this node's ranks placed there, between a rank's newest "
+     "locally durable step and its newest step replicated there.",
+     "peer", ""},
     {"ckpt_peer_lag_bytes", "gauge",
-     "Bytes of committed layer versions not yet replicated to the peer tier.", "", ""},
+     "Per peer node: bytes of committed layer versions placed there and not yet replicated.",
+     "peer", ""},
     {"ckpt_peer_up", "gauge",
-     "With a peer tier: 0 from a failed peer-tier operation until the next one succeeds, else "
-     "1.",
-     "", ""},
+     "Per peer node: 0 from a failed replication to it until the next one succeeds, else 1.",
+     "peer", ""},
     {"ckpt_peer_replica_bytes", "gauge",
      "Bytes of replicas this ckptd keeps for its peers: disk (every replica) and memory (those "
      "also kept in memory for fast restores).",

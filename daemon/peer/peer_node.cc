@@ -4,10 +4,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/validate.h"
 
 namespace ckpt::peer {
 
@@ -22,11 +24,51 @@ absl::Status PeerConfig::Validate() const {
     return absl::InvalidArgumentError(
         "peer_address needs peer_name: the common name the peer's certificate must carry");
   }
+  if (copies == 0) return absl::InvalidArgumentError("peer_copies must be at least 1");
+  CKPT_RETURN_IF_ERROR(Nodes().status());
   if (memory_bytes > max_replica_bytes || max_bytes_per_peer > max_replica_bytes) {
     return absl::InvalidArgumentError(
         "peer_memory_bytes and peer_max_bytes_per_peer must be at most peer_max_replica_bytes");
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PeerNodeEntry>> PeerConfig::Nodes() const {
+  std::vector<PeerNodeEntry> out;
+  std::set<std::string> names;
+  auto add = [&](PeerNodeEntry e) -> absl::Status {
+    if (absl::Status s = ValidateNodeName(e.name); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("peer_nodes: ", s.message()));
+    }
+    if (!names.insert(e.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("peer_nodes names ", e.name, " twice"));
+    }
+    if (e.address.find(':') == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer_nodes: node ", e.name, " has no host:port (", e.address, ")"));
+    }
+    out.push_back(std::move(e));
+    return absl::OkStatus();
+  };
+  for (absl::string_view entry : absl::StrSplit(nodes, ',', absl::SkipWhitespace())) {
+    entry = absl::StripAsciiWhitespace(entry);
+    const size_t eq = entry.find('=');
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer_nodes entry '", entry, "' is not name=host:port[@rack]"));
+    }
+    PeerNodeEntry e;
+    e.name = std::string(absl::StripAsciiWhitespace(entry.substr(0, eq)));
+    absl::string_view where = absl::StripAsciiWhitespace(entry.substr(eq + 1));
+    if (const size_t at = where.rfind('@'); at != absl::string_view::npos) {
+      e.rack = std::string(where.substr(at + 1));
+      where = where.substr(0, at);
+    }
+    e.address = std::string(where);
+    CKPT_RETURN_IF_ERROR(add(std::move(e)));
+  }
+  if (!address.empty()) CKPT_RETURN_IF_ERROR(add(PeerNodeEntry{name, address, ""}));
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& config,
@@ -60,17 +102,39 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
                    << (config.allow.empty() ? std::string("any peer the CA signed")
                                             : absl::StrCat("peers ", config.allow));
   }
-  if (!config.address.empty()) {
+  // This node: its certificate's common name, its rack.
+  node->self_ = tls.CommonName();
+  CKPT_ASSIGN_OR_RETURN(std::vector<PeerNodeEntry> nodes, config.Nodes());
+  node->rack_ = config.rack;
+  std::vector<PeerNodeEntry> others;
+  for (PeerNodeEntry& e : nodes) {
+    if (e.name == node->self_) {
+      if (node->rack_.empty()) node->rack_ = e.rack;
+      continue;
+    }
+    others.push_back(std::move(e));
+  }
+  // One rate cap for every peer: F copies share what training leaves.
+  auto cap = std::make_shared<RateCap>(config.rate_bytes);
+  for (PeerNodeEntry& e : others) {
     PeerStoreOptions po;
-    po.address = config.address;
-    po.server_name = config.name;
-    po.tls = std::move(tls);
-    po.rate_bytes_per_s = config.rate_bytes;
+    po.address = e.address;
+    po.server_name = e.name;
+    po.tls = tls;
+    po.cap = cap;
     po.call_timeout = absl::Milliseconds(config.timeout_ms);
-    po.calls_at_once = config.calls_at_once;
+    po.calls_at_once = config.calls_at_once * std::max<uint32_t>(1, config.copies);
     po.connections = config.calls_at_once;  // one per upload thread
-    node->store_ = std::make_unique<PeerStore>(std::move(po));
-    CKPT_LOG(INFO) << "peer tier: " << node->store_->Describe()
+    node->stores_.push_back(std::make_unique<PeerStore>(std::move(po)));
+    node->links_.push_back(PeerLink{std::move(e), node->stores_.back().get()});
+  }
+  if (!node->links_.empty()) {
+    std::vector<std::string> names;
+    for (const PeerLink& l : node->links_) names.push_back(l.store->Describe());
+    CKPT_LOG(INFO) << "peer tier: node " << node->self_
+                   << (node->rack_.empty() ? "" : absl::StrCat(" in rack ", node->rack_)) << ", "
+                   << config.copies << (config.copies == 1 ? " copy" : " copies")
+                   << " of each version on " << absl::StrJoin(names, ", ")
                    << (config.rate_bytes > 0 ? absl::StrCat(", at most ", config.rate_bytes, " B/s")
                                              : std::string());
   }

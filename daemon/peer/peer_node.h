@@ -1,8 +1,10 @@
 // PeerNode: this ckptd's side of peer replication (docs/peer.md), set up
 // from the configuration: the replica service it answers its peers with
-// (replica_server.h over replica_store.h), and the transport to the peer
-// it replicates to (peer_store.h), which the engine's peer tier uses.
-// Either may be off; both share this node's TLS identity.
+// (replica_server.h over replica_store.h), and a transport to each node it
+// may replicate to (peer_store.h, one per entry of peer_nodes, sharing one
+// rate cap), which the engine's peer tier places jobs on. Either may be
+// off; both share this node's TLS identity, whose certificate names the
+// node.
 //
 // Thread-safety: Start, then the accessors from any thread; Shutdown once.
 #pragma once
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -20,11 +23,25 @@
 
 namespace ckpt::peer {
 
+// One node of peer_nodes.
+struct PeerNodeEntry {
+  std::string name;     // the common name its certificate carries
+  std::string address;  // host:port of its replica service
+  std::string rack;     // "" = unknown
+};
+
 struct PeerConfig {
-  std::string listen;   // host:port of the replica service; "" = not a peer
-  std::string address;  // host:port of the peer this node replicates to; "" = none
-  std::string name;     // the common name the peer's certificate carries
-  std::string allow;    // comma-separated names that may keep replicas here; "" = any
+  std::string listen;  // host:port of the replica service; "" = not a peer
+  // The nodes this node may replicate to, in the cluster's ring order:
+  // "name=host:port[@rack], ..." (this node may be among them; it is left
+  // out). peer_address/peer_name add one more entry.
+  std::string nodes;
+  std::string address;              // host:port of a peer this node replicates to; "" = none
+  std::string name;                 // the common name the peer's certificate carries
+  uint32_t copies = 1;              // copies of each version on other nodes (F)
+  std::string rack;                 // this node's rack; "" = its entry's in nodes, if any
+  bool require_other_rack = false;  // a copy never in a rack that holds one
+  std::string allow;                // comma-separated names that may keep replicas here; "" = any
   std::string cert_file;
   std::string tls_key_file;
   std::string ca_file;
@@ -36,9 +53,18 @@ struct PeerConfig {
   uint32_t calls_at_once = 4;               // set from peer_upload_threads
   uint64_t min_free_disk_bytes = 64 << 20;  // set from min_free_disk_bytes
 
-  bool enabled() const { return !listen.empty() || !address.empty(); }
+  bool enabled() const { return !listen.empty() || !address.empty() || !nodes.empty(); }
   // INVALID_ARGUMENT for a setting that cannot work.
   absl::Status Validate() const;
+  // peer_nodes parsed, then peer_address/peer_name; INVALID_ARGUMENT for
+  // an entry that is not name=host:port[@rack] or a name given twice.
+  absl::StatusOr<std::vector<PeerNodeEntry>> Nodes() const;
+};
+
+// A node this ckptd may replicate to, and the transport to it.
+struct PeerLink {
+  PeerNodeEntry node;
+  remote::RemoteStore* store = nullptr;  // owned by the PeerNode
 };
 
 class PeerNode {
@@ -50,8 +76,13 @@ class PeerNode {
                                                          Metrics* metrics);
   ~PeerNode();
 
-  // The transport of the peer tier; null without peer_address.
-  remote::RemoteStore* store() const { return store_.get(); }
+  // This node's name (its certificate's common name; the host name without
+  // a certificate) and rack.
+  const std::string& self() const { return self_; }
+  const std::string& rack() const { return rack_; }
+  // The nodes this node may replicate to (this node left out), in ring
+  // order; empty without peer_nodes or peer_address.
+  const std::vector<PeerLink>& links() const { return links_; }
   // The replica service's port; 0 without peer_listen.
   int port() const { return server_ != nullptr ? server_->port() : 0; }
   void CollectMetrics();
@@ -60,7 +91,9 @@ class PeerNode {
  private:
   PeerNode() = default;
   Metrics* metrics_ = nullptr;
-  std::unique_ptr<PeerStore> store_;
+  std::string self_, rack_;
+  std::vector<std::unique_ptr<PeerStore>> stores_;
+  std::vector<PeerLink> links_;
   std::unique_ptr<ReplicaStore> replicas_;
   std::unique_ptr<ReplicaServer> server_;
 };

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 #include <cerrno>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -55,8 +55,26 @@ class PeerStore::Stub {
   std::atomic<size_t> next_{0};
 };
 
+absl::Time RateCap::Reserve(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  if (rate_ == 0) return now;
+  next_send_ = std::max(next_send_, now - absl::Milliseconds(100));
+  const absl::Time at = next_send_;
+  next_send_ += absl::Seconds(static_cast<double>(bytes) / static_cast<double>(rate_));
+  return at;
+}
+
+void RateCap::Reset() {
+  absl::MutexLock lock(&mu_);
+  next_send_ = absl::InfinitePast();
+}
+
 PeerStore::PeerStore(PeerStoreOptions options)
-    : options_(std::move(options)), stub_(std::make_unique<Stub>(options_)) {}
+    : options_(std::move(options)),
+      cap_(options_.cap != nullptr ? options_.cap
+                                   : std::make_shared<RateCap>(options_.rate_bytes_per_s)),
+      stub_(std::make_unique<Stub>(options_)) {}
 
 PeerStore::~PeerStore() = default;
 
@@ -66,8 +84,8 @@ std::string PeerStore::Describe() const {
 
 absl::Time PeerStore::DeadlineFor(uint64_t bytes) const {
   double rate = static_cast<double>(kSlowestBytesPerS);
-  if (options_.rate_bytes_per_s > 0) {
-    rate = static_cast<double>(options_.rate_bytes_per_s) / std::max(1u, options_.calls_at_once);
+  if (cap_->rate() > 0) {
+    rate = static_cast<double>(cap_->rate()) / std::max(1u, options_.calls_at_once);
   }
   return absl::Now() + options_.call_timeout + absl::Seconds(static_cast<double>(bytes) / rate);
 }
@@ -93,24 +111,21 @@ class PeerStore::Call {
 };
 
 void PeerStore::CancelCalls() {
-  absl::MutexLock lock(&mu_);
-  ++cancels_;
-  for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  {
+    absl::MutexLock lock(&mu_);
+    ++cancels_;
+    for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  }
   // The cancelled calls' bytes are not sent: their share of the cap is free.
-  next_send_ = absl::InfinitePast();
+  cap_->Reset();
 }
 
 absl::Status PeerStore::Pace(uint64_t bytes, uint64_t generation) {
-  if (options_.rate_bytes_per_s == 0 || bytes == 0) return absl::OkStatus();
+  if (cap_->rate() == 0 || bytes == 0) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   // A cancelled call takes no share of the cap (CancelCalls freed it).
   if (cancels_ != generation) return absl::CancelledError("ckptd is stopping");
-  const absl::Time now = absl::Now();
-  // A burst of at most 100 ms of the rate is allowed after an idle spell.
-  next_send_ = std::max(next_send_, now - absl::Milliseconds(100));
-  const absl::Time at = next_send_;
-  next_send_ +=
-      absl::Seconds(static_cast<double>(bytes) / static_cast<double>(options_.rate_bytes_per_s));
+  const absl::Time at = cap_->Reserve(bytes);
   auto cancelled = [this, generation]()
                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cancels_ != generation; };
   if (mu_.AwaitWithDeadline(absl::Condition(&cancelled), at)) {
@@ -223,8 +238,7 @@ absl::StatusOr<uint64_t> PeerStore::GetToFile(const std::string& key, int fd, ui
 }
 
 absl::StatusOr<uint64_t> PeerStore::GetToFileObserved(const std::string& key, int fd,
-                                                      uint64_t max_bytes,
-                                                      const Observer& observe) {
+                                                      uint64_t max_bytes, const Observer& observe) {
   uint64_t off = 0;
   return Get(key, max_bytes, [&](std::string_view data) {
     if (observe) CKPT_RETURN_IF_ERROR(observe(data));

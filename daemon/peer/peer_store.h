@@ -37,12 +37,37 @@ class ClientContext;
 
 namespace ckpt::peer {
 
+// The rate cap replication shares (peer_rate_bytes): every call of every
+// PeerStore that holds it is paced to one budget of bytes/s, so the copies
+// to F peers together leave the network to training.
+// Thread-safety: thread-safe; mu_ is a leaf.
+class RateCap {
+ public:
+  explicit RateCap(uint64_t bytes_per_s) : rate_(bytes_per_s) {}
+  uint64_t rate() const { return rate_; }
+  // When `bytes` more may go out; the schedule moves on by them. A burst
+  // of at most 100 ms of the rate is allowed after an idle spell.
+  absl::Time Reserve(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancelled calls send nothing more: their share is free again.
+  void Reset() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const uint64_t rate_;  // 0: no cap
+  absl::Mutex mu_;
+  absl::Time next_send_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+};
+
 struct PeerStoreOptions {
   std::string address;      // host:port of the peer's replica service
   std::string server_name;  // the common name its certificate must carry
   PeerTls tls;
   uint64_t rate_bytes_per_s = 0;  // 0: no cap
-  uint32_t calls_at_once = 4;     // the peer tier's upload threads
+  // Shared with other stores (one budget for every peer); null: a cap of
+  // rate_bytes_per_s for this store alone.
+  std::shared_ptr<RateCap> cap;
+  // The calls that share the cap (the upload threads, times the peers that
+  // share it): each call's deadline allows for its share.
+  uint32_t calls_at_once = 4;
   // TCP connections to the peer; transfers take them in turn (gRPC runs
   // each connection's TLS and HTTP/2 on one thread at a time).
   uint32_t connections = 4;
@@ -88,9 +113,9 @@ class PeerStore final : public remote::RemoteStore {
   absl::Time DeadlineFor(uint64_t bytes) const;
 
   const PeerStoreOptions options_;
+  const std::shared_ptr<RateCap> cap_;
   std::unique_ptr<Stub> stub_;
   absl::Mutex mu_;
-  absl::Time next_send_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);  // in flight
   uint64_t cancels_ ABSL_GUARDED_BY(mu_) = 0;                  // CancelCalls so far
 };

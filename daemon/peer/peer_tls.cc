@@ -2,6 +2,10 @@
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <openssl/bio.h>
+#include <openssl/objects.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -48,6 +52,19 @@ std::shared_ptr<grpc::ChannelCredentials> PeerTls::ChannelCredentials() const {
   o.pem_private_key = key_pem;
   o.pem_cert_chain = cert_pem;
   return grpc::SslCredentials(o);
+}
+
+std::string PeerTls::CommonName() const {
+  BIO* bio = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  if (bio == nullptr) return "";
+  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  BIO_free(bio);
+  if (cert == nullptr) return "";
+  char name[256] = {};
+  const int n =
+      X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, name, sizeof(name));
+  X509_free(cert);
+  return n > 0 ? std::string(name, static_cast<size_t>(n)) : "";
 }
 
 }  // namespace ckpt::peer

@@ -29,6 +29,9 @@ struct PeerTls {
   std::shared_ptr<grpc::ServerCredentials> ServerCredentials() const;
   // The client side: presents this node's certificate, checks the server's.
   std::shared_ptr<grpc::ChannelCredentials> ChannelCredentials() const;
+  // The common name of this node's certificate (the first of the chain):
+  // the node's name among its peers. "" when it has none.
+  std::string CommonName() const;
 };
 
 }  // namespace ckpt::peer

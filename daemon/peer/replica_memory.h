@@ -17,10 +17,10 @@
 // pool it came from.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <algorithm>
 #include <string_view>
 #include <vector>
 

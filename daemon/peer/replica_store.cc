@@ -132,8 +132,8 @@ absl::Status ReplicaStore::RoomLocked(const std::string& peer, const std::string
 }
 
 absl::StatusOr<ReplicaStore::Memory> ReplicaStore::Reserve(const std::string& peer,
-                                                          const std::string& key, uint64_t size,
-                                                          bool if_absent) {
+                                                           const std::string& key, uint64_t size,
+                                                           bool if_absent) {
   struct statvfs fs;
   if (statvfs(options_.dir.c_str(), &fs) != 0) {
     return ErrnoStatus(errno, absl::StrCat("statvfs ", options_.dir));

@@ -44,9 +44,9 @@ namespace ckpt::peer {
 struct ReplicaStoreOptions {
   std::string dir;                            // the replica directory (created 0700)
   uint64_t memory_bytes = uint64_t{1} << 30;  // replicas held in memory
-  bool populate_memory = true;  // populate memory_bytes at start (ReplicaMemory)
+  bool populate_memory = true;                // populate memory_bytes at start (ReplicaMemory)
   size_t memory_piece_bytes = ReplicaMemory::kDefaultPieceBytes;  // a multiple of 4 KiB
-  uint64_t max_bytes = uint64_t{64} << 30;    // memory and disk together
+  uint64_t max_bytes = uint64_t{64} << 30;                        // memory and disk together
   uint64_t max_bytes_per_peer = uint64_t{32} << 30;
   uint64_t max_object_bytes = uint64_t{16} << 30;  // one object
   // Free space on the replica directory's file system that replicas never
@@ -111,7 +111,7 @@ class ReplicaStore {
   struct Entry {
     std::string peer;  // who wrote it ("" when found on disk at start)
     uint64_t size = 0;
-    Memory data;         // its bytes, when also in memory
+    Memory data;          // its bytes, when also in memory
     uint64_t stored = 0;  // when it was stored (a sequence), for leaving memory
   };
   ReplicaStore(ReplicaStoreOptions options, std::unique_ptr<remote::PosixStore> disk,

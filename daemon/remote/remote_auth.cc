@@ -34,7 +34,7 @@ struct MacFree {
 
 // An HMAC-SHA256 context keyed with `secret`, fed with `purpose` and a NUL.
 std::unique_ptr<EVP_MAC_CTX, MacCtxFree> BeginHmac(const std::string& secret,
-                                               std::string_view purpose) {
+                                                   std::string_view purpose) {
   std::unique_ptr<EVP_MAC, MacFree> mac(EVP_MAC_fetch(nullptr, "HMAC", nullptr));
   if (mac == nullptr) return nullptr;
   std::unique_ptr<EVP_MAC_CTX, MacCtxFree> ctx(EVP_MAC_CTX_new(mac.get()));
@@ -190,7 +190,6 @@ std::string RemoteKey::Fingerprint() const {
   return absl::BytesToHexString(Mac("fingerprint", "").substr(0, 6));
 }
 
-
 namespace {
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kTagBytes = 16;
@@ -214,8 +213,8 @@ absl::StatusOr<ObjectMac> ObjectMac::ForCheck(const RemoteKey& key, std::string_
   } else if (recorded.size() == RemoteKey::kMacBytes) {
     ctx = BeginHmac(key.secret_, "object");
   } else {
-    return absl::DataLossError(absl::StrCat("an object MAC of ", recorded.size(),
-                                            " bytes is of no form ckptd writes"));
+    return absl::DataLossError(
+        absl::StrCat("an object MAC of ", recorded.size(), " bytes is of no form ckptd writes"));
   }
   if (ctx == nullptr) return absl::InternalError("Poly1305 or HMAC-SHA256 is not in OpenSSL");
   out.ctx_ = ctx.release();

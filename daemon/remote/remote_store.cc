@@ -3,11 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <cstdlib>
-#include <utility>
-
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
@@ -78,7 +77,8 @@ absl::Status ObserveFile(int fd, uint64_t size, const RemoteStore::Observer& obs
     ssize_t r = pread(fd, buf.data(), want, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return ErrnoStatus(errno, "read an object's bytes");
-    if (r == 0) return absl::DataLossError(absl::StrCat("short file: ", done, " of ", size, " bytes"));
+    if (r == 0)
+      return absl::DataLossError(absl::StrCat("short file: ", done, " of ", size, " bytes"));
     CKPT_RETURN_IF_ERROR(observe(std::string_view(buf.data(), static_cast<size_t>(r))));
     done += static_cast<uint64_t>(r);
   }

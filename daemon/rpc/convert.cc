@@ -128,6 +128,7 @@ absl::StatusOr<Registration> RegistrationOf(const v1::RegisterRequest& req) {
   r.policy.layercheck = LayerCheckOf(p.layercheck());
   r.policy.record_trace = p.record_trace();
   if (req.has_gpu()) r.gpu = GpuHandoverOf(req.gpu());
+  r.job_nodes.assign(req.job_nodes().begin(), req.job_nodes().end());
   return r;
 }
 

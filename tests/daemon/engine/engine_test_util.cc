@@ -63,7 +63,8 @@ TestRank EnginePipelineTest::MakeRank(const std::string& job, uint32_t layers, P
 Registration EnginePipelineTest::RegistrationOf(const TestRank& r) {
   Registration req;
   req.job = r.job;
-  req.world_size = 1;
+  req.world_size = r.world_size;
+  req.job_nodes = r.job_nodes;
   req.policy.selection.kind = r.policy;
   for (uint32_t l = 0; l < r.layers; ++l) {
     LayerDesc& layer = req.layers.emplace_back();

@@ -57,7 +57,9 @@ struct TestRank {
   PolicyKind policy = PolicyKind::kAll;
   MemfdRegion region;
   uint64_t generation = 0;
-  std::vector<bool> frozen;  // per layer (may be empty)
+  std::vector<bool> frozen;            // per layer (may be empty)
+  uint32_t world_size = 1;             // it is rank 0 of them
+  std::vector<std::string> job_nodes;  // the node of each rank, as a trainer reports it
 };
 
 class EnginePipelineTest : public ::testing::Test {
@@ -85,8 +87,8 @@ class EnginePipelineTest : public ::testing::Test {
   static TestRank MakeRank(const std::string& job, uint32_t layers,
                            PolicyKind policy = PolicyKind::kAll);
 
-  // The registration of `r`: world size 1, one f32 tensor per layer, laid
-  // out one after the other in region 0.
+  // The registration of `r` (rank 0 of its world size), one f32 tensor per
+  // layer, laid out one after the other in region 0.
   static Registration RegistrationOf(const TestRank& r);
 
   // Registers `r` (handing over a duplicate of its region's fd) as `uid`

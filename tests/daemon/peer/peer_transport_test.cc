@@ -121,11 +121,10 @@ TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
                     .ok());
     EXPECT_TRUE(seen == big);
     // An observer's error ends the transfer, and nothing is stored.
-    EXPECT_TRUE(HasCode(a->PutFileObserved("jobs/j/rank-00000000/v2", fd.get(), big.size(),
-                                           [](std::string_view) {
-                                             return absl::DataLossError("stop");
-                                           }),
-                        absl::StatusCode::kDataLoss));
+    EXPECT_TRUE(
+        HasCode(a->PutFileObserved("jobs/j/rank-00000000/v2", fd.get(), big.size(),
+                                   [](std::string_view) { return absl::DataLossError("stop"); }),
+                absl::StatusCode::kDataLoss));
   }
   EXPECT_EQ(*a->GetBytes("jobs/j/owner", 1 << 20), small);
   EXPECT_EQ(store_->Totals().disk_bytes, small.size() + big.size());

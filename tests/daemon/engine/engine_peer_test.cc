@@ -1,0 +1,212 @@
+// The peer tier under the engine (engine_test_util.h): copies in several
+// peer nodes, each a PosixStore in a temp directory behind a FaultyStore,
+// placed from the job's topology: F copies on the next nodes of the job's
+// ring, peer-durable only when every placed node holds the step, the
+// placement kept across a restart, and a replacement node that finds the
+// rank on whichever peer holds it.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "daemon/engine/engine.h"
+#include "daemon/remote/faulty_store.h"
+#include "daemon/remote/posix_store.h"
+#include "daemon/remote/remote_layout.h"
+#include "gtest/gtest.h"
+#include "tests/daemon/engine/engine_test_util.h"
+#include "tests/lib/test_util.h"
+
+namespace ckpt {
+namespace engine_test {
+namespace {
+
+class PeerTierTest : public EnginePipelineTest {
+ protected:
+  struct Node {
+    std::string name, rack;
+    std::unique_ptr<TempDir> dir;
+    std::unique_ptr<remote::PosixStore> posix;
+    std::unique_ptr<remote::FaultyStore> faulty;
+  };
+  // Nodes n1..n4 (n1, n2 in rack r1; n3, n4 in r2), each a directory.
+  void SetUp() override {
+    EnginePipelineTest::SetUp();
+    for (int i = 1; i <= 4; ++i) {
+      Node& n = nodes_.emplace_back();
+      n.name = "n" + std::to_string(i);
+      n.rack = i <= 2 ? "r1" : "r2";
+      n.dir = std::make_unique<TempDir>();
+      CKPT_ASSERT_OK_AND_ASSIGN(n.posix, remote::PosixStore::Open(n.dir->path()));
+      n.faulty = std::make_unique<remote::FaultyStore>(n.posix.get());
+    }
+  }
+  void TearDown() override {
+    EnginePipelineTest::TearDown();  // the engine stops before the stores go
+    nodes_.clear();
+  }
+  // The engine of node `self` with F = `copies`; the other nodes are peers.
+  EngineOptions On(const std::string& self, uint32_t copies) {
+    EngineOptions o = OneWriter();
+    o.node_name = self;
+    o.peers.self = self;
+    o.peers.copies = copies;
+    o.peers.tier.key = &key_;
+    o.peers.tier.retry_min = absl::Milliseconds(10);
+    o.peers.tier.retry_max = absl::Milliseconds(50);
+    for (Node& n : nodes_) {
+      if (n.name == self) {
+        o.peers.self_rack = n.rack;
+        continue;
+      }
+      o.peers.peers.push_back(PeerTarget{PeerNodeInfo{n.name, n.rack}, n.faulty.get()});
+    }
+    return o;
+  }
+  Node* NodeNamed(const std::string& name) {
+    for (Node& n : nodes_) {
+      if (n.name == name) return &n;
+    }
+    return nullptr;
+  }
+  // The steps node `name` holds a manifest of for (job, rank 0).
+  std::vector<uint64_t> ManifestsAt(const std::string& name, const std::string& job) {
+    std::vector<uint64_t> steps;
+    absl::StatusOr<std::vector<remote::ObjectInfo>> listed =
+        NodeNamed(name)->posix->List(remote::ManifestPrefix(job, 0));
+    EXPECT_TRUE(listed.ok()) << listed.status();
+    for (const remote::ObjectInfo& o : listed.ok() ? *listed : std::vector<remote::ObjectInfo>()) {
+      uint64_t step = 0;
+      if (remote::ParseManifestKey(o.key, job, 0, &step)) steps.push_back(step);
+    }
+    return steps;
+  }
+  absl::StatusOr<uint64_t> WaitPeer(const TestRank& r, uint64_t step,
+                                    absl::Duration timeout = kWait) {
+    return engine_->WaitDurable(Ref(r), step, owner_, absl::Now() + timeout, "peer");
+  }
+  std::vector<std::string> PlacementShown(const std::string& job) {
+    absl::StatusOr<v1::JobsReply> jobs = engine_->Jobs(owner_);
+    EXPECT_TRUE(jobs.ok()) << jobs.status();
+    if (!jobs.ok()) return {};
+    for (const v1::JobInfo& j : jobs->jobs()) {
+      if (j.job_id() == job) return {j.peer_nodes().begin(), j.peer_nodes().end()};
+    }
+    return {};
+  }
+
+  std::vector<Node> nodes_;
+  const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
+};
+
+// The job runs on n1, n3 and n4: n1's copies go to the next nodes of that
+// ring (n3, n4), never to n2, which holds nothing of it but its owner
+// record; ckptctl jobs shows where the copies go.
+TEST_F(PeerTierTest, CopiesGoToTheNextNodesOfTheJobsRing) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 2), /*chunks=*/16));
+  TestRank a = MakeRank("ring", 2);
+  a.world_size = 3;
+  a.job_nodes = {"n1", "n3", "n4"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t there, WaitPeer(a, 3));
+  EXPECT_EQ(there, 3u);
+  EXPECT_FALSE(ManifestsAt("n3", "ring").empty());
+  EXPECT_FALSE(ManifestsAt("n4", "ring").empty());
+  EXPECT_TRUE(ManifestsAt("n2", "ring").empty());
+  EXPECT_EQ(PlacementShown("ring"), (std::vector<std::string>{"n3", "n4"}));
+  // Without a topology the cluster's ring decides, racks first: n3 (r2),
+  // then n2 (n1's own rack r1) before n4 (r2 holds a copy already).
+  TestRank b = MakeRank("plain", 1);
+  CKPT_ASSERT_OK(Register(&b).status());
+  EXPECT_EQ(PlacementShown("plain"), (std::vector<std::string>{"n3", "n2"}));
+}
+
+// A step is peer-durable only once every placed node holds it: one node
+// down holds the tier back (and its lag shows), and it catches up after.
+TEST_F(PeerTierTest, PeerDurableMeansOnEveryPlacedNode) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 2), /*chunks=*/16));
+  TestRank a = MakeRank("both", 2);
+  a.world_size = 2;
+  // The job's ring gives n2, but it shares n1's rack: the cluster's ring
+  // gives n3 (rack r2) first, then n2.
+  a.job_nodes = {"n1", "n2"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_EQ(PlacementShown("both"), (std::vector<std::string>{"n3", "n2"}));
+  NodeNamed("n3")->faulty->set_down(true);
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  absl::StatusOr<uint64_t> held = WaitPeer(a, 2, absl::Milliseconds(300));
+  CKPT_EXPECT_CODE(held.status(), kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(held.status().message(), "n3")) << held.status();
+  // n2 got it meanwhile; the tier as a whole did not.
+  for (absl::Time deadline = absl::Now() + kWait;
+       ManifestsAt("n2", "both").empty() && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(5));  // a poll with a deadline
+  }
+  EXPECT_FALSE(ManifestsAt("n2", "both").empty());
+  v1::StatusReply status = engine_->GetStatus(owner_);
+  EXPECT_EQ(status.peer_lag_steps(), 2u);
+  EXPECT_TRUE(absl::StrContains(status.peer_error(), "n3")) << status.peer_error();
+  NodeNamed("n3")->faulty->set_down(false);
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t there, WaitPeer(a, 2));
+  EXPECT_EQ(there, 2u);
+  EXPECT_FALSE(ManifestsAt("n3", "both").empty());
+}
+
+// A restarted ckptd places the job as before (its topology is in the
+// index with the rank), and a new registration that names other nodes
+// moves the copies there: the new node gets the steps it lacks, the old
+// one keeps what it has.
+TEST_F(PeerTierTest, PlacementSurvivesARestartAndFollowsTheTopology) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 1), /*chunks=*/16));
+  TestRank a = MakeRank("kept", 2);
+  a.world_size = 2;
+  a.job_nodes = {"n4", "n1"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitPeer(a, 1).status());
+  engine_->Shutdown(absl::Seconds(10));
+  engine_.reset();
+  store_.reset();
+  index_.reset();
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 1), /*chunks=*/16));
+  EXPECT_EQ(PlacementShown("kept"), (std::vector<std::string>{"n4"}));
+  a.job_nodes = {"n1", "n3"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  EXPECT_EQ(PlacementShown("kept"), (std::vector<std::string>{"n3"}));
+  ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));
+  CKPT_ASSERT_OK(WaitPeer(a, 2).status());
+  EXPECT_EQ(ManifestsAt("n3", "kept"), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(ManifestsAt("n4", "kept"), (std::vector<uint64_t>{1}));
+}
+
+// Node n1 is lost. Its replacement, n2, does not know where n1 placed the
+// job: it asks every peer node, pulls from one that holds the rank, and
+// restores bit-exact; its own copies then go to its own placement.
+TEST_F(PeerTierTest, AReplacementNodeFindsTheRankOnAnyPeer) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 1), /*chunks=*/16));
+  TestRank a = MakeRank("lost", 2);
+  a.world_size = 2;
+  a.job_nodes = {"n1", "n4"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 3));
+  CKPT_ASSERT_OK(WaitPeer(a, 3).status());
+  ASSERT_TRUE(ManifestsAt("n2", "lost").empty());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(On("n2", 1)));
+  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("lost", 0, 0, owner_));
+  EXPECT_EQ(plan.target_step, 3u);
+  WriteStep(a, 999);
+  a.job_nodes = {"n2", "n4"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(a), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  EXPECT_TRUE(HoldsStep(a, 3));
+  ASSERT_NO_FATAL_FAILURE(Train(a, 4, 4));
+  CKPT_ASSERT_OK(WaitPeer(a, 4).status());
+}
+
+}  // namespace
+}  // namespace engine_test
+}  // namespace ckpt
