@@ -167,6 +167,7 @@ RankSpec SpecFromDict(const py::dict& d) {
   spec.job_id = py::cast<std::string>(d["job_id"]);
   spec.rank = Get<uint32_t>(d, "rank", 0);
   spec.world_size = Get<uint32_t>(d, "world_size", 1);
+  if (d.contains("job_nodes")) spec.job_nodes = py::cast<std::vector<std::string>>(d["job_nodes"]);
   if (d.contains("policy")) spec.policy = PolicyFromDict(d["policy"]);
   for (const py::handle& lh : py::list(d["layers"])) {
     const py::dict l = py::reinterpret_borrow<py::dict>(lh);
@@ -265,6 +266,11 @@ class PyClient {
     RankSpec s = SpecFromDict(spec);
     py::gil_scoped_release release;
     Check(client_->Register(s));
+  }
+
+  std::string Node() {
+    py::gil_scoped_release release;
+    return Value(client_->Node());
   }
 
   void StepDone(uint64_t step, double lr, const py::bytes& aux, const std::vector<uint32_t>& layers,
@@ -517,6 +523,7 @@ PYBIND11_MODULE(_ckpt, m) {
            py::arg("name"))
       .def("set_cuda_stream", &PyClient::SetCudaStream, py::arg("stream"))
       .def("register", &PyClient::Register, py::arg("spec"))
+      .def("node", &PyClient::Node)
       .def("step_done", &PyClient::StepDone, py::arg("step"), py::arg("lr"),
            py::arg("aux") = py::bytes(), py::arg("layers") = std::vector<uint32_t>{},
            py::arg("group_steps") = std::vector<std::pair<uint32_t, uint64_t>>{},

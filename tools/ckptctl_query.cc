@@ -56,6 +56,8 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
                    {"remote_lag_steps", r.remote_lag_steps()},
                    {"remote_lag_bytes", r.remote_lag_bytes()},
                    {"remote_error", r.remote_error()},
+                   {"node", r.node()},
+                   {"rack", r.rack()},
                    {"peer", r.peer()},
                    {"peer_lag_steps", r.peer_lag_steps()},
                    {"peer_lag_bytes", r.peer_lag_bytes()},
@@ -100,6 +102,8 @@ int StatusCommand(const Options& o, const AdminConnection& admin) {
       {"remote_lag",
        absl::StrCat(r.remote_lag_steps(), " steps, ", BytesWithRaw(r.remote_lag_bytes()))},
       {"remote_error", r.remote_error().empty() ? "-" : r.remote_error()},
+      {"node",
+       r.rack().empty() ? OrDash(r.node()) : absl::StrCat(r.node(), " (rack ", r.rack(), ")")},
       {"peer", OrDash(r.peer())},
       {"peer_lag", absl::StrCat(r.peer_lag_steps(), " steps, ", BytesWithRaw(r.peer_lag_bytes()))},
       {"peer_error", r.peer_error().empty() ? "-" : r.peer_error()},
@@ -126,10 +130,13 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
                              {"peer_step", k.peer_step()},
                              {"layers", k.layers()}});
       }
+      Json peers = Json::array();
+      for (const std::string& n : j.peer_nodes()) peers.push_back(n);
       jobs.push_back(Json{{"job_id", j.job_id()},
                           {"owner_uid", j.owner_uid()},
                           {"versions", j.versions()},
                           {"bytes", j.bytes()},
+                          {"peer_nodes", std::move(peers)},
                           {"ranks", std::move(ranks)}});
     }
     PrintJson(Json{{"jobs", std::move(jobs)}});
@@ -140,8 +147,8 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
     return kExitOk;
   }
   Table t({"JOB", "OWNER", "RANKS", "REGISTERED", "STALE", "LATEST STEP", "AGREED STEP",
-           "REMOTE STEP", "PEER STEP", "VERSIONS", "BYTES"},
-          {false, true, true, true, true, true, true, true, true, true, true});
+           "REMOTE STEP", "PEER STEP", "VERSIONS", "BYTES", "PEERS"},
+          {false, true, true, true, true, true, true, true, true, true, true, false});
   for (const v1::JobInfo& j : r.jobs()) {
     // The job-wide latest step: the range over its ranks when they differ.
     uint64_t lo = UINT64_MAX, hi = 0, agreed = 0, remote = UINT64_MAX, peer = UINT64_MAX;
@@ -161,7 +168,8 @@ int JobsCommand(const Options& o, const AdminConnection& admin) {
     t.Add({j.job_id(), absl::StrCat(j.owner_uid()), absl::StrCat(j.ranks_size()),
            absl::StrCat(registered), absl::StrCat(stale), latest, StepOrDash(agreed),
            StepOrDash(j.ranks().empty() ? 0 : remote), StepOrDash(j.ranks().empty() ? 0 : peer),
-           absl::StrCat(j.versions()), HumanBytes(j.bytes())});
+           absl::StrCat(j.versions()), HumanBytes(j.bytes()),
+           j.peer_nodes().empty() ? "-" : absl::StrJoin(j.peer_nodes(), ",")});
   }
   t.Print();
   return kExitOk;

@@ -222,6 +222,7 @@ absl::Status Client::DoRegister(absl::Duration wait_for_daemon) {
   req.set_job_id(spec_.job_id);
   req.set_rank(spec_.rank);
   req.set_world_size(spec_.world_size);
+  for (const std::string& n : spec_.job_nodes) req.add_job_nodes(n);
   *req.mutable_policy() = spec_.policy;
   for (size_t i = 0; i < spec_.layers.size(); ++i) {
     const LayerDesc& l = spec_.layers[i];
@@ -438,6 +439,14 @@ absl::StatusOr<uint64_t> Client::WaitDurable(uint64_t step, Tier tier) {
     return handled;
   }
   return reply.durable_step();
+}
+
+absl::StatusOr<std::string> Client::Node() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, options_.call_timeout);
+  v1::StatusReply reply;
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->admin->Status(&ctx, v1::StatusRequest(), &reply)));
+  return reply.node();
 }
 
 absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step, uint64_t older_within_steps) {

@@ -47,6 +47,7 @@ class RankSpec(TypedDict, total=False):
     rank: int
     world_size: int
     policy: PolicySpec
+    job_nodes: List[str]       # each rank's node (Client.node()), in rank order
 
 class PlannedLayer(TypedDict):
     layer: int
@@ -95,6 +96,9 @@ class Client:
     def add_gpu_tensor(self, ptr: int, bytes: int, name: str) -> Tuple[int, int]: ...
     def set_cuda_stream(self, stream: int) -> None: ...
     def register(self, spec: RankSpec) -> None: ...
+    # This node's name as ckptd's peer placement knows it (RankSpec's
+    # job_nodes holds each rank's).
+    def node(self) -> str: ...
     def step_done(self, step: int, lr: float, aux: bytes = ..., layers: Sequence[int] = ...,
                   group_steps: Sequence[Tuple[int, int]] = ...,
                   global_durable_step: Optional[int] = ...) -> None: ...

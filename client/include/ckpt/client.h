@@ -100,6 +100,10 @@ struct RankSpec {
   uint32_t world_size = 1;
   std::vector<LayerDesc> layers;  // layer i gets id i
   v1::PolicySpec policy;          // default: all
+  // The node of each rank of the job (each rank's Client::Node()), in rank
+  // order, gathered over the job's process group; ckptd places the job's
+  // peer copies from it (docs/peer.md). Empty: not known.
+  std::vector<std::string> job_nodes;
 };
 
 struct LayerSums {
@@ -149,6 +153,10 @@ class Client {
   // Hands the regions over and registers the rank. INVALID_ARGUMENT (from the
   // daemon) names a bad tensor; the spec is kept for automatic re-registration.
   absl::Status Register(const RankSpec& spec);
+  // This node's name as ckptd's peer placement knows it (its certificate's
+  // common name, else the host name): what each rank reports for
+  // RankSpec::job_nodes. Asks ckptd (its Status call).
+  absl::StatusOr<std::string> Node();
 
   // Reports that the optimizer step `step` finished. Returns at once.
   // `layers` is the layer list for POLICY_EXPLICIT.

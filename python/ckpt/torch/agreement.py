@@ -138,6 +138,27 @@ class Agreement:
             self._pool.shutdown(wait=True)
 
 
+def job_nodes(client: "ckpt.Client", group: Any, world_size: int) -> List[str]:
+    """The node of each rank (its ckptd's name, Client.node()), in rank
+    order, gathered over `group` (collective: every rank calls it): ckptd
+    places the job's copies on peer nodes from it (docs/peer.md,
+    "Placement"). One rank: its own node. [] without a group for several
+    ranks, or when some rank's ckptd could not say; ckptd then places the
+    job by its cluster's ring."""
+    try:
+        mine = client.node()
+    except ckpt.Error:
+        mine = ""
+    if world_size <= 1:
+        return [mine] if mine else []
+    if group is None:
+        return []
+    import torch.distributed as dist
+    names: List[Any] = [None] * world_size
+    dist.all_gather_object(names, mine, group=group)
+    return [] if not all(isinstance(n, str) and n for n in names) else [str(n) for n in names]
+
+
 def agreement_group(process_group: Any, required: bool) -> Any:
     """The gloo group the ranks agree over (drift sums, the durable step);
     None when torch.distributed is not initialized and nothing requires it."""

@@ -21,7 +21,7 @@ import torch
 import ckpt
 
 from . import gpu, hooks
-from .agreement import Agreement, agreement_group, min_over, newest_durable
+from .agreement import Agreement, agreement_group, job_nodes, min_over, newest_durable
 from .buffers import BufferMirror
 from .gpu import GpuMemory
 from .guard import StorageGuard
@@ -65,6 +65,9 @@ class Attached:
         self._layout = Layout(model, optimizer, layers, world_size, rank, replicated)
         hooks.check_unclaimed(optimizer, self._layout.param_ids, client)
         self._group, self._agreement = self._agree(process_group, agree_every)
+        # Where each rank runs, for ckptd's placement of the job's copies.
+        self._job_nodes = job_nodes(client, self._group if self._group is not None else
+                                    agreement_group(process_group, required=False), world_size)
         device = self._layout.device
         self._memory = HostMemory(client) if device.type == "cpu" else GpuMemory(client, device)
         self._state = SavedState(optimizer, scheduler, scheduler_step, device,
@@ -137,7 +140,8 @@ class Attached:
                                  built.owners if layout.replicated else {}, self.rank, whole)
         self.client.register({"job_id": self.job_id, "rank": self.rank,
                               "world_size": layout.world_size, "policy": policy,
-                              "layers": list(built.own_layers.values())})
+                              "layers": list(built.own_layers.values()),
+                              "job_nodes": self._job_nodes})
         layout.adopt(built)
         self._registered = True
 
