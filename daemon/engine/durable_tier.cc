@@ -10,7 +10,7 @@ namespace ckpt {
 
 absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::string& job,
                             uint32_t rank, const Caller& caller, bool must_know,
-                            const std::function<absl::StatusOr<bool>()>& arrived) {
+                            const std::function<absl::StatusOr<bool>()>& arrived, bool any_answer) {
   std::vector<std::pair<uint64_t, DurableTier*>> order;
   for (DurableTier* tier : tiers) {
     absl::StatusOr<uint64_t> newest = tier->NewestListedStep(job, rank, must_know);
@@ -19,6 +19,7 @@ absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::s
   std::stable_sort(order.begin(), order.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   absl::Status failed;
+  bool answered = false;
   for (const auto& [listed, tier] : order) {
     absl::Status s = tier->Pull(job, rank, caller, must_know);
     if (absl::IsPermissionDenied(s)) return s;
@@ -28,10 +29,11 @@ absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::s
       if (failed.ok()) failed = s;
       continue;
     }
+    answered = true;
     CKPT_ASSIGN_OR_RETURN(const bool here, arrived());
     if (here) return absl::OkStatus();
   }
-  return failed;
+  return any_answer && answered ? absl::OkStatus() : failed;
 }
 
 }  // namespace ckpt

@@ -158,9 +158,13 @@ class DurableTier {
 // `arrived()` says whether a history is here after a tier's pull. A tier
 // that cannot be read (a peer that is down with the node it served) leaves
 // the rank to the next one; its error stands only when no tier brought a
-// history. Another uid's job (PERMISSION_DENIED) ends it at once.
+// history, and, with `any_answer`, only when no tier answered at all (the
+// peer nodes of one tier: one node that is down, the lost node itself
+// among them, must not stop every plan and registration). Another uid's
+// job (PERMISSION_DENIED) ends it at once.
 absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::string& job,
                             uint32_t rank, const Caller& caller, bool must_know,
-                            const std::function<absl::StatusOr<bool>()>& arrived);
+                            const std::function<absl::StatusOr<bool>()>& arrived,
+                            bool any_answer = false);
 
 }  // namespace ckpt

@@ -204,11 +204,15 @@ LocalKeep PeerTier::KeepLocally(const RankKey& rank) {
 absl::Status PeerTier::Pull(const std::string& job, uint32_t rank, const Caller& caller,
                             bool must_know) {
   // Any peer node may hold the rank: those of the node it ran on, which
-  // this node does not know.
-  return PullFromNewest(All(), job, rank, caller, must_know, [&]() -> absl::StatusOr<bool> {
-    CKPT_ASSIGN_OR_RETURN(auto here, deps_.index->EventAtOrBefore(job, rank, ~uint64_t{0}));
-    return here.has_value();
-  });
+  // this node does not know. Nodes that are down (the lost one itself,
+  // when it is in peer_nodes) are passed over while another answers.
+  return PullFromNewest(
+      All(), job, rank, caller, must_know,
+      [&]() -> absl::StatusOr<bool> {
+        CKPT_ASSIGN_OR_RETURN(auto here, deps_.index->EventAtOrBefore(job, rank, ~uint64_t{0}));
+        return here.has_value();
+      },
+      /*any_answer=*/true);
 }
 
 absl::StatusOr<uint64_t> PeerTier::NewestListedStep(const std::string& job, uint32_t rank,

@@ -207,6 +207,27 @@ TEST_F(PeerTierTest, AReplacementNodeFindsTheRankOnAnyPeer) {
   CKPT_ASSERT_OK(WaitPeer(a, 4).status());
 }
 
+// A peer node that is down (the lost node itself, when it is listed) does
+// not stop the plans of other jobs: a job no node holds is NOT_FOUND, not
+// UNAVAILABLE, while another node answers; a job another node holds is
+// found there. Only when no peer node answers is the tier's error given.
+TEST_F(PeerTierTest, ANodeThatIsDownDoesNotStopPlans) {
+  ASSERT_NO_FATAL_FAILURE(StartEngine(On("n1", 1), /*chunks=*/16));
+  TestRank a = MakeRank("held", 2);
+  a.world_size = 2;
+  a.job_nodes = {"n1", "n3"};
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  CKPT_ASSERT_OK(WaitPeer(a, 2).status());
+  ASSERT_NO_FATAL_FAILURE(ReplaceNode(On("n2", 1)));
+  NodeNamed("n4")->faulty->set_down(true);
+  CKPT_EXPECT_CODE(engine_->Plan("nowhere", 0, 0, owner_).status(), kNotFound);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto plan, engine_->Plan("held", 0, 0, owner_));
+  EXPECT_EQ(plan.target_step, 2u);
+  for (const char* n : {"n1", "n3"}) NodeNamed(n)->faulty->set_down(true);
+  CKPT_EXPECT_CODE(engine_->Plan("nowhere-either", 0, 0, owner_).status(), kUnavailable);
+}
+
 }  // namespace
 }  // namespace engine_test
 }  // namespace ckpt
