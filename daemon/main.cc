@@ -255,6 +255,33 @@ std::string HostName() {
   return name;
 }
 
+// The replicas this node keeps for other nodes' jobs, charged to the
+// quotas of the uids that own those jobs.
+class QuotaCharges final : public peer::ReplicaCharges {
+ public:
+  explicit QuotaCharges(QuotaTable* quota) : quota_(quota) {}
+  absl::Status Reserve(uid_t uid, uint64_t bytes) override {
+    return quota_->ReserveReplica(uid, bytes);
+  }
+  void Release(uid_t uid, uint64_t bytes) override { quota_->ReleaseReplica(uid, bytes); }
+  void Seed(uid_t uid, uint64_t bytes) override { quota_->SeedReplica(uid, bytes); }
+
+ private:
+  QuotaTable* const quota_;
+};
+
+// Peer replication's node: the transports to the peer nodes and the
+// replica store (its service starts with PeerNode::Serve).
+absl::StatusOr<std::unique_ptr<peer::PeerNode>> StartPeers(const DaemonConfig& config,
+                                                           Metrics* metrics,
+                                                           const remote::RemoteKey* key,
+                                                           peer::ReplicaCharges* charges) {
+  peer::PeerConfig pc = config.peer;
+  pc.calls_at_once = config.engine.peer.upload_threads;
+  pc.min_free_disk_bytes = config.engine.min_free_disk_bytes;
+  return peer::PeerNode::Start(pc, config.data_dir, metrics, key, charges);
+}
+
 // This node's name and the engine's peer tier: every node of peer_nodes
 // but this one, each over its PeerStore; the cluster key is eo->remote's.
 void SetPeerTier(const DaemonConfig& config, const peer::PeerNode& peers, EngineOptions* eo) {
@@ -398,18 +425,20 @@ int main(int argc, char** argv) {
   if (!remote_store.ok()) return Fail("remote tier", remote_store.status());
   if (*remote_store != nullptr) CKPT_LOG(INFO) << "remote tier: " << (*remote_store)->Describe();
 
-  peer::PeerConfig pc = config.peer;
-  pc.calls_at_once = config.engine.peer.upload_threads;
-  pc.min_free_disk_bytes = config.engine.min_free_disk_bytes;
+  absl::StatusOr<std::optional<remote::RemoteKey>> remote_key =
+      LoadRemoteKey(config.remote, *remote_store != nullptr || config.peer.enabled());
+  if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
+  // Per-uid usage: the engine's checkpoints and the replicas kept here for
+  // other nodes' jobs count against the same quotas.
+  QuotaTable quota;
+  QuotaCharges charges(&quota);
   absl::StatusOr<std::unique_ptr<peer::PeerNode>> peers =
-      peer::PeerNode::Start(pc, config.data_dir, &metrics);
+      StartPeers(config, &metrics, remote_key->has_value() ? &**remote_key : nullptr, &charges);
   if (!peers.ok()) return Fail("peer replication", peers.status());
 
   // The engine.
-  absl::StatusOr<std::optional<remote::RemoteKey>> remote_key =
-      LoadRemoteKey(config.remote, *remote_store != nullptr || !(*peers)->links().empty());
-  if (!remote_key.ok()) return Fail("remote tier key", remote_key.status());
   EngineOptions eo = config.engine;
+  eo.quota = &quota;
   eo.memory_tier_bytes = config.MemoryTierBytes();
   eo.remote.store = remote_store->get();
   eo.remote.key = remote_key->has_value() ? &**remote_key : nullptr;
@@ -421,6 +450,8 @@ int main(int argc, char** argv) {
   engine.RecordReconcile(report);
   if (absl::Status s = engine.Start(); !s.ok()) return Fail("engine", s);
   CKPT_LOG(INFO) << "io backend: " << engine.io_backend_name();
+  // Replicas are taken once the quotas they count against are set.
+  if (absl::Status s = (*peers)->Serve(); !s.ok()) return Fail("peer replication", s);
 
   // The servers.
   if (absl::Status s = MakeSocketDirectories(config, fs); !s.ok()) {

@@ -489,10 +489,10 @@ absl::Status DaemonConfig::Validate() const {
         "remote_kind s3 needs remote_endpoint, remote_bucket and remote_credentials_file");
   }
   CKPT_RETURN_IF_ERROR(peer.Validate());
-  if ((!peer.address.empty() || !peer.nodes.empty()) && remote.key_file.empty()) {
+  if (peer.enabled() && remote.key_file.empty()) {
     return absl::InvalidArgumentError(
-        "a peer tier needs remote_key_file: the cluster key that signs every manifest and "
-        "object it replicates (docs/peer.md)");
+        "peer replication needs remote_key_file: the cluster key that signs every manifest, "
+        "object and owner record it replicates or keeps (docs/peer.md)");
   }
   if (engine.max_aux_bytes + kStepListBytes > static_cast<uint64_t>(rpc.max_request_bytes)) {
     return absl::InvalidArgumentError(

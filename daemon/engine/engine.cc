@@ -26,6 +26,7 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
       drift_kernel_(drift::MakeCpuDriftKernel(options_.drift_threads)),
       cuda_ipc_(options_.cuda_ipc),
       gpu_support_(CudaSupport()),
+      quota_(options_.quota != nullptr ? *options_.quota : own_quota_),
       disk_(options_.max_disk_bytes, options_.min_free_disk_bytes, store),
       owners_(index, clock_),
       history_(index, store, &disk_, &quota_, options_.metrics),

@@ -69,17 +69,19 @@ absl::Status QuotaTable::CheckBytesLocked(const QuotaOwner& owner, uint64_t file
                      " (run `ckptctl gc JOB` or `ckptctl delete JOB` on its jobs, send smaller "
                      "aux blobs, or raise the option)"));
   }
-  const uint64_t held = u.file_bytes + u.index_bytes;
+  const uint64_t held = u.file_bytes + u.index_bytes + u.replica_bytes;
   if (limits_.disk_bytes > 0 && held + files + index > limits_.disk_bytes) {
     return RefuseLocked(
         QuotaKind::kDisk, refused,
         absl::StrCat("uid ", owner.uid, " holds ", held,
-                     " bytes of layer files and index records; ", files + index,
+                     " bytes of layer files, index records and replicas for its jobs on other "
+                     "nodes; ",
+                     files + index,
                      " more would pass max_disk_bytes_per_uid = ", limits_.disk_bytes,
                      " (run `ckptctl gc JOB` or `ckptctl delete JOB` on its jobs, or raise the "
                      "option)"));
   }
-  if (limits_.job_disk_bytes > 0) {
+  if (limits_.job_disk_bytes > 0 && !owner.job.empty()) {
     auto it = jobs_.find(owner.job);
     const uint64_t job_held =
         it == jobs_.end() ? 0 : it->second.file_bytes + it->second.index_bytes;
@@ -216,6 +218,26 @@ void QuotaTable::ReleaseEvent(const QuotaOwner& owner, uint64_t event_bytes) {
 void QuotaTable::Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t index_bytes) {
   absl::MutexLock lock(&mu_);
   ChargeLocked(owner, +1, file_bytes, index_bytes);
+}
+
+absl::Status QuotaTable::ReserveReplica(uid_t uid, uint64_t bytes, QuotaKind* refused) {
+  absl::MutexLock lock(&mu_);
+  // Replicas are charged to the uid alone: the job's own quota is about
+  // this node's checkpoints of it.
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(QuotaOwner{uid, {}}, bytes, 0, refused));
+  usage_[uid].replica_bytes += bytes;
+  return absl::OkStatus();
+}
+
+void QuotaTable::ReleaseReplica(uid_t uid, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  Usage& u = usage_[uid];
+  u.replica_bytes = Sub(u.replica_bytes, bytes);
+}
+
+void QuotaTable::SeedReplica(uid_t uid, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  usage_[uid].replica_bytes += bytes;
 }
 
 QuotaTable::Usage QuotaTable::Get(uid_t uid) const {

@@ -6,6 +6,9 @@
 //
 // Accounted per uid (the owner of the job), and the bytes per job too:
 //   - file bytes: every committed layer version's file;
+//   - replica bytes (per uid only): the replicas this node keeps for the
+//     uid's jobs on other nodes (the peer tier, docs/peer.md); they count
+//     against the uid's disk quota here like its own files;
 //   - index bytes: what the uid's records add to RocksDB, as a fixed
 //     estimate: an event counts as its aux blob plus kEventIndexOverhead, a
 //     version record as kVersionIndexBytes;
@@ -15,7 +18,8 @@
 //     uid's registered ranks) of them (at least one), so a rank that runs
 //     ahead of the disk cannot take the whole budget and starve the uid's
 //     other ranks.
-// Disk quota = file bytes + index bytes; index quota = index bytes alone;
+// Disk quota = file bytes + index bytes + replica bytes; index quota = index
+// bytes alone;
 // per-job disk quota = the job's file bytes + index bytes.
 // The engine seeds the table from the index at start (so the figures survive
 // restarts), charges as it writes and releases what GC deletes.
@@ -104,14 +108,15 @@ class QuotaTable {
     uint64_t file_bytes = 0;
     uint64_t index_bytes = 0;
     uint64_t queued_steps = 0;
+    uint64_t replica_bytes = 0;  // kept here for the uid's jobs on other nodes
   };
 
   QuotaTable() = default;
   QuotaTable(const QuotaTable&) = delete;
   QuotaTable& operator=(const QuotaTable&) = delete;
 
-  // REQUIRES: called before any other method (Engine::Start, once the data
-  // file system's size is known).
+  // REQUIRES: called before any Admit or Reserve (Engine::Start, once the
+  // data file system's size is known); Seed and SeedReplica may come first.
   void SetLimits(const QuotaLimits& limits) ABSL_LOCKS_EXCLUDED(mu_);
   QuotaLimits limits() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -144,6 +149,13 @@ class QuotaTable {
   // Start-up: what the index already holds for `owner`.
   void Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t index_bytes)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A replica of `bytes` kept here for a job of `uid` that runs on another
+  // node: RESOURCE_EXHAUSTED (kQuota) when it would pass the uid's disk
+  // quota. Release gives it back; SeedReplica charges what start-up found.
+  absl::Status ReserveReplica(uid_t uid, uint64_t bytes, QuotaKind* refused = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseReplica(uid_t uid, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  void SeedReplica(uid_t uid, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   Usage Get(uid_t uid) const ABSL_LOCKS_EXCLUDED(mu_);
   // A job's bytes (queued_steps is not kept per job).

@@ -73,7 +73,9 @@ absl::StatusOr<std::vector<PeerNodeEntry>> PeerConfig::Nodes() const {
 
 absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& config,
                                                           const std::string& data_dir,
-                                                          Metrics* metrics) {
+                                                          Metrics* metrics,
+                                                          const remote::RemoteKey* key,
+                                                          ReplicaCharges* charges) {
   std::unique_ptr<PeerNode> node(new PeerNode());
   node->metrics_ = metrics;
   if (!config.enabled()) return node;
@@ -88,6 +90,8 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     so.max_bytes_per_peer = config.max_bytes_per_peer;
     so.max_object_bytes = config.max_bytes_per_peer;
     so.min_free_disk_bytes = config.min_free_disk_bytes;
+    so.key = key;
+    so.charges = charges;
     CKPT_ASSIGN_OR_RETURN(node->replicas_, ReplicaStore::Open(std::move(so)));
     ReplicaServerOptions ro;
     ro.listen = config.listen;
@@ -95,12 +99,7 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     for (absl::string_view n : absl::StrSplit(config.allow, ',', absl::SkipWhitespace())) {
       ro.allowed_peers.insert(std::string(absl::StripAsciiWhitespace(n)));
     }
-    CKPT_ASSIGN_OR_RETURN(node->server_,
-                          ReplicaServer::Start(std::move(ro), node->replicas_.get(), metrics));
-    CKPT_LOG(INFO) << "peer replicas: serving on " << config.listen << " (port "
-                   << node->server_->port() << "), "
-                   << (config.allow.empty() ? std::string("any peer the CA signed")
-                                            : absl::StrCat("peers ", config.allow));
+    node->serve_ = std::move(ro);
   }
   // This node: its certificate's common name, its rack.
   node->self_ = tls.CommonName();
@@ -139,6 +138,18 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
                                              : std::string());
   }
   return node;
+}
+
+absl::Status PeerNode::Serve() {
+  if (!serve_.has_value()) return absl::OkStatus();
+  const std::string listen = serve_->listen;
+  const bool any = serve_->allowed_peers.empty();
+  CKPT_ASSIGN_OR_RETURN(server_,
+                        ReplicaServer::Start(*std::move(serve_), replicas_.get(), metrics_));
+  serve_.reset();
+  CKPT_LOG(INFO) << "peer replicas: serving on " << listen << " (port " << server_->port() << "), "
+                 << (any ? "any peer the CA signed" : "the peers of peer_allow");
+  return absl::OkStatus();
 }
 
 PeerNode::~PeerNode() { Shutdown(absl::Now()); }

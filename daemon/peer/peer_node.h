@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,11 +70,18 @@ struct PeerLink {
 
 class PeerNode {
  public:
-  // Reads the TLS files and starts the replica service (its objects under
-  // <data_dir>/replicas). OK with nothing started when `config` is off.
+  // Reads the TLS files, makes the transports to the peer nodes and opens
+  // the replica store (its objects under <data_dir>/replicas, charged to
+  // their owners through `charges`); Serve starts its service. OK with
+  // nothing made when `config` is off. `key` (the cluster key) is REQUIRED
+  // with peer_listen; `key` and `charges` are not owned and outlive the node.
   static absl::StatusOr<std::unique_ptr<PeerNode>> Start(const PeerConfig& config,
                                                          const std::string& data_dir,
-                                                         Metrics* metrics);
+                                                         Metrics* metrics,
+                                                         const remote::RemoteKey* key,
+                                                         ReplicaCharges* charges);
+  // Starts the replica service (with peer_listen; else OK, nothing done).
+  absl::Status Serve();
   ~PeerNode();
 
   // This node's name (its certificate's common name; the host name without
@@ -96,6 +104,7 @@ class PeerNode {
   std::vector<PeerLink> links_;
   std::unique_ptr<ReplicaStore> replicas_;
   std::unique_ptr<ReplicaServer> server_;
+  std::optional<ReplicaServerOptions> serve_;  // until Serve
 };
 
 }  // namespace ckpt::peer

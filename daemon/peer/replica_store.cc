@@ -12,13 +12,19 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
+#include "daemon/remote/remote_layout.h"
 
 namespace ckpt::peer {
 namespace {
+
+// Owner records are a few dozen bytes; bounded on their own.
+constexpr uint64_t kMaxOwnerRecordBytes = 64 << 10;
 
 std::string Bytes(uint64_t n) { return absl::StrFormat("%.1f MiB", n / 1048576.0); }
 
@@ -79,21 +85,80 @@ absl::StatusOr<std::unique_ptr<ReplicaStore>> ReplicaStore::Open(ReplicaStoreOpt
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ReplicaMemory> memory,
                         ReplicaMemory::Create(options.memory_bytes, options.memory_piece_bytes,
                                               options.populate_memory));
+  if (options.key == nullptr) {
+    return absl::InvalidArgumentError("the replica store needs the cluster key (remote_key_file)");
+  }
   std::unique_ptr<ReplicaStore> store(
       new ReplicaStore(std::move(options), std::move(disk), std::move(memory)));
+  // The owner records first: they say whom every other replica is charged to.
+  std::map<std::string, uid_t> owners;
+  for (const remote::ObjectInfo& o : found) {
+    bool owner_record = false;
+    absl::StatusOr<std::string> job = JobOfKey(o.key, &owner_record);
+    if (!job.ok() || !owner_record) continue;
+    absl::StatusOr<std::string> bytes = store->disk_->GetBytes(o.key, kMaxOwnerRecordBytes);
+    absl::StatusOr<uid_t> uid =
+        bytes.ok() ? store->OwnerOfRecord(o.key, *bytes) : absl::StatusOr<uid_t>(bytes.status());
+    if (!uid.ok()) {
+      CKPT_LOG(WARNING) << "replicas: " << o.key << " is not an owner record ckptd wrote ("
+                        << uid.status() << "); the job's replicas are charged to no one";
+      continue;
+    }
+    owners[*job] = *uid;
+  }
   absl::MutexLock lock(&store->mu_);
+  store->owners_ = owners;
   for (const remote::ObjectInfo& o : found) {
     Entry e;
     e.size = o.size;
+    bool owner_record = false;
+    absl::StatusOr<std::string> job = JobOfKey(o.key, &owner_record);
+    if (auto it = job.ok() ? owners.find(*job) : owners.end(); it != owners.end()) {
+      e.owner = it->second;
+      e.charged = store->options_.charges != nullptr;
+      if (e.charged) store->options_.charges->Seed(e.owner, e.size);
+    }
     store->ChargeLocked(e, +1);
     store->objects_.emplace(o.key, std::move(e));
   }
   return store;
 }
 
+absl::StatusOr<std::string> ReplicaStore::JobOfKey(const std::string& key, bool* owner_record) {
+  std::string job;
+  uint32_t rank = 0;
+  *owner_record = false;
+  if (remote::ParseRankOfKey(key, &job, &rank)) return job;
+  if (absl::StartsWith(key, remote::JobsPrefix()) && absl::EndsWith(key, "/owner")) {
+    job = key.substr(remote::JobsPrefix().size(),
+                     key.size() - remote::JobsPrefix().size() - std::string("/owner").size());
+    if (!job.empty() && job.find('/') == std::string::npos && remote::OwnerKey(job) == key) {
+      *owner_record = true;
+      return job;
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(key,
+                   " is not a key ckptd replicates (jobs/<job>/owner or "
+                   "jobs/<job>/rank-<rank>/...)"));
+}
+
+absl::StatusOr<uid_t> ReplicaStore::OwnerOfRecord(const std::string& key,
+                                                  const std::string& bytes) const {
+  CKPT_ASSIGN_OR_RETURN(store::RemoteJob rec, remote::DecodeOwner(bytes, *options_.key));
+  if (remote::OwnerKey(rec.job_id()) != key) {
+    return absl::DataLossError(
+        absl::StrCat("the owner record at ", key, " names job ", rec.job_id()));
+  }
+  return static_cast<uid_t>(rec.owner_uid());
+}
+
 void ReplicaStore::ChargeLocked(const Entry& e, int sign) {
   const uint64_t n = e.size;
   disk_bytes_ = sign > 0 ? disk_bytes_ + n : disk_bytes_ - n;
+  // The owner's charge was taken by Reserve (or Seed); it goes with the
+  // entry.
+  if (sign < 0 && e.charged) options_.charges->Release(e.owner, n);
   if (e.peer.empty()) return;
   uint64_t& mine = peer_bytes_[e.peer];
   mine = sign > 0 ? mine + n : mine - n;
@@ -131,9 +196,15 @@ absl::Status ReplicaStore::RoomLocked(const std::string& peer, const std::string
   return absl::OkStatus();
 }
 
-absl::StatusOr<ReplicaStore::Memory> ReplicaStore::Reserve(const std::string& peer,
-                                                           const std::string& key, uint64_t size,
-                                                           bool if_absent) {
+absl::StatusOr<ReplicaStore::Reservation> ReplicaStore::Reserve(const std::string& peer,
+                                                                const std::string& key,
+                                                                uint64_t size, bool if_absent) {
+  bool owner_record = false;
+  CKPT_ASSIGN_OR_RETURN(const std::string job, JobOfKey(key, &owner_record));
+  if (owner_record && size > kMaxOwnerRecordBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(key, ": an owner record of ", size, " bytes; at most ", kMaxOwnerRecordBytes));
+  }
   struct statvfs fs;
   if (statvfs(options_.dir.c_str(), &fs) != 0) {
     return ErrnoStatus(errno, absl::StrCat("statvfs ", options_.dir));
@@ -157,10 +228,24 @@ absl::StatusOr<ReplicaStore::Memory> ReplicaStore::Reserve(const std::string& pe
     return absl::AbortedError(absl::StrCat(key, " is being received by another call; try again"));
   }
   CKPT_RETURN_IF_ERROR(RoomLocked(peer, key, size));
+  Reservation taken;
+  // The owner of the job pays (an owner record is charged when it has
+  // arrived and named its uid: Record).
+  if (!owner_record && options_.charges != nullptr) {
+    auto it = owners_.find(job);
+    if (it == owners_.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job, " has no owner record here: whose replica ", key,
+                       " is cannot be told (its owner record comes first)"));
+    }
+    CKPT_RETURN_IF_ERROR(options_.charges->Reserve(it->second, size));
+    taken.owner = it->second;
+  }
   if (!if_absent) receiving_.insert(key);
   reserved_ += size;
   peer_reserved_[peer] += size;
-  return TakeMemoryLocked(size);
+  taken.memory = TakeMemoryLocked(size);
+  return taken;
 }
 
 ReplicaStore::Memory ReplicaStore::TakeMemoryLocked(uint64_t size) {
@@ -186,22 +271,50 @@ void ReplicaStore::ForgetMemoryLocked(Entry* e) {
 }
 
 absl::Status ReplicaStore::Record(const std::string& peer, const std::string& key, uint64_t size,
-                                  bool if_absent, const absl::Status& written, Memory data) {
+                                  bool if_absent, const absl::Status& written, Reservation taken) {
+  // An owner record names its uid: checked before it counts.
+  std::optional<uid_t> owner = taken.owner;
+  absl::Status stored = written;
+  bool owner_record = false;
+  const std::string job = JobOfKey(key, &owner_record).value_or("");
+  if (stored.ok() && owner_record) {
+    absl::StatusOr<uid_t> uid = absl::InternalError("no owner record");
+    if (taken.memory != nullptr && taken.memory->pieces() == 1) {
+      uid = OwnerOfRecord(key, std::string(taken.memory->Piece(0)));
+    } else {
+      absl::StatusOr<std::string> bytes = disk_->GetBytes(key, kMaxOwnerRecordBytes);
+      uid = bytes.ok() ? OwnerOfRecord(key, *bytes) : absl::StatusOr<uid_t>(bytes.status());
+    }
+    if (!uid.ok()) {
+      IgnoreError(disk_->Delete(key), "an owner record the cluster key does not vouch for");
+      stored = absl::Status(uid.status().code(),
+                            absl::StrCat("refused ", key, ": ", uid.status().message()));
+    } else {
+      owner = *uid;
+      if (options_.charges != nullptr) options_.charges->Seed(*uid, size);
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (!if_absent) receiving_.erase(key);
   reserved_ -= size;
   if ((peer_reserved_[peer] -= size) == 0) peer_reserved_.erase(peer);
-  CKPT_RETURN_IF_ERROR(written);
+  if (!stored.ok()) {
+    if (taken.owner.has_value()) options_.charges->Release(*taken.owner, size);
+    return stored;
+  }
   if (auto it = objects_.find(key); it != objects_.end()) {
     ChargeLocked(it->second, -1);
     ForgetMemoryLocked(&it->second);
     objects_.erase(it);
   }
+  if (owner_record) owners_[job] = *owner;
   Entry e;
   e.peer = peer;
   e.size = size;
+  e.owner = owner.value_or(0);
+  e.charged = owner.has_value() && options_.charges != nullptr;
   e.stored = ++stored_;
-  e.data = std::move(data);
+  e.data = std::move(taken.memory);
   if (e.data != nullptr) {
     in_memory_[e.stored] = key;
     memory_bytes_ += size;
@@ -213,7 +326,8 @@ absl::Status ReplicaStore::Record(const std::string& peer, const std::string& ke
 
 absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& key, uint64_t size,
                                    bool if_absent, const Source& next) {
-  CKPT_ASSIGN_OR_RETURN(Memory kept, Reserve(peer, key, size, if_absent));
+  CKPT_ASSIGN_OR_RETURN(Reservation taken, Reserve(peer, key, size, if_absent));
+  ReplicaMemory::Span* const kept = taken.memory.get();
   // Durable before it is acknowledged; an old object of that name is
   // replaced whole (rename).
   absl::Status written = disk_->PutWith(key, if_absent, /*direct=*/true, [&](int fd) {
@@ -260,7 +374,8 @@ absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& k
     CKPT_KILL_POINT("replica.received");
     return out.Write(block, used, /*last=*/true);
   });
-  return Record(peer, key, size, if_absent, written, written.ok() ? std::move(kept) : nullptr);
+  if (!written.ok()) taken.memory.reset();
+  return Record(peer, key, size, if_absent, written, std::move(taken));
 }
 
 absl::Status ReplicaStore::Put(const std::string& peer, const std::string& key,

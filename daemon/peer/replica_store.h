@@ -4,7 +4,17 @@
 // through the replica service (replica_server.h). The objects are keyed by
 // the remote layout (remote_layout.h) and signed with the cluster key by
 // their writer, so one namespace serves every authenticated peer: a
-// replacement node reads the objects the node it replaces wrote.
+// replacement node reads the objects the node it replaces wrote. Only
+// keys of that layout are kept (jobs/<job>/owner and jobs/<job>/rank-*/).
+//
+// Every replica is charged to the uid that owns its job (ReplicaCharges:
+// the engine's per-uid disk quota, so replicas kept for a user's job count
+// like that user's own checkpoints on this node): the job's owner record,
+// which the job's first copy brings and which must carry the cluster key's
+// MAC (remote_key_file), names the uid. A replica of a job with no owner
+// record here is refused (FAILED_PRECONDITION), one past its owner's quota
+// too (RESOURCE_EXHAUSTED); after a restart the owner records found on
+// disk charge every replica again.
 //
 // Every object is written to the replica directory (a PosixStore: temp
 // file, fsync, rename) before Receive returns, so an acknowledged replica
@@ -16,17 +26,20 @@
 // the store past its whole bound (max_bytes), or a replica that would leave
 // less than min_free_disk_bytes free on the file system, is refused with
 // RESOURCE_EXHAUSTED, so one peer's flood leaves room for the others and
-// for this node's own checkpoints. After a
-// restart the objects found on disk are charged to no peer until rewritten,
+// for this node's own checkpoints. After a restart the objects found on
+// disk are charged to no peer until rewritten (to their owners, above),
 // and the temp files of receipts a crash cut short are removed.
 //
 // Thread-safety: thread-safe; mu_ is a leaf. Disk I/O runs outside it.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -38,8 +51,21 @@
 #include "base/unique_fd.h"
 #include "daemon/peer/replica_memory.h"
 #include "daemon/remote/posix_store.h"
+#include "daemon/remote/remote_auth.h"
 
 namespace ckpt::peer {
+
+// What replicas cost the uids that own their jobs on this node (ckptd:
+// the engine's QuotaTable). Thread-safe; never calls back into the store.
+class ReplicaCharges {
+ public:
+  virtual ~ReplicaCharges() = default;
+  // RESOURCE_EXHAUSTED when `bytes` more would pass `uid`'s quota here.
+  virtual absl::Status Reserve(uid_t uid, uint64_t bytes) = 0;
+  virtual void Release(uid_t uid, uint64_t bytes) = 0;
+  // What start-up found (no bound applies).
+  virtual void Seed(uid_t uid, uint64_t bytes) = 0;
+};
 
 struct ReplicaStoreOptions {
   std::string dir;                            // the replica directory (created 0700)
@@ -52,6 +78,11 @@ struct ReplicaStoreOptions {
   // Free space on the replica directory's file system that replicas never
   // take: this node's own checkpoints need it.
   uint64_t min_free_disk_bytes = 64 << 20;
+  // The cluster key owner records are checked with; REQUIRED, not owned.
+  const remote::RemoteKey* key = nullptr;
+  // Where replicas are charged; null: nowhere (the shares above still
+  // bound them). Not owned.
+  ReplicaCharges* charges = nullptr;
 };
 
 // What Totals reports.
@@ -110,6 +141,8 @@ class ReplicaStore {
   using Memory = std::shared_ptr<ReplicaMemory::Span>;
   struct Entry {
     std::string peer;  // who wrote it ("" when found on disk at start)
+    uid_t owner = 0;   // whose job it belongs to (charged when `charged`)
+    bool charged = false;
     uint64_t size = 0;
     Memory data;          // its bytes, when also in memory
     uint64_t stored = 0;  // when it was stored (a sequence), for leaving memory
@@ -120,11 +153,21 @@ class ReplicaStore {
   // Receive's steps: room taken (and memory pieces, returned, when the
   // budget has them), the file written, the entry recorded (`data` kept in
   // memory when the write went well).
-  absl::StatusOr<Memory> Reserve(const std::string& peer, const std::string& key, uint64_t size,
-                                 bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
+  // What Reserve took: memory (when the budget had it) and the owner
+  // charged for the bytes.
+  struct Reservation {
+    Memory memory;
+    std::optional<uid_t> owner;  // set when charged
+  };
+  absl::StatusOr<Reservation> Reserve(const std::string& peer, const std::string& key,
+                                      uint64_t size, bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Record(const std::string& peer, const std::string& key, uint64_t size,
-                      bool if_absent, const absl::Status& written, Memory data)
+                      bool if_absent, const absl::Status& written, Reservation taken)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The uid an owner record names, checked with the cluster key.
+  absl::StatusOr<uid_t> OwnerOfRecord(const std::string& key, const std::string& bytes) const;
+  // The job of a key of the remote layout; INVALID_ARGUMENT for another key.
+  static absl::StatusOr<std::string> JobOfKey(const std::string& key, bool* owner_record);
   // Pieces for `size` bytes, taking the oldest replicas out of memory
   // while the pool lacks them; null when even that leaves too few (reads
   // in flight hold the pieces they read).
@@ -147,6 +190,7 @@ class ReplicaStore {
   std::set<std::string> receiving_ ABSL_GUARDED_BY(mu_);  // keys of those Puts
   std::map<std::string, uint64_t> peer_reserved_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Entry> objects_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uid_t> owners_ ABSL_GUARDED_BY(mu_);        // job -> uid (owner records)
   std::map<uint64_t, std::string> in_memory_ ABSL_GUARDED_BY(mu_);  // stored -> key, oldest first
   uint64_t stored_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, uint64_t> peer_bytes_ ABSL_GUARDED_BY(mu_);

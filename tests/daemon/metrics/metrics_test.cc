@@ -59,6 +59,9 @@ void PopulateLabelled(Metrics* m) {
   m->Set(Gauge::kIoBackendInfo, "io_uring", 1);
   m->Set(Gauge::kUidDiskUsedBytes, "1000", 4096);
   m->Set(Gauge::kUidIndexUsedBytes, "1000", 512);
+  for (Gauge g : {Gauge::kPeerLagSteps, Gauge::kPeerLagBytes, Gauge::kPeerUp}) {
+    m->Set(g, "node-b", 1);  // per peer node
+  }
   m->SetLayer("job-a", 0, 0, /*uid=*/1000, 2, 0.5);
 }
 

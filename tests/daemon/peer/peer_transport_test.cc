@@ -15,6 +15,7 @@
 #include "daemon/peer/peer_store.h"
 #include "daemon/peer/replica_server.h"
 #include "daemon/peer/replica_store.h"
+#include "daemon/remote/remote_layout.h"
 #include "gtest/gtest.h"
 #include "tests/lib/test_util.h"
 
@@ -70,6 +71,7 @@ class PeerTransportTest : public ::testing::Test {
     so.max_bytes = 16 << 20;
     so.max_bytes_per_peer = 8 << 20;
     so.max_object_bytes = 8 << 20;
+    so.key = &key_;
     auto store = ReplicaStore::Open(so);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
@@ -95,13 +97,17 @@ class PeerTransportTest : public ::testing::Test {
 
   TempDir dir_;
   Pki pki_{dir_, "cluster-ca"};
+  const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
   std::unique_ptr<ReplicaStore> store_;
   std::unique_ptr<ReplicaServer> server_;
 };
 
 TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
   std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
-  const std::string small = "owner record";
+  store::RemoteJob owner;
+  owner.set_job_id("j");
+  owner.set_owner_uid(1001);
+  const std::string small = remote::EncodeOwner(owner, key_);
   const std::string big = RandomBytes(7, (6 << 20) + 12345);  // past the memory budget, via a file
   ASSERT_TRUE(a->PutBytes("jobs/j/owner", small, /*if_absent=*/true).ok());
   EXPECT_TRUE(HasCode(a->PutBytes("jobs/j/owner", "x", true), absl::StatusCode::kAlreadyExists));
@@ -144,7 +150,7 @@ TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
   EXPECT_EQ(back, big);
   EXPECT_TRUE(
       HasCode(a->GetBytes("jobs/j/rank-00000000/v1", 100), absl::StatusCode::kInvalidArgument));
-  EXPECT_TRUE(HasCode(a->GetBytes("jobs/j/none", 100), absl::StatusCode::kNotFound));
+  EXPECT_TRUE(HasCode(a->GetBytes("jobs/j/rank-00000000/none", 100), absl::StatusCode::kNotFound));
   auto listed = a->List("jobs/j/");
   ASSERT_TRUE(listed.ok()) << listed.status();
   ASSERT_EQ(listed->size(), 2u);
@@ -156,10 +162,11 @@ TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
 
 TEST_F(PeerTransportTest, APeerPastItsShareIsToldTheStoreIsFull) {
   std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
-  ASSERT_TRUE(a->PutBytes("jobs/j/a", std::string(6 << 20, 'a'), false).ok());
-  absl::Status s = a->PutBytes("jobs/j/b", std::string(3 << 20, 'b'), false);
+  ASSERT_TRUE(a->PutBytes("jobs/j/rank-00000000/a", std::string(6 << 20, 'a'), false).ok());
+  absl::Status s = a->PutBytes("jobs/j/rank-00000000/b", std::string(3 << 20, 'b'), false);
   EXPECT_TRUE(HasCode(s, absl::StatusCode::kResourceExhausted)) << s;
-  EXPECT_TRUE(HasCode(store_->Get("jobs/j/b", 16 << 20), absl::StatusCode::kNotFound));
+  EXPECT_TRUE(
+      HasCode(store_->Get("jobs/j/rank-00000000/b", 16 << 20), absl::StatusCode::kNotFound));
 }
 
 // Stopping ends a transfer at once, even one waiting out the rate cap for
@@ -175,15 +182,17 @@ TEST_F(PeerTransportTest, CancelCallsEndsATransferInFlight) {
   SyncPoint* sp = SyncPoint::GetInstance();
   sp->EnableProcessing();
   absl::Status put;
-  std::thread t([&] { put = a.PutBytes("jobs/j/slow", std::string(128 << 10, 's'), false); });
+  std::thread t(
+      [&] { put = a.PutBytes("jobs/j/rank-00000000/slow", std::string(128 << 10, 's'), false); });
   const bool pacing = sp->WaitForArrivals("peer.before_pace", 2, absl::Now() + absl::Seconds(30));
   a.CancelCalls();
   t.join();
   sp->DisableProcessing();
   ASSERT_TRUE(pacing);
   EXPECT_TRUE(HasCode(put, absl::StatusCode::kCancelled)) << put;
-  EXPECT_TRUE(HasCode(store_->Get("jobs/j/slow", 1 << 20), absl::StatusCode::kNotFound));
-  EXPECT_TRUE(a.PutBytes("jobs/j/small", "x", false).ok());
+  EXPECT_TRUE(
+      HasCode(store_->Get("jobs/j/rank-00000000/slow", 1 << 20), absl::StatusCode::kNotFound));
+  EXPECT_TRUE(a.PutBytes("jobs/j/rank-00000000/small", "x", false).ok());
 }
 
 TEST_F(PeerTransportTest, AnUnknownPeerIsRefusedAndNothingIsStored) {
