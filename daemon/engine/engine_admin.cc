@@ -280,7 +280,7 @@ void Engine::CollectMetrics() {
   m->Set(Gauge::kUidIndexLimitBytes, static_cast<double>(quota.index_bytes));
   for (const auto& [uid, u] : quota_.All()) {
     m->Set(Gauge::kUidDiskUsedBytes, absl::StrCat(uid),
-           static_cast<double>(u.file_bytes + u.index_bytes));
+           static_cast<double>(u.file_bytes + u.index_bytes + u.replica_bytes));
     m->Set(Gauge::kUidIndexUsedBytes, absl::StrCat(uid), static_cast<double>(u.index_bytes));
   }
   m->Set(Gauge::kIndexDegraded, index_->degraded() ? 1 : 0);

@@ -114,9 +114,12 @@ void PeerTier::OnRegister(const RankKey& rank, const std::vector<std::string>& j
   }
   std::vector<std::string> names;
   for (size_t i : now) names.push_back(peers_[i].node.name);
-  const std::string from = job_nodes.empty()
-                               ? std::string("the cluster's ring (the trainer named no nodes)")
-                               : absl::StrCat("the job's ", job_nodes.size(), " ranks' nodes");
+  const std::string from =
+      job_nodes.empty()
+          ? std::string("the cluster's ring (the trainer named no nodes)")
+          : absl::StrCat("the job's nodes (",
+                         std::set<std::string>(job_nodes.begin(), job_nodes.end()).size(), " for ",
+                         job_nodes.size(), " ranks)");
   if (now.size() < options_.copies) {
     CKPT_LOG(WARNING) << "peer tier: job " << rank.first << " gets " << now.size() << " of "
                       << options_.copies << " copies (on " << absl::StrJoin(names, ", ")
@@ -306,15 +309,17 @@ absl::Status PeerTier::ClaimJob(const std::string& job, uid_t owner, bool must_k
 
 TierReport PeerTier::Report(const Caller& caller) {
   TierReport out;
-  std::vector<std::string> names;
+  std::vector<std::string> names, errors;
   for (Peer& p : peers_) {
     TierReport r = p.tier->Report(caller);
     names.push_back(p.node.rack.empty() ? r.description
                                         : absl::StrCat(r.description, " (rack ", p.node.rack, ")"));
     out.lag.steps = std::max(out.lag.steps, r.lag.steps);
     out.lag.bytes = std::max(out.lag.bytes, r.lag.bytes);
-    if (out.error.empty() && !r.error.empty()) out.error = absl::StrCat(p.node.name, ": ", r.error);
+    if (!r.error.empty()) errors.push_back(absl::StrCat(p.node.name, ": ", r.error));
   }
+  // Every failing peer node's error: one that is down must not hide another.
+  out.error = absl::StrJoin(errors, "; ");
   out.description =
       absl::StrCat(absl::StrJoin(names, ", "), "; ", options_.copies,
                    options_.copies == 1 ? " copy" : " copies", " of each version, placed per job");

@@ -186,7 +186,9 @@ constexpr MetricInfo kGaugeTable[] = {
      "max_index_bytes_per_uid; 0 = none.",
      "", ""},
     {"ckpt_uid_disk_used_bytes", "gauge",
-     "Layer files plus index records held by each uid's jobs (bounded series count).", "uid", ""},
+     "Layer files plus index records held by each uid's jobs, and the replicas this node keeps "
+     "for the uid's jobs on other nodes (bounded series count).",
+     "uid", ""},
     {"ckpt_uid_index_used_bytes", "gauge",
      "Index records held or reserved by each uid's jobs (bounded series count).", "uid", ""},
     {"ckpt_index_degraded", "gauge",

@@ -12,6 +12,11 @@ network namespaces (netns.py), two racks, two copies of every version
    starts again on node D, which never held anything of the job: D finds
    the rank at A's peers, restores bit-exact what A's trainer logged, and
    places its own copies from the job's new nodes (D, B, C).
+3. Replicas count against their owner's quota on the peer: node B,
+   restarted with max_disk_bytes_per_uid just above what the uid holds
+   there, refuses the replicas of a job that would pass it (D's peer
+   error says so), the uid's usage on B stays within the quota, and the
+   job's other copy (on C) keeps up.
 """
 
 import os
@@ -20,7 +25,7 @@ import sys
 
 import harness
 import netns
-from test_peer import LAYERS, LAYER_BYTES, PORT, Node, ctl_jobs, restore, train
+from test_peer import LAYERS, LAYER_BYTES, PORT, Node, ctl_jobs, metric, restore, train
 
 RACKS = {"node-a": "r1", "node-b": "r1", "node-c": "r2", "node-d": "r2"}
 
@@ -98,6 +103,29 @@ def main():
                           "%s holds D's newest step of rank 0" % m)
         print("node A lost: rank 0 restored bit-exact on D from its peers, copies now on %s" %
               ", ".join(placed))
+
+        # 3. The uid's quota on B bounds the replicas it keeps for the uid.
+        b = nodes["node-b"]
+        used = metric(cluster, "node-b", b.d, "ckpt_uid_disk_used_bytes", 'uid="%d"' % os.getuid())
+        limit = int(used) + (6 << 20)
+        b.d.stop()
+        b.d.args.append("--max_disk_bytes_per_uid=%d" % limit)
+        b.d.start()
+        log = os.path.join(root, "flood.jsonl")
+        train(d, "flood", log, "all", 8, "--job-nodes=node-d,node-b,node-c")
+        harness.check(ctl_jobs(d)["flood"]["peer_nodes"] == ["node-b", "node-c"],
+                      "the flood is placed on B and C")
+        harness.wait_for(lambda: "max_disk_bytes_per_uid" in d.ctl("status")["peer_error"], 120,
+                         "B refuses replicas past the uid's quota")
+        print("D: " + d.ctl("status")["peer_error"])
+        harness.wait_for(lambda: 8 in manifests(os.path.join(root, "node-c"), "flood", 0), 120,
+                         "C keeps the job's other copy up to date")
+        held = metric(cluster, "node-b", b.d, "ckpt_uid_disk_used_bytes",
+                      'uid="%d"' % os.getuid())
+        harness.check(held <= limit, "the uid holds %d bytes on B, within its quota of %d" %
+                      (held, limit))
+        harness.check(8 not in manifests(os.path.join(root, "node-b"), "flood", 0),
+                      "B did not take the step past the quota")
         print("PASS")
         return 0
     finally:
