@@ -136,9 +136,10 @@ constexpr MetricInfo kCounterTable[] = {
      "Bytes of replicas this ckptd stored for its peers.", "", ""},
     {"ckpt_peer_replica_refused_total", "counter",
      "Replica calls refused from peers, by reason: unknown_peer (no certificate, or a name not "
-     "in peer_allow), full (the peer's share or the replica store's bound), bad_request (a bad "
-     "key, or bytes that do not match the announced size).",
-     "reason", "unknown_peer,full,bad_request"},
+     "in peer_allow), full (the peer's share, the replica store's bound or the job owner's "
+     "quota), bad_request (a bad key, or bytes that do not match the announced size), idle (a "
+     "call that moved nothing for peer_timeout_ms, cancelled).",
+     "reason", "unknown_peer,full,bad_request,idle"},
 };
 
 constexpr MetricInfo kGaugeTable[] = {

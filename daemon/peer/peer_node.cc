@@ -96,6 +96,7 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     ReplicaServerOptions ro;
     ro.listen = config.listen;
     ro.tls = tls;
+    ro.idle_timeout = absl::Milliseconds(config.timeout_ms);
     for (absl::string_view n : absl::StrSplit(config.allow, ',', absl::SkipWhitespace())) {
       ro.allowed_peers.insert(std::string(absl::StripAsciiWhitespace(n)));
     }

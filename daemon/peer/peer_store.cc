@@ -17,6 +17,10 @@
 namespace ckpt::peer {
 namespace {
 
+// The most keys one List takes in (a rank's objects and manifests are a few
+// per layer and step kept).
+constexpr size_t kMaxListed = 10000000;
+
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
@@ -264,16 +268,29 @@ absl::StatusOr<std::string> PeerStore::GetBytes(const std::string& key, uint64_t
 }
 
 absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::string& prefix) {
-  Call call(this, DeadlineFor(0));
-  grpc::ClientContext& ctx = call.ctx;
+  std::vector<remote::ObjectInfo> out;
   v1::ListRequest req;
   req.set_prefix(prefix);
-  v1::ListReply reply;
-  CKPT_RETURN_IF_ERROR(
-      FromGrpc(stub_->Control()->List(&ctx, req, &reply), absl::StrCat("list ", Describe())));
-  std::vector<remote::ObjectInfo> out;
-  for (const v1::ObjectEntry& e : reply.objects()) out.push_back({e.key(), e.size()});
-  return out;
+  for (;;) {
+    Call call(this, DeadlineFor(0));
+    v1::ListReply reply;
+    CKPT_RETURN_IF_ERROR(FromGrpc(stub_->Control()->List(&call.ctx, req, &reply),
+                                  absl::StrCat("list ", Describe())));
+    for (const v1::ObjectEntry& e : reply.objects()) {
+      // Pages come in key order; a peer that sends otherwise (or without
+      // end) is not followed.
+      if (e.key() <= req.start_after() || out.size() >= kMaxListed) {
+        return absl::DataLossError(
+            absl::StrCat("list ", Describe(), ": keys out of order or past ", kMaxListed));
+      }
+      out.push_back({e.key(), e.size()});
+    }
+    if (!reply.truncated()) return out;
+    if (reply.objects().empty()) {
+      return absl::DataLossError(absl::StrCat("list ", Describe(), ": an empty page said more"));
+    }
+    req.set_start_after(reply.objects().rbegin()->key());
+  }
 }
 
 absl::Status PeerStore::Delete(const std::string& key) {

@@ -3,9 +3,13 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/resource_quota.h>
 
+#include <algorithm>
+#include <map>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
@@ -29,7 +33,37 @@ grpc::Status ToGrpc(const absl::Status& s) {
 class ReplicaServer::Service final : public v1::Replica::Service {
  public:
   Service(ReplicaServerOptions options, ReplicaStore* store, Metrics* metrics)
-      : options_(std::move(options)), store_(store), metrics_(metrics) {}
+      : options_(std::move(options)), store_(store), metrics_(metrics) {
+    watchdog_ = std::thread([this] { WatchLoop(); });
+  }
+  ~Service() override {
+    {
+      absl::MutexLock lock(&watch_mu_);
+      stop_ = true;
+    }
+    watchdog_.join();
+  }
+
+  // A call that moves bytes, watched for progress while it lives.
+  class Watch {
+   public:
+    Watch(Service* s, grpc::ServerContext* ctx) : s_(s), ctx_(ctx) {
+      absl::MutexLock lock(&s_->watch_mu_);
+      s_->active_[ctx_] = absl::Now();
+    }
+    ~Watch() {
+      absl::MutexLock lock(&s_->watch_mu_);
+      s_->active_.erase(ctx_);
+    }
+    void Moved() {
+      absl::MutexLock lock(&s_->watch_mu_);
+      s_->active_[ctx_] = absl::Now();
+    }
+
+   private:
+    Service* const s_;
+    grpc::ServerContext* const ctx_;
+  };
 
   grpc::Status Put(grpc::ServerContext* ctx, grpc::ServerReader<v1::PutChunk>* reader,
                    v1::PutReply*) override {
@@ -49,8 +83,10 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     }
     // The first message's bytes first, then each further message's.
     bool first = true;
+    Watch watch(this, ctx);
     absl::Status s = store_->Receive(peer, key, size, if_absent, [&](std::string_view* piece) {
       if (!std::exchange(first, false) && !reader->Read(&chunk)) return false;
+      watch.Moved();
       *piece = chunk.data();
       return true;
     });
@@ -71,6 +107,7 @@ class ReplicaServer::Service final : public v1::Replica::Service {
       return Refuse("bad_request", s);
     v1::DataChunk chunk;
     bool first = true;
+    Watch watch(this, ctx);
     absl::Status s = store_->Read(req->key(), req->max_bytes(), options_.chunk_bytes,
                                   [&](uint64_t size, std::string_view piece) {
                                     if (std::exchange(first, false))
@@ -81,6 +118,7 @@ class ReplicaServer::Service final : public v1::Replica::Service {
                                     if (!writer->Write(chunk)) {
                                       return absl::CancelledError("the peer left");
                                     }
+                                    watch.Moved();
                                     return absl::OkStatus();
                                   });
     if (!s.ok()) return ToGrpc(s);
@@ -91,13 +129,17 @@ class ReplicaServer::Service final : public v1::Replica::Service {
                     v1::ListReply* reply) override {
     std::string peer;
     if (grpc::Status s = Authenticate(ctx, &peer); !s.ok()) return s;
-    absl::StatusOr<std::vector<remote::ObjectInfo>> objects = store_->List(req->prefix());
-    if (!objects.ok()) return ToGrpc(objects.status());
-    for (const remote::ObjectInfo& o : *objects) {
+    // A page at a time: a reply's size is bounded whatever the store holds.
+    const size_t page = std::max<size_t>(1, options_.list_page);
+    const size_t max = req->max_keys() == 0 ? page : std::min<size_t>(req->max_keys(), page);
+    bool more = false;
+    for (const remote::ObjectInfo& o :
+         store_->ListPage(req->prefix(), req->start_after(), max, &more)) {
       v1::ObjectEntry* e = reply->add_objects();
       e->set_key(o.key);
       e->set_size(o.size);
     }
+    reply->set_truncated(more);
     return grpc::Status::OK;
   }
 
@@ -135,9 +177,32 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     return ToGrpc(s);
   }
 
+  // Cancels the calls that moved nothing for idle_timeout.
+  void WatchLoop() {
+    const absl::Duration tick =
+        std::min(absl::Seconds(1), std::max(absl::Milliseconds(10), options_.idle_timeout / 4));
+    absl::MutexLock lock(&watch_mu_);
+    auto stopped = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watch_mu_) { return stop_; };
+    while (!watch_mu_.AwaitWithTimeout(absl::Condition(&stopped), tick)) {
+      const absl::Time now = absl::Now();
+      for (auto& [ctx, last] : active_) {
+        if (now - last < options_.idle_timeout) continue;
+        CKPT_LOG(WARNING) << "replica call from " << ctx->peer() << " moved nothing for "
+                          << options_.idle_timeout << "; cancelled";
+        if (metrics_ != nullptr) metrics_->Inc(Counter::kPeerReplicaRefused, "idle", 1);
+        ctx->TryCancel();
+        last = absl::InfiniteFuture();  // once
+      }
+    }
+  }
+
   const ReplicaServerOptions options_;
   ReplicaStore* const store_;
   Metrics* const metrics_;
+  absl::Mutex watch_mu_;
+  std::map<grpc::ServerContext*, absl::Time> active_ ABSL_GUARDED_BY(watch_mu_);  // last move
+  bool stop_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watchdog_;
 };
 
 absl::StatusOr<std::unique_ptr<ReplicaServer>> ReplicaServer::Start(ReplicaServerOptions options,

@@ -7,8 +7,8 @@
 // store; a refused peer is told PERMISSION_DENIED and counted. A Put is
 // bounded before its bytes arrive (its declared size against the peer's
 // share and the store's bound), and its bytes must be exactly that size.
-// gRPC's own threads serve the calls (at most `max_threads`); the server
-// owns no other state than the service.
+// gRPC's own threads serve the calls (at most `max_threads`); one thread of
+// the server's cancels a Put or Get that moved nothing for `idle_timeout`.
 //
 // Thread-safety: Start once, Shutdown once; the calls are thread-safe.
 #pragma once
@@ -36,6 +36,11 @@ struct ReplicaServerOptions {
   std::set<std::string> allowed_peers;  // common names; empty: any the CA signed
   int max_threads = 16;
   uint32_t chunk_bytes = 1 << 20;  // Get's chunks
+  // A Put or Get that moves no message for this long is cancelled, so a
+  // peer that stops sending or reading mid-call cannot hold a server
+  // thread (whatever deadline it set).
+  absl::Duration idle_timeout = absl::Seconds(30);
+  size_t list_page = 10000;  // keys in one List reply (each at most 1 KiB)
 };
 
 class ReplicaServer {

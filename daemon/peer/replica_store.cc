@@ -443,10 +443,23 @@ absl::StatusOr<std::string> ReplicaStore::Get(const std::string& key, uint64_t m
 }
 
 absl::StatusOr<std::vector<remote::ObjectInfo>> ReplicaStore::List(const std::string& prefix) {
+  bool more = false;
+  return ListPage(prefix, "", ~size_t{0}, &more);
+}
+
+std::vector<remote::ObjectInfo> ReplicaStore::ListPage(const std::string& prefix,
+                                                       const std::string& start_after, size_t max,
+                                                       bool* more) {
   std::vector<remote::ObjectInfo> out;
+  *more = false;
   absl::MutexLock lock(&mu_);
-  for (auto it = objects_.lower_bound(prefix);
-       it != objects_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+  auto it = start_after.empty() || start_after < prefix ? objects_.lower_bound(prefix)
+                                                        : objects_.upper_bound(start_after);
+  for (; it != objects_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+    if (out.size() == max) {
+      *more = true;
+      break;
+    }
     out.push_back(remote::ObjectInfo{it->first, it->second.size});
   }
   return out;

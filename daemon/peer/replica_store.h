@@ -129,6 +129,11 @@ class ReplicaStore {
   // Read into one string.
   absl::StatusOr<std::string> Get(const std::string& key, uint64_t max_bytes);
   absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix);
+  // At most `max` objects of List(prefix) whose keys come after
+  // `start_after` ("" = from the first); *more says whether others follow.
+  std::vector<remote::ObjectInfo> ListPage(const std::string& prefix,
+                                           const std::string& start_after, size_t max, bool* more)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Delete(const std::string& key);
 
   ReplicaTotals Totals();

@@ -4,14 +4,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/unique_fd.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/peer/peer_store.h"
 #include "daemon/peer/replica_server.h"
 #include "daemon/peer/replica_store.h"
@@ -221,6 +224,81 @@ TEST_F(PeerTransportTest, AServerWithAnotherNameIsNotTrusted) {
   absl::Status s = a->PutBytes("jobs/j/owner", "mine", false);
   EXPECT_TRUE(HasCode(s, absl::StatusCode::kUnavailable)) << s;
   EXPECT_EQ(store_->Totals().objects, 0u);
+}
+
+// A List is answered a page at a time, however many objects there are, and
+// the client follows the pages to the end, in key order.
+TEST_F(PeerTransportTest, ListsComeInPages) {
+  ReplicaServerOptions ro;
+  ro.listen = "127.0.0.1:0";
+  ro.tls = pki_.Issue("node-b");
+  ro.list_page = 7;
+  auto server = ReplicaServer::Start(ro, store_.get(), nullptr);
+  ASSERT_TRUE(server.ok()) << server.status();
+  PeerStoreOptions o;
+  o.address = absl::StrCat("127.0.0.1:", (*server)->port());
+  o.server_name = "node-b";
+  o.tls = pki_.Issue("node-a");
+  PeerStore a(o);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 25; ++i) {
+    keys.push_back(absl::StrCat("jobs/j/rank-00000000/v/", 100 + i));
+    ASSERT_TRUE(a.PutBytes(keys.back(), "x", false).ok());
+  }
+  ASSERT_TRUE(a.PutBytes("jobs/k/rank-00000000/v/other", "y", false).ok());
+  auto listed = a.List("jobs/j/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::vector<std::string> got;
+  for (const remote::ObjectInfo& i : *listed) got.push_back(i.key);
+  EXPECT_EQ(got, keys);
+}
+
+// A peer that stops sending in the middle of a Put (here: a client held
+// at its pacing) is cancelled by the server once nothing moved for
+// idle_timeout, whatever the deadline it set; nothing is stored.
+TEST_F(PeerTransportTest, AnIdleCallIsCancelled) {
+  Metrics metrics;
+  ReplicaServerOptions ro;
+  ro.listen = "127.0.0.1:0";
+  ro.tls = pki_.Issue("node-b");
+  ro.idle_timeout = absl::Milliseconds(200);
+  auto server = ReplicaServer::Start(ro, store_.get(), &metrics);
+  ASSERT_TRUE(server.ok()) << server.status();
+  PeerStoreOptions o;
+  o.address = absl::StrCat("127.0.0.1:", (*server)->port());
+  o.server_name = "node-b";
+  o.tls = pki_.Issue("node-a");
+  o.chunk_bytes = 64 << 10;
+  o.call_timeout = absl::Minutes(10);
+  PeerStore a(o);
+  auto idle_refused = [&metrics] {
+    return absl::StrContains(metrics.Scrape(),
+                             "ckpt_peer_replica_refused_total{reason=\"idle\"} 1");
+  };
+  SyncPoint* sp = SyncPoint::GetInstance();
+  std::atomic<int> paced{0};
+  std::atomic<bool> seen{false};
+  // The second chunk waits until the server has given up on the call.
+  sp->SetCallBack("peer.before_pace", [&](void*) {
+    if (paced.fetch_add(1) != 1) return;
+    for (absl::Time deadline = absl::Now() + absl::Seconds(30); absl::Now() < deadline;) {
+      if (idle_refused()) {
+        seen = true;
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(10));  // a poll with a deadline
+    }
+  });
+  sp->EnableProcessing();
+  const absl::Status put =
+      a.PutBytes("jobs/j/rank-00000000/stalled", std::string(128 << 10, 's'), false);
+  sp->DisableProcessing();
+  sp->ClearAllCallBacks();
+  EXPECT_TRUE(seen);
+  EXPECT_TRUE(HasCode(put, absl::StatusCode::kCancelled)) << put;
+  EXPECT_TRUE(
+      HasCode(store_->Get("jobs/j/rank-00000000/stalled", 1 << 20), absl::StatusCode::kNotFound));
+  EXPECT_TRUE(a.PutBytes("jobs/j/rank-00000000/after", "x", false).ok());
 }
 
 }  // namespace
