@@ -239,8 +239,12 @@ const std::vector<Option>& PeerOptions() {
           "deadline of each call to the peer, plus its bytes' time at its share of "
           "peer_rate_bytes (8 MiB/s without a cap)",
           CKPT_FIELD(peer.timeout_ms), 100, 3600000),
-      Num("peer_upload_threads", "layer versions replicated to the peer at once",
+      Num("peer_upload_threads", "layer versions replicated to each peer node at once",
           CKPT_FIELD(engine.peer.upload_threads), 1, 64),
+      Num("peer_max_pending_events",
+          "per rank, the oldest checkpoint events not yet on every peer node placed for it that "
+          "local GC keeps (as remote_max_pending_events for the remote tier)",
+          CKPT_FIELD(engine.peer.max_pending_events), 1, 1 << 20),
   };
   return *options;
 }
