@@ -1,6 +1,9 @@
 // RemoteTier's pulls: a replacement node copies a rank's newest usable
 // history from the remote tier into its local store.
 #include <algorithm>
+#include <atomic>
+#include <set>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -298,52 +301,96 @@ absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::Versi
 absl::StatusOr<bool> RemoteTier::AdoptManifest(
     PullState* pull, const store::RemoteManifest& m,
     std::vector<std::pair<VersionKey, store::LostVersion>>* damaged) {
-  bool whole = true;
   const auto& [job, rank] = pull->key;
   const QuotaOwner quota_owner{m.owner_uid(), job};
-  // Its versions, each checked before its record is put.
-  for (const store::RemoteVersion& v : m.versions()) {
-    if (pull->have.count(v.record().file()) > 0) continue;
-    const uint64_t n = v.record().file_bytes();
-    CKPT_RETURN_IF_ERROR(deps_.quota->ReserveVersion(quota_owner, n));
-    if (absl::Status room = deps_.disk->Reserve(n); !room.ok()) {
-      deps_.quota->ReleaseVersion(quota_owner, n);
-      return room;
-    }
-    const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
-    const VersionKey vk{job, rank, v.layer(), v.step()};
+  // The versions not here yet, their room reserved before anything moves.
+  struct Fetch {
+    const store::RemoteVersion* v;
     absl::Status fetched;  // what the store said, apart from the local checks
-    absl::Status ok =
-        deps_.store->Adopt(vk, v.record(), FetchObject(okey, n, v.object_mac(), &fetched));
-    if (!ok.ok()) {
-      deps_.disk->Release(n);
-      deps_.quota->ReleaseVersion(quota_owner, n);
-      NoteFailure(ok, absl::StrCat("reading ", okey), pull->caller.uid);
-      // Unusable only when the object is missing or is not what ckptd wrote
-      // (it did not check, or the store says it is not an object: a FIFO in
-      // its place); a flaky store or a local error is no reason to give the
-      // step up.
-      const bool bad = fetched.ok() ? absl::IsDataLoss(ok)
-                                    : absl::IsNotFound(fetched) || absl::IsDataLoss(fetched);
-      if (!bad) {
-        CKPT_RETURN_IF_ERROR(pull->GiveUp(ok));  // OK: nothing of the pull stays
-        return false;
-      }
-      CKPT_LOG(WARNING) << name() << " tier: step " << m.step() << " of job " << job << " rank "
-                        << rank << " is not restorable whole from there: " << ok;
-      whole = false;
-      if (damaged == nullptr) return false;
-      damaged->emplace_back(
-          vk, LostRecord(v.record(), absl::StrCat("the ", name(), " tier's object is damaged: ",
-                                                  (fetched.ok() ? ok : fetched).message())));
+    absl::Status adopted;
+  };
+  std::vector<Fetch> fetches;
+  std::set<std::string> listed;
+  auto release = [&](const Fetch& f) {
+    deps_.disk->Release(f.v->record().file_bytes());
+    deps_.quota->ReleaseVersion(quota_owner, f.v->record().file_bytes());
+  };
+  for (const store::RemoteVersion& v : m.versions()) {
+    if (pull->have.count(v.record().file()) > 0 || !listed.insert(v.record().file()).second) {
       continue;
     }
+    const uint64_t n = v.record().file_bytes();
+    absl::Status room = deps_.quota->ReserveVersion(quota_owner, n);
+    if (room.ok()) {
+      room = deps_.disk->Reserve(n);
+      if (!room.ok()) deps_.quota->ReleaseVersion(quota_owner, n);
+    }
+    if (!room.ok()) {
+      for (const Fetch& f : fetches) release(f);
+      return room;
+    }
+    fetches.push_back(Fetch{&v, {}, {}});
+  }
+  // Fetched `upload_threads` at once, each checked before its record is
+  // put (LayerStore::Adopt): a pull moves a step's versions side by side,
+  // as the uploader does.
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < fetches.size();) {
+      Fetch& f = fetches[i];
+      const store::RemoteVersion& v = *f.v;
+      const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
+      f.adopted = deps_.store->Adopt(
+          VersionKey{job, rank, v.layer(), v.step()}, v.record(),
+          FetchObject(okey, v.record().file_bytes(), v.object_mac(), &f.fetched));
+    }
+  };
+  const size_t n = std::min<size_t>(std::max(1u, options_.upload_threads), fetches.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
+  worker();
+  for (std::thread& t : threads) t.join();
+  // What came: every adopted version joins the pull (so a failed pull
+  // removes it), then the failures in the manifest's order.
+  for (const Fetch& f : fetches) {
+    if (!f.adopted.ok()) continue;
+    const store::RemoteVersion& v = *f.v;
     pull->have.insert(v.record().file());
     if (pull->usable.empty()) pull->owner = m.owner_uid();
-    pull->adopted.emplace_back(vk, v.record());
-    pull->pulled_bytes += n;
-    if (Metrics* mm = deps_.metrics)
-      mm->Inc(options_.metric_ids.pulled_bytes, static_cast<double>(n));
+    pull->adopted.emplace_back(VersionKey{job, rank, v.layer(), v.step()}, v.record());
+    pull->pulled_bytes += v.record().file_bytes();
+    if (Metrics* mm = deps_.metrics) {
+      mm->Inc(options_.metric_ids.pulled_bytes, static_cast<double>(v.record().file_bytes()));
+    }
+  }
+  bool whole = true;
+  for (const Fetch& f : fetches) {
+    if (f.adopted.ok()) continue;
+    const store::RemoteVersion& v = *f.v;
+    const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
+    release(f);
+    NoteFailure(f.adopted, absl::StrCat("reading ", okey), pull->caller.uid);
+    // Unusable only when the object is missing or is not what ckptd wrote
+    // (it did not check, or the store says it is not an object: a FIFO in
+    // its place); a flaky store or a local error is no reason to give the
+    // step up.
+    const bool bad = f.fetched.ok() ? absl::IsDataLoss(f.adopted)
+                                    : absl::IsNotFound(f.fetched) || absl::IsDataLoss(f.fetched);
+    if (!bad) {
+      for (const Fetch& later : fetches) {
+        if (&later > &f && !later.adopted.ok()) release(later);
+      }
+      CKPT_RETURN_IF_ERROR(pull->GiveUp(f.adopted));  // OK: nothing of the pull stays
+      return false;
+    }
+    CKPT_LOG(WARNING) << name() << " tier: step " << m.step() << " of job " << job << " rank "
+                      << rank << " is not restorable whole from there: " << f.adopted;
+    whole = false;
+    if (damaged == nullptr) continue;
+    damaged->emplace_back(
+        VersionKey{job, rank, v.layer(), v.step()},
+        LostRecord(v.record(), absl::StrCat("the ", name(), " tier's object is damaged: ",
+                                            (f.fetched.ok() ? f.adopted : f.fetched).message())));
   }
   return whole;
 }

@@ -243,19 +243,13 @@ absl::StatusOr<uint64_t> PeerStore::GetToFile(const std::string& key, int fd, ui
 
 absl::StatusOr<uint64_t> PeerStore::GetToFileObserved(const std::string& key, int fd,
                                                       uint64_t max_bytes, const Observer& observe) {
-  uint64_t off = 0;
-  return Get(key, max_bytes, [&](std::string_view data) {
-    if (observe) CKPT_RETURN_IF_ERROR(observe(data));
-    size_t done = 0;
-    while (done < data.size()) {
-      ssize_t w = pwrite(fd, data.data() + done, data.size() - done, static_cast<off_t>(off));
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return ErrnoStatus(errno, "write a pulled version");
-      done += static_cast<size_t>(w);
-      off += static_cast<uint64_t>(w);
-    }
-    return absl::OkStatus();
-  });
+  CKPT_ASSIGN_OR_RETURN(remote::SequentialFileWriter out, remote::SequentialFileWriter::Open(fd));
+  CKPT_ASSIGN_OR_RETURN(const uint64_t size, Get(key, max_bytes, [&](std::string_view data) {
+                          if (observe) CKPT_RETURN_IF_ERROR(observe(data));
+                          return out.Append(data);
+                        }));
+  CKPT_RETURN_IF_ERROR(out.Finish());
+  return size;
 }
 
 absl::StatusOr<std::string> PeerStore::GetBytes(const std::string& key, uint64_t max_bytes) {

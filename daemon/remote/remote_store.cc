@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +68,72 @@ absl::StatusOr<std::string_view> SequentialFileReader::Read(uint64_t offset, siz
     }
   }
   return std::string_view(buf_, n);
+}
+
+namespace {
+constexpr size_t kWriteBlock = 1 << 20;
+}  // namespace
+
+absl::StatusOr<SequentialFileWriter> SequentialFileWriter::Open(int fd) {
+  SequentialFileWriter w;
+  w.fd_ = fd;
+  w.buf_ = static_cast<char*>(std::aligned_alloc(kAlign, kWriteBlock));
+  if (w.buf_ == nullptr) return absl::ResourceExhaustedError("no memory for a write buffer");
+  const std::string self = absl::StrCat("/proc/self/fd/", fd);
+  w.direct_ = open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  return w;
+}
+
+SequentialFileWriter& SequentialFileWriter::operator=(SequentialFileWriter&& other) noexcept {
+  if (this != &other) {
+    if (direct_ >= 0) close(direct_);
+    std::free(buf_);
+    fd_ = other.fd_;
+    direct_ = std::exchange(other.direct_, -1);
+    buf_ = std::exchange(other.buf_, nullptr);
+    used_ = other.used_;
+    done_ = other.done_;
+  }
+  return *this;
+}
+
+SequentialFileWriter::~SequentialFileWriter() {
+  if (direct_ >= 0) close(direct_);
+  std::free(buf_);
+}
+
+absl::Status SequentialFileWriter::Flush(size_t n, bool direct) {
+  const int fd = direct ? direct_ : fd_;
+  size_t off = 0;
+  while (off < n) {
+    ssize_t w = pwrite(fd, buf_ + off, n - off, static_cast<off_t>(done_ + off));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return ErrnoStatus(errno, "write an object's bytes");
+    off += static_cast<size_t>(w);
+  }
+  done_ += n;
+  std::memmove(buf_, buf_ + n, used_ - n);
+  used_ -= n;
+  return absl::OkStatus();
+}
+
+absl::Status SequentialFileWriter::Append(std::string_view data) {
+  while (!data.empty()) {
+    const size_t n = std::min(data.size(), kWriteBlock - used_);
+    std::memcpy(buf_ + used_, data.data(), n);
+    used_ += n;
+    data.remove_prefix(n);
+    if (used_ == kWriteBlock) CKPT_RETURN_IF_ERROR(Flush(kWriteBlock, direct_ >= 0));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequentialFileWriter::Finish() {
+  // The whole blocks direct, the rest buffered.
+  const size_t whole = direct_ >= 0 ? used_ / kAlign * kAlign : 0;
+  if (whole > 0) CKPT_RETURN_IF_ERROR(Flush(whole, true));
+  if (used_ > 0) CKPT_RETURN_IF_ERROR(Flush(used_, false));
+  return absl::OkStatus();
 }
 
 absl::Status ObserveFile(int fd, uint64_t size, const RemoteStore::Observer& observe) {
