@@ -26,8 +26,10 @@ import json
 import sys
 
 # Every input, with where it comes from. "measured": this repository's docs,
-# on its 2-core VM; "record": the public failure record; "assumed": a cluster
-# figure the user should replace with their own (--scenario).
+# on its 2-core VM, taken as each node's figure with every node of the job
+# at it at once (that scaling is assumed); "record": the public failure
+# record; "assumed": a cluster figure the user should replace with their own
+# (--scenario).
 DEFAULT = {
     "record": {
         "what": "Llama 3 405B pre-training, 54 days on 16,384 H100 GPUs: 419 unexpected "
@@ -61,13 +63,25 @@ DEFAULT = {
         "memory_restore_gbps": 1.64,
         "object_pull_gbps": 0.39,
         "object_upload_gbps": 0.225,
+        # docs/peer.md, "Figures": one 256 MiB step replicated to one peer
+        # node at 0.668 GB/s (its ckpt_peer_upload_seconds; both nodes on this
+        # VM's two cores and one virtual disk); a replacement node's register
+        # + pull + restore of that step in 0.99 s from the peer against 1.12 s
+        # from radosgw, in the same run. The peer's pull is taken as the
+        # object store's pull rate times that ratio.
+        "peer_replication_gbps": 0.668,
+        "recovery_from_peer_s": 0.99,
+        "recovery_from_object_store_s": 1.12,
+        # The same page: the trainer's mean StepDone 2.30 ms with replication
+        # against 0.73 ms without (trainer and both ckptd on two cores),
+        # counted as blocked per save, not scaled: StepDone only queues the
+        # step.
+        "peer_stepdone_extra_s": 0.00157,
     },
     "cluster": {
         "local_disk_write_gbps": 2.0,       # assumed: one NVMe per node
         "storage_write_gbps": 2.0,          # assumed: shared file system, per node
         "storage_read_gbps": 4.0,           # assumed: shared file system, per node
-        "peer_replication_gbps": 1.0,       # assumed: ckptd's rate cap to its peer
-        "peer_restore_gbps": 12.5,          # assumed: 100 Gb/s from a peer's memory
     },
     "systems": {
         "dcp_every_steps": [100],
@@ -107,6 +121,14 @@ def trailing(local, transfer, every):
     return local + (transfer if transfer <= every else 1.5 * transfer)
 
 
+def peer_pull_gbps(m):
+    """A replacement node's pull from a peer: the object store's pull rate
+    times the ratio of the two recoveries measured in one run. Both times
+    include the same register and restore from the local copy, so the ratio
+    of the pulls alone is larger than this one."""
+    return m["object_pull_gbps"] * m["recovery_from_object_store_s"] / m["recovery_from_peer_s"]
+
+
 def systems(s):
     """Per system: stall per save, save interval, and per failure kind the
     (restore seconds, lag seconds) of the copy it restores from."""
@@ -130,9 +152,10 @@ def systems(s):
         out["ckptd every %d steps, memory + disk + object store" % n] = dict(
             common, node_lost=(node_gb / m["object_pull_gbps"],
                                trailing(local, node_gb / m["object_upload_gbps"], every)))
-        out["ckptd every %d steps, with a peer replica (modelled)" % n] = dict(
-            common, node_lost=(node_gb / c["peer_restore_gbps"],
-                               trailing(local, node_gb / c["peer_replication_gbps"], every)))
+        out["ckptd every %d steps, with a peer replica" % n] = dict(
+            common, stall_s=common["stall_s"] + m["peer_stepdone_extra_s"],
+            node_lost=(node_gb / peer_pull_gbps(m),
+                       trailing(local, node_gb / m["peer_replication_gbps"], every)))
     return out
 
 
