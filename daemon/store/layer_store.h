@@ -99,14 +99,14 @@ struct VersionRead {
 struct CommitTimings {
   double hash_seconds = 0;   // checksums and the header
   double write_seconds = 0;  // data written and every completion reaped
-  double sync_seconds = 0;   // fdatasync of the data
+  double sync_seconds = 0;   // fdatasync of the data (its publish group's, at once)
   double total_seconds = 0;  // temp file created .. index record written
 };
 
-// A version whose bytes are durable in its temp file (written and
-// fdatasync'ed), not yet visible: what LayerStore::Write hands to
-// LayerStore::Publish. Its staging lease may be written again once this
-// exists.
+// A version whose bytes are written to its temp file, not yet fdatasync'ed
+// nor visible: what LayerStore::Write hands to LayerStore::Publish, which
+// makes it durable and then visible. Its staging lease may be written
+// again once this exists (the bytes reached the file).
 struct WrittenVersion {
   VersionKey key;
   std::shared_ptr<const UniqueFd> dir;  // the rank directory, held open
@@ -166,17 +166,22 @@ class LayerStore {
   absl::StatusOr<store::VersionRecord> Commit(StagedVersion* v, IoBackend* io,
                                               CommitTimings* timings = nullptr);
   // Its first half: the temp file created and allocated, the payload written
-  // with its checksums computed meanwhile, then the header, then fdatasync.
-  // On failure the temp file is removed.
+  // with its checksums computed meanwhile, then the header. On failure the
+  // temp file is removed.
   absl::StatusOr<WrittenVersion> Write(StagedVersion* v, IoBackend* io);
-  // Its second half, for a group: each version's rename (in the group's
-  // order), then one fsync of each rank directory the group renamed into,
-  // then one synchronous index batch with every record.
+  // Its second half, for a group: every version's fdatasync (at once, up to
+  // kSyncThreads), then each version's rename (in the group's order), then
+  // one fsync of each rank directory the group renamed into, then one
+  // synchronous index batch with every record. A writer's fdatasync used to
+  // end its Write, where it left the disk idle for that writer while the
+  // disk flushed: on a disk whose flushes are slow, ckpt_bench's writers
+  // spent a quarter of their time there (docs/throughput.md).
   // Returns one result per version, in the group's order, and fills in each
   // version's timings. A version that fails leaves nothing visible: its temp
   // file, or its file under the final name when the directory fsync or the
   // index write failed, is removed.
   std::vector<absl::StatusOr<store::VersionRecord>> Publish(std::vector<WrittenVersion>* group);
+  static constexpr size_t kSyncThreads = 8;
 
   // Reads the file of `rec`, checks it belongs to `key` and `rec`, verifies
   // every tensor checksum. DATA_LOSS on any mismatch or short file; the lease
@@ -298,6 +303,9 @@ class LayerStore {
       ABSL_LOCKS_EXCLUDED(dir_mu_, mu_);
   // Closes and removes the temp file `tmp_name` of a version that failed.
   void DropTemp(int dir, UniqueFd* fd, const std::string& tmp_name);
+  // Publish's first step: each version's fdatasync, kSyncThreads at once;
+  // one status per version, and every version's sync_seconds set.
+  std::vector<absl::Status> SyncData(std::vector<WrittenVersion>* group);
   // Adopt's and Replace's first half: `fill` into the new temp file
   // `tmp_name`, synced, closed and checked as the version `rec` names;
   // removed again on failure.

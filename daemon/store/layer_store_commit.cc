@@ -2,7 +2,9 @@
 // durable in a temp file; Publish, the group's names and records made
 // durable and visible; Commit, both for one version -- and Remove, which
 // takes a committed version away again.
+#include <atomic>
 #include <map>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -94,13 +96,10 @@ absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io
       !s.ok()) {
     return fail(s);
   }
-  const absl::Time sync_start = absl::Now();
-  w.timings.write_seconds = absl::ToDoubleSeconds(sync_start - write_start);
+  w.timings.write_seconds = absl::ToDoubleSeconds(absl::Now() - write_start);
   CKPT_KILL_POINT("commit.after_write");
-  // A failed fdatasync is final for this data: fail the version, never retry.
-  if (absl::Status s = fs_->DataSync(w.fd.get()); !s.ok()) return fail(s, ErrorReason::kFsync);
-  w.timings.sync_seconds = absl::ToDoubleSeconds(absl::Now() - sync_start);
-  CKPT_KILL_POINT("commit.after_datasync");
+  // Its fdatasync comes in Publish, with the group's others: the writer
+  // goes on with the next version's bytes meanwhile.
 
   store::VersionRecord& rec = w.record;
   rec.set_file(final_name);
@@ -112,17 +111,46 @@ absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io
   return w;
 }
 
+std::vector<absl::Status> LayerStore::SyncData(std::vector<WrittenVersion>* group) {
+  std::vector<absl::Status> synced(group->size());
+  const absl::Time start = absl::Now();
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < group->size();) {
+      synced[i] = fs_->DataSync((*group)[i].fd.get());
+    }
+  };
+  const size_t n = std::min(group->size(), kSyncThreads);
+  std::vector<std::thread> threads;
+  for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
+  worker();
+  for (std::thread& t : threads) t.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  for (WrittenVersion& w : *group) w.timings.sync_seconds = seconds;
+  return synced;
+}
+
 std::vector<absl::StatusOr<store::VersionRecord>> LayerStore::Publish(
     std::vector<WrittenVersion>* group) {
   std::vector<absl::StatusOr<store::VersionRecord>> out;
   out.reserve(group->size());
-  // Each version's data is durable (Write): its file gets its final name.
-  for (WrittenVersion& w : *group) {
+  // First every version's data is made durable, the group's fdatasyncs at
+  // once (the file system's journal commits them together). A failed
+  // fdatasync is final for that data: the version fails, never retried.
+  const std::vector<absl::Status> synced = SyncData(group);
+  CKPT_KILL_POINT("commit.after_datasync");
+  // Then each file gets its final name.
+  for (size_t i = 0; i < group->size(); ++i) {
+    WrittenVersion& w = (*group)[i];
     const int dir = w.dir->get();
-    auto fail = [&](absl::Status s) {
+    auto fail = [&](absl::Status s, ErrorReason reason = ErrorReason::kWrite) {
       DropTemp(dir, &w.fd, w.tmp_name);
-      out.push_back(CommitFailure(std::move(s), ErrorReason::kWrite));
+      out.push_back(CommitFailure(std::move(s), reason));
     };
+    if (!synced[i].ok()) {
+      fail(synced[i], ErrorReason::kFsync);
+      continue;
+    }
     if (absl::Status s = w.fd.Close(); !s.ok()) {
       fail(s);
       continue;
