@@ -18,44 +18,33 @@ namespace {
 constexpr size_t kAlign = 4096;
 }  // namespace
 
-absl::StatusOr<SequentialFileReader> SequentialFileReader::Open(int fd, size_t piece_bytes) {
-  SequentialFileReader r;
-  r.fd_ = fd;
-  r.cap_ = std::max<size_t>(kAlign, (piece_bytes + kAlign - 1) / kAlign * kAlign);
-  r.buf_ = static_cast<char*>(std::aligned_alloc(kAlign, r.cap_));
-  if (r.buf_ == nullptr) return absl::ResourceExhaustedError("no memory for a read buffer");
+void DirectBuffer::Free::operator()(char* p) const { std::free(p); }
+
+absl::StatusOr<DirectBuffer> DirectBuffer::Open(int fd, int flags, size_t bytes) {
+  DirectBuffer b;
+  b.size_ = std::max<size_t>(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+  b.buf_.reset(static_cast<char*>(std::aligned_alloc(kAlign, b.size_)));
+  if (b.buf_ == nullptr) return absl::ResourceExhaustedError("no memory for an I/O buffer");
   const std::string self = absl::StrCat("/proc/self/fd/", fd);
-  r.direct_ = open(self.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-  return r;
+  b.direct_ = UniqueFd(open(self.c_str(), flags | O_DIRECT | O_CLOEXEC));
+  return b;
 }
 
-SequentialFileReader& SequentialFileReader::operator=(SequentialFileReader&& other) noexcept {
-  if (this != &other) {
-    if (direct_ >= 0) close(direct_);
-    std::free(buf_);
-    fd_ = other.fd_;
-    direct_ = std::exchange(other.direct_, -1);
-    buf_ = std::exchange(other.buf_, nullptr);
-    cap_ = other.cap_;
-  }
-  return *this;
-}
-
-SequentialFileReader::~SequentialFileReader() {
-  if (direct_ >= 0) close(direct_);
-  std::free(buf_);
+absl::StatusOr<SequentialFileReader> SequentialFileReader::Open(int fd, size_t piece_bytes) {
+  CKPT_ASSIGN_OR_RETURN(DirectBuffer io, DirectBuffer::Open(fd, O_RDONLY, piece_bytes));
+  return SequentialFileReader(fd, std::move(io));
 }
 
 absl::StatusOr<std::string_view> SequentialFileReader::Read(uint64_t offset, size_t n) {
-  n = std::min(n, cap_);
+  n = std::min(n, io_.size());
   // O_DIRECT wants aligned offsets and lengths: the pieces are whole
   // multiples of 4 KiB apart, and the last may ask past the end.
-  const bool direct = direct_ >= 0 && offset % kAlign == 0;
-  const int fd = direct ? direct_ : fd_;
+  const bool direct = io_.direct() >= 0 && offset % kAlign == 0;
+  const int fd = direct ? io_.direct() : fd_;
   const size_t want = direct ? (n + kAlign - 1) / kAlign * kAlign : n;
   size_t got = 0;
   while (got < n) {
-    ssize_t r = pread(fd, buf_ + got, want - got, static_cast<off_t>(offset + got));
+    ssize_t r = pread(fd, io_.data() + got, want - got, static_cast<off_t>(offset + got));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return ErrnoStatus(errno, "read an object's bytes");
     if (r == 0) {
@@ -67,7 +56,7 @@ absl::StatusOr<std::string_view> SequentialFileReader::Read(uint64_t offset, siz
       return absl::DataLossError("a direct read ended inside a block");
     }
   }
-  return std::string_view(buf_, n);
+  return std::string_view(io_.data(), n);
 }
 
 namespace {
@@ -75,44 +64,21 @@ constexpr size_t kWriteBlock = 1 << 20;
 }  // namespace
 
 absl::StatusOr<SequentialFileWriter> SequentialFileWriter::Open(int fd) {
-  SequentialFileWriter w;
-  w.fd_ = fd;
-  w.buf_ = static_cast<char*>(std::aligned_alloc(kAlign, kWriteBlock));
-  if (w.buf_ == nullptr) return absl::ResourceExhaustedError("no memory for a write buffer");
-  const std::string self = absl::StrCat("/proc/self/fd/", fd);
-  w.direct_ = open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
-  return w;
-}
-
-SequentialFileWriter& SequentialFileWriter::operator=(SequentialFileWriter&& other) noexcept {
-  if (this != &other) {
-    if (direct_ >= 0) close(direct_);
-    std::free(buf_);
-    fd_ = other.fd_;
-    direct_ = std::exchange(other.direct_, -1);
-    buf_ = std::exchange(other.buf_, nullptr);
-    used_ = other.used_;
-    done_ = other.done_;
-  }
-  return *this;
-}
-
-SequentialFileWriter::~SequentialFileWriter() {
-  if (direct_ >= 0) close(direct_);
-  std::free(buf_);
+  CKPT_ASSIGN_OR_RETURN(DirectBuffer io, DirectBuffer::Open(fd, O_WRONLY, kWriteBlock));
+  return SequentialFileWriter(fd, std::move(io));
 }
 
 absl::Status SequentialFileWriter::Flush(size_t n, bool direct) {
-  const int fd = direct ? direct_ : fd_;
+  const int fd = direct ? io_.direct() : fd_;
   size_t off = 0;
   while (off < n) {
-    ssize_t w = pwrite(fd, buf_ + off, n - off, static_cast<off_t>(done_ + off));
+    ssize_t w = pwrite(fd, io_.data() + off, n - off, static_cast<off_t>(done_ + off));
     if (w < 0 && errno == EINTR) continue;
     if (w < 0) return ErrnoStatus(errno, "write an object's bytes");
     off += static_cast<size_t>(w);
   }
   done_ += n;
-  std::memmove(buf_, buf_ + n, used_ - n);
+  std::memmove(io_.data(), io_.data() + n, used_ - n);
   used_ -= n;
   return absl::OkStatus();
 }
@@ -120,17 +86,17 @@ absl::Status SequentialFileWriter::Flush(size_t n, bool direct) {
 absl::Status SequentialFileWriter::Append(std::string_view data) {
   while (!data.empty()) {
     const size_t n = std::min(data.size(), kWriteBlock - used_);
-    std::memcpy(buf_ + used_, data.data(), n);
+    std::memcpy(io_.data() + used_, data.data(), n);
     used_ += n;
     data.remove_prefix(n);
-    if (used_ == kWriteBlock) CKPT_RETURN_IF_ERROR(Flush(kWriteBlock, direct_ >= 0));
+    if (used_ == kWriteBlock) CKPT_RETURN_IF_ERROR(Flush(kWriteBlock, io_.direct() >= 0));
   }
   return absl::OkStatus();
 }
 
 absl::Status SequentialFileWriter::Finish() {
   // The whole blocks direct, the rest buffered.
-  const size_t whole = direct_ >= 0 ? used_ / kAlign * kAlign : 0;
+  const size_t whole = io_.direct() >= 0 ? used_ / kAlign * kAlign : 0;
   if (whole > 0) CKPT_RETURN_IF_ERROR(Flush(whole, true));
   if (used_ > 0) CKPT_RETURN_IF_ERROR(Flush(used_, false));
   return absl::OkStatus();

@@ -41,6 +41,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/unique_fd.h"
 
 namespace ckpt::remote {
 
@@ -107,50 +108,56 @@ class RemoteStore {
   virtual absl::Status Delete(const std::string& key) = 0;
 };
 
+// A file's O_DIRECT twin and an aligned buffer, for the sequential reader
+// and writer below: the descriptor reopened through /proc/self/fd with
+// O_DIRECT (none where the file system refuses it), and `bytes` of
+// 4 KiB-aligned memory. Move-only; owns both.
+class DirectBuffer {
+ public:
+  static absl::StatusOr<DirectBuffer> Open(int fd, int flags, size_t bytes);
+  int direct() const { return direct_.get(); }  // -1 when there is none
+  char* data() const { return buf_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(char* p) const;
+  };
+  UniqueFd direct_;
+  std::unique_ptr<char, Free> buf_;
+  size_t size_ = 0;
+};
+
 // Reads a file in order, from offset 0, through one aligned buffer, with
-// O_DIRECT where the file's file system allows it (reopened through
-// /proc/self/fd): a version written with O_DIRECT is not in the page cache,
-// and reading it through the cache would fill it with pages read once.
-// Falls back to pread on the descriptor itself.
+// O_DIRECT where the file's file system allows it: a version written with
+// O_DIRECT is not in the page cache, and reading it through the cache would
+// fill it with pages read once. Falls back to pread on the descriptor.
 class SequentialFileReader {
  public:
   // `piece_bytes` is the most one Read asks for (rounded up to 4 KiB).
   static absl::StatusOr<SequentialFileReader> Open(int fd, size_t piece_bytes);
-  SequentialFileReader(SequentialFileReader&& other) noexcept { *this = std::move(other); }
-  SequentialFileReader& operator=(SequentialFileReader&& other) noexcept;
-  SequentialFileReader(const SequentialFileReader&) = delete;
-  SequentialFileReader& operator=(const SequentialFileReader&) = delete;
-  ~SequentialFileReader();
 
   // The `n` bytes at `offset` (n <= piece_bytes), valid until the next
   // Read. REQUIRES: offsets in order, each the previous one plus its n.
   // DATA_LOSS when the file ends first.
   absl::StatusOr<std::string_view> Read(uint64_t offset, size_t n);
-  bool direct() const { return direct_ >= 0; }
+  bool direct() const { return io_.direct() >= 0; }
 
  private:
-  SequentialFileReader() = default;
-  int fd_ = -1;      // not owned
-  int direct_ = -1;  // owned: the O_DIRECT descriptor, or -1
-  char* buf_ = nullptr;
-  size_t cap_ = 0;
+  SequentialFileReader(int fd, DirectBuffer io) : fd_(fd), io_(std::move(io)) {}
+  int fd_;  // not owned
+  DirectBuffer io_;
 };
 
 // Writes a file in order, from offset 0, with O_DIRECT where its file
-// system allows it (the descriptor reopened through /proc/self/fd): whole
-// aligned blocks go straight to the disk through an aligned buffer, the
-// tail through the descriptor itself (buffered), so the caller's fsync
-// has only the tail left to write back. A pulled version is written once
-// and fsynced: through the page cache, its write-back was the pull's
-// bottleneck on the VMs the figures come from.
+// system allows it: whole aligned blocks go straight to the disk through an
+// aligned buffer, the tail through the descriptor itself (buffered), so the
+// caller's fsync has only the tail left to write back. A pulled version is
+// written once and fsynced: through the page cache, its write-back was the
+// pull's bottleneck on the VMs the figures come from.
 class SequentialFileWriter {
  public:
   static absl::StatusOr<SequentialFileWriter> Open(int fd);
-  SequentialFileWriter(SequentialFileWriter&& other) noexcept { *this = std::move(other); }
-  SequentialFileWriter& operator=(SequentialFileWriter&& other) noexcept;
-  SequentialFileWriter(const SequentialFileWriter&) = delete;
-  SequentialFileWriter& operator=(const SequentialFileWriter&) = delete;
-  ~SequentialFileWriter();
 
   // Appends `data`.
   absl::Status Append(std::string_view data);
@@ -159,12 +166,11 @@ class SequentialFileWriter {
   uint64_t written() const { return done_ + used_; }
 
  private:
-  SequentialFileWriter() = default;
+  SequentialFileWriter(int fd, DirectBuffer io) : fd_(fd), io_(std::move(io)) {}
   absl::Status Flush(size_t n, bool direct);
 
-  int fd_ = -1;      // not owned
-  int direct_ = -1;  // owned: the O_DIRECT descriptor, or -1
-  char* buf_ = nullptr;
+  int fd_;  // not owned
+  DirectBuffer io_;
   size_t used_ = 0;
   uint64_t done_ = 0;  // bytes written to the file
 };
