@@ -12,6 +12,9 @@ n1, n3, n2 (peer_nodes), where n3 is listed but never runs:
   ["n1"] (`ckptctl jobs`): the job's ring. By the cluster's ring n1 would
   have chosen n3, which does not run, and the wait would have timed out.
   n2's data directory holds rank 0's replicas and n1's holds rank 1's.
+- rank 0 of that world also attaches a one-rank job "solo" while rank 1 does
+  not: attach() starts no collective of the whole world (it once did, and
+  hung);
 - a 1-rank job "alone" on n1 reports only its own node; n1 places it by the
   cluster's ring: ["n3"] (its durability in the peer tier is not awaited).
 n3 being down does not stop the jobs from attaching: a ckptd asks every
@@ -91,6 +94,13 @@ def worker(a):
     dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=120))
     got = train(client_for(a.socket), "topo", a.rank, WORLD, a.steps, wait_peer=True)
+    if a.rank == 0:
+        # A one-rank job of one process of an initialised world, the other
+        # rank not attaching: attach() must not start a collective of the
+        # whole world (it once made a group over it, and hung here).
+        got["solo_nodes"] = train(client_for(a.socket), "solo", 0, 1, a.steps,
+                                  wait_peer=False)["job_nodes"]
+    dist.barrier()
     print(json.dumps(dict(got, rank=a.rank)))
     dist.destroy_process_group()
 
@@ -174,6 +184,9 @@ def main():
               % results[0]["job_nodes"])
         check(all(r["durable"] == STEPS for r in results),
               "both ranks' step %d is in the peer tier" % STEPS)
+        check(results[0].get("solo_nodes") == ["n1"],
+              "a one-rank job in an initialised world of two attaches alone, with its own "
+              "node: %s" % results[0].get("solo_nodes"))
 
         placed = {name: harness.ctl_jobs(d)["topo"]["peer_nodes"] for name, d in daemons.items()}
         print("placement of 'topo': %s" % placed)

@@ -147,7 +147,7 @@ def job_nodes(client: "ckpt.Client", group: Any, world_size: int) -> List[str]:
     job by its cluster's ring."""
     try:
         mine = client.node()
-    except ckpt.Error:
+    except Exception:  # any failure: the collective below still runs on every rank
         mine = ""
     if world_size <= 1:
         return [mine] if mine else []

@@ -65,9 +65,10 @@ class Attached:
         self._layout = Layout(model, optimizer, layers, world_size, rank, replicated)
         hooks.check_unclaimed(optimizer, self._layout.param_ids, client)
         self._group, self._agreement = self._agree(process_group, agree_every)
-        # Where each rank runs, for ckptd's placement of the job's copies.
-        self._job_nodes = job_nodes(client, self._group if self._group is not None else
-                                    agreement_group(process_group, required=False), world_size)
+        # Where each rank runs, for ckptd's placement of the job's copies
+        # (over the group the ranks agree on; without one, this rank's node
+        # alone: a new group would be a collective of the whole world).
+        self._job_nodes = job_nodes(client, self._group, world_size)
         device = self._layout.device
         self._memory = HostMemory(client) if device.type == "cpu" else GpuMemory(client, device)
         self._state = SavedState(optimizer, scheduler, scheduler_step, device,
