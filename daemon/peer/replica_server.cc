@@ -70,6 +70,9 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     std::string peer;
     if (grpc::Status s = Authenticate(ctx, &peer); !s.ok()) return s;
     v1::PutChunk chunk;
+    // Watched from the start: a peer that opens a Put and sends nothing
+    // holds a thread no longer than one that stops half-way.
+    Watch watch(this, ctx);
     if (!reader->Read(&chunk))
       return Refuse("bad_request", absl::InvalidArgumentError("no object"));
     const std::string key = chunk.key();
@@ -83,7 +86,7 @@ class ReplicaServer::Service final : public v1::Replica::Service {
     }
     // The first message's bytes first, then each further message's.
     bool first = true;
-    Watch watch(this, ctx);
+    watch.Moved();
     absl::Status s = store_->Receive(peer, key, size, if_absent, [&](std::string_view* piece) {
       if (!std::exchange(first, false) && !reader->Read(&chunk)) return false;
       watch.Moved();

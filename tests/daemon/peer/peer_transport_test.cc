@@ -1,10 +1,12 @@
 // The replica service and the peer tier's transport over loopback, with
 // mutual TLS: certificates openssl makes for the test.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -16,6 +18,7 @@
 #include "daemon/common/sync_point.h"
 #include "daemon/metrics/metrics.h"
 #include "daemon/peer/peer_store.h"
+#include "daemon/peer/replica.grpc.pb.h"
 #include "daemon/peer/replica_server.h"
 #include "daemon/peer/replica_store.h"
 #include "daemon/remote/remote_layout.h"
@@ -299,6 +302,34 @@ TEST_F(PeerTransportTest, AnIdleCallIsCancelled) {
   EXPECT_TRUE(
       HasCode(store_->Get("jobs/j/rank-00000000/stalled", 1 << 20), absl::StatusCode::kNotFound));
   EXPECT_TRUE(a.PutBytes("jobs/j/rank-00000000/after", "x", false).ok());
+}
+
+// A peer that opens a Put and never sends its first message is cancelled
+// by the server as one that stops half-way is (it once held a server
+// thread until the deadline the peer itself chose).
+TEST_F(PeerTransportTest, APutThatSendsNothingIsCancelled) {
+  Metrics metrics;
+  ReplicaServerOptions ro;
+  ro.listen = "127.0.0.1:0";
+  ro.tls = pki_.Issue("node-b");
+  ro.idle_timeout = absl::Milliseconds(200);
+  auto server = ReplicaServer::Start(ro, store_.get(), &metrics);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const PeerTls tls = pki_.Issue("node-a");
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride("node-b");
+  auto stub = v1::Replica::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", (*server)->port()), tls.ChannelCredentials(), args));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::PutReply reply;
+  const absl::Time start = absl::Now();
+  std::unique_ptr<grpc::ClientWriter<v1::PutChunk>> writer = stub->Put(&ctx, &reply);
+  const grpc::Status s = writer->Finish();  // no message sent, no WritesDone
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << "held until the peer's own deadline";
+  EXPECT_TRUE(
+      absl::StrContains(metrics.Scrape(), "ckpt_peer_replica_refused_total{reason=\"idle\"} 1"));
 }
 
 }  // namespace
