@@ -39,9 +39,10 @@ std::vector<size_t> PeerTier::Place(const std::vector<std::string>& job_nodes) c
 }
 
 std::vector<size_t> PeerTier::PlacedLocked(const std::string& job) {
+  // A job placed at Start or registration has its entry; any other (a job
+  // only asked about) is placed on the cluster's ring, not kept.
   auto it = placed_.find(job);
-  if (it == placed_.end()) it = placed_.emplace(job, Place({})).first;
-  return it->second;
+  return it != placed_.end() ? it->second : Place({});
 }
 
 std::vector<RemoteTier*> PeerTier::Placed(const std::string& job) {
@@ -132,6 +133,31 @@ void PeerTier::OnRegister(const RankKey& rank, const std::vector<std::string>& j
   // A node no longer placed stops copying the job; its copies there stay.
   for (size_t i : before) {
     if (std::find(now.begin(), now.end(), i) == now.end()) peers_[i].tier->ForgetJob(rank.first);
+  }
+  // A node newly placed learns the job's ranks now, with their newest
+  // steps: it copies what it lacks, and WaitDurable finds the ranks there
+  // before the job writes anything more.
+  std::vector<size_t> added;
+  for (size_t i : now) {
+    if (!known || std::find(before.begin(), before.end(), i) == before.end()) added.push_back(i);
+  }
+  if (!added.empty()) TellNewest(rank.first, added);
+}
+
+void PeerTier::TellNewest(const std::string& job, const std::vector<size_t>& peers) {
+  Index* const index = deps_.index;
+  absl::StatusOr<std::optional<store::JobRecord>> rec = index->GetJob(job);
+  absl::StatusOr<std::vector<uint32_t>> ranks = index->ListRanks(job);
+  if (!rec.ok() || !rec->has_value() || !ranks.ok()) return;
+  for (uint32_t r : *ranks) {
+    absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> e =
+        index->EventAtOrBefore(job, r, ~uint64_t{0});
+    if (!e.ok() || !e->has_value()) continue;
+    const LocalEvent newest{(*e)->first, 0};
+    for (size_t i : peers) {
+      peers_[i].tier->OnLocalEvents(RankKey(job, r), (*rec)->owner_uid(),
+                                    absl::MakeConstSpan(&newest, 1));
+    }
   }
 }
 

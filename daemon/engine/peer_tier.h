@@ -105,6 +105,9 @@ class PeerTier final : public DurableTier {
   std::vector<RemoteTier*> Placed(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<size_t> PlacedLocked(const std::string& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<size_t> Place(const std::vector<std::string>& job_nodes) const;
+  // Hands `peers` (newly placed for `job`) each rank's newest local event.
+  void TellNewest(const std::string& job, const std::vector<size_t>& peers)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Whether peer `i` copies the rank (each child tier's filter).
   bool Copies(size_t i, const RankKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<DurableTier*> All() const;

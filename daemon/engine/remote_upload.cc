@@ -93,6 +93,11 @@ void RemoteTier::NoteTurn(const RankKey& key, const absl::Status& s) {
   rc->backoff = rc->backoff == absl::ZeroDuration() ? options_.retry_min
                                                     : std::min(rc->backoff * 2, options_.retry_max);
   rc->retry_at = absl::Now() + rc->backoff;
+  // The store refused what this node thought it could take (a peer whose
+  // replicas were lost with its disk has no owner record of the job any
+  // more, nor the objects this node counted on): the next turn lists it
+  // again and claims the job there before anything else.
+  if (absl::IsFailedPrecondition(s) && rc->blocked.empty()) rc->seeded = false;
 }
 
 absl::Status RemoteTier::Seed(const RankKey& key, RankCopy* out) {

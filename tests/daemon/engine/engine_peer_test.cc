@@ -4,14 +4,18 @@
 // ring, peer-durable only when every placed node holds the step, the
 // placement kept across a restart, and a replacement node that finds the
 // rank on whichever peer holds it.
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/engine/engine.h"
+#include "daemon/peer/replica_store.h"
 #include "daemon/remote/faulty_store.h"
 #include "daemon/remote/posix_store.h"
 #include "daemon/remote/remote_layout.h"
@@ -176,6 +180,10 @@ TEST_F(PeerTierTest, PlacementSurvivesARestartAndFollowsTheTopology) {
   a.job_nodes = {"n1", "n3"};
   CKPT_ASSERT_OK(Register(&a).status());
   EXPECT_EQ(PlacementShown("kept"), (std::vector<std::string>{"n3"}));
+  // The newly placed node gets the job's newest step before the job writes
+  // anything more (it once knew nothing of the rank: ABORTED).
+  CKPT_ASSERT_OK(WaitPeer(a, 1).status());
+  EXPECT_EQ(ManifestsAt("n3", "kept"), (std::vector<uint64_t>{1}));
   ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));
   CKPT_ASSERT_OK(WaitPeer(a, 2).status());
   EXPECT_EQ(ManifestsAt("n3", "kept"), (std::vector<uint64_t>{1, 2}));
@@ -226,6 +234,91 @@ TEST_F(PeerTierTest, ANodeThatIsDownDoesNotStopPlans) {
   EXPECT_EQ(plan.target_step, 2u);
   for (const char* n : {"n1", "n3"}) NodeNamed(n)->faulty->set_down(true);
   CKPT_EXPECT_CODE(engine_->Plan("nowhere-either", 0, 0, owner_).status(), kUnavailable);
+}
+
+// The peer's replica store as a RemoteStore, in-process: its owner-record
+// and quota rules apply. `Replace` swaps in a fresh, empty store, as a peer
+// whose disk was lost comes back.
+class ReplicaAsStore final : public remote::RemoteStore {
+ public:
+  explicit ReplicaAsStore(const remote::RemoteKey* key) : key_(key) { Replace(); }
+  void Replace() {
+    peer::ReplicaStoreOptions o;
+    dirs_.push_back(std::make_unique<TempDir>());
+    o.dir = dirs_.back()->Join("replicas");
+    o.memory_bytes = 0;
+    o.key = key_;
+    o.charges = &charges_;
+    auto fresh = peer::ReplicaStore::Open(o);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    absl::MutexLock lock(&mu_);
+    store_ = std::move(*fresh);
+  }
+  std::string Describe() const override { return "an in-process replica store"; }
+  absl::Status PutFile(const std::string& key, int fd, uint64_t size) override {
+    std::string bytes(size, '\0');
+    if (pread(fd, bytes.data(), size, 0) != static_cast<ssize_t>(size)) {
+      return absl::DataLossError("short read");
+    }
+    return Store()->Put("n1", key, bytes, false);
+  }
+  absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) override {
+    return Store()->Put("n1", key, data, if_absent);
+  }
+  absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd, uint64_t max) override {
+    CKPT_ASSIGN_OR_RETURN(std::string bytes, Store()->Get(key, max));
+    if (pwrite(fd, bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size())) {
+      return absl::InternalError("short write");
+    }
+    return bytes.size();
+  }
+  absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max) override {
+    return Store()->Get(key, max);
+  }
+  absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix) override {
+    return Store()->List(prefix);
+  }
+  absl::Status Delete(const std::string& key) override { return Store()->Delete(key); }
+
+ private:
+  struct AnyQuota final : peer::ReplicaCharges {
+    absl::Status Reserve(uid_t, uint64_t, uint64_t) override { return absl::OkStatus(); }
+    void Release(uid_t, uint64_t) override {}
+    void Seed(uid_t, uint64_t) override {}
+  };
+  std::shared_ptr<peer::ReplicaStore> Store() {
+    absl::MutexLock lock(&mu_);
+    return store_;
+  }
+  const remote::RemoteKey* const key_;
+  AnyQuota charges_;
+  std::vector<std::unique_ptr<TempDir>> dirs_;
+  absl::Mutex mu_;
+  std::shared_ptr<peer::ReplicaStore> store_ ABSL_GUARDED_BY(mu_);
+};
+
+// A peer whose replicas were lost (its disk replaced; it refuses what this
+// node sends as a job it holds no owner record of): the node lists it
+// again, claims the job there and sends what it lacks, instead of failing
+// every step from then on.
+TEST_F(PeerTierTest, APeerThatLostItsReplicasIsFilledAgain) {
+  ReplicaAsStore peer(&key_);
+  EngineOptions o = On("n1", 1);
+  o.peers.peers = {PeerTarget{PeerNodeInfo{"n2", ""}, &peer}};
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("lost-peer", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 2));
+  CKPT_ASSERT_OK(WaitPeer(a, 2).status());
+  ASSERT_NO_FATAL_FAILURE(peer.Replace());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 3, 3));
+  CKPT_ASSERT_OK_AND_ASSIGN(uint64_t there, WaitPeer(a, 3));
+  EXPECT_EQ(there, 3u);
+  CKPT_ASSERT_OK_AND_ASSIGN(auto listed, peer.List(remote::ManifestPrefix("lost-peer", 0)));
+  EXPECT_EQ(listed.size(), 3u);  // every step it lacked, sent again, with its versions
+  CKPT_ASSERT_OK_AND_ASSIGN(auto objects, peer.List(remote::RankPrefix("lost-peer", 0) + "v/"));
+  EXPECT_EQ(objects.size(), 6u);
+  engine_->Shutdown(absl::Seconds(10));  // before the store goes
 }
 
 }  // namespace
