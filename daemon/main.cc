@@ -260,8 +260,8 @@ std::string HostName() {
 class QuotaCharges final : public peer::ReplicaCharges {
  public:
   explicit QuotaCharges(QuotaTable* quota) : quota_(quota) {}
-  absl::Status Reserve(uid_t uid, uint64_t bytes) override {
-    return quota_->ReserveReplica(uid, bytes);
+  absl::Status Reserve(uid_t uid, uint64_t bytes, uint64_t replaced) override {
+    return quota_->ReserveReplica(uid, bytes, replaced);
   }
   void Release(uid_t uid, uint64_t bytes) override { quota_->ReleaseReplica(uid, bytes); }
   void Seed(uid_t uid, uint64_t bytes) override { quota_->SeedReplica(uid, bytes); }

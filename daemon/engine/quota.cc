@@ -220,11 +220,12 @@ void QuotaTable::Seed(const QuotaOwner& owner, uint64_t file_bytes, uint64_t ind
   ChargeLocked(owner, +1, file_bytes, index_bytes);
 }
 
-absl::Status QuotaTable::ReserveReplica(uid_t uid, uint64_t bytes, QuotaKind* refused) {
+absl::Status QuotaTable::ReserveReplica(uid_t uid, uint64_t bytes, uint64_t replaced,
+                                        QuotaKind* refused) {
   absl::MutexLock lock(&mu_);
   // Replicas are charged to the uid alone: the job's own quota is about
   // this node's checkpoints of it.
-  CKPT_RETURN_IF_ERROR(CheckBytesLocked(QuotaOwner{uid, {}}, bytes, 0, refused));
+  CKPT_RETURN_IF_ERROR(CheckBytesLocked(QuotaOwner{uid, {}}, Sub(bytes, replaced), 0, refused));
   usage_[uid].replica_bytes += bytes;
   return absl::OkStatus();
 }

@@ -151,9 +151,11 @@ class QuotaTable {
       ABSL_LOCKS_EXCLUDED(mu_);
   // A replica of `bytes` kept here for a job of `uid` that runs on another
   // node: RESOURCE_EXHAUSTED (kQuota) when it would pass the uid's disk
-  // quota. Release gives it back; SeedReplica charges what start-up found.
-  absl::Status ReserveReplica(uid_t uid, uint64_t bytes, QuotaKind* refused = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // quota, counting `replaced` bytes (of a replica this one replaces, still
+  // charged until it is released) as free. Release gives it back;
+  // SeedReplica charges what start-up found.
+  absl::Status ReserveReplica(uid_t uid, uint64_t bytes, uint64_t replaced = 0,
+                              QuotaKind* refused = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseReplica(uid_t uid, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
   void SeedReplica(uid_t uid, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 

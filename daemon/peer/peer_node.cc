@@ -104,6 +104,12 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
   }
   // This node: its certificate's common name, its rack.
   node->self_ = tls.CommonName();
+  // Trainers report it for placement, and ckptd checks what they report.
+  if (absl::Status s = ValidateNodeName(node->self_); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("peer_cert_file ", config.cert_file,
+                     ": its common name names this node among its peers: ", s.message()));
+  }
   CKPT_ASSIGN_OR_RETURN(std::vector<PeerNodeEntry> nodes, config.Nodes());
   node->rack_ = config.rack;
   std::vector<PeerNodeEntry> others;
@@ -123,7 +129,9 @@ absl::StatusOr<std::unique_ptr<PeerNode>> PeerNode::Start(const PeerConfig& conf
     po.tls = tls;
     po.cap = cap;
     po.call_timeout = absl::Milliseconds(config.timeout_ms);
-    po.calls_at_once = config.calls_at_once * std::max<uint32_t>(1, config.copies);
+    // Every peer node's uploader runs its threads under the one cap.
+    po.calls_at_once =
+        config.calls_at_once * static_cast<uint32_t>(std::max<size_t>(1, others.size()));
     po.connections = config.calls_at_once;  // one per upload thread
     node->stores_.push_back(std::make_unique<PeerStore>(std::move(po)));
     node->links_.push_back(PeerLink{std::move(e), node->stores_.back().get()});

@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/peer/replica.grpc.pb.h"
+#include "daemon/remote/remote_layout.h"
 
 namespace ckpt::peer {
 namespace {
@@ -20,6 +21,7 @@ namespace {
 // The most keys one List takes in (a rank's objects and manifests are a few
 // per layer and step kept).
 constexpr size_t kMaxListed = 10000000;
+constexpr uint64_t kMaxListedBytes = uint64_t{1} << 30;  // of their keys
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what) {
   if (s.ok()) return absl::OkStatus();
@@ -86,6 +88,15 @@ std::string PeerStore::Describe() const {
   return absl::StrCat("peer ", options_.server_name, " at ", options_.address);
 }
 
+size_t PeerStore::ChunkBytes() const {
+  if (cap_->rate() == 0) return options_.chunk_bytes;
+  // Under a low cap, smaller messages: each call moves one at least every
+  // half second at its share of the cap, well inside the peer's idle limit.
+  const uint64_t share = cap_->rate() / std::max(1u, options_.calls_at_once) / 2;
+  return static_cast<size_t>(
+      std::clamp<uint64_t>(share, 64 << 10, std::max<uint64_t>(options_.chunk_bytes, 64 << 10)));
+}
+
 absl::Time PeerStore::DeadlineFor(uint64_t bytes) const {
   double rate = static_cast<double>(kSlowestBytesPerS);
   if (cap_->rate() > 0) {
@@ -150,8 +161,9 @@ absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absen
   chunk.set_if_absent(if_absent);
   uint64_t off = 0;
   absl::Status local;
+  const size_t piece_bytes = ChunkBytes();
   do {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.chunk_bytes, size - off));
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(piece_bytes, size - off));
     std::string_view piece;
     if (n > 0) {
       absl::StatusOr<std::string_view> got = read(off, n);
@@ -263,6 +275,7 @@ absl::StatusOr<std::string> PeerStore::GetBytes(const std::string& key, uint64_t
 
 absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::string& prefix) {
   std::vector<remote::ObjectInfo> out;
+  uint64_t listed_bytes = 0;
   v1::ListRequest req;
   req.set_prefix(prefix);
   for (;;) {
@@ -271,11 +284,16 @@ absl::StatusOr<std::vector<remote::ObjectInfo>> PeerStore::List(const std::strin
     CKPT_RETURN_IF_ERROR(FromGrpc(stub_->Control()->List(&call.ctx, req, &reply),
                                   absl::StrCat("list ", Describe())));
     for (const v1::ObjectEntry& e : reply.objects()) {
-      // Pages come in key order; a peer that sends otherwise (or without
-      // end) is not followed.
-      if (e.key() <= req.start_after() || out.size() >= kMaxListed) {
-        return absl::DataLossError(
-            absl::StrCat("list ", Describe(), ": keys out of order or past ", kMaxListed));
+      // Pages come in key order, each key under the prefix and of the
+      // layout's size; a peer that sends otherwise (or without end) is not
+      // followed, and what one List holds is bounded.
+      listed_bytes += e.key().size();
+      if (e.key() <= req.start_after() || e.key().compare(0, prefix.size(), prefix) != 0 ||
+          !remote::CheckObjectKey(e.key()).ok() || out.size() >= kMaxListed ||
+          listed_bytes > kMaxListedBytes) {
+        return absl::DataLossError(absl::StrCat(
+            "list ", Describe(), ": a key out of order, outside ", prefix, ", malformed, or past ",
+            kMaxListed, " keys or ", kMaxListedBytes, " bytes of them"));
       }
       out.push_back({e.key(), e.size()});
     }

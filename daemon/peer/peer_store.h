@@ -111,6 +111,8 @@ class PeerStore final : public remote::RemoteStore {
   // CancelCalls came after the call's `generation`.
   absl::Status Pace(uint64_t bytes, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Time DeadlineFor(uint64_t bytes) const;
+  // The bytes of one Put message: chunk_bytes, less under a low rate cap.
+  size_t ChunkBytes() const;
 
   const PeerStoreOptions options_;
   const std::shared_ptr<RateCap> cap_;

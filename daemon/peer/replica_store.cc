@@ -238,7 +238,12 @@ absl::StatusOr<ReplicaStore::Reservation> ReplicaStore::Reserve(const std::strin
           absl::StrCat("job ", job, " has no owner record here: whose replica ", key,
                        " is cannot be told (its owner record comes first)"));
     }
-    CKPT_RETURN_IF_ERROR(options_.charges->Reserve(it->second, size));
+    uint64_t replaced = 0;
+    if (auto old = objects_.find(key);
+        old != objects_.end() && old->second.charged && old->second.owner == it->second) {
+      replaced = old->second.size;
+    }
+    CKPT_RETURN_IF_ERROR(options_.charges->Reserve(it->second, size, replaced));
     taken.owner = it->second;
   }
   if (!if_absent) receiving_.insert(key);
@@ -272,27 +277,14 @@ void ReplicaStore::ForgetMemoryLocked(Entry* e) {
 
 absl::Status ReplicaStore::Record(const std::string& peer, const std::string& key, uint64_t size,
                                   bool if_absent, const absl::Status& written, Reservation taken) {
-  // An owner record names its uid: checked before it counts.
+  // An owner record names its uid (checked before its file was published).
   std::optional<uid_t> owner = taken.owner;
-  absl::Status stored = written;
+  const absl::Status stored = written;
   bool owner_record = false;
   const std::string job = JobOfKey(key, &owner_record).value_or("");
   if (stored.ok() && owner_record) {
-    absl::StatusOr<uid_t> uid = absl::InternalError("no owner record");
-    if (taken.memory != nullptr && taken.memory->pieces() == 1) {
-      uid = OwnerOfRecord(key, std::string(taken.memory->Piece(0)));
-    } else {
-      absl::StatusOr<std::string> bytes = disk_->GetBytes(key, kMaxOwnerRecordBytes);
-      uid = bytes.ok() ? OwnerOfRecord(key, *bytes) : absl::StatusOr<uid_t>(bytes.status());
-    }
-    if (!uid.ok()) {
-      IgnoreError(disk_->Delete(key), "an owner record the cluster key does not vouch for");
-      stored = absl::Status(uid.status().code(),
-                            absl::StrCat("refused ", key, ": ", uid.status().message()));
-    } else {
-      owner = *uid;
-      if (options_.charges != nullptr) options_.charges->Seed(*uid, size);
-    }
+    owner = taken.record_owner;
+    if (options_.charges != nullptr) options_.charges->Seed(*owner, size);
   }
   absl::MutexLock lock(&mu_);
   if (!if_absent) receiving_.erase(key);
@@ -328,6 +320,9 @@ absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& k
                                    bool if_absent, const Source& next) {
   CKPT_ASSIGN_OR_RETURN(Reservation taken, Reserve(peer, key, size, if_absent));
   ReplicaMemory::Span* const kept = taken.memory.get();
+  bool owner_record = false;
+  (void)JobOfKey(key, &owner_record);  // Reserve checked the key
+  std::string record;                  // an owner record's bytes (at most 64 KiB)
   // Durable before it is acknowledged; an old object of that name is
   // replaced whole (rename).
   absl::Status written = disk_->PutWith(key, if_absent, /*direct=*/true, [&](int fd) {
@@ -352,6 +347,7 @@ absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& k
         return absl::InvalidArgumentError(absl::StrCat(key, ": more than ", size, " bytes"));
       }
       got += piece.size();
+      if (owner_record) record.append(piece);
       while (!piece.empty()) {
         if (used == kPiece) {
           CKPT_RETURN_IF_ERROR(out.Write(block, kPiece, /*last=*/false));
@@ -367,6 +363,16 @@ absl::Status ReplicaStore::Receive(const std::string& peer, const std::string& k
     if (got != size) {
       return absl::InvalidArgumentError(
           absl::StrCat(key, ": ", got, " of ", size, " bytes arrived"));
+    }
+    // An owner record is checked before it takes the place of one there:
+    // a record the cluster key does not vouch for never replaces a good one.
+    if (owner_record) {
+      absl::StatusOr<uid_t> uid = OwnerOfRecord(key, record);
+      if (!uid.ok()) {
+        return absl::Status(uid.status().code(),
+                            absl::StrCat("refused ", key, ": ", uid.status().message()));
+      }
+      taken.record_owner = *uid;
     }
     // Killed here, or once the replica is stored, the sender has no
     // acknowledgement: the step is not peer-durable and is sent again

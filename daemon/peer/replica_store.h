@@ -30,7 +30,8 @@
 // disk are charged to no peer until rewritten (to their owners, above),
 // and the temp files of receipts a crash cut short are removed.
 //
-// Thread-safety: thread-safe; mu_ is a leaf. Disk I/O runs outside it.
+// Thread-safety: thread-safe; under mu_ only ReplicaCharges is called (a
+// leaf of its own). Disk I/O runs outside it.
 #pragma once
 
 #include <sys/types.h>
@@ -60,8 +61,10 @@ namespace ckpt::peer {
 class ReplicaCharges {
  public:
   virtual ~ReplicaCharges() = default;
-  // RESOURCE_EXHAUSTED when `bytes` more would pass `uid`'s quota here.
-  virtual absl::Status Reserve(uid_t uid, uint64_t bytes) = 0;
+  // RESOURCE_EXHAUSTED when `bytes` more would pass `uid`'s quota here,
+  // counting `replaced` bytes (of the replica this one replaces, released
+  // once it is stored) as free.
+  virtual absl::Status Reserve(uid_t uid, uint64_t bytes, uint64_t replaced) = 0;
   virtual void Release(uid_t uid, uint64_t bytes) = 0;
   // What start-up found (no bound applies).
   virtual void Seed(uid_t uid, uint64_t bytes) = 0;
@@ -162,7 +165,8 @@ class ReplicaStore {
   // charged for the bytes.
   struct Reservation {
     Memory memory;
-    std::optional<uid_t> owner;  // set when charged
+    std::optional<uid_t> owner;         // set when charged
+    std::optional<uid_t> record_owner;  // an owner record's uid, once checked
   };
   absl::StatusOr<Reservation> Reserve(const std::string& peer, const std::string& key,
                                       uint64_t size, bool if_absent) ABSL_LOCKS_EXCLUDED(mu_);

@@ -321,9 +321,9 @@ TEST(ReplicaStoreTest, ACutShortReceiptStoresNothing) {
 class TestCharges final : public ReplicaCharges {
  public:
   explicit TestCharges(uint64_t per_uid) : per_uid_(per_uid) {}
-  absl::Status Reserve(uid_t uid, uint64_t bytes) override {
+  absl::Status Reserve(uid_t uid, uint64_t bytes, uint64_t replaced) override {
     absl::MutexLock lock(&mu_);
-    if (held_[uid] + bytes > per_uid_) {
+    if (held_[uid] - std::min(held_[uid], replaced) + bytes > per_uid_) {
       return absl::ResourceExhaustedError(absl::StrCat("uid ", uid, "'s quota"));
     }
     held_[uid] += bytes;
@@ -384,13 +384,21 @@ TEST(ReplicaStoreTest, ReplicasAreChargedToTheirJobsOwner) {
                       absl::StatusCode::kDataLoss));
   const std::string owner = OwnerRecord("j", 1001);
   ASSERT_TRUE((*store)->Put("n1", remote::OwnerKey("j"), owner, true).ok());
+  // A forged record never takes the place of the good one.
+  EXPECT_TRUE(HasCode((*store)->Put("n1", remote::OwnerKey("j"), "forged", false),
+                      absl::StatusCode::kDataLoss));
+  EXPECT_EQ(*(*store)->Get(remote::OwnerKey("j"), 1 << 20), owner);
   ASSERT_TRUE((*store)->Put("n1", v + "a", std::string(1000, 'a'), false).ok());
   ASSERT_TRUE((*store)->Put("n2", v + "b", std::string(1000, 'b'), false).ok());
   EXPECT_EQ(charges.held(1001), owner.size() + 2000);
   const absl::Status over = (*store)->Put("n1", v + "c", std::string(1000, 'c'), false);
   EXPECT_TRUE(HasCode(over, absl::StatusCode::kResourceExhausted)) << over;
   EXPECT_EQ(charges.held(1001), owner.size() + 2000);
-  // Replaced by fewer bytes, deleted: the charge follows.
+  // Replaced by as many bytes near the quota (the old bytes go once the
+  // new are stored), then by fewer, deleted: the charge follows.
+  const absl::Status same = (*store)->Put("n1", v + "a", std::string(1000, 'A'), false);
+  EXPECT_TRUE(same.ok()) << same;
+  EXPECT_EQ(charges.held(1001), owner.size() + 2000);
   ASSERT_TRUE((*store)->Put("n1", v + "a", std::string(300, 'a'), false).ok());
   ASSERT_TRUE((*store)->Delete(v + "b").ok());
   EXPECT_EQ(charges.held(1001), owner.size() + 300);
