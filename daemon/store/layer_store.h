@@ -18,10 +18,11 @@
 // becomes visible, the previous version stays, and a failed fdatasync is never
 // retried. Kill points mark each step for the crash tests.
 //
-// The protocol runs in two halves: Write (up to the fdatasync) and Publish
-// (the rest), which takes a group of written versions and makes them
-// visible with one fsync per rank directory and one synchronous index batch
-// for the group, each version still in the order above. Commit is both for
+// The protocol runs in two halves: Write (up to the writes) and Publish
+// (the rest), which takes a group of written versions, fdatasyncs them at
+// once and makes them visible with one fsync per rank directory and one
+// synchronous index batch for the group, each version still in the order
+// above. Commit is both for
 // one version; the engine's writers call Write and hand the result to a
 // Publisher thread (publisher.h), so the disk streams the next version's
 // data while the last ones' names and records are made durable.

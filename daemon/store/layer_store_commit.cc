@@ -1,5 +1,5 @@
-// LayerStore (layer_store.h): the commit protocol -- Write, the data made
-// durable in a temp file; Publish, the group's names and records made
+// LayerStore (layer_store.h): the commit protocol -- Write, the data
+// written to a temp file; Publish, the group's data, names and records made
 // durable and visible; Commit, both for one version -- and Remove, which
 // takes a committed version away again.
 #include <atomic>

@@ -1,11 +1,11 @@
 // Publisher: the thread that finishes layer-version commits.
 //
-// A writer writes a version's bytes and makes them durable in its temp file
-// (LayerStore::Write), hands it here, and goes on with the next version's
-// data. The publisher takes whatever has queued up meanwhile, at most
-// max_group versions, and publishes it as one group (LayerStore::Publish):
-// each version's rename, one fsync per rank directory, one synchronous index
-// batch. The disk streams data while a group's names and records are made
+// A writer writes a version's bytes to its temp file (LayerStore::Write),
+// hands it here, and goes on with the next version's data. The publisher
+// takes whatever has queued up meanwhile, at most max_group versions, and
+// publishes it as one group (LayerStore::Publish): every version's
+// fdatasync at once, each version's rename, one fsync per rank directory,
+// one synchronous index batch. The disk streams data while a group's names and records are made
 // durable, and a group of n versions costs one directory fsync and one index
 // sync instead of n of each. Each version keeps the commit protocol's order
 // (layer_store.h).

@@ -41,10 +41,17 @@ STEPS = 12
 COMMON = ["--steps", str(STEPS), "--agree-every", "2", "--on-daemon-loss", "continue"]
 
 
+# Hit once per publish group of versions, not once per version.
+PER_GROUP = ("commit.after_datasync", "commit.after_dirsync", "commit.after_index")
+
+
 def hit(point):
     """Which hit of `point` kills: one in step 3 or 4, once steps are durable
-    (node 1 commits 16 layer versions a step: 8 layers on each of 2 ranks;
-    the other points are hit once a step per rank)."""
+    (node 1 commits 16 layer versions a step: 8 layers on each of 2 ranks,
+    published in groups of a few; the other points are hit once a step per
+    rank)."""
+    if point in PER_GROUP:
+        return 12
     return 40 if point.startswith("commit.") else 7
 
 
