@@ -301,7 +301,10 @@ absl::StatusOr<bool> RemoteTier::Repair(const VersionKey& vk, const store::Versi
 absl::StatusOr<bool> RemoteTier::AdoptManifest(
     PullState* pull, const store::RemoteManifest& m,
     std::vector<std::pair<VersionKey, store::LostVersion>>* damaged) {
-  const auto& [job, rank] = pull->key;
+  // Named, not bound: C++17 lambdas (the workers below) cannot capture a
+  // structured binding, and clang rejects it.
+  const std::string& job = pull->key.first;
+  const uint32_t rank = pull->key.second;
   const QuotaOwner quota_owner{m.owner_uid(), job};
   // The versions not here yet, their room reserved before anything moves.
   struct Fetch {
