@@ -26,6 +26,30 @@
 namespace ckpt {
 namespace {
 
+// What a handed-over descriptor is when it cannot be memory: a memfd is a
+// regular file and a CUDA page descriptor the driver's own file, so a
+// socket, a pipe, a directory, a block device or an O_PATH handle is
+// refused before ckptd holds it (holding a trainer's pipe or socket would
+// keep its other end open until the token expired). nullptr otherwise.
+const char* NotMemoryDescriptor(int fd, const struct stat& st) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0 && (flags & O_PATH) != 0) return "an O_PATH handle";
+  switch (st.st_mode & S_IFMT) {
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFIFO:
+      return "a pipe";
+    case S_IFDIR:
+      return "a directory";
+    case S_IFBLK:
+      return "a block device";
+    case S_IFLNK:
+      return "a symbolic link";
+    default:
+      return nullptr;
+  }
+}
+
 // Connections accepted per loop round, so a flood of connects cannot starve
 // the connections already open.
 constexpr int kAcceptsPerRound = 32;
@@ -327,12 +351,17 @@ bool HandoverServer::Serve(Conn& conn) {
   const HandoverKind kind =
       h.magic == kHandoverMagic ? HandoverKind::kMemfdRegions : HandoverKind::kCudaPages;
   std::set<std::pair<dev_t, ino_t>> files;
-  for (size_t i = 0; kind == HandoverKind::kMemfdRegions && i < fds.size(); ++i) {
+  for (size_t i = 0; i < fds.size(); ++i) {
     struct stat st;
     absl::Status bad;
     if (::fstat(fds[i].get(), &st) != 0) {
       bad = ErrnoStatus(errno, "fstat of a handed-over descriptor");
-    } else if (!files.insert({st.st_dev, st.st_ino}).second) {
+    } else if (const char* what = NotMemoryDescriptor(fds[i].get(), st); what != nullptr) {
+      bad = absl::InvalidArgumentError(
+          absl::StrCat("descriptor ", i, " is ", what,
+                       "; a handover carries memfds or CUDA page descriptors only"));
+    } else if (kind == HandoverKind::kMemfdRegions &&
+               !files.insert({st.st_dev, st.st_ino}).second) {
       bad = absl::InvalidArgumentError(
           absl::StrCat("descriptor ", i,
                        " is a second descriptor of a region already in this "

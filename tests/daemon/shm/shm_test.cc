@@ -487,6 +487,51 @@ TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
   EXPECT_EQ(server_->pending(), 0u);
 }
 
+TEST_F(HandoverServerTest, DescriptorsThatCannotBeMemoryAreRefused) {
+  // A socket, a pipe, a directory or an O_PATH handle is neither a memfd
+  // nor a CUDA page descriptor: refused under either magic, and closed
+  // before the reply, so ckptd never holds the trainer's other end.
+  StartServer();
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  UniqueFd sock_a(sv[0]), sock_b(sv[1]);
+  int pp[2];
+  ASSERT_EQ(::pipe2(pp, O_CLOEXEC | O_NONBLOCK), 0);
+  UniqueFd pipe_r(pp[0]), pipe_w(pp[1]);
+  TempDir dir;
+  UniqueFd dir_fd(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_TRUE(dir_fd.valid());
+  WriteFile(dir.path() + "/f", "x");
+  UniqueFd path_fd(::open((dir.path() + "/f").c_str(), O_PATH | O_CLOEXEC));
+  ASSERT_TRUE(path_fd.valid());
+  std::vector<MemfdRegion> regions = MakeRegions(1);
+  const struct {
+    int fd;
+    const char* what;
+  } cases[] = {{sock_a.get(), "a socket"},
+               {pipe_w.get(), "a pipe"},
+               {dir_fd.get(), "a directory"},
+               {path_fd.get(), "an O_PATH handle"}};
+  for (HandoverKind kind : {HandoverKind::kMemfdRegions, HandoverKind::kCudaPages}) {
+    for (const auto& c : cases) {
+      SCOPED_TRACE(c.what);
+      absl::StatusOr<std::string> token =
+          HandOverFds(Path(), {regions[0].fd(), c.fd}, absl::Seconds(5), kind);
+      CKPT_EXPECT_CODE(token.status(), kInvalidArgument);
+      EXPECT_TRUE(absl::StrContains(token.status().message(), c.what)) << token.status().message();
+      EXPECT_EQ(server_->stats().fds_held, 0u);
+    }
+  }
+  // The pipe's write end was never kept: its read end sees EOF at once
+  // (EAGAIN if ckptd still held it).
+  pipe_w = UniqueFd();
+  char byte;
+  EXPECT_EQ(::read(pipe_r.get(), &byte, 1), 0);
+  // A regular file descriptor (a memfd) still goes through as a page.
+  CKPT_EXPECT_OK(
+      HandOverFds(Path(), {regions[0].fd()}, absl::Seconds(5), HandoverKind::kCudaPages).status());
+}
+
 TEST_F(HandoverServerTest, TokenExpires) {
   constexpr absl::Duration kTtl = absl::Seconds(120);
   StartServer(kTtl);
