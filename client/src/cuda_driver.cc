@@ -1,6 +1,7 @@
 #include "cuda_driver.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/cuda_entry.h"
 #include "base/gpu_uuid.h"
 #include "base/status.h"
 
@@ -23,14 +24,10 @@ absl::Status CudaError(const std::string& what, cudaError_t e) {
 
 template <typename Fn>
 absl::StatusOr<Fn> DriverFunction(const char* symbol) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &q);
-  if (e != cudaSuccess) return CudaError(absl::StrCat("driver entry point ", symbol), e);
-  if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
-    return absl::InternalError(absl::StrCat("the CUDA driver has no ", symbol));
-  }
-  return reinterpret_cast<Fn>(fn);
+  Fn fn = nullptr;
+  std::string why;
+  if (!CudaDriverEntry(symbol, &fn, &why)) return absl::InternalError(why);
+  return fn;
 }
 
 class RuntimeDriver final : public CudaDriver {

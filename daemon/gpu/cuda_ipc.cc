@@ -2,6 +2,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "base/cuda_entry.h"
 #include "base/gpu_uuid.h"
 #include "base/logging.h"
 #include "base/status.h"
@@ -84,13 +85,8 @@ absl::Status DriverStatus(const char* what, CUresult r) {
 
 template <typename Fn>
 absl::Status LoadDriverFunction(const char* symbol, Fn* fn) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CKPT_CUDA_RETURN(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q));
-  if (p == nullptr || q != cudaDriverEntryPointSuccess) {
-    return absl::InternalError(absl::StrCat("the CUDA driver has no ", symbol));
-  }
-  *fn = reinterpret_cast<Fn>(p);
+  std::string why;
+  if (!CudaDriverEntry(symbol, fn, &why)) return absl::InternalError(why);
   return absl::OkStatus();
 }
 

@@ -75,6 +75,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/cuda_entry.h"
 #include "ckpt/client.h"
 #include "kernels/drift.h"
 #include "nlohmann/json.hpp"
@@ -309,15 +310,10 @@ class VmmPages {
 
   template <typename Fn>
   static bool Entry(const char* symbol, Fn* fn) {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion(symbol, &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        f == nullptr || q != cudaDriverEntryPointSuccess) {
-      std::fprintf(stderr, "ckpt_gpu_trainer: the CUDA driver has no %s\n", symbol);
-      return false;
-    }
-    *fn = reinterpret_cast<Fn>(f);
-    return true;
+    std::string why;
+    if (ckpt::CudaDriverEntry(symbol, fn, &why)) return true;
+    std::fprintf(stderr, "ckpt_gpu_trainer: %s\n", why.c_str());
+    return false;
   }
   static bool Ok(CUresult r, const char* what) {
     if (r == CUDA_SUCCESS) return true;
