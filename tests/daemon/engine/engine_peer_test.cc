@@ -48,8 +48,9 @@ class PeerTierTest : public EnginePipelineTest {
     }
   }
   void TearDown() override {
-    EnginePipelineTest::TearDown();  // the engine stops before the stores go
+    EnginePipelineTest::TearDown();  // the engine stops and goes before the stores
     nodes_.clear();
+    stores_.clear();
   }
   // The engine of node `self` with F = `copies`; the other nodes are peers.
   EngineOptions On(const std::string& self, uint32_t copies) {
@@ -101,7 +102,16 @@ class PeerTierTest : public EnginePipelineTest {
     return {};
   }
 
+  // A store of the test's own, kept until the engine is gone.
+  template <typename S>
+  S& Keep(std::unique_ptr<S> store) {
+    S& ref = *store;
+    stores_.push_back(std::move(store));
+    return ref;
+  }
+
   std::vector<Node> nodes_;
+  std::vector<std::unique_ptr<remote::RemoteStore>> stores_;
   const remote::RemoteKey key_ = *remote::RemoteKey::FromSecret(std::string(32, 'k'));
 };
 
@@ -302,7 +312,9 @@ class ReplicaAsStore final : public remote::RemoteStore {
 // again, claims the job there and sends what it lacks, instead of failing
 // every step from then on.
 TEST_F(PeerTierTest, APeerThatLostItsReplicasIsFilledAgain) {
-  ReplicaAsStore peer(&key_);
+  // Held by the fixture: the engine's destructor still reaches its stores,
+  // after this body has returned.
+  ReplicaAsStore& peer = Keep(std::make_unique<ReplicaAsStore>(&key_));
   EngineOptions o = On("n1", 1);
   o.peers.peers = {PeerTarget{PeerNodeInfo{"n2", ""}, &peer}};
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
