@@ -17,6 +17,9 @@ load with only storage_writer=/storage_reader= changed.
 - 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
   bytes) save with dcp.save, async_save and async_save's PROCESS
   executor; 2 ranks and 8 ranks load the last exactly (DCP reshards);
+- across nodes: 4 ranks save through two ckptd sharing a remote tier; a
+  fresh node and the first node load the checkpoint exactly, pulling the
+  rank jobs they lack; without a tier the load is refused naming the job;
 - a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
   is the newest one, intact;
 - async_save's PROCESS executor: DCP's process gets meta tensors and a
@@ -432,7 +435,17 @@ def worker(a):
                             world_size=a.world, timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (a.world,))
     rows, rep = global_tensors(11)
-    if a.mode == "save":
+    if a.mode == "save-remote":
+        # Each rank saves through its own node's ckptd and waits until the
+        # save (and, on the coordinator, its catalog entry) is in the
+        # remote tier.
+        sd = {"rows": distribute_tensor(rows, mesh, [Shard(0)]),
+              "rep": distribute_tensor(rep, mesh, [Replicate()])}
+        writer = CkptWriter("dcp-nodes", socket_path=a.socket)
+        dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
+        writer.wait_durable("remote")
+        writer.close()
+    elif a.mode == "save":
         sd = {"rows": distribute_tensor(rows, mesh, [Shard(0)]),
               "rep": distribute_tensor(rep, mesh, [Replicate()]),
               "own": {"r%d" % a.rank: torch.full((3,), float(a.rank))},
@@ -461,7 +474,7 @@ def worker(a):
     else:
         sd = {"rows": distribute_tensor(torch.zeros_like(rows), mesh, [Shard(0)]),
               "rep": distribute_tensor(torch.zeros_like(rep), mesh, [Replicate()])}
-        reader = CkptReader("dcp-ranks", a.socket)
+        reader = CkptReader(a.job, a.socket)
         dcp.load(sd, storage_reader=reader)
         if reader.loaded_id == "step-200":  # the async save finished before the kill
             rows = rows + 1
@@ -541,19 +554,28 @@ def process_executor(daemon, root):
           "the trainer's writer; 2 checkpoints exact")
 
 
-def run_ranks(daemon, root, mode, world, kill_at_async=False, expect_id=None):
+def run_ranks(daemon, root, mode, world, kill_at_async=False, expect_id=None,
+              job="dcp-ranks", log=None):
+    """Runs `world` ranks of worker(); `daemon` is one ckptd for all of
+    them, or a list of one per rank (the node each rank is on). With `log`,
+    the ranks' output goes to that file."""
     # A fresh rendezvous file for each group: a FileStore file left by an
     # earlier group of the same size would be joined instead.
     store = tempfile.mktemp(prefix="store-%s-%d-" % (mode, world), dir=root)
+    nodes = daemon if isinstance(daemon, list) else [daemon] * world
     procs = []
     for r in range(world):
         cmd = [sys.executable, __file__, "--worker", mode, "--rank", str(r), "--world",
-               str(world), "--store", store, "--socket", daemon.socket]
+               str(world), "--store", store, "--socket", nodes[r].socket, "--job", job]
         if kill_at_async:
             cmd.append("--kill-at-async")
         if expect_id:
             cmd += ["--expect-id", expect_id]
-        procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
+        out = open(log, "a") if log else None
+        procs.append(subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                      stdout=out, stderr=out))
+        if out:
+            out.close()
     codes = [p.wait(timeout=300) for p in procs]
     return codes
 
@@ -573,6 +595,53 @@ def many_ranks(daemon, root):
           "loaded exactly onto 2 and 8 ranks")
 
 
+def across_nodes(root):
+    """4 ranks on two nodes (two ckptd sharing a remote tier) save; 2 ranks
+    on a third, fresh node load exactly: the catalog and every rank job the
+    plan names come from the remote tier when this node's ckptd lacks them.
+    The first node, which holds only its own ranks' jobs, refuses the load
+    without a tier, naming the missing job and the remedy, and loads exactly
+    with one."""
+    remote = os.path.join(root, "remote-nodes")
+    os.makedirs(remote)
+    extra = ["--remote_kind=posix", "--remote_path=" + remote,
+             "--remote_key_file=" + harness.remote_key(root)]
+    nodes = [harness.Daemon(os.path.join(root, "dcp-node%d" % i), extra=extra) for i in range(3)]
+    # Node 0's data directory again, without the remote tier.
+    lone = harness.Daemon(os.path.join(root, "dcp-node0"))
+    try:
+        a, b, fresh = [n.start() for n in nodes]
+        codes = run_ranks([a, a, b, b], root, "save-remote", 4, job="dcp-nodes")
+        check(codes == [0] * 4, "4 ranks on two nodes saved: %s" % codes)
+        codes = run_ranks(fresh, root, "load", 2, job="dcp-nodes", expect_id="step-1")
+        check(codes == [0, 0], "2 ranks on a fresh node loaded the 4-rank checkpoint "
+              "exactly from the remote tier: %s" % codes)
+        pulled = [j for j in os.listdir(os.path.join(fresh.data, "jobs"))
+                  if j.startswith("dcp-nodes")]
+        check(len(pulled) == 5, "the fresh node holds the catalog and the 4 rank jobs: %s"
+              % sorted(pulled))
+        a.stop()
+        lone.start()
+        log = os.path.join(root, "dcp-lone.log")
+        codes = run_ranks(lone, root, "load", 2, job="dcp-nodes", log=log)
+        out = open(log).read()
+        check(0 not in codes and "dcp-nodes.r2." in out and "does not exist" in out and
+              "peer or remote tier" in out,
+              "without a tier, a load on a node that lacks rank jobs fails naming the job "
+              "and the remedy: %s" % codes)
+        lone.stop()
+        a.start()
+        codes = run_ranks(a, root, "load", 2, job="dcp-nodes", expect_id="step-1")
+        check(codes == [0, 0], "2 ranks on the first node loaded the other node's chunks "
+              "from the remote tier: %s" % codes)
+        print("a 4-rank checkpoint saved on two nodes loaded exactly on a third node and on "
+              "the first through the remote tier; without a tier, refused naming the "
+              "missing rank job")
+    finally:
+        for n in nodes + [lone]:
+            n.stop()
+
+
 def killed_during_async(daemon, root):
     codes = run_ranks(daemon, root, "save", 2, kill_at_async=True)
     check(all(c == -signal.SIGKILL for c in codes), "both ranks were killed: %s" % codes)
@@ -590,6 +659,7 @@ def main():
     p.add_argument("--socket")
     p.add_argument("--kill-at-async", action="store_true")
     p.add_argument("--expect-id")
+    p.add_argument("--job", default="dcp-ranks")
     a = p.parse_args()
     if a.worker == "process":
         process_worker(a)
@@ -610,6 +680,7 @@ def main():
         newest_moves(daemon)
         too_big(root)
         many_ranks(daemon, root)
+        across_nodes(root)
         killed_during_async(daemon, root)
         process_executor(daemon, root)
     finally:

@@ -148,7 +148,15 @@ class CkptReader(StorageReader):
         try:
             plan = client.plan(step, job_id=job, rank=0)
         except ckpt.Error as e:
-            raise RuntimeError(f"{where} cannot be read: {e.message}") from e
+            hint = ""
+            if e.code == "NOT_FOUND":
+                # The rank saved on another node, and no tier of this
+                # node's ckptd holds a copy to pull.
+                hint = ("; if it was saved through another node's ckptd, this node's ckptd "
+                        "can pull it only from its peer or remote tier: give it one (and "
+                        "wait_durable for that tier when saving), or load on the node that "
+                        "saved it")
+            raise RuntimeError(f"{where} cannot be read: {e.message}{hint}") from e
         if plan["target_step"] != step:
             raise RuntimeError(f"{where} is gone (ckptd's newest step at or below it is "
                                f"{plan['target_step']}); the checkpoint cannot be loaded")
