@@ -317,7 +317,8 @@ class RankStore:
 
     def wait_durable(self, tier: str) -> int:
         """Waits until the last committed step is durable in `tier`
-        ("local", "remote"); returns the tier's newest step (0: none yet)."""
+        ("local", "peer", "remote"); returns the tier's newest step (0: none
+        yet)."""
         with self._lock:
             if self._client is None or self._last_step == 0:
                 return 0

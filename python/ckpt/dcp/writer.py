@@ -305,7 +305,8 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     def wait_durable(self, tier: str = "local") -> None:
         """Waits until this rank's last save (and, on the coordinator, its
         catalog entry) is durable in `tier`: "local" (every save already
-        is when it returns) or "remote" (a replacement node can load it).
+        is when it returns), "peer" or "remote" (a replacement node, or
+        any other node of the cluster, can load it: docs/dcp.md).
         ckpt.Error DEADLINE_EXCEEDED after the writer's wait_timeout_s."""
         for part in (self._store, self._bytes_store, self._catalog):
             if part is not None:
