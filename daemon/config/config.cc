@@ -252,12 +252,59 @@ const std::vector<Option>& PeerOptions() {
 // Every option, one entry each, in the order `ckptd --help` and
 // `ckptd --dump-default-config` (the shipped deploy/ckptd.conf) list them.
 // Peer replication's options close the table (PeerOptions, below).
+// The handover socket's limits (docs/operations.md), between the requests'
+// and LayerCheck's rows of the table.
+const std::vector<Option>& HandoverRows() {
+  static const std::vector<Option>* const options = new std::vector<Option>{
+      Time("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
+           CKPT_FIELD(handover.token_ttl), absl::Seconds(1), 1, 24 * 3600),
+      Time("handover_connection_deadline_ms",
+           "a handover connection must deliver its message within this, else it is refused",
+           CKPT_FIELD(handover.connection_deadline), absl::Milliseconds(1), 10, 600 * 1000),
+      Num("handover_max_connections", "open handover connections, node-wide",
+          CKPT_FIELD(handover.max_connections), 1, 1 << 16),
+      Num("handover_max_connections_per_uid",
+          "open handover connections of one user; more are refused with RESOURCE_EXHAUSTED",
+          CKPT_FIELD(handover.max_connections_per_uid), 1, 1 << 16),
+      Num("handover_max_pending", "unclaimed handovers (tokens), node-wide",
+          CKPT_FIELD(handover.max_pending), 1, 1 << 20),
+      Num("handover_max_pending_per_uid",
+          "unclaimed handovers of one user; more are refused with RESOURCE_EXHAUSTED",
+          CKPT_FIELD(handover.max_pending_per_uid), 1, 1 << 20),
+      Num("handover_max_fds_per_uid",
+          "handed-over descriptors ckptd holds for one user: unclaimed, claimed by a Register "
+          "still running, or held by its live registrations (each is a mapping too)",
+          CKPT_FIELD(handover.max_fds_per_uid), 1, 1 << 24),
+      Num("handover_max_fds",
+          "handed-over descriptors held node-wide (0 = the RLIMIT_NOFILE soft limit minus "
+          "handover_fd_reserve, or half the limit when the reserve is more than half, and at "
+          "most vm.max_map_count minus handover_map_reserve)",
+          CKPT_FIELD(handover.max_fds), 0, 1 << 24),
+      Num("handover_fd_reserve",
+          "descriptors left to RocksDB, io_uring, gRPC and layer files when handover_max_fds is "
+          "0",
+          CKPT_FIELD(handover.fd_reserve), 0, 1 << 24),
+      Num("handover_map_reserve",
+          "mappings of vm.max_map_count left to the rest of ckptd when handover_max_fds is 0",
+          CKPT_FIELD(handover.map_reserve), 0, 1 << 24),
+      Str("handover_cuda_device_file",
+          "the NVIDIA driver's control device: CUDA page descriptors handed over must be "
+          "character devices of its major number (cuMemExportToShareableHandle exports into "
+          "an open /dev/nvidiactl); when it is missing, CUDA page handovers are refused",
+          CKPT_FIELD(handover.cuda_device_file)),
+      Time("handover_accept_backoff_ms",
+           "first pause of the handover accept loop when out of descriptors; doubles up to 1 s",
+           CKPT_FIELD(handover.accept_backoff), absl::Milliseconds(1), 1, 1000),
+  };
+  return *options;
+}
+
 // The order follows topics (paths, staging, writers, requests, handover,
 // LayerCheck, retention, disk and quotas, metrics, the memory and remote
 // tiers), which cut across the subsystems' option structs; so it stays one
 // table.
 std::vector<Option>* CoreOptions() {
-  return new std::vector<Option>{
+  auto* front = new std::vector<Option>{
       Str("socket", "gRPC Unix socket (created 0660; its directory 0750)", CKPT_FIELD(socket),
           /*required=*/true),
       Str("handover_socket", "Unix socket for passing memfd regions; empty = <socket>.fds",
@@ -315,40 +362,11 @@ std::vector<Option>* CoreOptions() {
            CKPT_FIELD(rpc.accept_backoff), absl::Milliseconds(1), 1, 1000),
       Num("max_aux_bytes", "largest per-step aux blob (RNG, scheduler, data position)",
           CKPT_FIELD(engine.max_aux_bytes), 0, 64 << 20),
-      Time("handover_token_ttl_s", "unclaimed handed-over regions are closed after this",
-           CKPT_FIELD(handover.token_ttl), absl::Seconds(1), 1, 24 * 3600),
-      Time("handover_connection_deadline_ms",
-           "a handover connection must deliver its message within this, else it is refused",
-           CKPT_FIELD(handover.connection_deadline), absl::Milliseconds(1), 10, 600 * 1000),
-      Num("handover_max_connections", "open handover connections, node-wide",
-          CKPT_FIELD(handover.max_connections), 1, 1 << 16),
-      Num("handover_max_connections_per_uid",
-          "open handover connections of one user; more are refused with RESOURCE_EXHAUSTED",
-          CKPT_FIELD(handover.max_connections_per_uid), 1, 1 << 16),
-      Num("handover_max_pending", "unclaimed handovers (tokens), node-wide",
-          CKPT_FIELD(handover.max_pending), 1, 1 << 20),
-      Num("handover_max_pending_per_uid",
-          "unclaimed handovers of one user; more are refused with RESOURCE_EXHAUSTED",
-          CKPT_FIELD(handover.max_pending_per_uid), 1, 1 << 20),
-      Num("handover_max_fds_per_uid",
-          "handed-over descriptors ckptd holds for one user: unclaimed, claimed by a Register "
-          "still running, or held by its live registrations (each is a mapping too)",
-          CKPT_FIELD(handover.max_fds_per_uid), 1, 1 << 24),
-      Num("handover_max_fds",
-          "handed-over descriptors held node-wide (0 = the RLIMIT_NOFILE soft limit minus "
-          "handover_fd_reserve, or half the limit when the reserve is more than half, and at "
-          "most vm.max_map_count minus handover_map_reserve)",
-          CKPT_FIELD(handover.max_fds), 0, 1 << 24),
-      Num("handover_fd_reserve",
-          "descriptors left to RocksDB, io_uring, gRPC and layer files when handover_max_fds is "
-          "0",
-          CKPT_FIELD(handover.fd_reserve), 0, 1 << 24),
-      Num("handover_map_reserve",
-          "mappings of vm.max_map_count left to the rest of ckptd when handover_max_fds is 0",
-          CKPT_FIELD(handover.map_reserve), 0, 1 << 24),
-      Time("handover_accept_backoff_ms",
-           "first pause of the handover accept loop when out of descriptors; doubles up to 1 s",
-           CKPT_FIELD(handover.accept_backoff), absl::Milliseconds(1), 1, 1000),
+  };
+  // The handover rows, then LayerCheck onwards.
+  const std::vector<Option>& handover = HandoverRows();
+  front->insert(front->end(), handover.begin(), handover.end());
+  const std::vector<Option> back{
       Num("drift_threads", "CPU threads of the LayerCheck drift kernel per snapshot",
           CKPT_FIELD(engine.drift_threads), 1, 256),
       Num("device_write_bytes_per_s",
@@ -448,6 +466,8 @@ std::vector<Option>* CoreOptions() {
       Num("remote_parallel_parts", "s3 remote tier: parts of one object uploaded at once",
           CKPT_FIELD(remote.parallel_parts), 1, 64),
   };
+  front->insert(front->end(), back.begin(), back.end());
+  return front;
 }
 
 const std::vector<Option>& Options() {

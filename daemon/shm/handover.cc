@@ -7,6 +7,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,28 +27,57 @@
 namespace ckpt {
 namespace {
 
-// What a handed-over descriptor is when it cannot be memory: a memfd is a
-// regular file and a CUDA page descriptor the driver's own file, so a
-// socket, a pipe, a directory, a block device or an O_PATH handle is
-// refused before ckptd holds it (holding a trainer's pipe or socket would
-// keep its other end open until the token expired). nullptr otherwise.
-const char* NotMemoryDescriptor(int fd, const struct stat& st) {
+// Why a handed-over descriptor is not what its kind carries, or "" when it
+// is: a memfd region is a regular file; a CUDA page descriptor is a file of
+// the NVIDIA driver's device (major `cuda_major`, -1 when this node has
+// none). Anything else -- a socket, a pipe, a directory, a tty, an
+// anonymous inode such as an io_uring or eventfd, an O_PATH handle -- is
+// refused before ckptd holds it: holding it would keep the trainer's other
+// ends (or the files an io_uring has registered) open until the token
+// expired.
+std::string NotWhatItsKindCarries(HandoverKind kind, int fd, const struct stat& st,
+                                  int64_t cuda_major) {
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags >= 0 && (flags & O_PATH) != 0) return "an O_PATH handle";
+  const char* what = "neither a regular file nor a device";
   switch (st.st_mode & S_IFMT) {
+    case S_IFREG:
+      if (kind == HandoverKind::kMemfdRegions) return "";
+      what = "a regular file";
+      break;
+    case S_IFCHR:
+      if (kind == HandoverKind::kCudaPages && cuda_major >= 0 &&
+          static_cast<int64_t>(major(st.st_rdev)) == cuda_major) {
+        return "";
+      }
+      what = kind == HandoverKind::kMemfdRegions ? "a character device"
+             : cuda_major < 0 ? "a character device, and ckptd sees no NVIDIA driver device "
+                                "(handover_cuda_device_file)"
+                              : "a character device that is not the NVIDIA driver's";
+      break;
     case S_IFSOCK:
-      return "a socket";
+      what = "a socket";
+      break;
     case S_IFIFO:
-      return "a pipe";
+      what = "a pipe";
+      break;
     case S_IFDIR:
-      return "a directory";
+      what = "a directory";
+      break;
     case S_IFBLK:
-      return "a block device";
-    case S_IFLNK:
-      return "a symbolic link";
+      what = "a block device";
+      break;
+    case 0:
+      what = "an anonymous inode (an io_uring, eventfd, epoll, ...)";
+      break;
     default:
-      return nullptr;
+      break;
   }
+  return kind == HandoverKind::kMemfdRegions
+             ? absl::StrCat(what, "; host regions are handed over as memfds")
+             : absl::StrCat(what,
+                            "; CUDA pages are handed over as the descriptors "
+                            "cuMemExportToShareableHandle returns");
 }
 
 // Connections accepted per loop round, so a flood of connects cannot starve
@@ -140,6 +170,9 @@ absl::Status HandoverServer::Start() {
     struct rlimit rl;
     if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return ErrnoStatus(errno, "getrlimit(RLIMIT_NOFILE)");
     max_fds_ = DefaultMaxFds(rl.rlim_cur, options_.fd_reserve, MaxMapCount(), options_.map_reserve);
+  }
+  if (struct stat st; ::stat(options_.cuda_device_file.c_str(), &st) == 0 && S_ISCHR(st.st_mode)) {
+    cuda_major_ = major(st.st_rdev);
   }
   wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_.valid()) return ErrnoStatus(errno, "eventfd");
@@ -346,8 +379,9 @@ bool HandoverServer::Serve(Conn& conn) {
   }
   // Each region once: two descriptors of one file in a message are refused,
   // so one region cannot be multiplied into many table slots. (CUDA page
-  // descriptors may share an anonymous inode; a page handed over twice
-  // costs only its own import, counted against the region limits.)
+  // descriptors are all files of the driver's one device; a page handed
+  // over twice costs only its own import, counted against the region
+  // limits.)
   const HandoverKind kind =
       h.magic == kHandoverMagic ? HandoverKind::kMemfdRegions : HandoverKind::kCudaPages;
   std::set<std::pair<dev_t, ino_t>> files;
@@ -356,10 +390,9 @@ bool HandoverServer::Serve(Conn& conn) {
     absl::Status bad;
     if (::fstat(fds[i].get(), &st) != 0) {
       bad = ErrnoStatus(errno, "fstat of a handed-over descriptor");
-    } else if (const char* what = NotMemoryDescriptor(fds[i].get(), st); what != nullptr) {
-      bad = absl::InvalidArgumentError(
-          absl::StrCat("descriptor ", i, " is ", what,
-                       "; a handover carries memfds or CUDA page descriptors only"));
+    } else if (std::string why = NotWhatItsKindCarries(kind, fds[i].get(), st, cuda_major_);
+               !why.empty()) {
+      bad = absl::InvalidArgumentError(absl::StrCat("descriptor ", i, " is ", why));
     } else if (kind == HandoverKind::kMemfdRegions &&
                !files.insert({st.st_dev, st.st_ino}).second) {
       bad = absl::InvalidArgumentError(

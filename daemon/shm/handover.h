@@ -72,6 +72,12 @@ struct HandoverOptions {
   // First pause of the accept loop after EMFILE/ENFILE; doubles up to 1 s.
   absl::Duration accept_backoff = absl::Milliseconds(50);
   Clock* clock = nullptr;  // token expiry; null = the real clock. Not owned.
+  // CUDA page descriptors are files of the NVIDIA driver's control device
+  // (cuMemExportToShareableHandle exports into an open /dev/nvidiactl): a
+  // CKG1 handover must carry character devices of this file's major number.
+  // Read at Start(); when the file is missing, CUDA page handovers are
+  // refused (this node's ckptd could not import them either).
+  std::string cuda_device_file = "/dev/nvidiactl";
 };
 
 class HandoverServer;
@@ -199,6 +205,8 @@ class HandoverServer {
   // Immutable after Start().
   const HandoverOptions options_;
   size_t max_fds_ = 0;
+  // The major device number of options_.cuda_device_file; -1 when missing.
+  int64_t cuda_major_ = -1;
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // eventfd: Stop() wakes the loop through it
   std::thread thread_;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -304,8 +306,14 @@ class HandoverServerTest : public ::testing::Test {
     o.connection_deadline = absl::Seconds(5);
     o.token_ttl = absl::Seconds(60);
     o.clock = &clock_;
+    // /dev/null stands in for the NVIDIA driver's device: CUDA page
+    // descriptors in these tests are its files.
+    o.cuda_device_file = "/dev/null";
     return o;
   }
+
+  // A descriptor of the stand-in device, as a CUDA page export is.
+  static UniqueFd DevicePage() { return UniqueFd(::open("/dev/null", O_RDWR | O_CLOEXEC)); }
 
   void StartServerWith(const HandoverOptions& o) {
     server_ = std::make_unique<HandoverServer>(o);
@@ -396,19 +404,20 @@ TEST_F(HandoverServerTest, HandOverAndClaim) {
 }
 
 // CUDA page descriptors are their own kind: two descriptors of one file
-// pass (exported pages may share an anonymous inode), a token of one kind
-// is not claimed as the other, and one registration's tokens absorbed into
-// one claim stay counted until it goes.
+// pass (exported pages are files of the driver's one device), a token of
+// one kind is not claimed as the other, and one registration's tokens
+// absorbed into one claim stay counted until it goes.
 TEST_F(HandoverServerTest, CudaPageDescriptorsAreTheirOwnKind) {
   StartServer();
   std::vector<MemfdRegion> regions = MakeRegions(1);
-  UniqueFd dup = Dup(regions[0].fd());
-  const std::vector<int> fds = {regions[0].fd(), dup.get()};
+  UniqueFd page = DevicePage();
+  ASSERT_TRUE(page.valid());
+  UniqueFd dup = Dup(page.get());
+  const std::vector<int> fds = {page.get(), dup.get()};
   CKPT_ASSERT_OK_AND_ASSIGN(std::string pages,
                             HandOverFds(Path(), fds, absl::Seconds(5), HandoverKind::kCudaPages));
-  CKPT_ASSERT_OK_AND_ASSIGN(
-      std::string more,
-      HandOverFds(Path(), {regions[0].fd()}, absl::Seconds(5), HandoverKind::kCudaPages));
+  CKPT_ASSERT_OK_AND_ASSIGN(std::string more, HandOverFds(Path(), {page.get()}, absl::Seconds(5),
+                                                          HandoverKind::kCudaPages));
   CKPT_ASSERT_OK_AND_ASSIGN(std::string memfds, HandOver(regions));
   CKPT_EXPECT_CODE(server_->Claim(pages, ::getuid()), kInvalidArgument);
   CKPT_EXPECT_CODE(server_->Claim(memfds, ::getuid(), HandoverKind::kCudaPages), kInvalidArgument);
@@ -427,7 +436,7 @@ TEST_F(HandoverServerTest, CudaPageDescriptorsAreTheirOwnKind) {
     CKPT_ASSERT_OK_AND_ASSIGN(HandoverClaim claim, server_->ClaimAll({pages, more}, ::getuid(),
                                                                      HandoverKind::kCudaPages));
     ASSERT_EQ(claim.fds().size(), 3u);
-    EXPECT_TRUE(SameFile(claim.fds()[2].get(), regions[0].fd()));
+    EXPECT_TRUE(SameFile(claim.fds()[2].get(), page.get()));
     EXPECT_EQ(server_->stats().fds_held, 4u);  // and the memfd token's one
   }
   EXPECT_EQ(server_->stats().fds_held, 1u);
@@ -487,10 +496,12 @@ TEST_F(HandoverServerTest, BadMagicAndZeroFdsAreInvalidArgument) {
   EXPECT_EQ(server_->pending(), 0u);
 }
 
-TEST_F(HandoverServerTest, DescriptorsThatCannotBeMemoryAreRefused) {
-  // A socket, a pipe, a directory or an O_PATH handle is neither a memfd
-  // nor a CUDA page descriptor: refused under either magic, and closed
-  // before the reply, so ckptd never holds the trainer's other end.
+TEST_F(HandoverServerTest, OnlyWhatEachKindCarriesIsTaken) {
+  // Host regions are memfds (regular files); CUDA pages are files of the
+  // driver's device. Anything else -- a socket, a pipe, a directory, an
+  // anonymous inode, an O_PATH handle, a page of the wrong kind -- is
+  // refused and closed before the reply, so ckptd never holds the
+  // trainer's other ends.
   StartServer();
   int sv[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
@@ -504,32 +515,63 @@ TEST_F(HandoverServerTest, DescriptorsThatCannotBeMemoryAreRefused) {
   WriteFile(dir.path() + "/f", "x");
   UniqueFd path_fd(::open((dir.path() + "/f").c_str(), O_PATH | O_CLOEXEC));
   ASSERT_TRUE(path_fd.valid());
+  UniqueFd event_fd(::eventfd(0, EFD_CLOEXEC));
+  ASSERT_TRUE(event_fd.valid());
+  UniqueFd page = DevicePage();
+  ASSERT_TRUE(page.valid());
   std::vector<MemfdRegion> regions = MakeRegions(1);
-  const struct {
-    int fd;
+  struct Case {
+    HandoverKind kind;
+    int good;  // a descriptor the kind carries, sent first
+    int bad;
     const char* what;
-  } cases[] = {{sock_a.get(), "a socket"},
-               {pipe_w.get(), "a pipe"},
-               {dir_fd.get(), "a directory"},
-               {path_fd.get(), "an O_PATH handle"}};
+  };
+  std::vector<Case> cases;
   for (HandoverKind kind : {HandoverKind::kMemfdRegions, HandoverKind::kCudaPages}) {
-    for (const auto& c : cases) {
-      SCOPED_TRACE(c.what);
-      absl::StatusOr<std::string> token =
-          HandOverFds(Path(), {regions[0].fd(), c.fd}, absl::Seconds(5), kind);
-      CKPT_EXPECT_CODE(token.status(), kInvalidArgument);
-      EXPECT_TRUE(absl::StrContains(token.status().message(), c.what)) << token.status().message();
-      EXPECT_EQ(server_->stats().fds_held, 0u);
-    }
+    const int good = kind == HandoverKind::kMemfdRegions ? regions[0].fd() : page.get();
+    cases.push_back({kind, good, sock_a.get(), "a socket"});
+    cases.push_back({kind, good, pipe_w.get(), "a pipe"});
+    cases.push_back({kind, good, dir_fd.get(), "a directory"});
+    cases.push_back({kind, good, path_fd.get(), "an O_PATH handle"});
+    cases.push_back({kind, good, event_fd.get(), "an anonymous inode"});
+  }
+  cases.push_back({HandoverKind::kCudaPages, page.get(), regions[0].fd(), "a regular file"});
+  cases.push_back({HandoverKind::kMemfdRegions, regions[0].fd(), page.get(), "a character device"});
+  // A character device of another driver (the pty master's major is not
+  // /dev/null's), when this machine lets the test open one.
+  UniqueFd pty(::open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC));
+  if (pty.valid()) {
+    cases.push_back({HandoverKind::kCudaPages, page.get(), pty.get(), "not the NVIDIA driver's"});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(
+        c.what, c.kind == HandoverKind::kCudaPages ? " as a CUDA page" : " as a memfd region"));
+    absl::StatusOr<std::string> token =
+        HandOverFds(Path(), {c.good, c.bad}, absl::Seconds(5), c.kind);
+    CKPT_EXPECT_CODE(token.status(), kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(token.status().message(), c.what)) << token.status().message();
+    EXPECT_EQ(server_->stats().fds_held, 0u);
   }
   // The pipe's write end was never kept: its read end sees EOF at once
   // (EAGAIN if ckptd still held it).
   pipe_w = UniqueFd();
   char byte;
   EXPECT_EQ(::read(pipe_r.get(), &byte, 1), 0);
-  // A regular file descriptor (a memfd) still goes through as a page.
-  CKPT_EXPECT_OK(
-      HandOverFds(Path(), {regions[0].fd()}, absl::Seconds(5), HandoverKind::kCudaPages).status());
+  // What each kind carries still goes through.
+  CKPT_EXPECT_OK(HandOverFds(Path(), {page.get()}, absl::Seconds(5), HandoverKind::kCudaPages));
+  CKPT_EXPECT_OK(HandOver(regions));
+}
+
+TEST_F(HandoverServerTest, WithoutTheDriversDeviceNoCudaPageIsTaken) {
+  HandoverOptions o = TestOptions();
+  o.cuda_device_file = tmp_.Join("no-such-device");
+  StartServerWith(o);
+  UniqueFd page = DevicePage();
+  absl::StatusOr<std::string> token =
+      HandOverFds(Path(), {page.get()}, absl::Seconds(5), HandoverKind::kCudaPages);
+  CKPT_EXPECT_CODE(token.status(), kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(token.status().message(), "sees no NVIDIA driver device"))
+      << token.status().message();
 }
 
 TEST_F(HandoverServerTest, TokenExpires) {
