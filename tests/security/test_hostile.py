@@ -150,11 +150,21 @@ def check_memory_tier_share(d):
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
+    # A snapshot waiting for the pool takes the tier's room (by design), so
+    # nothing else may hold the pool: the attacks' queued steps drain first.
+    address = d.ctl("status")["metrics_address"]
+    deadline = time.monotonic() + 120
+    while harness.metric(address, "ckpt_staging_pool_in_use_bytes") != 0:
+        assert time.monotonic() < deadline, "the attacks' queued steps never drained"
+        time.sleep(0.1)
     trainer(VICTIM, "victim", VICTIM_LAYERS, VICTIM_LAYER_BYTES, STEPS + 2, "--restore")
     # More layers than the tier holds (each entry takes whole 1 MiB chunks),
     # in steps small enough that the staging pool never needs the tier's
-    # room (a snapshot waiting for the pool takes it all, by design).
-    flood_layers, flood_bytes, flood_steps = 12, 512 << 10, 3
+    # room: the trainer waits for step t-1 after reporting t, so two steps
+    # (2 x 10 MiB) and the full tier (8 MiB) stay under the 32 MiB pool.
+    # With 12 layers they filled it exactly, and a slow commit made the
+    # snapshot take the victim's oldest entry.
+    flood_layers, flood_bytes, flood_steps = 10, 512 << 10, 3
     trainer(HOLDER, "memory-flood", flood_layers, flood_bytes, flood_steps)
     out = trainer(VICTIM, "victim", VICTIM_LAYERS, VICTIM_LAYER_BYTES, STEPS + 2, "--restore")
     line = [x for x in out.splitlines() if "bytes from the memory tier" in x]
