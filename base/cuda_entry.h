@@ -16,12 +16,15 @@
 namespace ckpt {
 
 // Sets `*fn` to the driver's `symbol` and returns true; false with `*why`
-// saying what failed (the runtime's error is cleared from the thread).
+// saying what failed (the runtime's error is cleared from the thread) and,
+// when given, `*error` the runtime's error (cudaSuccess when the driver
+// merely lacks the symbol), so a caller can tell a sticky error.
 template <typename Fn>
-bool CudaDriverEntry(const char* symbol, Fn* fn, std::string* why) {
+bool CudaDriverEntry(const char* symbol, Fn* fn, std::string* why, cudaError_t* error = nullptr) {
   void* p = nullptr;
   cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
   const cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &q);
+  if (error != nullptr) *error = e;
   if (e != cudaSuccess) {
     cudaGetLastError();
     *why = std::string("driver entry point ") + symbol + ": " + cudaGetErrorString(e);

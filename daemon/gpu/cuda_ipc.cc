@@ -86,8 +86,10 @@ absl::Status DriverStatus(const char* what, CUresult r) {
 template <typename Fn>
 absl::Status LoadDriverFunction(const char* symbol, Fn* fn) {
   std::string why;
-  if (!CudaDriverEntry(symbol, fn, &why)) return absl::InternalError(why);
-  return absl::OkStatus();
+  cudaError_t e = cudaSuccess;
+  if (CudaDriverEntry(symbol, fn, &why, &e)) return absl::OkStatus();
+  absl::Status s = absl::InternalError(why);
+  return IsStickyCudaErrorCode(e) ? MarkStickyCudaError(std::move(s)) : s;
 }
 
 // The trainer's pages of virtual-memory-management memory, imported and

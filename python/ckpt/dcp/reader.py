@@ -149,9 +149,9 @@ class CkptReader(StorageReader):
             plan = client.plan(step, job_id=job, rank=0)
         except ckpt.Error as e:
             hint = ""
-            if e.code == "NOT_FOUND":
-                # The rank saved on another node, and no tier of this
-                # node's ckptd holds a copy to pull.
+            if e.code == "NOT_FOUND" and "does not exist" in e.message:
+                # This node's ckptd holds none of the rank job, and none of
+                # its tiers had a copy to pull (or it is another user's).
                 hint = ("; if it was saved through another node's ckptd, this node's ckptd "
                         "can pull it only from its peer or remote tier: give it one (and "
                         "wait_durable for that tier when saving), or load on the node that "

@@ -330,7 +330,6 @@ TEST_F(PeerTierTest, APeerThatLostItsReplicasIsFilledAgain) {
   EXPECT_EQ(listed.size(), 3u);  // every step it lacked, sent again, with its versions
   CKPT_ASSERT_OK_AND_ASSIGN(auto objects, peer.List(remote::RankPrefix("lost-peer", 0) + "v/"));
   EXPECT_EQ(objects.size(), 6u);
-  engine_->Shutdown(absl::Seconds(10));  // before the store goes
 }
 
 }  // namespace
