@@ -333,6 +333,12 @@ std::vector<Option>* CoreOptions() {
       Time("gpu_wait_timeout_ms",
            "GPU ranks: longest wait for a step's event or its copies; then its layers are retried",
            CKPT_FIELD(engine.gpu_wait_timeout), absl::Milliseconds(1), 1, 3600 * 1000),
+      Bool("gpu_fabric_handles",
+           "accept GPU pages handed over as fabric handles (GPUs without POSIX-descriptor "
+           "export, e.g. multi-node NVLink): importing one needs an IMEX channel, which ckptd "
+           "may hold where a user does not, so a user could have ckptd import handles they could "
+           "not (docs/protocol.md); off: such registrations are refused naming this option",
+           CKPT_FIELD(engine.gpu_fabric_handles)),
       Time("drain_timeout_ms", "how long a re-registration waits for the old one's writes",
            CKPT_FIELD(engine.drain_timeout), absl::Milliseconds(1), 0, 3600 * 1000),
       Time("shutdown_grace_ms", "on SIGTERM, how long staged versions may still be written",

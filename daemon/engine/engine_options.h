@@ -72,6 +72,8 @@ struct EngineOptions {
   // real time) before the step is given up and its layers are retried.
   // The snapshot threads serve other ranks meanwhile.
   absl::Duration gpu_wait_timeout = absl::Seconds(120);
+  // GPU pages handed over as fabric handles are accepted (ipc_memory.h).
+  bool gpu_fabric_handles = false;
   absl::Duration trainer_watch_interval = absl::Milliseconds(200);  // trainers' exit checks
   // The memory tier (memory_tier.h): staging-pool bytes keeping the newest
   // committed version of each layer for restores; 0 = off.

@@ -231,6 +231,7 @@ absl::StatusOr<std::shared_ptr<RankState>> Engine::NewRank(const Registration& r
     gpu.close_timeout = std::min(gpu.close_timeout, options_.gpu_wait_timeout);
     gpu.cancel = &shutting_down_;  // a stopping ckptd waits for no device
     gpu.health = &gpu_health_;
+    gpu.fabric_handles = options_.gpu_fabric_handles;
     CKPT_ASSIGN_OR_RETURN(
         memory, GpuMemory::Open(*req.gpu, std::move(handed_over.gpu_pages), cuda_ipc_, gpu));
   } else {
@@ -280,7 +281,8 @@ absl::StatusOr<Engine::HandedOver> Engine::MapRegistration(const Registration& r
       return absl::InvalidArgumentError(
           "a registration hands over host regions or GPU regions, not both");
     }
-    CKPT_ASSIGN_OR_RETURN(sizes, CheckGpuHandover(*req.gpu, fds.size()));
+    CKPT_ASSIGN_OR_RETURN(sizes,
+                          CheckGpuHandover(*req.gpu, fds.size(), options_.gpu_fabric_handles));
     h.gpu_pages = std::move(fds);
   } else {
     for (UniqueFd& fd : fds) {

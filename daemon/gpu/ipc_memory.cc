@@ -41,7 +41,8 @@ namespace {
 // A region of pages: no legacy handle, each page's handle well formed, its
 // size in range, and the sizes adding up to the region's. `pages` counts the
 // handover's pages so far.
-absl::Status CheckGpuPages(size_t i, const GpuRegion& r, size_t page_fds, size_t* pages) {
+absl::Status CheckGpuPages(size_t i, const GpuRegion& r, size_t page_fds, bool fabric_handles,
+                           size_t* pages) {
   if (!r.ipc_handle.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu region ", i, " carries both an ipc_handle and pages"));
@@ -59,6 +60,12 @@ absl::Status CheckGpuPages(size_t i, const GpuRegion& r, size_t page_fds, size_t
     };
     if (p.fabric_handle.empty() && p.fd >= page_fds) {
       return bad(" names descriptor ", p.fd, " of ", page_fds, " handed over");
+    }
+    if (!p.fabric_handle.empty() && !fabric_handles) {
+      return bad(
+          " is a fabric handle; this ckptd takes them only with gpu_fabric_handles = "
+          "true (importing one needs an IMEX channel: docs/protocol.md). Pages that "
+          "allow POSIX descriptors are handed over as those");
     }
     if (!p.fabric_handle.empty() && p.fabric_handle.size() != kCudaIpcHandleBytes) {
       return bad(": fabric_handle is ", p.fabric_handle.size(), " bytes, not a ",
@@ -78,8 +85,8 @@ absl::Status CheckGpuPages(size_t i, const GpuRegion& r, size_t page_fds, size_t
 
 }  // namespace
 
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover,
-                                                       size_t page_fds) {
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover, size_t page_fds,
+                                                       bool fabric_handles) {
   // "GPU-" and a 36-character UUID, as nvidia-smi and cudaDeviceProp print it.
   const std::string& uuid = handover.device_uuid;
   if (uuid.size() != 40 || !absl::StartsWith(uuid, "GPU-")) {
@@ -101,7 +108,7 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
   for (size_t i = 0; i < handover.regions.size(); ++i) {
     const GpuRegion& r = handover.regions[i];
     if (!r.pages.empty()) {
-      CKPT_RETURN_IF_ERROR(CheckGpuPages(i, r, page_fds, &pages));
+      CKPT_RETURN_IF_ERROR(CheckGpuPages(i, r, page_fds, fabric_handles, &pages));
       sizes.push_back(r.bytes);
       continue;
     }
@@ -128,7 +135,8 @@ absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handov
 absl::StatusOr<std::unique_ptr<GpuMemory>> GpuMemory::Open(const GpuHandover& handover,
                                                            std::vector<UniqueFd> page_fds,
                                                            CudaIpc* ipc, GpuMemoryOptions options) {
-  CKPT_RETURN_IF_ERROR(CheckGpuHandover(handover, page_fds.size()).status());
+  CKPT_RETURN_IF_ERROR(
+      CheckGpuHandover(handover, page_fds.size(), options.fabric_handles).status());
   // Closes what was opened on any return.
   std::unique_ptr<GpuMemory> m(new GpuMemory(ipc, options));
   CKPT_ASSIGN_OR_RETURN(m->device_, ipc->FindDevice(handover.device_uuid));

@@ -95,9 +95,12 @@ struct GpuHandover {
 
 // Checks a handover before anything is opened, with `page_fds` descriptors
 // handed over for its pages: INVALID_ARGUMENT naming the first problem.
+// Pages given as fabric handles are refused unless `fabric_handles`
+// (gpu_fabric_handles: importing one needs an IMEX channel, which ckptd may
+// hold where the trainer's user does not; docs/protocol.md).
 // Returns the declared region sizes (for ValidateRegistration).
-absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover,
-                                                       size_t page_fds);
+absl::StatusOr<std::vector<uint64_t>> CheckGpuHandover(const GpuHandover& handover, size_t page_fds,
+                                                       bool fabric_handles = false);
 
 struct GpuMappingStats {
   uint64_t mappings = 0;  // open and in use
@@ -117,6 +120,8 @@ struct GpuMemoryOptions {
   // Where a sticky CUDA error marks the device poisoned, and what Open and
   // StepReady check first (null: nothing is recorded). Must outlive the object.
   GpuHealth* health = nullptr;
+  // Whether pages may come as fabric handles (CheckGpuHandover).
+  bool fabric_handles = false;
 };
 
 class GpuMemory final : public RankMemory {

@@ -203,6 +203,10 @@ class Daemon:
             [os.path.join(build, "daemon", "ckptd"), "--socket=" + self.socket,
              "--data_dir=" + os.path.join(root, "data"), "--staging_pool_bytes=%d" % pool_bytes,
              "--metrics_address=127.0.0.1:0", "--lock_staging_memory=false",
+             # The check is the node's only tenant: expandable segments
+             # exported as fabric handles (where the page allows no POSIX
+             # descriptor) are taken too (docs/protocol.md).
+             "--gpu_fabric_handles=true",
              "--keep_last_events=1", "--keep_every_steps=0", "--gc_interval_s=1"] + list(extra),
             stdout=self.log, stderr=self.log)
         deadline = time.time() + 60

@@ -131,20 +131,45 @@ TEST(GpuPagesTest, APageSmallerThanDeclaredReleasesEveryRun) {
   EXPECT_EQ(OpenGpuMappings().mappings, 0u);
 }
 
-TEST(GpuPagesTest, FabricHandlesMapWithoutDescriptors) {
-  FakeCudaIpc ipc;
-  Page a = Page::Make(kPage, 'f');
-  const std::string fabric = Handle(77);
-  ipc.AddFabricPage(fabric, a.fd.get());
+// A handover of one page given as the fabric handle `fabric`.
+v1::GpuHandover OneFabricPage(const std::string& fabric) {
   v1::GpuHandover h = Pages();
   v1::GpuRegion* r = h.add_regions();
   r->set_bytes(kPage);
   v1::GpuPage* p = r->add_pages();
   p->set_fabric_handle(fabric);
   p->set_bytes(kPage);
-  CKPT_ASSERT_OK_AND_ASSIGN(std::unique_ptr<GpuMemory> m,
-                            GpuMemory::Open(GpuHandoverOf(h), {}, &ipc));
+  return h;
+}
+
+TEST(GpuPagesTest, FabricHandlesMapWithoutDescriptorsWhenAllowed) {
+  FakeCudaIpc ipc;
+  Page a = Page::Make(kPage, 'f');
+  const std::string fabric = Handle(77);
+  ipc.AddFabricPage(fabric, a.fd.get());
+  GpuMemoryOptions options;
+  options.fabric_handles = true;
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<GpuMemory> m,
+      GpuMemory::Open(GpuHandoverOf(OneFabricPage(fabric)), {}, &ipc, options));
   EXPECT_EQ(m->base(0)[kPage / 2], 'f');
+}
+
+// Importing a fabric handle needs an IMEX channel ckptd may hold where the
+// trainer's user does not: by default such pages are refused, naming the
+// option, before anything is imported.
+TEST(GpuPagesTest, FabricHandlesAreRefusedByDefault) {
+  FakeCudaIpc ipc;
+  Page a = Page::Make(kPage, 'f');
+  const std::string fabric = Handle(77);
+  ipc.AddFabricPage(fabric, a.fd.get());
+  const GpuHandover h = GpuHandoverOf(OneFabricPage(fabric));
+  absl::Status s = CheckGpuHandover(h, 0).status();
+  CKPT_EXPECT_CODE(s, kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("gpu_fabric_handles"), std::string::npos) << s;
+  CKPT_EXPECT_OK(CheckGpuHandover(h, 0, /*fabric_handles=*/true).status());
+  CKPT_EXPECT_CODE(GpuMemory::Open(h, {}, &ipc).status(), kInvalidArgument);
+  EXPECT_EQ(ipc.pages_mapped(), 0);
 }
 
 TEST(GpuPagesTest, MalformedRunsAreRefusedBeforeAnythingIsMapped) {
@@ -181,7 +206,9 @@ TEST(GpuPagesTest, MalformedRunsAreRefusedBeforeAnythingIsMapped) {
     AddRun(&h, {0, 1}, {kPage, kPage});
     CKPT_EXPECT_OK(CheckGpuHandover(GpuHandoverOf(h), 2).status()) << c.what;
     c.mutate(&h);
-    CKPT_EXPECT_CODE(CheckGpuHandover(GpuHandoverOf(h), 2).status(), kInvalidArgument) << c.what;
+    CKPT_EXPECT_CODE(CheckGpuHandover(GpuHandoverOf(h), 2, /*fabric_handles=*/true).status(),
+                     kInvalidArgument)
+        << c.what;
     CKPT_EXPECT_CODE(GpuMemory::Open(GpuHandoverOf(h), Dups({&a, &b}), &ipc).status(),
                      kInvalidArgument)
         << c.what;
