@@ -36,4 +36,16 @@ absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::s
   return any_answer && answered ? absl::OkStatus() : failed;
 }
 
+void ForEachNewestRankEvent(Index* index, const std::string& job,
+                            const std::function<void(uint32_t, uid_t, uint64_t)>& fn) {
+  absl::StatusOr<std::optional<store::JobRecord>> rec = index->GetJob(job);
+  absl::StatusOr<std::vector<uint32_t>> ranks = index->ListRanks(job);
+  if (!rec.ok() || !rec->has_value() || !ranks.ok()) return;
+  for (uint32_t rank : *ranks) {
+    absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> e =
+        index->EventAtOrBefore(job, rank, ~uint64_t{0});
+    if (e.ok() && e->has_value()) fn(rank, (*rec)->owner_uid(), (*e)->first);
+  }
+}
+
 }  // namespace ckpt

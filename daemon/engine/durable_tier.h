@@ -167,4 +167,11 @@ absl::Status PullFromNewest(const std::vector<DurableTier*>& tiers, const std::s
                             const std::function<absl::StatusOr<bool>()>& arrived,
                             bool any_answer = false);
 
+// Calls fn(rank, owner uid, newest step) for each rank of `job` with an
+// event in this node's index: what a tier must copy of the job. Nothing
+// when the job's record or its ranks cannot be read.
+void ForEachNewestRankEvent(
+    Index* index, const std::string& job,
+    const std::function<void(uint32_t rank, uid_t owner, uint64_t step)>& fn);
+
 }  // namespace ckpt

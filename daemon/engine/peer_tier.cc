@@ -145,20 +145,12 @@ void PeerTier::OnRegister(const RankKey& rank, const std::vector<std::string>& j
 }
 
 void PeerTier::TellNewest(const std::string& job, const std::vector<size_t>& peers) {
-  Index* const index = deps_.index;
-  absl::StatusOr<std::optional<store::JobRecord>> rec = index->GetJob(job);
-  absl::StatusOr<std::vector<uint32_t>> ranks = index->ListRanks(job);
-  if (!rec.ok() || !rec->has_value() || !ranks.ok()) return;
-  for (uint32_t r : *ranks) {
-    absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> e =
-        index->EventAtOrBefore(job, r, ~uint64_t{0});
-    if (!e.ok() || !e->has_value()) continue;
-    const LocalEvent newest{(*e)->first, 0};
+  ForEachNewestRankEvent(deps_.index, job, [&](uint32_t rank, uid_t owner, uint64_t step) {
+    const LocalEvent newest{step, 0};
     for (size_t i : peers) {
-      peers_[i].tier->OnLocalEvents(RankKey(job, r), (*rec)->owner_uid(),
-                                    absl::MakeConstSpan(&newest, 1));
+      peers_[i].tier->OnLocalEvents(RankKey(job, rank), owner, absl::MakeConstSpan(&newest, 1));
     }
-  }
+  });
 }
 
 void PeerTier::OnLocalEvents(const RankKey& rank, uid_t owner,

@@ -307,19 +307,13 @@ void RemoteTier::LoadRanks() {
   Index* const index = deps_.index;
   absl::StatusOr<std::vector<std::string>> jobs = index->ListJobs();
   for (const std::string& job : jobs.ok() ? *jobs : std::vector<std::string>()) {
-    absl::StatusOr<std::optional<store::JobRecord>> jr = index->GetJob(job);
-    absl::StatusOr<std::vector<uint32_t>> ranks = index->ListRanks(job);
-    if (!jr.ok() || !jr->has_value() || !ranks.ok()) continue;
-    for (uint32_t rank : *ranks) {
-      absl::StatusOr<std::optional<std::pair<uint64_t, store::EventRecord>>> e =
-          index->EventAtOrBefore(job, rank, ~uint64_t{0});
-      if (!e.ok() || !e->has_value()) continue;
+    ForEachNewestRankEvent(index, job, [&](uint32_t rank, uid_t owner, uint64_t step) {
       absl::MutexLock lock(&mu_);
-      if (!CopiesLocked(RankKey(job, rank))) continue;
+      if (!CopiesLocked(RankKey(job, rank))) return;
       RankCopy& rc = ranks_[RankKey(job, rank)];
-      rc.owner = (*jr)->owner_uid();
-      rc.local_step = std::max(rc.local_step, (*e)->first);
-    }
+      rc.owner = owner;
+      rc.local_step = std::max(rc.local_step, step);
+    });
   }
 }
 
