@@ -1,14 +1,13 @@
 // RemoteTier's pulls: a replacement node copies a rank's newest usable
 // history from the remote tier into its local store.
 #include <algorithm>
-#include <atomic>
 #include <set>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/parallel.h"
 #include "daemon/common/validate.h"
 #include "daemon/engine/registration.h"
 #include "daemon/engine/remote_tier.h"
@@ -337,22 +336,14 @@ absl::StatusOr<bool> RemoteTier::AdoptManifest(
   // Fetched `upload_threads` at once, each checked before its record is
   // put (LayerStore::Adopt): a pull moves a step's versions side by side,
   // as the uploader does.
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < fetches.size();) {
-      Fetch& f = fetches[i];
-      const store::RemoteVersion& v = *f.v;
-      const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
-      f.adopted = deps_.store->Adopt(
-          VersionKey{job, rank, v.layer(), v.step()}, v.record(),
-          FetchObject(okey, v.record().file_bytes(), v.object_mac(), &f.fetched));
-    }
-  };
-  const size_t n = std::min<size_t>(std::max(1u, options_.upload_threads), fetches.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
-  worker();
-  for (std::thread& t : threads) t.join();
+  RunOnThreads(fetches.size(), options_.upload_threads, [&](size_t i) {
+    Fetch& f = fetches[i];
+    const store::RemoteVersion& v = *f.v;
+    const std::string okey = remote::VersionObjectKey(job, rank, v.record().file());
+    f.adopted =
+        deps_.store->Adopt(VersionKey{job, rank, v.layer(), v.step()}, v.record(),
+                           FetchObject(okey, v.record().file_bytes(), v.object_mac(), &f.fetched));
+  });
   // What came: every adopted version joins the pull (so a failed pull
   // removes it), then the failures in the manifest's order.
   for (const Fetch& f : fetches) {

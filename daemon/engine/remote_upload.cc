@@ -2,7 +2,6 @@
 // uploads one step (its versions the remote tier lacks, then its manifest)
 // and applies remote retention.
 #include <algorithm>
-#include <atomic>
 #include <optional>
 #include <set>
 
@@ -10,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "base/logging.h"
 #include "base/status.h"
+#include "daemon/common/parallel.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/remote_tier_internal.h"
@@ -371,58 +371,49 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
   // Named, not bound: the workers below capture them.
   const std::string& job = key.first;
   const uint32_t rank = key.second;
-  std::atomic<size_t> next{0};
   absl::Mutex err_mu;
   absl::Status first_error;
-  auto worker = [&] {
-    for (;;) {
-      const size_t i = next.fetch_add(1);
-      if (i >= turn->uploads.size()) return;
-      {
-        absl::MutexLock l(&err_mu);
-        if (!first_error.ok()) return;
-      }
-      absl::Status s =
-          stopping_.load() ? absl::CancelledError("ckptd is stopping") : absl::OkStatus();
-      Upload& u = turn->uploads[i];
+  // After the first failure the rest are skipped.
+  RunOnThreads(turn->uploads.size(), options_.upload_threads, [&](size_t i) {
+    {
+      absl::MutexLock l(&err_mu);
+      if (!first_error.ok()) return;
+    }
+    absl::Status s =
+        stopping_.load() ? absl::CancelledError("ckptd is stopping") : absl::OkStatus();
+    Upload& u = turn->uploads[i];
+    if (s.ok()) {
+      // The MAC of what is sent, taken as it is sent.
+      absl::StatusOr<remote::ObjectMac> mac = remote::ObjectMac::Begin(*key_);
+      s = mac.status();
       if (s.ok()) {
-        // The MAC of what is sent, taken as it is sent.
-        absl::StatusOr<remote::ObjectMac> mac = remote::ObjectMac::Begin(*key_);
-        s = mac.status();
-        if (s.ok()) {
-          CKPT_SYNC_POINT("remote.before_put_version");
-          s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
-                                      u.rec.file_bytes(), [&](std::string_view b) {
-                                        mac->Update(b);
-                                        return absl::OkStatus();
-                                      });
-        }
-        if (s.ok()) {
-          u.mac = mac->Finish();
-          if (u.mac.empty()) s = absl::InternalError("OpenSSL failed in an object's MAC");
-        }
+        CKPT_SYNC_POINT("remote.before_put_version");
+        s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
+                                    u.rec.file_bytes(), [&](std::string_view b) {
+                                      mac->Update(b);
+                                      return absl::OkStatus();
+                                    });
       }
-      if (!s.ok()) {
-        absl::MutexLock l(&err_mu);
-        if (first_error.ok()) first_error = s;
-        continue;
-      }
-      if (Metrics* m = deps_.metrics) {
-        m->Inc(options_.metric_ids.uploaded_versions);
-        m->Inc(options_.metric_ids.uploaded_bytes, static_cast<double>(u.rec.file_bytes()));
-      }
-      absl::MutexLock lock(&mu_);
-      if (RankCopy* rc = FindLocked(key); rc != nullptr) {
-        rc->objects[u.rec.file()] = ObjectCopy{u.rec.file_bytes(), u.mac};
-        rc->stray.erase(u.rec.file());
+      if (s.ok()) {
+        u.mac = mac->Finish();
+        if (u.mac.empty()) s = absl::InternalError("OpenSSL failed in an object's MAC");
       }
     }
-  };
-  const size_t n = std::min<size_t>(std::max(1u, options_.upload_threads), turn->uploads.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
-  worker();
-  for (std::thread& t : threads) t.join();
+    if (!s.ok()) {
+      absl::MutexLock l(&err_mu);
+      if (first_error.ok()) first_error = s;
+      return;
+    }
+    if (Metrics* m = deps_.metrics) {
+      m->Inc(options_.metric_ids.uploaded_versions);
+      m->Inc(options_.metric_ids.uploaded_bytes, static_cast<double>(u.rec.file_bytes()));
+    }
+    absl::MutexLock lock(&mu_);
+    if (RankCopy* rc = FindLocked(key); rc != nullptr) {
+      rc->objects[u.rec.file()] = ObjectCopy{u.rec.file_bytes(), u.mac};
+      rc->stray.erase(u.rec.file());
+    }
+  });
   if (first_error.ok()) {
     for (const Upload& u : turn->uploads) {
       turn->manifest.mutable_versions(u.version)->set_object_mac(u.mac);

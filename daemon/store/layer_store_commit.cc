@@ -2,15 +2,14 @@
 // written to a temp file; Publish, the group's data, names and records made
 // durable and visible; Commit, both for one version -- and Remove, which
 // takes a committed version away again.
-#include <atomic>
 #include <map>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/common/kill_point.h"
+#include "daemon/common/parallel.h"
 #include "daemon/store/layer_store.h"
 #include "daemon/store/layer_store_internal.h"
 
@@ -114,17 +113,8 @@ absl::StatusOr<WrittenVersion> LayerStore::Write(StagedVersion* v, IoBackend* io
 std::vector<absl::Status> LayerStore::SyncData(std::vector<WrittenVersion>* group) {
   std::vector<absl::Status> synced(group->size());
   const absl::Time start = absl::Now();
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < group->size();) {
-      synced[i] = fs_->DataSync((*group)[i].fd.get());
-    }
-  };
-  const size_t n = std::min(group->size(), kSyncThreads);
-  std::vector<std::thread> threads;
-  for (size_t i = 1; i < n; ++i) threads.emplace_back(worker);
-  worker();
-  for (std::thread& t : threads) t.join();
+  RunOnThreads(group->size(), kSyncThreads,
+               [&](size_t i) { synced[i] = fs_->DataSync((*group)[i].fd.get()); });
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   for (WrittenVersion& w : *group) w.timings.sync_seconds = seconds;
   return synced;
