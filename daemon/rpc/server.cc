@@ -75,6 +75,9 @@ grpc::Status WithCaller(RpcServer* server, grpc::ServerContext* ctx,
     bool large;
     ~Leave() { server->LeaveCall(uid, heavy, large); }
   } leave{server, caller->uid, heavy, large};
+  // A heavy call holding its slot: a test of max_heavy_calls against a real
+  // ckptd holds calls here (CKPT_DELAY_UNTIL) instead of racing them.
+  if (heavy) CKPT_DELAY_POINT("rpc.heavy_call");
   return ToGrpcStatus(fn(*caller));
 }
 

@@ -21,6 +21,8 @@ process, until the victim is done:
   handover_pending     handovers that are never claimed
   handover_lies        headers announcing descriptors they do not carry
   verify               `ckptctl verify --deep` and `status`, 8 at a time
+                       (max_heavy_calls refuses them in the ordered check
+                       that follows: two held at their slots, a third refused)
 
 While they run, ckptd's RSS, open descriptors, mappings and data-directory
 bytes are sampled every 0.1 s, and each uid's disk and index bytes and the
@@ -137,6 +139,44 @@ def verify_flood(d, stop_file):
         yield calls, refused, failed, errors
 
 
+def lines_in(path):
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def check_heavy_cap(d, hold_log, release):
+    """max_heavy_calls, ordered rather than raced: with `release` removed,
+    ckptd holds each heavy call it admits at the delay point
+    rpc.heavy_call (a line in `hold_log`). Two `verify --deep` take both
+    slots; a third is refused naming the option; once released, the two
+    finish."""
+    ctl = setpriv(ATTACKER) + [harness.CKPTCTL, "--socket=" + d.socket, "--timeout=60"]
+    verify = ctl + ["verify", "aux-flood", "--deep"]
+    cap = BOUNDS["max_heavy_calls"]
+    os.unlink(release)
+    held = []
+    try:
+        seen = lines_in(hold_log)
+        held = [subprocess.Popen(verify, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(cap)]
+        harness.wait_for(lambda: lines_in(hold_log) >= seen + cap, 60,
+                         "%d verify calls held at their slots" % cap)
+        third = subprocess.run(verify, capture_output=True, text=True, timeout=60)
+    finally:
+        with open(release, "w"):
+            pass
+    for p in held:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, "a held verify failed once released: " + err[-2000:]
+    print("max_heavy_calls %d: %d calls held, the next answered %r"
+          % (cap, cap, third.stderr.strip()[-160:]))
+    assert third.returncode != 0 and "RESOURCE_EXHAUSTED" in third.stderr and \
+        "max_heavy_calls" in third.stderr, (third.returncode, third.stderr[-2000:])
+
+
 def check_memory_tier_share(d):
     """The victim trains two more steps (their versions go into the memory
     tier); a third uid then commits steps of more layers than the tier
@@ -199,11 +239,19 @@ def main():
                 attacker_py)
     os.chmod(attacker_py, 0o644)
     stop_file = os.path.join(work, "stop")
+    # Heavy calls pass the delay point rpc.heavy_call at once while this
+    # file exists (check_heavy_cap removes it to hold two).
+    hold_log = os.path.join(work, "heavy-calls.log")
+    release = os.path.join(work, "heavy-calls.release")
+    with open(release, "w"):
+        pass
 
     pool = BOUNDS["staging_pool_bytes"]
     d = harness.Daemon(root, pool_bytes=pool, extra=[
         "--%s=%d" % (k, v) for k, v in BOUNDS.items() if k != "staging_pool_bytes"] +
-        ["--gc_interval_s=2", "--keep_last_events=20"])
+        ["--gc_interval_s=2", "--keep_last_events=20"],
+        env={"CKPT_DELAY_AT": "rpc.heavy_call:120000", "CKPT_DELAY_LOG": hold_log,
+             "CKPT_DELAY_UNTIL": release})
     d.start()
     attackers = []
     victim = None
@@ -303,7 +351,9 @@ def main():
         h = answers["handover_connections"]
         assert h.get("answered_or_closed", 0) >= h.get("opened", 0) - BOUNDS[
             "handover_max_connections_per_uid"], h
-        assert calls[1] > 0 and calls[2] == 0, calls
+        # Whether a verify of the flood met both slots taken is up to
+        # timing; check_heavy_cap below orders it. Here none may fail.
+        assert calls[0] > 0 and calls[2] == 0, calls
         held = answers["held_descriptors"]
         held_fds = held.get("OK", 0) * held["regions_per_rank"]
         print("held descriptors: %d registrations of %d regions live, %d descriptors, cap %d" %
@@ -353,6 +403,7 @@ def main():
         assert fds_after <= fds0 + BOUNDS["handover_max_pending_per_uid"] + 16, fds_after
         p = d.ctl_raw("verify", "victim", "--deep")
         assert p.returncode == 0, p.stdout + p.stderr
+        check_heavy_cap(d, hold_log, release)
         check_memory_tier_share(d)
         assert d.stop() == 0, d.log()[-3000:]
         return 0
