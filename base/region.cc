@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -70,6 +71,21 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
   MappedRegion r;
   r.mapping_ = SharedMapping(std::move(fd), p, size);
   return r;
+}
+
+bool MappedRegion::Populated() const {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  // A window of pages at a time: the region may be as large as
+  // kMaxRegionBytes, and the first page missing ends the walk.
+  unsigned char resident[4096];
+  for (uint64_t off = 0; off < size(); off += sizeof(resident) * page) {
+    const uint64_t n = std::min<uint64_t>(size() - off, sizeof(resident) * page);
+    if (::mincore(data() + off, n, resident) != 0) return false;
+    for (uint64_t i = 0; i < (n + page - 1) / page; ++i) {
+      if ((resident[i] & 1) == 0) return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace ckpt

@@ -73,6 +73,11 @@ class MappedRegion {
   char* data() const { return static_cast<char*>(mapping_.data()); }
   uint64_t size() const { return mapping_.size(); }
 
+  // Whether every page of the region is in memory now (mincore): pages its
+  // owner populated are charged to the owner's memory cgroup, pages this
+  // process makes it fault in would be charged to this one. False on error.
+  bool Populated() const;
+
  private:
   SharedMapping mapping_;
 };

@@ -12,6 +12,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/export_region.h"
 #include "base/status.h"
 #include "ckpt/client.h"
 
@@ -448,6 +450,15 @@ class PyClient {
       std::memcpy(it->second->ptr + offset, piece.data(), piece.size());
       return absl::OkStatus();
     };
+    // The bytes come through a shared window (Client::ExportSink): no
+    // larger than the bytes due (every tensor needs a destination of its
+    // size), nor than kExportRegionWindowBytes unless a tensor is larger.
+    uint64_t due = 0, largest = 0;
+    for (const auto& [key, d] : out) {
+      due += d.size;
+      largest = std::max(largest, d.size);
+    }
+    sink.region_bytes = std::min(due, std::max(kExportRegionWindowBytes, 2 * largest));
     {
       py::gil_scoped_release release;
       Check(client_->Export(job, rank, target_step, sink, older_within));

@@ -1,10 +1,19 @@
 #include "ckpt/client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <optional>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/dtype.h"
+#include "base/export_region.h"
 #include "base/handover_wire.h"
 #include "base/logging.h"
 #include "base/region.h"
@@ -467,6 +476,23 @@ absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uin
   return plan;
 }
 
+namespace {
+
+// A memfd for an export's bytes, its pages populated here so that they are
+// this process's memory, not ckptd's (ckptd writes into them).
+absl::StatusOr<MemfdRegion> MakeExportRegion(uint64_t bytes) {
+  CKPT_ASSIGN_OR_RETURN(MemfdRegion r, MemfdRegion::Create("ckpt-export", bytes));
+  if (::madvise(r.data(), r.size(), MADV_POPULATE_WRITE) != 0) {
+    // A kernel without it (EINVAL): touch each page.
+    const long page = ::sysconf(_SC_PAGESIZE);
+    auto* p = static_cast<volatile char*>(r.data());
+    for (uint64_t off = 0; off < r.size(); off += static_cast<uint64_t>(page)) p[off] = 0;
+  }
+  return r;
+}
+
+}  // namespace
+
 absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t target_step,
                             const ExportSink& sink, uint64_t older_within_steps) {
   v1::ExportRequest req;
@@ -474,6 +500,27 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
   req.set_rank(rank);
   req.set_target_step(target_step);
   req.set_older_within_steps(older_within_steps);
+  // The window is a shortcut: without it (no memory for it, the handover
+  // refused), the bytes are streamed.
+  std::optional<MemfdRegion> region;
+  if (sink.region_bytes > 0) {
+    absl::StatusOr<MemfdRegion> made =
+        MakeExportRegion(kExportRegionControlBytes + sink.region_bytes);
+    absl::StatusOr<std::string> token = absl::UnknownError("no region");
+    if (made.ok()) {
+      const int fd = made->fd();
+      token = HandOverFds(options_.handover_socket_path, {&fd, 1}, options_.call_timeout);
+    } else {
+      token = made.status();
+    }
+    if (token.ok()) {
+      region = std::move(*made);
+      req.set_region_token(*token);
+    } else {
+      CKPT_LOG(WARNING) << "export of job " << job << " rank " << rank
+                        << " is streamed: no shared window (" << token.status() << ")";
+    }
+  }
   grpc::ClientContext ctx;
   SetDeadline(&ctx, options_.restore_timeout);
   std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = impl_->admin->Export(&ctx, req);
@@ -497,6 +544,10 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
       }
       header = std::move(*chunk.mutable_header());
       have_header = true;
+      if (header.in_region() && !region.has_value()) {
+        local = absl::DataLossError("ckptd chose a region for an export that gave it none");
+        break;
+      }
       local = sink.header(header);
       continue;
     }
@@ -504,7 +555,25 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
       local = absl::DataLossError("the export stream sent data before its header");
       break;
     }
-    std::string_view piece = chunk.data();
+    // The next bytes of the stream: in the message, or (in_region) at the
+    // start of the region's window.
+    std::string_view piece;
+    const bool from_region = chunk.payload_case() == v1::ExportChunk::kRegionBytes;
+    if (from_region != header.in_region() && (from_region || !chunk.data().empty())) {
+      local = absl::DataLossError("the export stream mixed bytes in the region and in messages");
+      break;
+    }
+    if (from_region) {
+      if (chunk.region_bytes() > region->size() - kExportRegionControlBytes) {
+        local = absl::DataLossError("the export stream named more bytes than the region holds");
+        break;
+      }
+      piece = std::string_view(static_cast<const char*>(region->data()) +
+                                   kExportRegionControlBytes,
+                               chunk.region_bytes());
+    } else {
+      piece = chunk.data();
+    }
     while (local.ok() && !piece.empty()) {
       skip_finished();
       if (tensor == header.tensors_size()) {
@@ -517,6 +586,8 @@ absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t targ
       offset += n;
       piece.remove_prefix(n);
     }
+    // The window is ckptd's again for the next batch.
+    if (local.ok() && from_region) BumpExportAck(region->data());
   }
   if (!local.ok()) ctx.TryCancel();
   const absl::Status s = FromGrpc(reader->Finish());

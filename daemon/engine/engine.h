@@ -201,8 +201,12 @@ class Engine {
                                    bool discard_later = false, uint64_t older_within = 0);
   // Streams a rank's composite checkpoint: the header, then every tensor's
   // verified bytes. `sink` returns false when the reader went away (CANCELLED).
+  // `region` (may be empty): the caller's sealed memfd that
+  // req.region_token handed over; mapped here, the bytes go into it when it
+  // is long enough (ExportPlan), read on two threads.
   absl::Status Export(const v1::ExportRequest& req, const Caller& caller,
-                      const std::function<bool(const v1::ExportChunk&)>& sink);
+                      const std::function<bool(const v1::ExportChunk&)>& sink,
+                      UniqueFd region = UniqueFd());
   // Reads back every committed version of the job (or one rank) and checks
   // every checksum; failures are listed in the reply, not returned as errors.
   absl::StatusOr<v1::VerifyReply> Verify(const v1::VerifyRequest& req, const Caller& caller);

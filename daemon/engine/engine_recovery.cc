@@ -1,10 +1,12 @@
 // Recovery in the engine: Plan, Restore, Verify, Export (over recovery/).
 #include <cmath>
+#include <optional>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/logging.h"
+#include "base/region.h"
 #include "base/status.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
@@ -333,7 +335,8 @@ absl::StatusOr<v1::VerifyReply> Engine::Verify(const v1::VerifyRequest& req, con
 }
 
 absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
-                            const std::function<bool(const v1::ExportChunk&)>& sink) {
+                            const std::function<bool(const v1::ExportChunk&)>& sink,
+                            UniqueFd region) {
   CKPT_RETURN_IF_ERROR(
       OwnerOnly(PullFromTiers(req.job_id(), req.rank(), caller, /*must_know=*/true), req.job_id()));
   CKPT_RETURN_IF_ERROR(owners_.CheckVisible(req.job_id(), caller));
@@ -349,13 +352,27 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   CountLost(options_.metrics, planned.status(), planned.ok() ? &*planned : nullptr);
   CKPT_RETURN_IF_ERROR(planned.status());
   const CompositePlan& plan = *planned;
+  // The caller's region, mapped for this call only (a memfd sealed against
+  // shrinking: MappedRegion refuses any other file). Only a region whose
+  // pages its owner populated is written: a page ckptd faulted in would be
+  // ckptd's memory for as long as the caller keeps the memfd. Any other
+  // gets the stream.
+  std::optional<MappedRegion> mapped;
+  ExportRegion into;
+  if (region.valid()) {
+    CKPT_ASSIGN_OR_RETURN(MappedRegion m, MappedRegion::Map(std::move(region)));
+    mapped = std::move(m);
+    if (mapped->Populated()) into = ExportRegion{mapped->data(), mapped->size()};
+  }
+  // A stream goes one layer at a time, as the reader takes it; a region is
+  // filled on two threads, as a restore is.
   std::vector<std::unique_ptr<IoBackend>> io;
-  CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(/*readers=*/1, &io));
+  CKPT_ASSIGN_OR_RETURN(RecoverySources sources, Sources(into.data != nullptr ? 2 : 1, &io));
   // Each version from the memory tier where it holds an image that checks,
   // else from disk (ExportPlan): a damaged file is not read while an intact
   // copy is in memory, and a damaged image is dropped for the file.
   std::vector<VersionKey> damaged;
-  absl::StatusOr<uint64_t> bytes = ExportPlan(plan, *table, sources, sink, &damaged);
+  absl::StatusOr<uint64_t> bytes = ExportPlan(plan, *table, sources, sink, &damaged, into);
   if (!bytes.ok() && !damaged.empty()) {
     // The plan went out with the stream's header, so this export cannot
     // fall back; the next one reads the intact copy a tier put in place,

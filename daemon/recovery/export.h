@@ -1,6 +1,7 @@
 // Export of a rank's composite checkpoint as a stream: a header
 // chunk (the plan and the tensor table in registration order), then every
-// tensor's bytes in that order, in pieces of at most kExportPieceBytes.
+// tensor's bytes in that order, in pieces of at most kExportPieceBytes; or
+// the same bytes written into a region the reader handed over.
 //
 // Every layer goes through RestoreInto (restore.h), so an export carries
 // exactly the checks a restore does: checksums, tensor count, names, dtypes
@@ -26,14 +27,28 @@ inline constexpr uint64_t kExportPieceBytes = 4 << 20;
 // Returns false when the reader went away.
 using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 
-// Streams `plan` (REQUIRES: built by BuildPlan from `table`).
-// `sources.timeout` bounds the reading of each layer (staging memory, I/O),
-// not the whole export: a slow reader may take as long as it likes. The
-// errors of RestoreInto; FAILED_PRECONDITION when the plan is incomplete;
-// CANCELLED when `sink` returned false or `sources.cancelled` is set.
-// On success, the tensor bytes streamed. `damaged` as RestoreInto's.
+// The caller's memory an export may write into instead of streaming
+// (ExportRequest.region_token): a mapping of `size` bytes at `data`, laid
+// out as base/export_region.h says.
+struct ExportRegion {
+  char* data = nullptr;
+  uint64_t size = 0;
+};
+
+// Streams `plan` (REQUIRES: built by BuildPlan from `table`), or, when
+// `region`'s window holds the largest layer, passes it through the region
+// in batches of whole layers (base/export_region.h): each batch restored
+// into the window once the reader took the one before, then announced with
+// a region_bytes chunk. `sources.timeout` bounds the reading of each layer
+// (staging memory, I/O) and the wait for each batch's ack, not the whole
+// export: a slow stream reader may take as long as it likes. The errors of
+// RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
+// when `sink` returned false or `sources.cancelled` is set;
+// DEADLINE_EXCEEDED when the reader did not take a batch in time. On
+// success, the tensor bytes exported. `damaged` as RestoreInto's.
 absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::RankRecord& table,
                                     const RecoverySources& sources, const ExportSink& sink,
-                                    std::vector<VersionKey>* damaged = nullptr);
+                                    std::vector<VersionKey>* damaged = nullptr,
+                                    ExportRegion region = {});
 
 }  // namespace ckpt

@@ -296,10 +296,26 @@ class AdminService final : public v1::Admin::Service {
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
     return WithCaller(
         s_, ctx, *req,
-        [&](const Caller& c) {
-          return s_->engine()->Export(*req, c, [&](const v1::ExportChunk& chunk) {
-            return !ctx->IsCancelled() && writer->Write(chunk);
-          });
+        [&](const Caller& c) -> absl::Status {
+          // A region to write into instead of the stream: one memfd of the
+          // caller's, counted against its handover limits until the call ends.
+          HandoverClaim claim;
+          UniqueFd region;
+          if (!req->region_token().empty()) {
+            CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->region_token(), c.uid));
+            if (claim.fds().size() != 1) {
+              return absl::InvalidArgumentError(
+                  absl::StrCat("an export's region_token must name one region, not ",
+                               claim.fds().size()));
+            }
+            region = std::move(claim.fds()[0]);
+          }
+          return s_->engine()->Export(
+              *req, c,
+              [&](const v1::ExportChunk& chunk) {
+                return !ctx->IsCancelled() && writer->Write(chunk);
+              },
+              std::move(region));
         },
         Weight::kHeavy);
   }

@@ -212,10 +212,16 @@ class Client {
   // tensor). A callback's error cancels the stream and is returned. Another
   // world size restores this way: ckpt.torch reads each old rank's layers
   // on the node that holds them and hands them to the new ranks.
+  // With `region_bytes` > 0, the bytes come through a shared window of that
+  // size (a memfd handed over like Register's, base/export_region.h) rather
+  // than in the stream's messages: two copies fewer. `data` is called the
+  // same way, its pieces pointing into the window, valid during the call.
+  // A checkpoint with a layer larger than the window is streamed as without.
   struct ExportSink {
     std::function<absl::Status(const v1::ExportHeader&)> header;
     std::function<absl::Status(const v1::ExportTensor&, uint64_t offset, std::string_view piece)>
         data;
+    uint64_t region_bytes = 0;
   };
   absl::Status Export(const std::string& job, uint32_t rank, uint64_t target_step,
                       const ExportSink& sink, uint64_t older_within_steps = 0);

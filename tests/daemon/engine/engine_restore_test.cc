@@ -1,7 +1,15 @@
 // Restore in the engine (engine_test_util.h): while a taken step's snapshot
-// worker is still finishing, going back with discard_later, and the memory
-// tier serving a restore without the disk, within its budget.
+// worker is still finishing, going back with discard_later, the memory
+// tier serving a restore without the disk, within its budget, and exports
+// into a reader's region.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <utility>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -11,10 +19,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/export_region.h"
+#include "base/region.h"
 #include "base/status.h"
+#include "base/unique_fd.h"
 #include "daemon/common/sync_point.h"
 #include "daemon/engine/engine.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/recovery/export.h"
 #include "daemon/store/index.h"
 #include "gtest/gtest.h"
 #include "tests/daemon/engine/engine_test_util.h"
@@ -286,6 +298,145 @@ TEST_F(EnginePipelineTest, OlderWithinBoundsTheVersionTakenForALostOne) {
   CKPT_ASSERT_OK(Register(&r).status());
   CKPT_ASSERT_OK_AND_ASSIGN(Restored again, engine_->Restore(Ref(r), 3, owner_));
   EXPECT_EQ(PlannedSteps(again.plan), (std::vector<uint64_t>{1, 3}));
+}
+
+// What an export hands over: each header, and the bytes of its data
+// chunks, or of its region's window (copied out, then acked, as a reader
+// does; with `ack` false, never acked).
+struct Exported {
+  explicit Exported(const MemfdRegion* region = nullptr, bool ack = true)
+      : region(region), ack(ack) {}
+  const MemfdRegion* region;
+  bool ack;
+  std::vector<v1::ExportHeader> headers;
+  std::string bytes;
+  int batches = 0;
+  ExportSink Sink() {
+    return [this](const v1::ExportChunk& c) {
+      if (c.has_header()) {
+        headers.push_back(c.header());
+      } else if (c.payload_case() == v1::ExportChunk::kRegionBytes) {
+        ++batches;
+        bytes.append(static_cast<const char*>(region->data()) + kExportRegionControlBytes,
+                     c.region_bytes());
+        if (ack) BumpExportAck(region->data());
+      } else {
+        bytes.append(c.data());
+      }
+      return true;
+    };
+  }
+};
+
+// A populated region of `window` bytes behind its control page, and a
+// duplicate of its descriptor, as the handover passes it.
+MemfdRegion WindowOf(uint64_t window) {
+  MemfdRegion r = MemfdRegion::Create("export", kExportRegionControlBytes + window).value();
+  std::memset(r.data(), 0, r.size());
+  return r;
+}
+UniqueFd Dup(const MemfdRegion& region) { return UniqueFd(::dup(region.fd())); }
+
+// An export through a region the reader handed over (ExportRequest.
+// region_token) hands over exactly the bytes the stream carries, and streams
+// none: in one batch when the window holds them all, in several when it
+// holds some layers, each written once the reader took the one before. A
+// window smaller than a layer, or whose pages its owner did not populate,
+// gets the stream instead.
+TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
+  EngineOptions o = OneWriter();
+  o.memory_tier_bytes = 2 * kChunk;  // some versions from memory, some from disk
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank r = MakeRank("exported", 5);
+  CKPT_ASSERT_OK(Register(&r).status());
+  ASSERT_NO_FATAL_FAILURE(Train(r, 1, 3));
+  v1::ExportRequest req;
+  req.set_job_id("exported");
+  Exported streamed;
+  CKPT_ASSERT_OK(engine_->Export(req, owner_, streamed.Sink()));
+  ASSERT_EQ(streamed.headers.size(), 1u);
+  const uint64_t layer = kLayerFloats * sizeof(float);
+  const uint64_t total = streamed.headers[0].total_bytes();
+  EXPECT_FALSE(streamed.headers[0].in_region());
+  ASSERT_EQ(total, 5 * layer);
+  ASSERT_EQ(streamed.bytes.size(), total);
+
+  for (const auto& [window, batches] : std::vector<std::pair<uint64_t, int>>{
+           {total, 1}, {2 * layer, 3}, {layer, 5}}) {
+    MemfdRegion region = WindowOf(window);
+    Exported through(&region);
+    CKPT_ASSERT_OK(engine_->Export(req, owner_, through.Sink(), Dup(region)));
+    ASSERT_EQ(through.headers.size(), 1u);
+    EXPECT_TRUE(through.headers[0].in_region()) << window;
+    EXPECT_EQ(through.batches, batches) << window;
+    EXPECT_EQ(through.bytes, streamed.bytes) << window;
+  }
+
+  MemfdRegion small = WindowOf(layer / 2);
+  Exported fallback(&small);
+  CKPT_ASSERT_OK(engine_->Export(req, owner_, fallback.Sink(), Dup(small)));
+  ASSERT_EQ(fallback.headers.size(), 1u);
+  EXPECT_FALSE(fallback.headers[0].in_region());
+  EXPECT_EQ(fallback.bytes, streamed.bytes);
+
+  // Pages ckptd would fault in would be its memory, charged to it for as
+  // long as the reader keeps the memfd: a region not populated by its owner
+  // gets the stream, and none of its pages is touched.
+  CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion fresh,
+                            MemfdRegion::Create("fresh", kExportRegionControlBytes + total));
+  Exported unpopulated;
+  CKPT_ASSERT_OK(engine_->Export(req, owner_, unpopulated.Sink(), Dup(fresh)));
+  ASSERT_EQ(unpopulated.headers.size(), 1u);
+  EXPECT_FALSE(unpopulated.headers[0].in_region());
+  EXPECT_EQ(unpopulated.bytes, streamed.bytes);
+  std::vector<unsigned char> resident(fresh.size() / static_cast<size_t>(::getpagesize()));
+  ASSERT_EQ(::mincore(fresh.data(), fresh.size(), resident.data()), 0);
+  for (size_t i = 0; i < resident.size(); ++i) EXPECT_EQ(resident[i] & 1, 0) << "page " << i;
+}
+
+// Through a region as through the stream, a damaged version fails the
+// export (its bytes are never handed over as good); a descriptor that is not
+// a memfd sealed against shrinking is refused before anything is read; and
+// a reader that never takes a batch holds the export only until the
+// restore deadline, its window never overwritten.
+TEST_F(EnginePipelineTest, ExportThroughARegionFailsClosed) {
+  EngineOptions o = OneWriter();
+  o.restore_timeout = absl::Seconds(2);  // each layer read, and the wait for each ack
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank r = MakeRank("spoilt", 2);
+  CKPT_ASSERT_OK(Register(&r).status());
+  ASSERT_NO_FATAL_FAILURE(Train(r, 1, 2));
+  v1::ExportRequest req;
+  req.set_job_id("spoilt");
+  const uint64_t layer = kLayerFloats * sizeof(float);
+
+  UniqueFd unsealed(::memfd_create("unsealed", MFD_CLOEXEC));
+  ASSERT_TRUE(unsealed.valid());
+  ASSERT_EQ(::ftruncate(unsealed.get(), static_cast<off_t>(kExportRegionControlBytes + 2 * layer)),
+            0);
+  Exported refused;
+  CKPT_EXPECT_CODE(engine_->Export(req, owner_, refused.Sink(), std::move(unsealed)),
+                   kInvalidArgument);
+  EXPECT_TRUE(refused.headers.empty());
+
+  MemfdRegion region = WindowOf(layer);
+  Exported stalled(&region, /*ack=*/false);
+  CKPT_EXPECT_CODE(engine_->Export(req, owner_, stalled.Sink(), Dup(region)), kDeadlineExceeded);
+  EXPECT_EQ(stalled.batches, 1);
+  ASSERT_EQ(stalled.bytes.size(), layer);
+  EXPECT_EQ(std::string_view(static_cast<const char*>(region.data()) + kExportRegionControlBytes,
+                             layer),
+            stalled.bytes)
+      << "the first batch stays until the reader takes it";
+
+  ASSERT_EQ(DamageTwoLayers("spoilt", 2).size(), 2u);
+  MemfdRegion again = WindowOf(2 * layer);
+  Exported damaged(&again);
+  const absl::Status s = engine_->Export(req, owner_, damaged.Sink(), Dup(again));
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  ASSERT_EQ(damaged.headers.size(), 1u);
+  EXPECT_TRUE(damaged.headers[0].in_region());
+  EXPECT_EQ(damaged.batches, 0) << "no batch of a damaged version is announced";
 }
 
 }  // namespace
