@@ -20,6 +20,8 @@ load with only storage_writer=/storage_reader= changed.
 - across nodes: 4 ranks save through two ckptd sharing a remote tier; a
   fresh node and the first node load the checkpoint exactly, pulling the
   rank jobs they lack; without a tier the load is refused naming the job;
+  the same through a peer tier (a third ckptd keeping replicas, mutual TLS
+  on loopback): a fresh node whose only tier is that peer loads exactly;
 - a trainer killed (SIGKILL) during an async_save: the earlier checkpoint
   is the newest one, intact;
 - async_save's PROCESS executor: DCP's process gets meta tensors and a
@@ -435,15 +437,15 @@ def worker(a):
                             world_size=a.world, timeout=timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (a.world,))
     rows, rep = global_tensors(11)
-    if a.mode == "save-remote":
+    if a.mode in ("save-remote", "save-peer"):
         # Each rank saves through its own node's ckptd and waits until the
         # save (and, on the coordinator, its catalog entry) is in the
-        # remote tier.
+        # remote or peer tier.
         sd = {"rows": distribute_tensor(rows, mesh, [Shard(0)]),
               "rep": distribute_tensor(rep, mesh, [Replicate()])}
         writer = CkptWriter("dcp-nodes", socket_path=a.socket)
         dcp.save(sd, checkpoint_id="step-1", storage_writer=writer)
-        writer.wait_durable("remote")
+        writer.wait_durable(a.mode.split("-")[1])
         writer.close()
     elif a.mode == "save":
         sd = {"rows": distribute_tensor(rows, mesh, [Shard(0)]),
@@ -642,6 +644,47 @@ def across_nodes(root):
             n.stop()
 
 
+def across_nodes_by_peer(root):
+    """2 ranks save through node A's ckptd, whose peer tier keeps replicas
+    in node B's ckptd (gRPC with mutual TLS, here on loopback); 2 ranks on
+    node C, fresh, whose only tier is B, load exactly: the catalog and the
+    rank jobs come from B's copies."""
+    import socket
+    import netns
+    pki = netns.Pki(os.path.join(root, "peer-pki"))
+    key = harness.remote_key(root)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def node(name, *extra):
+        cert, tls_key = pki.issue(name, "127.0.0.1")
+        return harness.Daemon(os.path.join(root, "dcp-" + name), extra=[
+            "--peer_cert_file=" + cert, "--peer_tls_key_file=" + tls_key,
+            "--peer_ca_file=" + pki.ca, "--remote_key_file=" + key,
+            "--peer_timeout_ms=3000"] + list(extra))
+    to_b = ["--peer_address=127.0.0.1:%d" % port, "--peer_name=node-b"]
+    b = node("node-b", "--peer_listen=127.0.0.1:%d" % port, "--peer_allow=node-a,node-c",
+             "--peer_memory_bytes=%d" % (64 << 20))
+    a, c = node("node-a", *to_b), node("node-c", *to_b)
+    try:
+        for n in (b, a, c):
+            n.start()
+        codes = run_ranks(a, root, "save-peer", 2, job="dcp-nodes")
+        check(codes == [0, 0], "2 ranks saved and waited for the peer tier: %s" % codes)
+        codes = run_ranks(c, root, "load", 2, job="dcp-nodes", expect_id="step-1")
+        check(codes == [0, 0], "2 ranks on a fresh node loaded the checkpoint exactly from "
+              "the peer's replicas: %s" % codes)
+        pulled = [j for j in os.listdir(os.path.join(c.data, "jobs")) if j.startswith("dcp-nodes")]
+        check(len(pulled) == 3, "the fresh node holds the catalog and the 2 rank jobs: %s"
+              % sorted(pulled))
+        print("a 2-rank checkpoint saved on one node loaded exactly on a fresh node from a "
+              "peer's replicas")
+    finally:
+        for n in (a, c, b):
+            n.stop()
+
+
 def killed_during_async(daemon, root):
     codes = run_ranks(daemon, root, "save", 2, kill_at_async=True)
     check(all(c == -signal.SIGKILL for c in codes), "both ranks were killed: %s" % codes)
@@ -681,6 +724,7 @@ def main():
         too_big(root)
         many_ranks(daemon, root)
         across_nodes(root)
+        across_nodes_by_peer(root)
         killed_during_async(daemon, root)
         process_executor(daemon, root)
     finally:
