@@ -33,6 +33,7 @@ void BumpExportAck(void* region) {
 
 absl::Status WaitForExportAck(const void* region, uint32_t want, absl::Time deadline,
                               absl::Duration slice, const std::function<bool()>& reader_there) {
+  absl::Time next_probe = absl::Now() + slice;
   for (;;) {
     const uint32_t seen = ExportAcks(region);
     // Counted modulo 2^32 like the word; a reader that wrote a larger
@@ -44,10 +45,16 @@ absl::Status WaitForExportAck(const void* region, uint32_t want, absl::Time dead
           absl::StrCat("the reader took ", seen, " of ", want,
                        " batches of the export from its region before the deadline"));
     }
-    if (!reader_there()) return absl::CancelledError("the reader went away");
-    const timespec wait = absl::ToTimespec(std::min(slice, deadline - now));
-    // Returns at once when the word moved since it was read (EAGAIN).
-    ::syscall(SYS_futex, AckWord(region), FUTEX_WAIT, seen, &wait, nullptr, 0);
+    if (now >= next_probe) {
+      if (!reader_there()) return absl::CancelledError("the reader went away");
+      next_probe = now + slice;
+    }
+    const timespec wait = absl::ToTimespec(std::min(next_probe, deadline) - now);
+    // Returns at once when the word moved since it was read (EAGAIN): a
+    // reader that keeps moving it below `want` gets a millisecond's pause
+    // each time, not a spinning thread.
+    const long r = ::syscall(SYS_futex, AckWord(region), FUTEX_WAIT, seen, &wait, nullptr, 0);
+    if (r != 0 && errno == EAGAIN) absl::SleepFor(absl::Milliseconds(1));
   }
 }
 

@@ -10,7 +10,8 @@
 // reader's peak memory is its destinations plus the window, whatever the
 // checkpoint's size. The word lives in memory the reader controls: what it
 // writes there can only make ckptd overwrite bytes the reader has not taken
-// yet, never reach outside the region.
+// yet, or wait (paced, and for restore_timeout at most over the whole
+// export), never reach outside the region.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,7 @@ inline constexpr uint64_t kExportRegionWindowBytes = 256 << 20;
 uint32_t ExportAcks(const void* region);
 // The reader took one more batch; wakes ckptd if it waits.
 void BumpExportAck(void* region);
-// Waits until the reader took `want` batches. Every `slice` it asks
+// Waits until the reader took `want` batches. Once a `slice` it asks
 // `reader_there` (false: CANCELLED, the reader went away); past `deadline`,
 // DEADLINE_EXCEEDED.
 absl::Status WaitForExportAck(const void* region, uint32_t want, absl::Time deadline,

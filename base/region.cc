@@ -1,8 +1,10 @@
 #include "base/region.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,9 +13,14 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
+#endif
+
 namespace ckpt {
 
-absl::StatusOr<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t bytes) {
+absl::StatusOr<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_t bytes,
+                                                bool open_to_seals) {
   if (bytes == 0 || bytes > kMaxRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("region size ", bytes, " out of range"));
   }
@@ -23,7 +30,8 @@ absl::StatusOr<MemfdRegion> MemfdRegion::Create(const std::string& name, uint64_
   if (fd < 0) return ErrnoStatus(errno, "memfd_create");
   UniqueFd owned(fd);
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) return ErrnoStatus(errno, "ftruncate");
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | (open_to_seals ? 0 : F_SEAL_SEAL)) !=
+      0) {
     return ErrnoStatus(errno, "F_ADD_SEALS");
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -62,6 +70,11 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat region");
   if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError("region fd is not a regular file");
+  struct statfs fs;
+  if (::fstatfs(fd.get(), &fs) != 0) return ErrnoStatus(errno, "fstatfs region");
+  if (fs.f_type != TMPFS_MAGIC) {
+    return absl::InvalidArgumentError("region fd is not a memfd of shared memory (tmpfs)");
+  }
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0 || size > kMaxRegionBytes) {
     return absl::InvalidArgumentError(absl::StrCat("region size ", size, " out of range"));
@@ -71,6 +84,13 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
   MappedRegion r;
   r.mapping_ = SharedMapping(std::move(fd), p, size);
   return r;
+}
+
+absl::Status MappedRegion::SealAgainstHoles() const {
+  if (::fcntl(mapping_.fd(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE) != 0) {
+    return ErrnoStatus(errno, "F_ADD_SEALS F_SEAL_FUTURE_WRITE");
+  }
+  return absl::OkStatus();
 }
 
 bool MappedRegion::Populated() const {

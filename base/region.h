@@ -49,8 +49,11 @@ class SharedMapping {
 class MemfdRegion {
  public:
   // Creates a memfd of `bytes` (rounded up to the page size), maps it
-  // read-write and seals it against shrinking and growing.
-  static absl::StatusOr<MemfdRegion> Create(const std::string& name, uint64_t bytes);
+  // read-write and seals it against shrinking and growing, and against
+  // further seals unless `open_to_seals` (an export's window, which ckptd
+  // seals against holes: MappedRegion::SealAgainstHoles).
+  static absl::StatusOr<MemfdRegion> Create(const std::string& name, uint64_t bytes,
+                                            bool open_to_seals = false);
 
   MemfdRegion() = default;
 
@@ -65,7 +68,9 @@ class MemfdRegion {
 class MappedRegion {
  public:
   // Maps a received fd shared read-write. INVALID_ARGUMENT when the fd is not
-  // a sealed memfd-like regular file or its size is 0 or above kMaxRegionBytes.
+  // a sealed memfd of shared memory (tmpfs: a hugetlbfs one could fault
+  // with SIGBUS once its pool ran out) or its size is 0 or above
+  // kMaxRegionBytes.
   static absl::StatusOr<MappedRegion> Map(UniqueFd fd);
 
   MappedRegion() = default;
@@ -73,9 +78,16 @@ class MappedRegion {
   char* data() const { return static_cast<char*>(mapping_.data()); }
   uint64_t size() const { return mapping_.size(); }
 
+  // Adds F_SEAL_FUTURE_WRITE: no hole can be punched into the region any
+  // more (fallocate, MADV_REMOVE) and no new writable mapping made, while
+  // the mappings made before, this one and its owner's, stay writable.
+  // Fails when the owner sealed it against further seals.
+  absl::Status SealAgainstHoles() const;
   // Whether every page of the region is in memory now (mincore): pages its
   // owner populated are charged to the owner's memory cgroup, pages this
-  // process makes it fault in would be charged to this one. False on error.
+  // process makes it fault in would be charged to this one. After
+  // SealAgainstHoles, a true answer holds for as long as the mapping.
+  // False on error.
   bool Populated() const;
 
  private:

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <optional>
 
 #ifndef MADV_POPULATE_WRITE
@@ -479,11 +480,15 @@ absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uin
 namespace {
 
 // A memfd for an export's bytes, its pages populated here so that they are
-// this process's memory, not ckptd's (ckptd writes into them).
+// this process's memory, not ckptd's (ckptd writes into them), and left
+// open to the seal ckptd adds against holes.
 absl::StatusOr<MemfdRegion> MakeExportRegion(uint64_t bytes) {
-  CKPT_ASSIGN_OR_RETURN(MemfdRegion r, MemfdRegion::Create("ckpt-export", bytes));
+  CKPT_ASSIGN_OR_RETURN(MemfdRegion r,
+                        MemfdRegion::Create("ckpt-export", bytes, /*open_to_seals=*/true));
   if (::madvise(r.data(), r.size(), MADV_POPULATE_WRITE) != 0) {
-    // A kernel without it (EINVAL): touch each page.
+    // Out of memory: no window (the stream needs none).
+    if (errno != EINVAL) return ErrnoStatus(errno, "MADV_POPULATE_WRITE");
+    // A kernel without it: touch each page.
     const long page = ::sysconf(_SC_PAGESIZE);
     auto* p = static_cast<volatile char*>(r.data());
     for (uint64_t off = 0; off < r.size(); off += static_cast<uint64_t>(page)) p[off] = 0;

@@ -352,17 +352,21 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   CountLost(options_.metrics, planned.status(), planned.ok() ? &*planned : nullptr);
   CKPT_RETURN_IF_ERROR(planned.status());
   const CompositePlan& plan = *planned;
-  // The caller's region, mapped for this call only (a memfd sealed against
-  // shrinking: MappedRegion refuses any other file). Only a region whose
-  // pages its owner populated is written: a page ckptd faulted in would be
-  // ckptd's memory for as long as the caller keeps the memfd. Any other
-  // gets the stream.
+  // The caller's region, mapped for this call only (a memfd of shared
+  // memory sealed against shrinking: MappedRegion refuses any other file,
+  // INVALID_ARGUMENT). Only a region whose pages its owner populated is
+  // written: a page ckptd faulted in would be ckptd's memory for as long as
+  // the caller keeps the memfd. So it is sealed against holes first (the
+  // caller could punch them after the check otherwise), then checked; a
+  // region that cannot be sealed or is not populated gets the stream.
   std::optional<MappedRegion> mapped;
   ExportRegion into;
   if (region.valid()) {
     CKPT_ASSIGN_OR_RETURN(MappedRegion m, MappedRegion::Map(std::move(region)));
-    mapped = std::move(m);
-    if (mapped->Populated()) into = ExportRegion{mapped->data(), mapped->size()};
+    if (m.SealAgainstHoles().ok() && m.Populated()) {
+      mapped = std::move(m);
+      into = ExportRegion{mapped->data(), mapped->size()};
+    }
   }
   // A stream goes one layer at a time, as the reader takes it; a region is
   // filled on two threads, as a restore is.

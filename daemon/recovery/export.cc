@@ -51,6 +51,8 @@ absl::Status ExportThroughRegion(const CompositePlan& plan, const store::RankRec
   batch.layers.clear();
   uint64_t used = 0;
   uint32_t sent = 0;  // batches announced
+  // All the waits for the reader's acks together, not each.
+  absl::Duration ack_budget = sources.timeout;
   auto reader_there = [&] { return sink(v1::ExportChunk()); };
   auto flush = [&]() -> absl::Status {
     CKPT_RETURN_IF_ERROR(RestoreLayers(batch, table, target, sources, damaged));
@@ -66,9 +68,11 @@ absl::Status ExportThroughRegion(const CompositePlan& plan, const store::RankRec
     const uint64_t bytes = LayerBytes(table, lp.layer);
     if (used + bytes > window_bytes) CKPT_RETURN_IF_ERROR(flush());
     if (batch.layers.empty() && sent > 0) {
-      // The window is the reader's again only once it took the last batch.
-      CKPT_RETURN_IF_ERROR(WaitForExportAck(region.data, sent, absl::Now() + sources.timeout,
+      // The window is ckptd's again only once the reader took the last batch.
+      const absl::Time start = absl::Now();
+      CKPT_RETURN_IF_ERROR(WaitForExportAck(region.data, sent, start + ack_budget,
                                             absl::Milliseconds(100), reader_there));
+      ack_budget -= absl::Now() - start;
     }
     std::vector<char*>& dest = target.tensors[lp.layer];
     dest.clear();

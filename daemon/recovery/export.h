@@ -40,8 +40,8 @@ struct ExportRegion {
 // in batches of whole layers (base/export_region.h): each batch restored
 // into the window once the reader took the one before, then announced with
 // a region_bytes chunk. `sources.timeout` bounds the reading of each layer
-// (staging memory, I/O) and the wait for each batch's ack, not the whole
-// export: a slow stream reader may take as long as it likes. The errors of
+// (staging memory, I/O), and all the waits for the reader's acks together;
+// not the whole export: a slow stream reader may take as long as it likes. The errors of
 // RestoreInto; FAILED_PRECONDITION when the plan is incomplete; CANCELLED
 // when `sink` returned false or `sources.cancelled` is set;
 // DEADLINE_EXCEEDED when the reader did not take a batch in time. On

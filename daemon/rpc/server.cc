@@ -294,13 +294,15 @@ class AdminService final : public v1::Admin::Service {
   }
   grpc::Status Export(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
-    return WithCaller(
+    bool claimed = false;
+    grpc::Status status = WithCaller(
         s_, ctx, *req,
         [&](const Caller& c) -> absl::Status {
           // A region to write into instead of the stream: one memfd of the
           // caller's, counted against its handover limits until the call ends.
           HandoverClaim claim;
           UniqueFd region;
+          claimed = true;
           if (!req->region_token().empty()) {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->region_token(), c.uid));
             if (claim.fds().size() != 1) {
@@ -318,6 +320,15 @@ class AdminService final : public v1::Admin::Service {
               std::move(region));
         },
         Weight::kHeavy);
+    // A call refused before it ran (max_heavy_calls, the per-uid cap) gives
+    // its region back now, not when the token expires: readers retry such
+    // refusals, each time with a new region.
+    if (!claimed && !req->region_token().empty()) {
+      if (absl::StatusOr<Caller> c = s_->CallerOf(*ctx); c.ok()) {
+        (void)s_->handover()->Claim(req->region_token(), c->uid);
+      }
+    }
+    return status;
   }
   grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest* req,
                       v1::ConfigReply* reply) override {

@@ -12,12 +12,14 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/client.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
@@ -263,6 +265,65 @@ TEST_F(RpcLimitsTest, MemoryOfLargeRegistersIsReleasedAfterwards) {
               after / double(kMiB), (after - before) / double(kMiB));
   EXPECT_LE(after - before, 64 * kMiB);
   ExpectAlive();
+}
+
+// The lines of `path` (0 when it does not exist yet).
+int LinesIn(const std::string& path) {
+  std::ifstream in(path);
+  int n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+// An export refused before it runs (here by max_heavy_calls) gives back the
+// region its reader handed over at once. Readers retry such refusals, each
+// time with a new region; the tokens used to wait until they expired,
+// pinning each window and filling the uid's handover_max_pending_per_uid,
+// so that the same uid's next Register was refused. One export is held at
+// the delay point rpc.heavy_call (CKPT_DELAY_UNTIL) while the others come.
+TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
+  root_ = MakeTempDir("ckpt-rpclim-");
+  ASSERT_FALSE(root_.empty());
+  const std::string held = root_ + "/held.log";
+  const std::string release = root_ + "/release";
+  daemon_ = std::make_unique<DaemonProcess>(
+      root_, std::vector<std::string>{"--max_heavy_calls=1", "--handover_max_pending_per_uid=2"},
+      std::vector<std::string>{"CKPT_DELAY_AT=rpc.heavy_call:60000", "CKPT_DELAY_LOG=" + held,
+                               "CKPT_DELAY_UNTIL=" + release});
+  ASSERT_TRUE(daemon_->Start());
+  TestRank t = MakeTrainer(daemon_->socket(), "exported", 2);
+  ASSERT_TRUE(t.client->Register(t.spec).ok());
+  ASSERT_TRUE(t.client->StepDone(1, 0.1).ok());
+  ASSERT_TRUE(t.client->WaitDurable(1).ok());
+
+  Client::ExportSink sink;
+  sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
+  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) {
+    return absl::OkStatus();
+  };
+  ClientOptions o;
+  o.socket_path = daemon_->socket();
+  std::unique_ptr<Client> holder = std::move(Client::Connect(o).value());
+  absl::Status held_status;
+  std::thread first([&] { held_status = holder->Export("exported", 0, 0, sink); });
+  for (int i = 0; i < 3000 && LinesIn(held) < 1; ++i) ::usleep(10000);
+  ASSERT_EQ(LinesIn(held), 1) << "the first export holds the only heavy slot";
+
+  Client::ExportSink windowed = sink;
+  windowed.region_bytes = 1 << 20;
+  for (int i = 0; i < 3; ++i) {
+    const absl::Status s = t.client->Export("exported", 0, 0, windowed);
+    EXPECT_TRUE(absl::IsResourceExhausted(s)) << i << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "max_heavy_calls")) << s;
+  }
+  TestRank next = MakeTrainer(daemon_->socket(), "next", 1);
+  const absl::Status registered = next.client->Register(next.spec);
+  EXPECT_TRUE(registered.ok()) << "the uid's handovers are not held up: " << registered;
+
+  std::ofstream(release).close();
+  first.join();
+  EXPECT_TRUE(held_status.ok()) << held_status;
+  EXPECT_EQ(LinesIn(held), 1);
 }
 
 }  // namespace

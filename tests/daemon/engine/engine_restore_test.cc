@@ -2,9 +2,11 @@
 // worker is still finishing, going back with discard_later, the memory
 // tier serving a restore without the disk, within its budget, and exports
 // into a reader's region.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -331,7 +333,9 @@ struct Exported {
 // A populated region of `window` bytes behind its control page, and a
 // duplicate of its descriptor, as the handover passes it.
 MemfdRegion WindowOf(uint64_t window) {
-  MemfdRegion r = MemfdRegion::Create("export", kExportRegionControlBytes + window).value();
+  MemfdRegion r = MemfdRegion::Create("export", kExportRegionControlBytes + window,
+                                      /*open_to_seals=*/true)
+                      .value();
   std::memset(r.data(), 0, r.size());
   return r;
 }
@@ -341,8 +345,8 @@ UniqueFd Dup(const MemfdRegion& region) { return UniqueFd(::dup(region.fd())); }
 // region_token) hands over exactly the bytes the stream carries, and streams
 // none: in one batch when the window holds them all, in several when it
 // holds some layers, each written once the reader took the one before. A
-// window smaller than a layer, or whose pages its owner did not populate,
-// gets the stream instead.
+// window smaller than a layer, one that cannot be sealed against holes, or
+// whose pages its owner did not populate, gets the stream instead.
 TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
   EngineOptions o = OneWriter();
   o.memory_tier_bytes = 2 * kChunk;  // some versions from memory, some from disk
@@ -380,10 +384,28 @@ TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
   EXPECT_EQ(fallback.bytes, streamed.bytes);
 
   // Pages ckptd would fault in would be its memory, charged to it for as
-  // long as the reader keeps the memfd: a region not populated by its owner
+  // long as the reader keeps the memfd. A region written through is sealed
+  // against holes first (punched after the check, they would be faulted in
+  // again); one that cannot be sealed, or that its owner did not populate,
   // gets the stream, and none of its pages is touched.
+  {
+    MemfdRegion used = WindowOf(total);
+    Exported through(&used);
+    CKPT_ASSERT_OK(engine_->Export(req, owner_, through.Sink(), Dup(used)));
+    EXPECT_TRUE(through.headers.at(0).in_region());
+    EXPECT_NE(::fallocate(used.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+    EXPECT_EQ(errno, EPERM) << "the region is sealed against holes";
+    CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion closed,
+                              MemfdRegion::Create("closed", kExportRegionControlBytes + total));
+    std::memset(closed.data(), 0, closed.size());
+    Exported sealed;
+    CKPT_ASSERT_OK(engine_->Export(req, owner_, sealed.Sink(), Dup(closed)));
+    EXPECT_FALSE(sealed.headers.at(0).in_region()) << "a region closed to seals";
+    EXPECT_EQ(sealed.bytes, streamed.bytes);
+  }
   CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion fresh,
-                            MemfdRegion::Create("fresh", kExportRegionControlBytes + total));
+                            MemfdRegion::Create("fresh", kExportRegionControlBytes + total,
+                                                /*open_to_seals=*/true));
   Exported unpopulated;
   CKPT_ASSERT_OK(engine_->Export(req, owner_, unpopulated.Sink(), Dup(fresh)));
   ASSERT_EQ(unpopulated.headers.size(), 1u);

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -176,6 +177,43 @@ TEST(MappedRegionTest, RefusesRegularFilePipeAndDirectory) {
   CKPT_EXPECT_CODE(MappedRegion::Map(std::move(dir)), kInvalidArgument);
 
   EXPECT_FALSE(MappedRegion::Map(UniqueFd()).ok());
+}
+
+// A sealed memfd of huge pages is a file of hugetlbfs, not shared memory:
+// once its pool ran out, a page ckptd touched in a hole its owner punched
+// would fault with SIGBUS, which ends ckptd for every user.
+TEST(MappedRegionTest, RefusesAHugetlbMemfd) {
+  UniqueFd fd(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
+  if (!fd.valid()) GTEST_SKIP() << "no hugetlbfs memfd here: " << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(fd.get(), static_cast<off_t>(2 << 20)), 0);
+  ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  const absl::StatusOr<MappedRegion> mapped = MappedRegion::Map(std::move(fd));
+  CKPT_EXPECT_CODE(mapped.status(), kInvalidArgument);
+  EXPECT_NE(mapped.status().message().find("tmpfs"), std::string::npos) << mapped.status();
+}
+
+// An export's window (MemfdRegion open to seals) is sealed against holes by
+// ckptd: punching one, or a new writable mapping, is refused from then on,
+// while the mappings made before stay writable. A region closed to seals
+// cannot be sealed.
+TEST(MappedRegionTest, SealsAgainstHolesOnlyARegionOpenToSeals) {
+  CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion open,
+                            MemfdRegion::Create("open", 4 * kPage, /*open_to_seals=*/true));
+  CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion mapped, MappedRegion::Map(Dup(open.fd())));
+  EXPECT_FALSE(mapped.Populated());
+  std::memset(open.data(), 1, open.size());
+  EXPECT_TRUE(mapped.Populated());
+  CKPT_ASSERT_OK(mapped.SealAgainstHoles());
+  EXPECT_NE(::fallocate(open.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, kPage), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::madvise(open.data(), kPage, MADV_REMOVE), 0);
+  mapped.data()[kPage] = 7;
+  EXPECT_EQ(static_cast<char*>(open.data())[kPage], 7) << "both old mappings stay writable";
+  EXPECT_TRUE(mapped.Populated());
+
+  CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion closed, MemfdRegion::Create("closed", kPage));
+  CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion closed_mapped, MappedRegion::Map(Dup(closed.fd())));
+  EXPECT_FALSE(closed_mapped.SealAgainstHoles().ok());
 }
 
 TEST(MappedRegionTest, RefusedDescriptorIsClosed) {
