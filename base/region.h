@@ -83,11 +83,12 @@ class MappedRegion {
   // the mappings made before, this one and its owner's, stay writable.
   // Fails when the owner sealed it against further seals.
   absl::Status SealAgainstHoles() const;
-  // Whether every page of the region is in memory now (mincore): pages its
-  // owner populated are charged to the owner's memory cgroup, pages this
-  // process makes it fault in would be charged to this one. After
-  // SealAgainstHoles, a true answer holds for as long as the mapping.
-  // False on error.
+  // Whether the region has no hole: every page was allocated by its owner
+  // (in memory or swapped out; lseek SEEK_HOLE), so its pages are charged
+  // to the owner's memory cgroup, where pages this process made it fault
+  // in would be charged to this one. After SealAgainstHoles, a true answer
+  // holds for as long as the mapping; the pages are then mapped here in one
+  // pass (MADV_POPULATE_WRITE), which allocates nothing. False on error.
   bool Populated() const;
 
  private:
