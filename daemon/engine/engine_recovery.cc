@@ -360,12 +360,14 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   // caller could punch them after the check otherwise), then checked; a
   // region that cannot be sealed or is not populated gets the stream.
   std::optional<MappedRegion> mapped;
-  ExportRegion into;
+  bool through_region = false;
+  ExportRegion into{nullptr, 0, &through_region};
   if (region.valid()) {
     CKPT_ASSIGN_OR_RETURN(MappedRegion m, MappedRegion::Map(std::move(region)));
     if (m.SealAgainstHoles().ok() && m.Populated()) {
       mapped = std::move(m);
-      into = ExportRegion{mapped->data(), mapped->size()};
+      into.data = mapped->data();
+      into.size = mapped->size();
     }
   }
   // A stream goes one layer at a time, as the reader takes it; a region is
@@ -405,6 +407,8 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   if (Metrics* m = options_.metrics) {
     m->Inc(Counter::kRestores);
     m->Inc(Counter::kRestoredBytes, static_cast<double>(*bytes));
+    m->Inc(Counter::kExportedBytes, through_region ? "window" : "stream",
+           static_cast<double>(*bytes));
   }
   return absl::OkStatus();
 }

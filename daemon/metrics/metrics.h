@@ -94,6 +94,7 @@ enum class Counter {
   kPeerGcDeletedObjects,          // ckpt_peer_gc_deleted_objects_total
   kPeerReplicaReceivedBytes,      // ckpt_peer_replica_received_bytes_total
   kPeerReplicaRefused,            // ckpt_peer_replica_refused_total{reason}
+  kExportedBytes,                 // ckpt_exported_bytes_total{path}
   kCount
 };
 

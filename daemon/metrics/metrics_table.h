@@ -140,6 +140,11 @@ constexpr MetricInfo kCounterTable[] = {
      "quota), bad_request (a bad key, or bytes that do not match the announced size), idle (a "
      "call that moved nothing for peer_timeout_ms, cancelled).",
      "reason", "unknown_peer,full,bad_request,idle"},
+    {"ckpt_exported_bytes_total", "counter",
+     "Bytes exported (ckpt.dcp loads, restores onto another world size, ckptctl export), by "
+     "path: window (through a region the reader handed over) or stream (the messages of the "
+     "Export stream: no region given, or one that could not be used).",
+     "path", "window,stream"},
 };
 
 constexpr MetricInfo kGaugeTable[] = {

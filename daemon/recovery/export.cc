@@ -120,6 +120,7 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
                      LayerBytes(table, lp.layer) <= region.size - kExportRegionControlBytes;
   }
   h->set_in_region(through_region);
+  if (region.used != nullptr) *region.used = through_region;
   if (!sink(head)) return absl::CancelledError("the reader went away");
   if (through_region) {
     CKPT_RETURN_IF_ERROR(ExportThroughRegion(plan, table, sources, sink, damaged, region));

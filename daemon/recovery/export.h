@@ -29,10 +29,12 @@ using ExportSink = std::function<bool(const v1::ExportChunk&)>;
 
 // The caller's memory an export may write into instead of streaming
 // (ExportRequest.region_token): a mapping of `size` bytes at `data`, laid
-// out as base/export_region.h says.
+// out as base/export_region.h says. `used` is set when the export went
+// through it.
 struct ExportRegion {
   char* data = nullptr;
   uint64_t size = 0;
+  bool* used = nullptr;
 };
 
 // Streams `plan` (REQUIRES: built by BuildPlan from `table`), or, when

@@ -678,6 +678,12 @@ def across_nodes_by_peer(root):
         pulled = [j for j in os.listdir(os.path.join(c.data, "jobs")) if j.startswith("dcp-nodes")]
         check(len(pulled) == 3, "the fresh node holds the catalog and the 2 rank jobs: %s"
               % sorted(pulled))
+        exported = {labels: v for (name, labels), v in
+                    harness.scrape(c.ctl("status")["metrics_address"]).items()
+                    if name == "ckpt_exported_bytes_total"}
+        check(exported.get('path="window"', 0) > 0 and exported.get('path="stream"', 0) == 0,
+              "the loads' bytes came through shared windows, none through the stream: %s"
+              % exported)
         print("a 2-rank checkpoint saved on one node loaded exactly on a fresh node from a "
               "peer's replicas")
     finally:

@@ -349,6 +349,8 @@ UniqueFd Dup(const MemfdRegion& region) { return UniqueFd(::dup(region.fd())); }
 // whose pages its owner did not populate, gets the stream instead.
 TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
   EngineOptions o = OneWriter();
+  Metrics metrics;
+  o.metrics = &metrics;
   o.memory_tier_bytes = 2 * kChunk;  // some versions from memory, some from disk
   ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
   TestRank r = MakeRank("exported", 5);
@@ -414,6 +416,16 @@ TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
   std::vector<unsigned char> resident(fresh.size() / static_cast<size_t>(::getpagesize()));
   ASSERT_EQ(::mincore(fresh.data(), fresh.size(), resident.data()), 0);
   for (size_t i = 0; i < resident.size(); ++i) EXPECT_EQ(resident[i] & 1, 0) << "page " << i;
+
+  // Four exports went through a window, four were streamed.
+  const std::string scrape = metrics.Scrape();
+  for (const char* path : {"window", "stream"}) {
+    EXPECT_NE(scrape.find(absl::StrCat("\nckpt_exported_bytes_total{path=\"", path, "\"} ",
+                                       4 * total, "\n")),
+              std::string::npos)
+        << path << "\n"
+        << scrape;
+  }
 }
 
 // Through a region as through the stream, a damaged version fails the
