@@ -7,14 +7,12 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010  // Linux 5.1
 #endif
@@ -69,6 +67,9 @@ absl::StatusOr<MappedRegion> MappedRegion::Map(UniqueFd fd) {
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     return absl::InvalidArgumentError("region fd is not a memfd sealed with F_SEAL_SHRINK");
   }
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    return absl::InvalidArgumentError("region fd is sealed against writes");
+  }
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(errno, "fstat region");
   if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError("region fd is not a regular file");
@@ -95,13 +96,14 @@ absl::Status MappedRegion::SealAgainstHoles() const {
   return absl::OkStatus();
 }
 
-bool MappedRegion::Populated() const {
+bool MappedRegion::LockWhole(uint64_t bytes) const {
+  bytes = std::min(bytes, size());
   const off_t hole = ::lseek(mapping_.fd(), 0, SEEK_HOLE);
-  if (hole < 0 || static_cast<uint64_t>(hole) < size()) return false;
-  // One pass over the page tables instead of a fault per page; a kernel
-  // without it (EINVAL) faults them in as they are written.
-  (void)::madvise(data(), size(), MADV_POPULATE_WRITE);
-  return true;
+  if (hole < 0 || static_cast<uint64_t>(hole) < bytes) return false;
+  // Locked, the pages can neither be punched (the seal) nor reclaimed to
+  // swap under the mapping; mapped in one pass, not a fault per page.
+  // munmap unlocks them.
+  return ::mlock(data(), bytes) == 0;
 }
 
 }  // namespace ckpt

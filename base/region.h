@@ -68,9 +68,9 @@ class MemfdRegion {
 class MappedRegion {
  public:
   // Maps a received fd shared read-write. INVALID_ARGUMENT when the fd is not
-  // a sealed memfd of shared memory (tmpfs: a hugetlbfs one could fault
-  // with SIGBUS once its pool ran out) or its size is 0 or above
-  // kMaxRegionBytes.
+  // a memfd of shared memory sealed against shrinking and not against
+  // writes (tmpfs: a hugetlbfs one could fault with SIGBUS once its pool ran
+  // out) or its size is 0 or above kMaxRegionBytes.
   static absl::StatusOr<MappedRegion> Map(UniqueFd fd);
 
   MappedRegion() = default;
@@ -83,13 +83,16 @@ class MappedRegion {
   // the mappings made before, this one and its owner's, stay writable.
   // Fails when the owner sealed it against further seals.
   absl::Status SealAgainstHoles() const;
-  // Whether the region has no hole: every page was allocated by its owner
-  // (in memory or swapped out; lseek SEEK_HOLE), so its pages are charged
-  // to the owner's memory cgroup, where pages this process made it fault
-  // in would be charged to this one. After SealAgainstHoles, a true answer
-  // holds for as long as the mapping; the pages are then mapped here in one
-  // pass (MADV_POPULATE_WRITE), which allocates nothing. False on error.
-  bool Populated() const;
+  // Whether the first `bytes` of the region have no hole (lseek SEEK_HOLE:
+  // every page allocated by its owner, so charged to the owner's memory
+  // cgroup, where a page this process made it fault in would be charged to
+  // this one), and then locks them in memory here (mlock) until the
+  // mapping goes: after SealAgainstHoles, they can then neither be punched
+  // nor reclaimed while this process writes them. False when there is a
+  // hole or the lock fails (RLIMIT_MEMLOCK). A page of the span the owner's
+  // cgroup had swapped out is brought back by the lock, and charged to that
+  // cgroup; to this process only when that cgroup no longer exists.
+  bool LockWhole(uint64_t bytes) const;
 
  private:
   SharedMapping mapping_;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/export_region.h"
 #include "base/logging.h"
 #include "base/region.h"
 #include "base/status.h"
@@ -354,17 +355,19 @@ absl::Status Engine::Export(const v1::ExportRequest& req, const Caller& caller,
   const CompositePlan& plan = *planned;
   // The caller's region, mapped for this call only (a memfd of shared
   // memory sealed against shrinking: MappedRegion refuses any other file,
-  // INVALID_ARGUMENT). Only a region whose pages its owner populated is
-  // written: a page ckptd faulted in would be ckptd's memory for as long as
-  // the caller keeps the memfd. So it is sealed against holes first (the
-  // caller could punch them after the check otherwise), then checked; a
-  // region that cannot be sealed or is not populated gets the stream.
+  // INVALID_ARGUMENT). Only pages its owner populated are written: a page
+  // ckptd faulted in would be ckptd's memory for as long as the caller
+  // keeps the memfd. So the region is sealed against holes first (the
+  // caller could punch them after the check otherwise), then the span this
+  // export writes (the control page and at most the plan's bytes of the
+  // window) is checked whole and locked against reclaim; a region that
+  // cannot be sealed, has a hole there, or cannot be locked gets the stream.
   std::optional<MappedRegion> mapped;
   bool through_region = false;
   ExportRegion into{nullptr, 0, &through_region};
   if (region.valid()) {
     CKPT_ASSIGN_OR_RETURN(MappedRegion m, MappedRegion::Map(std::move(region)));
-    if (m.SealAgainstHoles().ok() && m.Populated()) {
+    if (m.SealAgainstHoles().ok() && m.LockWhole(kExportRegionControlBytes + plan.total_bytes)) {
       mapped = std::move(m);
       into.data = mapped->data();
       into.size = mapped->size();

@@ -194,22 +194,27 @@ TEST(MappedRegionTest, RefusesAHugetlbMemfd) {
 
 // An export's window (MemfdRegion open to seals) is sealed against holes by
 // ckptd: punching one, or a new writable mapping, is refused from then on,
-// while the mappings made before stay writable. A region closed to seals
-// cannot be sealed.
+// while the mappings made before stay writable. Only a span without holes
+// is locked. A region closed to seals cannot be sealed.
 TEST(MappedRegionTest, SealsAgainstHolesOnlyARegionOpenToSeals) {
   CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion open,
                             MemfdRegion::Create("open", 4 * kPage, /*open_to_seals=*/true));
   CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion mapped, MappedRegion::Map(Dup(open.fd())));
-  EXPECT_FALSE(mapped.Populated());
+  EXPECT_FALSE(mapped.LockWhole(open.size())) << "no page allocated yet";
+  std::memset(open.data(), 1, 2 * kPage);
+  EXPECT_TRUE(mapped.LockWhole(2 * kPage)) << "the span written is whole";
+  EXPECT_FALSE(mapped.LockWhole(open.size())) << "a hole past it";
   std::memset(open.data(), 1, open.size());
-  EXPECT_TRUE(mapped.Populated());
   CKPT_ASSERT_OK(mapped.SealAgainstHoles());
   EXPECT_NE(::fallocate(open.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, kPage), 0);
   EXPECT_EQ(errno, EPERM);
   EXPECT_NE(::madvise(open.data(), kPage, MADV_REMOVE), 0);
   mapped.data()[kPage] = 7;
   EXPECT_EQ(static_cast<char*>(open.data())[kPage], 7) << "both old mappings stay writable";
-  EXPECT_TRUE(mapped.Populated());
+  EXPECT_TRUE(mapped.LockWhole(open.size()));
+  // Sealed against writes, a region cannot be mapped writable: refused for
+  // what it is, not as a failed mmap.
+  CKPT_EXPECT_CODE(MappedRegion::Map(Dup(open.fd())), kInvalidArgument);
 
   CKPT_ASSERT_OK_AND_ASSIGN(MemfdRegion closed, MemfdRegion::Create("closed", kPage));
   CKPT_ASSERT_OK_AND_ASSIGN(MappedRegion closed_mapped, MappedRegion::Map(Dup(closed.fd())));
