@@ -16,9 +16,7 @@ namespace {
 
 // The ack word: the first four bytes of the control page. A shared
 // (not FUTEX_PRIVATE) futex, as the two sides are two processes.
-uint32_t* AckWord(const void* region) {
-  return static_cast<uint32_t*>(const_cast<void*>(region));
-}
+uint32_t* AckWord(const void* region) { return static_cast<uint32_t*>(const_cast<void*>(region)); }
 
 }  // namespace
 

@@ -233,6 +233,50 @@ struct Region {
   size_t index;
 };
 
+// A destination of ExportInto: a writable, C-contiguous buffer.
+struct ExportDest {
+  std::string key;  // as the caller wrote it, for errors
+  char* ptr;
+  uint64_t size;
+  bool used = false;
+};
+// (layer name, tensor name) for a tuple key; ("", name) for a bare one.
+using ExportKey = std::pair<std::string, std::string>;
+
+// ExportInto's `dests`, each buffer's info kept in `held` (valid without
+// the GIL while it lives).
+std::map<ExportKey, ExportDest> ExportDestinations(const py::dict& dests,
+                                                   std::vector<py::buffer_info>* held) {
+  std::map<ExportKey, ExportDest> out;
+  for (const auto& [k, v] : dests) {
+    ExportKey key;
+    std::string shown;
+    if (py::isinstance<py::tuple>(k)) {
+      const auto pair = py::cast<std::pair<std::string, std::string>>(k);
+      key = pair;
+      shown = absl::StrCat("('", pair.first, "', '", pair.second, "')");
+    } else {
+      key = ExportKey("", py::cast<std::string>(k));
+      shown = absl::StrCat("'", key.second, "'");
+    }
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request(/*writable=*/true);
+    // The bytes are copied to [ptr, ptr + size * itemsize): only a
+    // C-contiguous buffer is that range.
+    py::ssize_t expect = info.itemsize;
+    for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] > 1 && info.strides[d] != expect) {
+        throw py::value_error(
+            absl::StrCat("the destination of ", shown, " is not a contiguous buffer"));
+      }
+      expect *= info.shape[d];
+    }
+    out[key] = ExportDest{shown, static_cast<char*>(info.ptr),
+                          static_cast<uint64_t>(info.size * info.itemsize)};
+    held->push_back(std::move(info));
+  }
+  return out;
+}
+
 class PyClient {
  public:
   PyClient(const std::string& socket_path, double call_timeout_s, double wait_timeout_s,
@@ -359,44 +403,10 @@ class PyClient {
   // destination a tensor, or nothing is claimed to be restored.
   py::dict ExportInto(const std::string& job, uint32_t rank, uint64_t target_step,
                       const py::dict& dests, uint64_t older_within) {
-    struct Dest {
-      std::string key;  // as the caller wrote it, for errors
-      char* ptr;
-      uint64_t size;
-      bool used = false;
-    };
-    // (layer name, tensor name) for a tuple key; ("", name) for a bare one.
-    using Key = std::pair<std::string, std::string>;
-    std::map<Key, Dest> out;
     std::vector<py::buffer_info> held;  // keeps every buffer valid without the GIL
-    for (const auto& [k, v] : dests) {
-      Key key;
-      std::string shown;
-      if (py::isinstance<py::tuple>(k)) {
-        const auto pair = py::cast<std::pair<std::string, std::string>>(k);
-        key = pair;
-        shown = absl::StrCat("('", pair.first, "', '", pair.second, "')");
-      } else {
-        key = Key("", py::cast<std::string>(k));
-        shown = absl::StrCat("'", key.second, "'");
-      }
-      py::buffer_info info = py::reinterpret_borrow<py::buffer>(v).request(/*writable=*/true);
-      // The bytes are copied to [ptr, ptr + size * itemsize): only a
-      // C-contiguous buffer is that range.
-      py::ssize_t expect = info.itemsize;
-      for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
-        if (info.shape[d] > 1 && info.strides[d] != expect) {
-          throw py::value_error(
-              absl::StrCat("the destination of ", shown, " is not a contiguous buffer"));
-        }
-        expect *= info.shape[d];
-      }
-      out[key] = Dest{shown, static_cast<char*>(info.ptr),
-                      static_cast<uint64_t>(info.size * info.itemsize)};
-      held.push_back(std::move(info));
-    }
+    std::map<ExportKey, ExportDest> out = ExportDestinations(dests, &held);
     v1::Plan plan;
-    std::map<Key, Dest*> placed;  // (layer name, tensor name) -> its destination
+    std::map<ExportKey, ExportDest*> placed;  // (layer name, tensor name) -> its destination
     Client::ExportSink sink;
     sink.header = [&](const v1::ExportHeader& h) -> absl::Status {
       plan = h.plan();
@@ -405,9 +415,9 @@ class PyClient {
       for (const v1::ExportTensor& t : h.tensors()) {
         const std::string where = absl::StrCat("tensor '", t.name(), "' of layer '", t.layer_name(),
                                                "' of job ", job, " rank ", rank);
-        auto it = out.find(Key(t.layer_name(), t.name()));
+        auto it = out.find(ExportKey(t.layer_name(), t.name()));
         if (it == out.end()) {
-          it = out.find(Key("", t.name()));
+          it = out.find(ExportKey("", t.name()));
           if (it != out.end() && layers_of[t.name()].size() > 1) {
             return absl::FailedPreconditionError(
                 absl::StrCat("tensor name '", t.name(), "' is in layers '",
@@ -428,7 +438,7 @@ class PyClient {
                                                             it->second.size, " in this model"));
         }
         it->second.used = true;
-        placed[Key(t.layer_name(), t.name())] = &it->second;
+        placed[ExportKey(t.layer_name(), t.name())] = &it->second;
       }
       for (const auto& [key, d] : out) {
         if (!d.used) {
@@ -440,7 +450,7 @@ class PyClient {
     };
     sink.data = [&](const v1::ExportTensor& t, uint64_t offset,
                     std::string_view piece) -> absl::Status {
-      auto it = placed.find(Key(t.layer_name(), t.name()));
+      auto it = placed.find(ExportKey(t.layer_name(), t.name()));
       if (it == placed.end() || offset > it->second->size ||
           piece.size() > it->second->size - offset) {
         return absl::DataLossError(absl::StrCat("ckptd sent bytes of tensor '", t.name(),

@@ -1,25 +1,19 @@
 #include "ckpt/client.h"
 
 #include <grpcpp/grpcpp.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <optional>
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/dtype.h"
-#include "base/export_region.h"
 #include "base/handover_wire.h"
 #include "base/logging.h"
 #include "base/region.h"
 #include "base/status.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
+#include "client_internal.h"
 #include "gpu_export.h"
 
 namespace ckpt {
@@ -39,33 +33,6 @@ bool RuntimeLostTheCall(grpc::StatusCode code) {
     default:
       return false;
   }
-}
-
-// grpc::Status -> absl::Status, in one place on the client side: the code,
-// the message, and the ErrorReason ckptd put in the status details. ckptd
-// puts details in every error it answers; a transport status without them
-// (gRPC's own CANCELLED for a call in flight when ckptd stopped, say) is the
-// loss of ckptd, marked kShuttingDown like ckptd's own refusals.
-absl::Status FromGrpc(const grpc::Status& s) {
-  if (s.ok()) return absl::OkStatus();
-  absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
-  v1::RpcStatus details;
-  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) {
-    return RuntimeLostTheCall(s.error_code())
-               ? WithReason(std::move(out), ErrorReason::kShuttingDown)
-               : out;
-  }
-  for (const google::protobuf::Any& any : details.details()) {
-    v1::ErrorInfo info;
-    if (any.UnpackTo(&info) && info.reason() > 0 && info.reason() < kErrorReasonCount) {
-      return WithReason(std::move(out), static_cast<ErrorReason>(info.reason()));
-    }
-  }
-  return out;
-}
-
-void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
 bool DaemonLost(const absl::Status& s) {
@@ -134,34 +101,43 @@ v1::TensorSpec TensorSpecOf(const TensorDesc& t) {
 
 }  // namespace
 
+namespace internal {
+
+// grpc::Status -> absl::Status, in one place on the client side: the code,
+// the message, and the ErrorReason ckptd put in the status details. ckptd
+// puts details in every error it answers; a transport status without them
+// (gRPC's own CANCELLED for a call in flight when ckptd stopped, say) is the
+// loss of ckptd, marked kShuttingDown like ckptd's own refusals.
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+  v1::RpcStatus details;
+  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) {
+    return RuntimeLostTheCall(s.error_code())
+               ? WithReason(std::move(out), ErrorReason::kShuttingDown)
+               : out;
+  }
+  for (const google::protobuf::Any& any : details.details()) {
+    v1::ErrorInfo info;
+    if (any.UnpackTo(&info) && info.reason() > 0 && info.reason() < kErrorReasonCount) {
+      return WithReason(std::move(out), static_cast<ErrorReason>(info.reason()));
+    }
+  }
+  return out;
+}
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Duration timeout) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+}  // namespace internal
+
+using internal::FromGrpc;
+using internal::SetDeadline;
+
 // ckpt.v1.DType carries the numbers of base/dtype.h's table (checked by
 // tests/base/dtype_test.cc), so a value is a row's number or has no row.
 uint64_t DTypeBytes(v1::DType dtype) { return ElementBytes(static_cast<DType>(dtype)); }
-
-struct Client::Impl {
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Trainer::Stub> stub;
-  std::unique_ptr<v1::Admin::Stub> admin;
-  std::vector<MemfdRegion> regions;
-  std::unique_ptr<internal::GpuExport> gpu;  // GPU tensors, instead of regions
-
-  // A fresh channel connects at once; a channel that saw the daemon die may
-  // sit in reconnect backoff and fail calls fast for a while.
-  void Reconnect(const std::string& socket_path) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
-    // Own subchannels: the global pool would hand a new channel the old,
-    // broken connection to a daemon that has since restarted.
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    channel =
-        grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
-    stub = v1::Trainer::NewStub(channel);
-    admin = v1::Admin::NewStub(channel);
-  }
-};
 
 Client::Client(const ClientOptions& options) : options_(options), impl_(new Impl) {}
 Client::~Client() = default;
@@ -457,153 +433,6 @@ absl::StatusOr<std::string> Client::Node() {
   v1::StatusReply reply;
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->admin->Status(&ctx, v1::StatusRequest(), &reply)));
   return reply.node();
-}
-
-absl::StatusOr<v1::Plan> Client::Plan(uint64_t target_step, uint64_t older_within_steps) {
-  return Plan(spec_.job_id, spec_.rank, target_step, older_within_steps);
-}
-
-absl::StatusOr<v1::Plan> Client::Plan(const std::string& job, uint32_t rank, uint64_t target_step,
-                                      uint64_t older_within_steps) {
-  v1::PlanRequest req;
-  req.set_job_id(job);
-  req.set_rank(rank);
-  req.set_target_step(target_step);
-  req.set_older_within_steps(older_within_steps);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.call_timeout);
-  v1::Plan plan;
-  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Plan(&ctx, req, &plan)));
-  return plan;
-}
-
-namespace {
-
-// A memfd for an export's bytes, its pages populated here so that they are
-// this process's memory, not ckptd's (ckptd writes into them), and left
-// open to the seal ckptd adds against holes.
-absl::StatusOr<MemfdRegion> MakeExportRegion(uint64_t bytes) {
-  CKPT_ASSIGN_OR_RETURN(MemfdRegion r,
-                        MemfdRegion::Create("ckpt-export", bytes, /*open_to_seals=*/true));
-  if (::madvise(r.data(), r.size(), MADV_POPULATE_WRITE) != 0) {
-    // Out of memory: no window (the stream needs none).
-    if (errno != EINVAL) return ErrnoStatus(errno, "MADV_POPULATE_WRITE");
-    // A kernel without it: touch each page.
-    const long page = ::sysconf(_SC_PAGESIZE);
-    auto* p = static_cast<volatile char*>(r.data());
-    for (uint64_t off = 0; off < r.size(); off += static_cast<uint64_t>(page)) p[off] = 0;
-  }
-  return r;
-}
-
-}  // namespace
-
-absl::Status Client::Export(const std::string& job, uint32_t rank, uint64_t target_step,
-                            const ExportSink& sink, uint64_t older_within_steps) {
-  v1::ExportRequest req;
-  req.set_job_id(job);
-  req.set_rank(rank);
-  req.set_target_step(target_step);
-  req.set_older_within_steps(older_within_steps);
-  // The window is a shortcut: without it (no memory for it, the handover
-  // refused), the bytes are streamed.
-  std::optional<MemfdRegion> region;
-  if (sink.region_bytes > 0) {
-    absl::StatusOr<MemfdRegion> made =
-        MakeExportRegion(kExportRegionControlBytes + sink.region_bytes);
-    absl::StatusOr<std::string> token = absl::UnknownError("no region");
-    if (made.ok()) {
-      const int fd = made->fd();
-      token = HandOverFds(options_.handover_socket_path, {&fd, 1}, options_.call_timeout);
-    } else {
-      token = made.status();
-    }
-    if (token.ok()) {
-      region = std::move(*made);
-      req.set_region_token(*token);
-    } else {
-      CKPT_LOG(WARNING) << "export of job " << job << " rank " << rank
-                        << " is streamed: no shared window (" << token.status() << ")";
-    }
-  }
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options_.restore_timeout);
-  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = impl_->admin->Export(&ctx, req);
-  absl::Status local;
-  bool have_header = false;
-  v1::ExportHeader header;
-  int tensor = 0;
-  uint64_t offset = 0;
-  auto skip_finished = [&] {  // on to the next tensor whose bytes are still due
-    while (tensor < header.tensors_size() && offset == header.tensors(tensor).nbytes()) {
-      ++tensor;
-      offset = 0;
-    }
-  };
-  v1::ExportChunk chunk;
-  while (local.ok() && reader->Read(&chunk)) {
-    if (chunk.has_header()) {
-      if (have_header) {
-        local = absl::DataLossError("the export stream sent a second header");
-        break;
-      }
-      header = std::move(*chunk.mutable_header());
-      have_header = true;
-      if (header.in_region() && !region.has_value()) {
-        local = absl::DataLossError("ckptd chose a region for an export that gave it none");
-        break;
-      }
-      local = sink.header(header);
-      continue;
-    }
-    if (!have_header) {
-      local = absl::DataLossError("the export stream sent data before its header");
-      break;
-    }
-    // The next bytes of the stream: in the message, or (in_region) at the
-    // start of the region's window.
-    std::string_view piece;
-    const bool from_region = chunk.payload_case() == v1::ExportChunk::kRegionBytes;
-    if (from_region != header.in_region() && (from_region || !chunk.data().empty())) {
-      local = absl::DataLossError("the export stream mixed bytes in the region and in messages");
-      break;
-    }
-    if (from_region) {
-      if (chunk.region_bytes() > region->size() - kExportRegionControlBytes) {
-        local = absl::DataLossError("the export stream named more bytes than the region holds");
-        break;
-      }
-      piece = std::string_view(static_cast<const char*>(region->data()) +
-                                   kExportRegionControlBytes,
-                               chunk.region_bytes());
-    } else {
-      piece = chunk.data();
-    }
-    while (local.ok() && !piece.empty()) {
-      skip_finished();
-      if (tensor == header.tensors_size()) {
-        local = absl::DataLossError("the export stream sent more bytes than its header lists");
-        break;
-      }
-      const v1::ExportTensor& t = header.tensors(tensor);
-      const uint64_t n = std::min<uint64_t>(piece.size(), t.nbytes() - offset);
-      local = sink.data(t, offset, piece.substr(0, n));
-      offset += n;
-      piece.remove_prefix(n);
-    }
-    // The window is ckptd's again for the next batch.
-    if (local.ok() && from_region) BumpExportAck(region->data());
-  }
-  if (!local.ok()) ctx.TryCancel();
-  const absl::Status s = FromGrpc(reader->Finish());
-  if (!local.ok()) return local;
-  CKPT_RETURN_IF_ERROR(s);
-  if (!have_header) return absl::DataLossError("the export stream ended without a header");
-  skip_finished();
-  if (tensor != header.tensors_size()) {
-    return absl::DataLossError("the export stream ended before the bytes of every tensor");
-  }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::RestoreReply> Client::Restore(uint64_t target_step, bool discard_later,

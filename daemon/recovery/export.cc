@@ -116,8 +116,8 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
   }
   bool through_region = region.data != nullptr && region.size > kExportRegionControlBytes;
   for (const PlannedLayer& lp : plan.layers) {
-    through_region = through_region &&
-                     LayerBytes(table, lp.layer) <= region.size - kExportRegionControlBytes;
+    through_region =
+        through_region && LayerBytes(table, lp.layer) <= region.size - kExportRegionControlBytes;
   }
   h->set_in_region(through_region);
   if (region.used != nullptr) *region.used = through_region;

@@ -306,9 +306,8 @@ class AdminService final : public v1::Admin::Service {
           if (!req->region_token().empty()) {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->region_token(), c.uid));
             if (claim.fds().size() != 1) {
-              return absl::InvalidArgumentError(
-                  absl::StrCat("an export's region_token must name one region, not ",
-                               claim.fds().size()));
+              return absl::InvalidArgumentError(absl::StrCat(
+                  "an export's region_token must name one region, not ", claim.fds().size()));
             }
             region = std::move(claim.fds()[0]);
           }

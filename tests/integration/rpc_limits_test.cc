@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "ckpt/client.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
@@ -298,9 +298,7 @@ TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
 
   Client::ExportSink sink;
   sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
-  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) {
-    return absl::OkStatus();
-  };
+  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) { return absl::OkStatus(); };
   ClientOptions o;
   o.socket_path = daemon_->socket();
   std::unique_ptr<Client> holder = std::move(Client::Connect(o).value());

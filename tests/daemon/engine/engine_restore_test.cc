@@ -9,12 +9,12 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <string>
-#include <string_view>
-#include <utility>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -367,8 +367,8 @@ TEST_F(EnginePipelineTest, ExportThroughARegionHandsOverWhatItWouldStream) {
   ASSERT_EQ(total, 5 * layer);
   ASSERT_EQ(streamed.bytes.size(), total);
 
-  for (const auto& [window, batches] : std::vector<std::pair<uint64_t, int>>{
-           {total, 1}, {2 * layer, 3}, {layer, 5}}) {
+  for (const auto& [window, batches] :
+       std::vector<std::pair<uint64_t, int>>{{total, 1}, {2 * layer, 3}, {layer, 5}}) {
     MemfdRegion region = WindowOf(window);
     Exported through(&region);
     CKPT_ASSERT_OK(engine_->Export(req, owner_, through.Sink(), Dup(region)));
@@ -458,9 +458,9 @@ TEST_F(EnginePipelineTest, ExportThroughARegionFailsClosed) {
   CKPT_EXPECT_CODE(engine_->Export(req, owner_, stalled.Sink(), Dup(region)), kDeadlineExceeded);
   EXPECT_EQ(stalled.batches, 1);
   ASSERT_EQ(stalled.bytes.size(), layer);
-  EXPECT_EQ(std::string_view(static_cast<const char*>(region.data()) + kExportRegionControlBytes,
-                             layer),
-            stalled.bytes)
+  EXPECT_EQ(
+      std::string_view(static_cast<const char*>(region.data()) + kExportRegionControlBytes, layer),
+      stalled.bytes)
       << "the first batch stays until the reader takes it";
 
   ASSERT_EQ(DamageTwoLayers("spoilt", 2).size(), 2u);
