@@ -3,7 +3,7 @@
 #pragma once
 
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -53,8 +53,17 @@ class DaemonProcess {
     std::vector<char*> envp;
     for (auto& e : envs) envp.push_back(e.data());
     envp.push_back(nullptr);
-    if (::posix_spawn(&pid_, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0)
-      return false;
+    // ckptd dies with the test: a test that aborts (a failed CHECK, a
+    // crash) runs no destructor, and a ckptd left behind would hold the
+    // output pipe ctest waits on until the test's timeout.
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ < 0) return false;
+    if (pid_ == 0) {  // only async-signal-safe calls until execve
+      if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(127);
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(127);
+    }
     for (int i = 0; i < 600; ++i) {
       if (Connectable()) return true;
       int st;
@@ -71,6 +80,7 @@ class DaemonProcess {
   // SIGTERM and wait; returns the exit status (or -1).
   int Stop() { return Signal(SIGTERM); }
   bool alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0; }
+  pid_t pid() const { return pid_; }
   const std::string& socket() const { return socket_; }
   const std::string& root() const { return root_; }
 
