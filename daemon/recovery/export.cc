@@ -95,12 +95,15 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
   v1::ExportChunk head;
   v1::ExportHeader* h = head.mutable_header();
   *h->mutable_plan() = ToApi(plan);
+  uint64_t largest = 0;  // the bytes of the largest layer's tensors
   for (const PlannedLayer& lp : plan.layers) {
     if (lp.layer >= static_cast<uint32_t>(table.layers_size())) {
       return absl::FailedPreconditionError(absl::StrCat("plan names unknown layer ", lp.layer));
     }
     const store::LayerSpec& spec = table.layers(static_cast<int>(lp.layer));
+    uint64_t layer_bytes = 0;
     for (const store::TensorSpec& t : spec.tensors()) {
+      layer_bytes += t.nbytes();
       v1::ExportTensor* et = h->add_tensors();
       et->set_layer(lp.layer);
       et->set_layer_name(spec.name());
@@ -113,12 +116,10 @@ absl::StatusOr<uint64_t> ExportPlan(const CompositePlan& plan, const store::Rank
       et->set_step(lp.step);
       h->set_total_bytes(h->total_bytes() + t.nbytes());
     }
+    largest = std::max(largest, layer_bytes);
   }
-  bool through_region = region.data != nullptr && region.size > kExportRegionControlBytes;
-  for (const PlannedLayer& lp : plan.layers) {
-    through_region =
-        through_region && LayerBytes(table, lp.layer) <= region.size - kExportRegionControlBytes;
-  }
+  const bool through_region = region.data != nullptr && region.size > kExportRegionControlBytes &&
+                              largest <= region.size - kExportRegionControlBytes;
   h->set_in_region(through_region);
   if (region.used != nullptr) *region.used = through_region;
   if (!sink(head)) return absl::CancelledError("the reader went away");
