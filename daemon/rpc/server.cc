@@ -13,22 +13,30 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "base/logging.h"
 #include "base/status.h"
 #include "ckpt/v1/ckpt.grpc.pb.h"
 #include "daemon/common/accept_backoff.h"
 #include "daemon/common/kill_point.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/rpc/call_entry.h"
 #include "daemon/rpc/convert.h"
 #include "daemon/rpc/status_convert.h"
 
 namespace ckpt {
 namespace {
+
+using rpc_internal::CallKey;
+using rpc_internal::Weight;
+using rpc_internal::WithCaller;
 
 // Waits without a client deadline are bounded by this.
 constexpr absl::Duration kDefaultWait = absl::Seconds(30);
@@ -37,48 +45,6 @@ absl::Time DeadlineOf(const grpc::ServerContext& ctx) {
   absl::Time d = absl::FromChrono(ctx.deadline());
   absl::Time cap = absl::Now() + kDefaultWait;
   return d < cap ? d : cap;
-}
-
-// kRegister: the one method whose request may exceed max_request_bytes.
-enum class Weight { kNormal, kHeavy, kRegister };
-
-// The key of a call in RpcServer::NoteLargeRequest / FinishCall.
-const void* CallKey(const grpc::ServerContextBase* ctx) { return ctx; }
-
-// Runs `fn(caller)` with the caller's identity, within the request size cap
-// of its method and the caller's call limits, converting errors.
-template <typename Fn>
-grpc::Status WithCaller(RpcServer* server, grpc::ServerContext* ctx,
-                        const google::protobuf::MessageLite& req, Fn&& fn,
-                        Weight weight = Weight::kNormal) {
-  const size_t bytes = req.ByteSizeLong();
-  const int max_request = server->options().max_request_bytes;
-  const bool large = bytes > static_cast<size_t>(max_request);
-  if (large) {
-    server->NoteLargeRequest(CallKey(ctx));
-    if (weight != Weight::kRegister) {
-      return ToGrpcStatus(absl::ResourceExhaustedError(
-          absl::StrCat(req.GetTypeName(), " of ", bytes, " bytes exceeds max_request_bytes (",
-                       max_request, "); only Register may be larger")));
-    }
-  }
-  absl::StatusOr<Caller> caller = server->CallerOf(*ctx);
-  if (!caller.ok()) return ToGrpcStatus(caller.status());
-  const bool heavy = weight == Weight::kHeavy;
-  if (absl::Status s = server->EnterCall(caller->uid, heavy, large); !s.ok()) {
-    return ToGrpcStatus(s);
-  }
-  struct Leave {
-    RpcServer* server;
-    uid_t uid;
-    bool heavy;
-    bool large;
-    ~Leave() { server->LeaveCall(uid, heavy, large); }
-  } leave{server, caller->uid, heavy, large};
-  // A heavy call holding its slot: a test of max_heavy_calls against a real
-  // ckptd holds calls here (CKPT_DELAY_UNTIL) instead of racing them.
-  if (heavy) CKPT_DELAY_POINT("rpc.heavy_call");
-  return ToGrpcStatus(fn(*caller));
 }
 
 // Tells the server when a call's request has been freed: the sync server
@@ -139,6 +105,9 @@ class TrainerService final : public v1::Trainer::Service {
 
   grpc::Status Register(grpc::ServerContext* ctx, const v1::RegisterRequest* req,
                         v1::RegisterReply* reply) override {
+    std::vector<std::string> tokens(req->gpu().page_tokens().begin(),
+                                    req->gpu().page_tokens().end());
+    if (!req->handover_token().empty()) tokens.push_back(req->handover_token());
     return WithCaller(
         s_, ctx, *req,
         [&](const Caller& c) -> absl::Status {
@@ -170,7 +139,7 @@ class TrainerService final : public v1::Trainer::Service {
           *reply = ToProto(registered);
           return absl::OkStatus();
         },
-        Weight::kRegister);
+        Weight::kRegister, tokens);
   }
   grpc::Status StepDone(grpc::ServerContext* ctx, const v1::StepDoneRequest* req,
                         v1::StepDoneReply*) override {
@@ -294,15 +263,14 @@ class AdminService final : public v1::Admin::Service {
   }
   grpc::Status Export(grpc::ServerContext* ctx, const v1::ExportRequest* req,
                       grpc::ServerWriter<v1::ExportChunk>* writer) override {
-    bool claimed = false;
-    grpc::Status status = WithCaller(
+    const std::string* token = &req->region_token();
+    return WithCaller(
         s_, ctx, *req,
         [&](const Caller& c) -> absl::Status {
           // A region to write into instead of the stream: one memfd of the
           // caller's, counted against its handover limits until the call ends.
           HandoverClaim claim;
           UniqueFd region;
-          claimed = true;
           if (!req->region_token().empty()) {
             CKPT_ASSIGN_OR_RETURN(claim, s_->handover()->Claim(req->region_token(), c.uid));
             if (claim.fds().size() != 1) {
@@ -318,16 +286,7 @@ class AdminService final : public v1::Admin::Service {
               },
               std::move(region));
         },
-        Weight::kHeavy);
-    // A call refused before it ran (max_heavy_calls, the per-uid cap) gives
-    // its region back now, not when the token expires: readers retry such
-    // refusals, each time with a new region.
-    if (!claimed && !req->region_token().empty()) {
-      if (absl::StatusOr<Caller> c = s_->CallerOf(*ctx); c.ok()) {
-        (void)s_->handover()->Claim(req->region_token(), c->uid);
-      }
-    }
-    return status;
+        Weight::kHeavy, absl::MakeSpan(token, token->empty() ? 0 : 1));
   }
   grpc::Status Config(grpc::ServerContext* ctx, const v1::ConfigRequest* req,
                       v1::ConfigReply* reply) override {

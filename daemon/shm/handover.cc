@@ -538,6 +538,14 @@ absl::StatusOr<HandoverClaim> HandoverServer::ClaimAll(absl::Span<const std::str
   return all;
 }
 
+void HandoverServer::Discard(absl::Span<const std::string> tokens, uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& token : tokens) {
+    auto it = pending_.find(token);
+    if (it != pending_.end() && it->second.uid == uid) DropPendingLocked(it);
+  }
+}
+
 size_t HandoverServer::pending() const {
   absl::MutexLock lock(&mu_);
   return pending_.size();

@@ -150,6 +150,12 @@ class HandoverServer {
   absl::StatusOr<HandoverClaim> ClaimAll(absl::Span<const std::string> tokens, uid_t uid,
                                          HandoverKind kind);
 
+  // Closes the descriptors `uid` handed over under `tokens` (of any kind)
+  // and forgets the tokens: a call refused before it ran gives back what it
+  // carried at once instead of at expiry. Tokens unknown, expired or of
+  // another uid are left as they are.
+  void Discard(absl::Span<const std::string> tokens, uid_t uid);
+
   size_t pending() const;
   Stats stats() const;
 

@@ -324,5 +324,50 @@ TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
   EXPECT_EQ(LinesIn(held), 1);
 }
 
+// A Register refused before it runs (here by max_calls_per_uid, while an
+// export of the same uid holds its one call) gives back the regions it
+// handed over at once, as a refused export does: they used to wait until
+// their token expired, so that a trainer retrying its registration filled
+// handover_max_pending_per_uid and was refused after the cap had cleared.
+TEST_F(RpcLimitsTest, ARefusedRegisterGivesItsHandoverBackAtOnce) {
+  root_ = MakeTempDir("ckpt-rpclim-");
+  ASSERT_FALSE(root_.empty());
+  const std::string held = root_ + "/held.log";
+  const std::string release = root_ + "/release";
+  daemon_ = std::make_unique<DaemonProcess>(
+      root_, std::vector<std::string>{"--max_calls_per_uid=1", "--handover_max_pending_per_uid=2"},
+      std::vector<std::string>{"CKPT_DELAY_AT=rpc.heavy_call:60000", "CKPT_DELAY_LOG=" + held,
+                               "CKPT_DELAY_UNTIL=" + release});
+  ASSERT_TRUE(daemon_->Start());
+  TestRank t = MakeTrainer(daemon_->socket(), "exported", 2);
+  ASSERT_TRUE(t.client->Register(t.spec).ok());
+  ASSERT_TRUE(t.client->StepDone(1, 0.1).ok());
+  ASSERT_TRUE(t.client->WaitDurable(1).ok());
+
+  Client::ExportSink sink;
+  sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
+  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) { return absl::OkStatus(); };
+  ClientOptions o;
+  o.socket_path = daemon_->socket();
+  std::unique_ptr<Client> holder = std::move(Client::Connect(o).value());
+  absl::Status held_status;
+  std::thread first([&] { held_status = holder->Export("exported", 0, 0, sink); });
+  for (int i = 0; i < 3000 && LinesIn(held) < 1; ++i) ::usleep(10000);
+  ASSERT_EQ(LinesIn(held), 1) << "the export holds the uid's only call";
+
+  for (int i = 0; i < 3; ++i) {
+    TestRank refused = MakeTrainer(daemon_->socket(), absl::StrCat("refused-", i), 1);
+    const absl::Status s = refused.client->Register(refused.spec);
+    EXPECT_TRUE(absl::IsResourceExhausted(s)) << i << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "max_calls_per_uid")) << i << ": " << s;
+  }
+  std::ofstream(release).close();
+  first.join();
+  EXPECT_TRUE(held_status.ok()) << held_status;
+  TestRank next = MakeTrainer(daemon_->socket(), "next", 1);
+  const absl::Status registered = next.client->Register(next.spec);
+  EXPECT_TRUE(registered.ok()) << "the uid's handovers are not held up: " << registered;
+}
+
 }  // namespace
 }  // namespace ckpt
