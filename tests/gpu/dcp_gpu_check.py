@@ -10,10 +10,11 @@ A small MLP and its AdamW state on the device, one step taken:
 - async_save with CkptWriter(async_staging=True): the trainer waits for
   staging_completion, then changes every parameter on the device while the
   upload runs; the load gives the values at the call, bit-exact;
+- on a GPU, the CUDA tensors were handed to ckptd in place (its GPU
+  job), not copied into host slots;
 - the staging time of its state dict (96 MiB) against a pinned
-  device-to-host copy of the same bytes, printed (the slots are pageable shared memory,
-  so this copy is what ckpt.dcp costs on a GPU until CUDA tensors are
-  handed over in place).
+  device-to-host copy of the same bytes, printed (ckptd's own copy into
+  its pinned pool is what a stage waits for).
 Exit 0 when every check holds; `--device cpu` runs the same on the CPU
 (ctest's dry run of this script).
 """
@@ -80,6 +81,15 @@ def main():
         print("dcp.save/load of %s tensors: %s" % (a.device, "bit-exact" if diff is None
                                                    else "DIFFERS: " + diff))
         ok &= diff is None
+        # On a GPU the CUDA tensors go to ckptd where they are (a job
+        # "<job>.g<rank>.<layout>" of the GPU handover), AdamW's step
+        # counters (CPU tensors) into host slots.
+        gstore = writer._gpu_store
+        in_place = gstore is not None and gstore.job.startswith("dcp-gpu.g0.")
+        print("CUDA tensors handed to ckptd in place: %s" % (
+            ("yes, ckptd job %s" % gstore.job) if in_place else "no (host slots)"))
+        if dev.type == "cuda":
+            ok &= in_place and writer._gpu_in_place
         want = flat_bytes({"model": model.state_dict()})
         if dev.type == "cuda":
             torch.cuda.synchronize()

@@ -13,6 +13,9 @@ load with only storage_writer=/storage_reader= changed.
 - a damaged version is loaded from the intact copy in ckptd's memory tier;
   with none (ckptd restarted), it fails the load, naming the tensor, and is
   not served;
+- a refused CUDA handover (ckpt.dcp hands CUDA tensors to ckptd where they
+  are; tests/gpu/dcp_gpu_check.py checks that on a GPU) is said once and
+  the tensors are copied into host slots instead, exactly;
 - a tensor larger than ckptd's staging pool is refused naming the setting;
 - 4 ranks (gloo, DTensors sharded on dim 0 and replicated, per-rank
   bytes) save with dcp.save, async_save and async_save's PROCESS
@@ -213,6 +216,54 @@ def async_contract(daemon):
         dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-async", daemon.socket))
         check(same({"model": now}, got) is None, "an unchanged save %s loads" % cid)
     writer.close()
+
+
+def handover_refused(daemon):
+    """A writer whose CUDA handover is refused (here: the tensors it offers
+    ckptd's GPU path are host memory, which the client refuses as the real
+    call does for memory that cannot be exported) says so once, copies them
+    into host slots instead, and its checkpoints load exactly."""
+    import logging
+    torch.manual_seed(4)
+    model = nn.Linear(32, 32)
+    writer = CkptWriter("dcp-refused", socket_path=daemon.socket)
+    offered = []
+
+    def in_place(tensors):  # every tensor offered as if it were on a GPU
+        if not writer._gpu_in_place:
+            return {}
+        offered.append(sorted(tensors))
+        return dict(tensors)
+
+    writer._in_place = in_place
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("ckpt.dcp").addHandler(handler)
+    try:
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        dcp.save({"model": model.state_dict()}, checkpoint_id="step-1", storage_writer=writer)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        want2 = {k: v.clone() for k, v in model.state_dict().items()}
+        resp = dcp.async_save({"model": model.state_dict()}, checkpoint_id="step-2",
+                              storage_writer=writer)
+        resp.result(timeout=120)
+    finally:
+        logging.getLogger("ckpt.dcp").removeHandler(handler)
+    warned = [m for m in logs if "not in CUDA device memory" in m]
+    check(len(warned) == 1 and "copied into host memory" in warned[0],
+          "a refused handover is said once, with what happens instead: %s %s" % (logs, offered))
+    check(len(offered) == 1, "the handover is not tried again after a refusal: %s" % offered)
+    for cid, w in (("step-1", want), ("step-2", want2)):
+        got = {"model": {k: torch.zeros_like(v) for k, v in w.items()}}
+        dcp.load(got, checkpoint_id=cid, storage_reader=CkptReader("dcp-refused", daemon.socket))
+        check(same({"model": w}, got) is None, "after a refused handover %s loads exactly" % cid)
+    jobs = os.listdir(os.path.join(daemon.data, "jobs"))
+    check(not any(j.startswith("dcp-refused.g0.") for j in jobs),
+          "no GPU job was left registered: %s" % sorted(jobs))
+    writer.close()
+    print("a refused CUDA handover: said once, tensors copied, checkpoints exact")
 
 
 def rank_job_dir(daemon, job):
@@ -722,6 +773,7 @@ def main():
     try:
         round_trip(daemon, root)
         async_contract(daemon)
+        handover_refused(daemon)
         lora_bytes(daemon, root)
         damaged(daemon)
         damaged_with_remote(root)

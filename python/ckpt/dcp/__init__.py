@@ -9,8 +9,9 @@
     ...
     dcp.load(state_dict, checkpoint_id="step-200", storage_reader=CkptReader("llama-7b"))
 
-The writer is also DCP's AsyncStager, so async_save stages into ckptd: the
-tensors are copied once into memory ckptd maps and the trainer goes on;
+The writer is also DCP's AsyncStager, so async_save stages into ckptd: CPU
+tensors are copied once into memory ckptd maps, CUDA tensors are taken by
+ckptd where they are (through CUDA IPC), and the trainer goes on;
 ckptd writes them with io_uring, checksums and fsync, in its own process.
 A tensor whose bytes are what ckptd already holds is not written again (the
 frozen base of a LoRA fine-tune is written once). A checkpoint exists once
@@ -19,7 +20,8 @@ rank's bytes were durable; a load finds it by checkpoint id (or the newest
 without one), verifies every version's checksum, and may run on another
 world size or parallelism: DCP's planner reshards.
 
-The package: ``store`` (one rank's tensors in ckptd), ``catalog`` (the
+The package: ``store`` (one rank's tensors in ckptd), ``gpu_store`` (its
+CUDA tensors, in place), ``catalog`` (the
 checkpoints of a job and their metadata), ``writer`` and ``reader`` (DCP's
 interfaces). See docs/dcp.md.
 """

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import threading
-from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -148,6 +148,44 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def layer_spec(key: str, t: torch.Tensor, region: int, offset: int) -> dict:
+    """The ckptd layer that holds tensor `t` (its bytes, flat) at `offset`
+    of `region`: one tensor named `key`, of t's dtype when ckptd has it,
+    else its bytes (U8)."""
+    dtype = _CKPT_DTYPES.get(t.dtype)
+    spec = {"name": key, "shape": [t.numel() if dtype is not None else nbytes_of(t)],
+            "dtype": dtype or "U8", "role": "OTHER", "region": region, "offset": offset}
+    return {"name": key, "kind": "OTHER", "tensors": [spec]}
+
+
+def check_snapshot(job: str, step: int, snap: dict) -> None:
+    """Raises unless ckptd took every layer of `job`'s `step` (`snap`: its
+    WaitSnapshot reply)."""
+    if snap["lost"]:
+        raise RuntimeError(f"ckptd restarted during the save of job {job} step {step}: this "
+                           "checkpoint is not saved; save again")
+    if snap["skipped"]:
+        taken = len(snap["layers"])
+        raise RuntimeError(
+            f"ckptd took {taken} of {taken + snap['skipped']} tensors of job {job} step {step}: "
+            "its staging pool had no room for the rest (give ckptd a staging_pool_bytes of at "
+            "least one rank's state dict); this checkpoint is not saved")
+
+
+def wait_idle(idle: threading.Condition, staged: Callable[[], bool], job: str,
+              timeout_s: float) -> None:
+    """Waits, holding `idle`'s lock, until the previous stage is committed
+    (`staged()` false): one save at a time, so that a stage does not replace
+    the bytes the previous save is about to report. TimeoutError after
+    `timeout_s`: that save failed before its write (DCP tells the writer
+    nothing then) or is stuck; this one is refused, the next goes on."""
+    if not idle.wait_for(lambda: not staged(), timeout=timeout_s):
+        raise TimeoutError(
+            f"job {job}: the previous save was staged but not written within {timeout_s} s (it "
+            "failed, or is still planning: its future says which); this save is refused, the "
+            "next one goes ahead")
+
+
 def layout_digest(tensors: Dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key, t in tensors.items():
@@ -196,12 +234,8 @@ class RankStore:
         slots: Dict[str, _Slot] = {}
         for i, (key, off, t) in enumerate(places):
             n = nbytes_of(t)
-            dtype = _CKPT_DTYPES.get(t.dtype)
             raw = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=off)
-            view = raw.view(t.dtype) if dtype is not None else raw
-            spec = {"name": key, "shape": [view.numel()], "dtype": dtype or "U8",
-                    "role": "OTHER", "region": region.index, "offset": off}
-            layers.append({"name": key, "kind": "OTHER", "tensors": [spec]})
+            layers.append(layer_spec(key, t, region.index, off))
             slots[key] = _Slot(key, i, n, t.dtype, raw.view(t.dtype))
         if not layers:  # a rank with bytes items only: a step needs a layer
             layers.append({"name": "-", "kind": "OTHER", "tensors": [
@@ -227,17 +261,11 @@ class RankStore:
         the previous stage is committed and ckptd has taken it out of the
         region."""
         with self._lock:
-            # One save at a time: a stage while the previous one is staged
-            # but not yet committed waits for that commit (else it would
-            # overwrite the bytes that save is about to report).
-            if not self._idle.wait_for(lambda: not self._staged, timeout=self._timeouts[1]):
-                # It failed before its write (DCP tells the writer nothing
-                # then), or is stuck: this save is refused, the next goes on.
+            try:
+                wait_idle(self._idle, lambda: self._staged, self._job, self._timeouts[1])
+            except TimeoutError:
                 self._staged = self._trusted = False
-                raise TimeoutError(
-                    f"job {self._job}: the previous save was staged but not written within "
-                    f"{self._timeouts[1]} s (it failed, or is still planning: its future says "
-                    "which); this save is refused, the next one goes ahead")
+                raise
             digest = layout_digest(tensors)
             if digest != self._digest:
                 self._open(tensors, digest)
@@ -296,17 +324,7 @@ class RankStore:
         self._trusted = False
         self._client.step_done(step, 0.0, aux, layers)
         self._last_step = step
-        snap = self._client.wait_snapshot(step)
-        if snap["lost"]:
-            raise RuntimeError(f"ckptd restarted during the save of job {self._job} step "
-                               f"{step}: this checkpoint is not saved; save again")
-        if snap["skipped"]:
-            taken = len(snap["layers"])
-            raise RuntimeError(
-                f"ckptd took {taken} of {taken + snap['skipped']} tensors of job {self._job} "
-                f"step {step}: its staging pool had no room for the rest (give ckptd a "
-                "staging_pool_bytes of at least one rank's state dict); this checkpoint is "
-                "not saved")
+        check_snapshot(self._job, step, self._client.wait_snapshot(step))
         self._client.wait_durable(step)
         for layer in layers:
             self._version[layer] = step

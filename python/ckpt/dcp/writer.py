@@ -2,10 +2,12 @@
 
 In DCP's call order (torch.distributed.checkpoint.state_dict_saver):
 - reset(checkpoint_id) names the checkpoint;
-- stage(state_dict), from dcp.async_save, copies every tensor into the
-  rank's slots in memory ckptd maps (store.py) and returns the state dict
-  over those slots: the trainer may change its tensors as soon as it
-  returns, and DCP plans and writes from the slots;
+- stage(state_dict), from dcp.async_save, copies every CPU tensor into the
+  rank's slots in memory ckptd maps (store.py), has ckptd take every CUDA
+  tensor where it is into its pinned pool (gpu_store.py), and returns the
+  state dict over those slots (meta tensors for the CUDA ones): the trainer
+  may change its tensors as soon as it returns, and DCP plans and writes
+  from the slots;
 - write_data(plan, planner), on every rank, reports the staged tensors as
   one ckptd step (only the tensors whose bytes changed are written again;
   the others name the version ckptd holds) with the bytes items in the
@@ -25,6 +27,7 @@ process_executor=True pickles into a ChildWriter that asks this one
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from collections import Counter
@@ -42,8 +45,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
+from .gpu_store import GpuStore, HandoverRefused, stream_of
 from .process import ChildWriter, PlainPlans, ProcessLink, check_collectives
 from .store import RankStore, Stored, dumps, nbytes_of
+
+_log = logging.getLogger("ckpt.dcp")
 
 # The bytes items a rank's step carries in its aux (ckptd's max_aux_bytes is
 # 1 MiB by default); larger ones go into the rank's bytes job.
@@ -98,6 +104,10 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     staged state dict DCP sends to its process holds meta tensors (ckptd
     has the bytes), and the writer pickles into a ChildWriter that asks
     this one to commit (process.py).
+    gpu_in_place: CUDA tensors (of one device) are handed to ckptd where
+    they are, through CUDA IPC, instead of being copied into host slots;
+    when the handover is refused (no CUDA in ckptd or the client, memory
+    that cannot be exported) the writer says so once and copies them.
     """
 
     _synchronize_after_execute = False  # nothing to synchronize: see stage()
@@ -105,7 +115,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     def __init__(self, job_id: str, socket_path: Optional[str] = None,
                  rank: Optional[int] = None, call_timeout_s: float = 60.0,
                  wait_timeout_s: float = 600.0, async_staging: bool = False,
-                 process_executor: bool = False):
+                 process_executor: bool = False, gpu_in_place: bool = True):
         super().__init__()
         check_job_id(job_id)
         self.job_id = job_id
@@ -114,6 +124,8 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         self._timeouts = (call_timeout_s, wait_timeout_s)
         self._store: Optional[RankStore] = None
         self._bytes_store: Optional[RankStore] = None  # bytes items beyond AUX_BUDGET
+        self._gpu_store: Optional[GpuStore] = None  # CUDA tensors, in place
+        self._gpu_in_place = gpu_in_place
         self._catalog: Optional[Catalog] = None
         self._ids = threading.local()  # the checkpoint id of this thread's save
         self._async_staging = async_staging
@@ -177,7 +189,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
                 if isinstance(full, dict) and all(keys[i] == i.fqn for i in data) else None
             if whole is None or any(keys[i] not in whole for i in data):
                 whole = {keys[idx]: _local(t) for idx, t in data.items()}
-            store.stage({k: t for k, t in whole.items() if nbytes_of(t) > 0})
+            self._stage_tensors({k: t for k, t in whole.items() if nbytes_of(t) > 0})
             slot_key = {idx: keys[idx] for idx in data}
         blobs = {i.index.fqn: planner.resolve_data(i).getvalue()
                  for i in plan.items if i.type == WriteItemType.BYTE_IO}
@@ -198,7 +210,19 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         store = self._store_now()
         large = self._large_blobs(blobs)
         aux = dumps(blobs) if blobs else b""
+        # The CUDA tensors' step first; the host step is committed (and its
+        # stage released) whether or not that fails.
+        gpu_where: Dict[str, Stored] = {}
+        failed: Optional[BaseException] = None
+        if self._gpu_store is not None and self._gpu_store.staged():
+            try:
+                gpu_where = self._gpu_store.commit()[1]
+            except Exception as e:  # noqa: BLE001 - raised below, after the host commit
+                failed = e
         step, where = store.commit(aux)
+        if failed is not None:
+            raise failed
+        where.update(gpu_where)
         keys = item_keys([idx for idx, _ in tensors])
         results = []
         for idx, n in tensors:
@@ -276,17 +300,58 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
     def stage(self, state_dict: Dict[str, Any]) -> Union[Dict[str, Any], StagingFuture]:
         """The state dict over ckptd's slots (see the module's doc), or
         with async_staging a future of it, staged on the writer's thread."""
-        if not self._async_staging:
-            return self._stage_now(state_dict)
-        if self._staging is None:
-            self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-dcp-stage")
-        return self._staging.submit(self._stage_now, state_dict)
-
-    def _stage_now(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         flat, mapping = flatten_state_dict(state_dict)
         tensors = {k: _local(v) for k, v in flat.items()
                    if isinstance(v, torch.Tensor) and nbytes_of(_local(v)) > 0}
-        slots = self._store_now().stage(tensors)
+        # The trainer's stream, on its thread: ckptd takes the CUDA tensors
+        # once the work queued on it so far has run.
+        stream = stream_of(self._in_place(tensors))
+        if not self._async_staging:
+            return self._stage_now(flat, mapping, tensors, stream)
+        if self._staging is None:
+            self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-dcp-stage")
+        return self._staging.submit(self._stage_now, flat, mapping, tensors, stream)
+
+    def _in_place(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The tensors of `tensors` that GpuStore takes where they are: the
+        contiguous CUDA ones, when they are on one device (a rank's GPU
+        registration is of one device) and the handover was not refused."""
+        if not self._gpu_in_place:
+            return {}
+        gpu = {k: t for k, t in tensors.items() if t.is_cuda and t.is_contiguous()}
+        return gpu if len({t.device for t in gpu.values()}) <= 1 else {}
+
+    def _stage_tensors(self, tensors: Dict[str, torch.Tensor],
+                       stream: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """Stages `tensors` (none of zero size): CUDA ones in place
+        (_in_place), the others into host slots. Returns each key's staged
+        tensor: its slot, or a meta tensor of its shape and dtype for one
+        ckptd took in place. `stream`: the cudaStream_t whose queued work
+        writes them (the calling thread's current one when None)."""
+        gpu = self._in_place(tensors)
+        if gpu:
+            if self._gpu_store is None:
+                call, wait = self._timeouts
+                self._gpu_store = GpuStore(self._socket, self.job_id, self._rank_now(), call, wait)
+            try:
+                self._gpu_store.stage(gpu, stream_of(gpu) if stream is None else stream)
+            except HandoverRefused as e:
+                _log.warning("ckpt.dcp: %s; CUDA tensors are copied into host memory from now on "
+                             "(CkptWriter(gpu_in_place=False) does so without trying)", e)
+                self._gpu_in_place = False
+                gpu = {}
+        try:
+            slots = self._store_now().stage({k: t for k, t in tensors.items() if k not in gpu})
+        except BaseException:
+            if gpu:
+                self._gpu_store.abandon()
+            raise
+        slots.update({k: t.to("meta") for k, t in gpu.items()})
+        return slots
+
+    def _stage_now(self, flat: Dict[str, Any], mapping: Any, tensors: Dict[str, torch.Tensor],
+                   stream: int) -> Dict[str, Any]:
+        slots = self._stage_tensors(tensors, stream)
         staged: Dict[str, Any] = {}
         for k, v in flat.items():
             if k in slots:
@@ -308,7 +373,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         is when it returns), "peer" or "remote" (a replacement node, or
         any other node of the cluster, can load it: docs/dcp.md).
         ckpt.Error DEADLINE_EXCEEDED after the writer's wait_timeout_s."""
-        for part in (self._store, self._bytes_store, self._catalog):
+        for part in (self._store, self._gpu_store, self._bytes_store, self._catalog):
             if part is not None:
                 part.wait_durable(tier)
 
@@ -317,7 +382,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         if self._staging is not None:
             self._staging.shutdown(wait=True)
             self._staging = None
-        for part in (self._store, self._bytes_store, self._catalog):
+        for part in (self._store, self._gpu_store, self._bytes_store, self._catalog):
             if part is not None:
                 part.close()
-        self._store = self._bytes_store = self._catalog = None
+        self._store = self._gpu_store = self._bytes_store = self._catalog = None
