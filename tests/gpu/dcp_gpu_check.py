@@ -11,7 +11,8 @@ A small MLP and its AdamW state on the device, one step taken:
   staging_completion, then changes every parameter on the device while the
   upload runs; the load gives the values at the call, bit-exact;
 - on a GPU, the CUDA tensors were handed to ckptd in place (its GPU
-  job), not copied into host slots;
+  job), not copied into host slots, and a save with nothing changed
+  writes none of them (their digests on the device) and loads bit-exact;
 - the staging time of its state dict (96 MiB) against a pinned
   device-to-host copy of the same bytes, printed (ckptd's own copy into
   its pinned pool is what a stage waits for).
@@ -108,6 +109,20 @@ def main():
         print("async_save with async staging, parameters changed after staging: %s"
               % ("the values at the call" if not diff else "DIFFERS: " + ", ".join(diff[:3])))
         ok &= not diff
+        if in_place:
+            # The parameters changed after step-2's staging: step-3 writes
+            # them; step-4, with nothing changed, writes no CUDA tensor.
+            dcp.save(sd, checkpoint_id="step-3", storage_writer=writer)
+            before = {k: v[1] for k, v in gstore._durable.items()}
+            dcp.save(sd, checkpoint_id="step-4", storage_writer=writer)
+            after = {k: v[1] for k, v in gstore._durable.items()}
+            got = {"model": {k: torch.zeros_like(v) for k, v in msd.items()}}
+            dcp.load(got, checkpoint_id="step-4", storage_reader=CkptReader("dcp-gpu", d.socket))
+            diff = differs({"model": msd}, got)
+            print("a save with nothing changed wrote no CUDA tensor: %s; loads %s" % (
+                "yes" if before == after else "NO", "bit-exact" if diff is None else
+                "DIFFERENT: " + diff))
+            ok &= before == after and diff is None
         nbytes = sum(t.numel() * t.element_size() for t in flat_bytes(sd).values())
         pinned = None
         if dev.type == "cuda":

@@ -17,12 +17,16 @@ another tensor; a stage whose tensors are other storages (or other keys,
 dtypes or sizes) registers again. The same layout keeps the same job, so
 its steps go on.
 
-Every CUDA tensor is written at every save: whether its bytes changed is
-not known without reading them on the device, so the frozen base of a
-LoRA fine-tune is written again each time (RankStore, for CPU tensors,
-writes only what changed). When the handover is refused (a ckptd or
-client built without CUDA, memory that cannot be exported), the writer
-copies the CUDA tensors into host slots instead (writer.py).
+A step lists only the tensors whose bytes changed since the version ckptd
+holds (the frozen base of a LoRA fine-tune is written once): each stage
+takes a digest of every tensor on its device (digest(): two random linear
+sums of its 32-bit words, keyed by a seed of the store's) and compares it
+with the digest of the version last made durable. Unlike RankStore's byte
+comparison this is probabilistic: a change goes unseen with probability
+at most 2^-49 per tensor and save, whatever the change (see digest()).
+When the handover is refused (a ckptd or client built without CUDA,
+memory that cannot be exported), the writer copies the CUDA tensors into
+host slots instead (writer.py).
 
 Its lock guards everything below: stage() runs on the trainer's thread or
 the writer's staging thread, commit() on DCP's upload thread."""
@@ -30,8 +34,9 @@ the writer's staging thread, commit() on DCP's upload thread."""
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -48,6 +53,75 @@ def identity(tensors: Dict[str, torch.Tensor]) -> str:
     for key, t in tensors.items():
         h.update(f"{key}\0{t.dtype}\0{nbytes_of(t)}\0{t.device}\0{t.data_ptr()}\n".encode())
     return h.hexdigest()
+
+
+# 32-bit words a digest takes at a time: its temporaries on the device are
+# a few int64 tensors of that many elements (about 100 MiB at most).
+DIGEST_PIECE = 1 << 21
+
+
+def digest(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """Two 64-bit sums over the bytes of the contiguous tensor `t`, computed
+    on its device (mod 2^64; a tensor of two int64 on t's device):
+    sum_i R_i * w_i and sum_i S_i * rot16(w_i), where w_i are its 32-bit
+    words as unsigned numbers (the last zero-padded), rot16 swaps a word's
+    halves, and R_i, S_i are keys drawn from [0, 2^62) by a generator
+    seeded with `seed`, one per word.
+
+    Two byte strings of one length that differ get the same two sums with
+    probability at most 2^-49 over the keys, whatever the difference. Let
+    2^v be the largest power of two dividing every word's difference
+    (v <= 31). One key R_i whose word's difference has exactly v factors of
+    two makes the first sum miss the change with probability at most
+    2^-min(62, 64 - v). When v >= 16 the words differ in their upper halves
+    only, so the rotated words' differences have exactly v - 16 factors of
+    two, and the second sum misses with probability at most 2^-(80 - v).
+    Either way one of the two is at most 2^-49."""
+    b = t.reshape(-1).view(torch.uint8)
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    words = b.view(torch.int32)
+    g = torch.Generator(device=t.device)
+    g.manual_seed(seed)
+    sums = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), DIGEST_PIECE):
+        w = words[start:start + DIGEST_PIECE].to(torch.int64) & 0xFFFFFFFF
+        keys = torch.randint(0, 1 << 62, (w.numel(),), dtype=torch.int64, device=t.device,
+                             generator=g)
+        sums[0] += (w * keys).sum()
+        keys = torch.randint(0, 1 << 62, (w.numel(),), dtype=torch.int64, device=t.device,
+                             generator=g)
+        sums[1] += ((((w << 16) | (w >> 16)) & 0xFFFFFFFF) * keys).sum()
+    return sums
+
+
+def digests(tensors: Dict[str, torch.Tensor], seed: int,
+            stream: int = 0) -> Dict[str, Tuple[int, int]]:
+    """digest() of each tensor, computed on `stream` (a cudaStream_t; the
+    caller's current stream when 0) so that it follows the work queued
+    there, each with its own seed derived from `seed` and its key."""
+    if not tensors:
+        return {}
+    device = next(iter(tensors.values())).device
+    ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) \
+        if stream and device.type == "cuda" else _Nothing()
+    with ctx, torch.no_grad():
+        sums = [digest(t, _seed_of(seed, key)) for key, t in tensors.items()]
+        host = torch.stack(sums).cpu().tolist()
+    return {key: (a, b) for key, (a, b) in zip(tensors, host)}
+
+
+def _seed_of(seed: int, key: str) -> int:
+    h = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def stream_of(tensors: Dict[str, torch.Tensor]) -> int:
@@ -84,6 +158,14 @@ class GpuStore:
         self._job = ""
         self._identity = ""
         self._held: Dict[str, torch.Tensor] = {}  # registered; kept so none is freed
+        self._layer: Dict[str, int] = {}
+        self._seed = random.SystemRandom().getrandbits(62)
+        # Per tensor: the digest and ckptd step of the version last made
+        # durable; the layers of the step staged; layers not yet written
+        # since the registration (written whatever their digest).
+        self._durable: Dict[str, Tuple[Tuple[int, int], int]] = {}
+        self._staged_sums: Dict[str, Tuple[int, int]] = {}
+        self._unsent: Set[str] = set()
         self._next_step = 1
         self._last_step = 0
         self._staged = 0  # the step staged and not yet committed; 0: none
@@ -107,13 +189,16 @@ class GpuStore:
             raise HandoverRefused(f"ckptd job {job}: {e.message}") from e
         self._client, self._job, self._identity = client, job, ident
         self._held = dict(tensors)
+        self._layer = {key: i for i, key in enumerate(tensors)}
+        self._durable, self._unsent = {}, set(tensors)
         self._last_step = client.latest_durable_step_at_register
         self._next_step = self._last_step + 1
 
     def stage(self, tensors: Dict[str, torch.Tensor], stream: int) -> None:
-        """Has ckptd take `tensors` (CUDA, contiguous, of one device, none
-        of zero size) into its pinned pool once the work queued on
-        `stream` (a cudaStream_t) has run; returns when they are there."""
+        """Has ckptd take those of `tensors` (CUDA, contiguous, of one
+        device, none of zero size) whose bytes changed into its pinned pool
+        once the work queued on `stream` (a cudaStream_t) has run; returns
+        when they are there."""
         with self._lock:
             try:
                 wait_idle(self._idle, lambda: self._staged != 0, self._job, self._timeouts[1])
@@ -123,14 +208,17 @@ class GpuStore:
             ident = identity(tensors)
             if ident != self._identity:
                 self._open(tensors, ident)
+            sums = digests(tensors, self._seed, stream)
+            changed = {k: d for k, d in sums.items()
+                       if k in self._unsent or self._durable.get(k, ((), 0))[0] != d}
             # The number is used up before the call, as RankStore.commit's.
             step = self._next_step
             self._next_step = step + 1
             self._client.set_cuda_stream(stream)
-            self._client.step_done(step, 0.0, b"", list(range(len(self._held))))
+            self._client.step_done(step, 0.0, b"", sorted(self._layer[k] for k in changed))
             self._last_step = step
             check_snapshot(self._job, step, self._client.wait_snapshot(step))
-            self._staged = step
+            self._staged, self._staged_sums = step, changed
 
     def commit(self) -> Tuple[int, Dict[str, Stored]]:
         """Waits until the staged step is durable; returns it and where
@@ -142,8 +230,10 @@ class GpuStore:
                     raise RuntimeError(f"job {self._job_id} rank {self._rank}: no CUDA tensors "
                                        "were staged, or the writer was closed during the save")
                 self._client.wait_durable(step)
-                return step, {key: Stored(self._job, key, step, step, nbytes_of(t))
-                              for key, t in self._held.items()}
+                self._durable.update({k: (d, step) for k, d in self._staged_sums.items()})
+                self._unsent.difference_update(self._staged_sums)
+                return step, {key: Stored(self._job, key, step, self._durable[key][1],
+                                          nbytes_of(t)) for key, t in self._held.items()}
             finally:
                 self._staged = 0
                 self._idle.notify_all()
@@ -175,6 +265,7 @@ class GpuStore:
         if self._client is not None:
             unregister(self._client)
         self._client, self._identity, self._held = None, "", {}
+        self._durable, self._unsent = {}, set()
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,190 @@
+"""ckpt.dcp's GpuStore on the CPU: what it asks ckptd to write, and the
+digests that decide it.
+
+- digest(): equal bytes give equal sums on every call; every single-bit
+  flip of a 13-byte tensor, a sign flip of every element, two sign flips,
+  a row swap, pieces swapped across DIGEST_PIECE boundaries, and tensors
+  of bf16, bool, int64 and complex64 give other sums; another seed gives
+  other sums.
+- GpuStore against the client's GPU calls (add_gpu_tensor, register,
+  set_cuda_stream, step_done, wait_snapshot, wait_durable), answered by a
+  stand-in of ckpt.Client, since CUDA IPC needs a GPU: the first save
+  writes every tensor; a save after a change writes only the changed
+  tensor, and each WriteResult names the step of the version that holds
+  its bytes; a save with nothing changed writes none; tensors of other
+  storages register again and write everything; a snapshot ckptd skipped
+  fails the save and the next save writes the tensor again; a stage whose
+  commit never comes (abandon) does not hold up the next.
+The same store against a real ckptd on a GPU: tests/gpu/dcp_gpu_check.py.
+
+Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
+"""
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
+import harness  # noqa: E402
+from harness import check  # noqa: E402
+
+harness.require_torch()
+import torch  # noqa: E402
+
+from ckpt.dcp import gpu_store  # noqa: E402
+from ckpt.dcp.gpu_store import GpuStore, digest  # noqa: E402
+
+
+def sums(t, seed=11):
+    return tuple(digest(t.contiguous(), seed).tolist())
+
+
+def digests_tell_changes():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g)
+    check(sums(x) == sums(x.clone()) == sums(x), "equal bytes, equal sums, every call")
+    check(sums(x, 11) != sums(x, 12), "another seed, other sums")
+    base = torch.randint(0, 256, (13,), dtype=torch.uint8, generator=g)
+    seen = {sums(base)}
+    for i in range(13):
+        for bit in range(8):
+            y = base.clone()
+            y[i] ^= 1 << bit
+            seen.add(sums(y))
+    check(len(seen) == 1 + 13 * 8, "each of the 104 single-bit flips is told: %d distinct"
+          % len(seen))
+    check(sums(x) != sums(x.neg()), "every sign flipped")
+    y = x.clone()
+    y[3], y[700] = -y[3], -y[700]
+    check(sums(x) != sums(y), "two sign flips")
+    m = torch.randn(64, 48, generator=g)
+    check(sums(m) != sums(m[[1, 0] + list(range(2, 64))]), "two rows swapped")
+    saved = gpu_store.DIGEST_PIECE
+    gpu_store.DIGEST_PIECE = 8  # words: 1000 floats are 125 pieces
+    try:
+        check(sums(x) == sums(x.clone()), "equal across pieces")
+        y = x.clone()
+        y[:8], y[8:16] = x[8:16].clone(), x[:8].clone()
+        check(sums(x) != sums(y), "two pieces swapped")
+        y = x.clone()
+        y[0] += 1.0
+        y[999] -= 1.0
+        check(sums(x) != sums(y), "changes in the first and the last piece")
+    finally:
+        gpu_store.DIGEST_PIECE = saved
+    for t in (torch.randn(33, generator=g).to(torch.bfloat16),
+              torch.rand(7, generator=g) > 0.5,
+              torch.randint(-5, 5, (9,), dtype=torch.int64, generator=g),
+              torch.randn(5, dtype=torch.complex64, generator=g)):
+        u = t.clone()
+        u.view(-1)[-1] = (~u.view(-1)[-1]) if t.dtype == torch.bool else u.view(-1)[-1] + 1
+        check(sums(t) == sums(t.clone()) and sums(t) != sums(u),
+              "%s: equal and changed told apart" % t.dtype)
+    print("digests: equal bytes equal, 104 bit flips, sign flips, row and piece swaps, "
+          "4 dtypes told")
+
+
+class Client:
+    """ckpt.Client's GPU calls as GpuStore makes them, answered as ckptd
+    would; every call recorded."""
+
+    instances = []
+
+    def __init__(self, *args, **kwargs):
+        self.calls = []
+        self.skip = set()  # layers the next snapshot skips
+        self.latest_durable_step_at_register = 0
+        Client.instances.append(self)
+
+    def add_gpu_tensor(self, ptr, nbytes, name):
+        self.calls.append(("add", name))
+        return 0, len([c for c in self.calls if c[0] == "add"]) * 4096
+
+    def register(self, spec):
+        self.calls.append(("register", spec["job_id"], len(spec["layers"])))
+
+    def set_cuda_stream(self, stream):
+        self.calls.append(("stream", stream))
+
+    def step_done(self, step, lr, aux, layers):
+        self.calls.append(("step", step, list(layers)))
+        self.last = (step, list(layers))
+
+    def wait_snapshot(self, step):
+        step_, layers = self.last
+        taken = [x for x in layers if x not in self.skip]
+        self.skip = set()
+        return {"layers": taken, "skipped": len(layers) - len(taken), "lost": False}
+
+    def wait_durable(self, step, tier="local"):
+        self.calls.append(("durable", step))
+        return step
+
+    def unregister(self, drain=True):
+        self.calls.append(("unregister",))
+
+    def steps(self):
+        return [c[2] for c in self.calls if c[0] == "step"]
+
+
+def store_writes_what_changed():
+    gpu_store.client_for = Client
+    store = GpuStore(None, "job", 0)
+    g = torch.Generator().manual_seed(1)
+    ts = {"a": torch.randn(100, generator=g), "b": torch.randn(50, generator=g),
+          "c": torch.randn(10, generator=g)}
+
+    def save():
+        store.stage(ts, 0)
+        return store.commit()
+
+    step, where = save()
+    c = Client.instances[-1]
+    check(c.steps() == [[0, 1, 2]] and step == 1, "the first save writes every tensor: %s"
+          % c.calls)
+    check(c.calls.index(("stream", 0)) < c.calls.index(("step", 1, [0, 1, 2])),
+          "the stream is set before StepDone (its event is recorded there)")
+    ts["b"].add_(1.0)
+    step, where = save()
+    check(c.steps()[-1] == [1], "a save after a change writes that tensor only: %s"
+          % c.steps())
+    check((where["a"].version, where["b"].version, where["c"].version) == (1, 2, 1) and
+          all(w.step == 2 for w in where.values()),
+          "each tensor names the step of its version: %s" % where)
+    step, where = save()
+    check(c.steps()[-1] == [] and where["b"].version == 2, "nothing changed, nothing written")
+    ts["c"].mul_(-1.0)
+    c.skip = {2}
+    try:
+        store.stage(ts, 0)
+        err = ""
+    except RuntimeError as e:
+        err = str(e)
+    check("staging pool had no room" in err, "a skipped snapshot fails the save: %s" % err)
+    step, where = save()
+    check(c.steps()[-1] == [2] and where["c"].version == step,
+          "the tensor a failed save skipped is written by the next: %s" % c.steps())
+    ts["a"].add_(2.0)
+    store.stage(ts, 0)
+    store.abandon()
+    step, where = save()
+    check(c.steps()[-1] == [0] and where["a"].version == step,
+          "after an abandoned stage the next save goes ahead and writes the change")
+    moved = {k: v.clone() for k, v in ts.items()}
+    store.stage(moved, 0)
+    store.commit()
+    c2 = Client.instances[-1]
+    check(c2 is not c and ("unregister",) in c.calls and c2.steps() == [[0, 1, 2]],
+          "other storages register again and write everything: %s" % c2.calls)
+    store.close()
+    print("GpuStore: writes the changed tensors only, names each one's version, recovers "
+          "from a skipped snapshot and an abandoned stage, registers moved tensors again")
+
+
+def main():
+    digests_tell_changes()
+    store_writes_what_changed()
+
+
+if __name__ == "__main__":
+    main()
