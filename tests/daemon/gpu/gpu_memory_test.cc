@@ -377,6 +377,57 @@ TEST_F(GpuEngineTest, SnapshotsReadTheReportedStepAndRestoreWritesBack) {
   EXPECT_EQ(OpenGpuMappings().mappings, 0u);
 }
 
+// As ckpt.dcp's GpuStore registers CUDA tensors: policy EXPLICIT, each
+// step naming the layers whose bytes changed. Only those are copied off
+// the device and written; a restore takes every other layer's older
+// version, and a step that names none is durable with nothing written.
+TEST_F(GpuEngineTest, ExplicitStepsCopyAndWriteOnlyTheLayersTheyName) {
+  v1::RegisterRequest req = GpuRequest("gjob");
+  req.mutable_policy()->set_kind(v1::POLICY_EXPLICIT);
+  CKPT_ASSERT_OK_AND_ASSIGN(Registered reg, engine_->Register(Reg(req), {}, owner_));
+  Fill(1);
+  StepReport all = Report(reg.generation, 1);
+  all.layers = {0, 1, 2};
+  CKPT_ASSERT_OK(engine_->StepDone(all, owner_));
+  CKPT_ASSERT_OK(
+      engine_->WaitDurable(Ref(reg.generation), 1, owner_, absl::Now() + absl::Seconds(10))
+          .status());
+  // Step 2 changes layer 1 only; the others keep step 1's bytes.
+  auto* f = reinterpret_cast<float*>(layer_[1]);
+  for (uint64_t i = 0; i < kFloats; ++i) f[i] = Value(1, i, 2);
+  const uint64_t copied_before = ipc_.bytes_to_host();
+  StepReport one = Report(reg.generation, 2);
+  one.layers = {1};
+  CKPT_ASSERT_OK(engine_->StepDone(one, owner_));
+  CKPT_ASSERT_OK_AND_ASSIGN(
+      SnapshotTaken snap,
+      engine_->WaitSnapshot(Ref(reg.generation), 2, owner_, absl::Now() + absl::Seconds(10)));
+  EXPECT_EQ(snap.layers, std::vector<uint32_t>{1});
+  EXPECT_EQ(snap.skipped, 0u);
+  EXPECT_EQ(ipc_.bytes_to_host() - copied_before, kFloats * 4) << "one layer copied off the device";
+  StepReport none = Report(reg.generation, 3);
+  CKPT_ASSERT_OK(engine_->StepDone(none, owner_));
+  CKPT_ASSERT_OK(
+      engine_->WaitDurable(Ref(reg.generation), 3, owner_, absl::Now() + absl::Seconds(10))
+          .status());
+  EXPECT_EQ(ipc_.bytes_to_host() - copied_before, kFloats * 4)
+      << "a step naming no layer copies nothing";
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    CKPT_ASSERT_OK_AND_ASSIGN(auto v, index_->VersionAtOrBefore("gjob", 0, l, 3));
+    ASSERT_TRUE(v.has_value()) << l;
+    EXPECT_EQ(v->first, l == 1 ? 2u : 1u) << "layer " << l;
+  }
+  Fill(0);
+  CKPT_ASSERT_OK_AND_ASSIGN(Restored restored, engine_->Restore(Ref(reg.generation), 0, owner_));
+  EXPECT_EQ(restored.plan.target_step, 3u);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    auto* got = reinterpret_cast<float*>(layer_[l]);
+    for (uint64_t i = 0; i < kFloats; ++i) {
+      ASSERT_EQ(got[i], Value(l, i, l == 1 ? 2 : 1)) << "layer " << l << " float " << i;
+    }
+  }
+}
+
 TEST_F(GpuEngineTest, FailedCopyDropsTheWholeStepAndItIsRetried) {
   CKPT_ASSERT_OK_AND_ASSIGN(Registered reg, engine_->Register(Reg(GpuRequest("gjob")), {}, owner_));
   Fill(1);

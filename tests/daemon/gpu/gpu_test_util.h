@@ -104,6 +104,8 @@ class FakeCudaIpc final : public CudaIpc {
     streams_done_ = done;
   }
 
+  // Bytes copied off the "device" so far.
+  uint64_t bytes_to_host() const { return bytes_to_host_.load(); }
   int open_mappings() {
     absl::MutexLock lock(&mu_);
     return opens_ - closes_;
@@ -204,6 +206,7 @@ class FakeCudaIpc final : public CudaIpc {
       if (poisoned_) return Sticky("cudaMemcpyAsync (device to host)");
     }
     std::memcpy(dst, src, n);
+    bytes_to_host_ += n;
     return absl::OkStatus();
   }
   absl::Status CopyToDeviceAsync(int, void*, char* dst, const void* src, uint64_t n) override {
@@ -297,6 +300,7 @@ class FakeCudaIpc final : public CudaIpc {
   absl::Mutex mu_;
   bool poisoned_ ABSL_GUARDED_BY(mu_) = false;
   bool probe_fails_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<uint64_t> bytes_to_host_{0};
   int probes_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, bool> sticky_handles_ ABSL_GUARDED_BY(mu_);  // memory handle ids
   std::map<uint64_t, bool> sticky_events_ ABSL_GUARDED_BY(mu_);   // event ids
