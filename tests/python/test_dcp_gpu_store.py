@@ -15,6 +15,10 @@ digests that decide it.
   storages register again and write everything; a snapshot ckptd skipped
   fails the save and the next save writes the tensor again; a stage whose
   commit never comes (abandon) does not hold up the next.
+- CkptWriter with both stores (CPU tensors in a real ckptd): a save
+  staged and never written holds up only the next stage (refused after
+  wait_timeout_s), not the one after; a parameter taken in place is staged
+  as a detached meta tensor.
 The same store against a real ckptd on a GPU: tests/gpu/dcp_gpu_check.py.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
@@ -135,7 +139,7 @@ def store_writes_what_changed():
           "c": torch.randn(10, generator=g)}
 
     def save():
-        store.stage(ts, 0)
+        store.stage(ts)
         return store.commit()
 
     step, where = save()
@@ -156,7 +160,7 @@ def store_writes_what_changed():
     ts["c"].mul_(-1.0)
     c.skip = {2}
     try:
-        store.stage(ts, 0)
+        store.stage(ts)
         err = ""
     except RuntimeError as e:
         err = str(e)
@@ -165,13 +169,13 @@ def store_writes_what_changed():
     check(c.steps()[-1] == [2] and where["c"].version == step,
           "the tensor a failed save skipped is written by the next: %s" % c.steps())
     ts["a"].add_(2.0)
-    store.stage(ts, 0)
+    store.stage(ts)
     store.abandon()
     step, where = save()
     check(c.steps()[-1] == [0] and where["a"].version == step,
           "after an abandoned stage the next save goes ahead and writes the change")
     moved = {k: v.clone() for k, v in ts.items()}
-    store.stage(moved, 0)
+    store.stage(moved)
     store.commit()
     c2 = Client.instances[-1]
     check(c2 is not c and ("unregister",) in c.calls and c2.steps() == [[0, 1, 2]],
@@ -181,9 +185,49 @@ def store_writes_what_changed():
           "from a skipped snapshot and an abandoned stage, registers moved tensors again")
 
 
+def writer_recovers_from_a_lost_save():
+    """CkptWriter with both stores: its CPU tensors in a real ckptd's host
+    slots, the tensors it takes "in place" through the stand-in. A save
+    staged and never written (DCP failed before write_data) holds up the
+    next stage for wait_timeout_s, which is refused; the one after goes
+    ahead at once, with neither store still waiting. A parameter staged in
+    place comes back as a detached meta tensor (DCP's process pickles it)."""
+    import torch.distributed.checkpoint  # noqa: F401 - the writer's imports
+    from ckpt.dcp import CkptWriter
+    gpu_store.client_for = Client
+    root = harness.tempdir("ckpt-dcp-gpu-store-")
+    d = harness.Daemon(root).start()
+    try:
+        writer = CkptWriter("lost", socket_path=d.socket, wait_timeout_s=1.0)
+        writer._in_place = lambda ts: {k: t for k, t in ts.items() if k.startswith("w")}
+        weight = torch.nn.Parameter(torch.randn(8, 8))
+        sd = {"w": weight, "b": torch.randn(8)}
+        slots = writer._stage_tensors({k: v for k, v in sd.items()})
+        check(slots["w"].is_meta and not slots["w"].requires_grad and slots["w"].is_leaf,
+              "a parameter staged in place is a detached meta tensor")
+        check(not slots["b"].is_meta, "the CPU tensor has its host slot")
+        try:
+            writer._stage_tensors(dict(sd))
+            err = ""
+        except TimeoutError as e:
+            err = str(e)
+        check("previous save was staged but not written" in err,
+              "a stage after a lost save waits wait_timeout_s and is refused: %s" % err)
+        # Nothing commits the lost save: a store still waiting for it would
+        # refuse this stage too.
+        writer._stage_tensors(dict(sd))
+        check(writer._gpu_store.staged() and writer._store._staged,
+              "the next stage goes ahead, and both stores hold its tensors")
+        writer.close()
+    finally:
+        d.stop()
+    print("CkptWriter: a lost save costs the next one wait_timeout_s, the one after nothing")
+
+
 def main():
     digests_tell_changes()
     store_writes_what_changed()
+    writer_recovers_from_a_lost_save()
 
 
 if __name__ == "__main__":

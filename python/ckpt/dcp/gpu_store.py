@@ -33,10 +33,11 @@ the writer's staging thread, commit() on DCP's upload thread."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import threading
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -96,15 +97,13 @@ def digest(t: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def digests(tensors: Dict[str, torch.Tensor], seed: int,
-            stream: int = 0) -> Dict[str, Tuple[int, int]]:
-    """digest() of each tensor, computed on `stream` (a cudaStream_t; the
-    caller's current stream when 0) so that it follows the work queued
-    there, each with its own seed derived from `seed` and its key."""
+            stream: Any = None) -> Dict[str, Tuple[int, int]]:
+    """digest() of each tensor, computed on `stream` (a torch.cuda.Stream;
+    the caller's current stream when None) so that it follows the work
+    queued there, each with its own seed derived from `seed` and its key."""
     if not tensors:
         return {}
-    device = next(iter(tensors.values())).device
-    ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)) \
-        if stream and device.type == "cuda" else _Nothing()
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx, torch.no_grad():
         sums = [digest(t, _seed_of(seed, key)) for key, t in tensors.items()]
         host = torch.stack(sums).cpu().tolist()
@@ -116,27 +115,30 @@ def _seed_of(seed: int, key: str) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def stream_of(tensors: Dict[str, torch.Tensor]) -> int:
-    """The current CUDA stream of the calling thread on the device of the
-    tensors (0 without a CUDA tensor)."""
+def mark_of(tensors: Dict[str, torch.Tensor]) -> Optional[Any]:
+    """A torch.cuda.Event recorded now on the calling thread's current
+    stream of the tensors' device: what a stage that runs later, on another
+    thread, starts after (None without a CUDA tensor)."""
     for t in tensors.values():
         if t.is_cuda:
-            return torch.cuda.current_stream(t.device).cuda_stream
-    return 0
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            return event
+    return None
 
 
-# What a client or ckptd that cannot take CUDA tensors in place answers
-# (built without CUDA, no device, memory that allows no export); any other
-# error (ckptd not running, a quota) is the save's.
-_REFUSALS = ("UNIMPLEMENTED", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+def _refusal(e: "ckpt.Error", adding: bool) -> bool:
+    """Whether `e` says that the client or ckptd cannot take CUDA tensors
+    in place: every refusal of add_gpu_tensor (memory that is not CUDA
+    device memory or cannot be exported; a client without CUDA), and a
+    registration refused for its GPU handover (a ckptd without CUDA or
+    without the device, pages it cannot import). Any other error (ckptd
+    not running, a quota, a stale registration) is the save's."""
+    if e.code == "UNIMPLEMENTED":
+        return True
+    if e.code not in ("FAILED_PRECONDITION", "INVALID_ARGUMENT"):
+        return False
+    return adding or any(w in e.message for w in ("CUDA", "GPU", "device", "page"))
 
 
 class HandoverRefused(RuntimeError):
@@ -158,6 +160,7 @@ class GpuStore:
         self._job = ""
         self._identity = ""
         self._held: Dict[str, torch.Tensor] = {}  # registered; kept so none is freed
+        self._streams: Dict[torch.device, Any] = {}  # its own CUDA stream per device
         self._layer: Dict[str, int] = {}
         self._seed = random.SystemRandom().getrandbits(62)
         # Per tensor: the digest and ckptd step of the version last made
@@ -177,14 +180,16 @@ class GpuStore:
         client = client_for(self._socket, *self._timeouts)
         layers: List[dict] = []
         job = f"{self._job_id}.g{self._rank}.{layout_digest(tensors)}"
+        adding = True
         try:
             for key, t in tensors.items():
                 region, offset = client.add_gpu_tensor(t.data_ptr(), nbytes_of(t), key)
                 layers.append(layer_spec(key, t, region, offset))
+            adding = False
             client.register({"job_id": job, "rank": 0, "world_size": 1,
                              "policy": {"kind": "EXPLICIT"}, "layers": layers})
         except ckpt.Error as e:
-            if e.code not in _REFUSALS:
+            if not _refusal(e, adding):
                 raise
             raise HandoverRefused(f"ckptd job {job}: {e.message}") from e
         self._client, self._job, self._identity = client, job, ident
@@ -194,12 +199,32 @@ class GpuStore:
         self._last_step = client.latest_durable_step_at_register
         self._next_step = self._last_step + 1
 
-    def stage(self, tensors: Dict[str, torch.Tensor], stream: int) -> None:
+    def _side(self, device: torch.device, mark: Optional[Any]) -> Optional[Any]:
+        """The store's own stream on `device`, made to wait for `mark` (an
+        event of the trainer's stream, mark_of()) or, without one, for the
+        calling thread's current stream. None on a CPU device (tests)."""
+        if device.type != "cuda":
+            return None
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        if mark is not None:
+            side.wait_event(mark)
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
+        return side
+
+    def stage(self, tensors: Dict[str, torch.Tensor], mark: Optional[Any] = None) -> None:
         """Has ckptd take those of `tensors` (CUDA, contiguous, of one
         device, none of zero size) whose bytes changed into its pinned pool
-        once the work queued on `stream` (a cudaStream_t) has run; returns
-        when they are there."""
-        with self._lock:
+        once the work queued before `mark` (mark_of(); without one, the
+        work queued so far on the calling thread's stream) has run; returns
+        when they are there. Every CUDA call is made on the tensors'
+        device, whatever the calling thread's current device."""
+        device = next(iter(tensors.values())).device
+        on_device = torch.cuda.device(device) if device.type == "cuda" \
+            else contextlib.nullcontext()
+        with self._lock, on_device:
             try:
                 wait_idle(self._idle, lambda: self._staged != 0, self._job, self._timeouts[1])
             except TimeoutError:
@@ -208,13 +233,14 @@ class GpuStore:
             ident = identity(tensors)
             if ident != self._identity:
                 self._open(tensors, ident)
-            sums = digests(tensors, self._seed, stream)
+            side = self._side(device, mark)
+            sums = digests(tensors, self._seed, side)
             changed = {k: d for k, d in sums.items()
                        if k in self._unsent or self._durable.get(k, ((), 0))[0] != d}
             # The number is used up before the call, as RankStore.commit's.
             step = self._next_step
             self._next_step = step + 1
-            self._client.set_cuda_stream(stream)
+            self._client.set_cuda_stream(side.cuda_stream if side is not None else 0)
             self._client.step_done(step, 0.0, b"", sorted(self._layer[k] for k in changed))
             self._last_step = step
             check_snapshot(self._job, step, self._client.wait_snapshot(step))

@@ -286,6 +286,15 @@ class RankStore:
             self._staged = True
             return out
 
+    def abandon(self) -> None:
+        """The staged tensors will not be committed (the rest of their save
+        failed): the next stage goes ahead, and copies every tensor again
+        (what the region holds is not what ckptd took)."""
+        with self._lock:
+            if self._staged:
+                self._staged = self._trusted = False
+                self._idle.notify_all()
+
     def _fence(self) -> None:
         snap = self._client.wait_snapshot(self._last_step)
         if snap["skipped"] or snap["lost"]:

@@ -17,12 +17,13 @@ In DCP's call order (torch.distributed.checkpoint.state_dict_saver):
   Metadata, with where ckptd holds every item, goes into the job's catalog
   (catalog.py) and is durable before finish returns.
 
-The writer holds a RankStore and a Catalog; both have their own lock, so
-stage() on the trainer's thread and write_data() on DCP's upload thread
-(async_save's thread executor) are safe. async_save's PROCESS executor runs
-write_data() and finish() in a process of DCP's: a writer made with
-process_executor=True pickles into a ChildWriter that asks this one
-(process.py); any other is refused when pickled."""
+The writer holds a RankStore, a GpuStore (its CUDA tensors) and a Catalog;
+each has its own lock, so stage() on the trainer's thread and write_data()
+on DCP's upload thread (async_save's thread executor) are safe.
+async_save's PROCESS executor runs write_data() and finish() in a process
+of DCP's: a writer made with process_executor=True pickles into a
+ChildWriter that asks this one (process.py); any other is refused when
+pickled."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
-from .gpu_store import GpuStore, HandoverRefused, stream_of
+from .gpu_store import GpuStore, HandoverRefused, mark_of
 from .process import ChildWriter, PlainPlans, ProcessLink, check_collectives
 from .store import RankStore, Stored, dumps, nbytes_of
 
@@ -222,6 +223,10 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         step, where = store.commit(aux)
         if failed is not None:
             raise failed
+        if where.keys() & gpu_where.keys():  # each save's stores hold disjoint keys
+            raise RuntimeError(f"ckpt.dcp: tensors {sorted(where.keys() & gpu_where.keys())[:3]} "
+                               f"of job {self.job_id} were staged both in place and in host "
+                               "slots; this checkpoint is not saved")
         where.update(gpu_where)
         keys = item_keys([idx for idx, _ in tensors])
         results = []
@@ -303,14 +308,15 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         flat, mapping = flatten_state_dict(state_dict)
         tensors = {k: _local(v) for k, v in flat.items()
                    if isinstance(v, torch.Tensor) and nbytes_of(_local(v)) > 0}
-        # The trainer's stream, on its thread: ckptd takes the CUDA tensors
-        # once the work queued on it so far has run.
-        stream = stream_of(self._in_place(tensors))
+        # An event on the trainer's stream, recorded on its thread now:
+        # ckptd takes the CUDA tensors as the work queued before this call
+        # left them, also when the stage runs later on the writer's thread.
+        mark = mark_of(self._in_place(tensors))
         if not self._async_staging:
-            return self._stage_now(flat, mapping, tensors, stream)
+            return self._stage_now(flat, mapping, tensors, mark)
         if self._staging is None:
             self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-dcp-stage")
-        return self._staging.submit(self._stage_now, flat, mapping, tensors, stream)
+        return self._staging.submit(self._stage_now, flat, mapping, tensors, mark)
 
     def _in_place(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The tensors of `tensors` that GpuStore takes where they are: the
@@ -322,36 +328,43 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         return gpu if len({t.device for t in gpu.values()}) <= 1 else {}
 
     def _stage_tensors(self, tensors: Dict[str, torch.Tensor],
-                       stream: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                       mark: Optional[Any] = None) -> Dict[str, torch.Tensor]:
         """Stages `tensors` (none of zero size): CUDA ones in place
         (_in_place), the others into host slots. Returns each key's staged
         tensor: its slot, or a meta tensor of its shape and dtype for one
-        ckptd took in place. `stream`: the cudaStream_t whose queued work
-        writes them (the calling thread's current one when None)."""
+        ckptd took in place. `mark`: the event after whose work the CUDA
+        tensors are taken (mark_of(); the calling thread's stream when
+        None). A stage that fails leaves neither store staged, so that the
+        next save does not wait for a commit that will not come."""
         gpu = self._in_place(tensors)
-        if gpu:
-            if self._gpu_store is None:
-                call, wait = self._timeouts
-                self._gpu_store = GpuStore(self._socket, self.job_id, self._rank_now(), call, wait)
-            try:
-                self._gpu_store.stage(gpu, stream_of(gpu) if stream is None else stream)
-            except HandoverRefused as e:
-                _log.warning("ckpt.dcp: %s; CUDA tensors are copied into host memory from now on "
-                             "(CkptWriter(gpu_in_place=False) does so without trying)", e)
-                self._gpu_in_place = False
-                gpu = {}
         try:
+            if gpu:
+                if self._gpu_store is None:
+                    call, wait = self._timeouts
+                    self._gpu_store = GpuStore(self._socket, self.job_id, self._rank_now(),
+                                               call, wait)
+                try:
+                    self._gpu_store.stage(gpu, mark)
+                except HandoverRefused as e:
+                    _log.warning("ckpt.dcp: %s; CUDA tensors are copied into host memory from "
+                                 "now on (CkptWriter(gpu_in_place=False) does so without "
+                                 "trying)", e)
+                    self._gpu_in_place = False
+                    gpu = {}
             slots = self._store_now().stage({k: t for k, t in tensors.items() if k not in gpu})
         except BaseException:
-            if gpu:
+            if self._gpu_store is not None:
                 self._gpu_store.abandon()
+            self._store_now().abandon()
             raise
-        slots.update({k: t.to("meta") for k, t in gpu.items()})
+        # Detached: a meta tensor of a tensor that requires grad would not
+        # pickle into DCP's process (and would say requires_grad).
+        slots.update({k: t.detach().to("meta") for k, t in gpu.items()})
         return slots
 
     def _stage_now(self, flat: Dict[str, Any], mapping: Any, tensors: Dict[str, torch.Tensor],
-                   stream: int) -> Dict[str, Any]:
-        slots = self._stage_tensors(tensors, stream)
+                   mark: Optional[Any]) -> Dict[str, Any]:
+        slots = self._stage_tensors(tensors, mark)
         staged: Dict[str, Any] = {}
         for k, v in flat.items():
             if k in slots:
