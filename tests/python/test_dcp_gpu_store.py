@@ -14,11 +14,14 @@ digests that decide it.
   its bytes; a save with nothing changed writes none; tensors of other
   storages register again and write everything; a snapshot ckptd skipped
   fails the save and the next save writes the tensor again; a stage whose
-  commit never comes (abandon) does not hold up the next.
+  commit never comes (abandon) does not hold up the next, and a tensor it
+  named is written again even when its bytes went back to the older
+  version's; a view at a 2-byte offset is digested.
 - CkptWriter with both stores (CPU tensors in a real ckptd): a save
   staged and never written holds up only the next stage (refused after
-  wait_timeout_s), not the one after; a parameter taken in place is staged
-  as a detached meta tensor.
+  wait_timeout_s), not the one after; should its write come after all, it
+  is refused, as is a write of a save other than the one staged; a
+  parameter taken in place is staged as a detached meta tensor.
 The same store against a real ckptd on a GPU: tests/gpu/dcp_gpu_check.py.
 
 Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
@@ -37,6 +40,18 @@ import torch  # noqa: E402
 
 from ckpt.dcp import gpu_store  # noqa: E402
 from ckpt.dcp.gpu_store import GpuStore, digest  # noqa: E402
+
+
+def error_of(fn, *args):
+    """The message of the RuntimeError (TimeoutError included) fn(*args)
+    raises, or "" when it returns."""
+    try:
+        fn(*args)
+        return ""
+    except RuntimeError as e:
+        return str(e)
+    except TimeoutError as e:
+        return str(e)
 
 
 def sums(t, seed=11):
@@ -159,11 +174,7 @@ def store_writes_what_changed():
     check(c.steps()[-1] == [] and where["b"].version == 2, "nothing changed, nothing written")
     ts["c"].mul_(-1.0)
     c.skip = {2}
-    try:
-        store.stage(ts)
-        err = ""
-    except RuntimeError as e:
-        err = str(e)
+    err = error_of(store.stage, ts)
     check("staging pool had no room" in err, "a skipped snapshot fails the save: %s" % err)
     step, where = save()
     check(c.steps()[-1] == [2] and where["c"].version == step,
@@ -174,6 +185,21 @@ def store_writes_what_changed():
     step, where = save()
     check(c.steps()[-1] == [0] and where["a"].version == step,
           "after an abandoned stage the next save goes ahead and writes the change")
+    # A step that named a tensor and was abandoned may still become ckptd's
+    # newest version of it: with its bytes back as they were, the next save
+    # writes it again rather than name the older version.
+    before = ts["c"].clone()
+    ts["c"].add_(3.0)
+    store.stage(ts)
+    store.abandon()
+    ts["c"].copy_(before)
+    step, where = save()
+    check(c.steps()[-1] == [2] and where["c"].version == step,
+          "a tensor an abandoned step named is written again: %s" % c.steps())
+    # A view at an odd byte offset (a slice of a bf16 buffer) is digested.
+    buf = torch.randn(11, generator=g).to(torch.bfloat16)
+    check(sums(buf[1:]) != sums(buf[:-1]) and sums(buf[1:]) == sums(buf[1:].clone()),
+          "a view at a 2-byte offset is digested as its bytes")
     moved = {k: v.clone() for k, v in ts.items()}
     store.stage(moved)
     store.commit()
@@ -202,22 +228,34 @@ def writer_recovers_from_a_lost_save():
         writer._in_place = lambda ts: {k: t for k, t in ts.items() if k.startswith("w")}
         weight = torch.nn.Parameter(torch.randn(8, 8))
         sd = {"w": weight, "b": torch.randn(8)}
-        slots = writer._stage_tensors({k: v for k, v in sd.items()})
+        slots = writer._stage_tensors({k: v for k, v in sd.items()}, tag="s1")
         check(slots["w"].is_meta and not slots["w"].requires_grad and slots["w"].is_leaf,
               "a parameter staged in place is a detached meta tensor")
         check(not slots["b"].is_meta, "the CPU tensor has its host slot")
-        try:
-            writer._stage_tensors(dict(sd))
-            err = ""
-        except TimeoutError as e:
-            err = str(e)
+        err = error_of(writer._stage_tensors, dict(sd), None, "s2")
         check("previous save was staged but not written" in err,
               "a stage after a lost save waits wait_timeout_s and is refused: %s" % err)
         # Nothing commits the lost save: a store still waiting for it would
         # refuse this stage too.
-        writer._stage_tensors(dict(sd))
-        check(writer._gpu_store.staged() and writer._store._staged,
+        writer._stage_tensors(dict(sd), tag="s3")
+        check(writer._gpu_store.staged_as("s3") and writer._store._turn.tag == "s3",
               "the next stage goes ahead, and both stores hold its tensors")
+        # The given-up save's write comes after all: refused, not reported
+        # with what save s3 staged; s3's own write goes ahead.
+        err = error_of(writer._commit_items, [], {}, {}, [], "s1")
+        check("save 's1' was given up" in err, "a given-up save's write is refused: %s" % err)
+        err = error_of(writer._commit_items, [], {}, {}, [], "s4")
+        check("while save 's3' is staged" in err, "another save's write is refused: %s" % err)
+        writer._commit_items([], {}, {}, [], "s3")
+        check(not writer._gpu_store.staged_as("s3") and not writer._store._turn.held,
+              "s3's write commits both stores")
+        # A stage() called by hand (no id, as ckpt.lightning's) is written by
+        # the next save, whatever its id.
+        writer._stage_tensors(dict(sd))
+        check(writer._gpu_store.staged_as("s5"), "a stage without an id is any save's")
+        writer._commit_items([], {}, {}, [], "s5")
+        check(not writer._gpu_store.staged_as(None) and not writer._store._turn.held,
+              "and that save's write commits both stores")
         writer.close()
     finally:
         d.stop()

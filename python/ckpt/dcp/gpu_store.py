@@ -44,7 +44,7 @@ import torch
 import ckpt
 
 from .store import Stored, check_snapshot, client_for, layout_digest, layer_spec, nbytes_of
-from .store import unregister, wait_idle
+from .store import GivenUp, Turn, unregister
 
 
 def identity(tensors: Dict[str, torch.Tensor]) -> str:
@@ -79,8 +79,8 @@ def digest(t: torch.Tensor, seed: int) -> torch.Tensor:
     two, and the second sum misses with probability at most 2^-(80 - v).
     Either way one of the two is at most 2^-49."""
     b = t.reshape(-1).view(torch.uint8)
-    if b.numel() % 4:
-        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    if b.numel() % 4 or b.storage_offset() % 4:  # a 32-bit view needs both: a padded copy
+        b = torch.cat([b, b.new_zeros(-b.numel() % 4)])
     words = b.view(torch.int32)
     g = torch.Generator(device=t.device)
     g.manual_seed(seed)
@@ -115,16 +115,24 @@ def _seed_of(seed: int, key: str) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def mark_of(tensors: Dict[str, torch.Tensor]) -> Optional[Any]:
-    """A torch.cuda.Event recorded now on the calling thread's current
-    stream of the tensors' device: what a stage that runs later, on another
-    thread, starts after (None without a CUDA tensor)."""
+def marks_of(tensors: Dict[str, torch.Tensor]) -> Dict[torch.device, Any]:
+    """Per device of the CUDA tensors among `tensors`, a torch.cuda.Event
+    recorded now on the calling thread's current stream there: what a stage
+    that runs later, on another thread, starts after."""
+    marks: Dict[torch.device, Any] = {}
     for t in tensors.values():
-        if t.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(t.device))
-            return event
-    return None
+        if t.is_cuda and t.device not in marks:
+            marks[t.device] = torch.cuda.Event()
+            marks[t.device].record(torch.cuda.current_stream(t.device))
+    return marks
+
+
+def wait_for_marks(marks: Dict[torch.device, Any]) -> None:
+    """The calling thread's current stream on each device waits for its
+    mark: a copy it makes then (a CUDA tensor into a host slot) reads what
+    the work queued before the mark left."""
+    for device, event in marks.items():
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def _refusal(e: "ckpt.Error", adding: bool) -> bool:
@@ -132,13 +140,14 @@ def _refusal(e: "ckpt.Error", adding: bool) -> bool:
     in place: every refusal of add_gpu_tensor (memory that is not CUDA
     device memory or cannot be exported; a client without CUDA), and a
     registration refused for its GPU handover (a ckptd without CUDA or
-    without the device, pages it cannot import). Any other error (ckptd
+    without the device, pages it cannot import: its message names CUDA,
+    the GPU or pages). Any other error (ckptd
     not running, a quota, a stale registration) is the save's."""
     if e.code == "UNIMPLEMENTED":
         return True
     if e.code not in ("FAILED_PRECONDITION", "INVALID_ARGUMENT"):
         return False
-    return adding or any(w in e.message for w in ("CUDA", "GPU", "device", "page"))
+    return adding or any(w in e.message for w in ("CUDA", "GPU", "page"))
 
 
 class HandoverRefused(RuntimeError):
@@ -155,7 +164,7 @@ class GpuStore:
         self._rank = rank
         self._timeouts = (call_timeout_s, wait_timeout_s)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._turn = Turn(self._lock)  # the save staged, not yet committed
         self._client = None
         self._job = ""
         self._identity = ""
@@ -164,14 +173,16 @@ class GpuStore:
         self._layer: Dict[str, int] = {}
         self._seed = random.SystemRandom().getrandbits(62)
         # Per tensor: the digest and ckptd step of the version last made
-        # durable; the layers of the step staged; layers not yet written
-        # since the registration (written whatever their digest).
+        # durable (a tensor named by a step not yet durable has none: ckptd's
+        # newest version of it may then be that step's); the digests of the
+        # tensors the staged step names; tensors not yet durable since the
+        # registration (written whatever their digest).
         self._durable: Dict[str, Tuple[Tuple[int, int], int]] = {}
         self._staged_sums: Dict[str, Tuple[int, int]] = {}
         self._unsent: Set[str] = set()
         self._next_step = 1
         self._last_step = 0
-        self._staged = 0  # the step staged and not yet committed; 0: none
+        self._staged_step = 0
 
     def _open(self, tensors: Dict[str, torch.Tensor], ident: str) -> None:
         """Registers `tensors` where they are. HandoverRefused when the
@@ -201,7 +212,7 @@ class GpuStore:
 
     def _side(self, device: torch.device, mark: Optional[Any]) -> Optional[Any]:
         """The store's own stream on `device`, made to wait for `mark` (an
-        event of the trainer's stream, mark_of()) or, without one, for the
+        event of the trainer's stream, marks_of()) or, without one, for the
         calling thread's current stream. None on a CPU device (tests)."""
         if device.type != "cuda":
             return None
@@ -214,22 +225,20 @@ class GpuStore:
             side.wait_stream(torch.cuda.current_stream(device))
         return side
 
-    def stage(self, tensors: Dict[str, torch.Tensor], mark: Optional[Any] = None) -> None:
+    def stage(self, tensors: Dict[str, torch.Tensor], mark: Optional[Any] = None,
+              tag: Optional[str] = None) -> None:
         """Has ckptd take those of `tensors` (CUDA, contiguous, of one
         device, none of zero size) whose bytes changed into its pinned pool
-        once the work queued before `mark` (mark_of(); without one, the
+        once the work queued before `mark` (marks_of(); without one, the
         work queued so far on the calling thread's stream) has run; returns
         when they are there. Every CUDA call is made on the tensors'
-        device, whatever the calling thread's current device."""
+        device, whatever the calling thread's current device. `tag`: the
+        save's checkpoint id (Turn)."""
         device = next(iter(tensors.values())).device
         on_device = torch.cuda.device(device) if device.type == "cuda" \
             else contextlib.nullcontext()
         with self._lock, on_device:
-            try:
-                wait_idle(self._idle, lambda: self._staged != 0, self._job, self._timeouts[1])
-            except TimeoutError:
-                self._staged = 0
-                raise
+            self._turn.take(self._job, self._timeouts[1])
             ident = identity(tensors)
             if ident != self._identity:
                 self._open(tensors, ident)
@@ -240,19 +249,26 @@ class GpuStore:
             # The number is used up before the call, as RankStore.commit's.
             step = self._next_step
             self._next_step = step + 1
+            # From here ckptd may hold a newer version of these than the one
+            # their digest names, until this step is durable.
+            for k in changed:
+                self._durable.pop(k, None)
+                self._unsent.add(k)
             self._client.set_cuda_stream(side.cuda_stream if side is not None else 0)
             self._client.step_done(step, 0.0, b"", sorted(self._layer[k] for k in changed))
             self._last_step = step
             check_snapshot(self._job, step, self._client.wait_snapshot(step))
-            self._staged, self._staged_sums = step, changed
+            self._staged_step, self._staged_sums = step, changed
+            self._turn.hold(tag)
 
-    def commit(self) -> Tuple[int, Dict[str, Stored]]:
-        """Waits until the staged step is durable; returns it and where
-        each tensor's bytes are."""
+    def commit(self, tag: Optional[str] = None) -> Tuple[int, Dict[str, Stored]]:
+        """Waits until the step save `tag` staged is durable; returns it and
+        where each tensor's bytes are."""
         with self._lock:
+            self._turn.check(self._job, tag)
             try:
-                step = self._staged
-                if step == 0 or self._client is None:
+                step = self._staged_step
+                if not self._turn.held or self._client is None:
                     raise RuntimeError(f"job {self._job_id} rank {self._rank}: no CUDA tensors "
                                        "were staged, or the writer was closed during the save")
                 self._client.wait_durable(step)
@@ -261,20 +277,24 @@ class GpuStore:
                 return step, {key: Stored(self._job, key, step, self._durable[key][1],
                                           nbytes_of(t)) for key, t in self._held.items()}
             finally:
-                self._staged = 0
-                self._idle.notify_all()
+                self._turn.release()
 
     def abandon(self) -> None:
         """The staged step is not committed (the rest of its save failed):
         the next stage goes ahead. The step stays in ckptd, named by no
-        checkpoint."""
+        checkpoint; its tensors are written again by the next save."""
         with self._lock:
-            self._staged = 0
-            self._idle.notify_all()
+            self._turn.release()
 
-    def staged(self) -> bool:
+    def give_up(self) -> None:
+        """As RankStore.give_up."""
         with self._lock:
-            return self._staged != 0
+            self._turn.give_up()
+
+    def staged_as(self, tag: Optional[str]) -> bool:
+        """Whether save `tag` holds a staged step here."""
+        with self._lock:
+            return self._turn.holds(tag)
 
     def wait_durable(self, tier: str) -> int:
         """As RankStore.wait_durable."""

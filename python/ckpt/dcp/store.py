@@ -20,10 +20,11 @@ commit() on DCP's upload thread."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 
@@ -172,18 +173,74 @@ def check_snapshot(job: str, step: int, snap: dict) -> None:
             "least one rank's state dict); this checkpoint is not saved")
 
 
-def wait_idle(idle: threading.Condition, staged: Callable[[], bool], job: str,
-              timeout_s: float) -> None:
-    """Waits, holding `idle`'s lock, until the previous stage is committed
-    (`staged()` false): one save at a time, so that a stage does not replace
-    the bytes the previous save is about to report. TimeoutError after
-    `timeout_s`: that save failed before its write (DCP tells the writer
-    nothing then) or is stuck; this one is refused, the next goes on."""
-    if not idle.wait_for(lambda: not staged(), timeout=timeout_s):
-        raise TimeoutError(
-            f"job {job}: the previous save was staged but not written within {timeout_s} s (it "
-            "failed, or is still planning: its future says which); this save is refused, the "
-            "next one goes ahead")
+class GivenUp(TimeoutError):
+    """A stage waited the store's wait_timeout_s for the previous save to
+    be written, and gave that save up."""
+
+
+class Turn:
+    """Which save a store holds, by checkpoint id (`tag`; None when the
+    stage did not know it: a store staged and committed in one call, or a
+    stage() called by hand before dcp.save): one save at a time, so that a
+    stage does not replace the bytes the previous save is about to report.
+    A commit is told from another save's only when both know their ids.
+    The store's lock guards it.
+
+    stage() takes the turn (take, then hold once its bytes are in); the
+    save's commit checks that the turn is its own and releases it; a save
+    whose stage failed gives it back (release). A stage that waits longer
+    than the timeout gives the previous save up: that save failed before
+    its write (DCP tells the writer nothing then) or is stuck; should its
+    commit come after all, it is refused rather than report what a later
+    save staged."""
+
+    def __init__(self, lock: threading.Lock):
+        self._idle = threading.Condition(lock)
+        self.held = False
+        self.tag: Optional[str] = None
+        self._given_up: "collections.deque[Optional[str]]" = collections.deque(maxlen=64)
+
+    def take(self, job: str, timeout_s: float) -> None:
+        """Waits until no save holds the turn; GivenUp after `timeout_s`
+        (the save holding it is given up, and this one refused: the next
+        goes ahead)."""
+        if not self._idle.wait_for(lambda: not self.held, timeout=timeout_s):
+            self.give_up()
+            raise GivenUp(
+                f"job {job}: the previous save was staged but not written within {timeout_s} s "
+                "(it failed, or is still planning: its future says which); this save is "
+                "refused, the next one goes ahead")
+
+    def hold(self, tag: Optional[str]) -> None:
+        self.held, self.tag = True, tag
+        if tag in self._given_up:  # a new save of that id
+            self._given_up.remove(tag)
+
+    def holds(self, tag: Optional[str]) -> bool:
+        """Whether save `tag` holds the turn (as check() tells saves apart)."""
+        return self.held and (None in (self.tag, tag) or self.tag == tag)
+
+    def check(self, job: str, tag: Optional[str]) -> None:
+        """Raises unless a commit of save `tag` may go ahead."""
+        if tag is not None and tag in self._given_up:
+            raise RuntimeError(f"job {job}: save {tag!r} was given up before it was written (a "
+                               "later save waited for it longer than wait_timeout_s); this "
+                               "checkpoint is not saved")
+        if self.held and not self.holds(tag):
+            raise RuntimeError(f"job {job}: save {tag!r} is written while save {self.tag!r} "
+                               "is staged; this checkpoint is not saved")
+
+    def release(self) -> None:
+        self.held, self.tag = False, None
+        self._idle.notify_all()
+
+    def give_up(self) -> None:
+        """The save holding the turn will not be written: its commit, should
+        it come, is refused, and the next stage goes ahead."""
+        if self.held:
+            if self.tag is not None:
+                self._given_up.append(self.tag)
+            self.release()
 
 
 def layout_digest(tensors: Dict[str, torch.Tensor]) -> str:
@@ -213,8 +270,7 @@ class RankStore:
         self._version: List[int] = []  # per layer: the step ckptd took it at
         self._unsent: Set[int] = set()  # copied into the region, not yet reported
         self._trusted = False          # the region holds what ckptd last took
-        self._staged = False           # staged, not yet committed
-        self._idle = threading.Condition(self._lock)
+        self._turn = Turn(self._lock)  # the save staged, not yet committed
 
     # ---- registration ----
 
@@ -254,17 +310,18 @@ class RankStore:
 
     # ---- staging ----
 
-    def stage(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def stage(self, tensors: Dict[str, torch.Tensor],
+              tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
         """Copies each tensor (any device, any strides; no zero-size one)
         into its slot and returns the slots, of each tensor's dtype and
         shape. The tensors may change once this returns. Waits first until
         the previous stage is committed and ckptd has taken it out of the
-        region."""
+        region. `tag`: the save's checkpoint id (Turn)."""
         with self._lock:
             try:
-                wait_idle(self._idle, lambda: self._staged, self._job, self._timeouts[1])
-            except TimeoutError:
-                self._staged = self._trusted = False
+                self._turn.take(self._job, self._timeouts[1])
+            except GivenUp:
+                self._trusted = False
                 raise
             digest = layout_digest(tensors)
             if digest != self._digest:
@@ -283,7 +340,7 @@ class RankStore:
                         slot.view.copy_(src.reshape(-1))
                         self._unsent.add(slot.layer)
                     out[key] = slot.view.view(t.shape)
-            self._staged = True
+            self._turn.hold(tag)
             return out
 
     def abandon(self) -> None:
@@ -291,9 +348,17 @@ class RankStore:
         failed): the next stage goes ahead, and copies every tensor again
         (what the region holds is not what ckptd took)."""
         with self._lock:
-            if self._staged:
-                self._staged = self._trusted = False
-                self._idle.notify_all()
+            if self._turn.held:
+                self._trusted = False
+                self._turn.release()
+
+    def give_up(self) -> None:
+        """The save staged will not be written (its stage failed in the
+        other store by waiting too long for it): Turn.give_up."""
+        with self._lock:
+            if self._turn.held:
+                self._trusted = False
+                self._turn.give_up()
 
     def _fence(self) -> None:
         snap = self._client.wait_snapshot(self._last_step)
@@ -310,16 +375,17 @@ class RankStore:
 
     # ---- commit ----
 
-    def commit(self, aux: bytes) -> Tuple[int, Dict[str, Stored]]:
-        """Reports the staged tensors as the next ckptd step, with `aux`
-        (the step's bytes items), and waits until every changed layer is
-        durable. Returns the step and where each tensor's bytes are."""
+    def commit(self, aux: bytes, tag: Optional[str] = None) -> Tuple[int, Dict[str, Stored]]:
+        """Reports the tensors save `tag` staged as the next ckptd step,
+        with `aux` (the step's bytes items), and waits until every changed
+        layer is durable. Returns the step and where each tensor's bytes
+        are."""
         with self._lock:
+            self._turn.check(self._job, tag)
             try:
                 return self._commit_locked(aux)
             finally:
-                self._staged = False
-                self._idle.notify_all()
+                self._turn.release()
 
     def _commit_locked(self, aux: bytes) -> Tuple[int, Dict[str, Stored]]:
         if self._client is None:

@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .catalog import Catalog, check_job_id
-from .gpu_store import GpuStore, HandoverRefused, mark_of
+from .gpu_store import GpuStore, HandoverRefused, marks_of, wait_for_marks
 from .process import ChildWriter, PlainPlans, ProcessLink, check_collectives
-from .store import RankStore, Stored, dumps, nbytes_of
+from .store import GivenUp, RankStore, Stored, dumps, nbytes_of
 
 _log = logging.getLogger("ckpt.dcp")
 
@@ -82,6 +82,12 @@ def item_keys(indices) -> Dict[Any, str]:
     count = Counter(i.fqn for i in indices)
     return {i: i.fqn if count[i.fqn] == 1 else f"{i.fqn}@{','.join(str(o) for o in i.offset)}"
             for i in indices}
+
+
+def _tag(checkpoint_id: Any) -> Optional[str]:
+    """A save's checkpoint id as the stores tell saves apart (store.Turn)."""
+    return None if checkpoint_id is None else os.fspath(checkpoint_id) \
+        if isinstance(checkpoint_id, os.PathLike) else str(checkpoint_id)
 
 
 def _need_id(checkpoint_id: Any) -> None:
@@ -164,6 +170,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         # thread does not rename the save still uploading.
         self.checkpoint_id = checkpoint_id
         self._ids.checkpoint_id = checkpoint_id
+        self._ids.stage_id = checkpoint_id  # for a stage() that follows on this thread
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         check_collectives(kwargs)
@@ -190,13 +197,14 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
                 if isinstance(full, dict) and all(keys[i] == i.fqn for i in data) else None
             if whole is None or any(keys[i] not in whole for i in data):
                 whole = {keys[idx]: _local(t) for idx, t in data.items()}
-            self._stage_tensors({k: t for k, t in whole.items() if nbytes_of(t) > 0})
+            self._stage_tensors({k: t for k, t in whole.items() if nbytes_of(t) > 0},
+                                tag=_tag(cid))
             slot_key = {idx: keys[idx] for idx in data}
         blobs = {i.index.fqn: planner.resolve_data(i).getvalue()
                  for i in plan.items if i.type == WriteItemType.BYTE_IO}
         results = self._commit_items([(idx, nbytes_of(t)) for idx, t in data.items()], slot_key,
                                      blobs, [i.index for i in plan.items
-                                             if i.type == WriteItemType.BYTE_IO])
+                                             if i.type == WriteItemType.BYTE_IO], _tag(cid))
         if not self.is_coordinator:
             self._ids.checkpoint_id = None  # used; DCP calls reset() only with an id
         fut: Future[List[WriteResult]] = Future()
@@ -204,10 +212,11 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         return fut
 
     def _commit_items(self, tensors: List[tuple], slot_key: Dict[Any, Optional[str]],
-                      blobs: Dict[str, bytes], byte_items: List[Any]) -> List[WriteResult]:
-        """Commits the staged step with `blobs` (bytes items by FQN) and
-        returns the WriteResults of `tensors` ([(MetadataIndex, nbytes)],
-        each staged in its `slot_key`) and of `byte_items`."""
+                      blobs: Dict[str, bytes], byte_items: List[Any],
+                      tag: Optional[str]) -> List[WriteResult]:
+        """Commits what save `tag` staged with `blobs` (bytes items by FQN)
+        and returns the WriteResults of `tensors` ([(MetadataIndex,
+        nbytes)], each staged in its `slot_key`) and of `byte_items`."""
         store = self._store_now()
         large = self._large_blobs(blobs)
         aux = dumps(blobs) if blobs else b""
@@ -215,12 +224,12 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         # stage released) whether or not that fails.
         gpu_where: Dict[str, Stored] = {}
         failed: Optional[BaseException] = None
-        if self._gpu_store is not None and self._gpu_store.staged():
+        if self._gpu_store is not None and self._gpu_store.staged_as(tag):
             try:
-                gpu_where = self._gpu_store.commit()[1]
+                gpu_where = self._gpu_store.commit(tag)[1]
             except Exception as e:  # noqa: BLE001 - raised below, after the host commit
                 failed = e
-        step, where = store.commit(aux)
+        step, where = store.commit(aux, tag)
         if failed is not None:
             raise failed
         if where.keys() & gpu_where.keys():  # each save's stores hold disjoint keys
@@ -251,7 +260,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
             _, cid, tensors, blobs, byte_items = req
             _need_id(cid)
             keys = item_keys([idx for idx, _ in tensors])
-            return self._commit_items(tensors, keys, blobs, byte_items)
+            return self._commit_items(tensors, keys, blobs, byte_items, _tag(cid))
         if req[0] == "finish":
             _, cid, metadata, results = req
             self._finish(cid, metadata, results)
@@ -308,15 +317,19 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         flat, mapping = flatten_state_dict(state_dict)
         tensors = {k: _local(v) for k, v in flat.items()
                    if isinstance(v, torch.Tensor) and nbytes_of(_local(v)) > 0}
-        # An event on the trainer's stream, recorded on its thread now:
-        # ckptd takes the CUDA tensors as the work queued before this call
-        # left them, also when the stage runs later on the writer's thread.
-        mark = mark_of(self._in_place(tensors))
+        # Events on the trainer's streams, recorded on its thread now: the
+        # CUDA tensors are taken (in place or copied) as the work queued
+        # before this call left them, also when the stage runs later on the
+        # writer's thread. async_save called reset() with this save's id on
+        # this thread just before; a stage() called by hand has no id.
+        marks = marks_of(tensors)
+        tag = _tag(getattr(self._ids, "stage_id", None))
+        self._ids.stage_id = None  # this save's: a stage() by hand later knows none
         if not self._async_staging:
-            return self._stage_now(flat, mapping, tensors, mark)
+            return self._stage_now(flat, mapping, tensors, marks, tag)
         if self._staging is None:
             self._staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-dcp-stage")
-        return self._staging.submit(self._stage_now, flat, mapping, tensors, mark)
+        return self._staging.submit(self._stage_now, flat, mapping, tensors, marks, tag)
 
     def _in_place(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The tensors of `tensors` that GpuStore takes where they are: the
@@ -324,19 +337,23 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         registration is of one device) and the handover was not refused."""
         if not self._gpu_in_place:
             return {}
-        gpu = {k: t for k, t in tensors.items() if t.is_cuda and t.is_contiguous()}
+        gpu = {k: t for k, t in tensors.items()
+               if t.is_cuda and t.is_contiguous() and not t.is_conj() and not t.is_neg()}
         return gpu if len({t.device for t in gpu.values()}) <= 1 else {}
 
-    def _stage_tensors(self, tensors: Dict[str, torch.Tensor],
-                       mark: Optional[Any] = None) -> Dict[str, torch.Tensor]:
-        """Stages `tensors` (none of zero size): CUDA ones in place
-        (_in_place), the others into host slots. Returns each key's staged
-        tensor: its slot, or a meta tensor of its shape and dtype for one
-        ckptd took in place. `mark`: the event after whose work the CUDA
-        tensors are taken (mark_of(); the calling thread's stream when
-        None). A stage that fails leaves neither store staged, so that the
-        next save does not wait for a commit that will not come."""
+    def _stage_tensors(self, tensors: Dict[str, torch.Tensor], marks: Optional[dict] = None,
+                       tag: Optional[str] = None) -> Dict[str, torch.Tensor]:
+        """Stages `tensors` (none of zero size) for save `tag` (its
+        checkpoint id): CUDA ones in place (_in_place), the others into
+        host slots. Returns each key's staged tensor: its slot, or a meta
+        tensor of its shape and dtype for one ckptd took in place. `marks`:
+        the events after whose work the CUDA tensors are taken (marks_of();
+        the calling thread's streams when None). A failed stage leaves
+        neither store staged; one that gave up the previous save (GivenUp)
+        gives it up in both stores."""
         gpu = self._in_place(tensors)
+        marks = marks or {}
+        staged = []
         try:
             if gpu:
                 if self._gpu_store is None:
@@ -344,18 +361,26 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
                     self._gpu_store = GpuStore(self._socket, self.job_id, self._rank_now(),
                                                call, wait)
                 try:
-                    self._gpu_store.stage(gpu, mark)
+                    device = next(iter(gpu.values())).device
+                    self._gpu_store.stage(gpu, marks.get(device), tag)
+                    staged.append(self._gpu_store)
                 except HandoverRefused as e:
                     _log.warning("ckpt.dcp: %s; CUDA tensors are copied into host memory from "
                                  "now on (CkptWriter(gpu_in_place=False) does so without "
                                  "trying)", e)
                     self._gpu_in_place = False
                     gpu = {}
-            slots = self._store_now().stage({k: t for k, t in tensors.items() if k not in gpu})
+            wait_for_marks(marks)  # before a CUDA tensor is copied to its slot
+            slots = self._store_now().stage({k: t for k, t in tensors.items() if k not in gpu},
+                                            tag)
+        except GivenUp:
+            for store in (self._gpu_store, self._store):
+                if store is not None:
+                    store.abandon() if store in staged else store.give_up()
+            raise
         except BaseException:
-            if self._gpu_store is not None:
-                self._gpu_store.abandon()
-            self._store_now().abandon()
+            for store in staged:
+                store.abandon()
             raise
         # Detached: a meta tensor of a tensor that requires grad would not
         # pickle into DCP's process (and would say requires_grad).
@@ -363,8 +388,8 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         return slots
 
     def _stage_now(self, flat: Dict[str, Any], mapping: Any, tensors: Dict[str, torch.Tensor],
-                   mark: Optional[Any]) -> Dict[str, Any]:
-        slots = self._stage_tensors(tensors, mark)
+                   marks: dict, tag: Optional[str]) -> Dict[str, Any]:
+        slots = self._stage_tensors(tensors, marks, tag)
         staged: Dict[str, Any] = {}
         for k, v in flat.items():
             if k in slots:
