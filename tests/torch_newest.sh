@@ -23,7 +23,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.ckpt-requirements" 2>/dev/nul
   echo "$want" >"$venv/.ckpt-requirements"
 fi
 echo "torch_newest: PyTorch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-for t in test_dcp.py test_torch_messages.py test_torch_swaps.py; do
+for t in test_dcp.py test_dcp_gpu_store.py test_torch_messages.py test_torch_swaps.py; do
   echo "torch_newest: $t"
   CKPT_BUILD_DIR=$build PYTHONPATH=$build/python PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=1 \
     timeout 900 "$venv/bin/python" "$top/tests/python/$t" >"$build/torch-newest-${t%.py}.log" 2>&1 || {

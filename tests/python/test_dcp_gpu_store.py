@@ -256,6 +256,16 @@ def writer_recovers_from_a_lost_save():
         writer._commit_items([], {}, {}, [], "s5")
         check(not writer._gpu_store.staged_as(None) and not writer._store._turn.held,
               "and that save's write commits both stores")
+        # async_save from PyTorch 2.10 stages without a reset() on the
+        # trainer's thread: the id an earlier dcp.save gave reset() there is
+        # not this save's.
+        import torch.distributed.checkpoint as dcp
+        dcp.save({"b": sd["b"]}, checkpoint_id="s7", storage_writer=writer)
+        writer.stage({"w": weight, "b": sd["b"]})
+        check(writer._gpu_store.staged_as("s8") and writer._store._turn.tag is None,
+              "a stage after a dcp.save on the same thread has no id: %r"
+              % writer._store._turn.tag)
+        writer._commit_items([], {}, {}, [], "s8")
         writer.close()
     finally:
         d.stop()

@@ -182,6 +182,7 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         store = self._store_now()
         cid = getattr(self._ids, "checkpoint_id", None)
         _need_id(cid)
+        self._ids.stage_id = None  # this thread's save is being written: a later stage() is not it
         tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         keys = item_keys([i.index for i in tensor_items])
         data = {i.index: planner.resolve_data(i) for i in tensor_items}
@@ -320,8 +321,11 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         # Events on the trainer's streams, recorded on its thread now: the
         # CUDA tensors are taken (in place or copied) as the work queued
         # before this call left them, also when the stage runs later on the
-        # writer's thread. async_save called reset() with this save's id on
-        # this thread just before; a stage() called by hand has no id.
+        # writer's thread. The save's id is known here when DCP called
+        # reset() on this thread just before (async_save up to PyTorch 2.9;
+        # from 2.10 it resets on its upload thread only); a reset() that a
+        # write_data() or stage() on this thread has used since is another
+        # save's. A stage without an id is written by the next save.
         marks = marks_of(tensors)
         tag = _tag(getattr(self._ids, "stage_id", None))
         self._ids.stage_id = None  # this save's: a stage() by hand later knows none
