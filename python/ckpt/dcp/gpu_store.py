@@ -44,7 +44,7 @@ import torch
 import ckpt
 
 from .store import Stored, check_snapshot, client_for, layout_digest, layer_spec, nbytes_of
-from .store import GivenUp, Turn, unregister
+from .store import Turn, unregister
 
 
 def identity(tensors: Dict[str, torch.Tensor]) -> str:
