@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -44,16 +43,13 @@ import torch
 import ckpt
 
 from .store import Stored, check_snapshot, client_for, layout_digest, layer_spec, nbytes_of
-from .store import Turn, unregister
+from .store import StoreBase, unregister
 
 
-def identity(tensors: Dict[str, torch.Tensor]) -> str:
+def identity(tensors: Dict[str, torch.Tensor]) -> Tuple[str, Tuple[Tuple[str, int], ...]]:
     """What a registration of `tensors` depends on: the layout and where
     each tensor's bytes are."""
-    h = hashlib.sha256()
-    for key, t in tensors.items():
-        h.update(f"{key}\0{t.dtype}\0{nbytes_of(t)}\0{t.device}\0{t.data_ptr()}\n".encode())
-    return h.hexdigest()
+    return layout_digest(tensors), tuple((str(t.device), t.data_ptr()) for t in tensors.values())
 
 
 # 32-bit words a digest takes at a time: its temporaries on the device are
@@ -154,20 +150,13 @@ class HandoverRefused(RuntimeError):
     """ckptd or the client did not take the CUDA tensors where they are."""
 
 
-class GpuStore:
+class GpuStore(StoreBase):
     """One rank's CUDA tensors in ckptd (see the module's doc)."""
 
     def __init__(self, socket_path: Optional[str], job_id: str, rank: int,
                  call_timeout_s: float = 60.0, wait_timeout_s: float = 600.0):
-        self._socket = socket_path
-        self._job_id = job_id
-        self._rank = rank
-        self._timeouts = (call_timeout_s, wait_timeout_s)
-        self._lock = threading.Lock()
-        self._turn = Turn(self._lock)  # the save staged, not yet committed
-        self._client = None
-        self._job = ""
-        self._identity = ""
+        super().__init__(socket_path, job_id, rank, call_timeout_s, wait_timeout_s)
+        self._identity: Optional[tuple] = None
         self._held: Dict[str, torch.Tensor] = {}  # registered; kept so none is freed
         self._streams: Dict[torch.device, Any] = {}  # its own CUDA stream per device
         self._layer: Dict[str, int] = {}
@@ -180,17 +169,15 @@ class GpuStore:
         self._durable: Dict[str, Tuple[Tuple[int, int], int]] = {}
         self._staged_sums: Dict[str, Tuple[int, int]] = {}
         self._unsent: Set[str] = set()
-        self._next_step = 1
-        self._last_step = 0
         self._staged_step = 0
 
-    def _open(self, tensors: Dict[str, torch.Tensor], ident: str) -> None:
+    def _open(self, tensors: Dict[str, torch.Tensor], ident: tuple) -> None:
         """Registers `tensors` where they are. HandoverRefused when the
         client or ckptd does not take them so; the store is then closed."""
         self._close_locked()
         client = client_for(self._socket, *self._timeouts)
         layers: List[dict] = []
-        job = f"{self._job_id}.g{self._rank}.{layout_digest(tensors)}"
+        job = f"{self._job_id}.g{self._rank}.{ident[0]}"
         adding = True
         try:
             for key, t in tensors.items():
@@ -296,21 +283,10 @@ class GpuStore:
         with self._lock:
             return self._turn.holds(tag)
 
-    def wait_durable(self, tier: str) -> int:
-        """As RankStore.wait_durable."""
-        with self._lock:
-            if self._client is None or self._last_step == 0:
-                return 0
-            return self._client.wait_durable(self._last_step, tier)
-
-    @property
-    def job(self) -> str:
-        return self._job
-
     def _close_locked(self) -> None:
         if self._client is not None:
             unregister(self._client)
-        self._client, self._identity, self._held = None, "", {}
+        self._client, self._identity, self._held = None, None, {}
         self._durable, self._unsent = {}, set()
 
     def close(self) -> None:

@@ -250,8 +250,10 @@ def layout_digest(tensors: Dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:12]
 
 
-class RankStore:
-    """One rank's tensors in ckptd (see the module's doc)."""
+class StoreBase:
+    """What RankStore and GpuStore (gpu_store.py) share: one rank's ckptd
+    job of one rank, its client, the save holding its turn, and its lock,
+    which guards all of it."""
 
     def __init__(self, socket_path: Optional[str], job_id: str, rank: int,
                  call_timeout_s: float = 60.0, wait_timeout_s: float = 600.0):
@@ -260,17 +262,38 @@ class RankStore:
         self._rank = rank
         self._timeouts = (call_timeout_s, wait_timeout_s)
         self._lock = threading.Lock()
+        self._turn = Turn(self._lock)  # the save staged, not yet committed
         self._client: Optional[ckpt.Client] = None
         self._job = ""
+        self._next_step = 1
+        self._last_step = 0  # the last step reported to ckptd
+
+    def wait_durable(self, tier: str) -> int:
+        """Waits until the last committed step is durable in `tier`
+        ("local", "peer", "remote"); returns the tier's newest step (0: none
+        yet)."""
+        with self._lock:
+            if self._client is None or self._last_step == 0:
+                return 0
+            return self._client.wait_durable(self._last_step, tier)
+
+    @property
+    def job(self) -> str:
+        return self._job
+
+
+class RankStore(StoreBase):
+    """One rank's tensors in ckptd (see the module's doc)."""
+
+    def __init__(self, socket_path: Optional[str], job_id: str, rank: int,
+                 call_timeout_s: float = 60.0, wait_timeout_s: float = 600.0):
+        super().__init__(socket_path, job_id, rank, call_timeout_s, wait_timeout_s)
         self._digest = ""
         self._slots: Dict[str, _Slot] = {}
         self._by_ptr: Dict[int, _Slot] = {}
-        self._next_step = 1
-        self._last_step = 0           # the last step reported to ckptd
         self._version: List[int] = []  # per layer: the step ckptd took it at
         self._unsent: Set[int] = set()  # copied into the region, not yet reported
         self._trusted = False          # the region holds what ckptd last took
-        self._turn = Turn(self._lock)  # the save staged, not yet committed
 
     # ---- registration ----
 
@@ -407,19 +430,6 @@ class RankStore:
         self._trusted = True
         return step, {s.key: Stored(self._job, s.key, step, self._version[s.layer], s.nbytes)
                       for s in self._slots.values()}
-
-    def wait_durable(self, tier: str) -> int:
-        """Waits until the last committed step is durable in `tier`
-        ("local", "peer", "remote"); returns the tier's newest step (0: none
-        yet)."""
-        with self._lock:
-            if self._client is None or self._last_step == 0:
-                return 0
-            return self._client.wait_durable(self._last_step, tier)
-
-    @property
-    def job(self) -> str:
-        return self._job
 
     def close(self) -> None:
         with self._lock:
