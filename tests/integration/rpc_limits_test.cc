@@ -69,8 +69,14 @@ int64_t RssBytes(pid_t pid) {
   return -1;
 }
 
+struct HeldExport;
+
 class RpcLimitsTest : public ::testing::Test {
  protected:
+  // Starts ckptd with `flags` and one export held in it (HeldExport); null,
+  // with the failure reported, when that cannot be set up.
+  std::unique_ptr<HeldExport> StartWithExportHeld(std::vector<std::string> flags);
+
   void StartDaemon(std::vector<std::string> flags = {}) {
     root_ = MakeTempDir("ckpt-rpclim-");
     ASSERT_FALSE(root_.empty());
@@ -275,6 +281,63 @@ int LinesIn(const std::string& path) {
   return n;
 }
 
+// One export of the job "exported" (two layers, one durable step) held at
+// the delay point rpc.heavy_call (CKPT_DELAY_UNTIL) until Release(): it
+// holds a heavy slot and one of its uid's calls. `trainer` is the job's
+// registered rank, `sink` takes an export's bytes and drops them.
+struct HeldExport {
+  std::string held_log;
+  std::string release;
+  TestRank trainer;
+  Client::ExportSink sink;
+  std::unique_ptr<Client> holder;
+  absl::Status status;
+  std::thread thread;
+
+  ~HeldExport() {
+    if (thread.joinable()) Release();
+  }
+  // Lets the held export go on and waits for it.
+  void Release() {
+    std::ofstream(release).close();
+    thread.join();
+  }
+};
+
+std::unique_ptr<HeldExport> RpcLimitsTest::StartWithExportHeld(std::vector<std::string> flags) {
+  root_ = MakeTempDir("ckpt-rpclim-");
+  EXPECT_FALSE(root_.empty());
+  if (root_.empty()) return nullptr;
+  auto h = std::make_unique<HeldExport>();
+  h->held_log = root_ + "/held.log";
+  h->release = root_ + "/release";
+  daemon_ = std::make_unique<DaemonProcess>(
+      root_, std::move(flags),
+      std::vector<std::string>{"CKPT_DELAY_AT=rpc.heavy_call:60000",
+                               "CKPT_DELAY_LOG=" + h->held_log, "CKPT_DELAY_UNTIL=" + h->release});
+  EXPECT_TRUE(daemon_->Start());
+  h->trainer = MakeTrainer(daemon_->socket(), "exported", 2);
+  const bool ready = h->trainer.client->Register(h->trainer.spec).ok() &&
+                     h->trainer.client->StepDone(1, 0.1).ok() &&
+                     h->trainer.client->WaitDurable(1).ok();
+  EXPECT_TRUE(ready) << "the job to export has a durable step";
+  if (!ready) return nullptr;
+  h->sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
+  h->sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) {
+    return absl::OkStatus();
+  };
+  ClientOptions o;
+  o.socket_path = daemon_->socket();
+  h->holder = std::move(Client::Connect(o).value());
+  HeldExport* raw = h.get();
+  h->thread =
+      std::thread([raw] { raw->status = raw->holder->Export("exported", 0, 0, raw->sink); });
+  for (int i = 0; i < 3000 && LinesIn(h->held_log) < 1; ++i) ::usleep(10000);
+  EXPECT_EQ(LinesIn(h->held_log), 1) << "the export is held";
+  if (LinesIn(h->held_log) != 1) return nullptr;
+  return h;
+}
+
 // An export refused before it runs (here by max_heavy_calls) gives back the
 // region its reader handed over at once. Readers retry such refusals, each
 // time with a new region; the tokens used to wait until they expired,
@@ -282,35 +345,14 @@ int LinesIn(const std::string& path) {
 // so that the same uid's next Register was refused. One export is held at
 // the delay point rpc.heavy_call (CKPT_DELAY_UNTIL) while the others come.
 TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
-  root_ = MakeTempDir("ckpt-rpclim-");
-  ASSERT_FALSE(root_.empty());
-  const std::string held = root_ + "/held.log";
-  const std::string release = root_ + "/release";
-  daemon_ = std::make_unique<DaemonProcess>(
-      root_, std::vector<std::string>{"--max_heavy_calls=1", "--handover_max_pending_per_uid=2"},
-      std::vector<std::string>{"CKPT_DELAY_AT=rpc.heavy_call:60000", "CKPT_DELAY_LOG=" + held,
-                               "CKPT_DELAY_UNTIL=" + release});
-  ASSERT_TRUE(daemon_->Start());
-  TestRank t = MakeTrainer(daemon_->socket(), "exported", 2);
-  ASSERT_TRUE(t.client->Register(t.spec).ok());
-  ASSERT_TRUE(t.client->StepDone(1, 0.1).ok());
-  ASSERT_TRUE(t.client->WaitDurable(1).ok());
+  std::unique_ptr<HeldExport> first =
+      StartWithExportHeld({"--max_heavy_calls=1", "--handover_max_pending_per_uid=2"});
+  ASSERT_NE(first, nullptr) << "the first export holds the only heavy slot";
 
-  Client::ExportSink sink;
-  sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
-  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) { return absl::OkStatus(); };
-  ClientOptions o;
-  o.socket_path = daemon_->socket();
-  std::unique_ptr<Client> holder = std::move(Client::Connect(o).value());
-  absl::Status held_status;
-  std::thread first([&] { held_status = holder->Export("exported", 0, 0, sink); });
-  for (int i = 0; i < 3000 && LinesIn(held) < 1; ++i) ::usleep(10000);
-  ASSERT_EQ(LinesIn(held), 1) << "the first export holds the only heavy slot";
-
-  Client::ExportSink windowed = sink;
+  Client::ExportSink windowed = first->sink;
   windowed.region_bytes = 1 << 20;
   for (int i = 0; i < 3; ++i) {
-    const absl::Status s = t.client->Export("exported", 0, 0, windowed);
+    const absl::Status s = first->trainer.client->Export("exported", 0, 0, windowed);
     EXPECT_TRUE(absl::IsResourceExhausted(s)) << i << ": " << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "max_heavy_calls")) << s;
   }
@@ -318,10 +360,9 @@ TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
   const absl::Status registered = next.client->Register(next.spec);
   EXPECT_TRUE(registered.ok()) << "the uid's handovers are not held up: " << registered;
 
-  std::ofstream(release).close();
-  first.join();
-  EXPECT_TRUE(held_status.ok()) << held_status;
-  EXPECT_EQ(LinesIn(held), 1);
+  first->Release();
+  EXPECT_TRUE(first->status.ok()) << first->status;
+  EXPECT_EQ(LinesIn(first->held_log), 1);
 }
 
 // A Register refused before it runs (here by max_calls_per_uid, while an
@@ -330,30 +371,9 @@ TEST_F(RpcLimitsTest, ARefusedExportGivesItsRegionBackAtOnce) {
 // their token expired, so that a trainer retrying its registration filled
 // handover_max_pending_per_uid and was refused after the cap had cleared.
 TEST_F(RpcLimitsTest, ARefusedRegisterGivesItsHandoverBackAtOnce) {
-  root_ = MakeTempDir("ckpt-rpclim-");
-  ASSERT_FALSE(root_.empty());
-  const std::string held = root_ + "/held.log";
-  const std::string release = root_ + "/release";
-  daemon_ = std::make_unique<DaemonProcess>(
-      root_, std::vector<std::string>{"--max_calls_per_uid=1", "--handover_max_pending_per_uid=2"},
-      std::vector<std::string>{"CKPT_DELAY_AT=rpc.heavy_call:60000", "CKPT_DELAY_LOG=" + held,
-                               "CKPT_DELAY_UNTIL=" + release});
-  ASSERT_TRUE(daemon_->Start());
-  TestRank t = MakeTrainer(daemon_->socket(), "exported", 2);
-  ASSERT_TRUE(t.client->Register(t.spec).ok());
-  ASSERT_TRUE(t.client->StepDone(1, 0.1).ok());
-  ASSERT_TRUE(t.client->WaitDurable(1).ok());
-
-  Client::ExportSink sink;
-  sink.header = [](const v1::ExportHeader&) { return absl::OkStatus(); };
-  sink.data = [](const v1::ExportTensor&, uint64_t, std::string_view) { return absl::OkStatus(); };
-  ClientOptions o;
-  o.socket_path = daemon_->socket();
-  std::unique_ptr<Client> holder = std::move(Client::Connect(o).value());
-  absl::Status held_status;
-  std::thread first([&] { held_status = holder->Export("exported", 0, 0, sink); });
-  for (int i = 0; i < 3000 && LinesIn(held) < 1; ++i) ::usleep(10000);
-  ASSERT_EQ(LinesIn(held), 1) << "the export holds the uid's only call";
+  std::unique_ptr<HeldExport> first =
+      StartWithExportHeld({"--max_calls_per_uid=1", "--handover_max_pending_per_uid=2"});
+  ASSERT_NE(first, nullptr) << "the export holds the uid's only call";
 
   for (int i = 0; i < 3; ++i) {
     TestRank refused = MakeTrainer(daemon_->socket(), absl::StrCat("refused-", i), 1);
@@ -361,9 +381,8 @@ TEST_F(RpcLimitsTest, ARefusedRegisterGivesItsHandoverBackAtOnce) {
     EXPECT_TRUE(absl::IsResourceExhausted(s)) << i << ": " << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "max_calls_per_uid")) << i << ": " << s;
   }
-  std::ofstream(release).close();
-  first.join();
-  EXPECT_TRUE(held_status.ok()) << held_status;
+  first->Release();
+  EXPECT_TRUE(first->status.ok()) << first->status;
   TestRank next = MakeTrainer(daemon_->socket(), "next", 1);
   const absl::Status registered = next.client->Register(next.spec);
   EXPECT_TRUE(registered.ok()) << "the uid's handovers are not held up: " << registered;
