@@ -266,18 +266,6 @@ class GpuStore(StoreBase):
             finally:
                 self._turn.release()
 
-    def abandon(self) -> None:
-        """The staged step is not committed (the rest of its save failed):
-        the next stage goes ahead. The step stays in ckptd, named by no
-        checkpoint; its tensors are written again by the next save."""
-        with self._lock:
-            self._turn.release()
-
-    def give_up(self) -> None:
-        """As RankStore.give_up."""
-        with self._lock:
-            self._turn.give_up()
-
     def staged_as(self, tag: Optional[str]) -> bool:
         """Whether save `tag` holds a staged step here."""
         with self._lock:

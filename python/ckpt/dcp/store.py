@@ -281,6 +281,25 @@ class StoreBase:
     def job(self) -> str:
         return self._job
 
+    def abandon(self) -> None:
+        """What is staged will not be committed (the rest of its save
+        failed): the next stage goes ahead and writes those tensors again."""
+        with self._lock:
+            if self._turn.held:
+                self._staged_dropped()
+                self._turn.release()
+
+    def give_up(self) -> None:
+        """The save staged will not be written (its stage failed in the
+        other store by waiting too long for it): Turn.give_up."""
+        with self._lock:
+            if self._turn.held:
+                self._staged_dropped()
+                self._turn.give_up()
+
+    def _staged_dropped(self) -> None:
+        """What a store forgets when its staged save goes without a commit."""
+
 
 class RankStore(StoreBase):
     """One rank's tensors in ckptd (see the module's doc)."""
@@ -344,7 +363,7 @@ class RankStore(StoreBase):
             try:
                 self._turn.take(self._job, self._timeouts[1])
             except GivenUp:
-                self._trusted = False
+                self._staged_dropped()
                 raise
             digest = layout_digest(tensors)
             if digest != self._digest:
@@ -366,22 +385,8 @@ class RankStore(StoreBase):
             self._turn.hold(tag)
             return out
 
-    def abandon(self) -> None:
-        """The staged tensors will not be committed (the rest of their save
-        failed): the next stage goes ahead, and copies every tensor again
-        (what the region holds is not what ckptd took)."""
-        with self._lock:
-            if self._turn.held:
-                self._trusted = False
-                self._turn.release()
-
-    def give_up(self) -> None:
-        """The save staged will not be written (its stage failed in the
-        other store by waiting too long for it): Turn.give_up."""
-        with self._lock:
-            if self._turn.held:
-                self._trusted = False
-                self._turn.give_up()
+    def _staged_dropped(self) -> None:
+        self._trusted = False  # the region no longer holds what ckptd took
 
     def _fence(self) -> None:
         snap = self._client.wait_snapshot(self._last_step)

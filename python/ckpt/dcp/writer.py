@@ -86,8 +86,7 @@ def item_keys(indices) -> Dict[Any, str]:
 
 def _tag(checkpoint_id: Any) -> Optional[str]:
     """A save's checkpoint id as the stores tell saves apart (store.Turn)."""
-    return None if checkpoint_id is None else os.fspath(checkpoint_id) \
-        if isinstance(checkpoint_id, os.PathLike) else str(checkpoint_id)
+    return None if checkpoint_id is None else str(checkpoint_id)
 
 
 def _need_id(checkpoint_id: Any) -> None:
@@ -352,9 +351,8 @@ class CkptWriter(PlainPlans, StorageWriter, AsyncStager):
         host slots. Returns each key's staged tensor: its slot, or a meta
         tensor of its shape and dtype for one ckptd took in place. `marks`:
         the events after whose work the CUDA tensors are taken (marks_of();
-        the calling thread's streams when None). A failed stage leaves
-        neither store staged; one that gave up the previous save (GivenUp)
-        gives it up in both stores."""
+        no wait when None). A failed stage releases the stores it staged;
+        one that gave up the previous save (GivenUp) gives it up in both."""
         gpu = self._in_place(tensors)
         marks = marks or {}
         staged = []
