@@ -22,6 +22,7 @@ Exit 0 when every check holds; `--device cpu` runs the same on the CPU
 
 import argparse
 import os
+import shutil
 import sys
 import time
 
@@ -141,6 +142,7 @@ def main():
         writer.close()
     finally:
         d.stop()
+        shutil.rmtree(root, ignore_errors=True)
     sys.exit(0 if ok else 1)
 
 

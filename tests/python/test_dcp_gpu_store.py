@@ -28,6 +28,7 @@ Run by ctest (PYTHONPATH=<build>/python); exits 77 when torch is missing.
 """
 
 import os
+import shutil
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -269,6 +270,7 @@ def writer_recovers_from_a_lost_save():
         writer.close()
     finally:
         d.stop()
+        shutil.rmtree(root, ignore_errors=True)
     print("CkptWriter: a lost save costs the next one wait_timeout_s, the one after nothing")
 
 
