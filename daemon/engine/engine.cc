@@ -37,8 +37,11 @@ Engine::Engine(EngineOptions options, Index* index, LayerStore* store, StagingPo
   }
   // The fastest source first: a pull or a repair takes the first tier that
   // has the copy.
-  const RemoteTierDeps deps{index_,    store_,   &leases_,         &quota_, &disk_,
-                            &history_, &owners_, options_.metrics, clock_};
+  const RemoteTierDeps deps{index_,   store_,
+                            &leases_, &quota_,
+                            &disk_,   &history_,
+                            &owners_, options_.metrics,
+                            clock_,   memory_tier_.enabled() ? &memory_tier_ : nullptr};
   PeerTierOptions peers = options_.peers;
   if (peers.peers.empty() && options_.peer.store != nullptr) {
     peers.tier = options_.peer;

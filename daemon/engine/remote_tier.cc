@@ -78,7 +78,8 @@ TierMetricIds TierMetricIds::Peer(std::string peer) {
           Gauge::kPeerLagBytes,
           Gauge::kPeerUp,
           Histogram::kPeerUploadSeconds,
-          std::move(peer)};
+          std::move(peer),
+          Counter::kPeerSentFromMemoryBytes};
 }
 
 void TierMetricIds::Set(Metrics* m, Gauge g, double v) const {

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -43,6 +44,7 @@
 #include "daemon/engine/leases.h"
 #include "daemon/engine/quota.h"
 #include "daemon/metrics/metrics.h"
+#include "daemon/recovery/restore.h"
 #include "daemon/remote/remote_auth.h"
 #include "daemon/remote/remote_store.h"
 #include "daemon/store/index.h"
@@ -60,6 +62,9 @@ struct TierMetricIds {
   // Non-empty: the gauges are labelled with it (the peer tier's, per peer
   // node: ckpt_peer_up{peer="node-13"}).
   std::string gauge_label;
+  // Bytes sent from the memory tier (uploaded_bytes counts them too), for
+  // a tier whose store PutsFromMemory.
+  std::optional<Counter> from_memory_bytes;
   static TierMetricIds Remote();
   static TierMetricIds Peer(std::string peer);
   // Sets gauge `g` (labelled when gauge_label is set).
@@ -107,6 +112,9 @@ struct RemoteTierDeps {
   JobOwners* owners = nullptr;
   Metrics* metrics = nullptr;
   Clock* clock = nullptr;
+  // The memory tier, or null: a version it still holds goes to a store
+  // that PutsFromMemory from there, its file unread (remote_upload.cc).
+  VersionSource* images = nullptr;
 };
 
 class RemoteTier final : public DurableTier {
@@ -190,7 +198,12 @@ class RemoteTier final : public DurableTier {
   };
   // One upload turn of a rank: the step, its manifest and the files to send.
   struct Upload {
+    VersionKey key;
     store::VersionRecord rec;
+    // The version's image in the memory tier, while the tier keeps it (an
+    // upload never keeps it there: snapshots may need the room); else its
+    // file, opened when the turn is made or the image goes.
+    std::weak_ptr<const StagingLease> image;
     UniqueFd fd;
     int version = 0;  // its entry in the manifest, which gets its MAC
     std::string mac;  // computed before it is sent
@@ -232,9 +245,12 @@ class RemoteTier final : public DurableTier {
   absl::StatusOr<UploadTurn> PlanTurn(const RankKey& key, uid_t owner, uint64_t remote_step,
                                       const std::map<std::string, ObjectCopy>& objects);
   absl::Status UploadObjects(const RankKey& key, UploadTurn* turn);
+  // The committed file of `key` for an upload; a failure is counted.
+  absl::StatusOr<UniqueFd> OpenLocal(const VersionKey& key, const store::VersionRecord& rec);
   // The manifest last, with a conditional create.
   absl::Status PutManifest(const RankKey& key, uid_t owner, const UploadTurn& turn,
                            const std::string& encoded);
+  // Deletes the copies retention no longer keeps (remote_gc.cc).
   absl::Status RemoteGc(const RankKey& key);
   // The rank's back-off after a failed turn (or its reset after a good one).
   void NoteTurn(const RankKey& key, const absl::Status& s);

@@ -1,5 +1,6 @@
 // What the remote tier's files (remote_tier.cc, remote_upload.cc,
-// remote_pull.cc) share: reading a manifest, and how a failure is labelled.
+// remote_gc.cc, remote_pull.cc) share: reading a manifest, and how a
+// failure is labelled.
 // Internal to RemoteTier.
 #pragma once
 

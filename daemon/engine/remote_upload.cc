@@ -11,6 +11,7 @@
 #include "base/status.h"
 #include "daemon/common/parallel.h"
 #include "daemon/common/sync_point.h"
+#include "daemon/engine/image_or_file.h"
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/remote_tier_internal.h"
 #include "daemon/recovery/plan.h"
@@ -355,16 +356,33 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     // A placeholder of the MAC's size until the upload computes it, so the
     // manifest's size is known before anything is sent.
     rv->set_object_mac(std::string(remote::ObjectMac::kObjectMacBytes, '\0'));
-    absl::StatusOr<UniqueFd> fd =
-        deps_.store->OpenCommitted(VersionKey{job, rank, layer.id(), v->first}, v->second);
-    if (!fd.ok()) {
-      if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.failures, "local", 1);
-      return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", v->second.file(),
-                                                           ": ", fd.status().message()));
+    Upload up{VersionKey{job, rank, layer.id(), v->first},
+              v->second,
+              {},
+              UniqueFd(),
+              manifest.versions_size() - 1,
+              {}};
+    if (deps_.images != nullptr && store_->PutsFromMemory()) {
+      std::shared_ptr<const StagingLease> image = deps_.images->FindImage(up.key, v->second);
+      if (image != nullptr && image->capacity() >= v->second.file_bytes()) up.image = image;
     }
-    turn.uploads.push_back({v->second, std::move(*fd), manifest.versions_size() - 1, {}});
+    if (up.image.expired()) {
+      CKPT_ASSIGN_OR_RETURN(up.fd, OpenLocal(up.key, v->second));
+    }
+    turn.uploads.push_back(std::move(up));
   }
   return turn;
+}
+
+absl::StatusOr<UniqueFd> RemoteTier::OpenLocal(const VersionKey& key,
+                                               const store::VersionRecord& rec) {
+  absl::StatusOr<UniqueFd> fd = deps_.store->OpenCommitted(key, rec);
+  if (!fd.ok()) {
+    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.failures, "local", 1);
+    return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", rec.file(), ": ",
+                                                         fd.status().message()));
+  }
+  return fd;
 }
 
 absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
@@ -388,11 +406,27 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
       s = mac.status();
       if (s.ok()) {
         CKPT_SYNC_POINT("remote.before_put_version");
-        s = store_->PutFileObserved(remote::VersionObjectKey(job, rank, u.rec.file()), u.fd.get(),
-                                    u.rec.file_bytes(), [&](std::string_view b) {
-                                      mac->Update(b);
-                                      return absl::OkStatus();
-                                    });
+        const std::string okey = remote::VersionObjectKey(job, rank, u.rec.file());
+        auto observe = [&](std::string_view b) {
+          mac->Update(b);
+          return absl::OkStatus();
+        };
+        if (!u.fd.valid()) {
+          ImageOrFile bytes(u.image, [&] { return OpenLocal(u.key, u.rec); });
+          s = store_->PutFilledObserved(
+              okey, u.rec.file_bytes(),
+              [&bytes](uint64_t off, size_t n, std::string* out) {
+                return bytes.Fill(off, n, out);
+              },
+              observe);
+          if (Metrics* m = deps_.metrics;
+              m != nullptr && s.ok() && options_.metric_ids.from_memory_bytes.has_value()) {
+            m->Inc(*options_.metric_ids.from_memory_bytes,
+                   static_cast<double>(bytes.from_memory()));
+          }
+        } else {
+          s = store_->PutFileObserved(okey, u.fd.get(), u.rec.file_bytes(), observe);
+        }
       }
       if (s.ok()) {
         u.mac = mac->Finish();
@@ -515,61 +549,6 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   rc->pending.erase(rc->pending.begin(), rc->pending.upper_bound(rc->remote_step));
   error_ = absl::OkStatus();
   WakeLocked();
-  return absl::OkStatus();
-}
-
-absl::Status RemoteTier::RemoteGc(const RankKey& key) {
-  const auto& [job, rank] = key;
-  RetentionInput in;
-  in.now_unix_ms = absl::ToUnixMillis(deps_.clock->Now());
-  std::map<uint64_t, std::vector<std::string>> manifest_files;
-  std::vector<std::string> objects;
-  {
-    absl::MutexLock lock(&mu_);
-    const RankCopy* rc = FindLocked(key);
-    if (rc == nullptr || !rc->blocked.empty() || rc->discard_above.has_value()) {
-      return absl::OkStatus();
-    }
-    for (const auto& [step, m] : rc->manifests) {
-      in.events.emplace_back(step, m.unix_ms);
-      manifest_files[step] = m.files;
-    }
-    if (!rc->manifests.empty()) in.agreed_step = rc->manifests.rbegin()->second.agreed_step;
-    for (const auto& [file, bytes] : rc->objects) objects.push_back(file);
-    objects.insert(objects.end(), rc->stray.begin(), rc->stray.end());
-  }
-  if (in.events.empty()) return absl::OkStatus();
-  const uint64_t newest = in.events.back().first;
-  const RetentionPlan plan = PlanRetention(options_.retention, in);
-  // What the kept manifests name, exactly (not recomputed from the listing:
-  // objects of two histories may share the prefix).
-  std::set<std::string> needed;
-  for (uint64_t step : plan.retained_targets) {
-    for (const std::string& f : manifest_files[step]) needed.insert(f);
-  }
-  // Manifests first, so no manifest ever names a deleted object.
-  for (uint64_t step : plan.delete_events) {
-    CKPT_RETURN_IF_ERROR(store_->Delete(remote::ManifestKey(job, rank, step)));
-    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
-    absl::MutexLock lock(&mu_);
-    RankCopy* rc = FindLocked(key);
-    if (rc == nullptr) return absl::OkStatus();
-    rc->manifests.erase(step);
-  }
-  for (const std::string& file : objects) {
-    uint32_t layer = 0;
-    uint64_t step = 0;
-    // Objects above the newest manifest belong to a step being uploaded.
-    if (needed.count(file) > 0 || !ParseFileName(file, &layer, &step) || step > newest) continue;
-    CKPT_RETURN_IF_ERROR(store_->Delete(remote::VersionObjectKey(job, rank, file)));
-    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
-    absl::MutexLock lock(&mu_);
-    RankCopy* rc = FindLocked(key);
-    if (rc == nullptr) return absl::OkStatus();
-    rc->objects.erase(file);
-    rc->stray.erase(file);
-  }
-  CKPT_SYNC_POINT("remote.after_gc");
   return absl::OkStatus();
 }
 

@@ -88,6 +88,7 @@ enum class Counter {
   kLostVersionRestores,           // ckpt_lost_version_restores_total{outcome}
   kPeerUploadedVersions,          // ckpt_peer_uploaded_versions_total
   kPeerUploadedBytes,             // ckpt_peer_uploaded_bytes_total
+  kPeerSentFromMemoryBytes,       // ckpt_peer_sent_from_memory_bytes_total
   kPeerManifests,                 // ckpt_peer_manifests_total
   kPeerFailures,                  // ckpt_peer_failures_total{reason}
   kPeerPulledBytes,               // ckpt_peer_pulled_bytes_total

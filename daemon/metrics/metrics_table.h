@@ -122,6 +122,8 @@ constexpr MetricInfo kCounterTable[] = {
      "Layer versions replicated to the peer tier (a peer node's ckptd).", "", ""},
     {"ckpt_peer_uploaded_bytes_total", "counter",
      "Bytes of layer versions replicated to the peer tier (its throughput is the rate).", "", ""},
+    {"ckpt_peer_sent_from_memory_bytes_total", "counter",
+     "Of those bytes, the ones sent from the memory tier: their files were not read.", "", ""},
     {"ckpt_peer_manifests_total", "counter",
      "Step manifests written to the peer tier: each makes one rank's step peer-durable.", "", ""},
     {"ckpt_peer_failures_total", "counter",

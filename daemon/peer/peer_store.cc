@@ -150,7 +150,7 @@ absl::Status PeerStore::Pace(uint64_t bytes, uint64_t generation) {
 }
 
 absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absent,
-                            const Reader& read, const Observer* observe) {
+                            const Filler& fill, const Observer* observe) {
   Call call(this, DeadlineFor(size));
   grpc::ClientContext& ctx = call.ctx;
   v1::PutReply reply;
@@ -164,19 +164,21 @@ absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absen
   const size_t piece_bytes = ChunkBytes();
   do {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(piece_bytes, size - off));
-    std::string_view piece;
     if (n > 0) {
-      absl::StatusOr<std::string_view> got = read(off, n);
-      local = got.status();
+      local = fill(off, n, chunk.mutable_data());
+      if (local.ok() && chunk.data().size() != n) {
+        local =
+            absl::InternalError(absl::StrCat(key, ": ", chunk.data().size(), " bytes filled in at ",
+                                             off, " where ", n, " were asked for"));
+      }
+      if (local.ok() && observe != nullptr) local = (*observe)(chunk.data());
       if (!local.ok()) break;
-      piece = *got;
-      if (observe != nullptr) local = (*observe)(piece);
-      if (!local.ok()) break;
+    } else {
+      chunk.clear_data();
     }
     CKPT_SYNC_POINT("peer.before_pace");
     local = Pace(n, call.generation);
     if (!local.ok()) break;
-    chunk.set_data(piece.data(), piece.size());
     off += n;
     if (!writer->Write(chunk)) break;  // Finish says why
     chunk.clear_key();
@@ -201,15 +203,24 @@ absl::Status PeerStore::PutFileObserved(const std::string& key, int fd, uint64_t
   CKPT_ASSIGN_OR_RETURN(remote::SequentialFileReader reader,
                         remote::SequentialFileReader::Open(fd, options_.chunk_bytes));
   return Put(
-      key, size, false, [&reader](uint64_t off, size_t n) { return reader.Read(off, n); },
+      key, size, false,
+      [&reader](uint64_t off, size_t n, std::string* out) {
+        return remote::FillFromFile(&reader, off, n, out);
+      },
       observe ? &observe : nullptr);
+}
+
+absl::Status PeerStore::PutFilledObserved(const std::string& key, uint64_t size, const Filler& fill,
+                                          const Observer& observe) {
+  return Put(key, size, false, fill, observe ? &observe : nullptr);
 }
 
 absl::Status PeerStore::PutBytes(const std::string& key, std::string_view data, bool if_absent) {
   return Put(
       key, data.size(), if_absent,
-      [data](uint64_t off, size_t n) -> absl::StatusOr<std::string_view> {
-        return data.substr(static_cast<size_t>(off), n);
+      [data](uint64_t off, size_t n, std::string* out) {
+        out->assign(data.substr(static_cast<size_t>(off), n));
+        return absl::OkStatus();
       },
       nullptr);
 }

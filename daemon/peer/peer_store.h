@@ -89,6 +89,11 @@ class PeerStore final : public remote::RemoteStore {
                                const Observer& observe) override;
   absl::StatusOr<uint64_t> GetToFileObserved(const std::string& key, int fd, uint64_t max_bytes,
                                              const Observer& observe) override;
+  // The bytes go from `fill` into each message: from the memory tier
+  // without a read of the version's file.
+  bool PutsFromMemory() const override { return true; }
+  absl::Status PutFilledObserved(const std::string& key, uint64_t size, const Filler& fill,
+                                 const Observer& observe) override;
   absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) override;
   absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd, uint64_t max_bytes) override;
   absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max_bytes) override;
@@ -99,10 +104,9 @@ class PeerStore final : public remote::RemoteStore {
  private:
   class Stub;
   class Call;
-  // Streams `size` bytes; `read(offset, n)` gives the n bytes at offset
-  // (valid until its next call), each shown to `observe` when given.
-  using Reader = std::function<absl::StatusOr<std::string_view>(uint64_t offset, size_t n)>;
-  absl::Status Put(const std::string& key, uint64_t size, bool if_absent, const Reader& read,
+  // Streams `size` bytes, each message's filled in by `fill` and then
+  // shown to `observe` when given.
+  absl::Status Put(const std::string& key, uint64_t size, bool if_absent, const Filler& fill,
                    const Observer* observe);
   // Streams the object to `sink(data)`; its size.
   absl::StatusOr<uint64_t> Get(const std::string& key, uint64_t max_bytes,

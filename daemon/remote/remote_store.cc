@@ -59,6 +59,17 @@ absl::StatusOr<std::string_view> SequentialFileReader::Read(uint64_t offset, siz
   return std::string_view(io_.data(), n);
 }
 
+absl::Status FillFromFile(SequentialFileReader* reader, uint64_t offset, size_t n,
+                          std::string* out) {
+  out->clear();
+  while (out->size() < n) {
+    CKPT_ASSIGN_OR_RETURN(std::string_view got,
+                          reader->Read(offset + out->size(), n - out->size()));
+    out->append(got);
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 constexpr size_t kWriteBlock = 1 << 20;
 }  // namespace
@@ -122,6 +133,12 @@ absl::Status RemoteStore::PutFileObserved(const std::string& key, int fd, uint64
                                           const Observer& observe) {
   CKPT_RETURN_IF_ERROR(ObserveFile(fd, size, observe));
   return PutFile(key, fd, size);
+}
+
+absl::Status RemoteStore::PutFilledObserved(const std::string& key, uint64_t, const Filler&,
+                                            const Observer&) {
+  return absl::UnimplementedError(
+      absl::StrCat(Describe(), " stores files, not bytes filled in as they go (", key, ")"));
 }
 
 absl::StatusOr<uint64_t> RemoteStore::GetToFileObserved(const std::string& key, int fd,

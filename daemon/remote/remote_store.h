@@ -80,6 +80,21 @@ class RemoteStore {
   virtual absl::Status PutFileObserved(const std::string& key, int fd, uint64_t size,
                                        const Observer& observe);
 
+  // Puts `n` bytes of an object, those at `offset`, into `*out` (replacing
+  // what it held). Called in order, each offset the previous one plus its n.
+  using Filler = std::function<absl::Status(uint64_t offset, size_t n, std::string* out)>;
+
+  // Whether PutFilledObserved stores bytes as they are filled in, without
+  // first writing them anywhere (a peer): the uploader then sends a version
+  // the memory tier holds from memory instead of reading its file.
+  virtual bool PutsFromMemory() const { return false; }
+
+  // PutFileObserved for an object of `size` bytes that `fill` gives, in
+  // pieces the store chooses; each piece is shown to `observe` once it is
+  // filled. UNIMPLEMENTED where PutsFromMemory() is false.
+  virtual absl::Status PutFilledObserved(const std::string& key, uint64_t size, const Filler& fill,
+                                         const Observer& observe);
+
   // Stores `data` as `key`. With `if_absent`, ALREADY_EXISTS when `key`
   // exists (where the store can tell; S3 with If-None-Match: *, POSIX with a
   // no-replace rename).
@@ -148,6 +163,11 @@ class SequentialFileReader {
   int fd_;  // not owned
   DirectBuffer io_;
 };
+
+// A RemoteStore::Filler's work from `reader`: the n bytes at `offset` into
+// `*out`, in as many reads as its buffer takes.
+absl::Status FillFromFile(SequentialFileReader* reader, uint64_t offset, size_t n,
+                          std::string* out);
 
 // Writes a file in order, from offset 0, with O_DIRECT where its file
 // system allows it: whole aligned blocks go straight to the disk through an

@@ -220,11 +220,6 @@ def scrape(cluster, node, d):
     return values
 
 
-def upload_seconds(cluster, node, d):
-    m = scrape(cluster, node, d)
-    return m.get("ckpt_peer_upload_seconds_sum", 0.0)
-
-
 def wait_peer(d, job, step, timeout=600):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -314,6 +309,7 @@ def throughput(args, root, pool):
         files = layer_files(os.path.join(root, "a", "raw-source"), args.layers, args.layer_mib)
         ca = tls["node-a"][2]
         figures = {k: [] for k in ("tcp", "tls", "work", "ckptd")}
+        memory_share = []  # of each ckptd round's bytes, those sent from the memory tier
         for r in range(1, args.rounds + 1):
             out = cluster.run("node-a", sys.executable, "-c", SOURCE, cluster.addr["node-b"],
                               str(PORT + 1), str(nbytes))
@@ -324,9 +320,14 @@ def throughput(args, root, pool):
             out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
                               str(PORT + 3), ca, "4", *files)
             figures["work"].append(nbytes / float(out.stdout.strip()))
-            before = upload_seconds(cluster, "node-a", a)
+            before = scrape(cluster, "node-a", a)
             trainer(a, "rep", args, r, "--wait-tier=peer", *(["--restore"] if r > 1 else []))
-            figures["ckptd"].append(nbytes / (upload_seconds(cluster, "node-a", a) - before))
+            after = scrape(cluster, "node-a", a)
+            figures["ckptd"].append(nbytes / (after.get("ckpt_peer_upload_seconds_sum", 0.0) -
+                                              before.get("ckpt_peer_upload_seconds_sum", 0.0)))
+            sent = [m.get(k, 0.0) for m in (before, after) for k in (
+                "ckpt_peer_uploaded_bytes_total", "ckpt_peer_sent_from_memory_bytes_total")]
+            memory_share.append((sent[3] - sent[1]) / max(1.0, sent[2] - sent[0]))
         for p in sinks:
             p.kill()
         m = {k: statistics.median(v) for k, v in figures.items()}
@@ -336,6 +337,8 @@ def throughput(args, root, pool):
                          ("work", "the same work by hand"), ("ckptd", "ckptd peer tier")):
             print("   %-24s %.3f GB/s  %s" % (label, m[k] / 1e9,
                                               [round(x / 1e9, 3) for x in figures[k]]))
+        print("   ckptd's bytes sent from its memory tier: %s" %
+              ", ".join("%.0f%%" % (100 * x) for x in memory_share))
         print("   ratio ckptd / raw TCP         %.2f" % (m["ckptd"] / m["tcp"]))
         print("   ratio ckptd / raw TLS         %.2f" % (m["ckptd"] / m["tls"]))
         print("   ratio ckptd / same work       %.2f" % (m["ckptd"] / m["work"]))

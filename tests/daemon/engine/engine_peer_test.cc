@@ -6,12 +6,19 @@
 // rank on whichever peer holds it.
 #include <unistd.h>
 
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/engine/engine.h"
@@ -330,6 +337,173 @@ TEST_F(PeerTierTest, APeerThatLostItsReplicasIsFilledAgain) {
   EXPECT_EQ(listed.size(), 3u);  // every step it lacked, sent again, with its versions
   CKPT_ASSERT_OK_AND_ASSIGN(auto objects, peer.List(remote::RankPrefix("lost-peer", 0) + "v/"));
   EXPECT_EQ(objects.size(), 6u);
+}
+
+// A peer that takes objects as a peer's PeerStore does, from bytes filled
+// in as they are sent (PutsFromMemory), into a node's directory; counts
+// which way each version came. `hook` runs after the first piece of each
+// filled object, on the uploading thread.
+class FilledStore final : public remote::RemoteStore {
+ public:
+  explicit FilledStore(remote::RemoteStore* base) : base_(base) {}
+  static constexpr size_t kPiece = 4096;
+
+  bool PutsFromMemory() const override { return true; }
+  absl::Status PutFilledObserved(const std::string& key, uint64_t size, const Filler& fill,
+                                 const Observer& observe) override {
+    std::string all, piece;
+    for (uint64_t off = 0; off < size; off += piece.size()) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, size - off));
+      CKPT_RETURN_IF_ERROR(fill(off, n, &piece));
+      if (piece.size() != n) return absl::InternalError("a piece of another size");
+      CKPT_RETURN_IF_ERROR(observe(piece));
+      all += piece;
+      if (off == 0) {
+        std::function<void(const std::string&)> hook;
+        {
+          absl::MutexLock lock(&mu_);
+          hook = hook_;
+        }
+        if (hook) hook(key);
+      }
+    }
+    ++filled_;
+    return base_->PutBytes(key, all, false);
+  }
+  absl::Status PutFile(const std::string& key, int fd, uint64_t size) override {
+    ++files_;
+    return base_->PutFile(key, fd, size);
+  }
+  absl::Status PutBytes(const std::string& key, std::string_view data, bool if_absent) override {
+    return base_->PutBytes(key, data, if_absent);
+  }
+  absl::StatusOr<uint64_t> GetToFile(const std::string& key, int fd, uint64_t max) override {
+    return base_->GetToFile(key, fd, max);
+  }
+  absl::StatusOr<std::string> GetBytes(const std::string& key, uint64_t max) override {
+    return base_->GetBytes(key, max);
+  }
+  absl::StatusOr<std::vector<remote::ObjectInfo>> List(const std::string& prefix) override {
+    return base_->List(prefix);
+  }
+  absl::Status Delete(const std::string& key) override { return base_->Delete(key); }
+  std::string Describe() const override { return "filled " + base_->Describe(); }
+
+  void set_hook(std::function<void(const std::string& key)> hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+  int filled() const { return filled_.load(); }
+  int files() const { return files_.load(); }
+
+ private:
+  remote::RemoteStore* const base_;
+  std::atomic<int> filled_{0}, files_{0};
+  absl::Mutex mu_;
+  std::function<void(const std::string&)> hook_ ABSL_GUARDED_BY(mu_);
+};
+
+class PeerFromMemoryTest : public PeerTierTest {
+ protected:
+  // n1's engine with the memory tier on and n2 as its one peer, taking
+  // objects through `peer_`.
+  void Start() {
+    peer_ = &Keep(std::make_unique<FilledStore>(NodeNamed("n2")->posix.get()));
+    EngineOptions o = On("n1", 1);
+    o.peers.peers = {PeerTarget{PeerNodeInfo{"n2", "r1"}, peer_}};
+    o.memory_tier_bytes = 8 * kChunk;
+    ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  }
+  // Rank 0's committed files of `job`, by name, with their bytes.
+  std::map<std::string, std::string> LocalFiles(const std::string& job) {
+    std::map<std::string, std::string> files;
+    for (const auto& f :
+         std::filesystem::directory_iterator(tmp_.Join("jobs/" + job + "/rank-00000000"))) {
+      std::ifstream in(f.path(), std::ios::binary);
+      files[f.path().filename().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+    }
+    return files;
+  }
+  // Every file of `files` is on n2, byte for byte.
+  void ExpectOnThePeer(const std::string& job, const std::map<std::string, std::string>& files) {
+    for (const auto& [name, bytes] : files) {
+      absl::StatusOr<std::string> there =
+          NodeNamed("n2")->posix->GetBytes(remote::VersionObjectKey(job, 0, name), 1 << 30);
+      ASSERT_TRUE(there.ok()) << name << ": " << there.status();
+      EXPECT_TRUE(*there == bytes) << name << " differs on the peer";
+    }
+  }
+  FilledStore* peer_ = nullptr;
+};
+
+// A durable version the memory tier still holds goes to the peer from
+// there: its file is not read (the files are deleted before the first byte
+// is sent, so a read would fail the upload), and what arrives is the file.
+TEST_F(PeerFromMemoryTest, AVersionTheMemoryTierHoldsIsSentFromMemory) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  std::map<std::string, std::string> files;
+  absl::Mutex mu;
+  bool deleted = false;
+  peer_->set_hook([&](const std::string&) {
+    absl::MutexLock lock(&mu);
+    if (deleted) return;
+    files = LocalFiles("mem");
+    for (const auto& [name, bytes] : files) {
+      std::filesystem::remove(tmp_.Join("jobs/mem/rank-00000000/" + name));
+    }
+    deleted = true;
+  });
+  TestRank a = MakeRank("mem", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitPeer(a, 1).status());
+  EXPECT_EQ(peer_->filled(), 2) << "each layer's version from memory";
+  EXPECT_EQ(peer_->files(), 0);
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(files.size(), 2u);
+  ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("mem", files));
+}
+
+// An image the memory tier lets go while it is being sent (a newer version
+// of the layer took its place, and its chunks went back to the pool) is not
+// read again: the rest of the version comes from its file, and the peer
+// gets the version's bytes, not what the pool's chunks hold by then.
+TEST_F(PeerFromMemoryTest, AnImageLetGoMidSendIsFinishedFromItsFile) {
+  ASSERT_NO_FATAL_FAILURE(Start());
+  absl::Notification first_piece, newer_durable;
+  std::atomic<bool> held{false};
+  peer_->set_hook([&](const std::string&) {
+    if (held.exchange(true)) return;
+    first_piece.Notify();
+    newer_durable.WaitForNotificationWithTimeout(kWait);
+  });
+  TestRank a = MakeRank("evicted", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  ASSERT_TRUE(first_piece.WaitForNotificationWithTimeout(kWait));
+  std::map<std::string, std::string> step1 = LocalFiles("evicted");
+  ASSERT_EQ(step1.size(), 1u);
+  // Step 2 replaces step 1's image in the memory tier, and takes chunks
+  // from the pool, maybe the ones step 1's image gave back.
+  ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));
+  newer_durable.Notify();
+  CKPT_ASSERT_OK(WaitPeer(a, 2).status());
+  ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("evicted", LocalFiles("evicted")));
+  EXPECT_EQ(peer_->files(), 0);
+}
+
+// Without the memory tier, versions go from their files.
+TEST_F(PeerTierTest, WithoutTheMemoryTierVersionsGoFromTheirFiles) {
+  FilledStore& peer = Keep(std::make_unique<FilledStore>(NodeNamed("n2")->posix.get()));
+  EngineOptions o = On("n1", 1);
+  o.peers.peers = {PeerTarget{PeerNodeInfo{"n2", "r1"}, &peer}};
+  ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
+  TestRank a = MakeRank("files", 2);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  CKPT_ASSERT_OK(WaitPeer(a, 1).status());
+  EXPECT_EQ(peer.filled(), 0);
+  EXPECT_EQ(peer.files(), 2);
 }
 
 }  // namespace

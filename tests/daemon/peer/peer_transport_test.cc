@@ -166,6 +166,58 @@ TEST_F(PeerTransportTest, AnAllowedPeerPutsGetsListsAndDeletes) {
   EXPECT_TRUE(HasCode(a->PutBytes("../escape", "x", false), absl::StatusCode::kInvalidArgument));
 }
 
+// An object whose bytes are filled in as they go (the memory tier's image
+// of a version): each message's piece asked for in order, shown to the
+// observer, stored whole; a filler's error or a piece of another size ends
+// the transfer with nothing stored.
+TEST_F(PeerTransportTest, AFilledObjectIsSentPieceByPiece) {
+  std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
+  store::RemoteJob owner;
+  owner.set_job_id("j");
+  owner.set_owner_uid(1001);
+  ASSERT_TRUE(a->PutBytes("jobs/j/owner", remote::EncodeOwner(owner, key_), true).ok());
+  const std::string big = RandomBytes(9, (1 << 20) + 777);
+  EXPECT_TRUE(a->PutsFromMemory());
+  uint64_t next = 0;
+  std::string seen;
+  absl::Status put = a->PutFilledObserved(
+      "jobs/j/rank-00000000/v1", big.size(),
+      [&](uint64_t off, size_t n, std::string* out) {
+        if (off != next) return absl::InternalError("out of order");
+        next = off + n;
+        out->assign(big, off, n);
+        return absl::OkStatus();
+      },
+      [&](std::string_view b) {
+        seen.append(b);
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(put.ok()) << put;
+  EXPECT_EQ(next, big.size());
+  EXPECT_TRUE(seen == big);
+  absl::StatusOr<std::string> back = a->GetBytes("jobs/j/rank-00000000/v1", 16 << 20);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(*back == big);
+  auto none = [](std::string_view) { return absl::OkStatus(); };
+  EXPECT_TRUE(HasCode(a->PutFilledObserved(
+                          "jobs/j/rank-00000000/v2", big.size(),
+                          [](uint64_t off, size_t, std::string* out) {
+                            out->assign(10, 'x');
+                            return off == 0 ? absl::OkStatus() : absl::DataLossError("gone");
+                          },
+                          none),
+                      absl::StatusCode::kInternal));
+  EXPECT_TRUE(
+      HasCode(a->PutFilledObserved(
+                  "jobs/j/rank-00000000/v3", big.size(),
+                  [](uint64_t, size_t, std::string*) { return absl::DataLossError("gone"); }, none),
+              absl::StatusCode::kDataLoss));
+  EXPECT_TRUE(HasCode(a->GetBytes("jobs/j/rank-00000000/v2", 16 << 20).status(),
+                      absl::StatusCode::kNotFound));
+  EXPECT_TRUE(HasCode(a->GetBytes("jobs/j/rank-00000000/v3", 16 << 20).status(),
+                      absl::StatusCode::kNotFound));
+}
+
 TEST_F(PeerTransportTest, APeerPastItsShareIsToldTheStoreIsFull) {
   std::unique_ptr<PeerStore> a = Client(pki_.Issue("node-a"));
   ASSERT_TRUE(a->PutBytes("jobs/j/rank-00000000/a", std::string(6 << 20, 'a'), false).ok());
