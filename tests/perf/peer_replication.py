@@ -11,14 +11,21 @@ the ceph packages:
      last byte);
    - a raw TLS stream (the same through OpenSSL's TLS 1.3 with the nodes'
      certificates, records gathered into 1 MiB socket writes);
+   - a raw TLS stream over four connections at once (ckptd's upload
+     threads), from memory to memory: no disk at either end;
    - the same work as a replication, by hand: the step's layer files read
      from A's disk with O_DIRECT, over TLS, written at B with O_DIRECT,
-     fsynced and renamed into place, four connections at once (ckptd's
-     upload threads) - what the machine allows for the work;
+     fsynced and renamed into place, four connections at once - what the
+     machine allows for the work; and the same from A's memory (as ckptd
+     sends what its memory tier holds);
    - ckptd A replicating one step of the example trainer (policy all:
      every layer) to ckptd B over mutual TLS, timed by its own
-     ckpt_peer_upload_seconds.
-   Median of each and the ratios.
+     ckpt_peer_upload_seconds, and the share of its bytes sent from its
+     memory tier.
+   Median of each and the ratios. Then one stream of 8 steps' bytes of
+   each kind, raw TCP and raw TLS, with the machine's CPU time over it
+   (/proc/stat): the core-seconds each costs per GB, and the most a TLS
+   stream could move with every core busy, against the TCP stream.
 2. The trainer's step time with and without replication: the same job
    (--steps, --compute-ms) on ckptd A without a peer, then with one; the
    trainer's mean StepDone and its wall time per step.
@@ -220,6 +227,13 @@ def scrape(cluster, node, d):
     return values
 
 
+def cpu_ticks():
+    """The machine's (total, idle + iowait) CPU ticks so far."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v), v[3] + v[4]
+
+
 def wait_peer(d, job, step, timeout=600):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -308,7 +322,7 @@ def throughput(args, root, pool):
         start_sink(TLS_SINK, cluster.addr["node-b"], str(PORT + 3), cert_b, key_b, sink_dir)
         files = layer_files(os.path.join(root, "a", "raw-source"), args.layers, args.layer_mib)
         ca = tls["node-a"][2]
-        figures = {k: [] for k in ("tcp", "tls", "work", "ckptd")}
+        figures = {k: [] for k in ("tcp", "tls", "tls4", "work", "work_mem", "ckptd")}
         memory_share = []  # of each ckptd round's bytes, those sent from the memory tier
         for r in range(1, args.rounds + 1):
             out = cluster.run("node-a", sys.executable, "-c", SOURCE, cluster.addr["node-b"],
@@ -320,6 +334,13 @@ def throughput(args, root, pool):
             out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
                               str(PORT + 3), ca, "4", *files)
             figures["work"].append(nbytes / float(out.stdout.strip()))
+            in_memory = ["-%d" % (args.layer_mib << 20)] * args.layers
+            out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
+                              str(PORT + 3), ca, "4", *in_memory)
+            figures["work_mem"].append(nbytes / float(out.stdout.strip()))
+            out = cluster.run("node-a", sys.executable, "-c", TLS_SOURCE, cluster.addr["node-b"],
+                              str(PORT + 2), ca, "4", *in_memory)
+            figures["tls4"].append(nbytes / float(out.stdout.strip()))
             before = scrape(cluster, "node-a", a)
             trainer(a, "rep", args, r, "--wait-tier=peer", *(["--restore"] if r > 1 else []))
             after = scrape(cluster, "node-a", a)
@@ -328,21 +349,47 @@ def throughput(args, root, pool):
             sent = [m.get(k, 0.0) for m in (before, after) for k in (
                 "ckpt_peer_uploaded_bytes_total", "ckpt_peer_sent_from_memory_bytes_total")]
             memory_share.append((sent[3] - sent[1]) / max(1.0, sent[2] - sent[0]))
+        # The CPU a stream costs: a long one of each kind (process start-up
+        # is then a small part), the machine's busy time from /proc/stat.
+        cost = {}
+        long_bytes = 8 * nbytes
+        for k, port, argv in (("tcp", PORT + 1, [SOURCE, cluster.addr["node-b"], str(PORT + 1),
+                                                  str(long_bytes)]),
+                              ("tls", PORT + 2, [TLS_SOURCE, cluster.addr["node-b"], str(PORT + 2),
+                                                  ca, "1", "-%d" % long_bytes])):
+            t0, idle0 = cpu_ticks()
+            out = cluster.run("node-a", sys.executable, "-c", *argv)
+            t1, idle1 = cpu_ticks()
+            cores = os.cpu_count() * (1 - (idle1 - idle0) / max(1, t1 - t0))
+            secs = float(out.stdout.strip())
+            cost[k] = (long_bytes / secs / 1e9, cores * secs / (long_bytes / 1e9))
         for p in sinks:
             p.kill()
         m = {k: statistics.median(v) for k, v in figures.items()}
         print("1. one step of %d MiB (%d layers) from node A to node B, %d rounds (median):" %
               (nbytes >> 20, args.layers, args.rounds))
         for k, label in (("tcp", "raw TCP stream"), ("tls", "raw TLS stream"),
-                         ("work", "the same work by hand"), ("ckptd", "ckptd peer tier")):
+                         ("tls4", "raw TLS, 4 connections"),
+                         ("work", "the same work by hand"),
+                         ("work_mem", "... from A's memory"), ("ckptd", "ckptd peer tier")):
             print("   %-24s %.3f GB/s  %s" % (label, m[k] / 1e9,
                                               [round(x / 1e9, 3) for x in figures[k]]))
         print("   ckptd's bytes sent from its memory tier: %s" %
               ", ".join("%.0f%%" % (100 * x) for x in memory_share))
         print("   ratio ckptd / raw TCP         %.2f" % (m["ckptd"] / m["tcp"]))
         print("   ratio ckptd / raw TLS         %.2f" % (m["ckptd"] / m["tls"]))
-        print("   ratio ckptd / same work       %.2f" % (m["ckptd"] / m["work"]))
+        print("   ratio ckptd / same work       %.2f; from memory %.2f" %
+              (m["ckptd"] / m["work"], m["ckptd"] / m["work_mem"]))
+        print("   ratio by hand / raw TCP       %.2f; from memory %.2f; TLS, 4 connections %.2f" %
+              (m["work"] / m["tcp"], m["work_mem"] / m["tcp"], m["tls4"] / m["tcp"]))
         print("   ratio raw TLS / raw TCP       %.2f" % (m["tls"] / m["tcp"]))
+        print("   CPU of a %d MiB stream (both ends, the kernel's share included):" %
+              (long_bytes >> 20))
+        for k in ("tcp", "tls"):
+            print("     %-4s %.3f GB/s, %.2f core-seconds per GB" % (k, cost[k][0], cost[k][1]))
+        bound = os.cpu_count() / cost["tls"][1]
+        print("   with all %d cores busy, no TLS stream here could pass %.2f GB/s, %.2f of that "
+              "TCP stream" % (os.cpu_count(), bound, bound / cost["tcp"][0]))
         print("2. trainer, %d steps of %d x %d MiB, --compute-ms=%d:" %
               (args.steps, args.layers, args.step_layer_mib, args.compute_ms))
         for label, (per_step, stepdone) in walls.items():
