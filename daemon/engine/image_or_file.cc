@@ -12,8 +12,7 @@ absl::Status ImageOrFile::Fill(uint64_t offset, size_t n, std::string* out) {
       from_memory_ += n;
       return absl::OkStatus();
     }
-    CKPT_ASSIGN_OR_RETURN(fd_, open_());
-    CKPT_ASSIGN_OR_RETURN(file_, remote::SequentialFileReader::Open(fd_.get(), kFileReadBytes));
+    CKPT_ASSIGN_OR_RETURN(file_, remote::SequentialFileReader::Open(fd_, kFileReadBytes));
   }
   return remote::FillFromFile(&*file_, offset, n, out);
 }

@@ -15,14 +15,11 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
-#include "base/unique_fd.h"
 #include "daemon/remote/remote_store.h"
 #include "daemon/staging/staging_pool.h"
 
@@ -30,10 +27,10 @@ namespace ckpt {
 
 class ImageOrFile {
  public:
-  // `open` opens the version's file, when it is first needed.
-  ImageOrFile(std::weak_ptr<const StagingLease> image,
-              std::function<absl::StatusOr<UniqueFd>()> open)
-      : image_(std::move(image)), open_(std::move(open)) {}
+  // `fd` is the version's file (not owned), opened while the version was
+  // sure to exist: read from once the image is gone.
+  ImageOrFile(std::weak_ptr<const StagingLease> image, int fd)
+      : image_(std::move(image)), fd_(fd) {}
 
   // A RemoteStore::Filler: the n bytes at `offset` into `*out`.
   absl::Status Fill(uint64_t offset, size_t n, std::string* out);
@@ -43,8 +40,7 @@ class ImageOrFile {
  private:
   static constexpr size_t kFileReadBytes = 1 << 20;
   std::weak_ptr<const StagingLease> image_;
-  std::function<absl::StatusOr<UniqueFd>()> open_;
-  UniqueFd fd_;
+  const int fd_;
   std::optional<remote::SequentialFileReader> file_;  // once the image went
   uint64_t from_memory_ = 0;
 };

@@ -44,7 +44,6 @@
 #include "daemon/engine/leases.h"
 #include "daemon/engine/quota.h"
 #include "daemon/metrics/metrics.h"
-#include "daemon/recovery/restore.h"
 #include "daemon/remote/remote_auth.h"
 #include "daemon/remote/remote_store.h"
 #include "daemon/store/index.h"
@@ -52,6 +51,8 @@
 #include "daemon/store/retention.h"
 
 namespace ckpt {
+
+class VersionSource;  // daemon/recovery/restore.h
 
 // The metrics a tier reports under (its own families: ckpt_remote_* or
 // ckpt_peer_*).
@@ -198,13 +199,11 @@ class RemoteTier final : public DurableTier {
   };
   // One upload turn of a rank: the step, its manifest and the files to send.
   struct Upload {
-    VersionKey key;
     store::VersionRecord rec;
     // The version's image in the memory tier, while the tier keeps it (an
-    // upload never keeps it there: snapshots may need the room); else its
-    // file, opened when the turn is made or the image goes.
+    // upload never keeps it there: snapshots may need the room).
     std::weak_ptr<const StagingLease> image;
-    UniqueFd fd;
+    UniqueFd fd;      // its file, opened under the rank's lease: sent when the image is gone
     int version = 0;  // its entry in the manifest, which gets its MAC
     std::string mac;  // computed before it is sent
   };
@@ -245,8 +244,9 @@ class RemoteTier final : public DurableTier {
   absl::StatusOr<UploadTurn> PlanTurn(const RankKey& key, uid_t owner, uint64_t remote_step,
                                       const std::map<std::string, ObjectCopy>& objects);
   absl::Status UploadObjects(const RankKey& key, UploadTurn* turn);
-  // The committed file of `key` for an upload; a failure is counted.
-  absl::StatusOr<UniqueFd> OpenLocal(const VersionKey& key, const store::VersionRecord& rec);
+  // The upload of one version: its file opened, and its image in the
+  // memory tier found where the store can send from memory.
+  absl::StatusOr<Upload> PrepareUpload(const VersionKey& key, const store::VersionRecord& rec);
   // The manifest last, with a conditional create.
   absl::Status PutManifest(const RankKey& key, uid_t owner, const UploadTurn& turn,
                            const std::string& encoded);

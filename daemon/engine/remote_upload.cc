@@ -15,6 +15,7 @@
 #include "daemon/engine/remote_tier.h"
 #include "daemon/engine/remote_tier_internal.h"
 #include "daemon/recovery/plan.h"
+#include "daemon/recovery/restore.h"
 #include "daemon/remote/remote_layout.h"
 #include "daemon/store/layer_store.h"
 
@@ -356,33 +357,36 @@ absl::StatusOr<RemoteTier::UploadTurn> RemoteTier::PlanTurn(
     // A placeholder of the MAC's size until the upload computes it, so the
     // manifest's size is known before anything is sent.
     rv->set_object_mac(std::string(remote::ObjectMac::kObjectMacBytes, '\0'));
-    Upload up{VersionKey{job, rank, layer.id(), v->first},
-              v->second,
-              {},
-              UniqueFd(),
-              manifest.versions_size() - 1,
-              {}};
-    if (deps_.images != nullptr && store_->PutsFromMemory()) {
-      std::shared_ptr<const StagingLease> image = deps_.images->FindImage(up.key, v->second);
-      if (image != nullptr && image->capacity() >= v->second.file_bytes()) up.image = image;
-    }
-    if (up.image.expired()) {
-      CKPT_ASSIGN_OR_RETURN(up.fd, OpenLocal(up.key, v->second));
-    }
+    CKPT_ASSIGN_OR_RETURN(Upload up,
+                          PrepareUpload(VersionKey{job, rank, layer.id(), v->first}, v->second));
+    up.version = manifest.versions_size() - 1;
     turn.uploads.push_back(std::move(up));
   }
   return turn;
 }
 
-absl::StatusOr<UniqueFd> RemoteTier::OpenLocal(const VersionKey& key,
-                                               const store::VersionRecord& rec) {
+absl::StatusOr<RemoteTier::Upload> RemoteTier::PrepareUpload(const VersionKey& key,
+                                                             const store::VersionRecord& rec) {
+  // The file is opened under the lease even when the memory tier holds the
+  // version: local GC may delete it once the lease is gone, and the image
+  // may go before the upload is done with it.
   absl::StatusOr<UniqueFd> fd = deps_.store->OpenCommitted(key, rec);
   if (!fd.ok()) {
     if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.failures, "local", 1);
     return absl::Status(fd.status().code(), absl::StrCat("the local copy of ", rec.file(), ": ",
                                                          fd.status().message()));
   }
-  return fd;
+  Upload up{rec, {}, *std::move(fd), 0, {}};
+  if (deps_.images != nullptr && store_->PutsFromMemory()) {
+    // Sent from memory only if its header still checks, as a restore would
+    // take it (its tensors are checked where it is restored).
+    std::shared_ptr<const StagingLease> image = deps_.images->FindImage(key, rec);
+    if (image != nullptr && image->capacity() >= rec.file_bytes() &&
+        CheckImageHeader(key, rec, LeaseImage(*image)).ok()) {
+      up.image = image;
+    }
+  }
+  return up;
 }
 
 absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
@@ -411,8 +415,8 @@ absl::Status RemoteTier::UploadObjects(const RankKey& key, UploadTurn* turn) {
           mac->Update(b);
           return absl::OkStatus();
         };
-        if (!u.fd.valid()) {
-          ImageOrFile bytes(u.image, [&] { return OpenLocal(u.key, u.rec); });
+        if (!u.image.expired()) {
+          ImageOrFile bytes(u.image, u.fd.get());
           s = store_->PutFilledObserved(
               okey, u.rec.file_bytes(),
               [&bytes](uint64_t off, size_t n, std::string* out) {
@@ -518,7 +522,7 @@ absl::Status RemoteTier::UploadNext(const RankKey& key) {
   CKPT_ASSIGN_OR_RETURN(UploadTurn turn, PlanTurn(key, owner, remote_step, objects));
   if (turn.step == 0) return absl::OkStatus();
   // The lease is gone: local GC may run while the bytes travel (the open
-  // descriptors keep them readable).
+  // descriptors keep them readable, the memory tier's images or not).
   const uint64_t manifest_bytes = 8 + remote::RemoteKey::kMacBytes + turn.manifest.ByteSizeLong();
   if (manifest_bytes > remote::kMaxManifestBytes) {
     // It could never be read back; refuse it here rather than wedge a pull.

@@ -143,7 +143,7 @@ class DirectBuffer {
   size_t size_ = 0;
 };
 
-// Reads a file in order, from offset 0, through one aligned buffer, with
+// Reads a file in order, from any offset on, through one aligned buffer, with
 // O_DIRECT where the file's file system allows it: a version written with
 // O_DIRECT is not in the page cache, and reading it through the cache would
 // fill it with pages read once. Falls back to pread on the descriptor.
@@ -152,8 +152,9 @@ class SequentialFileReader {
   // `piece_bytes` is the most one Read asks for (rounded up to 4 KiB).
   static absl::StatusOr<SequentialFileReader> Open(int fd, size_t piece_bytes);
 
-  // The `n` bytes at `offset` (n <= piece_bytes), valid until the next
-  // Read. REQUIRES: offsets in order, each the previous one plus its n.
+  // The `n` bytes at `offset` (fewer when n > piece_bytes), valid until
+  // the next Read. Offsets should go in order, each the previous one plus
+  // its n; the first may be any (4 KiB-aligned ones are read with O_DIRECT).
   // DATA_LOSS when the file ends first.
   absl::StatusOr<std::string_view> Read(uint64_t offset, size_t n);
   bool direct() const { return io_.direct() >= 0; }

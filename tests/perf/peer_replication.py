@@ -227,11 +227,13 @@ def scrape(cluster, node, d):
     return values
 
 
-def cpu_ticks():
-    """The machine's (total, idle + iowait) CPU ticks so far."""
+def busy_seconds():
+    """The machine's CPU time so far, every core's, in seconds: user, nice,
+    system, irq and softirq (not idle, iowait or the host's steal; guest
+    time is already in user)."""
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v), v[3] + v[4]
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_peer(d, job, step, timeout=600):
@@ -357,12 +359,13 @@ def throughput(args, root, pool):
                                                   str(long_bytes)]),
                               ("tls", PORT + 2, [TLS_SOURCE, cluster.addr["node-b"], str(PORT + 2),
                                                   ca, "1", "-%d" % long_bytes])):
-            t0, idle0 = cpu_ticks()
+            # Both ends' processes, start-up included (a little more than
+            # the stream itself costs).
+            busy0 = busy_seconds()
             out = cluster.run("node-a", sys.executable, "-c", *argv)
-            t1, idle1 = cpu_ticks()
-            cores = os.cpu_count() * (1 - (idle1 - idle0) / max(1, t1 - t0))
+            busy = busy_seconds() - busy0
             secs = float(out.stdout.strip())
-            cost[k] = (long_bytes / secs / 1e9, cores * secs / (long_bytes / 1e9))
+            cost[k] = (long_bytes / secs / 1e9, busy / (long_bytes / 1e9))
         for p in sinks:
             p.kill()
         m = {k: statistics.median(v) for k, v in figures.items()}
@@ -388,8 +391,9 @@ def throughput(args, root, pool):
         for k in ("tcp", "tls"):
             print("     %-4s %.3f GB/s, %.2f core-seconds per GB" % (k, cost[k][0], cost[k][1]))
         bound = os.cpu_count() / cost["tls"][1]
-        print("   with all %d cores busy, no TLS stream here could pass %.2f GB/s, %.2f of that "
-              "TCP stream" % (os.cpu_count(), bound, bound / cost["tcp"][0]))
+        print("   with all %d cores busy, no TLS stream here could pass %.2f GB/s: %.2f of that "
+              "long TCP stream, %.2f of the rounds' TCP median" %
+              (os.cpu_count(), bound, bound / cost["tcp"][0], bound * 1e9 / m["tcp"]))
         print("2. trainer, %d steps of %d x %d MiB, --compute-ms=%d:" %
               (args.steps, args.layers, args.step_layer_mib, args.compute_ms))
         for label, (per_step, stepdone) in walls.items():

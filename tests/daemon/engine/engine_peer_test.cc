@@ -7,12 +7,15 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -22,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "daemon/engine/engine.h"
+#include "daemon/metrics/metrics.h"
 #include "daemon/peer/replica_store.h"
 #include "daemon/remote/faulty_store.h"
 #include "daemon/remote/posix_store.h"
@@ -354,7 +358,10 @@ class FilledStore final : public remote::RemoteStore {
     std::string all, piece;
     for (uint64_t off = 0; off < size; off += piece.size()) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(kPiece, size - off));
-      CKPT_RETURN_IF_ERROR(fill(off, n, &piece));
+      if (absl::Status s = fill(off, n, &piece); !s.ok()) {
+        ++failed_;
+        return s;
+      }
       if (piece.size() != n) return absl::InternalError("a piece of another size");
       CKPT_RETURN_IF_ERROR(observe(piece));
       all += piece;
@@ -368,6 +375,10 @@ class FilledStore final : public remote::RemoteStore {
       }
     }
     ++filled_;
+    {
+      absl::MutexLock lock(&mu_);
+      stored_.insert(key);
+    }
     return base_->PutBytes(key, all, false);
   }
   absl::Status PutFile(const std::string& key, int fd, uint64_t size) override {
@@ -395,23 +406,31 @@ class FilledStore final : public remote::RemoteStore {
   }
   int filled() const { return filled_.load(); }
   int files() const { return files_.load(); }
+  int failed() const { return failed_.load(); }  // fills that failed
+  bool stored(const std::string& key) {
+    absl::MutexLock lock(&mu_);
+    return stored_.count(key) > 0;
+  }
 
  private:
   remote::RemoteStore* const base_;
-  std::atomic<int> filled_{0}, files_{0};
+  std::atomic<int> filled_{0}, files_{0}, failed_{0};
   absl::Mutex mu_;
   std::function<void(const std::string&)> hook_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> stored_ ABSL_GUARDED_BY(mu_);  // filled objects
 };
 
 class PeerFromMemoryTest : public PeerTierTest {
  protected:
   // n1's engine with the memory tier on and n2 as its one peer, taking
-  // objects through `peer_`.
-  void Start() {
+  // objects through `peer_`; `adjust` changes the options first.
+  void Start(const std::function<void(EngineOptions&)>& adjust = nullptr) {
     peer_ = &Keep(std::make_unique<FilledStore>(NodeNamed("n2")->posix.get()));
     EngineOptions o = On("n1", 1);
     o.peers.peers = {PeerTarget{PeerNodeInfo{"n2", "r1"}, peer_}};
     o.memory_tier_bytes = 8 * kChunk;
+    o.metrics = &metrics_;
+    if (adjust) adjust(o);
     ASSERT_NO_FATAL_FAILURE(StartEngine(o, /*chunks=*/16));
   }
   // Rank 0's committed files of `job`, by name, with their bytes.
@@ -433,41 +452,56 @@ class PeerFromMemoryTest : public PeerTierTest {
       EXPECT_TRUE(*there == bytes) << name << " differs on the peer";
     }
   }
+  // ckpt_peer_sent_from_memory_bytes_total.
+  uint64_t SentFromMemory() {
+    const std::string scrape = metrics_.Scrape();
+    const std::string name = "\nckpt_peer_sent_from_memory_bytes_total ";
+    const size_t at = scrape.find(name);
+    EXPECT_NE(at, std::string::npos) << scrape;
+    return at == std::string::npos ? 0 : std::stoull(scrape.substr(at + name.size()));
+  }
+  Metrics metrics_;  // outlives the engine, which TearDown stops first
   FilledStore* peer_ = nullptr;
 };
 
 // A durable version the memory tier still holds goes to the peer from
-// there: its file is not read (the files are deleted before the first byte
-// is sent, so a read would fail the upload), and what arrives is the file.
+// there, its file unread: the files are overwritten in place when the first
+// byte is sent (the upload's open descriptors see that), and the peer gets
+// the committed bytes, every one of them counted as sent from memory.
 TEST_F(PeerFromMemoryTest, AVersionTheMemoryTierHoldsIsSentFromMemory) {
   ASSERT_NO_FATAL_FAILURE(Start());
   std::map<std::string, std::string> files;
   absl::Mutex mu;
-  bool deleted = false;
+  bool spoiled = false;
   peer_->set_hook([&](const std::string&) {
     absl::MutexLock lock(&mu);
-    if (deleted) return;
+    if (spoiled) return;
     files = LocalFiles("mem");
     for (const auto& [name, bytes] : files) {
-      std::filesystem::remove(tmp_.Join("jobs/mem/rank-00000000/" + name));
+      std::ofstream out(tmp_.Join("jobs/mem/rank-00000000/" + name),
+                        std::ios::binary | std::ios::in | std::ios::out);
+      out << std::string(bytes.size(), 'z');
     }
-    deleted = true;
+    spoiled = true;
   });
   TestRank a = MakeRank("mem", 2);
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
   CKPT_ASSERT_OK(WaitPeer(a, 1).status());
-  EXPECT_EQ(peer_->filled(), 2) << "each layer's version from memory";
+  EXPECT_EQ(peer_->filled(), 2) << "each layer's version through the filler";
   EXPECT_EQ(peer_->files(), 0);
   absl::MutexLock lock(&mu);
   ASSERT_EQ(files.size(), 2u);
   ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("mem", files));
+  uint64_t bytes = 0;
+  for (const auto& [name, b] : files) bytes += b.size();
+  EXPECT_EQ(SentFromMemory(), bytes);
 }
 
 // An image the memory tier lets go while it is being sent (a newer version
-// of the layer took its place, and its chunks went back to the pool) is not
-// read again: the rest of the version comes from its file, and the peer
-// gets the version's bytes, not what the pool's chunks hold by then.
+// of the layer took its place, and its chunks went back to the pool, where
+// they are overwritten) is not read again: the upload held it only while a
+// piece was copied, and the rest of the version comes from its file.
 TEST_F(PeerFromMemoryTest, AnImageLetGoMidSendIsFinishedFromItsFile) {
   ASSERT_NO_FATAL_FAILURE(Start());
   absl::Notification first_piece, newer_durable;
@@ -483,12 +517,65 @@ TEST_F(PeerFromMemoryTest, AnImageLetGoMidSendIsFinishedFromItsFile) {
   ASSERT_TRUE(first_piece.WaitForNotificationWithTimeout(kWait));
   std::map<std::string, std::string> step1 = LocalFiles("evicted");
   ASSERT_EQ(step1.size(), 1u);
-  // Step 2 replaces step 1's image in the memory tier, and takes chunks
-  // from the pool, maybe the ones step 1's image gave back.
   ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));
+  // Step 2's image took step 1's place, and step 1's chunk is back in the
+  // pool: the paused upload does not hold it.
+  EXPECT_EQ(pool_->bytes_in_use(), kChunk);
+  {
+    std::optional<StagingLease> free = pool_->TryAcquire(pool_->budget_bytes() - kChunk);
+    ASSERT_TRUE(free.has_value());
+    for (size_t i = 0; i < free->chunk_count(); ++i) {
+      std::memset(free->chunk(i), 0xa5, free->chunk_bytes());
+    }
+  }
   newer_durable.Notify();
   CKPT_ASSERT_OK(WaitPeer(a, 2).status());
-  ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("evicted", LocalFiles("evicted")));
+  const std::map<std::string, std::string> both = LocalFiles("evicted");
+  ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("evicted", both));
+  EXPECT_EQ(peer_->files(), 0);
+  // Step 1's first piece from memory, the rest from its file; step 2's
+  // version all from memory.
+  uint64_t step2 = 0;
+  for (const auto& [name, b] : both) step2 += step1.count(name) > 0 ? 0 : b.size();
+  EXPECT_EQ(SentFromMemory(), FilledStore::kPiece + step2);
+}
+
+// A version sent from memory has its file opened while the rank's lease
+// holds it: local GC may delete the file once the lease is gone, while the
+// upload waits or sends, and a newer version may take the image's place.
+// The upload then finishes from the open file; before, it opened the file
+// only then, and failed as a lost local copy (DATA_LOSS), every time the
+// uploader caught up on a step retention no longer kept.
+TEST_F(PeerFromMemoryTest, AVersionGcDeletesMidSendIsFinishedFromItsOpenFile) {
+  ASSERT_NO_FATAL_FAILURE(Start([](EngineOptions& o) {
+    o.peers.tier.max_pending_events = 0;  // GC does not wait for the peer
+    o.retention.keep_last_events = 1;
+    o.retention.keep_every_steps = 0;
+  }));
+  absl::Notification first_piece, collected;
+  std::atomic<bool> held{false};
+  peer_->set_hook([&](const std::string&) {
+    if (held.exchange(true)) return;
+    first_piece.Notify();
+    collected.WaitForNotificationWithTimeout(kWait);
+  });
+  TestRank a = MakeRank("gc-mid-send", 1);
+  CKPT_ASSERT_OK(Register(&a).status());
+  ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
+  ASSERT_TRUE(first_piece.WaitForNotificationWithTimeout(kWait));
+  const std::map<std::string, std::string> step1 = LocalFiles("gc-mid-send");
+  ASSERT_EQ(step1.size(), 1u);
+  ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));  // step 1's image goes
+  v1::GcRequest gc;
+  gc.set_job_id("gc-mid-send");
+  CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply reply, engine_->Gc(gc, owner_));
+  EXPECT_EQ(reply.versions_deleted(), 1u);
+  EXPECT_EQ(LocalFiles("gc-mid-send").count(step1.begin()->first), 0u) << "step 1's file is gone";
+  collected.Notify();
+  CKPT_ASSERT_OK(WaitPeer(a, 2).status());
+  EXPECT_EQ(peer_->failed(), 0);
+  EXPECT_TRUE(peer_->stored(remote::VersionObjectKey("gc-mid-send", 0, step1.begin()->first)))
+      << "step 1's version reached the peer";
   EXPECT_EQ(peer_->files(), 0);
 }
 
