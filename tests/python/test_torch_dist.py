@@ -34,6 +34,7 @@ one GPU (the GPU machine's check, tests/gpu/run_on_gpu.sh: CUDA tensors
 registered in place, gloo between the ranks).
 """
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -96,6 +97,9 @@ class GPT(nn.Module):
 def worker(a):
     global WORLD
     WORLD = a.world
+    # A rank that aborts (SIGABRT: "terminate called ...") prints every
+    # thread's Python stack first: in its work, or on its way out.
+    faulthandler.enable()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank,
                             world_size=WORLD)
@@ -232,9 +236,12 @@ def ranks(root, daemons, job, mode, extra=(), kill_at=0, tag="", world=WORLD):
                 p.wait(timeout=60)
             return logs, None
         results = []
-        for p in procs:
+        for r, p in enumerate(procs):
             out, err = p.communicate(timeout=600)
-            assert p.returncode == 0, err[-4000:]
+            # The exit status and the last line printed tell a rank that died
+            # in its work from one that died on its way out after it.
+            assert p.returncode == 0, "rank %d exited with %d; its last output line: %s\n%s" % (
+                r, p.returncode, (out.strip().splitlines() or ["(none)"])[-1][:500], err[-4000:])
             results.append(json.loads(out.strip().splitlines()[-1]))
         return logs, results
     finally:
