@@ -452,6 +452,15 @@ class PeerFromMemoryTest : public PeerTierTest {
       EXPECT_TRUE(*there == bytes) << name << " differs on the peer";
     }
   }
+  // The first filled object's send stops after its first piece
+  // (first_piece_) until resume_.
+  void PauseTheFirstSend() {
+    peer_->set_hook([this](const std::string&) {
+      if (paused_.exchange(true)) return;
+      first_piece_.Notify();
+      resume_.WaitForNotificationWithTimeout(kWait);
+    });
+  }
   // ckpt_peer_sent_from_memory_bytes_total.
   uint64_t SentFromMemory() {
     const std::string scrape = metrics_.Scrape();
@@ -461,6 +470,8 @@ class PeerFromMemoryTest : public PeerTierTest {
     return at == std::string::npos ? 0 : std::stoull(scrape.substr(at + name.size()));
   }
   Metrics metrics_;  // outlives the engine, which TearDown stops first
+  absl::Notification first_piece_, resume_;
+  std::atomic<bool> paused_{false};
   FilledStore* peer_ = nullptr;
 };
 
@@ -504,17 +515,11 @@ TEST_F(PeerFromMemoryTest, AVersionTheMemoryTierHoldsIsSentFromMemory) {
 // piece was copied, and the rest of the version comes from its file.
 TEST_F(PeerFromMemoryTest, AnImageLetGoMidSendIsFinishedFromItsFile) {
   ASSERT_NO_FATAL_FAILURE(Start());
-  absl::Notification first_piece, newer_durable;
-  std::atomic<bool> held{false};
-  peer_->set_hook([&](const std::string&) {
-    if (held.exchange(true)) return;
-    first_piece.Notify();
-    newer_durable.WaitForNotificationWithTimeout(kWait);
-  });
+  PauseTheFirstSend();
   TestRank a = MakeRank("evicted", 1);
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
-  ASSERT_TRUE(first_piece.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(first_piece_.WaitForNotificationWithTimeout(kWait));
   std::map<std::string, std::string> step1 = LocalFiles("evicted");
   ASSERT_EQ(step1.size(), 1u);
   ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));
@@ -528,7 +533,7 @@ TEST_F(PeerFromMemoryTest, AnImageLetGoMidSendIsFinishedFromItsFile) {
       std::memset(free->chunk(i), 0xa5, free->chunk_bytes());
     }
   }
-  newer_durable.Notify();
+  resume_.Notify();
   CKPT_ASSERT_OK(WaitPeer(a, 2).status());
   const std::map<std::string, std::string> both = LocalFiles("evicted");
   ASSERT_NO_FATAL_FAILURE(ExpectOnThePeer("evicted", both));
@@ -552,17 +557,11 @@ TEST_F(PeerFromMemoryTest, AVersionGcDeletesMidSendIsFinishedFromItsOpenFile) {
     o.retention.keep_last_events = 1;
     o.retention.keep_every_steps = 0;
   }));
-  absl::Notification first_piece, collected;
-  std::atomic<bool> held{false};
-  peer_->set_hook([&](const std::string&) {
-    if (held.exchange(true)) return;
-    first_piece.Notify();
-    collected.WaitForNotificationWithTimeout(kWait);
-  });
+  PauseTheFirstSend();
   TestRank a = MakeRank("gc-mid-send", 1);
   CKPT_ASSERT_OK(Register(&a).status());
   ASSERT_NO_FATAL_FAILURE(Train(a, 1, 1));
-  ASSERT_TRUE(first_piece.WaitForNotificationWithTimeout(kWait));
+  ASSERT_TRUE(first_piece_.WaitForNotificationWithTimeout(kWait));
   const std::map<std::string, std::string> step1 = LocalFiles("gc-mid-send");
   ASSERT_EQ(step1.size(), 1u);
   ASSERT_NO_FATAL_FAILURE(Train(a, 2, 2));  // step 1's image goes
@@ -571,7 +570,7 @@ TEST_F(PeerFromMemoryTest, AVersionGcDeletesMidSendIsFinishedFromItsOpenFile) {
   CKPT_ASSERT_OK_AND_ASSIGN(v1::GcReply reply, engine_->Gc(gc, owner_));
   EXPECT_EQ(reply.versions_deleted(), 1u);
   EXPECT_EQ(LocalFiles("gc-mid-send").count(step1.begin()->first), 0u) << "step 1's file is gone";
-  collected.Notify();
+  resume_.Notify();
   CKPT_ASSERT_OK(WaitPeer(a, 2).status());
   EXPECT_EQ(peer_->failed(), 0);
   EXPECT_TRUE(peer_->stored(remote::VersionObjectKey("gc-mid-send", 0, step1.begin()->first)))
