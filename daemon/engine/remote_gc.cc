@@ -1,6 +1,7 @@
 // The remote tier's retention of its own copies: the manifests and objects
 // the retention policy no longer keeps are deleted, manifests first.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -46,27 +47,36 @@ absl::Status RemoteTier::RemoteGc(const RankKey& key) {
   for (uint64_t step : plan.retained_targets) {
     for (const std::string& f : manifest_files[step]) needed.insert(f);
   }
-  // Manifests first, so no manifest ever names a deleted object.
-  for (uint64_t step : plan.delete_events) {
-    CKPT_RETURN_IF_ERROR(store_->Delete(remote::ManifestKey(job, rank, step)));
+  // Deletes `object`, then `forget` drops it from the rank's copy; false
+  // when the rank's copy has gone meanwhile.
+  auto remove = [&](const std::string& object,
+                    const std::function<void(RankCopy*)>& forget) -> absl::StatusOr<bool> {
+    CKPT_RETURN_IF_ERROR(store_->Delete(object));
     if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
     absl::MutexLock lock(&mu_);
     RankCopy* rc = FindLocked(key);
-    if (rc == nullptr) return absl::OkStatus();
-    rc->manifests.erase(step);
+    if (rc == nullptr) return false;
+    forget(rc);
+    return true;
+  };
+  // Manifests first, so no manifest ever names a deleted object.
+  for (uint64_t step : plan.delete_events) {
+    CKPT_ASSIGN_OR_RETURN(const bool here,
+                          remove(remote::ManifestKey(job, rank, step),
+                                 [step](RankCopy* rc) { rc->manifests.erase(step); }));
+    if (!here) return absl::OkStatus();
   }
   for (const std::string& file : objects) {
     uint32_t layer = 0;
     uint64_t step = 0;
     // Objects above the newest manifest belong to a step being uploaded.
     if (needed.count(file) > 0 || !ParseFileName(file, &layer, &step) || step > newest) continue;
-    CKPT_RETURN_IF_ERROR(store_->Delete(remote::VersionObjectKey(job, rank, file)));
-    if (Metrics* m = deps_.metrics) m->Inc(options_.metric_ids.gc_deleted);
-    absl::MutexLock lock(&mu_);
-    RankCopy* rc = FindLocked(key);
-    if (rc == nullptr) return absl::OkStatus();
-    rc->objects.erase(file);
-    rc->stray.erase(file);
+    CKPT_ASSIGN_OR_RETURN(const bool here,
+                          remove(remote::VersionObjectKey(job, rank, file), [&file](RankCopy* rc) {
+                            rc->objects.erase(file);
+                            rc->stray.erase(file);
+                          }));
+    if (!here) return absl::OkStatus();
   }
   CKPT_SYNC_POINT("remote.after_gc");
   return absl::OkStatus();

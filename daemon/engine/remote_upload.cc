@@ -378,11 +378,11 @@ absl::StatusOr<RemoteTier::Upload> RemoteTier::PrepareUpload(const VersionKey& k
   }
   Upload up{rec, {}, *std::move(fd), 0, {}};
   if (deps_.images != nullptr && store_->PutsFromMemory()) {
-    // Sent from memory only if its header still checks, as a restore would
-    // take it (its tensors are checked where it is restored).
+    // Sent from memory only if its header still checks (which covers its
+    // size), as a restore would take it; its tensors are checked where it
+    // is restored.
     std::shared_ptr<const StagingLease> image = deps_.images->FindImage(key, rec);
-    if (image != nullptr && image->capacity() >= rec.file_bytes() &&
-        CheckImageHeader(key, rec, LeaseImage(*image)).ok()) {
+    if (image != nullptr && CheckImageHeader(key, rec, LeaseImage(*image)).ok()) {
       up.image = image;
     }
   }

@@ -173,8 +173,6 @@ absl::Status PeerStore::Put(const std::string& key, uint64_t size, bool if_absen
       }
       if (local.ok() && observe != nullptr) local = (*observe)(chunk.data());
       if (!local.ok()) break;
-    } else {
-      chunk.clear_data();
     }
     CKPT_SYNC_POINT("peer.before_pace");
     local = Pace(n, call.generation);
