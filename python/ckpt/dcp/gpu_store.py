@@ -225,7 +225,7 @@ class GpuStore(StoreBase):
         on_device = torch.cuda.device(device) if device.type == "cuda" \
             else contextlib.nullcontext()
         with self._lock, on_device:
-            self._turn.take(self._job, self._timeouts[1])
+            self._take_turn()
             ident = identity(tensors)
             if ident != self._identity:
                 self._open(tensors, ident)
@@ -251,25 +251,16 @@ class GpuStore(StoreBase):
     def commit(self, tag: Optional[str] = None) -> Tuple[int, Dict[str, Stored]]:
         """Waits until the step save `tag` staged is durable; returns it and
         where each tensor's bytes are."""
-        with self._lock:
-            self._turn.check(self._job, tag)
-            try:
-                step = self._staged_step
-                if not self._turn.held or self._client is None:
-                    raise RuntimeError(f"job {self._job_id} rank {self._rank}: no CUDA tensors "
-                                       "were staged, or the writer was closed during the save")
-                self._client.wait_durable(step)
-                self._durable.update({k: (d, step) for k, d in self._staged_sums.items()})
-                self._unsent.difference_update(self._staged_sums)
-                return step, {key: Stored(self._job, key, step, self._durable[key][1],
-                                          nbytes_of(t)) for key, t in self._held.items()}
-            finally:
-                self._turn.release()
-
-    def staged_as(self, tag: Optional[str]) -> bool:
-        """Whether save `tag` holds a staged step here."""
-        with self._lock:
-            return self._turn.holds(tag)
+        with self._committing(tag):
+            step = self._staged_step
+            if not self._turn.held or self._client is None:
+                raise RuntimeError(f"job {self._job_id} rank {self._rank}: no CUDA tensors "
+                                   "were staged, or the writer was closed during the save")
+            self._client.wait_durable(step)
+            self._durable.update({k: (d, step) for k, d in self._staged_sums.items()})
+            self._unsent.difference_update(self._staged_sums)
+            return step, {key: Stored(self._job, key, step, self._durable[key][1],
+                                      nbytes_of(t)) for key, t in self._held.items()}
 
     def _close_locked(self) -> None:
         if self._client is not None:

@@ -21,6 +21,7 @@ commit() on DCP's upload thread."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import threading
@@ -297,6 +298,32 @@ class StoreBase:
                 self._staged_dropped()
                 self._turn.give_up()
 
+    def staged_as(self, tag: Optional[str]) -> bool:
+        """Whether save `tag` holds a staged step here."""
+        with self._lock:
+            return self._turn.holds(tag)
+
+    def _take_turn(self) -> None:
+        """Waits, with the lock held, until no staged save holds the turn
+        (Turn.take); one given up on the way is dropped as give_up drops it."""
+        try:
+            self._turn.take(self._job, self._timeouts[1])
+        except GivenUp:
+            self._staged_dropped()
+            raise
+
+    @contextlib.contextmanager
+    def _committing(self, tag: Optional[str]):
+        """The commit of save `tag`, with the lock held: refused unless that
+        save may commit (Turn.check); the turn is free again after it,
+        whatever happens."""
+        with self._lock:
+            self._turn.check(self._job, tag)
+            try:
+                yield
+            finally:
+                self._turn.release()
+
     def _staged_dropped(self) -> None:
         """What a store forgets when its staged save goes without a commit."""
 
@@ -360,11 +387,7 @@ class RankStore(StoreBase):
         the previous stage is committed and ckptd has taken it out of the
         region. `tag`: the save's checkpoint id (Turn)."""
         with self._lock:
-            try:
-                self._turn.take(self._job, self._timeouts[1])
-            except GivenUp:
-                self._staged_dropped()
-                raise
+            self._take_turn()
             digest = layout_digest(tensors)
             if digest != self._digest:
                 self._open(tensors, digest)
@@ -408,12 +431,8 @@ class RankStore(StoreBase):
         with `aux` (the step's bytes items), and waits until every changed
         layer is durable. Returns the step and where each tensor's bytes
         are."""
-        with self._lock:
-            self._turn.check(self._job, tag)
-            try:
-                return self._commit_locked(aux)
-            finally:
-                self._turn.release()
+        with self._committing(tag):
+            return self._commit_locked(aux)
 
     def _commit_locked(self, aux: bytes) -> Tuple[int, Dict[str, Stored]]:
         if self._client is None:
