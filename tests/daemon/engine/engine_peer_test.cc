@@ -9,9 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
@@ -438,8 +436,7 @@ class PeerFromMemoryTest : public PeerTierTest {
     std::map<std::string, std::string> files;
     for (const auto& f :
          std::filesystem::directory_iterator(tmp_.Join("jobs/" + job + "/rank-00000000"))) {
-      std::ifstream in(f.path(), std::ios::binary);
-      files[f.path().filename().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+      files[f.path().filename().string()] = ::ckpt::testing::ReadFile(f.path().string());
     }
     return files;
   }
@@ -489,9 +486,9 @@ TEST_F(PeerFromMemoryTest, AVersionTheMemoryTierHoldsIsSentFromMemory) {
     if (spoiled) return;
     files = LocalFiles("mem");
     for (const auto& [name, bytes] : files) {
-      std::ofstream out(tmp_.Join("jobs/mem/rank-00000000/" + name),
-                        std::ios::binary | std::ios::in | std::ios::out);
-      out << std::string(bytes.size(), 'z');
+      // Truncated and written again: the same file the upload has open.
+      ::ckpt::testing::WriteFile(tmp_.Join("jobs/mem/rank-00000000/" + name),
+                                 std::string(bytes.size(), 'z'));
     }
     spoiled = true;
   });
